@@ -1,0 +1,144 @@
+//! The backward pass: gradients flow from the root through recorded nodes into leaves' `.grad`.
+
+use super::{no_grad, Edge, Node};
+use crate::{Error, Result, Tensor};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Options of [`Tensor::backward_with`] (PyTorch's `gradient=` and `retain_graph=`).
+#[derive(Clone, Default)]
+pub struct BackwardOptions {
+    /// d(root) to start from; required when the root is not a scalar.
+    pub gradient: Option<Tensor>,
+    /// Keep saved tensors so that the graph can be walked again.
+    pub retain_graph: bool,
+}
+
+impl Tensor {
+    /// Gradients of this scalar with respect to every leaf that requires grad, added to `.grad`.
+    pub fn backward(&self) -> Result<()> {
+        self.backward_with(BackwardOptions::default())
+    }
+
+    pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        if !self.is_requires_grad() {
+            return Err(Error::Autograd(format!(
+                "backward on a tensor (shape {:?}) that does not require grad and has no grad_fn",
+                self.shape()
+            )));
+        }
+        let grad = match opts.gradient {
+            Some(g) => {
+                if g.shape() != self.shape() {
+                    return Err(Error::shape("backward", format!("gradient of shape {:?} for a tensor of shape {:?}", g.shape(), self.shape())));
+                }
+                g.detach()
+            }
+            None => {
+                if self.numel() != 1 {
+                    return Err(Error::Autograd(format!(
+                        "grad can be implicitly created only for scalar outputs; this tensor has shape {:?}: \
+                         pass BackwardOptions {{ gradient: Some(..), .. }}",
+                        self.shape()
+                    )));
+                }
+                self.ones_like()?
+            }
+        };
+        no_grad(|| run(self, grad, opts.retain_graph))
+    }
+}
+
+fn key(n: &Arc<Node>) -> *const Node {
+    Arc::as_ptr(n)
+}
+
+fn run(root: &Tensor, grad: Tensor, retain: bool) -> Result<()> {
+    let Some(root_node) = root.grad_fn() else {
+        return accumulate_leaf(root, grad);
+    };
+    // How many edges point at each node: a node runs once all its consumers have.
+    let mut pending: HashMap<*const Node, usize> = HashMap::new();
+    let mut stack = vec![root_node.clone()];
+    let mut seen = std::collections::HashSet::from([key(&root_node)]);
+    while let Some(n) = stack.pop() {
+        for e in n.edges.iter().flatten() {
+            if let Edge::Node(c) = e {
+                *pending.entry(key(c)).or_default() += 1;
+                if seen.insert(key(c)) {
+                    stack.push(c.clone());
+                }
+            }
+        }
+    }
+    let mut grads: HashMap<*const Node, Tensor> = HashMap::from([(key(&root_node), grad)]);
+    let mut ready = vec![root_node];
+    while let Some(n) = ready.pop() {
+        let input_grads = match grads.remove(&key(&n)) {
+            Some(g) => n.apply(&g, retain)?,
+            None => vec![None; n.edges.len()], // no gradient reached it: just release its consumers
+        };
+        for (i, (edge, g)) in n.edges.iter().zip(input_grads).enumerate() {
+            let Some(edge) = edge else { continue };
+            let g = g.map(|g| conform(&n, i, g)).transpose()?;
+            match edge {
+                Edge::Leaf(t) => {
+                    if let Some(g) = g {
+                        accumulate_leaf(t, g)?;
+                    }
+                }
+                Edge::Node(c) => {
+                    if let Some(g) = g {
+                        let merged = match grads.remove(&key(c)) {
+                            Some(prev) => prev.add(&g)?,
+                            None => g,
+                        };
+                        grads.insert(key(c), merged);
+                    }
+                    let p = pending.get_mut(&key(c)).expect("counted");
+                    *p -= 1;
+                    if *p == 0 {
+                        ready.push(c.clone());
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a gradient against its input's shape and gives it the input's dtype.
+fn conform(n: &Node, i: usize, g: Tensor) -> Result<Tensor> {
+    let (shape, dtype) = &n.input_meta[i];
+    if g.shape() != shape.as_slice() {
+        return Err(Error::Autograd(format!(
+            "{} returned a gradient of shape {:?} for input {i} of shape {shape:?}",
+            n.name(),
+            g.shape()
+        )));
+    }
+    if g.dtype() != *dtype {
+        return g.to_dtype(*dtype);
+    }
+    Ok(g)
+}
+
+fn accumulate_leaf(t: &Tensor, g: Tensor) -> Result<()> {
+    let g = if g.dtype() != t.dtype() { g.to_dtype(t.dtype())? } else { g };
+    let new = match t.grad() {
+        Some(prev) => prev.add(&g)?,
+        None => own(g)?,
+    };
+    t.set_grad(Some(new));
+    Ok(())
+}
+
+/// A gradient to store in `.grad`: the tensor itself when nothing else can see it, else a
+/// contiguous copy, so that in-place updates of one `.grad` never change another.
+fn own(g: Tensor) -> Result<Tensor> {
+    if Arc::strong_count(&g.0) == 1 && Arc::strong_count(g.storage()) == 1 && g.is_contiguous() {
+        return Ok(g.detach());
+    }
+    g.copy_contiguous()
+}
+

@@ -1,0 +1,107 @@
+//! Batched matrix products through the `gemm` crate, which takes arbitrary strides, so
+//! transposed and broadcast operands are read in place.
+
+use super::{with_operand, CpuStorage, HostElem, Operand};
+use crate::layout::Layout;
+use crate::storage::BackendStorage;
+use crate::{DType, Tensor};
+use gemm::Parallelism;
+use half::f16;
+use rayon::prelude::*;
+
+/// `a` [B, M, K] @ `b` [B, K, N] -> contiguous [B, M, N], all of dtype `dtype`.
+pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> CpuStorage {
+    let (bs, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
+    let n = b.shape()[2];
+    match dtype {
+        DType::F32 => CpuStorage::F32(gemm_strided::<f32>(a, b, bs, m, k, n)),
+        DType::F64 => CpuStorage::F64(gemm_strided::<f64>(a, b, bs, m, k, n)),
+        DType::F16 => CpuStorage::F16(gemm_strided::<f16>(a, b, bs, m, k, n)),
+        // bf16 accumulates in f32, like PyTorch's CPU path.
+        DType::BF16 => {
+            let (a32, b32) = (a.to_dtype(DType::F32).expect("cast"), b.to_dtype(DType::F32).expect("cast"));
+            CpuStorage::from_vec_as(gemm_strided::<f32>(&a32, &b32, bs, m, k, n), DType::BF16)
+        }
+        _ => CpuStorage::from_vec_as(int_bmm(a, b, bs, m, k, n), dtype),
+    }
+}
+
+fn strides(l: &Layout) -> (usize, isize, isize) {
+    (l.strides[0], l.strides[1] as isize, l.strides[2] as isize)
+}
+
+fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize, m: usize, k: usize, n: usize) -> Vec<T> {
+    let mut out = vec![T::zero(); bs * m * n];
+    if k == 0 || out.is_empty() {
+        return out;
+    }
+    let ga = a.storage().data.read_recursive();
+    let gb = b.storage().data.read_recursive();
+    let (BackendStorage::Cpu(sa), BackendStorage::Cpu(sb)) = (&*ga, &*gb);
+    let (da, db) = (T::slice(sa).expect("dtype"), T::slice(sb).expect("dtype"));
+    let (a_bs, a_rs, a_cs) = strides(a.layout());
+    let (b_bs, b_rs, b_cs) = strides(b.layout());
+    let (ao, bo) = (a.layout().offset, b.layout().offset);
+    let flops = m * n * k;
+    let threads = rayon::current_num_threads();
+    // Big products parallelise inside gemm; many small ones across the batch.
+    let inner = if flops >= 1 << 18 && bs < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
+    let one = |(i, o): (usize, &mut [T])| unsafe {
+        // SAFETY: offsets and strides come from layouts that describe in-bounds elements of
+        // these storages; `o` is a contiguous m×n block.
+        gemm::gemm(
+            m, n, k,
+            o.as_mut_ptr(), 1, n as isize, false,
+            da.as_ptr().add(ao + i * a_bs), a_cs, a_rs,
+            db.as_ptr().add(bo + i * b_bs), b_cs, b_rs,
+            T::zero(), T::one(), false, false, false, inner,
+        )
+    };
+    if bs > 1 && flops * bs >= 1 << 16 {
+        out.par_chunks_mut(m * n).enumerate().for_each(one);
+    } else {
+        out.chunks_mut(m * n).enumerate().for_each(one);
+    }
+    out
+}
+
+fn int_bmm(a: &Tensor, b: &Tensor, bs: usize, m: usize, k: usize, n: usize) -> Vec<i64> {
+    with_operand::<i64, _>(a, |oa| {
+        with_operand::<i64, _>(b, |ob| {
+            let get = |o: &Operand<i64>, i| o.get(i);
+            let mut out = vec![0i64; bs * m * n];
+            for bi in 0..bs {
+                for i in 0..m {
+                    for j in 0..n {
+                        let mut s = 0i64;
+                        for p in 0..k {
+                            s = s.wrapping_add(get(&oa, (bi * m + i) * k + p).wrapping_mul(get(&ob, (bi * k + p) * n + j)));
+                        }
+                        out[(bi * m + i) * n + j] = s;
+                    }
+                }
+            }
+            out
+        })
+    })
+}
+
+/// Zero and one for the element types gemm multiplies.
+mod num_zero {
+    pub trait Zero: Sized {
+        fn zero() -> Self;
+        fn one() -> Self;
+    }
+    impl Zero for f32 {
+        fn zero() -> Self { 0.0 }
+        fn one() -> Self { 1.0 }
+    }
+    impl Zero for f64 {
+        fn zero() -> Self { 0.0 }
+        fn one() -> Self { 1.0 }
+    }
+    impl Zero for half::f16 {
+        fn zero() -> Self { half::f16::ZERO }
+        fn one() -> Self { half::f16::ONE }
+    }
+}

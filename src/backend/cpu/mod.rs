@@ -1,0 +1,272 @@
+//! The CPU backend: host storage and loops over strided data, parallel with rayon on large
+//! tensors, with contiguous fast paths.
+
+pub(crate) mod index;
+pub(crate) mod matmul;
+pub(crate) mod pointwise;
+pub(crate) mod reduce;
+
+use crate::dtype::Elem;
+use crate::layout::Layout;
+use crate::storage::BackendStorage;
+use crate::{DType, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
+
+/// Below this many elements a loop runs on one thread: spawning costs more than it saves.
+pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
+const CHUNK: usize = 1 << 14;
+
+/// A host buffer of one dtype.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    I64(Vec<i64>),
+    I32(Vec<i32>),
+    U8(Vec<u8>),
+    Bool(Vec<bool>),
+}
+
+/// Runs `$body` with `$v` bound to the typed Vec of a `CpuStorage` (one arm per dtype).
+macro_rules! with_storage {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            CpuStorage::F32($v) => $body,
+            CpuStorage::F64($v) => $body,
+            CpuStorage::F16($v) => $body,
+            CpuStorage::BF16($v) => $body,
+            CpuStorage::I64($v) => $body,
+            CpuStorage::I32($v) => $body,
+            CpuStorage::U8($v) => $body,
+            CpuStorage::Bool($v) => $body,
+        }
+    };
+}
+pub(crate) use with_storage;
+
+/// Runs `$body` with the type alias `$t` set to the Rust type of a `DType`.
+macro_rules! with_dtype {
+    ($d:expr, $t:ident => $body:expr) => {
+        match $d {
+            DType::F32 => { type $t = f32; $body }
+            DType::F64 => { type $t = f64; $body }
+            DType::F16 => { type $t = half::f16; $body }
+            DType::BF16 => { type $t = half::bf16; $body }
+            DType::I64 => { type $t = i64; $body }
+            DType::I32 => { type $t = i32; $body }
+            DType::U8 => { type $t = u8; $body }
+            DType::Bool => { type $t = bool; $body }
+        }
+    };
+}
+pub(crate) use with_dtype;
+
+/// Typed access to a `CpuStorage`.
+pub trait HostElem: Elem {
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+}
+macro_rules! host_elem {
+    ($t:ty, $v:ident) => {
+        impl HostElem for $t {
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$v(v)
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                if let CpuStorage::$v(v) = s { Some(v) } else { None }
+            }
+        }
+    };
+}
+host_elem!(f32, F32);
+host_elem!(f64, F64);
+host_elem!(f16, F16);
+host_elem!(bf16, BF16);
+host_elem!(i64, I64);
+host_elem!(i32, I32);
+host_elem!(u8, U8);
+host_elem!(bool, Bool);
+
+impl CpuStorage {
+    pub(crate) fn dtype(&self) -> DType {
+        with_storage!(self, v => elem_dtype(v))
+    }
+    pub(crate) fn len(&self) -> usize {
+        with_storage!(self, v => v.len())
+    }
+    pub(crate) fn zeros(dtype: DType, n: usize) -> CpuStorage {
+        with_dtype!(dtype, T => T::wrap(vec![T::default(); n]))
+    }
+    /// A storage of `dtype` from values computed in `C` (converting unless they already match).
+    pub(crate) fn from_vec_as<C: HostElem>(v: Vec<C>, dtype: DType) -> CpuStorage {
+        if C::DTYPE == dtype {
+            return C::wrap(v);
+        }
+        with_dtype!(dtype, T => T::wrap(par_map_slice(&v, |x| x.cast::<T>())))
+    }
+}
+
+fn elem_dtype<T: Elem>(_: &[T]) -> DType {
+    T::DTYPE
+}
+
+/// `f` over a slice into a new Vec, in parallel when large.
+pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync) -> Vec<B> {
+    fill_new(a.len(), |start, out| {
+        let end = start + out.len();
+        for (o, &x) in out.iter_mut().zip(&a[start..end]) {
+            o.write(f(x));
+        }
+    })
+}
+
+/// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
+/// Every element must be written by `fill`.
+pub(crate) fn fill_new<T: Send + Sync>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    {
+        let spare = &mut v.spare_capacity_mut()[..n];
+        if n >= PAR_THRESHOLD {
+            spare.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| fill(i * CHUNK, c));
+        } else {
+            fill(0, spare);
+        }
+    }
+    // SAFETY: `fill` wrote every element of the first n slots.
+    unsafe { v.set_len(n) };
+    v
+}
+
+/// A tensor's elements as seen by a kernel computing in `C`.
+pub(crate) enum Operand<'a, C> {
+    /// Row-major elements of the tensor's shape.
+    Slice(&'a [C]),
+    /// Every element is this one value (a broadcast scalar).
+    Scalar(C),
+}
+
+impl<C: Copy> Operand<'_, C> {
+    #[inline(always)]
+    pub(crate) fn get(&self, i: usize) -> C {
+        match self {
+            Operand::Slice(s) => s[i],
+            Operand::Scalar(c) => *c,
+        }
+    }
+}
+
+/// Calls `f` with the tensor's elements in `C`: a borrowed slice when the tensor is contiguous
+/// and already `C`, one value when it is a broadcast scalar, else a converted row-major copy.
+pub(crate) fn with_operand<C: HostElem, R>(t: &Tensor, f: impl FnOnce(Operand<'_, C>) -> R) -> R {
+    let guard = t.storage().data.read_recursive();
+    let BackendStorage::Cpu(s) = &*guard;
+    let layout = t.layout();
+    if layout.numel() > 0 && layout.is_broadcast_scalar() {
+        let v = with_storage!(s, v => v[layout.offset].cast::<C>());
+        return f(Operand::Scalar(v));
+    }
+    if layout.is_contiguous() {
+        if let Some(sl) = C::slice(s) {
+            return f(Operand::Slice(&sl[layout.offset..layout.offset + layout.numel()]));
+        }
+    }
+    let v: Vec<C> = with_storage!(s, v => gather(v, layout));
+    drop(guard);
+    f(Operand::Slice(&v))
+}
+
+/// The tensor's elements in row-major order, converted to `C`.
+pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
+    with_operand::<C, _>(t, |op| match op {
+        Operand::Slice(s) => s.to_vec(),
+        Operand::Scalar(c) => vec![c; t.numel()],
+    })
+}
+
+/// Row-major copy of the strided elements of `src` described by `layout`, converted to `C`.
+pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> Vec<C> {
+    fill_new(layout.numel(), |start, out| {
+        layout.for_each_run(start, start + out.len(), |pos, off, stride, len| {
+            let o = &mut out[pos - start..pos - start + len];
+            if stride == 1 {
+                for (o, &x) in o.iter_mut().zip(&src[off..off + len]) {
+                    o.write(x.cast::<C>());
+                }
+            } else {
+                for (k, o) in o.iter_mut().enumerate() {
+                    o.write(src[off + k * stride].cast::<C>());
+                }
+            }
+        })
+    })
+}
+
+/// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
+pub(crate) fn write_into(t: &Tensor, src: &CpuStorage) {
+    let mut guard = t.storage().data.write();
+    let BackendStorage::Cpu(dst) = &mut *guard;
+    let layout = t.layout().clone();
+    with_storage!(dst, d => {
+        let d: &mut [_] = d;
+        with_storage!(src, s => scatter_run(d, &layout, s))
+    });
+}
+
+fn scatter_run<T: Elem, S: Elem>(dst: &mut [T], layout: &Layout, src: &[S]) {
+    layout.for_each_run(0, layout.numel(), |pos, off, stride, len| {
+        for k in 0..len {
+            dst[off + k * stride] = src[pos + k].cast::<T>();
+        }
+    });
+}
+
+/// Floating-point compute types (f32, f64): the scalar functions pointwise ops are written in.
+pub(crate) trait Real: HostElem + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self>
+{
+    fn c(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn ln_1p(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn abs(self) -> Self;
+    fn erf(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn is_nan(self) -> bool;
+    fn signum0(self) -> Self;
+}
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            #[inline(always)] fn c(v: f64) -> Self { v as $t }
+            #[inline(always)] fn exp(self) -> Self { <$t>::exp(self) }
+            #[inline(always)] fn ln(self) -> Self { <$t>::ln(self) }
+            #[inline(always)] fn ln_1p(self) -> Self { <$t>::ln_1p(self) }
+            #[inline(always)] fn sin(self) -> Self { <$t>::sin(self) }
+            #[inline(always)] fn cos(self) -> Self { <$t>::cos(self) }
+            #[inline(always)] fn tanh(self) -> Self { <$t>::tanh(self) }
+            #[inline(always)] fn sqrt(self) -> Self { <$t>::sqrt(self) }
+            #[inline(always)] fn abs(self) -> Self { <$t>::abs(self) }
+            #[inline(always)] fn erf(self) -> Self { $erf(self) }
+            #[inline(always)] fn powf(self, e: Self) -> Self { <$t>::powf(self, e) }
+            #[inline(always)] fn is_nan(self) -> bool { <$t>::is_nan(self) }
+            #[inline(always)] fn signum0(self) -> Self {
+                if self > 0.0 { 1.0 } else if self < 0.0 { -1.0 } else { self }
+            }
+        }
+    };
+}
+real!(f32, libm::erff);
+real!(f64, libm::erf);
+
+/// A contiguous copy of the tensor converted to `dtype`.
+pub(crate) fn cast(x: &Tensor, dtype: DType) -> CpuStorage {
+    with_dtype!(dtype, T => T::wrap(to_vec_as::<T>(x)))
+}

@@ -1,0 +1,200 @@
+//! Reductions over some dims: the kept dims become rows, the reduced dims columns.
+
+use super::{fill_new, gather, with_storage, CpuStorage, HostElem, PAR_THRESHOLD};
+use crate::dtype::Elem;
+use crate::layout::Layout;
+use crate::ops::reduce::ReduceOp;
+use crate::storage::BackendStorage;
+use crate::{DType, Tensor};
+use rayon::prelude::*;
+
+/// A reduction in accumulator `A` over elements `C`: start value, one step (with the element's
+/// position in its row), and how two partial results combine.
+struct Reducer<A, S, M> {
+    init: A,
+    step: S,
+    combine: M,
+}
+
+/// Reduces the `dims` of `x` into a row-major storage of `out` dtype.
+pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> CpuStorage {
+    let compute = x.dtype();
+    match op {
+        ReduceOp::Sum | ReduceOp::Prod if compute.is_float() => {
+            let sum = op == ReduceOp::Sum;
+            let r = Reducer {
+                init: if sum { 0.0 } else { 1.0 },
+                step: move |a: f64, _, v: f64| if sum { a + v } else { a * v },
+                combine: move |a: f64, b: f64| if sum { a + b } else { a * b },
+            };
+            let v = if compute == DType::F64 {
+                run::<f64, f64, _>(x, dims, r, |v| v)
+            } else {
+                run::<f32, f64, _>(x, dims, Reducer { init: r.init, step: move |a, i, v: f32| (r.step)(a, i, v as f64), combine: r.combine }, |v| v)
+            };
+            CpuStorage::from_vec_as(v, out)
+        }
+        ReduceOp::Sum | ReduceOp::Prod => {
+            let sum = op == ReduceOp::Sum;
+            let f = move |a: i64, b: i64| if sum { a.wrapping_add(b) } else { a.wrapping_mul(b) };
+            let r = Reducer { init: if sum { 0 } else { 1 }, step: move |a, _, v| f(a, v), combine: f };
+            CpuStorage::from_vec_as(run::<i64, i64, _>(x, dims, r, |v| v), out)
+        }
+        ReduceOp::Max | ReduceOp::Min => {
+            let max = op == ReduceOp::Max;
+            match compute {
+                DType::F64 => CpuStorage::from_vec_as(run_extreme::<f64>(x, dims, max), out),
+                DType::F32 | DType::F16 | DType::BF16 => CpuStorage::from_vec_as(run_extreme::<f32>(x, dims, max), out),
+                _ => CpuStorage::from_vec_as(run_extreme::<i64>(x, dims, max), out),
+            }
+        }
+        ReduceOp::ArgMax | ReduceOp::ArgMin => {
+            let max = op == ReduceOp::ArgMax;
+            let v = match compute {
+                DType::F64 => run_arg::<f64>(x, dims, max),
+                DType::F32 | DType::F16 | DType::BF16 => run_arg::<f32>(x, dims, max),
+                _ => run_arg::<i64>(x, dims, max),
+            };
+            CpuStorage::I64(v)
+        }
+    }
+}
+
+/// `a` better than `b` for max (min when `!max`); NaN beats everything, as in PyTorch.
+#[inline(always)]
+fn better<C: Elem>(a: C, b: C, max: bool) -> bool {
+    #[allow(clippy::eq_op)]
+    let a_nan = a != a;
+    #[allow(clippy::eq_op)]
+    let b_nan = b != b;
+    if b_nan {
+        return false;
+    }
+    a_nan || if max { a > b } else { a < b }
+}
+
+fn run_extreme<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<C> {
+    let r = Reducer {
+        init: None::<C>,
+        step: move |a: Option<C>, _, v: C| match a {
+            Some(a) if !better(v, a, max) => Some(a),
+            _ => Some(v),
+        },
+        combine: move |a: Option<C>, b: Option<C>| match (a, b) {
+            (Some(a), Some(b)) => Some(if better(b, a, max) { b } else { a }),
+            (a, None) => a,
+            (None, b) => b,
+        },
+    };
+    run::<C, Option<C>, _>(x, dims, r, |v| v.expect("reduction over a non-empty dim"))
+}
+
+fn run_arg<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<i64> {
+    let r = Reducer {
+        init: None::<(C, usize)>,
+        step: move |a: Option<(C, usize)>, i, v: C| match a {
+            Some(a) if !better(v, a.0, max) => Some(a),
+            _ => Some((v, i)),
+        },
+        // The earlier index wins ties: partials combine in order.
+        combine: move |a: Option<(C, usize)>, b: Option<(C, usize)>| match (a, b) {
+            (Some(a), Some(b)) => Some(if better(b.0, a.0, max) { b } else { a }),
+            (a, None) => a,
+            (None, b) => b,
+        },
+    };
+    run::<C, Option<(C, usize)>, _>(x, dims, r, |v| v.expect("reduction over a non-empty dim").1 as i64)
+}
+
+/// Runs a reducer: picks the loop order from where the reduced dims sit in memory.
+fn run<C: HostElem, A: Copy + Send + Sync, O: Send + Sync>(
+    x: &Tensor,
+    dims: &[usize],
+    r: Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
+    finish: impl Fn(A) -> O + Sync,
+) -> Vec<O> {
+    let l = x.layout();
+    let kept: Vec<usize> = (0..l.ndim()).filter(|d| !dims.contains(d)).collect();
+    let m: usize = kept.iter().map(|&d| l.shape[d]).product();
+    let k: usize = dims.iter().map(|&d| l.shape[d]).product();
+    // Reducing the leading dims of a contiguous tensor: accumulate whole rows (no transpose).
+    let leading = dims.iter().enumerate().all(|(i, &d)| d == i) && dims.len() < l.ndim();
+    let perm: Vec<usize> = if leading { (0..l.ndim()).collect() } else { kept.iter().chain(dims).copied().collect() };
+    let pl = Layout {
+        shape: perm.iter().map(|&d| l.shape[d]).collect(),
+        strides: perm.iter().map(|&d| l.strides[d]).collect(),
+        offset: l.offset,
+    };
+    let guard = x.storage().data.read_recursive();
+    let BackendStorage::Cpu(s) = &*guard;
+    let owned: Vec<C>;
+    let data: &[C] = match C::slice(s) {
+        Some(sl) if pl.is_contiguous() => &sl[pl.offset..pl.offset + pl.numel()],
+        _ => {
+            owned = with_storage!(s, v => gather(v, &pl));
+            &owned
+        }
+    };
+    let acc = if leading { reduce_cols(data, k, m, &r) } else { reduce_rows(data, m, k, &r) };
+    acc.into_iter().map(finish).collect()
+}
+
+/// `data` is m rows of k: one result per row.
+fn reduce_rows<C: Copy + Sync, A: Copy + Send + Sync>(
+    data: &[C],
+    m: usize,
+    k: usize,
+    r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
+) -> Vec<A> {
+    let row = |i: usize, lo: usize, hi: usize| {
+        let mut a = r.init;
+        for (j, &v) in data[i * k + lo..i * k + hi].iter().enumerate() {
+            a = (r.step)(a, lo + j, v);
+        }
+        a
+    };
+    if m * k < PAR_THRESHOLD {
+        return (0..m).map(|i| row(i, 0, k)).collect();
+    }
+    if m >= rayon::current_num_threads() * 4 {
+        return (0..m).into_par_iter().map(|i| row(i, 0, k)).collect();
+    }
+    // Few long rows: split each row, then combine the parts in order.
+    let parts = (k / 4096).clamp(1, 256);
+    (0..m)
+        .map(|i| {
+            (0..parts)
+                .into_par_iter()
+                .map(|p| row(i, p * k / parts, (p + 1) * k / parts))
+                .collect::<Vec<A>>()
+                .into_iter()
+                .fold(r.init, |a, b| (r.combine)(a, b))
+        })
+        .collect()
+}
+
+/// `data` is k rows of m: one result per column.
+fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync>(
+    data: &[C],
+    k: usize,
+    m: usize,
+    r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
+) -> Vec<A> {
+    const COLS: usize = 1024;
+    fill_new(m, |start, out| {
+        // Blocks of columns keep the accumulators in cache while rows stream past.
+        for c0 in (0..out.len()).step_by(COLS) {
+            let c1 = (c0 + COLS).min(out.len());
+            let mut acc = vec![r.init; c1 - c0];
+            for i in 0..k {
+                let rowd = &data[i * m + start + c0..i * m + start + c1];
+                for (a, &v) in acc.iter_mut().zip(rowd) {
+                    *a = (r.step)(*a, i, v);
+                }
+            }
+            for (o, a) in out[c0..c1].iter_mut().zip(acc) {
+                o.write(a);
+            }
+        }
+    })
+}

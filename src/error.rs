@@ -1,0 +1,48 @@
+//! One error type for the whole crate. Every message names the op and the shapes, dtypes or
+//! devices involved, so a user can find the mistake without a debugger.
+
+use crate::{DType, Device};
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{op}: shape mismatch: {msg}")]
+    Shape { op: &'static str, msg: String },
+
+    #[error("{op}: dimension {dim} is out of range for a tensor of {ndim} dimensions (expected in [{lo}, {hi}])", lo = -(*ndim.max(&1) as i64), hi = (*ndim.max(&1) as i64) - 1)]
+    Dim { op: &'static str, dim: i64, ndim: usize },
+
+    #[error("{op}: dtype {dtype:?} is not supported: {msg}")]
+    DType { op: &'static str, dtype: DType, msg: String },
+
+    #[error("{op}: expected all tensors on one device, found {a} and {b}")]
+    DeviceMismatch { op: &'static str, a: Device, b: Device },
+
+    #[error("{op}: device {device} is not available: {msg}")]
+    DeviceUnavailable { op: &'static str, device: Device, msg: String },
+
+    #[error("{op}: index {index} is out of range for size {size}")]
+    Index { op: &'static str, index: i64, size: usize },
+
+    #[error("{op}: invalid argument: {msg}")]
+    Arg { op: &'static str, msg: String },
+
+    #[error("autograd: {0}")]
+    Autograd(String),
+
+    #[error("{op}: {msg}")]
+    Io { op: &'static str, msg: String },
+}
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Shape { op, msg: msg.into() }
+    }
+    pub(crate) fn arg(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Arg { op, msg: msg.into() }
+    }
+    pub(crate) fn dtype(op: &'static str, dtype: DType, msg: impl Into<String>) -> Self {
+        Error::DType { op, dtype, msg: msg.into() }
+    }
+}

@@ -1,0 +1,165 @@
+//! Shape, strides and offset: how a tensor's elements sit in its storage (DESIGN principle 4).
+
+use crate::{Error, Result};
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub shape: Vec<usize>,
+    /// In elements, never negative: flips copy, as in PyTorch.
+    pub strides: Vec<usize>,
+    pub offset: usize,
+}
+
+pub fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1].max(1);
+    }
+    strides
+}
+
+/// Normalises a possibly negative dim (`-1` = last) for a tensor of `ndim` dims.
+pub fn norm_dim(op: &'static str, dim: i64, ndim: usize) -> Result<usize> {
+    let n = ndim.max(1) as i64;
+    let d = if dim < 0 { dim + n } else { dim };
+    if d < 0 || d >= n {
+        return Err(Error::Dim { op, dim, ndim });
+    }
+    Ok(d as usize)
+}
+
+/// The broadcast shape of two shapes, by NumPy/PyTorch rules.
+pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => {
+                return Err(Error::shape(
+                    op,
+                    format!("shapes {a:?} and {b:?} cannot be broadcast (dim {i}: {da} vs {db})"),
+                ))
+            }
+        };
+    }
+    Ok(out)
+}
+
+impl Layout {
+    pub fn contiguous(shape: &[usize]) -> Self {
+        Layout { shape: shape.to_vec(), strides: contiguous_strides(shape), offset: 0 }
+    }
+    pub fn ndim(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+    /// Row-major contiguous (size-1 dims may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 && s != expected {
+                return false;
+            }
+            expected *= d;
+        }
+        true
+    }
+    /// Every element is the same storage element (a broadcast scalar).
+    pub fn is_broadcast_scalar(&self) -> bool {
+        self.shape.iter().zip(&self.strides).all(|(&d, &s)| d == 1 || s == 0)
+    }
+
+    /// Strides for viewing this layout with `shape` without copying, when they exist
+    /// (PyTorch's `computeStride`); `None` means a reshape must copy.
+    pub fn view_strides(&self, shape: &[usize]) -> Option<Vec<usize>> {
+        if self.is_contiguous() {
+            return Some(contiguous_strides(shape));
+        }
+        let numel = self.numel();
+        let mut new_strides = vec![0; shape.len()];
+        if numel == 0 {
+            return Some(contiguous_strides(shape));
+        }
+        let mut view_d = shape.len() as isize - 1;
+        let mut chunk_base_stride = *self.strides.last().unwrap_or(&1);
+        let mut tensor_numel = 1;
+        let mut view_numel = 1;
+        for tensor_d in (0..self.shape.len()).rev() {
+            tensor_numel *= self.shape[tensor_d];
+            if tensor_d == 0
+                || (self.shape[tensor_d - 1] != 1
+                    && self.strides[tensor_d - 1] != tensor_numel * chunk_base_stride)
+            {
+                while view_d >= 0 && (view_numel < tensor_numel || shape[view_d as usize] == 1) {
+                    new_strides[view_d as usize] = view_numel * chunk_base_stride;
+                    view_numel *= shape[view_d as usize];
+                    view_d -= 1;
+                }
+                if view_numel != tensor_numel {
+                    return None;
+                }
+                if tensor_d > 0 {
+                    chunk_base_stride = self.strides[tensor_d - 1];
+                    tensor_numel = 1;
+                    view_numel = 1;
+                }
+            }
+        }
+        if view_d != -1 {
+            return None;
+        }
+        Some(new_strides)
+    }
+
+    /// Storage offsets of every element in row-major order, handed to `f` in runs along the
+    /// last dimension: `f(first_offset, stride, len)`. The workhorse of strided reads and writes.
+    pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut(usize, usize, usize, usize)) {
+        // f(out_index, storage_offset, stride, len)
+        if start >= end {
+            return;
+        }
+        let nd = self.ndim();
+        if nd == 0 {
+            f(0, self.offset, 0, 1);
+            return;
+        }
+        let inner = self.shape[nd - 1];
+        let inner_stride = self.strides[nd - 1];
+        // multi-index of `start`
+        let mut idx = vec![0usize; nd];
+        let mut rem = start;
+        for d in (0..nd).rev() {
+            idx[d] = rem % self.shape[d];
+            rem /= self.shape[d];
+        }
+        let mut pos = start;
+        while pos < end {
+            let mut off = self.offset;
+            for d in 0..nd {
+                off += idx[d] * self.strides[d];
+            }
+            let len = (inner - idx[nd - 1]).min(end - pos);
+            f(pos, off, inner_stride, len);
+            pos += len;
+            // advance the multi-index by `len` (to the start of the next row)
+            idx[nd - 1] += len;
+            let mut d = nd - 1;
+            while idx[d] >= self.shape[d] && d > 0 {
+                idx[d] = 0;
+                d -= 1;
+                idx[d] += 1;
+            }
+        }
+    }
+}

@@ -1,0 +1,39 @@
+//! kiln: tensors on GPUs and CPUs, eager execution with autograd, and (growing) a compiler that
+//! fuses Rust functions over tensors into generated kernels.
+//!
+//! ```
+//! use kiln::prelude::*;
+//! # fn main() -> kiln::Result<()> {
+//! let dev = Device::cuda_if_available(0);
+//! let a = Tensor::randn(&[1000], DType::F32, &dev)?;
+//! let b = Tensor::randn(&[1000], DType::F32, &dev)?;
+//! let c = (&a + &b)?.relu()?;
+//! assert!(c.to_vec::<f32>()?.iter().all(|&v| v >= 0.0));
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod autograd;
+pub(crate) mod backend;
+mod device;
+mod dtype;
+mod error;
+pub(crate) mod layout;
+pub mod nn;
+pub mod ops;
+mod storage;
+mod tensor;
+
+pub use autograd::{enable_grad, gradcheck, inference_mode, is_grad_enabled, no_grad, BackwardOptions, Ctx, Function, GradcheckOptions};
+pub use device::Device;
+pub use dtype::{promote_types, result_type, Category, DType, Tier, WithDType};
+pub use error::{Error, Result};
+pub use ops::elementwise::{where_, Scalar};
+pub use ops::movement::{cat, stack};
+pub use tensor::{manual_seed, Tensor};
+
+/// What most programs need: `use kiln::prelude::*;`.
+pub mod prelude {
+    pub use crate::nn;
+    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, Tensor};
+}

@@ -1,0 +1,211 @@
+//! Composite ops (`torch.nn.functional`), each a decomposition into primitive ops. Half-precision
+//! inputs are computed in F32 and the result converted back, as PyTorch's kernels do.
+
+use crate::{no_grad, DType, Error, Result, Tensor};
+
+/// How a loss reduces over elements.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Reduction {
+    None,
+    #[default]
+    Mean,
+    Sum,
+}
+
+/// Runs `f` in F32 for F16/BF16 inputs and converts the result back.
+fn in_opmath(x: &Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let dt = x.dtype();
+    if dt == dt.compute_dtype() {
+        return f(x);
+    }
+    f(&x.to_dtype(dt.compute_dtype())?)?.to_dtype(dt)
+}
+
+fn float_input(op: &'static str, x: &Tensor) -> Result<()> {
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "needs a floating-point input"));
+    }
+    Ok(())
+}
+
+/// `exp(x - max) / sum(exp(x - max))` along `dim`.
+pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
+    float_input("softmax", x)?;
+    in_opmath(x, |x| {
+        let m = no_grad(|| x.amax(&[dim], true))?;
+        let e = x.sub(&m)?.exp()?;
+        e.div(&e.sum(&[dim], true)?)
+    })
+}
+
+/// `x - max - log(sum(exp(x - max)))` along `dim`.
+pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
+    float_input("log_softmax", x)?;
+    in_opmath(x, |x| {
+        let m = no_grad(|| x.amax(&[dim], true))?;
+        let shifted = x.sub(&m)?;
+        shifted.sub(&shifted.exp()?.sum(&[dim], true)?.log()?)
+    })
+}
+
+/// Normalises over the trailing `normalized_shape` dims, then scales and shifts
+/// (`F.layer_norm`; biased variance, as PyTorch).
+pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    float_input("layer_norm", x)?;
+    let k = normalized_shape.len();
+    if k == 0 || k > x.ndim() || &x.shape()[x.ndim() - k..] != normalized_shape {
+        return Err(Error::shape("layer_norm", format!("normalized_shape {normalized_shape:?} does not match the trailing dims of input {:?}", x.shape())));
+    }
+    for (name, p) in [("weight", weight), ("bias", bias)] {
+        if let Some(p) = p {
+            if p.shape() != normalized_shape {
+                return Err(Error::shape("layer_norm", format!("{name} has shape {:?}, expected {normalized_shape:?}", p.shape())));
+            }
+        }
+    }
+    let dims: Vec<i64> = (x.ndim() - k..x.ndim()).map(|d| d as i64).collect();
+    in_opmath(x, |x| {
+        let mean = x.mean(&dims, true)?;
+        let centered = x.sub(&mean)?;
+        let var = centered.mul(&centered)?.mean(&dims, true)?;
+        let mut y = centered.mul(&var.add_scalar(eps)?.rsqrt()?)?;
+        if let Some(w) = weight {
+            y = y.mul(w)?;
+        }
+        if let Some(b) = bias {
+            y = y.add(b)?;
+        }
+        Ok(y)
+    })
+}
+
+/// `x @ weight^T + bias` with `weight` of shape [out, in] (`F.linear`).
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if weight.ndim() != 2 {
+        return Err(Error::shape("linear", format!("weight must be 2-D [out, in], got {:?}", weight.shape())));
+    }
+    let y = x.matmul(&weight.t()?)?;
+    match bias {
+        Some(b) => y.add(b),
+        None => Ok(y),
+    }
+}
+
+/// Zeroes each element with probability `p` and scales the rest by `1 / (1 - p)` when
+/// `training`; the identity otherwise (`F.dropout`). Draws from the global generator.
+pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
+    if !(0.0..=1.0).contains(&p) {
+        return Err(Error::arg("dropout", format!("probability must be in [0, 1], got {p}")));
+    }
+    if !training || p == 0.0 {
+        return Ok(x.clone());
+    }
+    if p == 1.0 {
+        return x.mul_scalar(0.0);
+    }
+    let keep = Tensor::rand(x.shape(), DType::F32, &x.device())?.lt_scalar(1.0 - p)?;
+    x.mul(&keep.to_dtype(x.dtype())?)?.div_scalar(1.0 - p)
+}
+
+/// Options of [`cross_entropy_with`], defaults as PyTorch's.
+#[derive(Clone, Debug)]
+pub struct CrossEntropyOptions {
+    pub weight: Option<Tensor>,
+    pub ignore_index: i64,
+    pub label_smoothing: f64,
+    pub reduction: Reduction,
+}
+
+impl Default for CrossEntropyOptions {
+    fn default() -> Self {
+        CrossEntropyOptions { weight: None, ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean }
+    }
+}
+
+/// Cross-entropy of logits `[N, C]` (or `[C]`, or `[N, C, d1, ...]`) against class indices.
+pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    cross_entropy_with(input, target, &CrossEntropyOptions::default())
+}
+
+pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
+    float_input("cross_entropy", input)?;
+    if !target.dtype().is_int() {
+        return Err(Error::dtype("cross_entropy", target.dtype(), "targets must be class indices (I64); class-probability targets are not supported"));
+    }
+    if !(0.0..=1.0).contains(&opts.label_smoothing) {
+        return Err(Error::arg("cross_entropy", format!("label_smoothing must be in [0, 1], got {}", opts.label_smoothing)));
+    }
+    // Classes last, everything else flattened: logits [M, C], targets [M].
+    let (logits, tshape) = match input.ndim() {
+        1 => (input.unsqueeze(0)?, vec![]),
+        2 => (input.clone(), vec![input.shape()[0]]),
+        n if n > 2 => {
+            let mut perm: Vec<i64> = vec![0];
+            perm.extend(2..n as i64);
+            perm.push(1);
+            let mut ts = vec![input.shape()[0]];
+            ts.extend_from_slice(&input.shape()[2..]);
+            (input.permute(&perm)?.reshape(&[-1, input.shape()[1] as i64])?, ts)
+        }
+        _ => return Err(Error::shape("cross_entropy", "input must have at least 1 dim")),
+    };
+    let c = logits.shape()[1];
+    if target.shape() != tshape.as_slice() {
+        return Err(Error::shape("cross_entropy", format!("target of shape {:?} for input of shape {:?} (expected {tshape:?})", target.shape(), input.shape())));
+    }
+    if let Some(w) = &opts.weight {
+        if w.shape() != [c] {
+            return Err(Error::shape("cross_entropy", format!("weight of shape {:?}, expected [{c}]", w.shape())));
+        }
+    }
+    let t = target.to_dtype(DType::I64)?.reshape(&[-1])?;
+    let valid = t.ne_scalar(opts.ignore_index)?;
+    let safe_t = t.masked_fill(&valid.logical_not()?, 0)?;
+    let logp = log_softmax(&logits, 1)?;
+    let picked = logp.gather(1, &safe_t.unsqueeze(1)?)?.squeeze(1)?.neg()?;
+    let validf = valid.to_dtype(logp.dtype())?;
+    // Per-sample weight: w[target], 0 for ignored samples.
+    let w_t = match &opts.weight {
+        Some(w) => w.to_dtype(logp.dtype())?.index_select(0, &safe_t)?.mul(&validf)?,
+        None => validf.clone(),
+    };
+    let mut loss = picked.mul(&w_t)?;
+    if opts.label_smoothing > 0.0 {
+        let eps = opts.label_smoothing;
+        let weighted = match &opts.weight {
+            Some(w) => logp.mul(&w.to_dtype(logp.dtype())?)?,
+            None => logp.clone(),
+        };
+        let smooth = weighted.sum(&[1], false)?.neg()?.mul(&validf)?;
+        loss = loss.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps / c as f64)?)?;
+    }
+    let loss = loss.to_dtype(input.dtype())?;
+    match opts.reduction {
+        Reduction::None => loss.reshape_usize(&tshape),
+        Reduction::Sum => loss.sum_all(),
+        Reduction::Mean => loss.sum_all()?.div(&w_t.sum_all()?.to_dtype(input.dtype())?),
+    }
+}
+
+/// Mean (or sum, or elementwise) squared error (`F.mse_loss`); shapes broadcast.
+pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
+    float_input("mse_loss", input)?;
+    let d = input.sub(target)?;
+    let sq = d.mul(&d)?;
+    match reduction {
+        Reduction::None => Ok(sq),
+        Reduction::Mean => sq.mean_all(),
+        Reduction::Sum => sq.sum_all(),
+    }
+}
+
+impl Tensor {
+    /// See [`softmax`].
+    pub fn softmax(&self, dim: i64) -> Result<Tensor> {
+        softmax(self, dim)
+    }
+    /// See [`log_softmax`].
+    pub fn log_softmax(&self, dim: i64) -> Result<Tensor> {
+        log_softmax(self, dim)
+    }
+}

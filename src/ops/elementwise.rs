@@ -1,0 +1,305 @@
+//! Public pointwise API: unary functions, binary ops with broadcasting and type promotion (tensor
+//! and scalar forms), comparisons, logical ops, `where`, `clamp`, casts, and Rust's operators.
+
+use super::pointwise::{BinaryOp, UnaryOp};
+use super::{apply, Op};
+use crate::dtype::{result_type, Tier};
+use crate::layout::broadcast_shapes;
+use crate::{DType, Error, Result, Tensor};
+
+/// A plain number in an op with a tensor. Its kind (bool, integer, float) takes part in type
+/// promotion, its width does not: `int_tensor + 2.5` is F32, `f16_tensor * 2.0` stays F16.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Scalar {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+}
+
+impl Scalar {
+    fn dtype(self) -> DType {
+        match self {
+            Scalar::Bool(_) => DType::Bool,
+            Scalar::Int(_) => DType::I64,
+            Scalar::Float(_) => DType::F64,
+        }
+    }
+    pub fn to_f64(self) -> f64 {
+        match self {
+            Scalar::Bool(b) => b as u8 as f64,
+            Scalar::Int(i) => i as f64,
+            Scalar::Float(f) => f,
+        }
+    }
+}
+impl From<f64> for Scalar {
+    fn from(v: f64) -> Self {
+        Scalar::Float(v)
+    }
+}
+impl From<f32> for Scalar {
+    fn from(v: f32) -> Self {
+        Scalar::Float(v as f64)
+    }
+}
+impl From<i64> for Scalar {
+    fn from(v: i64) -> Self {
+        Scalar::Int(v)
+    }
+}
+impl From<i32> for Scalar {
+    fn from(v: i32) -> Self {
+        Scalar::Int(v as i64)
+    }
+}
+impl From<usize> for Scalar {
+    fn from(v: usize) -> Self {
+        Scalar::Int(v as i64)
+    }
+}
+impl From<bool> for Scalar {
+    fn from(v: bool) -> Self {
+        Scalar::Bool(v)
+    }
+}
+
+fn tier(t: &Tensor) -> Tier {
+    if t.ndim() == 0 {
+        Tier::ZeroDim
+    } else {
+        Tier::Dim
+    }
+}
+
+macro_rules! unary_methods {
+    ($($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
+        impl Tensor {$(
+            $(#[$doc])*
+            pub fn $name(&self) -> Result<Tensor> {
+                self.unary(UnaryOp::$op)
+            }
+        )*}
+    };
+}
+unary_methods! {
+    neg => Neg, abs => Abs, sign => Sign, exp => Exp, log => Log, log1p => Log1p, sin => Sin,
+    cos => Cos, tanh => Tanh, sigmoid => Sigmoid, relu => Relu,
+    /// GELU with the exact erf form (PyTorch's default `approximate='none'`).
+    gelu => GeluErf,
+    /// GELU with the tanh approximation (`approximate='tanh'`).
+    gelu_tanh => GeluTanh,
+    silu => Silu, sqrt => Sqrt, rsqrt => Rsqrt, erf => Erf, logical_not => LogicalNot,
+}
+
+macro_rules! binary_methods {
+    ($($name:ident, $scalar:ident => $op:ident),* $(,)?) => {
+        impl Tensor {$(
+            pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
+                self.binary(BinaryOp::$op, other)
+            }
+            pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
+                self.binary_scalar(BinaryOp::$op, other.into(), false)
+            }
+        )*}
+    };
+}
+binary_methods! {
+    add, add_scalar => Add, sub, sub_scalar => Sub, mul, mul_scalar => Mul, div, div_scalar => Div,
+    pow, pow_scalar => Pow, maximum, maximum_scalar => Maximum, minimum, minimum_scalar => Minimum,
+    eq, eq_scalar => Eq, ne, ne_scalar => Ne, lt, lt_scalar => Lt, le, le_scalar => Le,
+    gt, gt_scalar => Gt, ge, ge_scalar => Ge,
+    logical_and, logical_and_scalar => LogicalAnd, logical_or, logical_or_scalar => LogicalOr,
+    logical_xor, logical_xor_scalar => LogicalXor,
+}
+
+impl Tensor {
+    pub(crate) fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        op.out_dtype(self.dtype())?;
+        apply(Op::Unary(op), &[self])
+    }
+
+    fn binary(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
+        let promoted = result_type(&[(self.dtype(), tier(self)), (other.dtype(), tier(other))]);
+        binary_promoted(op, self, other, promoted)
+    }
+
+    /// `self op s`, or `s op self` when `reversed`.
+    fn binary_scalar(&self, op: BinaryOp, s: Scalar, reversed: bool) -> Result<Tensor> {
+        let promoted = result_type(&[(self.dtype(), tier(self)), (s.dtype(), Tier::Scalar)]);
+        // The scalar is held in the dtype arithmetic runs in (f32 for half types), as PyTorch does.
+        let st = Tensor::scalar(s.to_f64(), op.compute_dtype(promoted)?.compute_dtype(), &self.device())?;
+        if reversed {
+            binary_promoted(op, &st, self, promoted)
+        } else {
+            binary_promoted(op, self, &st, promoted)
+        }
+    }
+
+    /// `s - self`.
+    pub fn rsub_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
+        self.binary_scalar(BinaryOp::Sub, s.into(), true)
+    }
+    /// `s / self`.
+    pub fn rdiv_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
+        self.binary_scalar(BinaryOp::Div, s.into(), true)
+    }
+    /// `1 / self`.
+    pub fn reciprocal(&self) -> Result<Tensor> {
+        self.rdiv_scalar(1.0)
+    }
+    pub fn square(&self) -> Result<Tensor> {
+        self.mul(self)
+    }
+
+    /// Limits values to `[min, max]` (either bound optional). The gradient passes where the input
+    /// is within the bounds, inclusive, as in PyTorch; NaN stays NaN.
+    pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
+        if min.is_none() && max.is_none() {
+            return Err(Error::arg("clamp", "at least one of min and max must be given"));
+        }
+        let mut r = self.clone();
+        if let Some(lo) = min {
+            r = self.lt_scalar(lo)?.where_(&self.full_scalar_like(lo)?, &r)?;
+        }
+        if let Some(hi) = max {
+            r = self.gt_scalar(hi)?.where_(&self.full_scalar_like(hi)?, &r)?;
+        }
+        Ok(r)
+    }
+
+    /// A broadcastable 0-dim tensor of `v` in this tensor's dtype and device.
+    fn full_scalar_like(&self, v: f64) -> Result<Tensor> {
+        Tensor::scalar(v, self.dtype(), &self.device())
+    }
+
+    /// `self ? a : b` elementwise, with broadcasting and promotion of `a` and `b`
+    /// (`torch.where(self, a, b)`).
+    pub fn where_(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        if self.dtype() != DType::Bool {
+            return Err(Error::dtype("where", self.dtype(), "the condition must be a Bool tensor"));
+        }
+        let dt = result_type(&[(a.dtype(), tier(a)), (b.dtype(), tier(b))]);
+        let shape = broadcast_shapes("where", self.shape(), &broadcast_shapes("where", a.shape(), b.shape())?)?;
+        let (c, a, b) = (self.broadcast_to(&shape)?, a.broadcast_to(&shape)?, b.broadcast_to(&shape)?);
+        apply(Op::Where(dt), &[&c, &a, &b])
+    }
+
+    /// `value` where `mask` is true (`masked_fill`); the mask broadcasts to this tensor's shape.
+    pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
+        if mask.dtype() != DType::Bool {
+            return Err(Error::dtype("masked_fill", mask.dtype(), "the mask must be a Bool tensor"));
+        }
+        let shape = broadcast_shapes("masked_fill", self.shape(), mask.shape())?;
+        if shape != self.shape() {
+            return Err(Error::shape("masked_fill", format!("mask of shape {:?} does not broadcast to the tensor's shape {:?}", mask.shape(), self.shape())));
+        }
+        mask.where_(&self.full_scalar_like(value.into().to_f64())?, self)
+    }
+
+    /// Converts to `dtype` (no copy when it already is).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        apply(Op::Cast(dtype), &[self])
+    }
+
+    /// A contiguous tensor with the same values: the tensor itself when it already is.
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        self.copy_contiguous()
+    }
+
+    /// Always a new contiguous copy (differentiable, like `clone()` in PyTorch).
+    pub fn copy_contiguous(&self) -> Result<Tensor> {
+        apply(Op::Cast(self.dtype()), &[self])
+    }
+
+    /// Whether every element is within `atol + rtol * |other|` of `other` (`torch.allclose`).
+    pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> Result<bool> {
+        let shape = broadcast_shapes("allclose", self.shape(), other.shape())?;
+        let a = crate::no_grad(|| self.broadcast_to(&shape)?.to_dtype(DType::F64)?.to_vec::<f64>())?;
+        let b = crate::no_grad(|| other.broadcast_to(&shape)?.to_dtype(DType::F64)?.to_vec::<f64>())?;
+        Ok(a.iter().zip(&b).all(|(x, y)| {
+            if x.is_nan() || y.is_nan() {
+                return false;
+            }
+            x == y || (x - y).abs() <= atol + rtol * y.abs()
+        }))
+    }
+}
+
+/// Broadcasts `a` and `b` and runs `op` with arithmetic in the dtype `promoted` implies.
+fn binary_promoted(op: BinaryOp, a: &Tensor, b: &Tensor, promoted: DType) -> Result<Tensor> {
+    let compute = op.compute_dtype(promoted)?;
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op: op.name(), a: a.device(), b: b.device() });
+    }
+    let shape = broadcast_shapes(op.name(), a.shape(), b.shape())?;
+    apply(Op::Binary(op, compute), &[&a.broadcast_to(&shape)?, &b.broadcast_to(&shape)?])
+}
+
+/// `torch.where(cond, a, b)`.
+pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    cond.where_(a, b)
+}
+
+macro_rules! operator {
+    ($tr:ident, $f:ident, $method:ident, $scalar:ident) => {
+        impl std::ops::$tr<&Tensor> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: &Tensor) -> Result<Tensor> {
+                Tensor::$method(&self, &rhs)
+            }
+        }
+        impl std::ops::$tr<Tensor> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: Tensor) -> Result<Tensor> {
+                Tensor::$method(&self, &rhs)
+            }
+        }
+        impl std::ops::$tr<&Tensor> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: &Tensor) -> Result<Tensor> {
+                Tensor::$method(&self, &rhs)
+            }
+        }
+        impl std::ops::$tr<Tensor> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: Tensor) -> Result<Tensor> {
+                Tensor::$method(&self, &rhs)
+            }
+        }
+        impl std::ops::$tr<f64> for &Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: f64) -> Result<Tensor> {
+                Tensor::$scalar(&self, rhs)
+            }
+        }
+        impl std::ops::$tr<f64> for Tensor {
+            type Output = Result<Tensor>;
+            fn $f(self, rhs: f64) -> Result<Tensor> {
+                Tensor::$scalar(&self, rhs)
+            }
+        }
+    };
+}
+operator!(Add, add, add, add_scalar);
+operator!(Sub, sub, sub, sub_scalar);
+operator!(Mul, mul, mul, mul_scalar);
+operator!(Div, div, div, div_scalar);
+
+impl std::ops::Neg for &Tensor {
+    type Output = Result<Tensor>;
+    fn neg(self) -> Result<Tensor> {
+        Tensor::neg(self)
+    }
+}
+impl std::ops::Neg for Tensor {
+    type Output = Result<Tensor>;
+    fn neg(self) -> Result<Tensor> {
+        Tensor::neg(&self)
+    }
+}

@@ -1,0 +1,80 @@
+//! Indexing: index_select, gather, scatter_add, one_hot.
+
+use super::{apply, Op};
+use crate::layout::norm_dim;
+use crate::{DType, Error, Result, Tensor};
+
+fn check_index_dtype(op: &'static str, index: &Tensor) -> Result<Tensor> {
+    match index.dtype() {
+        DType::I64 => Ok(index.clone()),
+        DType::I32 | DType::U8 => index.to_dtype(DType::I64),
+        d => Err(Error::dtype(op, d, "indices must be an integer tensor (I64)")),
+    }
+}
+
+impl Tensor {
+    /// The entries of `dim` listed by the 1-D `index` (`torch.index_select`).
+    pub fn index_select(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
+        let d = norm_dim("index_select", dim, self.ndim())?;
+        let index = check_index_dtype("index_select", index)?;
+        if index.ndim() > 1 {
+            return Err(Error::shape("index_select", format!("index must be 0-D or 1-D, got shape {:?}", index.shape())));
+        }
+        if self.ndim() == 0 {
+            return Err(Error::shape("index_select", "cannot index a 0-dim tensor"));
+        }
+        apply(Op::IndexSelect(d), &[self, &index.reshape_usize(&[index.numel()])?])
+    }
+
+    /// `out[i][j] = self[index[i][j]][j]` for dim 0, and likewise for other dims
+    /// (`torch.gather`). The output has the index's shape.
+    pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
+        let d = norm_dim("gather", dim, self.ndim())?;
+        let index = check_index_dtype("gather", index)?;
+        check_index_shape("gather", self.shape(), index.shape(), d, &[])?;
+        apply(Op::Gather(d), &[self, &index])
+    }
+
+    /// A copy of `self` with `src[i][j]` added at row `index[i][j]` (dim 0; likewise for other
+    /// dims) (`torch.scatter_add`).
+    pub fn scatter_add(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        let d = norm_dim("scatter_add", dim, self.ndim())?;
+        let index = check_index_dtype("scatter_add", index)?;
+        check_index_shape("scatter_add", self.shape(), index.shape(), d, src.shape())?;
+        if src.dtype() != self.dtype() {
+            return Err(Error::dtype("scatter_add", src.dtype(), format!("src must have the tensor's dtype {:?}", self.dtype())));
+        }
+        apply(Op::ScatterAdd(d), &[self, &index, src])
+    }
+
+    /// Class indices to one-hot rows (`F.one_hot`), I64; `num_classes` None means max + 1.
+    pub fn one_hot(&self, num_classes: Option<usize>) -> Result<Tensor> {
+        if !self.dtype().is_int() {
+            return Err(Error::dtype("one_hot", self.dtype(), "class values must be an integer tensor"));
+        }
+        let n = match num_classes {
+            Some(n) => n,
+            None => (self.max_all()?.to_dtype(DType::I64)?.item::<i64>()? + 1).max(0) as usize,
+        };
+        let min = if self.numel() > 0 { self.min_all()?.to_dtype(DType::I64)?.item::<i64>()? } else { 0 };
+        let max = if self.numel() > 0 { self.max_all()?.to_dtype(DType::I64)?.item::<i64>()? } else { 0 };
+        if min < 0 || (self.numel() > 0 && max as usize >= n) {
+            return Err(Error::Index { op: "one_hot", index: if min < 0 { min } else { max }, size: n });
+        }
+        let classes = Tensor::arange(0.0, n as f64, 1.0, DType::I64, &self.device())?;
+        self.unsqueeze(-1)?.eq(&classes)?.to_dtype(DType::I64)
+    }
+}
+
+/// PyTorch's rule for gather/scatter: same rank, and the index no larger than the tensor in
+/// every dim but `dim` (and no larger than `src` anywhere, when given).
+fn check_index_shape(op: &'static str, shape: &[usize], index: &[usize], dim: usize, src: &[usize]) -> Result<()> {
+    let bad = index.len() != shape.len()
+        || index.iter().zip(shape).enumerate().any(|(d, (&i, &s))| d != dim && i > s)
+        || (!src.is_empty() && (src.len() != index.len() || index.iter().zip(src).any(|(&i, &s)| i > s)));
+    if bad {
+        return Err(Error::shape(op, format!("index of shape {index:?} does not fit the tensor of shape {shape:?} along dim {dim}{}",
+            if src.is_empty() { String::new() } else { format!(" and src of shape {src:?}") })));
+    }
+    Ok(())
+}

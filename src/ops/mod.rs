@@ -1,0 +1,269 @@
+//! Primitive ops: one `Op` value per kind of primitive, one place that runs it on a backend
+//! (`forward`) and one place that differentiates it (`backward`). Public tensor methods in the
+//! sibling modules validate arguments, then build these ops; composites are written in them.
+
+pub(crate) mod elementwise;
+pub(crate) mod index;
+pub(crate) mod inplace;
+pub(crate) mod matmul;
+pub(crate) mod movement;
+pub mod pointwise;
+pub(crate) mod reduce;
+
+pub use pointwise::{BinaryOp, UnaryOp};
+pub use reduce::ReduceOp;
+
+use crate::backend::{check_device, cpu};
+use crate::layout::Layout;
+use crate::{DType, Error, Result, Tensor};
+
+/// A primitive op with its static arguments. Inputs are tensors passed beside it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    Unary(UnaryOp),
+    /// Same-shape operands; arithmetic in the given dtype (operands are converted on the fly).
+    Binary(BinaryOp, DType),
+    /// `cond ? a : b` on same-shape operands, producing the given dtype.
+    Where(DType),
+    Cast(DType),
+    /// Reduces sorted `dims`; `keepdim` keeps them as size 1.
+    Reduce(ReduceOp, Vec<usize>, bool),
+    /// A view with a new shape (a copy first when the strides do not allow one).
+    Reshape(Vec<usize>),
+    Permute(Vec<usize>),
+    /// A broadcast view (stride 0 on expanded dims); same rank as the input.
+    Expand(Vec<usize>),
+    /// `start, start+step, ...` (`len` of them) along `dim`, as a view.
+    Slice { dim: usize, start: usize, len: usize, step: usize },
+    Cat(usize),
+    /// Constant padding `(before, after)` per dim.
+    Pad(Vec<(usize, usize)>, f64),
+    IndexSelect(usize),
+    Gather(usize),
+    ScatterAdd(usize),
+    /// [B, M, K] @ [B, K, N].
+    Matmul,
+}
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Unary(u) => u.name(),
+            Op::Binary(b, _) => b.name(),
+            Op::Where(_) => "where",
+            Op::Cast(_) => "to_dtype",
+            Op::Reduce(r, ..) => r.name(),
+            Op::Reshape(_) => "reshape",
+            Op::Permute(_) => "permute",
+            Op::Expand(_) => "expand",
+            Op::Slice { .. } => "slice",
+            Op::Cat(_) => "cat",
+            Op::Pad(..) => "pad",
+            Op::IndexSelect(_) => "index_select",
+            Op::Gather(_) => "gather",
+            Op::ScatterAdd(_) => "scatter_add",
+            Op::Matmul => "matmul",
+        }
+    }
+
+    /// Which inputs gradients flow into.
+    pub(crate) fn differentiable_inputs(&self, n: usize) -> Vec<bool> {
+        match self {
+            Op::Unary(u) => vec![u.differentiable()],
+            Op::Binary(b, _) => vec![b.differentiable(); 2],
+            Op::Where(_) => vec![false, true, true],
+            Op::Reduce(r, ..) => vec![r.differentiable()],
+            Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
+            Op::ScatterAdd(_) => vec![true, false, true],
+            _ => vec![true; n],
+        }
+    }
+
+    /// Which inputs, and whether the output, backward reads.
+    pub(crate) fn saves(&self, n: usize) -> (Vec<bool>, bool) {
+        match self {
+            Op::Unary(u) => {
+                let (i, o) = u.saves();
+                (vec![i], o)
+            }
+            Op::Binary(b, _) => {
+                let (i, o) = b.saves();
+                (vec![i; 2], o)
+            }
+            Op::Where(_) => (vec![true, false, false], false),
+            Op::Reduce(ReduceOp::Sum, ..) => (vec![false], false),
+            Op::Reduce(..) => (vec![true], true),
+            Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
+            Op::ScatterAdd(_) => (vec![false, true, false], false),
+            Op::Matmul => (vec![true, true], false),
+            _ => (vec![false; n], false),
+        }
+    }
+
+    /// Runs the op on its inputs' device. Arguments were validated by the caller.
+    pub(crate) fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
+        let device = xs[0].device();
+        for x in &xs[1..] {
+            if x.device() != device {
+                return Err(Error::DeviceMismatch { op: self.name(), a: device, b: x.device() });
+            }
+        }
+        let x = xs[0];
+        // Views first: they need no kernel on any device.
+        match self {
+            Op::Reshape(shape) => {
+                return Ok(match x.layout().view_strides(shape) {
+                    Some(strides) => x.view_as_layout(Layout { shape: shape.clone(), strides, offset: x.layout().offset }),
+                    None => {
+                        let c = x.copy_contiguous()?;
+                        c.view_as_layout(Layout::contiguous(shape))
+                    }
+                });
+            }
+            Op::Permute(perm) => {
+                let l = x.layout();
+                return Ok(x.view_as_layout(Layout {
+                    shape: perm.iter().map(|&d| l.shape[d]).collect(),
+                    strides: perm.iter().map(|&d| l.strides[d]).collect(),
+                    offset: l.offset,
+                }));
+            }
+            Op::Expand(shape) => {
+                let l = x.layout();
+                let strides = shape.iter().zip(&l.shape).zip(&l.strides).map(|((&s, &d), &st)| if s == d { st } else { 0 }).collect();
+                return Ok(x.view_as_layout(Layout { shape: shape.clone(), strides, offset: l.offset }));
+            }
+            Op::Slice { dim, start, len, step } => {
+                let l = x.layout();
+                let mut nl = l.clone();
+                nl.shape[*dim] = *len;
+                nl.strides[*dim] = l.strides[*dim] * step;
+                if *len > 0 {
+                    nl.offset += start * l.strides[*dim];
+                }
+                return Ok(x.view_as_layout(nl));
+            }
+            _ => {}
+        }
+        check_device(self.name(), device)?;
+        let (storage, shape) = match self {
+            Op::Unary(u) => (cpu::pointwise::unary(*u, x, u.out_dtype(x.dtype())?), x.shape().to_vec()),
+            Op::Binary(b, compute) => (cpu::pointwise::binary(*b, x, xs[1], *compute), x.shape().to_vec()),
+            Op::Where(dt) => (cpu::pointwise::where_(x, xs[1], xs[2], *dt), x.shape().to_vec()),
+            Op::Cast(dt) => (cpu::cast(x, *dt), x.shape().to_vec()),
+            Op::Reduce(r, dims, keepdim) => {
+                (cpu::reduce::reduce(*r, x, dims, r.out_dtype(x.dtype())), reduce::reduced_shape(x.shape(), dims, *keepdim))
+            }
+            Op::Cat(dim) => {
+                let mut shape = x.shape().to_vec();
+                shape[*dim] = xs.iter().map(|t| t.shape()[*dim]).sum();
+                (cpu::index::cat(xs, *dim, &shape, x.dtype()), shape)
+            }
+            Op::Pad(pads, value) => {
+                let shape: Vec<usize> = x.shape().iter().zip(pads).map(|(d, p)| d + p.0 + p.1).collect();
+                (cpu::index::pad(x, pads, *value, &shape), shape)
+            }
+            Op::IndexSelect(dim) => {
+                let mut shape = x.shape().to_vec();
+                shape[*dim] = xs[1].numel();
+                (cpu::index::index_select(x, *dim, xs[1])?, shape)
+            }
+            Op::Gather(dim) => (cpu::index::gather_dim(x, *dim, xs[1])?, xs[1].shape().to_vec()),
+            Op::ScatterAdd(dim) => (cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, x.shape().to_vec()),
+            Op::Matmul => {
+                let (a, b) = (x.shape(), xs[1].shape());
+                (cpu::matmul::bmm(x, xs[1], x.dtype()), vec![a[0], a[1], b[2]])
+            }
+            Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } => unreachable!("views return above"),
+        };
+        Ok(Tensor::from_cpu(storage, &shape))
+    }
+
+    /// Input gradients from the output gradient `g`. `xs` and `y` hold what `saves` asked for;
+    /// `meta` the inputs' shapes and dtypes; `want` which gradients are needed.
+    pub(crate) fn backward(
+        &self,
+        xs: &[Option<Tensor>],
+        y: Option<&Tensor>,
+        meta: &[(Vec<usize>, DType)],
+        g: &Tensor,
+        want: &[bool],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let in_shape = &meta[0].0;
+        let one = |t: Result<Tensor>| -> Result<Vec<Option<Tensor>>> { Ok(vec![Some(t?)]) };
+        match self {
+            Op::Unary(u) => one(u.backward(xs[0].as_ref(), y, g)),
+            Op::Binary(b, _) => Ok(b.backward(xs[0].as_ref(), xs[1].as_ref(), y, g, [want[0], want[1]])?.into()),
+            Op::Where(_) => {
+                let c = xs[0].as_ref().expect("condition saved");
+                Ok(vec![None, Some(g.masked_fill(&c.logical_not()?, 0.0)?), Some(g.masked_fill(c, 0.0)?)])
+            }
+            Op::Cast(_) => one(Ok(g.clone())),
+            Op::Reduce(r, dims, keepdim) => one(r.backward(xs[0].as_ref(), y, g, in_shape, dims, *keepdim)),
+            Op::Reshape(_) => one(g.reshape_usize(in_shape)),
+            Op::Permute(perm) => {
+                let mut inv = vec![0; perm.len()];
+                for (i, &p) in perm.iter().enumerate() {
+                    inv[p] = i;
+                }
+                one(g.permute_usize(&inv))
+            }
+            Op::Expand(_) => one(g.sum_to_shape(in_shape)),
+            Op::Slice { dim, start, len, step } => one(movement::slice_backward(g, in_shape, *dim, *start, *len, *step)),
+            Op::Cat(dim) => {
+                let mut at = 0;
+                meta.iter()
+                    .map(|(s, _)| {
+                        let part = g.narrow(*dim as i64, at, s[*dim])?;
+                        at += s[*dim];
+                        Ok(Some(part))
+                    })
+                    .collect()
+            }
+            Op::Pad(pads, _) => {
+                let mut r = g.clone();
+                for (d, (p, s)) in pads.iter().zip(in_shape).enumerate() {
+                    r = r.narrow(d as i64, p.0, *s)?;
+                }
+                one(Ok(r))
+            }
+            Op::IndexSelect(dim) => {
+                let idx = xs[1].as_ref().expect("index saved");
+                let mut ishape = vec![1; g.ndim()];
+                ishape[*dim] = idx.numel();
+                let idx = idx.reshape_usize(&ishape)?.broadcast_to(g.shape())?;
+                let base = Tensor::zeros(in_shape, g.dtype(), &g.device())?;
+                Ok(vec![Some(base.scatter_add(*dim as i64, &idx, g)?), None])
+            }
+            Op::Gather(dim) => {
+                let idx = xs[1].as_ref().expect("index saved");
+                let base = Tensor::zeros(in_shape, g.dtype(), &g.device())?;
+                Ok(vec![Some(base.scatter_add(*dim as i64, idx, g)?), None])
+            }
+            Op::ScatterAdd(dim) => {
+                let idx = xs[1].as_ref().expect("index saved");
+                let gs = if want[2] {
+                    let part = g.gather(*dim as i64, idx)?;
+                    let src_shape = &meta[2].0;
+                    let pads: Vec<(usize, usize)> = part.shape().iter().zip(src_shape).map(|(&p, &s)| (0, s - p)).collect();
+                    Some(if pads.iter().all(|p| p.1 == 0) { part } else { crate::ops::apply(Op::Pad(pads, 0.0), &[&part])? })
+                } else {
+                    None
+                };
+                Ok(vec![Some(g.clone()), None, gs])
+            }
+            Op::Matmul => {
+                let (a, b) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
+                let ga = if want[0] { Some(apply(Op::Matmul, &[g, &b.transpose(1, 2)?])?) } else { None };
+                let gb = if want[1] { Some(apply(Op::Matmul, &[&a.transpose(1, 2)?, g])?) } else { None };
+                Ok(vec![ga, gb])
+            }
+        }
+    }
+}
+
+/// Runs a primitive op and records it for autograd.
+pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
+    let out = op.forward(inputs)?;
+    crate::autograd::record(op, inputs, out)
+}

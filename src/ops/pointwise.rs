@@ -1,0 +1,387 @@
+//! Pointwise primitives, each defined once: name, dtype rule, scalar semantics (the closures the
+//! backends' loops are instantiated with) and gradient (written with other ops).
+
+use crate::backend::cpu::Real;
+use crate::dtype::DEFAULT_FLOAT;
+use crate::{DType, Error, Result, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Sign,
+    Exp,
+    Log,
+    Log1p,
+    Sin,
+    Cos,
+    Tanh,
+    Sigmoid,
+    Relu,
+    GeluErf,
+    GeluTanh,
+    Silu,
+    Sqrt,
+    Rsqrt,
+    Erf,
+    LogicalNot,
+}
+
+/// A loop over one operand that a backend provides; the op supplies the scalar function.
+pub(crate) trait MapUnary<A, B> {
+    fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B>;
+}
+/// A loop over two operands of the same shape.
+pub(crate) trait MapBinary<A, B> {
+    fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B>;
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+const FRAC_2_SQRT_PI: f64 = std::f64::consts::FRAC_2_SQRT_PI;
+
+impl UnaryOp {
+    pub fn name(self) -> &'static str {
+        use UnaryOp::*;
+        match self {
+            Neg => "neg",
+            Abs => "abs",
+            Sign => "sign",
+            Exp => "exp",
+            Log => "log",
+            Log1p => "log1p",
+            Sin => "sin",
+            Cos => "cos",
+            Tanh => "tanh",
+            Sigmoid => "sigmoid",
+            Relu => "relu",
+            GeluErf => "gelu",
+            GeluTanh => "gelu_tanh",
+            Silu => "silu",
+            Sqrt => "sqrt",
+            Rsqrt => "rsqrt",
+            Erf => "erf",
+            LogicalNot => "logical_not",
+        }
+    }
+
+    /// Ops that keep integer inputs integer; the rest compute in floating point.
+    fn keeps_ints(self) -> bool {
+        matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu)
+    }
+
+    pub(crate) fn out_dtype(self, x: DType) -> Result<DType> {
+        if self == UnaryOp::LogicalNot {
+            return Ok(DType::Bool);
+        }
+        if x == DType::Bool && self.keeps_ints() {
+            return Err(Error::dtype(self.name(), x, "not defined for bool tensors"));
+        }
+        Ok(if x.is_float() || self.keeps_ints() { x } else { DEFAULT_FLOAT })
+    }
+
+    /// Whether the backward needs the input (`true, _`) and/or the output (`_, true`).
+    pub(crate) fn saves(self) -> (bool, bool) {
+        use UnaryOp::*;
+        match self {
+            Neg | Sign | LogicalNot => (false, false),
+            Exp | Tanh | Sigmoid | Relu | Sqrt | Rsqrt => (false, true),
+            _ => (true, false),
+        }
+    }
+
+    pub(crate) fn differentiable(self) -> bool {
+        !matches!(self, UnaryOp::Sign | UnaryOp::LogicalNot)
+    }
+
+    /// The scalar function in floating point.
+    pub(crate) fn real<F: Real>(self, m: impl MapUnary<F, F>) -> Vec<F> {
+        use UnaryOp::*;
+        let c = F::c;
+        match self {
+            Neg => m.run(|x| -x),
+            Abs => m.run(|x| x.abs()),
+            Sign => m.run(|x| x.signum0()),
+            Exp => m.run(|x| x.exp()),
+            Log => m.run(|x| x.ln()),
+            Log1p => m.run(|x| x.ln_1p()),
+            Sin => m.run(|x| x.sin()),
+            Cos => m.run(|x| x.cos()),
+            Tanh => m.run(|x| x.tanh()),
+            Sigmoid => m.run(|x| c(1.0) / (c(1.0) + (-x).exp())),
+            // NaN stays NaN, as in PyTorch.
+            Relu => m.run(|x| if x > c(0.0) || x.is_nan() { x } else { c(0.0) }),
+            GeluErf => m.run(|x| c(0.5) * x * (c(1.0) + (x * c(FRAC_1_SQRT_2)).erf())),
+            GeluTanh => m.run(|x| {
+                c(0.5) * x * (c(1.0) + (c(SQRT_2_OVER_PI) * (x + c(0.044715) * x * x * x)).tanh())
+            }),
+            Silu => m.run(|x| x / (c(1.0) + (-x).exp())),
+            Sqrt => m.run(|x| x.sqrt()),
+            Rsqrt => m.run(|x| c(1.0) / x.sqrt()),
+            Erf => m.run(|x| x.erf()),
+            LogicalNot => unreachable!("logical_not is evaluated by `logical`"),
+        }
+    }
+
+    /// The scalar function on integers (only for ops that keep integers).
+    pub(crate) fn int(self, m: impl MapUnary<i64, i64>) -> Vec<i64> {
+        match self {
+            UnaryOp::Neg => m.run(|x| x.wrapping_neg()),
+            UnaryOp::Abs => m.run(|x| x.wrapping_abs()),
+            UnaryOp::Sign => m.run(|x| x.signum()),
+            UnaryOp::Relu => m.run(|x| x.max(0)),
+            _ => unreachable!("{} computes in floating point", self.name()),
+        }
+    }
+
+    pub(crate) fn logical(self, m: impl MapUnary<bool, bool>) -> Vec<bool> {
+        debug_assert_eq!(self, UnaryOp::LogicalNot);
+        m.run(|x| !x)
+    }
+
+    /// d(input) from the incoming gradient `g`, the input `x` and the output `y` (each present
+    /// when `saves` asked for it).
+    pub(crate) fn backward(self, x: Option<&Tensor>, y: Option<&Tensor>, g: &Tensor) -> Result<Tensor> {
+        use UnaryOp::*;
+        let x = || x.expect("input saved");
+        let y = || y.expect("output saved");
+        match self {
+            Neg => g.neg(),
+            Abs => g.mul(&x().sign()?),
+            Exp => g.mul(y()),
+            Log => g.div(x()),
+            Log1p => g.div(&x().add_scalar(1.0)?),
+            Sin => g.mul(&x().cos()?),
+            Cos => g.mul(&x().sin()?)?.neg(),
+            Tanh => g.mul(&y().mul(y())?.rsub_scalar(1.0)?),
+            Sigmoid => g.mul(&y().mul(&y().rsub_scalar(1.0)?)?),
+            Relu => g.mul(&y().gt_scalar(0.0)?),
+            GeluErf => {
+                // Φ(x) + x φ(x)
+                let x = x();
+                let cdf = x.mul_scalar(FRAC_1_SQRT_2)?.erf()?.add_scalar(1.0)?.mul_scalar(0.5)?;
+                let pdf = x.mul(x)?.mul_scalar(-0.5)?.exp()?.mul_scalar(FRAC_2_SQRT_PI * FRAC_1_SQRT_2 * 0.5)?;
+                g.mul(&cdf.add(&x.mul(&pdf)?)?)
+            }
+            GeluTanh => {
+                let x = x();
+                let x2 = x.mul(x)?;
+                let inner = x.add(&x2.mul(x)?.mul_scalar(0.044715)?)?.mul_scalar(SQRT_2_OVER_PI)?;
+                let t = inner.tanh()?;
+                let dinner = x2.mul_scalar(3.0 * 0.044715)?.add_scalar(1.0)?.mul_scalar(SQRT_2_OVER_PI)?;
+                let left = t.add_scalar(1.0)?.mul_scalar(0.5)?;
+                let right = x.mul(&t.mul(&t)?.rsub_scalar(1.0)?)?.mul(&dinner)?.mul_scalar(0.5)?;
+                g.mul(&left.add(&right)?)
+            }
+            Silu => {
+                let x = x();
+                let s = x.sigmoid()?;
+                g.mul(&s.mul(&x.mul(&s.rsub_scalar(1.0)?)?.add_scalar(1.0)?)?)
+            }
+            Sqrt => g.div(&y().mul_scalar(2.0)?),
+            Rsqrt => g.mul(&y().mul(y())?.mul(y())?.mul_scalar(-0.5)?),
+            Erf => g.mul(&x().mul(x())?.neg()?.exp()?.mul_scalar(FRAC_2_SQRT_PI)?),
+            Sign | LogicalNot => unreachable!("not differentiable"),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    LogicalAnd,
+    LogicalOr,
+    LogicalXor,
+}
+
+impl BinaryOp {
+    pub fn name(self) -> &'static str {
+        use BinaryOp::*;
+        match self {
+            Add => "add",
+            Sub => "sub",
+            Mul => "mul",
+            Div => "div",
+            Pow => "pow",
+            Maximum => "maximum",
+            Minimum => "minimum",
+            Eq => "eq",
+            Ne => "ne",
+            Lt => "lt",
+            Le => "le",
+            Gt => "gt",
+            Ge => "ge",
+            LogicalAnd => "logical_and",
+            LogicalOr => "logical_or",
+            LogicalXor => "logical_xor",
+        }
+    }
+    pub(crate) fn is_comparison(self) -> bool {
+        use BinaryOp::*;
+        matches!(self, Eq | Ne | Lt | Le | Gt | Ge)
+    }
+    pub(crate) fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::LogicalAnd | BinaryOp::LogicalOr | BinaryOp::LogicalXor)
+    }
+    pub(crate) fn differentiable(self) -> bool {
+        !self.is_comparison() && !self.is_logical()
+    }
+
+    /// The dtype the arithmetic runs in, from the operands' promoted dtype.
+    pub(crate) fn compute_dtype(self, promoted: DType) -> Result<DType> {
+        if self.is_logical() {
+            return Ok(DType::Bool);
+        }
+        if self == BinaryOp::Sub && promoted == DType::Bool {
+            return Err(Error::dtype("sub", promoted, "subtracting bool tensors is not supported; use logical_xor"));
+        }
+        Ok(if self == BinaryOp::Div && !promoted.is_float() { DEFAULT_FLOAT } else { promoted })
+    }
+
+    pub(crate) fn out_dtype(self, compute: DType) -> DType {
+        if self.is_comparison() || self.is_logical() {
+            DType::Bool
+        } else {
+            compute
+        }
+    }
+
+    /// Whether backward needs the inputs and/or the output.
+    pub(crate) fn saves(self) -> (bool, bool) {
+        use BinaryOp::*;
+        match self {
+            Add | Sub => (false, false),
+            Pow => (true, true),
+            _ => (true, false),
+        }
+    }
+
+    pub(crate) fn real<F: Real>(self, m: impl MapBinary<F, F>) -> Vec<F> {
+        use BinaryOp::*;
+        match self {
+            Add => m.run(|a, b| a + b),
+            Sub => m.run(|a, b| a - b),
+            Mul => m.run(|a, b| a * b),
+            Div => m.run(|a, b| a / b),
+            Pow => m.run(|a, b| a.powf(b)),
+            Maximum => m.run(|a, b| if a > b || a.is_nan() { a } else { b }),
+            Minimum => m.run(|a, b| if a < b || a.is_nan() { a } else { b }),
+            _ => unreachable!("{} does not produce numbers", self.name()),
+        }
+    }
+
+    pub(crate) fn int(self, m: impl MapBinary<i64, i64>) -> Vec<i64> {
+        use BinaryOp::*;
+        match self {
+            Add => m.run(|a, b| a.wrapping_add(b)),
+            Sub => m.run(|a, b| a.wrapping_sub(b)),
+            Mul => m.run(|a, b| a.wrapping_mul(b)),
+            // Negative integer powers are 0 except of ±1, as in PyTorch.
+            Pow => m.run(|a, b| {
+                if b >= 0 {
+                    a.wrapping_pow(b.min(u32::MAX as i64) as u32)
+                } else if a == 1 {
+                    1
+                } else if a == -1 {
+                    if b % 2 == 0 { 1 } else { -1 }
+                } else {
+                    0
+                }
+            }),
+            Maximum => m.run(|a, b| a.max(b)),
+            Minimum => m.run(|a, b| a.min(b)),
+            _ => unreachable!("{} does not produce integers", self.name()),
+        }
+    }
+
+    pub(crate) fn compare<T: PartialOrd>(self, m: impl MapBinary<T, bool>) -> Vec<bool> {
+        use BinaryOp::*;
+        match self {
+            Eq => m.run(|a, b| a == b),
+            Ne => m.run(|a, b| a != b),
+            Lt => m.run(|a, b| a < b),
+            Le => m.run(|a, b| a <= b),
+            Gt => m.run(|a, b| a > b),
+            Ge => m.run(|a, b| a >= b),
+            _ => unreachable!("{} is not a comparison", self.name()),
+        }
+    }
+
+    pub(crate) fn logical(self, m: impl MapBinary<bool, bool>) -> Vec<bool> {
+        use BinaryOp::*;
+        match self {
+            LogicalAnd => m.run(|a, b| a && b),
+            LogicalOr => m.run(|a, b| a || b),
+            LogicalXor => m.run(|a, b| a != b),
+            _ => unreachable!("{} is not logical", self.name()),
+        }
+    }
+
+    /// Gradients for (a, b); `want` says which are needed.
+    pub(crate) fn backward(
+        self,
+        a: Option<&Tensor>,
+        b: Option<&Tensor>,
+        y: Option<&Tensor>,
+        g: &Tensor,
+        want: [bool; 2],
+    ) -> Result<[Option<Tensor>; 2]> {
+        use BinaryOp::*;
+        let a = || a.expect("input saved");
+        let b = || b.expect("input saved");
+        let (ga, gb): (Option<Tensor>, Option<Tensor>) = match self {
+            Add => (Some(g.clone()), want[1].then(|| g.clone())),
+            Sub => (Some(g.clone()), if want[1] { Some(g.neg()?) } else { None }),
+            Mul => (
+                if want[0] { Some(g.mul(b())?) } else { None },
+                if want[1] { Some(g.mul(a())?) } else { None },
+            ),
+            Div => (
+                if want[0] { Some(g.div(b())?) } else { None },
+                if want[1] { Some(g.mul(a())?.div(&b().mul(b())?)?.neg()?) } else { None },
+            ),
+            Pow => {
+                let ga = if want[0] {
+                    // b * a^(b-1), and 0 where b == 0 (PyTorch's pow_backward_self)
+                    let d = b().mul(&a().pow(&b().sub_scalar(1.0)?)?)?;
+                    Some(g.mul(&d.masked_fill(&b().eq_scalar(0.0)?, 0.0)?)?)
+                } else {
+                    None
+                };
+                let gb = if want[1] {
+                    // y * ln(a), and 0 where a == 0 and b >= 0 (PyTorch's pow_backward_exponent)
+                    let d = y.expect("output saved").mul(&a().log()?)?;
+                    let mask = a().eq_scalar(0.0)?.logical_and(&b().ge_scalar(0.0)?)?;
+                    Some(g.mul(&d.masked_fill(&mask, 0.0)?)?)
+                } else {
+                    None
+                };
+                (ga, gb)
+            }
+            Maximum | Minimum => {
+                // Ties split the gradient in half, as in PyTorch.
+                let half = a().eq(b())?.where_(&g.mul_scalar(0.5)?, g)?;
+                let a_loses = if self == Maximum { a().lt(b())? } else { a().gt(b())? };
+                let b_loses = if self == Maximum { a().gt(b())? } else { a().lt(b())? };
+                (
+                    if want[0] { Some(half.masked_fill(&a_loses, 0.0)?) } else { None },
+                    if want[1] { Some(half.masked_fill(&b_loses, 0.0)?) } else { None },
+                )
+            }
+            _ => unreachable!("{} is not differentiable", self.name()),
+        };
+        Ok([ga.filter(|_| want[0]), gb])
+    }
+}

@@ -1,0 +1,232 @@
+//! Reductions: the primitive `Reduce` op and the public reductions built on it.
+
+use super::{apply, Op};
+use crate::layout::norm_dim;
+use crate::{DType, Error, Result, Tensor};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    /// Values of the maximum (`amax`); ties share the gradient.
+    Max,
+    Min,
+    /// Index of the first maximum along one dim.
+    ArgMax,
+    ArgMin,
+}
+
+impl ReduceOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Max => "amax",
+            ReduceOp::Min => "amin",
+            ReduceOp::ArgMax => "argmax",
+            ReduceOp::ArgMin => "argmin",
+        }
+    }
+    pub(crate) fn out_dtype(self, x: DType) -> DType {
+        match self {
+            ReduceOp::Sum | ReduceOp::Prod if !x.is_float() => DType::I64,
+            ReduceOp::ArgMax | ReduceOp::ArgMin => DType::I64,
+            _ => x,
+        }
+    }
+    pub(crate) fn differentiable(self) -> bool {
+        !matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+
+    pub(crate) fn backward(
+        self,
+        x: Option<&Tensor>,
+        y: Option<&Tensor>,
+        g: &Tensor,
+        in_shape: &[usize],
+        dims: &[usize],
+        keepdim: bool,
+    ) -> Result<Tensor> {
+        // Bring a reduced-shape tensor back to the input's rank, then broadcast.
+        let unreduce = |t: &Tensor| -> Result<Tensor> {
+            let kept = if keepdim { t.clone() } else { t.reshape_usize(&reduced_shape(in_shape, dims, true))? };
+            kept.broadcast_to(in_shape)
+        };
+        let gx = unreduce(g)?;
+        match self {
+            ReduceOp::Sum => Ok(gx),
+            ReduceOp::Prod => {
+                // d/dx_i prod = prod of the others; computed without dividing by zero.
+                let x = x.expect("input saved");
+                let is_zero = x.eq_scalar(0.0)?;
+                let x_nz = x.masked_fill(&is_zero, 1.0)?;
+                let prod_nz = unreduce(&apply(Op::Reduce(ReduceOp::Prod, dims.to_vec(), keepdim), &[&x_nz])?)?;
+                let zeros = unreduce(&is_zero.to_dtype(DType::I64)?.sum_dims_usize(dims, keepdim)?)?;
+                let no_zero = prod_nz.div(&x_nz)?.masked_fill(&zeros.ne_scalar(0)?, 0.0)?;
+                let one_zero = prod_nz.masked_fill(&zeros.ne_scalar(1)?.logical_or(&is_zero.logical_not()?)?, 0.0)?;
+                gx.mul(&no_zero.add(&one_zero)?)
+            }
+            ReduceOp::Max | ReduceOp::Min => {
+                let x = x.expect("input saved");
+                let hit = x.eq(&unreduce(y.expect("output saved"))?)?.to_dtype(g.dtype())?;
+                let count = unreduce(&hit.sum_dims_usize(dims, keepdim)?)?;
+                gx.mul(&hit)?.div(&count)
+            }
+            ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("not differentiable"),
+        }
+    }
+}
+
+/// The shape after reducing `dims` (kept as 1 with `keepdim`).
+pub(crate) fn reduced_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
+    shape
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &d)| if dims.contains(&i) { keepdim.then_some(1) } else { Some(d) })
+        .collect()
+}
+
+/// Sorted, de-duplicated, normalised dims; an empty list means every dim, as in PyTorch.
+fn norm_dims(op: &'static str, dims: &[i64], ndim: usize) -> Result<Vec<usize>> {
+    if dims.is_empty() {
+        return Ok((0..ndim).collect());
+    }
+    let mut out = Vec::with_capacity(dims.len());
+    for &d in dims {
+        let d = norm_dim(op, d, ndim)?;
+        if out.contains(&d) {
+            return Err(Error::arg(op, format!("dim {d} appears more than once in {dims:?}")));
+        }
+        out.push(d);
+    }
+    out.sort_unstable();
+    // A 0-dim tensor reduces over nothing.
+    out.retain(|&d| d < ndim);
+    Ok(out)
+}
+
+impl Tensor {
+    fn reduce(&self, op: ReduceOp, dims: Vec<usize>, keepdim: bool) -> Result<Tensor> {
+        if matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin)
+            && dims.iter().any(|&d| self.shape()[d] == 0)
+        {
+            return Err(Error::shape(op.name(), format!("cannot reduce over an empty dimension (shape {:?}, dims {dims:?})", self.shape())));
+        }
+        if op == ReduceOp::Sum || op == ReduceOp::Prod {
+            if self.dtype() == DType::Bool {
+                return self.to_dtype(DType::I64)?.reduce(op, dims, keepdim);
+            }
+        }
+        apply(Op::Reduce(op, dims, keepdim), &[self])
+    }
+
+    pub(crate) fn sum_dims_usize(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Sum, dims.to_vec(), keepdim)
+    }
+
+    /// Sum over `dims` (all when empty); integer and bool inputs sum to I64.
+    pub fn sum(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Sum, norm_dims("sum", dims, self.ndim())?, keepdim)
+    }
+    pub fn sum_all(&self) -> Result<Tensor> {
+        self.sum(&[], false)
+    }
+    /// Mean over `dims` (all when empty); floating-point only, as in PyTorch.
+    pub fn mean(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return Err(Error::dtype("mean", self.dtype(), "mean needs a floating-point input; convert with to_dtype"));
+        }
+        let dims = norm_dims("mean", dims, self.ndim())?;
+        let n: usize = dims.iter().map(|&d| self.shape()[d]).product();
+        self.reduce(ReduceOp::Sum, dims, keepdim)?.div_scalar(n as f64)
+    }
+    pub fn mean_all(&self) -> Result<Tensor> {
+        self.mean(&[], false)
+    }
+    pub fn prod(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Prod, vec![norm_dim("prod", dim, self.ndim())?], keepdim)
+    }
+    pub fn prod_all(&self) -> Result<Tensor> {
+        self.reduce(ReduceOp::Prod, (0..self.ndim()).collect(), false)
+    }
+    /// Maximum values over `dims` (all when empty); ties share the gradient (`torch.amax`).
+    pub fn amax(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Max, norm_dims("amax", dims, self.ndim())?, keepdim)
+    }
+    pub fn amin(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::Min, norm_dims("amin", dims, self.ndim())?, keepdim)
+    }
+    /// The largest element (`torch.max(x)`).
+    pub fn max_all(&self) -> Result<Tensor> {
+        self.amax(&[], false)
+    }
+    pub fn min_all(&self) -> Result<Tensor> {
+        self.amin(&[], false)
+    }
+    /// Values and indices of the maximum along `dim` (`torch.max(x, dim)`); the gradient goes
+    /// to the returned index only.
+    pub fn max(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        self.extreme_along(dim, keepdim, ReduceOp::ArgMax)
+    }
+    pub fn min(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        self.extreme_along(dim, keepdim, ReduceOp::ArgMin)
+    }
+    fn extreme_along(&self, dim: i64, keepdim: bool, op: ReduceOp) -> Result<(Tensor, Tensor)> {
+        let d = norm_dim(op.name(), dim, self.ndim())?;
+        if self.ndim() == 0 {
+            return Ok((self.clone(), Tensor::zeros(&[], DType::I64, &self.device())?));
+        }
+        let idx = self.reduce(op, vec![d], true)?;
+        let values = self.gather(d as i64, &idx)?;
+        if keepdim {
+            Ok((values, idx))
+        } else {
+            Ok((values.squeeze(d as i64)?, idx.squeeze(d as i64)?))
+        }
+    }
+    /// Index of the first maximum along `dim`.
+    pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::ArgMax, vec![norm_dim("argmax", dim, self.ndim())?], keepdim)
+    }
+    pub fn argmin(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
+        self.reduce(ReduceOp::ArgMin, vec![norm_dim("argmin", dim, self.ndim())?], keepdim)
+    }
+    /// Index of the first maximum of the flattened tensor.
+    pub fn argmax_all(&self) -> Result<Tensor> {
+        self.flatten(0, -1)?.argmax(0, false)
+    }
+    pub fn argmin_all(&self) -> Result<Tensor> {
+        self.flatten(0, -1)?.argmin(0, false)
+    }
+    /// Variance over `dims` (all when empty) with `correction` (1 = unbiased, as PyTorch's default).
+    pub fn var(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
+        if !self.dtype().is_float() {
+            return Err(Error::dtype("var", self.dtype(), "var needs a floating-point input"));
+        }
+        let dims = norm_dims("var", dims, self.ndim())?;
+        let n: usize = dims.iter().map(|&d| self.shape()[d]).product();
+        let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let centered = self.sub(&self.mean(&dims_i, true)?)?;
+        centered.mul(&centered)?.sum(&dims_i, keepdim)?.div_scalar((n as f64 - correction).max(0.0))
+    }
+    pub fn std(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
+        self.var(dims, correction, keepdim)?.sqrt()
+    }
+    /// `log(sum(exp(x)))` over `dims`, computed stably (the max is subtracted first).
+    pub fn logsumexp(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
+        let x = if self.dtype().is_float() { self.clone() } else { self.to_dtype(crate::dtype::DEFAULT_FLOAT)? };
+        let dims = norm_dims("logsumexp", dims, x.ndim())?;
+        let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        // An infinite max would give inf - inf = nan; shift by 0 there instead.
+        let m = crate::no_grad(|| -> Result<Tensor> {
+            let m = x.amax(&dims_i, true)?;
+            m.masked_fill(&m.abs()?.eq_scalar(f64::INFINITY)?, 0.0)
+        })?;
+        let s = x.sub(&m)?.exp()?.sum(&dims_i, true)?.log()?.add(&m)?;
+        if keepdim {
+            Ok(s)
+        } else {
+            s.reshape_usize(&reduced_shape(x.shape(), &dims, false))
+        }
+    }
+}

@@ -1,0 +1,137 @@
+//! Creating tensors: constants, ranges, random values, and host data.
+
+use super::random::{philox, reserve, uniform_f32, uniform_f64};
+use super::Tensor;
+use crate::backend::check_device;
+use crate::backend::cpu::{fill_new, with_dtype, CpuStorage, HostElem};
+use crate::dtype::{Elem, WithDType};
+use crate::layout::numel;
+use crate::{DType, Device, Error, Result};
+
+impl Tensor {
+    /// A tensor of `shape` with every element `value` (converted to `dtype`).
+    pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        check_device("full", *device)?;
+        let n = numel(shape);
+        Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
+    }
+    pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        check_device("zeros", *device)?;
+        Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, numel(shape)), shape))
+    }
+    pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype, device)
+    }
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Tensor::zeros(self.shape(), self.dtype(), &self.device())
+    }
+    pub fn ones_like(&self) -> Result<Tensor> {
+        Tensor::ones(self.shape(), self.dtype(), &self.device())
+    }
+    pub fn full_like(&self, value: f64) -> Result<Tensor> {
+        Tensor::full(self.shape(), value, self.dtype(), &self.device())
+    }
+    /// A 0-dimensional tensor.
+    pub fn scalar(value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::full(&[], value, dtype, device)
+    }
+
+    /// Values `start, start + step, ...` below `end` (`torch.arange`).
+    pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: &Device) -> Result<Tensor> {
+        check_device("arange", *device)?;
+        if step == 0.0 || !((end - start) / step).is_finite() {
+            return Err(Error::arg("arange", format!("step must be non-zero and the range finite (start {start}, end {end}, step {step})")));
+        }
+        if (end - start) * step < 0.0 {
+            return Err(Error::arg("arange", format!("upper bound and step sign are inconsistent (start {start}, end {end}, step {step})")));
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        Ok(Tensor::from_cpu(
+            with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
+            &[n],
+        ))
+    }
+
+    /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
+    pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        check_device("linspace", *device)?;
+        let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
+        // Like PyTorch, the second half counts back from `end` so both ends are exact.
+        let half = steps / 2;
+        Ok(Tensor::from_cpu(
+            with_dtype!(dtype, T => T::wrap((0..steps).map(|i| {
+                T::from_f64(if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
+            }).collect())),
+            &[steps],
+        ))
+    }
+
+    /// The n×n identity.
+    pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        check_device("eye", *device)?;
+        Ok(Tensor::from_cpu(
+            with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
+            &[n, n],
+        ))
+    }
+
+    /// Uniform in [0, 1) from the global generator (`torch.rand`).
+    pub fn rand(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        float_only("rand", dtype)?;
+        random_values("rand", shape, dtype, device, |w| if dtype == DType::F64 { uniform_f64(w[0], w[1]) } else { uniform_f32(w[0]) })
+    }
+
+    /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
+    pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+        float_only("randn", dtype)?;
+        random_values("randn", shape, dtype, device, |w| {
+            let u1 = 1.0 - uniform_f64(w[0], w[1]); // (0, 1]: ln is finite
+            let u2 = uniform_f64(w[2], w[3]);
+            (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+        })
+    }
+
+    /// Integers uniform in [low, high) (`torch.randint`), I64.
+    pub fn randint(low: i64, high: i64, shape: &[usize], device: &Device) -> Result<Tensor> {
+        if high <= low {
+            return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
+        }
+        let span = (high - low) as u64;
+        random_values("randint", shape, DType::I64, device, |w| {
+            (low + ((((w[0] as u64) << 32) | w[1] as u64) % span) as i64) as f64
+        })
+    }
+
+    /// A tensor of `shape` holding `data` (row-major).
+    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
+        if data.len() != numel(shape) {
+            return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
+        }
+        check_device("from_vec", *device)?;
+        Ok(Tensor::from_cpu(T::wrap(data), shape))
+    }
+    pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape, device)
+    }
+}
+
+fn float_only(op: &'static str, dtype: DType) -> Result<()> {
+    if !dtype.is_float() {
+        return Err(Error::dtype(op, dtype, "needs a floating-point dtype"));
+    }
+    Ok(())
+}
+
+/// Element i draws from counter block (first + i): one Philox call per element, so the stream
+/// does not depend on how the work is split across threads.
+fn random_values(op: &'static str, shape: &[usize], dtype: DType, device: &Device, f: impl Fn([u32; 4]) -> f64 + Sync) -> Result<Tensor> {
+    check_device(op, *device)?;
+    let n = numel(shape);
+    let (seed, first) = reserve(n as u64);
+    let s = with_dtype!(dtype, T => T::wrap(fill_new(n, |start, out| {
+        for (k, o) in out.iter_mut().enumerate() {
+            o.write(<T as Elem>::from_f64(f(philox(seed, first + (start + k) as u64))));
+        }
+    })));
+    Ok(Tensor::from_cpu(s, shape))
+}

@@ -1,0 +1,251 @@
+//! `Tensor`: shared storage + layout + dtype + device, with autograd metadata.
+
+mod create;
+mod display;
+pub(crate) mod random;
+
+use crate::autograd::Node;
+use crate::backend::cpu::{self, CpuStorage};
+use crate::dtype::WithDType;
+use crate::layout::Layout;
+use crate::storage::Storage;
+use crate::{DType, Device, Error, Result};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub use random::manual_seed;
+
+/// A multi-dimensional array on a device. Cloning is cheap and shares everything, like a second
+/// Python reference to the same `torch.Tensor`.
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorImpl>);
+
+pub(crate) struct TensorImpl {
+    storage: Arc<Storage>,
+    layout: Layout,
+    dtype: DType,
+    device: Device,
+    /// Shares storage with the tensor it was derived from (reshape, permute, slice, ...).
+    is_view: bool,
+    id: u64,
+    pub(crate) meta: Mutex<AutogradMeta>,
+}
+
+#[derive(Default)]
+pub(crate) struct AutogradMeta {
+    pub(crate) requires_grad: bool,
+    pub(crate) grad: Option<Tensor>,
+    pub(crate) grad_fn: Option<Arc<Node>>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+impl Tensor {
+    pub(crate) fn from_parts(storage: Arc<Storage>, layout: Layout, dtype: DType, is_view: bool) -> Tensor {
+        let device = storage.device;
+        Tensor(Arc::new(TensorImpl {
+            storage,
+            layout,
+            dtype,
+            device,
+            is_view,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            meta: Mutex::new(AutogradMeta::default()),
+        }))
+    }
+
+    /// A new contiguous tensor owning `s`.
+    pub(crate) fn from_cpu(s: CpuStorage, shape: &[usize]) -> Tensor {
+        debug_assert_eq!(s.len(), crate::layout::numel(shape));
+        let dtype = s.dtype();
+        Tensor::from_parts(Arc::new(Storage::cpu(s)), Layout::contiguous(shape), dtype, false)
+    }
+
+    /// Another tensor over the same storage (a view).
+    pub(crate) fn view_as_layout(&self, layout: Layout) -> Tensor {
+        Tensor::from_parts(self.0.storage.clone(), layout, self.0.dtype, true)
+    }
+
+    /// The same data without autograd history (`torch.Tensor.detach`).
+    pub fn detach(&self) -> Tensor {
+        Tensor::from_parts(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, self.0.is_view)
+    }
+
+    pub(crate) fn storage(&self) -> &Arc<Storage> {
+        &self.0.storage
+    }
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub(crate) fn is_view(&self) -> bool {
+        self.0.is_view
+    }
+    /// A process-unique identity (the compiler keys captured tensors by it).
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+    /// `size(dim)`, with negative dims counting from the end.
+    pub fn size(&self, dim: i64) -> Result<usize> {
+        Ok(self.shape()[crate::layout::norm_dim("size", dim, self.ndim())?])
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+    pub fn storage_offset(&self) -> usize {
+        self.0.layout.offset
+    }
+    pub fn ndim(&self) -> usize {
+        self.0.layout.ndim()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// The storage's version counter, bumped by every in-place write to it or any of its views.
+    pub fn version(&self) -> u64 {
+        self.0.storage.version()
+    }
+    /// Whether two tensors share storage.
+    pub fn shares_storage_with(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+
+    /// Copies the elements to the host as `T`, which must be the tensor's dtype. Synchronises.
+    pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
+        self.check_read::<T>("to_vec")?;
+        Ok(cpu::to_vec_as::<T>(self))
+    }
+
+    /// The single element of a one-element tensor. Synchronises.
+    pub fn item<T: WithDType>(&self) -> Result<T> {
+        self.check_read::<T>("item")?;
+        if self.numel() != 1 {
+            return Err(Error::shape("item", format!("a tensor with {} elements (shape {:?}) cannot be converted to a scalar", self.numel(), self.shape())));
+        }
+        Ok(cpu::to_vec_as::<T>(self)[0])
+    }
+
+    fn check_read<T: WithDType>(&self, op: &'static str) -> Result<()> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::dtype(op, self.dtype(), format!("the tensor holds {:?}, asked for {:?}; convert with to_dtype first", self.dtype(), T::DTYPE)));
+        }
+        crate::backend::check_device(op, self.device())
+    }
+
+    /// Moves the tensor to `device` (a no-op when it is already there). Synchronous.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        if *device == self.device() {
+            return Ok(self.clone());
+        }
+        crate::backend::check_device("to_device", *device)?;
+        crate::backend::check_device("to_device", self.device())?;
+        Ok(self.clone())
+    }
+
+    // ---- autograd metadata ----
+
+    /// Marks a leaf tensor as needing gradients and returns it (builder form).
+    pub fn requires_grad(self) -> Tensor {
+        // A fresh tensor is always a leaf, so this cannot fail for the builder use.
+        let _ = self.set_requires_grad(true);
+        self
+    }
+
+    /// `requires_grad_(flag)`: only floating-point leaves can require gradients.
+    pub fn set_requires_grad(&self, flag: bool) -> Result<()> {
+        if flag && !self.dtype().is_float() {
+            return Err(Error::dtype("requires_grad", self.dtype(), "only floating-point tensors can require gradients"));
+        }
+        let mut m = self.0.meta.lock();
+        if m.grad_fn.is_some() && !flag {
+            return Err(Error::Autograd("requires_grad cannot be turned off on a non-leaf tensor; use detach()".into()));
+        }
+        m.requires_grad = flag || m.grad_fn.is_some();
+        Ok(())
+    }
+
+    /// Whether gradients flow to or through this tensor (`torch.Tensor.requires_grad`).
+    pub fn is_requires_grad(&self) -> bool {
+        let m = self.0.meta.lock();
+        m.requires_grad || m.grad_fn.is_some()
+    }
+
+    /// Leaves are tensors the user made (not results of recorded ops).
+    pub fn is_leaf(&self) -> bool {
+        self.0.meta.lock().grad_fn.is_none()
+    }
+
+    /// The accumulated gradient of a leaf, after `backward`.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.meta.lock().grad.clone()
+    }
+
+    /// Replaces (or clears, with `None`) the accumulated gradient.
+    pub fn set_grad(&self, grad: Option<Tensor>) {
+        self.0.meta.lock().grad = grad;
+    }
+
+    /// The name of the node that made this tensor (`MulBackward`, ...), if it was recorded.
+    pub fn grad_fn_name(&self) -> Option<String> {
+        self.0.meta.lock().grad_fn.as_ref().map(|n| n.name())
+    }
+
+    pub(crate) fn grad_fn(&self) -> Option<Arc<Node>> {
+        self.0.meta.lock().grad_fn.clone()
+    }
+
+    pub(crate) fn set_grad_fn(&self, node: Option<Arc<Node>>) {
+        let mut m = self.0.meta.lock();
+        m.requires_grad = node.is_some() || (m.requires_grad && m.grad_fn.is_none());
+        m.grad_fn = node;
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor[{:?}, {:?}, {}]", self.shape(), self.dtype(), self.device())
+    }
+}
+
+impl std::fmt::Display for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use display::Values;
+        if crate::backend::check_device("display", self.device()).is_err() {
+            return write!(f, "{self:?}");
+        }
+        let values = match self.dtype() {
+            d if d.is_float() => Values::Float(cpu::to_vec_as::<f64>(self)),
+            DType::Bool => Values::Bool(cpu::to_vec_as::<bool>(self)),
+            _ => Values::Int(cpu::to_vec_as::<i64>(self)),
+        };
+        let mut suffixes = Vec::new();
+        if self.numel() == 0 && self.ndim() != 1 {
+            suffixes.push(format!("size=({})", self.shape().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")));
+        }
+        if let Device::Cuda(n) = self.device() {
+            suffixes.push(format!("device='cuda:{n}'"));
+        }
+        if !matches!(self.dtype(), DType::F32 | DType::I64 | DType::Bool) {
+            suffixes.push(format!("dtype=kiln.{}", self.dtype().torch_name()));
+        }
+        if let Some(name) = self.grad_fn_name() {
+            suffixes.push(format!("grad_fn=<{name}>"));
+        } else if self.is_requires_grad() {
+            suffixes.push("requires_grad=True".into());
+        }
+        let suffixes: Vec<&str> = suffixes.iter().map(|s| s.as_str()).collect();
+        f.write_str(&display::format_tensor_with_suffixes(&values, self.shape(), &suffixes))
+    }
+}
