@@ -1,0 +1,43 @@
+//! Shared helpers: the test device, host references, and tolerance checks.
+#![allow(dead_code)]
+
+use kiln::{DType, Device, Tensor};
+
+/// The device under test: `KILN_TEST_DEVICE=cuda` (or `cuda:N`) selects a GPU, else the CPU.
+pub fn dev() -> Device {
+    match std::env::var("KILN_TEST_DEVICE").as_deref() {
+        Ok(s) if s.starts_with("cuda") => Device::Cuda(s.strip_prefix("cuda:").and_then(|n| n.parse().ok()).unwrap_or(0)),
+        _ => Device::Cpu,
+    }
+}
+
+/// A tensor of `shape` on the test device from f64 host values, converted to `dtype`.
+pub fn t(values: &[f64], shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::from_slice(values, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap().to_device(&dev()).unwrap()
+}
+
+/// The tensor's values as f64 on the host.
+pub fn vals(x: &Tensor) -> Vec<f64> {
+    x.to_dtype(DType::F64).unwrap().to_device(&Device::Cpu).unwrap().to_vec::<f64>().unwrap()
+}
+
+/// Deterministic pseudo-random values in [-2, 2) (independent of kiln's generator).
+pub fn host_rand(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 11) as f64 / (1u64 << 53) as f64) * 4.0 - 2.0
+        })
+        .collect()
+}
+
+/// Asserts |a - b| <= atol + rtol |b| elementwise (NaNs must match NaNs).
+#[track_caller]
+pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= atol + rtol * y.abs();
+        assert!(ok, "element {i}: got {x}, expected {y} (rtol {rtol}, atol {atol})");
+    }
+}
