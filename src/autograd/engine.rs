@@ -125,11 +125,15 @@ fn conform(n: &Node, i: usize, g: Tensor) -> Result<Tensor> {
 
 fn accumulate_leaf(t: &Tensor, g: Tensor) -> Result<()> {
     let g = if g.dtype() != t.dtype() { g.to_dtype(t.dtype())? } else { g };
-    let new = match t.grad() {
+    // Read and replace `.grad` under the leaf's lock: backward passes on several threads may
+    // accumulate into one leaf at once, and none of their updates may be lost. (The ops below
+    // run without recording, so they never lock this leaf's metadata themselves.)
+    let mut meta = t.0.meta.lock();
+    let new = match &meta.grad {
         Some(prev) => prev.add(&g)?,
         None => own(g)?,
     };
-    t.set_grad(Some(new));
+    meta.grad = Some(new);
     Ok(())
 }
 

@@ -31,8 +31,10 @@ pub trait Function: Send + Sync + 'static {
     fn backward(&self, ctx: &Ctx, grad: &Tensor) -> Result<Vec<Option<Tensor>>>;
     /// The name the node shows (`<name>Backward`).
     fn name(&self) -> String {
+        // `a::Wrap<b::Inner>` is `Wrap`: drop generic arguments before the path.
         let full = std::any::type_name::<Self>();
-        full.rsplit("::").next().unwrap_or(full).to_string()
+        let base = full.split('<').next().unwrap_or(full);
+        base.rsplit("::").next().unwrap_or(base).to_string()
     }
     /// Runs forward and records the function for backward.
     fn apply(self, xs: &[&Tensor]) -> Result<Tensor>

@@ -24,7 +24,8 @@ impl Default for GradcheckOptions {
 pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], opts: GradcheckOptions) -> Result<()> {
     let xs: Vec<Tensor> = inputs
         .iter()
-        .map(|t| if t.dtype().is_float() { Ok(t.to_dtype(DType::F64)?.copy_contiguous()?.requires_grad()) } else { Ok(t.clone()) })
+        // Fresh leaves, also for inputs that already require grad (detached from their history).
+        .map(|t| if t.dtype().is_float() { Ok(t.detach().to_dtype(DType::F64)?.copy_contiguous()?.requires_grad()) } else { Ok(t.clone()) })
         .collect::<Result<_>>()?;
     let out = f(&xs)?;
     if out.dtype() != DType::F64 {

@@ -129,6 +129,28 @@ impl Node {
     }
 }
 
+impl Drop for Node {
+    /// Frees a chain of nodes iteratively: dropping the last reference to a node would otherwise
+    /// drop the nodes behind it recursively, and a long graph (an unrolled loop) would overflow
+    /// the stack.
+    fn drop(&mut self) {
+        fn take(edges: &mut Vec<Option<Edge>>, stack: &mut Vec<Arc<Node>>) {
+            stack.extend(edges.drain(..).filter_map(|e| match e {
+                Some(Edge::Node(n)) => Some(n),
+                _ => None,
+            }));
+        }
+        let mut stack = Vec::new();
+        take(&mut self.edges, &mut stack);
+        while let Some(n) = stack.pop() {
+            // Only nodes nobody else holds are freed here, after their edges are taken out.
+            if let Some(mut inner) = Arc::into_inner(n) {
+                take(&mut inner.edges, &mut stack);
+            }
+        }
+    }
+}
+
 /// `mul` → `Mul`, `index_select` → `IndexSelect`.
 fn camel(s: &str) -> String {
     s.split('_').map(|w| {
@@ -151,6 +173,14 @@ fn edge_of(t: &Tensor) -> Option<Edge> {
 pub(crate) fn record(op: Op, inputs: &[&Tensor], out: Tensor) -> Result<Tensor> {
     if !is_grad_enabled() || !out.dtype().is_float() || !inputs.iter().any(|t| t.is_requires_grad()) {
         return Ok(out);
+    }
+    if let Some(t) = inputs.iter().find(|t| t.has_stale_history()) {
+        return Err(Error::Autograd(format!(
+            "{}: an input (shape {:?}) is a view whose base was modified by an inplace operation after the view \
+             was taken, so its history is stale; take the view again after the in-place operation",
+            op.name(),
+            t.shape()
+        )));
     }
     let diff = op.differentiable_inputs(inputs.len());
     if !inputs.iter().zip(&diff).any(|(t, &d)| d && t.is_requires_grad()) {

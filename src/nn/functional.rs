@@ -28,11 +28,20 @@ fn float_input(op: &'static str, x: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// The max along `dim` (kept), or zeros when `x` is empty: amax refuses empty dims, and an empty
+/// input (even one empty along `dim`) has an empty softmax, as in PyTorch.
+fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
+    if x.numel() == 0 {
+        return x.sum(&[dim], true);
+    }
+    x.amax(&[dim], true)
+}
+
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
     in_opmath(x, |x| {
-        let m = no_grad(|| x.amax(&[dim], true))?;
+        let m = no_grad(|| line_max(x, dim))?;
         let e = x.sub(&m)?.exp()?;
         e.div(&e.sum(&[dim], true)?)
     })
@@ -42,7 +51,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
     in_opmath(x, |x| {
-        let m = no_grad(|| x.amax(&[dim], true))?;
+        let m = no_grad(|| line_max(x, dim))?;
         let shifted = x.sub(&m)?;
         shifted.sub(&shifted.exp()?.sum(&[dim], true)?.log()?)
     })

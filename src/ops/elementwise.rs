@@ -31,6 +31,14 @@ impl Scalar {
             Scalar::Float(f) => f,
         }
     }
+    /// A 0-dim tensor of this value in `dtype`; integers reach integer dtypes exactly (not
+    /// through f64, which rounds beyond 2^53).
+    fn to_tensor(self, dtype: DType, device: &crate::Device) -> Result<Tensor> {
+        match self {
+            Scalar::Int(i) if dtype.is_int() => Tensor::from_vec(vec![i], &[], device)?.to_dtype(dtype),
+            s => Tensor::scalar(s.to_f64(), dtype, device),
+        }
+    }
 }
 impl From<f64> for Scalar {
     fn from(v: f64) -> Self {
@@ -127,7 +135,7 @@ impl Tensor {
     fn binary_scalar(&self, op: BinaryOp, s: Scalar, reversed: bool) -> Result<Tensor> {
         let promoted = result_type(&[(self.dtype(), tier(self)), (s.dtype(), Tier::Scalar)]);
         // The scalar is held in the dtype arithmetic runs in (f32 for half types), as PyTorch does.
-        let st = Tensor::scalar(s.to_f64(), op.compute_dtype(promoted)?.compute_dtype(), &self.device())?;
+        let st = s.to_tensor(op.compute_dtype(promoted)?.compute_dtype(), &self.device())?;
         if reversed {
             binary_promoted(op, &st, self, promoted)
         } else {
@@ -157,12 +165,19 @@ impl Tensor {
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
         }
+        // A fractional or infinite bound promotes an integer tensor to the default float, as
+        // PyTorch's clamp does with a float bound (instead of truncating the bound).
+        let fractional = |b: Option<f64>| b.is_some_and(|v| v.fract() != 0.0 || !v.is_finite());
+        if !self.dtype().is_float() && (fractional(min) || fractional(max)) {
+            return self.to_dtype(crate::dtype::DEFAULT_FLOAT)?.clamp(min, max);
+        }
         let mut r = self.clone();
         if let Some(lo) = min {
             r = self.lt_scalar(lo)?.where_(&self.full_scalar_like(lo)?, &r)?;
         }
         if let Some(hi) = max {
-            r = self.gt_scalar(hi)?.where_(&self.full_scalar_like(hi)?, &r)?;
+            // Compares the lower-clamped value: min(max(x, lo), hi), so lo > hi gives hi everywhere.
+            r = r.gt_scalar(hi)?.where_(&self.full_scalar_like(hi)?, &r)?;
         }
         Ok(r)
     }
@@ -193,7 +208,7 @@ impl Tensor {
         if shape != self.shape() {
             return Err(Error::shape("masked_fill", format!("mask of shape {:?} does not broadcast to the tensor's shape {:?}", mask.shape(), self.shape())));
         }
-        mask.where_(&self.full_scalar_like(value.into().to_f64())?, self)
+        mask.where_(&value.into().to_tensor(self.dtype(), &self.device())?, self)
     }
 
     /// Converts to `dtype` (no copy when it already is).

@@ -24,6 +24,9 @@ impl Tensor {
             )));
         }
         crate::backend::check_device(op, self.device())?;
+        // A leaf value (`copy_` from a parameter) has no node for this tensor to take over: give
+        // it one, or the gradient to the leaf would be lost.
+        let value = if recording && value.is_leaf() && value.is_requires_grad() { value.copy_contiguous()? } else { value.clone() };
         let value = value.to_dtype(self.dtype())?;
         let data = cpu::cast(&value, self.dtype());
         cpu::write_into(self, &data);
@@ -37,7 +40,14 @@ impl Tensor {
     /// Runs `f` on this tensor and writes the result back. When autograd records, `f` sees a
     /// differentiable copy, so tensors its backward saves are not the ones overwritten here.
     fn update(&self, op: &'static str, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
-        let base = if is_grad_enabled() && self.is_requires_grad() && !self.is_leaf() { self.copy_contiguous()? } else { self.clone() };
+        self.update_with(op, None, f)
+    }
+
+    /// `update` for an op with a tensor operand `other`: when only `other` requires grad, the
+    /// op's backward may save this tensor too (`c.mul_(w)` saves `c` for `w`'s gradient).
+    fn update_with(&self, op: &'static str, other: Option<&Tensor>, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
+        let tracked = if self.is_requires_grad() { !self.is_leaf() } else { other.is_some_and(|o| o.is_requires_grad()) };
+        let base = if is_grad_enabled() && tracked { self.copy_contiguous()? } else { self.clone() };
         let value = f(&base)?;
         let b = crate::layout::broadcast_shapes(op, self.shape(), value.shape())?;
         if b != self.shape() {
@@ -50,16 +60,16 @@ impl Tensor {
     }
 
     pub fn add_(&self, other: &Tensor) -> Result<()> {
-        self.update("add_", |x| x.add(other))
+        self.update_with("add_", Some(other), |x| x.add(other))
     }
     pub fn sub_(&self, other: &Tensor) -> Result<()> {
-        self.update("sub_", |x| x.sub(other))
+        self.update_with("sub_", Some(other), |x| x.sub(other))
     }
     pub fn mul_(&self, other: &Tensor) -> Result<()> {
-        self.update("mul_", |x| x.mul(other))
+        self.update_with("mul_", Some(other), |x| x.mul(other))
     }
     pub fn div_(&self, other: &Tensor) -> Result<()> {
-        self.update("div_", |x| x.div(other))
+        self.update_with("div_", Some(other), |x| x.div(other))
     }
     pub fn add_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
         self.update("add_", |x| x.add_scalar(s))

@@ -115,8 +115,9 @@ impl Op {
                 return Ok(match x.layout().view_strides(shape) {
                     Some(strides) => x.view_as_layout(Layout { shape: shape.clone(), strides, offset: x.layout().offset }),
                     None => {
+                        // A fresh copy, not a view of the input: in-place ops on it are fine.
                         let c = x.copy_contiguous()?;
-                        c.view_as_layout(Layout::contiguous(shape))
+                        Tensor::from_parts(c.storage().clone(), Layout::contiguous(shape), c.dtype(), false)
                     }
                 });
             }

@@ -127,7 +127,7 @@ impl Tensor {
     /// `len` elements from `start` along `dim`. A view.
     pub fn narrow(&self, dim: i64, start: usize, len: usize) -> Result<Tensor> {
         let d = norm_dim("narrow", dim, self.ndim())?;
-        if self.ndim() == 0 || start + len > self.shape()[d] {
+        if self.ndim() == 0 || start.checked_add(len).is_none_or(|end| end > self.shape()[d]) {
             return Err(Error::shape("narrow", format!("start {start} + length {len} exceeds size {} of dim {d} (shape {:?})", self.shape().get(d).copied().unwrap_or(0), self.shape())));
         }
         self.slice_view(d, start, len, 1)
@@ -147,7 +147,9 @@ impl Tensor {
         let clampi = |i: i64| (if i < 0 { i + size } else { i }).clamp(0, size) as usize;
         let (s, e) = (clampi(start), clampi(end));
         let len = if e > s { (e - s).div_ceil(step) } else { 0 };
-        self.slice_view(d, s, len, step)
+        // With at most one element the step is irrelevant; normalising it keeps a huge step
+        // from overflowing the view's stride (and the gradient's padding).
+        self.slice_view(d, s, len, if len > 1 { step } else { 1 })
     }
 
     fn slice_view(&self, dim: usize, start: usize, len: usize, step: usize) -> Result<Tensor> {
@@ -238,7 +240,8 @@ impl Tensor {
             amounts[d] = (before.max(0) as usize, after.max(0) as usize);
         }
         if amounts.iter().all(|p| *p == (0, 0)) {
-            return Ok(x);
+            // Only cropping (or nothing): still a copy, as PyTorch's constant_pad_nd clones.
+            return x.copy_contiguous();
         }
         apply(Op::Pad(amounts, value), &[&x])
     }
@@ -274,7 +277,9 @@ fn infer_shape(op: &'static str, t: &Tensor, shape: &[i64]) -> Result<Vec<usize>
             -1 if infer.is_none() => infer = Some(i),
             -1 => return Err(Error::shape(op, format!("only one dim can be inferred in {shape:?}"))),
             s if s < 0 => return Err(Error::shape(op, format!("invalid size {s} in {shape:?}"))),
-            s => known *= s as usize,
+            s => {
+                known = known.checked_mul(s as usize).ok_or_else(|| Error::shape(op, format!("shape {shape:?} is too large: its element count overflows")))?;
+            }
         }
     }
     let mut out: Vec<usize> = shape.iter().map(|&s| s.max(0) as usize).collect();
@@ -309,9 +314,7 @@ pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
     }
     let cast: Vec<Tensor> = ts.iter().map(|t| t.to_dtype(dtype)).collect::<Result<_>>()?;
     let refs: Vec<&Tensor> = cast.iter().collect();
-    if refs.len() == 1 {
-        return Ok(refs[0].clone());
-    }
+    // Always a new tensor, even from one input (torch.cat never returns a view).
     apply(Op::Cat(d), &refs)
 }
 

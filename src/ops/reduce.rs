@@ -203,6 +203,11 @@ impl Tensor {
         if !self.dtype().is_float() {
             return Err(Error::dtype("var", self.dtype(), "var needs a floating-point input"));
         }
+        let dt = self.dtype();
+        if dt.compute_dtype() != dt {
+            // Half types: every intermediate in F32, one rounding at the end (as PyTorch).
+            return self.to_dtype(dt.compute_dtype())?.var(dims, correction, keepdim)?.to_dtype(dt);
+        }
         let dims = norm_dims("var", dims, self.ndim())?;
         let n: usize = dims.iter().map(|&d| self.shape()[d]).product();
         let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
@@ -210,6 +215,10 @@ impl Tensor {
         centered.mul(&centered)?.sum(&dims_i, keepdim)?.div_scalar((n as f64 - correction).max(0.0))
     }
     pub fn std(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
+        let dt = self.dtype();
+        if dt.is_float() && dt.compute_dtype() != dt {
+            return self.to_dtype(dt.compute_dtype())?.std(dims, correction, keepdim)?.to_dtype(dt);
+        }
         self.var(dims, correction, keepdim)?.sqrt()
     }
     /// `log(sum(exp(x)))` over `dims`, computed stably (the max is subtracted first).
@@ -219,6 +228,10 @@ impl Tensor {
         let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
         // An infinite max would give inf - inf = nan; shift by 0 there instead.
         let m = crate::no_grad(|| -> Result<Tensor> {
+            if x.numel() == 0 {
+                // amax refuses empty dims; a sum over nothing is -inf after the log, as in PyTorch.
+                return x.sum(&dims_i, true);
+            }
             let m = x.amax(&dims_i, true)?;
             m.masked_fill(&m.abs()?.eq_scalar(f64::INFINITY)?, 0.0)
         })?;

@@ -12,12 +12,12 @@ impl Tensor {
     /// A tensor of `shape` with every element `value` (converted to `dtype`).
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("full", *device)?;
-        let n = numel(shape);
+        let n = checked_numel("full", shape, dtype)?;
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("zeros", *device)?;
-        Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, numel(shape)), shape))
+        Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, checked_numel("zeros", shape, dtype)?), shape))
     }
     pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype, device)
@@ -46,6 +46,7 @@ impl Tensor {
             return Err(Error::arg("arange", format!("upper bound and step sign are inconsistent (start {start}, end {end}, step {step})")));
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
+        checked_numel("arange", &[n], dtype)?;
         Ok(Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
             &[n],
@@ -55,9 +56,10 @@ impl Tensor {
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("linspace", *device)?;
+        checked_numel("linspace", &[steps], dtype)?;
         let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
         // Like PyTorch, the second half counts back from `end` so both ends are exact.
-        let half = steps / 2;
+        let half = if steps == 1 { 1 } else { steps / 2 };
         Ok(Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..steps).map(|i| {
                 T::from_f64(if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
@@ -69,6 +71,7 @@ impl Tensor {
     /// The n×n identity.
     pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("eye", *device)?;
+        checked_numel("eye", &[n, n], dtype)?;
         Ok(Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
             &[n, n],
@@ -78,7 +81,14 @@ impl Tensor {
     /// Uniform in [0, 1) from the global generator (`torch.rand`).
     pub fn rand(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("rand", dtype)?;
-        random_values("rand", shape, dtype, device, |w| if dtype == DType::F64 { uniform_f64(w[0], w[1]) } else { uniform_f32(w[0]) })
+        // Half types take only the bits they hold (as torch's uniform_real): rounding a 24-bit
+        // value to f16/bf16 could give 1.0.
+        random_values("rand", shape, dtype, device, |w| match dtype {
+            DType::F64 => uniform_f64(w[0], w[1]),
+            DType::F16 => (w[0] >> 21) as f64 / (1u32 << 11) as f64,
+            DType::BF16 => (w[0] >> 24) as f64 / (1u32 << 8) as f64,
+            _ => uniform_f32(w[0]),
+        })
     }
 
     /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
@@ -96,15 +106,22 @@ impl Tensor {
         if high <= low {
             return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
         }
-        let span = (high - low) as u64;
-        random_values("randint", shape, DType::I64, device, |w| {
-            (low + ((((w[0] as u64) << 32) | w[1] as u64) % span) as i64) as f64
-        })
+        check_device("randint", *device)?;
+        let n = checked_numel("randint", shape, DType::I64)?;
+        let span = high.wrapping_sub(low) as u64;
+        let (seed, first) = reserve(n as u64);
+        let v: Vec<i64> = fill_new(n, |start, out| {
+            for (k, o) in out.iter_mut().enumerate() {
+                let w = philox(seed, first + (start + k) as u64);
+                o.write(low.wrapping_add(((((w[0] as u64) << 32) | w[1] as u64) % span) as i64));
+            }
+        });
+        Ok(Tensor::from_cpu(i64::wrap(v), shape))
     }
 
     /// A tensor of `shape` holding `data` (row-major).
     pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
-        if data.len() != numel(shape) {
+        if data.len() != checked_numel("from_vec", shape, T::DTYPE)? {
             return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
         }
         check_device("from_vec", *device)?;
@@ -112,6 +129,17 @@ impl Tensor {
     }
     pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape, device)
+    }
+}
+
+/// The element count of `shape`, or an error when it, its strides or its size in bytes overflow
+/// (torch: "Storage size calculation overflowed").
+fn checked_numel(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+    // Strides multiply the sizes with zeros counted as ones, so that product must fit too.
+    let bytes = shape.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d.max(1)));
+    match bytes {
+        Some(b) if b <= isize::MAX as usize => Ok(numel(shape)),
+        _ => Err(Error::arg(op, format!("shape {shape:?} of {dtype:?} is too large: its size overflows"))),
     }
 }
 
@@ -126,7 +154,7 @@ fn float_only(op: &'static str, dtype: DType) -> Result<()> {
 /// does not depend on how the work is split across threads.
 fn random_values(op: &'static str, shape: &[usize], dtype: DType, device: &Device, f: impl Fn([u32; 4]) -> f64 + Sync) -> Result<Tensor> {
     check_device(op, *device)?;
-    let n = numel(shape);
+    let n = checked_numel(op, shape, dtype)?;
     let (seed, first) = reserve(n as u64);
     let s = with_dtype!(dtype, T => T::wrap(fill_new(n, |start, out| {
         for (k, o) in out.iter_mut().enumerate() {

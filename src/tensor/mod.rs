@@ -28,6 +28,9 @@ pub(crate) struct TensorImpl {
     device: Device,
     /// Shares storage with the tensor it was derived from (reshape, permute, slice, ...).
     is_view: bool,
+    /// The storage's version when this tensor was made: a view whose base has since been
+    /// modified in place has stale autograd history.
+    created_version: u64,
     id: u64,
     pub(crate) meta: Mutex<AutogradMeta>,
 }
@@ -44,7 +47,9 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 impl Tensor {
     pub(crate) fn from_parts(storage: Arc<Storage>, layout: Layout, dtype: DType, is_view: bool) -> Tensor {
         let device = storage.device;
+        let created_version = storage.version();
         Tensor(Arc::new(TensorImpl {
+            created_version,
             storage,
             layout,
             dtype,
@@ -80,6 +85,11 @@ impl Tensor {
     }
     pub(crate) fn is_view(&self) -> bool {
         self.0.is_view
+    }
+    /// A view with history whose storage was written in place after it was made: its history
+    /// no longer describes its values.
+    pub(crate) fn has_stale_history(&self) -> bool {
+        self.0.is_view && self.version() != self.0.created_version && self.grad_fn().is_some()
     }
     /// A process-unique identity (the compiler keys captured tensors by it).
     pub fn id(&self) -> u64 {
@@ -156,9 +166,10 @@ impl Tensor {
 
     // ---- autograd metadata ----
 
-    /// Marks a leaf tensor as needing gradients and returns it (builder form).
+    /// Marks a floating-point tensor as needing gradients and returns it (builder form).
+    /// Integer and bool tensors cannot require gradients and are returned unchanged; use
+    /// [`Tensor::set_requires_grad`] to get that as an error.
     pub fn requires_grad(self) -> Tensor {
-        // A fresh tensor is always a leaf, so this cannot fail for the builder use.
         let _ = self.set_requires_grad(true);
         self
     }
@@ -230,14 +241,18 @@ impl std::fmt::Display for Tensor {
             DType::Bool => Values::Bool(cpu::to_vec_as::<bool>(self)),
             _ => Values::Int(cpu::to_vec_as::<i64>(self)),
         };
+        // In torch's order: device, size (of empty tensors), dtype, autograd.
         let mut suffixes = Vec::new();
-        if self.numel() == 0 && self.ndim() != 1 {
-            suffixes.push(format!("size=({})", self.shape().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")));
-        }
         if let Device::Cuda(n) = self.device() {
             suffixes.push(format!("device='cuda:{n}'"));
         }
-        if !matches!(self.dtype(), DType::F32 | DType::I64 | DType::Bool) {
+        if self.numel() == 0 && self.ndim() != 1 {
+            suffixes.push(format!("size=({})", self.shape().iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")));
+        }
+        // An empty tensor has no elements to show that it is integer or bool, so torch names
+        // every dtype but the default float one there.
+        let implied = if self.numel() == 0 { self.dtype() == DType::F32 } else { matches!(self.dtype(), DType::F32 | DType::I64 | DType::Bool) };
+        if !implied {
             suffixes.push(format!("dtype=kiln.{}", self.dtype().torch_name()));
         }
         if let Some(name) = self.grad_fn_name() {
