@@ -253,6 +253,13 @@ fn binary_promoted(op: BinaryOp, a: &Tensor, b: &Tensor, promoted: DType) -> Res
         return Err(Error::DeviceMismatch { op: op.name(), a: a.device(), b: b.device() });
     }
     let shape = broadcast_shapes(op.name(), a.shape(), b.shape())?;
+    // Comparisons in a half type compare half values, as PyTorch does: the other operand (a
+    // number held in F32, a wider tensor) is rounded to the half type first.
+    let (a, b) = if op.is_comparison() && compute.compute_dtype() != compute {
+        (&a.to_dtype(compute)?, &b.to_dtype(compute)?)
+    } else {
+        (a, b)
+    };
     apply(Op::Binary(op, compute), &[&a.broadcast_to(&shape)?, &b.broadcast_to(&shape)?])
 }
 

@@ -4,5 +4,11 @@
 mod autograd;
 mod common;
 mod errors;
+mod ops;
+mod ops_index;
+mod ops_matmul;
+mod ops_nn;
+mod ops_pointwise;
+mod ops_reduce;
 mod smoke;
 mod tensor;

@@ -1,0 +1,197 @@
+//! matmul against a naive triple loop: every rank combination, batch broadcasting, transposed,
+//! sliced and expanded operands, empty dims, a larger product, F32/F64/F16/BF16/I64.
+
+use crate::common::*;
+use crate::ops::*;
+use kiln::prelude::*;
+use kiln::Error;
+
+/// NumPy broadcast of two (valid) shapes.
+fn bshape(a: &[usize], b: &[usize]) -> Vec<usize> {
+    let n = a.len().max(b.len());
+    (0..n)
+        .map(|i| {
+            let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+            let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+            if da == 1 { db } else { da }
+        })
+        .collect()
+}
+
+/// torch.matmul by loops: (values, per-element sum of |a||b| for the error bound, shape).
+fn reference(av: &[f64], sa: &[usize], bv: &[f64], sb: &[usize]) -> (Vec<f64>, Vec<f64>, Vec<usize>) {
+    let sa2: Vec<usize> = if sa.len() == 1 { vec![1, sa[0]] } else { sa.to_vec() };
+    let sb2: Vec<usize> = if sb.len() == 1 { vec![sb[0], 1] } else { sb.to_vec() };
+    let (m, k) = (sa2[sa2.len() - 2], sa2[sa2.len() - 1]);
+    let n = sb2[sb2.len() - 1];
+    assert_eq!(k, sb2[sb2.len() - 2]);
+    let batch = bshape(&sa2[..sa2.len() - 2], &sb2[..sb2.len() - 2]);
+    let nb: usize = batch.iter().product();
+    let full = |r: usize, c: usize| {
+        let mut f = batch.clone();
+        f.extend([r, c]);
+        f
+    };
+    let ea = bcast(av, &sa2, &full(m, k));
+    let eb = bcast(bv, &sb2, &full(k, n));
+    let (mut out, mut mag) = (vec![0.0; nb * m * n], vec![0.0; nb * m * n]);
+    for bi in 0..nb {
+        for i in 0..m {
+            for j in 0..n {
+                let (mut s, mut g) = (0.0, 0.0);
+                for p in 0..k {
+                    let prod = ea[(bi * m + i) * k + p] * eb[(bi * k + p) * n + j];
+                    s += prod;
+                    g += prod.abs();
+                }
+                out[(bi * m + i) * n + j] = s;
+                mag[(bi * m + i) * n + j] = g;
+            }
+        }
+    }
+    let mut shape = batch;
+    if sa.len() > 1 {
+        shape.push(m);
+    }
+    if sb.len() > 1 {
+        shape.push(n);
+    }
+    (out, mag, shape)
+}
+
+/// Relative error bound (times sum |a||b|) per dtype.
+fn mm_rtol(dt: DType) -> f64 {
+    match dt {
+        DType::F64 => 1e-12,
+        DType::F32 => 1e-5,
+        DType::F16 => F16_RTOL,
+        DType::BF16 => BF16_RTOL,
+        _ => 0.0,
+    }
+}
+
+#[track_caller]
+fn check_mm(ctx: &str, a: &Tensor, av: &[f64], b: &Tensor, bv: &[f64], dt: DType) {
+    let (want, mag, shape) = reference(av, a.shape(), bv, b.shape());
+    let got = a.matmul(b).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+    assert_eq!(got.shape(), shape.as_slice(), "{ctx}: shape");
+    assert_eq!(got.dtype(), dt, "{ctx}: dtype");
+    let g = vals(&got);
+    let rtol = mm_rtol(dt);
+    for (i, ((x, y), m)) in g.iter().zip(&want).zip(&mag).enumerate() {
+        let ok = x == y || (x - y).abs() <= rtol * (m + y.abs()) + 1e-300;
+        assert!(ok, "{ctx}: element {i}: got {x}, expected {y} (bound {} = {rtol} * sum|ab| {m})", rtol * m);
+    }
+}
+
+const MM_DTYPES: [DType; 5] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64];
+
+fn dom(dt: DType) -> fn(f64) -> f64 {
+    if dt == DType::I64 {
+        |r| (r * 2.5).round()
+    } else {
+        |r| r
+    }
+}
+
+#[test]
+fn matmul_rank_combinations_and_batch_broadcast() {
+    #[rustfmt::skip]
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[7], &[7]),
+        (&[3, 4], &[4, 5]),
+        (&[4], &[4, 5]),
+        (&[3, 4], &[4]),
+        (&[2, 3, 4], &[4, 5]),
+        (&[3, 4], &[2, 4, 5]),
+        (&[4], &[2, 4, 5]),
+        (&[2, 3, 4], &[4]),
+        (&[2, 3, 4], &[2, 4, 5]),
+        (&[2, 1, 3, 4], &[3, 4, 5]),
+        (&[1, 3, 4], &[2, 4, 5]),
+        (&[2, 1, 3, 4], &[1, 2, 4, 5]),
+        (&[1, 1], &[1, 1]),
+        (&[6, 40, 50], &[50, 30]),
+    ];
+    for dt in MM_DTYPES {
+        for (k, &(sa, sb)) in cases.iter().enumerate() {
+            let (a, av) = inputs(sa, 100 + k as u64, dt, dom(dt));
+            let (b, bv) = inputs(sb, 200 + k as u64, dt, dom(dt));
+            check_mm(&format!("{sa:?} @ {sb:?} {dt:?}"), &a, &av, &b, &bv, dt);
+        }
+    }
+}
+
+#[test]
+fn matmul_non_contiguous_operands() {
+    for dt in MM_DTYPES {
+        let d = dom(dt);
+        // a = [4,3]^T, b = [5,4]^T
+        let (a, av) = make2(3, 4, Lay::Transposed, dt, 1, d);
+        let (b, bv) = make2(4, 5, Lay::Transposed, dt, 2, d);
+        check_mm(&format!("t @ t {dt:?}"), &a, &av, &b, &bv, dt);
+        let (bc, bcv) = make2(4, 5, Lay::Contig, dt, 3, d);
+        check_mm(&format!("t @ contig {dt:?}"), &a, &av, &bc, &bcv, dt);
+        // step-sliced and expanded operands
+        let (s, sv) = make2(3, 4, Lay::Strided, dt, 4, d);
+        check_mm(&format!("strided @ t {dt:?}"), &s, &sv, &b, &bv, dt);
+        let (e, ev) = make2(4, 5, Lay::Expanded, dt, 5, d);
+        check_mm(&format!("strided @ expanded {dt:?}"), &s, &sv, &e, &ev, dt);
+        let (s2, s2v) = make2(4, 5, Lay::Strided, dt, 6, d);
+        check_mm(&format!("expanded[3,4] @ strided {dt:?}"), &make2(3, 4, Lay::Expanded, dt, 7, d).0, &make2(3, 4, Lay::Expanded, dt, 7, d).1, &s2, &s2v, dt);
+        // batched transposed: [2,4,3] -> transpose(1,2) = [2,3,4]
+        let (base, bav) = inputs(&[2, 4, 3], 8, dt, d);
+        let bt = base.transpose(1, 2).unwrap();
+        let btv: Vec<f64> = (0..24).map(|f| (f / 12, (f / 4) % 3, f % 4)).map(|(z, i, j)| bav[z * 12 + j * 3 + i]).collect();
+        let (w, wv) = make2(4, 5, Lay::Transposed, dt, 9, d);
+        check_mm(&format!("batched transposed @ t {dt:?}"), &bt, &btv, &w, &wv, dt);
+        // 1-D strided vector
+        let (vb, vbv) = inputs(&[8], 10, dt, d);
+        let v = vb.slice(0, 1, 8, 2).unwrap();
+        let vv: Vec<f64> = (0..4).map(|i| vbv[1 + 2 * i]).collect();
+        check_mm(&format!("t @ strided vector {dt:?}"), &a, &av, &v, &vv, dt);
+        check_mm(&format!("strided vector . strided vector {dt:?}"), &v, &vv, &v, &vv, dt);
+    }
+}
+
+#[test]
+fn matmul_empty_dims() {
+    #[rustfmt::skip]
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[0, 3], &[3, 4]), (&[3, 0], &[0, 4]), (&[3, 4], &[4, 0]), (&[0, 3, 4], &[4, 5]),
+        (&[0], &[0]), (&[2, 3, 0], &[0, 5]), (&[0], &[0, 2]),
+    ];
+    for dt in MM_DTYPES {
+        for &(sa, sb) in cases {
+            let (a, av) = inputs(sa, 1, dt, dom(dt));
+            let (b, bv) = inputs(sb, 2, dt, dom(dt));
+            check_mm(&format!("{sa:?} @ {sb:?} {dt:?}"), &a, &av, &b, &bv, dt);
+        }
+    }
+}
+
+#[test]
+fn matmul_130x70x90() {
+    for dt in MM_DTYPES {
+        let (a, av) = inputs(&[130, 70], 31, dt, dom(dt));
+        let (b, bv) = inputs(&[70, 90], 32, dt, dom(dt));
+        check_mm(&format!("[130,70] @ [70,90] {dt:?}"), &a, &av, &b, &bv, dt);
+        // the same product from transposed storage
+        let at = t(&(0..130 * 70).map(|f| av[(f % 130) * 70 + f / 130]).collect::<Vec<_>>(), &[70, 130], dt).t().unwrap();
+        let bt = t(&(0..70 * 90).map(|f| bv[(f % 70) * 90 + f / 70]).collect::<Vec<_>>(), &[90, 70], dt).t().unwrap();
+        assert!(!at.is_contiguous() && !bt.is_contiguous());
+        check_mm(&format!("[130,70]^T-stored @ [70,90]^T-stored {dt:?}"), &at, &av, &bt, &bv, dt);
+    }
+}
+
+#[test]
+fn matmul_errors() {
+    let a = t(&[1.0; 12], &[3, 4], DType::F32);
+    let b = t(&[1.0; 15], &[3, 5], DType::F32);
+    assert!(matches!(a.matmul(&b), Err(Error::Shape { .. })));
+    assert!(matches!(a.matmul(&t(&[1.0; 20], &[4, 5], DType::F64)), Err(Error::DType { .. })));
+    assert!(a.matmul(&t0(1.0, DType::F32)).is_err());
+    assert!(t(&[1.0; 3], &[3], DType::F32).matmul(&t(&[1.0; 4], &[4], DType::F32)).is_err());
+    // batch dims that do not broadcast
+    assert!(t(&[1.0; 24], &[2, 3, 4], DType::F32).matmul(&t(&[1.0; 60], &[3, 4, 5], DType::F32)).is_err());
+}
