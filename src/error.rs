@@ -33,6 +33,16 @@ pub enum Error {
 
     #[error("{op}: {msg}")]
     Io { op: &'static str, msg: String },
+
+    #[error("{device}: out of memory: {msg}")]
+    OutOfMemory { device: Device, msg: String },
+
+    #[error("{device}: CUDA error in {op}: {msg}")]
+    Cuda { op: &'static str, device: Device, msg: String },
+
+    /// A generated kernel that failed to compile, with its source.
+    #[error("{device}: kernel compilation failed: {msg}\n--- source ---\n{code}")]
+    Kernel { device: Device, msg: String, code: String },
 }
 
 impl Error {

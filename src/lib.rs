@@ -15,6 +15,7 @@
 
 pub mod autograd;
 pub(crate) mod backend;
+pub use backend::cuda;
 mod device;
 mod dtype;
 mod error;
@@ -31,6 +32,13 @@ pub use error::{Error, Result};
 pub use ops::elementwise::{where_, Scalar};
 pub use ops::movement::{cat, stack};
 pub use tensor::{manual_seed, Tensor};
+
+/// Whether `KILN_LOG` (a comma-separated list, or `all`) asks for `category`.
+pub(crate) fn log_enabled(category: &str) -> bool {
+    static LOG: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let cats = LOG.get_or_init(|| std::env::var("KILN_LOG").map(|v| v.split(',').map(|s| s.trim().to_string()).collect()).unwrap_or_default());
+    cats.iter().any(|c| c == category || c == "all")
+}
 
 /// What most programs need: `use kiln::prelude::*;`.
 pub mod prelude {

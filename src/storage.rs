@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The bytes of a storage on one backend. The CUDA backend adds its own variant.
 pub(crate) enum BackendStorage {
     Cpu(CpuStorage),
+    Cuda(crate::backend::cuda::CudaStorage),
 }
 
 pub(crate) struct Storage {
@@ -20,6 +21,10 @@ pub(crate) struct Storage {
 impl Storage {
     pub(crate) fn cpu(s: CpuStorage) -> Self {
         Storage { data: RwLock::new(BackendStorage::Cpu(s)), version: AtomicU64::new(0), device: Device::Cpu }
+    }
+    pub(crate) fn cuda(s: crate::backend::cuda::CudaStorage) -> Self {
+        let device = Device::Cuda(s.dev.ordinal);
+        Storage { data: RwLock::new(BackendStorage::Cuda(s)), version: AtomicU64::new(0), device }
     }
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Acquire)

@@ -28,8 +28,17 @@ impl Tensor {
         // it one, or the gradient to the leaf would be lost.
         let value = if recording && value.is_leaf() && value.is_requires_grad() { value.copy_contiguous()? } else { value.clone() };
         let value = value.to_dtype(self.dtype())?;
-        let data = cpu::cast(&value, self.dtype());
-        cpu::write_into(self, &data);
+        if value.device() != self.device() {
+            return Err(Error::DeviceMismatch { op, a: self.device(), b: value.device() });
+        }
+        if self.device().is_cuda() {
+            // A value that aliases this tensor is copied first: one kernel must not read what it writes.
+            let value = if value.shares_storage_with(self) { value.copy_contiguous()? } else { value.clone() };
+            crate::backend::cuda::kernels::write_into(self, &value)?;
+        } else {
+            let data = cpu::cast(&value, self.dtype());
+            cpu::write_into(self, &data);
+        }
         self.storage().bump_version();
         if recording {
             self.set_grad_fn(value.grad_fn());

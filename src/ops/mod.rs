@@ -13,7 +13,8 @@ pub(crate) mod reduce;
 pub use pointwise::{BinaryOp, UnaryOp};
 pub use reduce::ReduceOp;
 
-use crate::backend::{check_device, cpu};
+use crate::backend::{check_device, cpu, cuda};
+use crate::storage::BackendStorage;
 use crate::layout::Layout;
 use crate::{DType, Error, Result, Tensor};
 
@@ -43,6 +44,8 @@ pub enum Op {
     ScatterAdd(usize),
     /// [B, M, K] @ [B, K, N].
     Matmul,
+    /// A copy on another device.
+    ToDevice { from: crate::Device, to: crate::Device },
 }
 
 impl Op {
@@ -63,6 +66,7 @@ impl Op {
             Op::Gather(_) => "gather",
             Op::ScatterAdd(_) => "scatter_add",
             Op::Matmul => "matmul",
+            Op::ToDevice { .. } => "to_device",
         }
     }
 
@@ -111,6 +115,7 @@ impl Op {
         let x = xs[0];
         // Views first: they need no kernel on any device.
         match self {
+            Op::ToDevice { to, .. } => return x.copy_to_device(*to),
             Op::Reshape(shape) => {
                 return Ok(match x.layout().view_strides(shape) {
                     Some(strides) => x.view_as_layout(Layout { shape: shape.clone(), strides, offset: x.layout().offset }),
@@ -147,37 +152,48 @@ impl Op {
             _ => {}
         }
         check_device(self.name(), device)?;
+        let on_cuda = device.is_cuda();
+        // The same op on the tensors' backend: `run!(cpu call, cuda call)`.
+        macro_rules! run {
+            ($cpu:expr, $cuda:expr) => {
+                if on_cuda { BackendStorage::Cuda($cuda?) } else { BackendStorage::Cpu($cpu) }
+            };
+        }
         let (storage, shape) = match self {
-            Op::Unary(u) => (cpu::pointwise::unary(*u, x, u.out_dtype(x.dtype())?), x.shape().to_vec()),
-            Op::Binary(b, compute) => (cpu::pointwise::binary(*b, x, xs[1], *compute), x.shape().to_vec()),
-            Op::Where(dt) => (cpu::pointwise::where_(x, xs[1], xs[2], *dt), x.shape().to_vec()),
-            Op::Cast(dt) => (cpu::cast(x, *dt), x.shape().to_vec()),
+            Op::Unary(u) => {
+                let out = u.out_dtype(x.dtype())?;
+                (run!(cpu::pointwise::unary(*u, x, out), cuda::kernels::unary(*u, x, out)), x.shape().to_vec())
+            }
+            Op::Binary(b, c) => (run!(cpu::pointwise::binary(*b, x, xs[1], *c), cuda::kernels::binary(*b, x, xs[1], *c)), x.shape().to_vec()),
+            Op::Where(dt) => (run!(cpu::pointwise::where_(x, xs[1], xs[2], *dt), cuda::kernels::where_(x, xs[1], xs[2], *dt)), x.shape().to_vec()),
+            Op::Cast(dt) => (run!(cpu::cast(x, *dt), cuda::kernels::cast(x, *dt)), x.shape().to_vec()),
             Op::Reduce(r, dims, keepdim) => {
-                (cpu::reduce::reduce(*r, x, dims, r.out_dtype(x.dtype())), reduce::reduced_shape(x.shape(), dims, *keepdim))
+                let out = r.out_dtype(x.dtype());
+                (run!(cpu::reduce::reduce(*r, x, dims, out), cuda::kernels::reduce(*r, x, dims, out)), reduce::reduced_shape(x.shape(), dims, *keepdim))
             }
             Op::Cat(dim) => {
                 let mut shape = x.shape().to_vec();
                 shape[*dim] = xs.iter().map(|t| t.shape()[*dim]).sum();
-                (cpu::index::cat(xs, *dim, &shape, x.dtype()), shape)
+                (run!(cpu::index::cat(xs, *dim, &shape, x.dtype()), cuda::kernels::cat(xs, *dim, &shape, x.dtype())), shape)
             }
             Op::Pad(pads, value) => {
                 let shape: Vec<usize> = x.shape().iter().zip(pads).map(|(d, p)| d + p.0 + p.1).collect();
-                (cpu::index::pad(x, pads, *value, &shape), shape)
+                (run!(cpu::index::pad(x, pads, *value, &shape), cuda::kernels::pad(x, pads, *value, &shape)), shape)
             }
             Op::IndexSelect(dim) => {
                 let mut shape = x.shape().to_vec();
                 shape[*dim] = xs[1].numel();
-                (cpu::index::index_select(x, *dim, xs[1])?, shape)
+                (run!(cpu::index::index_select(x, *dim, xs[1])?, cuda::kernels::index_select(x, *dim, xs[1])), shape)
             }
-            Op::Gather(dim) => (cpu::index::gather_dim(x, *dim, xs[1])?, xs[1].shape().to_vec()),
-            Op::ScatterAdd(dim) => (cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, x.shape().to_vec()),
+            Op::Gather(dim) => (run!(cpu::index::gather_dim(x, *dim, xs[1])?, cuda::kernels::gather_dim("gather", x, *dim, xs[1])), xs[1].shape().to_vec()),
+            Op::ScatterAdd(dim) => (run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])), x.shape().to_vec()),
             Op::Matmul => {
                 let (a, b) = (x.shape(), xs[1].shape());
-                (cpu::matmul::bmm(x, xs[1], x.dtype()), vec![a[0], a[1], b[2]])
+                (run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())), vec![a[0], a[1], b[2]])
             }
-            Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } => unreachable!("views return above"),
+            Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
         };
-        Ok(Tensor::from_cpu(storage, &shape))
+        Ok(Tensor::from_backend(storage, &shape))
     }
 
     /// Input gradients from the output gradient `g`. `xs` and `y` hold what `saves` asked for;
@@ -200,6 +216,7 @@ impl Op {
                 Ok(vec![None, Some(g.masked_fill(&c.logical_not()?, 0.0)?), Some(g.masked_fill(c, 0.0)?)])
             }
             Op::Cast(_) => one(Ok(g.clone())),
+            Op::ToDevice { from, .. } => one(g.to_device(from)),
             Op::Reduce(r, dims, keepdim) => one(r.backward(xs[0].as_ref(), y, g, in_shape, dims, *keepdim)),
             Op::Reshape(_) => one(g.reshape_usize(in_shape)),
             Op::Permute(perm) => {

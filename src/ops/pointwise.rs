@@ -385,3 +385,86 @@ impl BinaryOp {
         Ok([ga.filter(|_| want[0]), gb])
     }
 }
+
+/// The CUDA C expression of each op, over variables of compute type `t` (the generator in
+/// backend::cuda::codegen declares them). One table per op kind, beside the scalar functions
+/// above, so an op's semantics stay in this file.
+mod cuda {
+    use super::{BinaryOp, UnaryOp};
+    use crate::backend::cuda::codegen::CType;
+
+    /// `name` with the float suffix (`expf`) when computing in f32.
+    fn m(name: &str, t: CType) -> String {
+        if t == CType::F32 { format!("{name}f") } else { name.to_string() }
+    }
+
+    impl UnaryOp {
+        pub(crate) fn cuda(self, x: &str, t: CType) -> String {
+            use UnaryOp::*;
+            let ty = t.name();
+            if t == CType::I64 {
+                return match self {
+                    Neg => format!("(long long)(0ull - (unsigned long long){x})"),
+                    Abs => format!("({x} < 0 ? (long long)(0ull - (unsigned long long){x}) : {x})"),
+                    Sign => format!("(long long)(({x} > 0) - ({x} < 0))"),
+                    Relu => format!("({x} > 0 ? {x} : 0ll)"),
+                    _ => unreachable!("{} computes in floating point", self.name()),
+                };
+            }
+            match self {
+                Neg => format!("(-{x})"),
+                Abs => format!("{}({x})", m("fabs", t)),
+                Sign => format!("({x} > ({ty})0 ? ({ty})1 : ({x} < ({ty})0 ? ({ty})-1 : {x}))"),
+                Exp => format!("{}({x})", m("exp", t)),
+                Log => format!("{}({x})", m("log", t)),
+                Log1p => format!("{}({x})", m("log1p", t)),
+                Sin => format!("{}({x})", m("sin", t)),
+                Cos => format!("{}({x})", m("cos", t)),
+                Tanh => format!("{}({x})", m("tanh", t)),
+                Sigmoid => format!("(({ty})1 / (({ty})1 + {}(-{x})))", m("exp", t)),
+                Relu => format!("(({x} > ({ty})0 || {x} != {x}) ? {x} : ({ty})0)"),
+                GeluErf => format!("(({ty})0.5 * {x} * (({ty})1 + {}({x} * ({ty})0.7071067811865476)))", m("erf", t)),
+                GeluTanh => format!(
+                    "(({ty})0.5 * {x} * (({ty})1 + {}(({ty})0.7978845608028654 * ({x} + ({ty})0.044715 * {x} * {x} * {x}))))",
+                    m("tanh", t)
+                ),
+                Silu => format!("({x} / (({ty})1 + {}(-{x})))", m("exp", t)),
+                Sqrt => format!("{}({x})", m("sqrt", t)),
+                Rsqrt => format!("(({ty})1 / {}({x}))", m("sqrt", t)),
+                Erf => format!("{}({x})", m("erf", t)),
+                LogicalNot => format!("(!{x})"),
+            }
+        }
+    }
+
+    impl BinaryOp {
+        pub(crate) fn cuda(self, a: &str, b: &str, t: CType) -> String {
+            use BinaryOp::*;
+            let wrap = |op: &str| format!("(long long)((unsigned long long){a} {op} (unsigned long long){b})");
+            match self {
+                Add if t == CType::I64 => wrap("+"),
+                Sub if t == CType::I64 => wrap("-"),
+                Mul if t == CType::I64 => wrap("*"),
+                Pow if t == CType::I64 => format!("kipow({a}, {b})"),
+                Add => format!("({a} + {b})"),
+                Sub => format!("({a} - {b})"),
+                Mul => format!("({a} * {b})"),
+                Div => format!("({a} / {b})"),
+                Pow => format!("{}({a}, {b})", m("pow", t)),
+                Maximum if t == CType::I64 => format!("({a} > {b} ? {a} : {b})"),
+                Minimum if t == CType::I64 => format!("({a} < {b} ? {a} : {b})"),
+                Maximum => format!("(({a} > {b} || {a} != {a}) ? {a} : {b})"),
+                Minimum => format!("(({a} < {b} || {a} != {a}) ? {a} : {b})"),
+                Eq => format!("({a} == {b})"),
+                Ne => format!("({a} != {b})"),
+                Lt => format!("({a} < {b})"),
+                Le => format!("({a} <= {b})"),
+                Gt => format!("({a} > {b})"),
+                Ge => format!("({a} >= {b})"),
+                LogicalAnd => format!("({a} && {b})"),
+                LogicalOr => format!("({a} || {b})"),
+                LogicalXor => format!("({a} != {b})"),
+            }
+        }
+    }
+}

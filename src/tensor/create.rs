@@ -3,6 +3,8 @@
 use super::random::{philox, reserve, uniform_f32, uniform_f64};
 use super::Tensor;
 use crate::backend::check_device;
+use crate::backend::cuda::kernels as cuda;
+use crate::storage::BackendStorage;
 use crate::backend::cpu::{fill_new, with_dtype, CpuStorage, HostElem};
 use crate::dtype::{Elem, WithDType};
 use crate::layout::numel;
@@ -13,10 +15,16 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("full", *device)?;
         let n = checked_numel("full", shape, dtype)?;
+        if let Device::Cuda(d) = device {
+            return Ok(Tensor::from_backend(BackendStorage::Cuda(cuda::full(*d, shape, value, dtype)?), shape));
+        }
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("zeros", *device)?;
+        if device.is_cuda() {
+            return Tensor::full(shape, 0.0, dtype, device);
+        }
         Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, checked_numel("zeros", shape, dtype)?), shape))
     }
     pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
@@ -47,10 +55,11 @@ impl Tensor {
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         checked_numel("arange", &[n], dtype)?;
-        Ok(Tensor::from_cpu(
+        Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
             &[n],
-        ))
+        )
+        .to_device(device)
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
@@ -60,27 +69,38 @@ impl Tensor {
         let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
         // Like PyTorch, the second half counts back from `end` so both ends are exact.
         let half = if steps == 1 { 1 } else { steps / 2 };
-        Ok(Tensor::from_cpu(
+        Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..steps).map(|i| {
                 T::from_f64(if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
             }).collect())),
             &[steps],
-        ))
+        )
+        .to_device(device)
     }
 
     /// The n×n identity.
     pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("eye", *device)?;
         checked_numel("eye", &[n, n], dtype)?;
-        Ok(Tensor::from_cpu(
+        Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
             &[n, n],
-        ))
+        )
+        .to_device(device)
     }
 
     /// Uniform in [0, 1) from the global generator (`torch.rand`).
     pub fn rand(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("rand", dtype)?;
+        let bits = match dtype {
+            DType::F64 => 53,
+            DType::F16 => 11,
+            DType::BF16 => 8,
+            _ => 24,
+        };
+        if let Some(t) = on_cuda_random("rand", shape, dtype, device, cuda::Dist::Uniform { bits })? {
+            return Ok(t);
+        }
         // Half types take only the bits they hold (as torch's uniform_real): rounding a 24-bit
         // value to f16/bf16 could give 1.0.
         random_values("rand", shape, dtype, device, |w| match dtype {
@@ -94,6 +114,9 @@ impl Tensor {
     /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
     pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("randn", dtype)?;
+        if let Some(t) = on_cuda_random("randn", shape, dtype, device, cuda::Dist::Normal)? {
+            return Ok(t);
+        }
         random_values("randn", shape, dtype, device, |w| {
             let u1 = 1.0 - uniform_f64(w[0], w[1]); // (0, 1]: ln is finite
             let u2 = uniform_f64(w[2], w[3]);
@@ -109,6 +132,9 @@ impl Tensor {
         check_device("randint", *device)?;
         let n = checked_numel("randint", shape, DType::I64)?;
         let span = high.wrapping_sub(low) as u64;
+        if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, cuda::Dist::Int { low, span })? {
+            return Ok(t);
+        }
         let (seed, first) = reserve(n as u64);
         let v: Vec<i64> = fill_new(n, |start, out| {
             for (k, o) in out.iter_mut().enumerate() {
@@ -125,7 +151,7 @@ impl Tensor {
             return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
         }
         check_device("from_vec", *device)?;
-        Ok(Tensor::from_cpu(T::wrap(data), shape))
+        Tensor::from_cpu(T::wrap(data), shape).to_device(device)
     }
     pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape, device)
@@ -141,6 +167,15 @@ fn checked_numel(op: &'static str, shape: &[usize], dtype: DType) -> Result<usiz
         Some(b) if b <= isize::MAX as usize => Ok(numel(shape)),
         _ => Err(Error::arg(op, format!("shape {shape:?} of {dtype:?} is too large: its size overflows"))),
     }
+}
+
+/// Draws on the GPU when `device` is one: the same stream, element for element, as the host.
+fn on_cuda_random(op: &'static str, shape: &[usize], dtype: DType, device: &Device, dist: cuda::Dist) -> Result<Option<Tensor>> {
+    let Device::Cuda(d) = device else { return Ok(None) };
+    check_device(op, *device)?;
+    let n = checked_numel(op, shape, dtype)?;
+    let (seed, first) = reserve(n as u64);
+    Ok(Some(Tensor::from_backend(BackendStorage::Cuda(cuda::random(*d, shape, dtype, dist, seed, first)?), shape)))
 }
 
 fn float_only(op: &'static str, dtype: DType) -> Result<()> {

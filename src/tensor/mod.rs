@@ -67,6 +67,39 @@ impl Tensor {
         Tensor::from_parts(Arc::new(Storage::cpu(s)), Layout::contiguous(shape), dtype, false)
     }
 
+    /// A new contiguous tensor owning backend storage `s`.
+    pub(crate) fn from_backend(s: crate::storage::BackendStorage, shape: &[usize]) -> Tensor {
+        use crate::storage::BackendStorage;
+        match s {
+            BackendStorage::Cpu(c) => Tensor::from_cpu(c, shape),
+            BackendStorage::Cuda(c) => {
+                let dtype = c.dtype;
+                Tensor::from_parts(Arc::new(Storage::cuda(c)), Layout::contiguous(shape), dtype, false)
+            }
+        }
+    }
+
+    /// A copy of this tensor's values on `device`, through the host (a copy between two GPUs
+    /// is explicit, and rare enough for this).
+    pub(crate) fn copy_to_device(&self, device: Device) -> Result<Tensor> {
+        let host = self.to_host()?;
+        Ok(match device {
+            Device::Cpu => if host.shares_storage_with(self) { host.copy_contiguous()? } else { host },
+            Device::Cuda(n) => {
+                let s = crate::backend::cuda::kernels::upload(n, &host)?;
+                Tensor::from_parts(Arc::new(Storage::cuda(s)), Layout::contiguous(self.shape()), self.dtype(), false)
+            }
+        })
+    }
+
+    /// This tensor's values on the host (a copy when it lives on a GPU; synchronises).
+    pub(crate) fn to_host(&self) -> Result<Tensor> {
+        match self.device() {
+            Device::Cpu => Ok(self.clone()),
+            Device::Cuda(_) => Ok(Tensor::from_cpu(crate::backend::cuda::kernels::download(self)?, self.shape())),
+        }
+    }
+
     /// Another tensor over the same storage (a view).
     pub(crate) fn view_as_layout(&self, layout: Layout) -> Tensor {
         Tensor::from_parts(self.0.storage.clone(), layout, self.0.dtype, true)
@@ -135,7 +168,7 @@ impl Tensor {
     /// Copies the elements to the host as `T`, which must be the tensor's dtype. Synchronises.
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
         self.check_read::<T>("to_vec")?;
-        Ok(cpu::to_vec_as::<T>(self))
+        Ok(cpu::to_vec_as::<T>(&self.to_host()?))
     }
 
     /// The single element of a one-element tensor. Synchronises.
@@ -144,7 +177,7 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::shape("item", format!("a tensor with {} elements (shape {:?}) cannot be converted to a scalar", self.numel(), self.shape())));
         }
-        Ok(cpu::to_vec_as::<T>(self)[0])
+        Ok(cpu::to_vec_as::<T>(&self.to_host()?)[0])
     }
 
     fn check_read<T: WithDType>(&self, op: &'static str) -> Result<()> {
@@ -160,8 +193,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         crate::backend::check_device("to_device", *device)?;
-        crate::backend::check_device("to_device", self.device())?;
-        Ok(self.clone())
+        crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device }, &[self])
     }
 
     // ---- autograd metadata ----
@@ -233,13 +265,13 @@ impl std::fmt::Debug for Tensor {
 impl std::fmt::Display for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         use display::Values;
-        if crate::backend::check_device("display", self.device()).is_err() {
+        let Ok(host) = self.to_host() else {
             return write!(f, "{self:?}");
-        }
+        };
         let values = match self.dtype() {
-            d if d.is_float() => Values::Float(cpu::to_vec_as::<f64>(self)),
-            DType::Bool => Values::Bool(cpu::to_vec_as::<bool>(self)),
-            _ => Values::Int(cpu::to_vec_as::<i64>(self)),
+            d if d.is_float() => Values::Float(cpu::to_vec_as::<f64>(&host)),
+            DType::Bool => Values::Bool(cpu::to_vec_as::<bool>(&host)),
+            _ => Values::Int(cpu::to_vec_as::<i64>(&host)),
         };
         // In torch's order: device, size (of empty tensors), dtype, autograd.
         let mut suffixes = Vec::new();

@@ -3,6 +3,7 @@
 
 mod autograd;
 mod common;
+mod cuda;
 mod errors;
 mod ops;
 mod ops_index;

@@ -118,7 +118,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
     fn go<C: HostElem + std::ops::Add<Output = C>>(base: &Tensor, src: &Tensor, sub: &Layout, offsets: &[usize]) -> CpuStorage {
         let mut out = to_vec_as::<C>(base);
         let guard = src.storage().data.read_recursive();
-        let BackendStorage::Cpu(s) = &*guard;
+        let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
         let vals: Vec<C> = with_storage!(s, v => gather(v, sub));
         for (&o, v) in offsets.iter().zip(vals) {
             out[o] = out[o] + v;

@@ -37,7 +37,7 @@ fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize,
     }
     let ga = a.storage().data.read_recursive();
     let gb = b.storage().data.read_recursive();
-    let (BackendStorage::Cpu(sa), BackendStorage::Cpu(sb)) = (&*ga, &*gb);
+    let (BackendStorage::Cpu(sa), BackendStorage::Cpu(sb)) = (&*ga, &*gb) else { unreachable!("CPU kernel on a CUDA tensor") };
     let (da, db) = (T::slice(sa).expect("dtype"), T::slice(sb).expect("dtype"));
     let (a_bs, a_rs, a_cs) = strides(a.layout());
     let (b_bs, b_rs, b_cs) = strides(b.layout());

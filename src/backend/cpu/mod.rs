@@ -163,7 +163,7 @@ impl<C: Copy> Operand<'_, C> {
 /// and already `C`, one value when it is a broadcast scalar, else a converted row-major copy.
 pub(crate) fn with_operand<C: HostElem, R>(t: &Tensor, f: impl FnOnce(Operand<'_, C>) -> R) -> R {
     let guard = t.storage().data.read_recursive();
-    let BackendStorage::Cpu(s) = &*guard;
+    let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
     let layout = t.layout();
     if layout.numel() > 0 && layout.is_broadcast_scalar() {
         let v = with_storage!(s, v => v[layout.offset].cast::<C>());
@@ -208,7 +208,7 @@ pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> Vec<C> {
 /// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
 pub(crate) fn write_into(t: &Tensor, src: &CpuStorage) {
     let mut guard = t.storage().data.write();
-    let BackendStorage::Cpu(dst) = &mut *guard;
+    let BackendStorage::Cpu(dst) = &mut *guard else { unreachable!("CPU kernel on a CUDA tensor") };
     let layout = t.layout().clone();
     with_storage!(dst, d => {
         let d: &mut [_] = d;

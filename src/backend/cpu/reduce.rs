@@ -126,7 +126,7 @@ fn run<C: HostElem, A: Copy + Send + Sync, O: Send + Sync>(
         offset: l.offset,
     };
     let guard = x.storage().data.read_recursive();
-    let BackendStorage::Cpu(s) = &*guard;
+    let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
     let owned: Vec<C>;
     let data: &[C] = match C::slice(s) {
         Some(sl) if pl.is_contiguous() => &sl[pl.offset..pl.offset + pl.numel()],

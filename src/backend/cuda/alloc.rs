@@ -1,0 +1,648 @@
+//! A caching device-memory allocator in the manner of PyTorch's CUDACachingAllocator.
+//!
+//! Device allocation calls (cuMemAlloc/cuMemFree) are slow and synchronize the device, so freed
+//! blocks are kept in a cache and handed out again to requests of the same size class. The
+//! allocator knows nothing of CUDA: the device calls come in through [`RawAlloc`], so all of its
+//! bookkeeping is unit-testable on a CPU machine.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+/// Requests up to this size are "small": rounded to [`SMALL_ROUND`] and reused by exact class.
+const SMALL_LIMIT: usize = 1 << 20;
+/// Granularity of small classes; also keeps every block 512-byte aligned relative to the device.
+const SMALL_ROUND: usize = 512;
+/// Granularity of large classes: coarse, so freed large blocks fit many later requests.
+const LARGE_ROUND: usize = 2 << 20;
+
+/// The device's own allocation calls (cuMemAlloc/cuMemFree in the CUDA backend; a mock in tests).
+pub(crate) trait RawAlloc: Send {
+    /// Allocates `bytes` of device memory; Err(()) when the device is out of memory.
+    fn malloc(&mut self, bytes: usize) -> Result<u64, ()>;
+    fn free(&mut self, ptr: u64);
+}
+
+/// A block handed out: device pointer and its (rounded) size in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub ptr: u64,
+    pub size: usize,
+}
+
+/// Figures as torch.cuda.memory_stats reports them (bytes; counts).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in blocks handed out now (rounded sizes).
+    pub allocated: usize,
+    /// Max of `allocated` since creation or `reset_peak_stats`.
+    pub peak_allocated: usize,
+    /// Bytes obtained from the device (handed out + cached).
+    pub reserved: usize,
+    /// Max of `reserved` since creation or `reset_peak_stats`.
+    pub peak_reserved: usize,
+    /// Number of non-empty `alloc()` calls served (0-byte requests are not counted, as in PyTorch).
+    pub alloc_count: u64,
+    /// Number of `RawAlloc::malloc` calls that succeeded.
+    pub device_alloc_count: u64,
+    /// `alloc()` calls served from the cache.
+    pub cache_hits: u64,
+}
+
+/// Out of memory, with the allocator's figures at the time (requested bytes, stats).
+///
+/// `stats` are taken when the device first refused, before the cache was emptied for the retry,
+/// so `reserved - allocated` is what was cached and freed before retrying.
+#[derive(Debug, Clone)]
+pub(crate) struct OutOfMemory {
+    pub requested: usize,
+    pub stats: MemoryStats,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.stats;
+        write!(
+            f,
+            "out of device memory: tried to allocate {}; {} allocated (peak {}), {} reserved (peak {}), \
+             {} cached and freed before retrying",
+            fmt_bytes(self.requested),
+            fmt_bytes(s.allocated),
+            fmt_bytes(s.peak_allocated),
+            fmt_bytes(s.reserved),
+            fmt_bytes(s.peak_reserved),
+            fmt_bytes(s.reserved.saturating_sub(s.allocated)),
+        )
+    }
+}
+
+impl std::error::Error for OutOfMemory {}
+
+/// Human-readable size, as PyTorch prints it in its OOM message.
+fn fmt_bytes(bytes: usize) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    if bytes < 1 << 10 {
+        format!("{bytes} bytes")
+    } else if bytes < 1 << 20 {
+        format!("{:.2} KiB", b / KIB)
+    } else if bytes < 1 << 30 {
+        format!("{:.2} MiB", b / (KIB * KIB))
+    } else {
+        format!("{:.2} GiB", b / (KIB * KIB * KIB))
+    }
+}
+
+/// The size class of a request of `bytes` (> 0); None when rounding would overflow.
+fn round_size(bytes: usize) -> Option<usize> {
+    let unit = if bytes <= SMALL_LIMIT { SMALL_ROUND } else { LARGE_ROUND };
+    bytes.checked_next_multiple_of(unit)
+}
+
+/// Caches freed device blocks by size class so that steady-state training loops make no device
+/// allocation calls. Blocks are never split or merged: simple, O(1) small and O(log n) large.
+pub(crate) struct CachingAllocator<R: RawAlloc> {
+    raw: R,
+    /// Cached small blocks by exact class (LIFO: the most recently freed block is the warmest).
+    small: HashMap<usize, Vec<u64>>,
+    /// Cached large blocks by size, for "smallest block >= request" lookups.
+    large: BTreeMap<usize, Vec<u64>>,
+    /// Blocks handed out now, ptr -> size: catches double frees and foreign blocks, which would
+    /// otherwise hand the same memory out twice.
+    live: HashMap<u64, usize>,
+    stats: MemoryStats,
+}
+
+impl<R: RawAlloc> CachingAllocator<R> {
+    pub(crate) fn new(raw: R) -> Self {
+        Self { raw, small: HashMap::new(), large: BTreeMap::new(), live: HashMap::new(), stats: MemoryStats::default() }
+    }
+
+    /// A block of at least `bytes` (0 bytes gives a block of size 0 with ptr 0, no device call).
+    ///
+    /// Sizes round up to size classes: multiples of 512 B up to 1 MiB; above, multiples of 2 MiB
+    /// (large blocks). A cached block is reused first (small: exact class; large: the smallest
+    /// cached block >= the class whose size is < 2x the class, so huge blocks are not wasted on
+    /// small requests). On device OOM the whole cache is returned to the device and the call is
+    /// retried once.
+    pub(crate) fn alloc(&mut self, bytes: usize) -> Result<Block, OutOfMemory> {
+        if bytes == 0 {
+            return Ok(Block { ptr: 0, size: 0 });
+        }
+        let oom = |stats| OutOfMemory { requested: bytes, stats };
+        let Some(size) = round_size(bytes) else { return Err(oom(self.stats)) };
+
+        let block = if let Some(block) = self.take_cached(size) {
+            self.stats.cache_hits += 1;
+            block
+        } else {
+            let ptr = match self.raw.malloc(size) {
+                Ok(ptr) => ptr,
+                Err(()) => {
+                    let at_failure = self.stats;
+                    if at_failure.reserved == at_failure.allocated {
+                        return Err(oom(at_failure)); // nothing cached: a retry cannot succeed
+                    }
+                    self.empty_cache();
+                    self.raw.malloc(size).map_err(|()| oom(at_failure))?
+                }
+            };
+            self.stats.device_alloc_count += 1;
+            self.stats.reserved += size;
+            self.stats.peak_reserved = self.stats.peak_reserved.max(self.stats.reserved);
+            Block { ptr, size }
+        };
+
+        let prev = self.live.insert(block.ptr, block.size);
+        assert!(prev.is_none(), "caching allocator: device pointer {:#x} handed out twice", block.ptr);
+        self.stats.alloc_count += 1;
+        self.stats.allocated += block.size;
+        self.stats.peak_allocated = self.stats.peak_allocated.max(self.stats.allocated);
+        Ok(block)
+    }
+
+    /// A cached block for class `size`, removed from the cache.
+    fn take_cached(&mut self, size: usize) -> Option<Block> {
+        if size <= SMALL_LIMIT {
+            let ptrs = self.small.get_mut(&size)?;
+            let ptr = ptrs.pop()?;
+            if ptrs.is_empty() {
+                self.small.remove(&size);
+            }
+            return Some(Block { ptr, size });
+        }
+        // The smallest cached large block >= size; if even that one is 2x too big, none fits.
+        let (&found, ptrs) = self.large.range_mut(size..).next()?;
+        if found >= size.saturating_mul(2) {
+            return None;
+        }
+        let ptr = ptrs.pop()?;
+        if ptrs.is_empty() {
+            self.large.remove(&found);
+        }
+        Some(Block { ptr, size: found })
+    }
+
+    /// Returns a block to the cache (not to the device).
+    ///
+    /// Panics on a block this allocator did not hand out (or freed twice): caching it would give
+    /// the same memory to two owners.
+    pub(crate) fn free(&mut self, block: Block) {
+        if block.size == 0 && block.ptr == 0 {
+            return;
+        }
+        match self.live.remove(&block.ptr) {
+            Some(size) if size == block.size => {}
+            Some(size) => panic!(
+                "caching allocator: block {:#x} freed with size {} but was handed out with size {size}",
+                block.ptr, block.size
+            ),
+            None => panic!("caching allocator: block {:#x} freed twice or not from this allocator", block.ptr),
+        }
+        self.stats.allocated -= block.size;
+        if block.size <= SMALL_LIMIT {
+            self.small.entry(block.size).or_default().push(block.ptr);
+        } else {
+            self.large.entry(block.size).or_default().push(block.ptr);
+        }
+    }
+
+    /// Returns every cached (not handed-out) block to the device.
+    pub(crate) fn empty_cache(&mut self) {
+        let small = std::mem::take(&mut self.small);
+        let large = std::mem::take(&mut self.large);
+        for (size, ptrs) in small.into_iter().chain(large) {
+            for ptr in ptrs {
+                self.raw.free(ptr);
+                self.stats.reserved -= size;
+            }
+        }
+    }
+
+    pub(crate) fn stats(&self) -> MemoryStats {
+        self.stats
+    }
+
+    /// Sets both peaks to the current values.
+    pub(crate) fn reset_peak_stats(&mut self) {
+        self.stats.peak_allocated = self.stats.allocated;
+        self.stats.peak_reserved = self.stats.reserved;
+    }
+}
+
+/// Cached blocks go back to the device; blocks still handed out are left alone (their owners may
+/// outlive the allocator only by a bug, and freeing memory in use would be worse than leaking it).
+impl<R: RawAlloc> Drop for CachingAllocator<R> {
+    fn drop(&mut self) {
+        self.empty_cache();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::sync::{Arc, Mutex};
+
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+
+    /// Device state shared between the test and the mock the allocator owns.
+    #[derive(Default)]
+    struct Device {
+        capacity: usize,
+        live: HashMap<u64, usize>,
+        live_bytes: usize,
+        next_ptr: u64,
+        mallocs: u64,
+        failed_mallocs: u64,
+        frees: u64,
+        freed: HashSet<u64>,
+    }
+
+    #[derive(Clone)]
+    struct Mock(Arc<Mutex<Device>>);
+
+    impl Mock {
+        fn new(capacity: usize) -> Self {
+            Mock(Arc::new(Mutex::new(Device { capacity, next_ptr: 0x7f00_0000_0000, ..Device::default() })))
+        }
+        fn dev(&self) -> std::sync::MutexGuard<'_, Device> {
+            self.0.lock().unwrap()
+        }
+    }
+
+    impl RawAlloc for Mock {
+        fn malloc(&mut self, bytes: usize) -> Result<u64, ()> {
+            let mut d = self.dev();
+            assert!(bytes > 0 && bytes.is_multiple_of(512), "device asked for {bytes} bytes");
+            if d.live_bytes + bytes > d.capacity {
+                d.failed_mallocs += 1;
+                return Err(());
+            }
+            let ptr = d.next_ptr;
+            // Fresh pointers never repeat, with a gap so overlapping use would show.
+            d.next_ptr += bytes as u64 + 4096;
+            d.live.insert(ptr, bytes);
+            d.live_bytes += bytes;
+            d.mallocs += 1;
+            Ok(ptr)
+        }
+        fn free(&mut self, ptr: u64) {
+            let mut d = self.dev();
+            let bytes = d.live.remove(&ptr).unwrap_or_else(|| panic!("device free of {ptr:#x}, which is not live"));
+            assert!(d.freed.insert(ptr), "device pointer {ptr:#x} freed twice");
+            d.live_bytes -= bytes;
+            d.frees += 1;
+        }
+    }
+
+    fn setup(capacity: usize) -> (CachingAllocator<Mock>, Mock) {
+        let mock = Mock::new(capacity);
+        (CachingAllocator::new(mock.clone()), mock)
+    }
+
+    #[test]
+    fn size_classes() {
+        let cases = [
+            (1, 512),
+            (511, 512),
+            (512, 512),
+            (513, 1024),
+            (1000, 1024),
+            (4 * KIB + 1, 4 * KIB + 512),
+            (MIB - 1, MIB),
+            (MIB, MIB),
+            (MIB + 1, 2 * MIB),
+            (2 * MIB, 2 * MIB),
+            (2 * MIB + 1, 4 * MIB),
+            (5 * MIB, 6 * MIB),
+            (100 * MIB + 3, 102 * MIB),
+        ];
+        for (bytes, class) in cases {
+            assert_eq!(round_size(bytes), Some(class), "class of {bytes}");
+        }
+        assert_eq!(round_size(usize::MAX), None);
+
+        let (mut a, mock) = setup(usize::MAX);
+        for (bytes, class) in cases {
+            let b = a.alloc(bytes).unwrap();
+            assert_eq!(b.size, class, "block for {bytes}");
+            assert_eq!(mock.dev().live[&b.ptr], class, "device size for {bytes}");
+        }
+    }
+
+    #[test]
+    fn small_block_reused_by_exact_class() {
+        let (mut a, mock) = setup(usize::MAX);
+        let b = a.alloc(1000).unwrap();
+        assert_eq!(b.size, 1024);
+        a.free(b);
+        assert_eq!(mock.dev().frees, 0, "free goes to the cache, not the device");
+
+        let c = a.alloc(600).unwrap(); // same 1024 class
+        assert_eq!(c, b);
+        assert_eq!(mock.dev().mallocs, 1);
+        assert_eq!(a.stats().cache_hits, 1);
+
+        // Another class does not take it, even a smaller one.
+        a.free(c);
+        let d = a.alloc(512).unwrap();
+        assert_ne!(d.ptr, b.ptr);
+        let e = a.alloc(1536).unwrap();
+        assert_ne!(e.ptr, b.ptr);
+        assert_eq!(mock.dev().mallocs, 3);
+        assert_eq!(a.stats().cache_hits, 1);
+
+        // Most recently freed block of a class comes back first.
+        let f = a.alloc(1024).unwrap();
+        assert_eq!(f.ptr, b.ptr);
+        let g = a.alloc(1024).unwrap();
+        a.free(f);
+        a.free(g);
+        assert_eq!(a.alloc(1024).unwrap().ptr, g.ptr);
+        assert_eq!(a.alloc(1024).unwrap().ptr, f.ptr);
+        assert_eq!(a.stats().cache_hits, 4);
+    }
+
+    #[test]
+    fn large_block_reuse_rule() {
+        let (mut a, mock) = setup(usize::MAX);
+        let big = a.alloc(8 * MIB).unwrap();
+        a.free(big);
+
+        // 1 MiB is a small class: not served from the large cache.
+        let small = a.alloc(MIB).unwrap();
+        assert_ne!(small.ptr, big.ptr);
+        assert_eq!(small.size, MIB);
+        // 4 MiB class: 8 MiB is not < 2 x 4 MiB, so a new block.
+        let four = a.alloc(3 * MIB).unwrap();
+        assert_ne!(four.ptr, big.ptr);
+        assert_eq!(four.size, 4 * MIB);
+        assert_eq!(mock.dev().mallocs, 3);
+        assert_eq!(a.stats().cache_hits, 0);
+
+        // 6 MiB: the cached 8 MiB block is >= and < 12 MiB; handed out whole.
+        let six = a.alloc(6 * MIB).unwrap();
+        assert_eq!(six, Block { ptr: big.ptr, size: 8 * MIB });
+        assert_eq!(mock.dev().mallocs, 3);
+        assert_eq!(a.stats().cache_hits, 1);
+        assert_eq!(a.stats().allocated, MIB + 4 * MIB + 8 * MIB);
+
+        // Smaller than any cached block of the right range: the smallest that fits is chosen.
+        a.free(four);
+        a.free(six);
+        let c = a.alloc(4 * MIB).unwrap();
+        assert_eq!(c, four);
+        let d = a.alloc(5 * MIB).unwrap(); // 6 MiB class; 8 MiB fits
+        assert_eq!(d, Block { ptr: big.ptr, size: 8 * MIB });
+        assert_eq!(mock.dev().mallocs, 3);
+
+        // A large request never takes a block smaller than itself.
+        a.free(c);
+        let e = a.alloc(6 * MIB).unwrap();
+        assert_ne!(e.ptr, four.ptr);
+        assert_eq!(e.size, 6 * MIB);
+        assert_eq!(mock.dev().mallocs, 4);
+    }
+
+    #[test]
+    fn stats_and_peaks() {
+        let (mut a, _mock) = setup(usize::MAX);
+        assert_eq!(a.stats(), MemoryStats::default());
+
+        let x = a.alloc(1000).unwrap(); // 1 KiB
+        let y = a.alloc(3 * MIB).unwrap(); // 4 MiB
+        let s = a.stats();
+        assert_eq!(s.allocated, KIB + 4 * MIB);
+        assert_eq!(s.reserved, KIB + 4 * MIB);
+        assert_eq!(s.peak_allocated, KIB + 4 * MIB);
+        assert_eq!(s.peak_reserved, KIB + 4 * MIB);
+        assert_eq!((s.alloc_count, s.device_alloc_count, s.cache_hits), (2, 2, 0));
+
+        a.free(y);
+        let s = a.stats();
+        assert_eq!(s.allocated, KIB);
+        assert_eq!(s.reserved, KIB + 4 * MIB, "freed blocks stay reserved");
+        assert_eq!(s.peak_allocated, KIB + 4 * MIB);
+
+        a.reset_peak_stats();
+        let s = a.stats();
+        assert_eq!((s.peak_allocated, s.peak_reserved), (KIB, KIB + 4 * MIB));
+
+        let y2 = a.alloc(4 * MIB).unwrap(); // cache hit
+        let s = a.stats();
+        assert_eq!(s.allocated, KIB + 4 * MIB);
+        assert_eq!(s.peak_allocated, KIB + 4 * MIB);
+        assert_eq!(s.reserved, KIB + 4 * MIB);
+        assert_eq!((s.alloc_count, s.device_alloc_count, s.cache_hits), (3, 2, 1));
+
+        a.free(x);
+        a.free(y2);
+        a.empty_cache();
+        let s = a.stats();
+        assert_eq!((s.allocated, s.reserved), (0, 0));
+        assert_eq!((s.peak_allocated, s.peak_reserved), (KIB + 4 * MIB, KIB + 4 * MIB));
+        a.reset_peak_stats();
+        assert_eq!((a.stats().peak_allocated, a.stats().peak_reserved), (0, 0));
+        assert_eq!(a.stats().alloc_count, 3, "counts survive reset_peak_stats");
+    }
+
+    #[test]
+    fn oom_empties_cache_and_retries() {
+        let (mut a, mock) = setup(10 * MIB);
+        let six = a.alloc(6 * MIB).unwrap();
+        a.free(six);
+        assert_eq!(a.stats().reserved, 6 * MIB);
+
+        // 6 + 8 > 10: the device refuses, the cached 6 MiB go back, the retry succeeds.
+        let eight = a.alloc(8 * MIB).unwrap();
+        assert_eq!(eight.size, 8 * MIB);
+        let d = mock.dev();
+        assert_eq!((d.mallocs, d.failed_mallocs, d.frees), (2, 1, 1));
+        assert!(d.freed.contains(&six.ptr));
+        drop(d);
+        let s = a.stats();
+        assert_eq!((s.allocated, s.reserved, s.device_alloc_count), (8 * MIB, 8 * MIB, 2));
+        assert_eq!(s.peak_reserved, 8 * MIB);
+    }
+
+    #[test]
+    fn oom_error_reports_figures_and_allocator_recovers() {
+        let (mut a, mock) = setup(10 * MIB);
+        let keep = a.alloc(4 * MIB).unwrap();
+        let cached = a.alloc(2 * MIB).unwrap();
+        a.free(cached);
+
+        let err = a.alloc(20 * MIB).unwrap_err();
+        assert_eq!(err.requested, 20 * MIB);
+        // Figures from when the device first refused: 2 MiB were cached and then freed.
+        assert_eq!(err.stats.allocated, 4 * MIB);
+        assert_eq!(err.stats.reserved, 6 * MIB);
+        let msg = err.to_string();
+        assert_eq!(
+            msg,
+            "out of device memory: tried to allocate 20.00 MiB; 4.00 MiB allocated (peak 6.00 MiB), \
+             6.00 MiB reserved (peak 6.00 MiB), 2.00 MiB cached and freed before retrying"
+        );
+        assert_eq!(mock.dev().failed_mallocs, 2, "one try, one retry");
+
+        // The cache was emptied; the allocator is consistent and still works.
+        let s = a.stats();
+        assert_eq!((s.allocated, s.reserved, s.alloc_count), (4 * MIB, 4 * MIB, 2));
+        let b = a.alloc(6 * MIB).unwrap();
+        assert_eq!(b.size, 6 * MIB);
+        a.free(b);
+        a.free(keep);
+        a.empty_cache();
+        assert_eq!(mock.dev().live_bytes, 0);
+
+        // Nothing cached: no pointless retry.
+        let before = mock.dev().failed_mallocs;
+        assert!(a.alloc(11 * MIB).is_err());
+        assert_eq!(mock.dev().failed_mallocs, before + 1);
+    }
+
+    #[test]
+    fn oversized_request_is_oom_without_device_call() {
+        let (mut a, mock) = setup(usize::MAX);
+        let err = a.alloc(usize::MAX - 5).unwrap_err();
+        assert_eq!(err.requested, usize::MAX - 5);
+        let d = mock.dev();
+        assert_eq!(d.failed_mallocs + d.mallocs, 0);
+        drop(d);
+        assert!(a.alloc(100).is_ok());
+    }
+
+    #[test]
+    fn empty_cache_returns_every_cached_block_once() {
+        let (mut a, mock) = setup(usize::MAX);
+        let sizes = [1, 512, 513, 1000, 70 * KIB, MIB, MIB + 1, 3 * MIB, 8 * MIB, 8 * MIB, 40 * MIB];
+        let blocks: Vec<Block> = sizes.iter().map(|&s| a.alloc(s).unwrap()).collect();
+        let (kept, freed) = blocks.split_at(4);
+        for &b in freed {
+            a.free(b);
+        }
+        a.empty_cache();
+        let s = a.stats();
+        assert_eq!(s.reserved, s.allocated);
+        assert_eq!(s.allocated, kept.iter().map(|b| b.size).sum::<usize>());
+        {
+            let d = mock.dev();
+            assert_eq!(d.frees as usize, freed.len());
+            assert!(freed.iter().all(|b| d.freed.contains(&b.ptr)));
+            assert!(kept.iter().all(|b| d.live.contains_key(&b.ptr)));
+            assert_eq!(d.live_bytes, s.reserved);
+        }
+
+        // Emptying twice does nothing more; a fresh alloc goes to the device.
+        a.empty_cache();
+        assert_eq!(mock.dev().frees as usize, freed.len());
+        let c = a.alloc(8 * MIB).unwrap();
+        assert!(!freed.iter().any(|b| b.ptr == c.ptr));
+
+        for &b in kept {
+            a.free(b);
+        }
+        a.free(c);
+        a.empty_cache();
+        let d = mock.dev();
+        assert_eq!(d.live_bytes, 0);
+        assert!(d.live.is_empty());
+        assert_eq!(d.frees, d.mallocs, "every device pointer freed exactly once");
+        assert_eq!(a.stats().reserved, 0);
+    }
+
+    #[test]
+    fn drop_returns_cache_but_not_live_blocks() {
+        let mock = Mock::new(usize::MAX);
+        let mut a = CachingAllocator::new(mock.clone());
+        let live = a.alloc(3 * MIB).unwrap();
+        let cached = a.alloc(4 * KIB).unwrap();
+        a.free(cached);
+        drop(a);
+        let d = mock.dev();
+        assert!(d.freed.contains(&cached.ptr));
+        assert!(d.live.contains_key(&live.ptr));
+    }
+
+    #[test]
+    fn zero_bytes() {
+        let (mut a, mock) = setup(0);
+        let z = a.alloc(0).unwrap();
+        assert_eq!(z, Block { ptr: 0, size: 0 });
+        a.free(z);
+        a.free(z);
+        assert_eq!(a.stats(), MemoryStats::default());
+        let d = mock.dev();
+        assert_eq!(d.mallocs + d.failed_mallocs, 0);
+        drop(d);
+        assert!(a.alloc(1).is_err(), "a capacity-0 device still refuses real requests");
+    }
+
+    #[test]
+    #[should_panic(expected = "freed twice")]
+    fn double_free_panics() {
+        let (mut a, _mock) = setup(usize::MAX);
+        let b = a.alloc(100).unwrap();
+        a.free(b);
+        a.free(b);
+    }
+
+    #[test]
+    #[should_panic(expected = "handed out with size")]
+    fn free_with_wrong_size_panics() {
+        let (mut a, _mock) = setup(usize::MAX);
+        let b = a.alloc(100).unwrap();
+        a.free(Block { ptr: b.ptr, size: 2 * MIB });
+    }
+
+    #[test]
+    fn byte_formatting() {
+        assert_eq!(fmt_bytes(0), "0 bytes");
+        assert_eq!(fmt_bytes(1023), "1023 bytes");
+        assert_eq!(fmt_bytes(1536), "1.50 KiB");
+        assert_eq!(fmt_bytes(6 * MIB), "6.00 MiB");
+        assert_eq!(fmt_bytes(3 << 29), "1.50 GiB");
+    }
+
+    /// A long random-ish workload: the allocator's figures always agree with the device's.
+    #[test]
+    fn randomized_consistency() {
+        let (mut a, mock) = setup(64 * MIB);
+        let mut held: Vec<Block> = Vec::new();
+        let mut seed: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..5000 {
+            let r = next();
+            match r % 5 {
+                0..=2 => {
+                    let bytes =
+                        if r % 7 == 0 { (next() % (12 * MIB as u64)) as usize } else { (next() % 4096) as usize };
+                    if let Ok(b) = a.alloc(bytes) {
+                        assert!(b.size >= bytes);
+                        if bytes > 0 {
+                            held.push(b);
+                        }
+                    }
+                }
+                3 if !held.is_empty() => {
+                    let i = (next() % held.len() as u64) as usize;
+                    a.free(held.swap_remove(i));
+                }
+                _ if r % 97 == 0 => a.empty_cache(),
+                _ => {}
+            }
+            let s = a.stats();
+            assert_eq!(s.allocated, held.iter().map(|b| b.size).sum::<usize>());
+            assert_eq!(s.reserved, mock.dev().live_bytes);
+            assert!(s.allocated <= s.reserved && s.peak_allocated >= s.allocated && s.peak_reserved >= s.reserved);
+        }
+        let ptrs: HashSet<u64> = held.iter().map(|b| b.ptr).collect();
+        assert_eq!(ptrs.len(), held.len(), "no pointer handed out twice");
+    }
+}

@@ -1,0 +1,449 @@
+//! CUDA C generation. Every eager kernel is emitted here from an op's definition (its CUDA
+//! expression in ops::pointwise) and a small spec of dtypes and layout classes, then compiled
+//! by NVRTC and cached (nvrtc.rs). Sources are lean: no CUDA headers; half and bfloat16
+//! conversions are one PTX instruction each.
+
+use crate::ops::ReduceOp;
+use crate::DType;
+use std::fmt::Write;
+
+/// The type arithmetic runs in inside a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum CType {
+    F32,
+    F64,
+    I64,
+    Bool,
+}
+
+impl CType {
+    /// Half types compute in f32, integers in i64, as on the CPU.
+    pub(crate) fn of(d: DType) -> CType {
+        match d {
+            DType::F32 | DType::F16 | DType::BF16 => CType::F32,
+            DType::F64 => CType::F64,
+            DType::I64 | DType::I32 | DType::U8 => CType::I64,
+            DType::Bool => CType::Bool,
+        }
+    }
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CType::F32 => "float",
+            CType::F64 => "double",
+            CType::I64 => "long long",
+            CType::Bool => "bool",
+        }
+    }
+    /// The storage dtype that holds values of this type exactly.
+    pub(crate) fn dtype(self) -> DType {
+        match self {
+            CType::F32 => DType::F32,
+            CType::F64 => DType::F64,
+            CType::I64 => DType::I64,
+            CType::Bool => DType::Bool,
+        }
+    }
+}
+
+/// The C type elements of `d` are stored as.
+pub(crate) fn storage_type(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 | DType::BF16 => "unsigned short",
+        DType::I64 => "long long",
+        DType::I32 => "int",
+        DType::U8 | DType::Bool => "unsigned char",
+    }
+}
+
+fn short(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        DType::U8 => "u8",
+        DType::Bool => "bool",
+    }
+}
+
+/// Converts an expression of type `from` to `to`.
+pub(crate) fn convert(from: CType, to: CType, e: &str) -> String {
+    if from == to {
+        return e.to_string();
+    }
+    match to {
+        CType::Bool => format!("(({e}) != 0)"),
+        _ => format!("(({})({e}))", to.name()),
+    }
+}
+
+/// A stored element of dtype `d` as a value of `to`.
+pub(crate) fn load(d: DType, to: CType, e: &str) -> String {
+    let own = match d {
+        DType::F16 => format!("kh2f({e})"),
+        DType::BF16 => format!("kb2f({e})"),
+        DType::I32 | DType::U8 => format!("((long long)({e}))"),
+        DType::Bool => format!("(({e}) != 0)"),
+        _ => e.to_string(),
+    };
+    convert(CType::of(d), to, &own)
+}
+
+/// A value of `from` as a stored element of dtype `d` (integers wrap through i64, as on the CPU).
+pub(crate) fn store(d: DType, from: CType, e: &str) -> String {
+    let c = convert(from, CType::of(d), e);
+    match d {
+        DType::F16 => format!("kf2h({c})"),
+        DType::BF16 => format!("kf2b({c})"),
+        DType::I32 => format!("((int)({c}))"),
+        DType::U8 | DType::Bool => format!("((unsigned char)({c}))"),
+        _ => c,
+    }
+}
+
+/// Shared by every kernel: one by-value argument block, conversions, helpers.
+pub(crate) const PRELUDE: &str = r#"
+typedef unsigned long long u64;
+struct KArgs { u64 w[64]; };
+__device__ __forceinline__ float kh2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ unsigned short kf2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float kb2f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }
+__device__ __forceinline__ unsigned short kf2b(float f) { unsigned short h; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ double kparam_f(u64 w) { return __longlong_as_double((long long)w); }
+__device__ long long kipow(long long a, long long b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  unsigned long long r = 1, x = (unsigned long long)a;
+  while (b) { if (b & 1) r *= x; x *= x; b >>= 1; }
+  return (long long)r;
+}
+// Philox4x32-10, as the host generator: element i of a stream draws counter (first + i).
+__device__ void kphilox(u64 seed, u64 ctr, unsigned int* o) {
+  unsigned int c0 = (unsigned int)ctr, c1 = (unsigned int)(ctr >> 32), c2 = 0, c3 = 0;
+  unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
+  for (int r = 0; r < 10; r++) {
+    unsigned long long p0 = (unsigned long long)0xD2511F53u * c0, p1 = (unsigned long long)0xCD9E8D57u * c2;
+    unsigned int n0 = (unsigned int)(p1 >> 32) ^ c1 ^ k0, n1 = (unsigned int)p1, n2 = (unsigned int)(p0 >> 32) ^ c3 ^ k1, n3 = (unsigned int)p0;
+    c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  o[0] = c0; o[1] = c1; o[2] = c2; o[3] = c3;
+}
+"#;
+
+/// How a kernel walks an operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Class {
+    /// Row-major over the whole iteration space.
+    Contig,
+    /// One element read by everyone (a broadcast scalar).
+    Scalar,
+    /// Arbitrary strides, offsets computed from the linear index.
+    Strided,
+}
+
+/// Most dims a strided map kernel takes after coalescing.
+pub(crate) const MAX_DIMS: usize = 8;
+/// Where parameters (`P(k)` in expressions) start in the argument block.
+pub(crate) const PARAM_BASE: usize = 56;
+
+/// A pointwise kernel: output element `i` is `expr` over inputs `v0..` (loaded as their
+/// compute types). Expressions may use `i` (the linear index) and `P(k)` (parameter word k).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct MapSpec {
+    pub name: String,
+    pub inputs: Vec<(DType, CType, Class)>,
+    pub out: (DType, Class),
+    pub result: CType,
+    pub expr: String,
+    pub ndim: usize,
+    /// Elements per thread per step with vector loads (1 = none).
+    pub vec: usize,
+    pub idx64: bool,
+}
+
+impl MapSpec {
+    pub(crate) fn kernel_name(&self) -> String {
+        let cls = if self.vec > 1 { format!("v{}", self.vec) } else if self.ndim > 0 { format!("s{}", self.ndim) } else { "c".into() };
+        format!("{}_{}_{}", self.name, short(self.out.0), cls)
+    }
+}
+
+/// Argument words: 0 n, 1 out, 2.. inputs; 8.. sizes, then out strides, then each input's.
+pub(crate) fn size_word(d: usize) -> usize {
+    8 + d
+}
+pub(crate) fn stride_word(operand: usize, d: usize) -> usize {
+    // operand 0 is the output, 1.. the inputs
+    8 + (operand + 1) * MAX_DIMS + d
+}
+
+pub(crate) fn gen_map(s: &MapSpec) -> String {
+    let mut c = String::from(PRELUDE);
+    if ["kuniform", "knormal", "kbits64"].iter().any(|f| s.expr.contains(f)) {
+        c.push_str(RANDOM);
+    }
+    let idx = if s.idx64 { "long long" } else { "int" };
+    let name = s.kernel_name();
+    let ot = storage_type(s.out.0);
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define P(k) (a.w[{PARAM_BASE} + (k)])");
+    if s.vec > 1 {
+        let _ = writeln!(c, "struct __align__({}) VO {{ {ot} v[{}]; }};", s.vec * s.out.0.size_in_bytes(), s.vec);
+        for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
+            if *cls == Class::Contig {
+                let _ = writeln!(c, "struct __align__({}) VI{k} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
+            }
+        }
+    }
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__(256) {name}(const KArgs a) {{");
+    let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];\n  {ot}* __restrict__ out = ({ot}*)a.w[1];");
+    for (k, (d, _, _)) in s.inputs.iter().enumerate() {
+        let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", 2 + k, t = storage_type(*d));
+    }
+    let _ = writeln!(c, "  const IDX tid = (IDX)blockIdx.x * blockDim.x + threadIdx.x, step = (IDX)gridDim.x * blockDim.x;");
+    let body = |c: &mut String, elem: &dyn Fn(usize) -> String| {
+        for (k, (d, t, _)) in s.inputs.iter().enumerate() {
+            let _ = writeln!(c, "    const {} v{k} = {};", t.name(), load(*d, *t, &elem(k)));
+        }
+    };
+    let result = store(s.out.0, s.result, &s.expr);
+    if s.vec > 1 {
+        let _ = writeln!(c, "  const IDX nv = n / {v};\n  for (IDX t = tid; t < nv; t += step) {{\n    const IDX base = t * {v};", v = s.vec);
+        for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
+            if *cls == Class::Contig {
+                let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + base);");
+            }
+        }
+        let _ = writeln!(c, "    VO r;\n    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
+        body(&mut c, &|k| if s.inputs[k].2 == Class::Contig { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
+        let _ = writeln!(c, "    r.v[j] = {result};\n    }}\n    *(VO*)(out + base) = r;\n  }}\n  const IDX start = nv * {};", s.vec);
+    } else {
+        let _ = writeln!(c, "  const IDX start = 0;");
+    }
+    let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
+    let strided = s.out.1 == Class::Strided || s.inputs.iter().any(|x| x.2 == Class::Strided);
+    if strided {
+        let _ = writeln!(c, "    IDX rem = i, o0 = 0;");
+        for k in 0..s.inputs.len() {
+            let _ = writeln!(c, "    IDX o{} = 0;", k + 1);
+        }
+        for d in (0..s.ndim).rev() {
+            let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{}]; const IDX q = rem % sz; rem /= sz;", size_word(d));
+            if s.out.1 == Class::Strided {
+                let _ = writeln!(c, "      o0 += q * (IDX)a.w[{}];", stride_word(0, d));
+            }
+            for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
+                if *cls == Class::Strided {
+                    let _ = writeln!(c, "      o{} += q * (IDX)a.w[{}];", k + 1, stride_word(k + 1, d));
+                }
+            }
+            let _ = writeln!(c, "    }}");
+        }
+    }
+    body(&mut c, &|k| match s.inputs[k].2 {
+        Class::Contig => format!("p{k}[i]"),
+        Class::Scalar => format!("p{k}[0]"),
+        Class::Strided => format!("p{k}[o{}]", k + 1),
+    });
+    let oi = if s.out.1 == Class::Strided { "o0" } else { "i" };
+    let _ = writeln!(c, "    out[{oi}] = {result};\n  }}\n}}");
+    c
+}
+
+/// A reduction of a contiguous input: `Rows` reduces each row of [M, K]; `Cols` reduces the
+/// rows of [K, M] into M results. With `chunks > 1` (a launch argument) each row or column is
+/// split and partial results are written, to be reduced again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum ReduceLayout {
+    Rows,
+    Cols,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ReduceSpec {
+    pub op: ReduceOp,
+    pub input: DType,
+    pub acc: CType,
+    pub out: DType,
+    pub layout: ReduceLayout,
+    pub idx64: bool,
+}
+
+impl ReduceSpec {
+    pub(crate) fn kernel_name(&self) -> String {
+        let l = if self.layout == ReduceLayout::Rows { "rows" } else { "cols" };
+        format!("{}_{}_{}_{}", self.op.name(), short(self.input), short(self.out), l)
+    }
+}
+
+/// (init, combine of `acc` with value `v` at index `k`) for each reduction.
+fn reduce_parts(s: &ReduceSpec) -> (String, String) {
+    let t = s.acc.name();
+    let (lo, hi) = match s.acc {
+        CType::F32 => ("(-__int_as_float(0x7f800000))".to_string(), "__int_as_float(0x7f800000)".to_string()),
+        CType::F64 => ("(-__longlong_as_double(0x7ff0000000000000ll))".to_string(), "__longlong_as_double(0x7ff0000000000000ll)".to_string()),
+        _ => ("(-9223372036854775807ll - 1)".to_string(), "9223372036854775807ll".to_string()),
+    };
+    // "v better than acc" for max/min; NaN beats everything, ties keep the earlier index.
+    let better = |max: bool| {
+        let cmp = if max { ">" } else { "<" };
+        format!("(acc == acc) && (v != v || v {cmp} acc)")
+    };
+    match s.op {
+        ReduceOp::Sum => (format!("({t})0"), "acc = acc + v;".into()),
+        ReduceOp::Prod => (format!("({t})1"), "acc = acc * v;".into()),
+        ReduceOp::Max => (lo, format!("if ({}) acc = v;", better(true))),
+        ReduceOp::Min => (hi, format!("if ({}) acc = v;", better(false))),
+        ReduceOp::ArgMax => (lo, format!("if (({}) || ((v == acc || (v != v && acc != acc)) && k < ai)) {{ acc = v; ai = k; }}", better(true))),
+        ReduceOp::ArgMin => (hi, format!("if (({}) || ((v == acc || (v != v && acc != acc)) && k < ai)) {{ acc = v; ai = k; }}", better(false))),
+    }
+}
+
+pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
+    let mut c = String::from(PRELUDE);
+    let idx = if s.idx64 { "long long" } else { "int" };
+    let (init, combine) = reduce_parts(s);
+    let arg = matches!(s.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let t = s.acc.name();
+    let finish = if arg { store(s.out, CType::I64, "ai") } else { store(s.out, s.acc, "acc") };
+    let _ = writeln!(c, "typedef {idx} IDX;");
+    // Folds the partial (v, k) of another thread into (acc, ai).
+    let _ = writeln!(c, "__device__ __forceinline__ void kcomb({t}& acc, long long& ai, {t} v, long long k) {{ {combine} }}");
+    let it = storage_type(s.input);
+    let ot = storage_type(s.out);
+    let name = s.kernel_name();
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.w[0];\n  {ot}* __restrict__ out = ({ot}*)a.w[1];");
+    let _ = writeln!(c, "  const IDX M = (IDX)a.w[2], K = (IDX)a.w[3], C = (IDX)a.w[4];");
+    let lv = load(s.input, s.acc, "x[X]");
+    match s.layout {
+        ReduceLayout::Rows => {
+            let _ = writeln!(c, r#"  __shared__ {t} sa[32]; __shared__ long long si[32];
+  const IDX ch = blockIdx.y;
+  const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
+  for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
+    {t} acc = {init}; long long ai = 9223372036854775807ll;
+    for (IDX k = lo + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
+    for (int off = 16; off > 0; off >>= 1) {{
+      const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
+      if ((threadIdx.x & 31) + off < 32) kcomb(acc, ai, v, k);
+    }}
+    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if ((threadIdx.x & 31) == 0) {{ sa[warp] = acc; si[warp] = ai; }}
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+      for (int w = 1; w < nw; w++) kcomb(acc, ai, sa[w], si[w]);
+      out[row * C + ch] = {finish};
+    }}
+    __syncthreads();
+  }}
+}}"#, lv = lv.replace("x[X]", "x[row * K + k]"));
+        }
+        ReduceLayout::Cols => {
+            let _ = writeln!(c, r#"  __shared__ {t} sa[8][33]; __shared__ long long si[8][33];
+  const IDX col = (IDX)blockIdx.x * 32 + threadIdx.x, ch = blockIdx.y;
+  const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
+  {t} acc = {init}; long long ai = 9223372036854775807ll;
+  if (col < M) for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
+  sa[threadIdx.y][threadIdx.x] = acc; si[threadIdx.y][threadIdx.x] = ai;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < M) {{
+    for (int r = 1; r < 8; r++) kcomb(acc, ai, sa[r][threadIdx.x], si[r][threadIdx.x]);
+    out[ch * M + col] = {finish};
+  }}
+}}"#, lv = lv.replace("x[X]", "x[k * M + col]"));
+        }
+    }
+    c
+}
+
+/// `out[i] = x[...]` where the position along `dim` comes from an index tensor (gather and
+/// index_select). `ndim` dims, all strided; indices were range-checked by the caller.
+pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, String) {
+    let name = format!("gather_{}_{ndim}d_dim{dim}", short(dtype));
+    let t = storage_type(dtype);
+    let mut c = String::from(PRELUDE);
+    // words: 0 n, 1 out, 2 x, 3 idx, 4 size of x along dim; 8.. sizes, 16.. idx strides, 24.. x strides
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {t}* out = ({t}*)a.w[1]; const {t}* x = (const {t}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
+    let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
+    let _ = writeln!(c, "    long long rem = i, oi = 0, ox = 0, q;");
+    for d in (0..ndim).rev() {
+        let _ = writeln!(c, "    q = rem % (long long)a.w[{}]; rem /= (long long)a.w[{}]; oi += q * (long long)a.w[{}];", 8 + d, 8 + d, 16 + d);
+        if d != dim {
+            let _ = writeln!(c, "    ox += q * (long long)a.w[{}];", 24 + d);
+        }
+    }
+    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
+    (name, c)
+}
+
+/// `acc[... index ...] += src[...]` with atomics; `acc` is contiguous in compute type `t`.
+pub(crate) fn gen_scatter_add(src: DType, t: CType, ndim: usize, dim: usize) -> (String, String) {
+    let name = format!("scatter_add_{}_{}_{ndim}d_dim{dim}", short(src), short(t.dtype()));
+    let mut c = String::from(PRELUDE);
+    // words: 0 n, 1 acc, 2 src, 3 idx, 4 size of acc along dim; 8.. index sizes, 16.. idx strides, 24.. src strides, 32.. acc strides
+    let st = storage_type(src);
+    let tn = t.name();
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {tn}* acc = ({tn}*)a.w[1]; const {st}* src = (const {st}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
+    let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
+    let _ = writeln!(c, "    long long rem = i, oi = 0, os = 0, oa = 0, q;");
+    for d in (0..ndim).rev() {
+        let _ = writeln!(c, "    q = rem % (long long)a.w[{}]; rem /= (long long)a.w[{}]; oi += q * (long long)a.w[{}]; os += q * (long long)a.w[{}];", 8 + d, 8 + d, 16 + d, 24 + d);
+        if d != dim {
+            let _ = writeln!(c, "    oa += q * (long long)a.w[{}];", 32 + d);
+        }
+    }
+    let v = load(src, t, "src[os]");
+    let add = if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") };
+    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
+    (name, c)
+}
+
+/// Integer batched matrix product, one thread per output element (cuBLAS has no i64 gemm).
+pub(crate) fn gen_int_bmm(dtype: DType) -> (String, String) {
+    let name = format!("bmm_{}", short(dtype));
+    let t = storage_type(dtype);
+    let mut c = String::from(PRELUDE);
+    // words: 0 out, 1 a, 2 b, 3 B, 4 M, 5 N, 6 K, 8..11 a strides (batch,row,col), 11..14 b strides
+    let la = load(dtype, CType::I64, "pa[i * (long long)a.w[9] + k * (long long)a.w[10]]");
+    let lb = load(dtype, CType::I64, "pb[k * (long long)a.w[12] + j * (long long)a.w[13]]");
+    let st = store(dtype, CType::I64, "(long long)s");
+    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const KArgs a) {{
+  {t}* out = ({t}*)a.w[0];
+  const long long B = (long long)a.w[3], M = (long long)a.w[4], N = (long long)a.w[5], K = (long long)a.w[6];
+  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < B * M * N; e += (long long)gridDim.x * blockDim.x) {{
+    const long long b = e / (M * N), i = (e / N) % M, j = e % N;
+    const {t}* pa = (const {t}*)a.w[1] + b * (long long)a.w[8];
+    const {t}* pb = (const {t}*)a.w[2] + b * (long long)a.w[11];
+    unsigned long long s = 0;
+    for (long long k = 0; k < K; k++) s += (unsigned long long)({la}) * (unsigned long long)({lb});
+    out[e] = {st};
+  }}
+}}"#);
+    (name, c)
+}
+
+/// Device twins of the host generator's distributions (tensor/create.rs): the same bits of the
+/// same Philox outputs, so a seed gives the same values on the CPU and the GPU.
+pub(crate) const RANDOM: &str = r#"
+__device__ double kuniform(u64 seed, u64 ctr, unsigned int bits) {
+  unsigned int o[4]; kphilox(seed, ctr, o);
+  if (bits == 53) return (double)((((u64)o[0] << 32) | o[1]) >> 11) * (1.0 / 9007199254740992.0);
+  return (double)(o[0] >> (32 - bits)) / (double)(1ull << bits);
+}
+__device__ double knormal(u64 seed, u64 ctr) {
+  unsigned int o[4]; kphilox(seed, ctr, o);
+  const double u1 = 1.0 - (double)((((u64)o[0] << 32) | o[1]) >> 11) * (1.0 / 9007199254740992.0);
+  const double u2 = (double)((((u64)o[2] << 32) | o[3]) >> 11) * (1.0 / 9007199254740992.0);
+  return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.141592653589793 * u2);
+}
+__device__ u64 kbits64(u64 seed, u64 ctr) {
+  unsigned int o[4]; kphilox(seed, ctr, o);
+  return ((u64)o[0] << 32) | o[1];
+}
+"#;

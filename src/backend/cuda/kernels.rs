@@ -1,0 +1,483 @@
+//! The CUDA twins of the CPU backend's functions: each builds a spec, gets its kernel from the
+//! device cache (generating it on first use) and launches it on the device's stream.
+
+use super::codegen::{self, gen_map, gen_reduce, CType, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
+use super::{blas, device, CudaDevice, CudaStorage, KArgs, KernelKey};
+use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
+use crate::layout::{contiguous_strides, numel, Layout};
+use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+use crate::storage::BackendStorage;
+use crate::{DType, Device, Error, Result, Tensor};
+use cudarc::driver::result as dr;
+use std::sync::Arc;
+
+const THREADS: u32 = 256;
+
+pub(crate) fn dev_of(t: &Tensor) -> Result<Arc<CudaDevice>> {
+    match t.device() {
+        Device::Cuda(n) => device(n),
+        Device::Cpu => unreachable!("CUDA kernel on a CPU tensor"),
+    }
+}
+
+/// Address of the tensor's first element.
+pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
+    let g = t.storage().data.read_recursive();
+    match &*g {
+        BackendStorage::Cuda(s) => Ok(s.ptr() + (t.layout().offset * t.dtype().size_in_bytes()) as u64),
+        BackendStorage::Cpu(_) => unreachable!("CUDA kernel on a CPU tensor"),
+    }
+}
+
+fn grid_for(dev: &CudaDevice, work: usize) -> u32 {
+    (work.div_ceil(THREADS as usize)).clamp(1, dev.sm_count * 8) as u32
+}
+
+/// An operand of a map kernel: where it is and how it is laid out over the iteration shape.
+struct Operand {
+    ptr: u64,
+    dtype: DType,
+    strides: Vec<usize>,
+}
+
+/// Merges dims that every operand walks contiguously, and drops size-1 dims: fewer dims mean
+/// less index arithmetic, and most broadcasts become plain contiguous or scalar operands.
+fn coalesce(shape: &[usize], strides: &mut [Vec<usize>]) -> Vec<usize> {
+    let mut dims: Vec<usize> = (0..shape.len()).filter(|&d| shape[d] != 1).collect();
+    let mut out_shape: Vec<usize> = dims.iter().map(|&d| shape[d]).collect();
+    let mut out_strides: Vec<Vec<usize>> = strides.iter().map(|s| dims.iter().map(|&d| s[d]).collect()).collect();
+    let mut i = out_shape.len();
+    while i > 1 {
+        i -= 1;
+        let mergeable = out_strides.iter().all(|s| s[i - 1] == s[i] * out_shape[i]);
+        if mergeable {
+            out_shape[i - 1] *= out_shape[i];
+            out_shape.remove(i);
+            for s in out_strides.iter_mut() {
+                s[i - 1] = s[i];
+                s.remove(i);
+            }
+            dims.remove(i);
+        }
+    }
+    for (s, o) in strides.iter_mut().zip(out_strides) {
+        *s = o;
+    }
+    out_shape
+}
+
+fn classify(shape: &[usize], strides: &[usize]) -> Class {
+    if strides.iter().all(|&s| s == 0) {
+        Class::Scalar
+    } else if strides == contiguous_strides(shape).as_slice() {
+        Class::Contig
+    } else {
+        Class::Strided
+    }
+}
+
+/// Runs `expr` elementwise over `inputs` (each already of the iteration `shape`) into `out`,
+/// a buffer of `out_dtype` laid out by `out_layout` (contiguous when it is a fresh result).
+#[allow(clippy::too_many_arguments)]
+fn map_into(
+    dev: &Arc<CudaDevice>,
+    name: &str,
+    inputs: &[(&Tensor, CType)],
+    out_ptr: u64,
+    out_dtype: DType,
+    out_layout: &Layout,
+    result: CType,
+    expr: String,
+    params: &[u64],
+) -> Result<()> {
+    let shape = out_layout.shape.clone();
+    let n = numel(&shape);
+    if n == 0 {
+        return Ok(());
+    }
+    let mut ops: Vec<Operand> = vec![Operand { ptr: out_ptr, dtype: out_dtype, strides: out_layout.strides.clone() }];
+    for (t, _) in inputs {
+        ops.push(Operand { ptr: data_ptr(t)?, dtype: t.dtype(), strides: t.strides().to_vec() });
+    }
+    let mut strides: Vec<Vec<usize>> = ops.iter().map(|o| o.strides.clone()).collect();
+    let cshape = coalesce(&shape, &mut strides);
+    let classes: Vec<Class> = strides.iter().map(|s| classify(&cshape, s)).collect();
+    let out_class = if classes[0] == Class::Contig { Class::Contig } else { Class::Strided };
+    let strided = out_class == Class::Strided || classes[1..].iter().any(|&c| c == Class::Strided);
+    if strided && cshape.len() > MAX_DIMS {
+        return Err(Error::arg("cuda kernel", format!("{} dims after merging; at most {MAX_DIMS} are supported", cshape.len())));
+    }
+    let max_off = strides.iter().map(|s| s.iter().zip(&cshape).map(|(st, d)| st * (d - 1)).sum::<usize>()).max().unwrap_or(0);
+    let idx64 = n >= i32::MAX as usize || max_off >= i32::MAX as usize;
+    // Vector loads when every operand is contiguous (or a scalar) and aligned.
+    let vec = if strided {
+        1
+    } else {
+        let widest = ops.iter().zip(&classes).filter(|(_, c)| **c == Class::Contig).map(|(o, _)| o.dtype.size_in_bytes()).max().unwrap_or(1);
+        let v = (16 / widest).clamp(1, 16);
+        let aligned = ops.iter().zip(&classes).all(|(o, c)| *c != Class::Contig || o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0);
+        if aligned && n >= v { v } else { 1 }
+    };
+    let spec = MapSpec {
+        name: name.to_string(),
+        inputs: inputs.iter().zip(&classes[1..]).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
+        out: (out_dtype, out_class),
+        result,
+        expr,
+        ndim: if strided { cshape.len() } else { 0 },
+        vec,
+        idx64,
+    };
+    let mut a = KArgs::default();
+    a.w[0] = n as u64;
+    for (k, o) in ops.iter().enumerate() {
+        a.w[1 + k] = o.ptr;
+    }
+    if strided {
+        for (d, &sz) in cshape.iter().enumerate() {
+            a.w[codegen::size_word(d)] = sz as u64;
+            for (k, s) in strides.iter().enumerate() {
+                a.w[codegen::stride_word(k, d)] = s[d] as u64;
+            }
+        }
+    }
+    for (k, &p) in params.iter().enumerate() {
+        a.w[PARAM_BASE + k] = p;
+    }
+    let grid = grid_for(dev, n / vec);
+    let key = KernelKey::Map(spec.clone());
+    let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
+    dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a)
+}
+
+/// `map_into` a fresh contiguous buffer.
+fn map_new(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], shape: &[usize], out: DType, result: CType, expr: String, params: &[u64]) -> Result<CudaStorage> {
+    let s = CudaStorage::new(dev, out, numel(shape))?;
+    map_into(dev, name, inputs, s.ptr(), out, &Layout::contiguous(shape), result, expr, params)?;
+    Ok(s)
+}
+
+pub(crate) fn unary(op: UnaryOp, x: &Tensor, out: DType) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let t = if op == UnaryOp::LogicalNot { CType::Bool } else { CType::of(out) };
+    map_new(&dev, op.name(), &[(x, t)], x.shape(), out, t, op.cuda("v0", t), &[])
+}
+
+pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, compute: DType) -> Result<CudaStorage> {
+    let dev = dev_of(a)?;
+    let out = op.out_dtype(compute);
+    let t = if op.is_logical() {
+        CType::Bool
+    } else if !op.is_comparison() && compute == DType::Bool {
+        CType::I64 // arithmetic on bools runs in integers, as on the CPU
+    } else {
+        CType::of(compute)
+    };
+    let result = if op.is_comparison() || op.is_logical() { CType::Bool } else { t };
+    map_new(&dev, op.name(), &[(a, t), (b, t)], a.shape(), out, result, op.cuda("v0", "v1", t), &[])
+}
+
+pub(crate) fn where_(c: &Tensor, a: &Tensor, b: &Tensor, out: DType) -> Result<CudaStorage> {
+    let dev = dev_of(a)?;
+    let t = CType::of(out);
+    map_new(&dev, "where", &[(c, CType::Bool), (a, t), (b, t)], a.shape(), out, t, "(v0 ? v1 : v2)".into(), &[])
+}
+
+/// A contiguous copy of `x` converted to `dtype`.
+pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let t = CType::of(x.dtype());
+    let name = if dtype == x.dtype() { "copy" } else { "to" };
+    map_new(&dev, name, &[(x, t)], x.shape(), dtype, t, "v0".into(), &[])
+}
+
+/// Writes `src` (of `dst`'s shape, any dtype) into `dst`'s strided elements.
+pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
+    let dev = dev_of(dst)?;
+    let t = CType::of(src.dtype());
+    map_into(&dev, "copy", &[(src, t)], data_ptr(dst)?, dst.dtype(), dst.layout(), t, "v0".into(), &[])
+}
+
+pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
+    let bytes = s.len * s.dtype.size_in_bytes();
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: the block holds at least `bytes`; the memset is ordered on the device's stream.
+    unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, dev.stream.cu_stream()) }.map_err(|e| dev.err("memset", e))
+}
+
+pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {
+    let dev = device_checked(device)?;
+    if value == 0.0 {
+        let s = CudaStorage::new(&dev, dtype, numel(shape))?;
+        zero_fill(&dev, &s)?;
+        return Ok(s);
+    }
+    map_new(&dev, "fill", &[], shape, dtype, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])
+}
+
+fn device_checked(n: usize) -> Result<Arc<CudaDevice>> {
+    device(n)
+}
+
+/// The random distributions of `Tensor::rand`/`randn`/`randint`, drawn from the same Philox
+/// stream as on the CPU (element i takes counter `first + i`).
+pub(crate) enum Dist {
+    /// Uniform in [0, 1) keeping `bits` random bits (24 for f32, 53 for f64, 11/8 for halves).
+    Uniform { bits: u32 },
+    Normal,
+    Int { low: i64, span: u64 },
+}
+
+pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist, seed: u64, first: u64) -> Result<CudaStorage> {
+    let dev = device_checked(device)?;
+    let (expr, result, params) = match dist {
+        Dist::Uniform { bits } => (format!("kuniform(P(0), P(1) + (u64)i, {bits})"), CType::F64, vec![seed, first]),
+        Dist::Normal => ("knormal(P(0), P(1) + (u64)i)".to_string(), CType::F64, vec![seed, first]),
+        Dist::Int { low, span } => ("((long long)P(2) + (long long)(kbits64(P(0), P(1) + (u64)i) % P(3)))".to_string(), CType::I64, vec![seed, first, low as u64, span]),
+    };
+    map_new(&dev, "random", &[], shape, dtype, result, expr, &params)
+}
+
+/// The acc type of a reduction: sums and products of floats in f64, of integers in i64.
+fn acc_type(op: ReduceOp, input: DType) -> CType {
+    match (op, CType::of(input)) {
+        (ReduceOp::Sum | ReduceOp::Prod, CType::F32 | CType::F64) => CType::F64,
+        (_, CType::Bool) => CType::I64,
+        (ReduceOp::Sum | ReduceOp::Prod, _) => CType::I64,
+        (_, t) => t,
+    }
+}
+
+/// Reduces `dims` of `x` into a contiguous buffer of `out` dtype (kept dims in order).
+pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let l = x.layout();
+    let kept: Vec<usize> = (0..l.ndim()).filter(|d| !dims.contains(d)).collect();
+    let m: usize = kept.iter().map(|&d| l.shape[d]).product();
+    let k: usize = dims.iter().map(|&d| l.shape[d]).product();
+    let res = CudaStorage::new(&dev, out, m)?;
+    if m == 0 {
+        return Ok(res);
+    }
+    if k == 0 {
+        let v = if op == ReduceOp::Prod { 1.0 } else { 0.0 };
+        let s = full(dev.ordinal, &[m], v, out)?;
+        return Ok(s);
+    }
+    // Leading dims of a contiguous tensor reduce as columns; otherwise the reduced dims are
+    // moved last (a copy unless they already are) and reduce as rows.
+    let leading = dims.iter().enumerate().all(|(i, &d)| d == i) && !kept.is_empty();
+    let (input, layout) = if leading && x.is_contiguous() {
+        (x.clone(), ReduceLayout::Cols)
+    } else {
+        let perm: Vec<usize> = kept.iter().chain(dims).copied().collect();
+        let p = x.permute_usize(&perm)?;
+        (if p.is_contiguous() { p } else { p.copy_contiguous()? }, ReduceLayout::Rows)
+    };
+    let acc = acc_type(op, x.dtype());
+    let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let chunks = if arg {
+        1
+    } else {
+        match layout {
+            ReduceLayout::Rows => ((dev.sm_count * 4) / m).clamp(1, (k / 2048).max(1)),
+            ReduceLayout::Cols => ((dev.sm_count * 8) / m.div_ceil(32)).clamp(1, (k / 64).max(1)),
+        }
+    };
+    let ptr = data_ptr(&input)?;
+    if chunks == 1 {
+        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, 1)?;
+        return Ok(res);
+    }
+    // Two passes: partial results per chunk (in the acc type), then a reduction of those.
+    let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
+    launch_reduce(&dev, op, layout, input.dtype(), acc, acc.dtype(), ptr, partial.ptr(), m, k, chunks)?;
+    launch_reduce(&dev, op, layout, acc.dtype(), acc, out, partial.ptr(), res.ptr(), m, chunks, 1)?;
+    Ok(res)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, input: DType, acc: CType, out: DType, x: u64, y: u64, m: usize, k: usize, chunks: usize) -> Result<()> {
+    let spec = ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize };
+    let key = KernelKey::Reduce(spec.clone());
+    let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(&spec)))?;
+    let mut a = KArgs::default();
+    a.w[..5].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64]);
+    match layout {
+        ReduceLayout::Rows => {
+            let per = k.div_ceil(chunks);
+            let threads = per.next_power_of_two().clamp(32, 256) as u32;
+            dev.launch(kern, (m.min(1 << 20) as u32, chunks as u32, 1), (threads, 1, 1), &a)
+        }
+        ReduceLayout::Cols => dev.launch(kern, (m.div_ceil(32) as u32, chunks as u32, 1), (32, 8, 1), &a),
+    }
+}
+
+/// Checks indices against `size` on the host (a device→host read of two numbers).
+fn check_indices(op: &'static str, index: &Tensor, size: usize) -> Result<()> {
+    if index.numel() == 0 {
+        return Ok(());
+    }
+    let lo = crate::no_grad(|| index.min_all()?.to_dtype(DType::I64)?.item::<i64>())?;
+    let hi = crate::no_grad(|| index.max_all()?.to_dtype(DType::I64)?.item::<i64>())?;
+    for i in [lo, hi] {
+        if i < -(size as i64) || i >= size as i64 {
+            return Err(Error::Index { op, index: i, size });
+        }
+    }
+    Ok(())
+}
+
+/// `out[p] = x[... index[p] along dim ...]` over the index's shape (gather; index_select
+/// passes a broadcast index).
+pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tensor) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    check_indices(op, index, x.shape()[dim])?;
+    let nd = index.ndim();
+    if nd > 8 {
+        return Err(Error::arg(op, "at most 8 dims on CUDA"));
+    }
+    let out = CudaStorage::new(&dev, x.dtype(), index.numel())?;
+    if out.len == 0 {
+        return Ok(out);
+    }
+    let (name, src) = codegen::gen_gather(x.dtype(), nd.max(1), dim);
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let mut a = KArgs::default();
+    a.w[..5].copy_from_slice(&[out.len as u64, out.ptr(), data_ptr(x)?, data_ptr(index)?, x.shape()[dim] as u64]);
+    for d in 0..nd {
+        a.w[8 + d] = index.shape()[d] as u64;
+        a.w[16 + d] = index.strides()[d] as u64;
+        a.w[24 + d] = x.strides()[d] as u64;
+    }
+    if nd == 0 {
+        a.w[8] = 1;
+    }
+    dev.launch(kern, (grid_for(&dev, out.len), 1, 1), (THREADS, 1, 1), &a)?;
+    Ok(out)
+}
+
+pub(crate) fn index_select(x: &Tensor, dim: usize, index: &Tensor) -> Result<CudaStorage> {
+    let mut shape = x.shape().to_vec();
+    shape[dim] = index.numel();
+    let mut ishape = vec![1; x.ndim()];
+    ishape[dim] = index.numel();
+    let idx = index.reshape_usize(&ishape)?.broadcast_to(&shape)?;
+    // The other dims of x are read with x's strides by position: a broadcast index over the
+    // output shape gives exactly index_select.
+    gather_dim("index_select", x, dim, &idx)
+}
+
+pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CudaStorage> {
+    let dev = dev_of(base)?;
+    check_indices("scatter_add", index, base.shape()[dim])?;
+    let t = match CType::of(base.dtype()) {
+        CType::Bool => CType::I64,
+        t => t,
+    };
+    let acc = cast(base, t.dtype())?;
+    let nd = index.ndim();
+    if index.numel() > 0 {
+        let (name, code) = codegen::gen_scatter_add(src.dtype(), t, nd.max(1), dim);
+        let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
+        let mut a = KArgs::default();
+        a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
+        let acc_strides = contiguous_strides(base.shape());
+        for d in 0..nd {
+            a.w[8 + d] = index.shape()[d] as u64;
+            a.w[16 + d] = index.strides()[d] as u64;
+            a.w[24 + d] = src.strides()[d] as u64;
+            a.w[32 + d] = acc_strides[d] as u64;
+        }
+        if nd == 0 {
+            a.w[8] = 1;
+        }
+        dev.launch(kern, (grid_for(&dev, index.numel()), 1, 1), (THREADS, 1, 1), &a)?;
+    }
+    if t.dtype() == base.dtype() {
+        return Ok(acc);
+    }
+    let acc_t = Tensor::from_parts(Arc::new(crate::storage::Storage::cuda(acc)), Layout::contiguous(base.shape()), t.dtype(), false);
+    cast(&acc_t, base.dtype())
+}
+
+/// Concatenation: each input is copied into its slice of the output.
+pub(crate) fn cat(ts: &[&Tensor], dim: usize, out_shape: &[usize], dtype: DType) -> Result<CudaStorage> {
+    let dev = dev_of(ts[0])?;
+    let out = CudaStorage::new(&dev, dtype, numel(out_shape))?;
+    let strides = contiguous_strides(out_shape);
+    let mut at = 0;
+    for t in ts {
+        let l = Layout { shape: t.shape().to_vec(), strides: strides.clone(), offset: at * strides[dim] };
+        let ptr = out.ptr() + (l.offset * dtype.size_in_bytes()) as u64;
+        map_into(&dev, "copy", &[(t, CType::of(t.dtype()))], ptr, dtype, &Layout { offset: 0, ..l }, CType::of(t.dtype()), "v0".into(), &[])?;
+        at += t.shape()[dim];
+    }
+    Ok(out)
+}
+
+/// Constant padding: a filled buffer with the input copied into its interior.
+pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[usize]) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let out = full(dev.ordinal, out_shape, value, x.dtype())?;
+    let strides = contiguous_strides(out_shape);
+    let offset: usize = pads.iter().zip(&strides).map(|(p, s)| p.0 * s).sum();
+    let interior = Layout { shape: x.shape().to_vec(), strides, offset: 0 };
+    let t = CType::of(x.dtype());
+    map_into(&dev, "copy", &[(x, t)], out.ptr() + (offset * x.dtype().size_in_bytes()) as u64, x.dtype(), &interior, t, "v0".into(), &[])?;
+    Ok(out)
+}
+
+pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
+    let dev = dev_of(a)?;
+    if dtype.is_float() {
+        return blas::bmm(&dev, a, b, dtype);
+    }
+    let (bs, m, k, n) = (a.shape()[0], a.shape()[1], a.shape()[2], b.shape()[2]);
+    let out = CudaStorage::new(&dev, dtype, bs * m * n)?;
+    if out.len == 0 {
+        return Ok(out);
+    }
+    let (name, src) = codegen::gen_int_bmm(dtype);
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let mut w = KArgs::default();
+    w.w[..7].copy_from_slice(&[out.ptr(), data_ptr(a)?, data_ptr(b)?, bs as u64, m as u64, n as u64, k as u64]);
+    w.w[8..11].copy_from_slice(&[a.strides()[0] as u64, a.strides()[1] as u64, a.strides()[2] as u64]);
+    w.w[11..14].copy_from_slice(&[b.strides()[0] as u64, b.strides()[1] as u64, b.strides()[2] as u64]);
+    dev.launch(kern, (grid_for(&dev, out.len), 1, 1), (THREADS, 1, 1), &w)?;
+    Ok(out)
+}
+
+/// Host → device: a contiguous copy of the CPU tensor's elements.
+pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
+    let dev = device_checked(device)?;
+    let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
+    if out.len == 0 {
+        return Ok(out);
+    }
+    with_dtype!(x.dtype(), T => {
+        let host = crate::backend::cpu::to_vec_as::<T>(x);
+        // SAFETY: `out` holds host.len() elements of T; the copy completes before returning.
+        unsafe { dr::memcpy_htod_sync(out.ptr(), &host) }.map_err(|e| dev.err("copy to device", e))?;
+    });
+    Ok(out)
+}
+
+/// Device → host: the tensor's elements, row-major. Waits for the device (an explicit read).
+pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
+    let dev = dev_of(x)?;
+    let c = if x.is_contiguous() { x.clone() } else { x.copy_contiguous()? };
+    let ptr = data_ptr(&c)?;
+    dev.synchronize()?;
+    Ok(with_dtype!(x.dtype(), T => {
+        let mut host = vec![<T as Default>::default(); c.numel()];
+        if !host.is_empty() {
+            // SAFETY: the device buffer holds numel elements of T from `ptr`; work that writes
+            // it was synchronised above.
+            unsafe { dr::memcpy_dtoh_sync(&mut host, ptr) }.map_err(|e| dev.err("copy to host", e))?;
+        }
+        T::wrap(host)
+    }))
+}

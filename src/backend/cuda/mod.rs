@@ -1,0 +1,281 @@
+//! The CUDA backend: one context and stream per device, a caching allocator, kernels generated
+//! at run time (codegen.rs → nvrtc.rs) and cached per device, cuBLAS for matrix products.
+//! cudarc loads the CUDA libraries dynamically, so builds and CPU runs need no CUDA.
+
+pub(crate) mod alloc;
+mod blas;
+pub(crate) mod codegen;
+pub(crate) mod kernels;
+mod nvrtc;
+
+pub use alloc::MemoryStats;
+pub use nvrtc::{kernel_cache_counts, KernelSource};
+
+use crate::{DType, Device, Error, Result};
+use alloc::{Block, CachingAllocator, RawAlloc};
+use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaStream};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// A loaded kernel. CUfunction handles are plain pointers valid for the context's lifetime.
+#[derive(Clone, Copy)]
+pub(crate) struct Kernel(ds::CUfunction);
+// SAFETY: a CUfunction may be launched from any thread that binds its context.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+/// The argument block every generated kernel takes by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct KArgs {
+    pub w: [u64; 64],
+}
+impl Default for KArgs {
+    fn default() -> Self {
+        KArgs { w: [0; 64] }
+    }
+}
+
+/// What identifies a compiled kernel in the per-device cache.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) enum KernelKey {
+    Map(codegen::MapSpec),
+    Reduce(codegen::ReduceSpec),
+    /// Kernels whose name already encodes every parameter of their source.
+    Named(String),
+}
+
+struct DriverAlloc {
+    ctx: Arc<CudaContext>,
+}
+impl RawAlloc for DriverAlloc {
+    fn malloc(&mut self, bytes: usize) -> std::result::Result<u64, ()> {
+        self.ctx.bind_to_thread().map_err(|_| ())?;
+        // SAFETY: the context is current; the result is checked.
+        unsafe { dr::malloc_sync(bytes) }.map_err(|_| ())
+    }
+    fn free(&mut self, ptr: u64) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from malloc_sync and is no longer handed out; the stream was
+        // synchronised by `empty_cache` before cached blocks are freed.
+        let _ = unsafe { dr::free_sync(ptr) };
+    }
+}
+
+pub(crate) struct CudaDevice {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    alloc: Mutex<CachingAllocator<DriverAlloc>>,
+    kernels: Mutex<HashMap<KernelKey, Kernel>>,
+    /// Modules stay loaded for the context's lifetime (their functions are cached above).
+    modules: Mutex<Vec<usize>>,
+    pub(crate) blas: Mutex<Option<blas::Handle>>,
+    pub(crate) arch: String,
+    pub(crate) sm_count: usize,
+    driver: i32,
+    /// Kernels launched on this device, for kernel-count assertions.
+    launches: AtomicU64,
+}
+
+static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
+static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
+
+fn driver_present() -> bool {
+    // SAFETY: only probes whether the shared libraries can be loaded.
+    unsafe { ds::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices this process can use (0 without a driver).
+pub fn device_count() -> usize {
+    if !driver_present() || dr::init().is_err() {
+        return 0;
+    }
+    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+pub(crate) fn available(n: usize) -> bool {
+    n < device_count()
+}
+
+fn cuda_err(op: &'static str, device: Device, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda { op, device, msg: format!("{e:?}") }
+}
+
+/// The device `n`, created on first use.
+pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
+    let map = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(d) = map.lock().get(&n) {
+        d.bind()?;
+        return Ok(d.clone());
+    }
+    let dev = Device::Cuda(n);
+    if !driver_present() {
+        return Err(Error::DeviceUnavailable { op: "cuda", device: dev, msg: "no CUDA driver found (libcuda / libnvrtc could not be loaded)".into() });
+    }
+    let count = device_count();
+    if n >= count {
+        return Err(Error::DeviceUnavailable { op: "cuda", device: dev, msg: format!("this machine has {count} CUDA device(s)") });
+    }
+    let ctx = CudaContext::new(n).map_err(|e| cuda_err("context", dev, e))?;
+    let (major, minor) = ctx.compute_capability().map_err(|e| cuda_err("context", dev, e))?;
+    let sm_count = ctx.attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| cuda_err("context", dev, e))? as usize;
+    let mut driver = 0;
+    // SAFETY: plain out-parameter.
+    unsafe { ds::cuDriverGetVersion(&mut driver) };
+    let stream = ctx.default_stream();
+    let d = Arc::new(CudaDevice {
+        ordinal: n,
+        alloc: Mutex::new(CachingAllocator::new(DriverAlloc { ctx: ctx.clone() })),
+        ctx,
+        stream,
+        kernels: Mutex::new(HashMap::new()),
+        modules: Mutex::new(Vec::new()),
+        blas: Mutex::new(None),
+        arch: format!("sm_{major}{minor}"),
+        sm_count,
+        driver,
+        launches: AtomicU64::new(0),
+    });
+    map.lock().insert(n, d.clone());
+    Ok(d)
+}
+
+impl CudaDevice {
+    pub(crate) fn kiln_device(&self) -> Device {
+        Device::Cuda(self.ordinal)
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("bind", self.kiln_device(), e))
+    }
+
+    pub(crate) fn err(&self, op: &'static str, e: impl std::fmt::Debug) -> Error {
+        cuda_err(op, self.kiln_device(), e)
+    }
+
+    /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
+    pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
+        self.alloc.lock().alloc(bytes).map_err(|oom| Error::OutOfMemory { device: self.kiln_device(), msg: oom.to_string() })
+    }
+
+    pub(crate) fn free(&self, block: Block) {
+        self.alloc.lock().free(block);
+    }
+
+    /// The compiled kernel for `key`, generating (`gen` gives name and source) and compiling on
+    /// first use.
+    pub(crate) fn kernel(&self, key: KernelKey, gen: impl FnOnce() -> (String, String)) -> Result<Kernel> {
+        if let Some(k) = self.kernels.lock().get(&key) {
+            return Ok(*k);
+        }
+        let (name, src) = gen();
+        if crate::log_enabled("kernels") {
+            eprintln!("[kiln kernels] {name} ({}):\n{src}", self.arch);
+        }
+        let (cubin, _) = nvrtc::cubin(&src, &self.arch, self.driver, self.kiln_device())?;
+        self.bind()?;
+        // SAFETY: `cubin` is a complete image for this device's architecture.
+        let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const _) }.map_err(|e| self.err("load module", e))?;
+        let cname = std::ffi::CString::new(name.clone()).expect("kernel names have no NUL");
+        // SAFETY: the module was just loaded and names this function.
+        let f = unsafe { dr::module::get_function(module, cname) }.map_err(|e| self.err("get function", e))?;
+        self.modules.lock().push(module as usize);
+        let k = Kernel(f);
+        self.kernels.lock().insert(key, k);
+        Ok(k)
+    }
+
+    /// Launches `k` on the device's stream with the argument block `args`.
+    pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &KArgs) -> Result<()> {
+        let mut a = *args;
+        let mut params = [&mut a as *mut KArgs as *mut std::ffi::c_void];
+        // SAFETY: every generated kernel takes exactly one `KArgs` by value; the pointers inside
+        // point to live device buffers kept alive by the tensors of the calling op, and buffers
+        // are only reused in stream order.
+        unsafe { dr::launch_kernel(k.0, grid, block, 0, self.stream.cu_stream(), &mut params) }.map_err(|e| self.err("launch", e))?;
+        self.launches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.bind()?;
+        self.stream.synchronize().map_err(|e| self.err("synchronize", e))
+    }
+}
+
+/// Device memory of one tensor storage; returned to the device's cache when dropped.
+pub(crate) struct CudaStorage {
+    pub(crate) dev: Arc<CudaDevice>,
+    pub(crate) block: Block,
+    pub(crate) dtype: DType,
+    pub(crate) len: usize,
+}
+
+impl CudaStorage {
+    pub(crate) fn new(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<CudaStorage> {
+        let block = dev.alloc(len * dtype.size_in_bytes())?;
+        Ok(CudaStorage { dev: dev.clone(), block, dtype, len })
+    }
+    pub(crate) fn ptr(&self) -> u64 {
+        self.block.ptr
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        self.dev.free(self.block);
+    }
+}
+
+fn cuda_device(op: &'static str, which: &Device) -> Result<Arc<CudaDevice>> {
+    match which {
+        Device::Cuda(n) => device(*n),
+        Device::Cpu => Err(Error::arg(op, "expected a CUDA device, got the CPU")),
+    }
+}
+
+/// Waits for all work queued on `device` (`torch.cuda.synchronize`).
+pub fn synchronize(device: &Device) -> Result<()> {
+    cuda_device("synchronize", device)?.synchronize()
+}
+
+/// The caching allocator's figures for `device`.
+pub fn memory_stats(device: &Device) -> Result<MemoryStats> {
+    Ok(cuda_device("memory_stats", device)?.alloc.lock().stats())
+}
+
+/// Restarts peak tracking at the current figures.
+pub fn reset_peak_memory_stats(device: &Device) -> Result<()> {
+    cuda_device("reset_peak_memory_stats", device)?.alloc.lock().reset_peak_stats();
+    Ok(())
+}
+
+/// Returns cached, unused blocks to the device (after the queued work that may use them).
+pub fn empty_cache(device: &Device) -> Result<()> {
+    let d = cuda_device("empty_cache", device)?;
+    d.synchronize()?;
+    d.alloc.lock().empty_cache();
+    Ok(())
+}
+
+/// Kernels launched on `device` by this process so far (eager ops and compiled code alike).
+pub fn launch_count(device: &Device) -> Result<u64> {
+    Ok(cuda_device("launch_count", device)?.launches.load(Ordering::Relaxed))
+}
+
+/// Lets F32 matrix products use TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`);
+/// off by default, so F32 products are full precision.
+pub fn set_allow_tf32(allow: bool) {
+    ALLOW_TF32.store(allow, Ordering::Relaxed);
+}
+pub fn allow_tf32() -> bool {
+    ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+/// The directory generated kernels are cached in across processes.
+pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
+    nvrtc::cache_dir()
+}
