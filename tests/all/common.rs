@@ -18,7 +18,7 @@ pub fn t(values: &[f64], shape: &[usize], dtype: DType) -> Tensor {
 
 /// The tensor's values as f64 on the host.
 pub fn vals(x: &Tensor) -> Vec<f64> {
-    x.to_dtype(DType::F64).unwrap().to_device(&Device::Cpu).unwrap().to_vec::<f64>().unwrap()
+    x.detach().to_dtype(DType::F64).unwrap().to_device(&Device::Cpu).unwrap().to_vec::<f64>().unwrap()
 }
 
 /// Deterministic pseudo-random values in [-2, 2) (independent of kiln's generator).

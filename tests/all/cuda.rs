@@ -122,7 +122,7 @@ fn kernels_come_from_the_disk_cache_in_a_second_process() {
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let line = text.lines().find(|l| l.starts_with("KILN_CACHE")).unwrap_or_else(|| panic!("child printed no counts:\n{text}\n{}", String::from_utf8_lossy(&out.stderr))).to_string();
+        let line = text.lines().find_map(|l| l.split_once("KILN_CACHE").map(|(_, rest)| rest)).unwrap_or_else(|| panic!("child printed no counts:\n{text}\n{}", String::from_utf8_lossy(&out.stderr))).to_string();
         let num = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u64>().unwrap();
         (num("compiled="), num("disk="))
     };

@@ -19,7 +19,7 @@ fn smoke() {
     assert_eq!(vals(&v), vec![3.0, 5.0]);
     assert_eq!(i.to_vec::<i64>().unwrap(), vec![2, 1]);
     let logits = t(&host_rand(12, 2), &[4, 3], DType::F32).requires_grad();
-    let target = Tensor::from_vec(vec![0i64, 2, 1, -100], &[4], &Device::Cpu).unwrap();
+    let target = Tensor::from_vec(vec![0i64, 2, 1, -100], &[4], &dev()).unwrap();
     let loss = nn::functional::cross_entropy(&logits, &target).unwrap();
     loss.backward().unwrap();
     println!("{loss} {}", logits.grad().unwrap());

@@ -279,3 +279,24 @@ pub fn allow_tf32() -> bool {
 pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
     nvrtc::cache_dir()
 }
+
+/// A point in a device's stream, for timing work on the device (`torch.cuda.Event`).
+pub struct Event {
+    event: cudarc::driver::CudaEvent,
+    dev: Arc<CudaDevice>,
+}
+
+impl Event {
+    /// Records an event after the work queued so far on `device`.
+    pub fn record(device: &Device) -> Result<Event> {
+        let dev = cuda_device("Event::record", device)?;
+        let event = dev.ctx.new_event(Some(ds::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev.err("event", e))?;
+        event.record(&dev.stream).map_err(|e| dev.err("event record", e))?;
+        Ok(Event { event, dev })
+    }
+    /// Milliseconds of device time from `self` to `end`; waits for `end`.
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f64> {
+        end.event.synchronize().map_err(|e| self.dev.err("event synchronize", e))?;
+        Ok(self.event.elapsed_ms(&end.event).map_err(|e| self.dev.err("event elapsed", e))? as f64)
+    }
+}

@@ -1,0 +1,3 @@
+//! The `kiln` program's subcommands.
+
+pub mod bench;
