@@ -16,15 +16,38 @@ pub(crate) struct Storage {
     pub(crate) data: RwLock<BackendStorage>,
     version: AtomicU64,
     pub(crate) device: Device,
+    /// Host memory page-locked for asynchronous copies (`pin_memory`): its address.
+    pinned: Option<usize>,
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Some(p) = self.pinned {
+            crate::backend::cuda::unpin(p as *const u8);
+        }
+    }
 }
 
 impl Storage {
     pub(crate) fn cpu(s: CpuStorage) -> Self {
-        Storage { data: RwLock::new(BackendStorage::Cpu(s)), version: AtomicU64::new(0), device: Device::Cpu }
+        Storage { data: RwLock::new(BackendStorage::Cpu(s)), version: AtomicU64::new(0), device: Device::Cpu, pinned: None }
     }
     pub(crate) fn cuda(s: crate::backend::cuda::CudaStorage) -> Self {
         let device = Device::Cuda(s.dev.ordinal);
-        Storage { data: RwLock::new(BackendStorage::Cuda(s)), version: AtomicU64::new(0), device }
+        Storage { data: RwLock::new(BackendStorage::Cuda(s)), version: AtomicU64::new(0), device, pinned: None }
+    }
+    /// Host storage page-locked in place (its Vec never reallocates).
+    pub(crate) fn cpu_pinned(s: CpuStorage) -> crate::Result<Self> {
+        let (ptr, bytes) = crate::backend::cpu::with_storage!(&s, v => (v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())));
+        if bytes > 0 {
+            crate::backend::cuda::pin(ptr, bytes)?;
+        }
+        let mut st = Storage::cpu(s);
+        st.pinned = (bytes > 0).then_some(ptr as usize);
+        Ok(st)
+    }
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.pinned.is_some()
     }
     pub(crate) fn version(&self) -> u64 {
         self.version.load(Ordering::Acquire)

@@ -45,7 +45,7 @@ pub enum Op {
     /// [B, M, K] @ [B, K, N].
     Matmul,
     /// A copy on another device.
-    ToDevice { from: crate::Device, to: crate::Device },
+    ToDevice { from: crate::Device, to: crate::Device, non_blocking: bool },
 }
 
 impl Op {
@@ -115,7 +115,7 @@ impl Op {
         let x = xs[0];
         // Views first: they need no kernel on any device.
         match self {
-            Op::ToDevice { to, .. } => return x.copy_to_device(*to),
+            Op::ToDevice { to, non_blocking, .. } => return x.copy_to_device(*to, *non_blocking),
             Op::Reshape(shape) => {
                 return Ok(match x.layout().view_strides(shape) {
                     Some(strides) => x.view_as_layout(Layout { shape: shape.clone(), strides, offset: x.layout().offset }),

@@ -81,7 +81,11 @@ impl Tensor {
 
     /// A copy of this tensor's values on `device`, through the host (a copy between two GPUs
     /// is explicit, and rare enough for this).
-    pub(crate) fn copy_to_device(&self, device: Device) -> Result<Tensor> {
+    pub(crate) fn copy_to_device(&self, device: Device, non_blocking: bool) -> Result<Tensor> {
+        if let (true, Device::Cpu, Device::Cuda(n)) = (non_blocking, self.device(), device) {
+            let s = crate::backend::cuda::kernels::upload_async(n, self)?;
+            return Ok(Tensor::from_parts(Arc::new(Storage::cuda(s)), Layout::contiguous(self.shape()), self.dtype(), false));
+        }
         let host = self.to_host()?;
         Ok(match device {
             Device::Cpu => if host.shares_storage_with(self) { host.copy_contiguous()? } else { host },
@@ -90,6 +94,30 @@ impl Tensor {
                 Tensor::from_parts(Arc::new(Storage::cuda(s)), Layout::contiguous(self.shape()), self.dtype(), false)
             }
         })
+    }
+
+    /// A copy in page-locked host memory, so `to_device_async` can copy it without staging
+    /// (`pin_memory`). Needs a CUDA driver.
+    pub fn pin_memory(&self) -> Result<Tensor> {
+        let host = self.to_host()?;
+        let s = crate::backend::cpu::cast(&host, self.dtype());
+        let st = Storage::cpu_pinned(s)?;
+        Ok(Tensor::from_parts(Arc::new(st), Layout::contiguous(self.shape()), self.dtype(), false))
+    }
+
+    /// Whether the tensor lives in page-locked host memory.
+    pub fn is_pinned(&self) -> bool {
+        self.0.storage.is_pinned()
+    }
+
+    /// Like `to_device`, but a host-to-GPU copy is queued without waiting for it: later work on
+    /// the GPU is ordered after it, and the source may be dropped at once. A pinned source is
+    /// copied directly; any other through a pinned staging buffer. To the host it is `to_device`.
+    pub fn to_device_async(&self, device: &Device) -> Result<Tensor> {
+        match (self.device(), device) {
+            (Device::Cpu, Device::Cuda(_)) => crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device, non_blocking: true }, &[self]),
+            _ => self.to_device(device),
+        }
     }
 
     /// This tensor's values on the host (a copy when it lives on a GPU; synchronises).
@@ -193,7 +221,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         crate::backend::check_device("to_device", *device)?;
-        crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device }, &[self])
+        crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device, non_blocking: false }, &[self])
     }
 
     // ---- autograd metadata ----

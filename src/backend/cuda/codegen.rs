@@ -447,3 +447,71 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
   return ((u64)o[0] << 32) | o[1];
 }
 "#;
+
+/// One block per row of a contiguous [M, K] input, the row held in registers (`vpt` values per
+/// thread): softmax, log_softmax or layer_norm (with optional weight and bias) in one pass over
+/// memory. Statistics are in f32, as PyTorch's kernels keep them.
+pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, vpt: usize, weight: bool, bias: bool) -> (String, String) {
+    use crate::nn::functional::RowKind;
+    let name = format!("{}_{}_rows{vpt}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
+    let t = storage_type(dtype);
+    let ld = |e: &str| load(dtype, CType::F32, e);
+    let st = |e: &str| store(dtype, CType::F32, e);
+    let mut c = String::from(PRELUDE);
+    c.push_str(r#"
+__device__ __forceinline__ float kmaxf(float a, float b) { return (a > b || a != a) ? a : b; }
+__device__ float kblock(float v, float* red, bool is_max) {
+  for (int o = 16; o > 0; o >>= 1) { float u = __shfl_xor_sync(0xffffffffu, v, o); v = is_max ? kmaxf(v, u) : v + u; }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float r = lane < nw ? red[lane] : (is_max ? -__int_as_float(0x7f800000) : 0.0f);
+  for (int o = 16; o > 0; o >>= 1) { float u = __shfl_xor_sync(0xffffffffu, r, o); r = is_max ? kmaxf(r, u) : r + u; }
+  return r;
+}
+"#);
+    let body = match kind {
+        RowKind::Softmax | RowKind::LogSoftmax => {
+            let out = if kind == RowKind::Softmax { "__expf_acc(v[j] - m) / s" } else { "v[j] - m - logf(s)" };
+            format!(r#"    float lm = -__int_as_float(0x7f800000);
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) lm = kmaxf(lm, v[j]);
+    const float m = kblock(lm, red, true);
+    float ls = 0.0f;
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) ls += expf(v[j] - m);
+    const float s = kblock(ls, red, false);
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; if (k < K) yr[k] = {st}; }}
+"#, st = st(&out.replace("__expf_acc", "expf")))
+        }
+        RowKind::LayerNorm => {
+            let mut y = "(v[j] - mean) * rstd".to_string();
+            if weight {
+                y = format!("{y} * {}", ld("w[k]"));
+            }
+            if bias {
+                y = format!("{y} + {}", ld("b[k]"));
+            }
+            format!(r#"    float ls = 0.0f;
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) ls += v[j];
+    const float mean = kblock(ls, red, false) / (float)K;
+    float lq = 0.0f;
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) {{ const float d = v[j] - mean; lq += d * d; }}
+    const float rstd = rsqrtf(kblock(lq, red, false) / (float)K + eps);
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; if (k < K) yr[k] = {st}; }}
+"#, st = st(&y))
+        }
+    };
+    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const KArgs a) {{
+  const {t}* x = (const {t}*)a.w[0]; {t}* y = ({t}*)a.w[1];
+  const {t}* w = (const {t}*)a.w[2]; const {t}* b = (const {t}*)a.w[3];
+  const long long M = (long long)a.w[4]; const int K = (int)a.w[5]; const float eps = (float)kparam_f(a.w[6]);
+  __shared__ float red[32];
+  for (long long row = blockIdx.x; row < M; row += gridDim.x) {{
+    const {t}* xr = x + row * K; {t}* yr = y + row * K;
+    float v[{vpt}];
+    #pragma unroll
+    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; v[j] = k < K ? {lx} : 0.0f; }}
+{body}  }}
+}}"#, lx = ld("xr[k]"));
+    (name, c)
+}

@@ -475,6 +475,31 @@ pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
     Ok(out)
 }
 
+/// Host → device without waiting: from the tensor's own memory when it is pinned and
+/// contiguous, else through a pinned staging copy.
+pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
+    let dev = device_checked(device)?;
+    let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
+    let bytes = x.numel() * x.dtype().size_in_bytes();
+    if bytes == 0 {
+        return Ok(out);
+    }
+    if x.is_pinned() && x.is_contiguous() {
+        let src = crate::backend::cpu::host_ptr(x);
+        dev.upload_async(out.ptr(), src, bytes, Box::new(x.clone()))?;
+    } else {
+        let stage = super::PinnedBuffer::new(&dev, bytes)?;
+        with_dtype!(x.dtype(), T => {
+            let host = crate::backend::cpu::to_vec_as::<T>(x);
+            // SAFETY: `stage` holds `bytes` = host.len() * size_of::<T>() bytes.
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr() as *const u8, stage.ptr, bytes) };
+        });
+        let src = stage.ptr as *const u8;
+        dev.upload_async(out.ptr(), src, bytes, Box::new(stage))?;
+    }
+    Ok(out)
+}
+
 /// Device → host: the tensor's elements, row-major. Waits for the device (an explicit read).
 pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
     let dev = dev_of(x)?;
@@ -490,4 +515,32 @@ pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
         }
         T::wrap(host)
     }))
+}
+
+/// Longest row the fused row kernels take (1024 threads × 32 values in registers).
+pub(crate) const MAX_FUSED_ROW: usize = 32 * 1024;
+
+/// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.
+pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let k = x.shape()[x.ndim() - 1];
+    let m = x.numel() / k;
+    let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
+    if m == 0 {
+        return Ok(out);
+    }
+    let threads = if k >= 8192 { (k.div_ceil(32)).next_power_of_two().clamp(256, 1024) } else { k.div_ceil(8).next_power_of_two().clamp(32, 256) };
+    let vpt = k.div_ceil(threads).next_power_of_two();
+    let (name, src) = codegen::gen_rows(kind, x.dtype(), vpt, w.is_some(), b.is_some());
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let mut a = KArgs::default();
+    a.w[0] = data_ptr(x)?;
+    a.w[1] = out.ptr();
+    a.w[2] = w.map(data_ptr).transpose()?.unwrap_or(0);
+    a.w[3] = b.map(data_ptr).transpose()?.unwrap_or(0);
+    a.w[4] = m as u64;
+    a.w[5] = k as u64;
+    a.w[6] = eps.to_bits();
+    dev.launch(kern, (m.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)?;
+    Ok(out)
 }

@@ -68,6 +68,10 @@ pub(crate) struct CudaDevice {
     pub(crate) ordinal: usize,
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) stream: Arc<CudaStream>,
+    /// Host-to-device copies of `to_device_async` run here, ordered against `stream` by events.
+    copy_stream: Arc<CudaStream>,
+    /// What in-flight async copies read (host buffers), kept alive until their event completes.
+    pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
     kernels: Mutex<HashMap<KernelKey, Kernel>>,
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
@@ -126,7 +130,10 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     // SAFETY: plain out-parameter.
     unsafe { ds::cuDriverGetVersion(&mut driver) };
     let stream = ctx.default_stream();
+    let copy_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
     let d = Arc::new(CudaDevice {
+        copy_stream,
+        pending: Mutex::new(Vec::new()),
         ordinal: n,
         alloc: Mutex::new(CachingAllocator::new(DriverAlloc { ctx: ctx.clone() })),
         ctx,
@@ -202,7 +209,27 @@ impl CudaDevice {
 
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.bind()?;
-        self.stream.synchronize().map_err(|e| self.err("synchronize", e))
+        self.stream.synchronize().map_err(|e| self.err("synchronize", e))?;
+        self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
+        self.pending.lock().clear();
+        Ok(())
+    }
+
+    /// Copies `bytes` from host memory at `src` (pinned, and kept alive by `keep` until the copy
+    /// is done) into `dst`, without waiting: the copy stream first waits for work already queued
+    /// (which may still use `dst`'s recycled block), and later work waits for the copy.
+    pub(crate) fn upload_async(&self, dst: u64, src: *const u8, bytes: usize, keep: Box<dyn Send>) -> Result<()> {
+        self.bind()?;
+        self.pending.lock().retain(|(e, _)| !e.is_complete());
+        self.copy_stream.join(&self.stream).map_err(|e| self.err("stream wait", e))?;
+        // SAFETY: `src` points to `bytes` of pinned host memory that `keep` keeps alive until the
+        // event below completes; `dst` is a device block of at least `bytes`.
+        let host = unsafe { std::slice::from_raw_parts(src, bytes) };
+        unsafe { dr::memcpy_htod_async(dst, host, self.copy_stream.cu_stream()) }.map_err(|e| self.err("copy to device", e))?;
+        let done = self.copy_stream.record_event(None).map_err(|e| self.err("event", e))?;
+        self.stream.wait(&done).map_err(|e| self.err("stream wait", e))?;
+        self.pending.lock().push((done, keep));
+        Ok(())
     }
 }
 
@@ -278,6 +305,44 @@ pub fn allow_tf32() -> bool {
 /// The directory generated kernels are cached in across processes.
 pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
     nvrtc::cache_dir()
+}
+
+/// Page-locked host memory (for staging asynchronous copies), freed on drop.
+pub(crate) struct PinnedBuffer {
+    pub(crate) ptr: *mut u8,
+}
+// SAFETY: plain host memory owned by this value.
+unsafe impl Send for PinnedBuffer {}
+unsafe impl Sync for PinnedBuffer {}
+
+impl PinnedBuffer {
+    pub(crate) fn new(dev: &CudaDevice, bytes: usize) -> Result<PinnedBuffer> {
+        dev.bind()?;
+        // SAFETY: a plain allocation; checked below.
+        let ptr = unsafe { dr::malloc_host(bytes.max(1), 0) }.map_err(|e| dev.err("pinned host allocation", e))? as *mut u8;
+        Ok(PinnedBuffer { ptr })
+    }
+}
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host; no copy reads it any more (callers keep it alive
+        // until their copy's event completed).
+        let _ = unsafe { dr::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+/// Page-locks `bytes` of existing host memory at `ptr` for fast asynchronous copies
+/// (`pin_memory`); `unpin` undoes it.
+pub(crate) fn pin(ptr: *const u8, bytes: usize) -> Result<()> {
+    let dev = device(0)?;
+    dev.bind()?;
+    // SAFETY: `ptr..ptr+bytes` is a live allocation that stays put until `unpin`.
+    // Flag 1 = CU_MEMHOSTREGISTER_PORTABLE: pinned for every context.
+    unsafe { ds::cuMemHostRegister_v2(ptr as *mut _, bytes, 1) }.result().map_err(|e| dev.err("cuMemHostRegister", e))
+}
+pub(crate) fn unpin(ptr: *const u8) {
+    // SAFETY: registered by `pin`.
+    let _ = unsafe { ds::cuMemHostUnregister(ptr as *mut _) };
 }
 
 /// A point in a device's stream, for timing work on the device (`torch.cuda.Event`).
