@@ -189,11 +189,15 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let idx = if s.idx64 { "long long" } else { "int" };
     let name = s.kernel_name();
     let ot = storage_type(s.out.0);
+    let strided_out = s.out.1 == Class::Strided;
+    let strided = strided_out || s.inputs.iter().any(|x| x.2 == Class::Strided);
+    // Operands read (or written) through memory per element, not as a broadcast scalar.
+    let walks = |cls: Class| cls != Class::Scalar;
     let _ = writeln!(c, "typedef {idx} IDX;\n#define P(k) (a.w[{PARAM_BASE} + (k)])");
     if s.vec > 1 {
         let _ = writeln!(c, "struct __align__({}) VO {{ {ot} v[{}]; }};", s.vec * s.out.0.size_in_bytes(), s.vec);
         for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
-            if *cls == Class::Contig {
+            if walks(*cls) {
                 let _ = writeln!(c, "struct __align__({}) VI{k} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
             }
         }
@@ -204,35 +208,18 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", 2 + k, t = storage_type(*d));
     }
     let _ = writeln!(c, "  const IDX tid = (IDX)blockIdx.x * blockDim.x + threadIdx.x, step = (IDX)gridDim.x * blockDim.x;");
-    let body = |c: &mut String, elem: &dyn Fn(usize) -> String| {
-        for (k, (d, t, _)) in s.inputs.iter().enumerate() {
-            let _ = writeln!(c, "    const {} v{k} = {};", t.name(), load(*d, *t, &elem(k)));
+    // Storage offsets o0 (output), o1.. (inputs) of linear index `i`, for strided operands.
+    let offsets = |c: &mut String, i: &str| {
+        if !strided {
+            return;
         }
-    };
-    let result = store(s.out.0, s.result, &s.expr);
-    if s.vec > 1 {
-        let _ = writeln!(c, "  const IDX nv = n / {v};\n  for (IDX t = tid; t < nv; t += step) {{\n    const IDX base = t * {v};", v = s.vec);
-        for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
-            if *cls == Class::Contig {
-                let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + base);");
-            }
-        }
-        let _ = writeln!(c, "    VO r;\n    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
-        body(&mut c, &|k| if s.inputs[k].2 == Class::Contig { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
-        let _ = writeln!(c, "    r.v[j] = {result};\n    }}\n    *(VO*)(out + base) = r;\n  }}\n  const IDX start = nv * {};", s.vec);
-    } else {
-        let _ = writeln!(c, "  const IDX start = 0;");
-    }
-    let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
-    let strided = s.out.1 == Class::Strided || s.inputs.iter().any(|x| x.2 == Class::Strided);
-    if strided {
-        let _ = writeln!(c, "    IDX rem = i, o0 = 0;");
+        let _ = writeln!(c, "    IDX rem = {i}, o0 = 0;");
         for k in 0..s.inputs.len() {
             let _ = writeln!(c, "    IDX o{} = 0;", k + 1);
         }
         for d in (0..s.ndim).rev() {
             let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{}]; const IDX q = rem % sz; rem /= sz;", size_word(d));
-            if s.out.1 == Class::Strided {
+            if strided_out {
                 let _ = writeln!(c, "      o0 += q * (IDX)a.w[{}];", stride_word(0, d));
             }
             for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
@@ -242,14 +229,39 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             }
             let _ = writeln!(c, "    }}");
         }
+    };
+    let at = |k: usize, i: &str| match s.inputs[k].2 {
+        Class::Contig => i.to_string(),
+        Class::Scalar => "0".to_string(),
+        Class::Strided => format!("o{}", k + 1),
+    };
+    let out_at = |i: &str| if strided_out { "o0".to_string() } else { i.to_string() };
+    let body = |c: &mut String, elem: &dyn Fn(usize) -> String| {
+        for (k, (d, t, _)) in s.inputs.iter().enumerate() {
+            let _ = writeln!(c, "    const {} v{k} = {};", t.name(), load(*d, *t, &elem(k)));
+        }
+    };
+    let result = store(s.out.0, s.result, &s.expr);
+    if s.vec > 1 {
+        // Strided operands qualify only with unit inner stride and vector-aligned runs (checked
+        // at launch), so one offset computation serves a whole vector.
+        let _ = writeln!(c, "  const IDX nv = n / {v};\n  for (IDX t = tid; t < nv; t += step) {{\n    const IDX base = t * {v};", v = s.vec);
+        offsets(&mut c, "base");
+        for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
+            if walks(*cls) {
+                let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + {});", at(k, "base"));
+            }
+        }
+        let _ = writeln!(c, "    VO r;\n    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
+        body(&mut c, &|k| if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
+        let _ = writeln!(c, "    r.v[j] = {result};\n    }}\n    *(VO*)(out + {}) = r;\n  }}\n  const IDX start = nv * {};", out_at("base"), s.vec);
+    } else {
+        let _ = writeln!(c, "  const IDX start = 0;");
     }
-    body(&mut c, &|k| match s.inputs[k].2 {
-        Class::Contig => format!("p{k}[i]"),
-        Class::Scalar => format!("p{k}[0]"),
-        Class::Strided => format!("p{k}[o{}]", k + 1),
-    });
-    let oi = if s.out.1 == Class::Strided { "o0" } else { "i" };
-    let _ = writeln!(c, "    out[{oi}] = {result};\n  }}\n}}");
+    let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
+    offsets(&mut c, "i");
+    body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
+    let _ = writeln!(c, "    out[{}] = {result};\n  }}\n}}", out_at("i"));
     c
 }
 
@@ -509,7 +521,6 @@ __device__ float kblock(float v, float* red, bool is_max) {
   for (long long row = blockIdx.x; row < M; row += gridDim.x) {{
     const {t}* xr = x + row * K; {t}* yr = y + row * K;
     float v[{vpt}];
-    #pragma unroll
     _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; v[j] = k < K ? {lx} : 0.0f; }}
 {body}  }}
 }}"#, lx = ld("xr[k]"));

@@ -110,13 +110,19 @@ fn map_into(
     let max_off = strides.iter().map(|s| s.iter().zip(&cshape).map(|(st, d)| st * (d - 1)).sum::<usize>()).max().unwrap_or(0);
     let idx64 = n >= i32::MAX as usize || max_off >= i32::MAX as usize;
     // Vector loads when every operand is contiguous (or a scalar) and aligned.
-    let vec = if strided {
-        1
-    } else {
-        let widest = ops.iter().zip(&classes).filter(|(_, c)| **c == Class::Contig).map(|(o, _)| o.dtype.size_in_bytes()).max().unwrap_or(1);
+    // Vector loads when every operand that is walked is aligned and, if strided, has unit inner
+    // stride with runs that are whole vectors (a broadcast bias row, a transposed block).
+    let vec = {
+        let walked: Vec<(&Operand, &Vec<usize>)> = ops.iter().zip(&strides).zip(&classes).filter(|(_, c)| **c != Class::Scalar).map(|(o, _)| o).collect();
+        let widest = walked.iter().map(|(o, _)| o.dtype.size_in_bytes()).max().unwrap_or(1);
         let v = (16 / widest).clamp(1, 16);
-        let aligned = ops.iter().zip(&classes).all(|(o, c)| *c != Class::Contig || o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0);
-        if aligned && n >= v { v } else { 1 }
+        let inner = *cshape.last().unwrap_or(&1);
+        let ok = walked.iter().all(|(o, st)| {
+            let aligned = o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0;
+            let runs = !strided || (st.last() == Some(&1) && inner % v == 0 && st[..st.len() - 1].iter().all(|&x| x % v == 0));
+            aligned && runs
+        });
+        if ok && n >= v { v } else { 1 }
     };
     let spec = MapSpec {
         name: name.to_string(),
