@@ -124,7 +124,7 @@ pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
     drop((x, y));
     let mut res = Map::new();
     res.insert("system".into(), json!(format!("kiln-{}", env!("CARGO_PKG_VERSION"))));
-    res.insert("device".into(), json!(format!("{dev}")));
+    res.insert("device".into(), json!(cuda::device_name(&dev)?));
     res.insert("copy_GBps".into(), json!(8e8 / (copy_ms / 1e3) / 1e9));
     let mut rows = Map::new();
     for name in WORKLOADS {

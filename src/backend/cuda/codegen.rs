@@ -461,16 +461,19 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 "#;
 
 /// One block per row of a contiguous [M, K] input, the row held in registers (`vpt` values per
-/// thread): softmax, log_softmax or layer_norm (with optional weight and bias) in one pass over
-/// memory. Statistics are in f32, as PyTorch's kernels keep them.
-pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, vpt: usize, weight: bool, bias: bool) -> (String, String) {
+/// thread, loaded `vec` at a time): softmax, log_softmax or layer_norm (with optional weight and
+/// bias) in one pass over memory. Statistics are in f32, as PyTorch's kernels keep them.
+pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, vpt: usize, vec: usize, weight: bool, bias: bool) -> (String, String) {
     use crate::nn::functional::RowKind;
-    let name = format!("{}_{}_rows{vpt}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
+    let name = format!("{}_{}_rows{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
     let t = storage_type(dtype);
     let ld = |e: &str| load(dtype, CType::F32, e);
     let st = |e: &str| store(dtype, CType::F32, e);
     let mut c = String::from(PRELUDE);
+    let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}\nstruct __align__({}) VX {{ {t} v[VEC]; }};", vec * dtype.size_in_bytes());
     c.push_str(r#"
+// Element j of a thread's registers sits at column KIDX(j) of its row.
+#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))
 __device__ __forceinline__ float kmaxf(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ float kblock(float v, float* red, bool is_max) {
   for (int o = 16; o > 0; o >>= 1) { float u = __shfl_xor_sync(0xffffffffu, v, o); v = is_max ? kmaxf(v, u) : v + u; }
@@ -483,46 +486,68 @@ __device__ float kblock(float v, float* red, bool is_max) {
   return r;
 }
 "#);
-    let body = match kind {
-        RowKind::Softmax | RowKind::LogSoftmax => {
-            let out = if kind == RowKind::Softmax { "__expf_acc(v[j] - m) / s" } else { "v[j] - m - logf(s)" };
-            format!(r#"    float lm = -__int_as_float(0x7f800000);
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) lm = kmaxf(lm, v[j]);
+    // The output of element j (in registers v) given row statistics; `k` is its column.
+    let (stats, outv) = match kind {
+        RowKind::Softmax | RowKind::LogSoftmax => (
+            r#"    float lm = -__int_as_float(0x7f800000);
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) lm = kmaxf(lm, v[j]);
     const float m = kblock(lm, red, true);
     float ls = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) ls += expf(v[j] - m);
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);
     const float s = kblock(ls, red, false);
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; if (k < K) yr[k] = {st}; }}
-"#, st = st(&out.replace("__expf_acc", "expf")))
-        }
+    const float ls_ = logf(s);
+"#
+            .to_string(),
+            if kind == RowKind::Softmax { "expf(v[j] - m) / s".to_string() } else { "v[j] - m - ls_".to_string() },
+        ),
         RowKind::LayerNorm => {
             let mut y = "(v[j] - mean) * rstd".to_string();
             if weight {
-                y = format!("{y} * {}", ld("w[k]"));
+                y = format!("{y} * {}", ld("wq.v[e]"));
             }
             if bias {
-                y = format!("{y} + {}", ld("b[k]"));
+                y = format!("{y} + {}", ld("bq.v[e]"));
             }
-            format!(r#"    float ls = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) ls += v[j];
+            (
+                r#"    float ls = 0.0f;
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += v[j];
     const float mean = kblock(ls, red, false) / (float)K;
     float lq = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) if (threadIdx.x + j * blockDim.x < K) {{ const float d = v[j] - mean; lq += d * d; }}
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { const float d = v[j] - mean; lq += d * d; }
     const float rstd = rsqrtf(kblock(lq, red, false) / (float)K + eps);
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; if (k < K) yr[k] = {st}; }}
-"#, st = st(&y))
+"#
+                .to_string(),
+                y,
+            )
         }
     };
-    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const KArgs a) {{
+    let wb = format!(
+        "{}{}",
+        if weight { "        const VX wq = *(const VX*)(w + k0);\n" } else { "" },
+        if bias { "        const VX bq = *(const VX*)(b + k0);\n" } else { "" }
+    );
+    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__(512) {name}(const KArgs a) {{
   const {t}* x = (const {t}*)a.w[0]; {t}* y = ({t}*)a.w[1];
   const {t}* w = (const {t}*)a.w[2]; const {t}* b = (const {t}*)a.w[3];
   const long long M = (long long)a.w[4]; const int K = (int)a.w[5]; const float eps = (float)kparam_f(a.w[6]);
   __shared__ float red[32];
   for (long long row = blockIdx.x; row < M; row += gridDim.x) {{
     const {t}* xr = x + row * K; {t}* yr = y + row * K;
-    float v[{vpt}];
-    _Pragma("unroll") for (int j = 0; j < {vpt}; j++) {{ const int k = threadIdx.x + j * blockDim.x; v[j] = k < K ? {lx} : 0.0f; }}
-{body}  }}
-}}"#, lx = ld("xr[k]"));
+    float v[VPT];
+    _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
+      const int k0 = KIDX(g * VEC);
+      if (k0 < K) {{ const VX q = *(const VX*)(xr + k0); _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = {lq}; }}
+      else {{ _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = 0.0f; }}
+    }}
+{stats}    _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
+      const int k0 = KIDX(g * VEC);
+      if (k0 < K) {{
+{wb}        VX o;
+        _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const int j = g * VEC + e; o.v[e] = {so}; }}
+        *(VX*)(yr + k0) = o;
+      }}
+    }}
+  }}
+}}"#, lq = ld("q.v[e]"), so = st(&outv));
     (name, c)
 }

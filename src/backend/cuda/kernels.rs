@@ -299,7 +299,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
     } else {
         match layout {
             ReduceLayout::Rows => ((dev.sm_count * 4) / m).clamp(1, (k / 2048).max(1)),
-            ReduceLayout::Cols => ((dev.sm_count * 8) / m.div_ceil(32)).clamp(1, (k / 64).max(1)),
+            ReduceLayout::Cols => ((dev.sm_count * 32) / m.div_ceil(32)).clamp(1, (k / 64).max(1)),
         }
     };
     let ptr = data_ptr(&input)?;
@@ -523,8 +523,8 @@ pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
     }))
 }
 
-/// Longest row the fused row kernels take (1024 threads × 32 values in registers).
-pub(crate) const MAX_FUSED_ROW: usize = 32 * 1024;
+/// Longest row the fused row kernels take (512 threads × 32 values in registers).
+pub(crate) const MAX_FUSED_ROW: usize = 32 * 512;
 
 /// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.
 pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
@@ -535,15 +535,20 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     if m == 0 {
         return Ok(out);
     }
-    let threads = if k >= 8192 { (k.div_ceil(32)).next_power_of_two().clamp(256, 1024) } else { k.div_ceil(8).next_power_of_two().clamp(32, 256) };
-    let vpt = k.div_ceil(threads).next_power_of_two();
-    let (name, src) = codegen::gen_rows(kind, x.dtype(), vpt, w.is_some(), b.is_some());
+    let size = x.dtype().size_in_bytes();
+    let ptrs = [Some(data_ptr(x)?), w.map(data_ptr).transpose()?, b.map(data_ptr).transpose()?];
+    // 16-byte loads when every row starts aligned.
+    let v = 16 / size;
+    let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
+    let threads = (k.div_ceil(vec * 8)).next_power_of_two().clamp(32, 512);
+    let vpt = k.div_ceil(threads).next_power_of_two().max(vec);
+    let (name, src) = codegen::gen_rows(kind, x.dtype(), vpt, vec, w.is_some(), b.is_some());
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
     let mut a = KArgs::default();
-    a.w[0] = data_ptr(x)?;
+    a.w[0] = ptrs[0].unwrap_or(0);
     a.w[1] = out.ptr();
-    a.w[2] = w.map(data_ptr).transpose()?.unwrap_or(0);
-    a.w[3] = b.map(data_ptr).transpose()?.unwrap_or(0);
+    a.w[2] = ptrs[1].unwrap_or(0);
+    a.w[3] = ptrs[2].unwrap_or(0);
     a.w[4] = m as u64;
     a.w[5] = k as u64;
     a.w[6] = eps.to_bits();

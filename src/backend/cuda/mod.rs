@@ -264,6 +264,12 @@ fn cuda_device(op: &'static str, which: &Device) -> Result<Arc<CudaDevice>> {
     }
 }
 
+/// The device's product name ("NVIDIA H200").
+pub fn device_name(device: &Device) -> Result<String> {
+    let d = cuda_device("device_name", device)?;
+    d.ctx.name().map_err(|e| d.err("device name", e))
+}
+
 /// Waits for all work queued on `device` (`torch.cuda.synchronize`).
 pub fn synchronize(device: &Device) -> Result<()> {
     cuda_device("synchronize", device)?.synchronize()
