@@ -28,9 +28,9 @@ fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
     cuda::synchronize(dev)?;
-    let before = cuda::launch_count(dev)?;
+    let before = cuda::launch_count();
     f()?;
-    Ok(cuda::launch_count(dev)? - before)
+    Ok(cuda::launch_count() - before)
 }
 
 /// Peak device memory one call allocates, beyond what was allocated before it.

@@ -493,12 +493,15 @@ __device__ float kblock(float v, float* red, bool is_max) {
     _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) lm = kmaxf(lm, v[j]);
     const float m = kblock(lm, red, true);
     float ls = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);
-    const float s = kblock(ls, red, false);
-    const float ls_ = logf(s);
 "#
-            .to_string(),
-            if kind == RowKind::Softmax { "expf(v[j] - m) / s".to_string() } else { "v[j] - m - ls_".to_string() },
+            .to_string()
+                // softmax keeps exp(v - m) in the registers: one exp per element.
+                + if kind == RowKind::Softmax {
+                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { v[j] = expf(v[j] - m); ls += v[j]; }\n    const float s = kblock(ls, red, false);\n"
+                } else {
+                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);\n    const float lse = logf(kblock(ls, red, false));\n"
+                },
+            if kind == RowKind::Softmax { "v[j] / s".to_string() } else { "v[j] - m - lse".to_string() },
         ),
         RowKind::LayerNorm => {
             let mut y = "(v[j] - mean) * rstd".to_string();

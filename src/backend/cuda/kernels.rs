@@ -29,8 +29,10 @@ pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
     }
 }
 
-fn grid_for(dev: &CudaDevice, work: usize) -> u32 {
-    (work.div_ceil(THREADS as usize)).clamp(1, dev.sm_count * 8) as u32
+/// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
+/// kernels launch), capped where the grid-stride loops take over.
+fn grid_for(_dev: &CudaDevice, work: usize) -> u32 {
+    (work.div_ceil(THREADS as usize)).clamp(1, 1 << 24) as u32
 }
 
 /// An operand of a map kernel: where it is and how it is laid out over the iteration shape.

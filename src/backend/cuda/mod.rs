@@ -16,7 +16,7 @@ use alloc::{Block, CachingAllocator, RawAlloc};
 use cudarc::driver::{result as dr, sys as ds, CudaContext, CudaStream};
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// A loaded kernel. CUfunction handles are plain pointers valid for the context's lifetime.
@@ -80,8 +80,6 @@ pub(crate) struct CudaDevice {
     pub(crate) arch: String,
     pub(crate) sm_count: usize,
     driver: i32,
-    /// Kernels launched on this device, for kernel-count assertions.
-    launches: AtomicU64,
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
@@ -144,7 +142,6 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         arch: format!("sm_{major}{minor}"),
         sm_count,
         driver,
-        launches: AtomicU64::new(0),
     });
     map.lock().insert(n, d.clone());
     Ok(d)
@@ -203,7 +200,7 @@ impl CudaDevice {
         // point to live device buffers kept alive by the tensors of the calling op, and buffers
         // are only reused in stream order.
         unsafe { dr::launch_kernel(k.0, grid, block, 0, self.stream.cu_stream(), &mut params) }.map_err(|e| self.err("launch", e))?;
-        self.launches.fetch_add(1, Ordering::Relaxed);
+        LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }
 
@@ -294,9 +291,14 @@ pub fn empty_cache(device: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Kernels launched on `device` by this process so far (eager ops and compiled code alike).
-pub fn launch_count(device: &Device) -> Result<u64> {
-    Ok(cuda_device("launch_count", device)?.launches.load(Ordering::Relaxed))
+thread_local! {
+    static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Kernels this thread has launched so far, on any device (eager ops and compiled code alike);
+/// memsets and copies are not kernels. Per thread, so concurrent work elsewhere does not count.
+pub fn launch_count() -> u64 {
+    LAUNCHES.with(|c| c.get())
 }
 
 /// Lets F32 matrix products use TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`);
