@@ -542,7 +542,8 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     // 16-byte loads when every row starts aligned.
     let v = 16 / size;
     let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
-    let threads = (k.div_ceil(vec * 8)).next_power_of_two().clamp(32, 512);
+    // Up to 16 values per thread before adding threads: fewer registers, more warps in flight.
+    let threads = (k.div_ceil(16)).next_power_of_two().clamp(32, 512);
     let vpt = k.div_ceil(threads).next_power_of_two().max(vec);
     let (name, src) = codegen::gen_rows(kind, x.dtype(), vpt, vec, w.is_some(), b.is_some());
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
