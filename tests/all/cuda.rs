@@ -199,3 +199,24 @@ fn row_ops_are_one_kernel_in_inference_and_match_the_decomposition() {
         }
     }
 }
+
+#[test]
+fn a_second_gpu_works_and_copies_between_gpus_are_explicit() {
+    let Some(_) = gpu() else { return };
+    if cuda::device_count() < 2 {
+        return; // one GPU here: the single-device tests cover it
+    }
+    let (d0, d1) = (Device::Cuda(0), Device::Cuda(1));
+    let before = cuda::memory_stats(&d0).unwrap().allocated;
+    let x = Tensor::arange(0.0, 1000.0, 1.0, DType::F32, &d1).unwrap();
+    let y = x.mul_scalar(2.0).unwrap().sum_all().unwrap();
+    assert_eq!(y.device(), d1);
+    assert_eq!(y.item::<f32>().unwrap(), 999_000.0);
+    assert!(cuda::memory_stats(&d1).unwrap().allocated > 0);
+    assert_eq!(cuda::memory_stats(&d0).unwrap().allocated, before, "nothing lands on cuda:0");
+    let on0 = Tensor::ones(&[1000], DType::F32, &d0).unwrap();
+    let e = x.add(&on0).unwrap_err();
+    assert!(matches!(e, kiln::Error::DeviceMismatch { .. }), "{e}");
+    let moved = x.to_device(&d0).unwrap();
+    assert_eq!(vals(&moved.add(&on0).unwrap())[999], 1000.0);
+}

@@ -120,6 +120,11 @@ __device__ long long kipow(long long a, long long b) {
   while (b) { if (b & 1) r *= x; x *= x; b >>= 1; }
   return (long long)r;
 }
+// Reports an out-of-range index to the host (mapped memory at `word`): the first one wins.
+__device__ void kbad_index(u64 word, u64 op, long long index, u64 size) {
+  long long* e = (long long*)word;
+  if (atomicCAS((unsigned long long*)e, 0ull, (unsigned long long)op) == 0ull) { e[1] = index; e[2] = (long long)size; __threadfence_system(); }
+}
 // Philox4x32-10, as the host generator: element i of a stream draws counter (first + i).
 __device__ void kphilox(u64 seed, u64 ctr, unsigned int* o) {
   unsigned int c0 = (unsigned int)ctr, c1 = (unsigned int)(ctr >> 32), c2 = 0, c3 = 0;
@@ -389,7 +394,7 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
             let _ = writeln!(c, "    ox += q * (long long)a.w[{}];", 24 + d);
         }
     }
-    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
     (name, c)
 }
 
@@ -412,7 +417,7 @@ pub(crate) fn gen_scatter_add(src: DType, t: CType, ndim: usize, dim: usize) -> 
     }
     let v = load(src, t, "src[os]");
     let add = if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") };
-    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
     (name, c)
 }
 

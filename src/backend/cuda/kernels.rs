@@ -333,26 +333,16 @@ fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, inpu
     }
 }
 
-/// Checks indices against `size` on the host (a device→host read of two numbers).
-fn check_indices(op: &'static str, index: &Tensor, size: usize) -> Result<()> {
-    if index.numel() == 0 {
-        return Ok(());
-    }
-    let lo = crate::no_grad(|| index.min_all()?.to_dtype(DType::I64)?.item::<i64>())?;
-    let hi = crate::no_grad(|| index.max_all()?.to_dtype(DType::I64)?.item::<i64>())?;
-    for i in [lo, hi] {
-        if i < -(size as i64) || i >= size as i64 {
-            return Err(Error::Index { op, index: i, size });
-        }
-    }
-    Ok(())
+/// The argument words a kernel needs to report a bad index for `op`.
+fn index_error_words(dev: &CudaDevice, op: &str) -> (u64, u64) {
+    let code = super::INDEX_OPS.iter().position(|&o| o == op).expect("a known index op") as u64 + 1;
+    (dev.error_word(), code)
 }
 
 /// `out[p] = x[... index[p] along dim ...]` over the index's shape (gather; index_select
 /// passes a broadcast index).
 pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tensor) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
-    check_indices(op, index, x.shape()[dim])?;
     let nd = index.ndim();
     if nd > 8 {
         return Err(Error::arg(op, "at most 8 dims on CUDA"));
@@ -365,6 +355,7 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
     let mut a = KArgs::default();
     a.w[..5].copy_from_slice(&[out.len as u64, out.ptr(), data_ptr(x)?, data_ptr(index)?, x.shape()[dim] as u64]);
+    (a.w[6], a.w[7]) = index_error_words(&dev, op);
     for d in 0..nd {
         a.w[8 + d] = index.shape()[d] as u64;
         a.w[16 + d] = index.strides()[d] as u64;
@@ -390,7 +381,6 @@ pub(crate) fn index_select(x: &Tensor, dim: usize, index: &Tensor) -> Result<Cud
 
 pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CudaStorage> {
     let dev = dev_of(base)?;
-    check_indices("scatter_add", index, base.shape()[dim])?;
     let t = match CType::of(base.dtype()) {
         CType::Bool => CType::I64,
         t => t,
@@ -402,6 +392,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
         let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
         let mut a = KArgs::default();
         a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
+        (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add");
         let acc_strides = contiguous_strides(base.shape());
         for d in 0..nd {
             a.w[8 + d] = index.shape()[d] as u64;

@@ -74,6 +74,9 @@ pub(crate) struct CudaDevice {
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
     kernels: Mutex<HashMap<KernelKey, Kernel>>,
+    /// Where kernels report a bad index (mapped host memory: [op code, index, size]), read
+    /// after the next synchronisation instead of checking on the host before each launch.
+    errors: ErrorWord,
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
@@ -129,7 +132,10 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     unsafe { ds::cuDriverGetVersion(&mut driver) };
     let stream = ctx.default_stream();
     let copy_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
+    ctx.bind_to_thread().map_err(|e| cuda_err("context", dev, e))?;
+    let errors = ErrorWord::new().map_err(|e| cuda_err("error word", dev, e))?;
     let d = Arc::new(CudaDevice {
+        errors,
         copy_stream,
         pending: Mutex::new(Vec::new()),
         ordinal: n,
@@ -204,12 +210,18 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// Waits for the device, then reports a bad index a kernel found since the last check.
     pub(crate) fn synchronize(&self) -> Result<()> {
         self.bind()?;
         self.stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.pending.lock().clear();
-        Ok(())
+        self.errors.take()
+    }
+
+    /// The device address kernels write bad indices to.
+    pub(crate) fn error_word(&self) -> u64 {
+        self.errors.dev_ptr
     }
 
     /// Copies `bytes` from host memory at `src` (pinned, and kept alive by `keep` until the copy
@@ -313,6 +325,46 @@ pub fn allow_tf32() -> bool {
 /// The directory generated kernels are cached in across processes.
 pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
     nvrtc::cache_dir()
+}
+
+/// Three i64 words of mapped host memory that kernels set on an out-of-range index:
+/// [which op (an `INDEX_OPS` position + 1), the index, the size]. Only the first error is kept.
+struct ErrorWord {
+    host: *mut i64,
+    dev_ptr: u64,
+}
+// SAFETY: the words are only read after a synchronisation, and reset by the reader.
+unsafe impl Send for ErrorWord {}
+unsafe impl Sync for ErrorWord {}
+
+/// Ops whose kernels report bad indices, by code.
+pub(crate) const INDEX_OPS: [&str; 3] = ["gather", "index_select", "scatter_add"];
+
+impl ErrorWord {
+    fn new() -> std::result::Result<ErrorWord, ds::CUresult> {
+        // SAFETY: a fresh mapped allocation (flag 2 = CU_MEMHOSTALLOC_DEVICEMAP), zeroed before use.
+        unsafe {
+            let host = dr::malloc_host(24, 2).map_err(|e| e.0)? as *mut i64;
+            std::ptr::write_bytes(host, 0, 3);
+            let mut dev_ptr = 0;
+            ds::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host as *mut _, 0).result().map_err(|e| e.0)?;
+            Ok(ErrorWord { host, dev_ptr })
+        }
+    }
+    fn take(&self) -> Result<()> {
+        // SAFETY: the device finished writing (the caller synchronised); volatile, as the device
+        // wrote behind the compiler's back.
+        unsafe {
+            let code = std::ptr::read_volatile(self.host);
+            if code == 0 {
+                return Ok(());
+            }
+            let (index, size) = (std::ptr::read_volatile(self.host.add(1)), std::ptr::read_volatile(self.host.add(2)));
+            std::ptr::write_volatile(self.host, 0);
+            let op = INDEX_OPS.get((code - 1) as usize).copied().unwrap_or("index");
+            Err(Error::Index { op, index, size: size as usize })
+        }
+    }
 }
 
 /// Page-locked host memory (for staging asynchronous copies), freed on drop.
