@@ -334,9 +334,9 @@ fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, inpu
 }
 
 /// The argument words a kernel needs to report a bad index for `op`.
-fn index_error_words(dev: &CudaDevice, op: &str) -> (u64, u64) {
+fn index_error_words(dev: &CudaDevice, op: &str) -> Result<(u64, u64)> {
     let code = super::INDEX_OPS.iter().position(|&o| o == op).expect("a known index op") as u64 + 1;
-    (dev.error_word(), code)
+    Ok((dev.error_word()?, code))
 }
 
 /// `out[p] = x[... index[p] along dim ...]` over the index's shape (gather; index_select
@@ -355,7 +355,7 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
     let mut a = KArgs::default();
     a.w[..5].copy_from_slice(&[out.len as u64, out.ptr(), data_ptr(x)?, data_ptr(index)?, x.shape()[dim] as u64]);
-    (a.w[6], a.w[7]) = index_error_words(&dev, op);
+    (a.w[6], a.w[7]) = index_error_words(&dev, op)?;
     for d in 0..nd {
         a.w[8 + d] = index.shape()[d] as u64;
         a.w[16 + d] = index.strides()[d] as u64;
@@ -392,7 +392,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
         let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
         let mut a = KArgs::default();
         a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
-        (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add");
+        (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add")?;
         let acc_strides = contiguous_strides(base.shape());
         for d in 0..nd {
             a.w[8 + d] = index.shape()[d] as u64;

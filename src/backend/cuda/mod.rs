@@ -74,9 +74,6 @@ pub(crate) struct CudaDevice {
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
     kernels: Mutex<HashMap<KernelKey, Kernel>>,
-    /// Where kernels report a bad index (mapped host memory: [op code, index, size]), read
-    /// after the next synchronisation instead of checking on the host before each launch.
-    errors: ErrorWord,
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
@@ -132,10 +129,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     unsafe { ds::cuDriverGetVersion(&mut driver) };
     let stream = ctx.default_stream();
     let copy_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
-    ctx.bind_to_thread().map_err(|e| cuda_err("context", dev, e))?;
-    let errors = ErrorWord::new().map_err(|e| cuda_err("error word", dev, e))?;
     let d = Arc::new(CudaDevice {
-        errors,
         copy_stream,
         pending: Mutex::new(Vec::new()),
         ordinal: n,
@@ -216,12 +210,23 @@ impl CudaDevice {
         self.stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.pending.lock().clear();
-        self.errors.take()
+        ERROR_WORDS.with(|w| w.borrow().get(&self.ordinal).map_or(Ok(()), |w| w.take()))
     }
 
-    /// The device address kernels write bad indices to.
-    pub(crate) fn error_word(&self) -> u64 {
-        self.errors.dev_ptr
+    /// The device address where this thread's kernels report bad indices: each thread has its
+    /// own, so an error reaches the thread that launched the op, at its next synchronisation.
+    pub(crate) fn error_word(&self) -> Result<u64> {
+        ERROR_WORDS.with(|w| {
+            let mut w = w.borrow_mut();
+            if let Some(e) = w.get(&self.ordinal) {
+                return Ok(e.dev_ptr);
+            }
+            self.bind()?;
+            let e = ErrorWord::new().map_err(|e| self.err("error word", e))?;
+            let p = e.dev_ptr;
+            w.insert(self.ordinal, e);
+            Ok(p)
+        })
     }
 
     /// Copies `bytes` from host memory at `src` (pinned, and kept alive by `keep` until the copy
@@ -336,6 +341,17 @@ struct ErrorWord {
 // SAFETY: the words are only read after a synchronisation, and reset by the reader.
 unsafe impl Send for ErrorWord {}
 unsafe impl Sync for ErrorWord {}
+
+impl Drop for ErrorWord {
+    fn drop(&mut self) {
+        // SAFETY: allocated by malloc_host in `new`.
+        let _ = unsafe { dr::free_host(self.host as *mut std::ffi::c_void) };
+    }
+}
+
+thread_local! {
+    static ERROR_WORDS: std::cell::RefCell<HashMap<usize, ErrorWord>> = std::cell::RefCell::new(HashMap::new());
+}
 
 /// Ops whose kernels report bad indices, by code.
 pub(crate) const INDEX_OPS: [&str; 3] = ["gather", "index_select", "scatter_add"];
