@@ -343,6 +343,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
+    #pragma unroll 4
     for (IDX k = lo + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
     for (int off = 16; off > 0; off >>= 1) {{
       const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
@@ -364,7 +365,9 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX col = (IDX)blockIdx.x * 32 + threadIdx.x, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   {t} acc = {init}; long long ai = 9223372036854775807ll;
-  if (col < M) for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
+  // Unrolled so that several rows' loads are in flight at once.
+  #pragma unroll 8
+  for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ if (col < M) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }} }}
   sa[threadIdx.y][threadIdx.x] = acc; si[threadIdx.y][threadIdx.x] = ai;
   __syncthreads();
   if (threadIdx.y == 0 && col < M) {{
@@ -502,11 +505,11 @@ __device__ float kblock(float v, float* red, bool is_max) {
             .to_string()
                 // softmax keeps exp(v - m) in the registers: one exp per element.
                 + if kind == RowKind::Softmax {
-                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { v[j] = expf(v[j] - m); ls += v[j]; }\n    const float s = kblock(ls, red, false);\n"
+                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { v[j] = expf(v[j] - m); ls += v[j]; }\n    const float inv = 1.0f / kblock(ls, red, false);\n"
                 } else {
                     "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);\n    const float lse = logf(kblock(ls, red, false));\n"
                 },
-            if kind == RowKind::Softmax { "v[j] / s".to_string() } else { "v[j] - m - lse".to_string() },
+            if kind == RowKind::Softmax { "v[j] * inv".to_string() } else { "v[j] - m - lse".to_string() },
         ),
         RowKind::LayerNorm => {
             let mut y = "(v[j] - mean) * rstd".to_string();
