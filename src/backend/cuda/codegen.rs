@@ -343,7 +343,6 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
-    #pragma unroll 4
     for (IDX k = lo + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
     for (int off = 16; off > 0; off >>= 1) {{
       const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
@@ -365,9 +364,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX col = (IDX)blockIdx.x * 32 + threadIdx.x, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   {t} acc = {init}; long long ai = 9223372036854775807ll;
-  // Unrolled so that several rows' loads are in flight at once.
-  #pragma unroll 8
-  for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ if (col < M) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }} }}
+  if (col < M) for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
   sa[threadIdx.y][threadIdx.x] = acc; si[threadIdx.y][threadIdx.x] = ai;
   __syncthreads();
   if (threadIdx.y == 0 && col < M) {{
