@@ -367,10 +367,28 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   if (col < M) for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
   sa[threadIdx.y][threadIdx.x] = acc; si[threadIdx.y][threadIdx.x] = ai;
   __syncthreads();
-  if (threadIdx.y == 0 && col < M) {{
-    for (int r = 1; r < 8; r++) kcomb(acc, ai, sa[r][threadIdx.x], si[r][threadIdx.x]);
-    out[ch * M + col] = {finish};
+  if (threadIdx.y == 0) for (int r = 1; r < 8; r++) kcomb(acc, ai, sa[r][threadIdx.x], si[r][threadIdx.x]);
+  if (C == 1) {{
+    if (threadIdx.y == 0 && col < M) out[col] = {finish};
+    return;
   }}
+  // Split columns: each chunk leaves its partial; the last block of a column group to finish
+  // folds them, so one launch does the whole reduction. Its counter is reset for the next use.
+  {t}* part = ({t}*)a.w[5];
+  unsigned int* count = (unsigned int*)a.w[6];
+  if (threadIdx.y == 0 && col < M) part[ch * M + col] = acc;
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  if (threadIdx.y == 0 && col < M) {{
+    acc = ((volatile {t}*)part)[col];
+    for (IDX c2 = 1; c2 < C; c2++) kcomb(acc, ai, ((volatile {t}*)part)[c2 * M + col], 0);
+    out[col] = {finish};
+  }}
+  if (threadIdx.x == 0 && threadIdx.y == 0) count[blockIdx.x] = 0;
 }}"#, lv = lv.replace("x[X]", "x[k * M + col]"));
         }
     }

@@ -306,23 +306,31 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
     };
     let ptr = data_ptr(&input)?;
     if chunks == 1 {
-        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, 1)?;
+        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, 1, (0, 0))?;
+        return Ok(res);
+    }
+    if layout == ReduceLayout::Cols {
+        // One launch: partials per chunk, folded by the last block of each column group.
+        let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
+        let counters = dev.reduce_counters(m.div_ceil(32))?;
+        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, chunks, (partial.ptr(), counters))?;
         return Ok(res);
     }
     // Two passes: partial results per chunk (in the acc type), then a reduction of those.
     let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
-    launch_reduce(&dev, op, layout, input.dtype(), acc, acc.dtype(), ptr, partial.ptr(), m, k, chunks)?;
-    launch_reduce(&dev, op, layout, acc.dtype(), acc, out, partial.ptr(), res.ptr(), m, chunks, 1)?;
+    launch_reduce(&dev, op, layout, input.dtype(), acc, acc.dtype(), ptr, partial.ptr(), m, k, chunks, (0, 0))?;
+    launch_reduce(&dev, op, layout, acc.dtype(), acc, out, partial.ptr(), res.ptr(), m, chunks, 1, (0, 0))?;
     Ok(res)
 }
 
 #[allow(clippy::too_many_arguments)]
-fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, input: DType, acc: CType, out: DType, x: u64, y: u64, m: usize, k: usize, chunks: usize) -> Result<()> {
+/// `split` = (partials buffer, counters) for a one-launch split column reduction.
+fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, input: DType, acc: CType, out: DType, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
     let spec = ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize };
     let key = KernelKey::Reduce(spec.clone());
     let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(&spec)))?;
     let mut a = KArgs::default();
-    a.w[..5].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64]);
+    a.w[..7].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64, split.0, split.1]);
     match layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks);

@@ -74,6 +74,8 @@ pub(crate) struct CudaDevice {
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
     kernels: Mutex<HashMap<KernelKey, Kernel>>,
+    /// Zeroed u32 counters for one-launch split reductions (each kernel resets what it used).
+    counters: Mutex<Option<(Block, usize)>>,
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
@@ -137,6 +139,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         ctx,
         stream,
         kernels: Mutex::new(HashMap::new()),
+        counters: Mutex::new(None),
         modules: Mutex::new(Vec::new()),
         blas: Mutex::new(None),
         arch: format!("sm_{major}{minor}"),
@@ -167,6 +170,24 @@ impl CudaDevice {
 
     pub(crate) fn free(&self, block: Block) {
         self.alloc.lock().free(block);
+    }
+
+    /// At least `n` zeroed u32 counters, kept for the device's lifetime.
+    pub(crate) fn reduce_counters(self: &Arc<Self>, n: usize) -> Result<u64> {
+        let mut c = self.counters.lock();
+        if let Some((b, len)) = *c {
+            if len >= n {
+                return Ok(b.ptr);
+            }
+            // Queued kernels may still use the old counters: freed in stream order.
+            self.free(b);
+        }
+        let len = n.max(1 << 14);
+        let b = self.alloc(len * 4)?;
+        // SAFETY: a fresh block of len * 4 bytes; ordered on the device's stream.
+        unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        *c = Some((b, len));
+        Ok(b.ptr)
     }
 
     /// The compiled kernel for `key`, generating (`gen` gives name and source) and compiling on
