@@ -22,6 +22,7 @@ mod error;
 pub(crate) mod layout;
 pub mod nn;
 pub mod ops;
+pub mod optim;
 mod storage;
 mod tensor;
 
@@ -42,6 +43,7 @@ pub(crate) fn log_enabled(category: &str) -> bool {
 
 /// What most programs need: `use kiln::prelude::*;`.
 pub mod prelude {
-    pub use crate::nn;
+    pub use crate::nn::{self, Module};
+    pub use crate::optim::{self, Optimizer};
     pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, Tensor};
 }

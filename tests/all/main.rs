@@ -5,6 +5,7 @@ mod autograd;
 mod common;
 mod cuda;
 mod errors;
+mod nn;
 mod ops;
 mod ops_index;
 mod ops_matmul;

@@ -1,0 +1,105 @@
+//! `Module`: forward plus named parameters and buffers with PyTorch's dotted names, train/eval,
+//! and state dicts (in memory and as safetensors files).
+
+use crate::{no_grad, Error, Result, Tensor};
+
+pub trait Module: Send + Sync {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// This module's own parameters (not its children's), by local name.
+    fn own_parameters(&self) -> Vec<(String, Tensor)> {
+        vec![]
+    }
+    /// This module's own buffers (running statistics and the like), by local name.
+    fn own_buffers(&self) -> Vec<(String, Tensor)> {
+        vec![]
+    }
+    /// Submodules, by name (`"0"`, `"linear1"`, ...).
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![]
+    }
+    /// Sets this module's own training flag (modules that behave differently keep one).
+    fn set_training(&self, _training: bool) {}
+
+    /// Every parameter with its dotted path (`"0.weight"`), depth first, as PyTorch orders them.
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = self.own_parameters();
+        for (name, child) in self.children() {
+            out.extend(child.named_parameters().into_iter().map(|(n, t)| (format!("{name}.{n}"), t)));
+        }
+        out
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        let mut out = self.own_buffers();
+        for (name, child) in self.children() {
+            out.extend(child.named_buffers().into_iter().map(|(n, t)| (format!("{name}.{n}"), t)));
+        }
+        out
+    }
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters().into_iter().map(|(_, t)| t).collect()
+    }
+    /// Training mode for this module and all below it.
+    fn train(&self) {
+        self.set_mode(true);
+    }
+    /// Evaluation mode (dropout off, running statistics used).
+    fn eval(&self) {
+        self.set_mode(false);
+    }
+    #[doc(hidden)]
+    fn set_mode(&self, training: bool) {
+        self.set_training(training);
+        for (_, c) in self.children() {
+            c.set_mode(training);
+        }
+    }
+
+    /// Parameters and buffers by dotted name.
+    fn state_dict(&self) -> Vec<(String, Tensor)> {
+        let mut sd = self.named_parameters();
+        sd.extend(self.named_buffers());
+        sd
+    }
+
+    /// Copies `sd` into this module's parameters and buffers. Names, shapes and dtypes must
+    /// match exactly; every mismatch is listed in one error and nothing is written then.
+    fn load_state_dict(&self, sd: &[(String, Tensor)]) -> Result<()> {
+        let mine = self.state_dict();
+        let mut problems = Vec::new();
+        for (name, t) in &mine {
+            match sd.iter().find(|(n, _)| n == name) {
+                None => problems.push(format!("missing {name}")),
+                Some((_, s)) if s.shape() != t.shape() => problems.push(format!("{name}: shape {:?} in the state dict, {:?} in the module", s.shape(), t.shape())),
+                Some((_, s)) if s.dtype() != t.dtype() => problems.push(format!("{name}: dtype {:?} in the state dict, {:?} in the module", s.dtype(), t.dtype())),
+                Some(_) => {}
+            }
+        }
+        for (name, _) in sd {
+            if !mine.iter().any(|(n, _)| n == name) {
+                problems.push(format!("unexpected {name}"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(Error::arg("load_state_dict", problems.join("; ")));
+        }
+        no_grad(|| {
+            for (name, t) in &mine {
+                let (_, s) = sd.iter().find(|(n, _)| n == name).expect("checked above");
+                t.copy_(&s.to_device(&t.device())?)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Writes the state dict to a safetensors file, atomically (temporary file, then rename).
+    fn save_safetensors(&self, path: &str) -> Result<()> {
+        crate::nn::safetensors::save(&self.state_dict(), path)
+    }
+
+    /// Loads a safetensors state dict written by kiln or exported from PyTorch.
+    fn load_safetensors(&self, path: &str) -> Result<()> {
+        let sd = crate::nn::safetensors::load(path, &crate::Device::Cpu)?;
+        self.load_state_dict(&sd)
+    }
+}

@@ -1,0 +1,216 @@
+//! Modules, optimisers and safetensors state dicts.
+
+use crate::common::*;
+use kiln::nn::{self, functional as F, Module};
+use kiln::optim::{Adam, AdamConfig, AdamW, Optimizer, Sgd};
+use kiln::prelude::*;
+
+fn mlp(d: &Device) -> nn::Sequential {
+    nn::Sequential::new().add(nn::Linear::new(784, 256, d).unwrap()).add(nn::ReLU).add(nn::Linear::new(256, 10, d).unwrap())
+}
+
+#[test]
+fn linear_computes_x_wt_plus_b_and_names_parameters_like_pytorch() {
+    let d = dev();
+    manual_seed(1);
+    let model = mlp(&d);
+    let names: Vec<String> = model.named_parameters().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["0.weight", "0.bias", "2.weight", "2.bias"]);
+    let shapes: Vec<Vec<usize>> = model.parameters().iter().map(|p| p.shape().to_vec()).collect();
+    assert_eq!(shapes, [vec![256, 784], vec![256], vec![10, 256], vec![10]]);
+    // PyTorch's init bound: 1/sqrt(fan_in).
+    let w = vals(&model.parameters()[0]);
+    let bound = 1.0 / 784f64.sqrt();
+    assert!(w.iter().all(|v| v.abs() <= bound) && w.iter().any(|v| v.abs() > 0.9 * bound));
+
+    let lin = nn::Linear::new(3, 2, &d).unwrap();
+    let x = t(&[1.0, 2.0, 3.0, -1.0, 0.5, 2.0], &[2, 3], DType::F32);
+    let y = vals(&lin.forward(&x).unwrap());
+    let (wv, bv, xv) = (vals(&lin.weight), vals(lin.bias.as_ref().unwrap()), vals(&x));
+    for r in 0..2 {
+        for o in 0..2 {
+            let want: f64 = (0..3).map(|i| xv[r * 3 + i] * wv[o * 3 + i]).sum::<f64>() + bv[o];
+            assert!((y[r * 2 + o] - want).abs() < 1e-5, "{r} {o}");
+        }
+    }
+}
+
+#[test]
+fn the_mlp_learns_a_synthetic_task() {
+    let d = dev();
+    manual_seed(0);
+    let n = 256;
+    let x = Tensor::randn(&[n, 784], DType::F32, &d).unwrap();
+    let proj = Tensor::randn(&[784, 10], DType::F32, &d).unwrap();
+    let y = no_grad(|| x.matmul(&proj).unwrap().argmax(1, false).unwrap());
+    let model = mlp(&d);
+    let mut opt = Sgd::new(model.parameters(), 0.05).momentum(0.9);
+    let mut first = None;
+    for _ in 0..60 {
+        let loss = F::cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+        first.get_or_insert(loss.item::<f32>().unwrap());
+        loss.backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    let pred = no_grad(|| model.forward(&x).unwrap().argmax(1, false).unwrap());
+    let acc = pred.eq(&y).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap().item::<f32>().unwrap();
+    assert!(acc >= 0.95, "training accuracy {acc} (first loss {first:?})");
+    assert!(model.parameters().iter().all(|p| p.grad().is_none()), "zero_grad sets gradients to none");
+}
+
+#[test]
+fn sgd_momentum_nesterov_and_weight_decay_follow_pytorch() {
+    let d = dev();
+    let p = t(&[1.0, -2.0], &[2], DType::F64).requires_grad();
+    let mut opt = Sgd::new(vec![p.clone()], 0.1).momentum(0.9).dampening(0.1).nesterov(false).weight_decay(0.01);
+    let (mut pv, mut buf): (Vec<f64>, Option<Vec<f64>>) = (vec![1.0, -2.0], None);
+    for step in 0..3 {
+        let g = [0.5 + step as f64, -0.25];
+        p.set_grad(Some(t(&g, &[2], DType::F64)));
+        opt.step().unwrap();
+        let gd: Vec<f64> = (0..2).map(|i| g[i] + 0.01 * pv[i]).collect();
+        let b: Vec<f64> = match &buf {
+            None => gd.clone(),
+            Some(b) => (0..2).map(|i| 0.9 * b[i] + 0.9 * gd[i]).collect(),
+        };
+        pv = (0..2).map(|i| pv[i] - 0.1 * b[i]).collect();
+        buf = Some(b);
+        assert_close(&vals(&p), &pv, 1e-12, 1e-12);
+    }
+    // Nesterov: the step uses g + momentum * buf.
+    let q = t(&[0.0], &[1], DType::F64).requires_grad();
+    let mut nes = Sgd::new(vec![q.clone()], 1.0).momentum(0.5).nesterov(true);
+    q.set_grad(Some(t(&[2.0], &[1], DType::F64)));
+    nes.step().unwrap();
+    assert_eq!(vals(&q), vec![-(2.0 + 0.5 * 2.0)]);
+    let _ = d;
+}
+
+#[test]
+fn adam_and_adamw_follow_pytorch() {
+    let cfg = AdamConfig { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+    for decoupled in [false, true] {
+        let p = t(&[1.0, -0.5], &[2], DType::F64).requires_grad();
+        let mut opt: Box<dyn Optimizer> = if decoupled { Box::new(AdamW::new(vec![p.clone()], cfg)) } else { Box::new(Adam::new(vec![p.clone()], cfg)) };
+        let (mut pv, mut m, mut v) = (vec![1.0, -0.5], vec![0.0; 2], vec![0.0; 2]);
+        for step in 1..=3 {
+            let g = [0.3 * step as f64, -0.7];
+            p.set_grad(Some(t(&g, &[2], DType::F64)));
+            opt.step().unwrap();
+            for i in 0..2 {
+                let mut gi = g[i];
+                if decoupled {
+                    pv[i] *= 1.0 - cfg.lr * cfg.weight_decay;
+                } else {
+                    gi += cfg.weight_decay * pv[i];
+                }
+                m[i] = cfg.beta1 * m[i] + (1.0 - cfg.beta1) * gi;
+                v[i] = cfg.beta2 * v[i] + (1.0 - cfg.beta2) * gi * gi;
+                let (bc1, bc2) = (1.0 - cfg.beta1.powi(step), 1.0 - cfg.beta2.powi(step));
+                pv[i] -= cfg.lr / bc1 * m[i] / (v[i].sqrt() / bc2.sqrt() + cfg.eps);
+            }
+            assert_close(&vals(&p), &pv, 1e-12, 1e-12);
+        }
+    }
+}
+
+#[test]
+fn dropout_follows_train_and_eval() {
+    let d = dev();
+    let model = nn::Sequential::new().add(nn::Dropout::new(0.5).unwrap()).add(nn::ReLU);
+    let x = Tensor::ones(&[1000], DType::F32, &d).unwrap();
+    let y = vals(&model.forward(&x).unwrap());
+    assert!(y.iter().any(|&v| v == 0.0) && y.iter().any(|&v| v == 2.0));
+    model.eval();
+    assert!(vals(&model.forward(&x).unwrap()).iter().all(|&v| v == 1.0));
+    model.train();
+    assert!(vals(&model.forward(&x).unwrap()).iter().any(|&v| v == 0.0));
+}
+
+#[test]
+fn embedding_and_layer_norm_modules() {
+    let d = dev();
+    let e = nn::Embedding::new(5, 3, &d).unwrap();
+    let idx = Tensor::from_vec(vec![4i64, 0, 4, 2], &[2, 2], &d).unwrap();
+    let y = e.forward(&idx).unwrap();
+    assert_eq!(y.shape(), &[2, 2, 3]);
+    let (w, yv) = (vals(&e.weight), vals(&y));
+    assert_eq!(&yv[0..3], &w[12..15]);
+    assert_eq!(&yv[3..6], &w[0..3]);
+    let ln = nn::LayerNorm::new(&[4], 1e-5, &d).unwrap();
+    assert_eq!(ln.named_parameters().iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["weight", "bias"]);
+    let z = vals(&ln.forward(&t(&[1.0, 2.0, 3.0, 4.0], &[1, 4], DType::F32)).unwrap());
+    assert!(z.iter().sum::<f64>().abs() < 1e-5);
+}
+
+fn tmp(name: &str) -> String {
+    std::env::temp_dir().join(format!("kiln-{}-{name}", std::process::id())).to_string_lossy().into_owned()
+}
+
+#[test]
+fn checkpoints_round_trip_bit_exactly_and_atomically() {
+    let d = dev();
+    manual_seed(5);
+    let a = mlp(&d);
+    let path = tmp("mlp.safetensors");
+    a.save_safetensors(&path).unwrap();
+    manual_seed(6);
+    let b = mlp(&d);
+    assert_ne!(vals(&a.parameters()[0]), vals(&b.parameters()[0]));
+    b.load_safetensors(&path).unwrap();
+    for (pa, pb) in a.parameters().iter().zip(b.parameters()) {
+        assert_eq!(vals(pa), vals(&pb), "bit-exact");
+        assert_eq!(pb.device(), d);
+    }
+    let dir = std::path::Path::new(&path).parent().unwrap().to_path_buf();
+    let leftovers = std::fs::read_dir(&dir).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with(&format!("kiln-{}-mlp.safetensors.tmp", std::process::id()))).count();
+    assert_eq!(leftovers, 0, "no temporary file left behind");
+
+    // Every dtype survives a file.
+    let sd = vec![
+        ("f16".to_string(), t(&[1.5, -2.25], &[2], DType::F16)),
+        ("bf16".to_string(), t(&[3.0, 0.5], &[2], DType::BF16)),
+        ("i64".to_string(), Tensor::from_vec(vec![i64::MIN, 7], &[2], &d).unwrap()),
+        ("mask".to_string(), Tensor::from_vec(vec![true, false, true], &[3], &d).unwrap()),
+        ("u8".to_string(), Tensor::from_vec(vec![255u8], &[1, 1], &d).unwrap()),
+    ];
+    let p2 = tmp("dtypes.safetensors");
+    nn::safetensors::save(&sd, &p2).unwrap();
+    let back = nn::safetensors::load(&p2, &d).unwrap();
+    for (name, t0) in &sd {
+        let (_, t1) = back.iter().find(|(n, _)| n == name).unwrap();
+        assert_eq!((t1.dtype(), t1.shape()), (t0.dtype(), t0.shape()), "{name}");
+        assert_eq!(vals(t1), vals(t0), "{name}");
+    }
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&p2);
+}
+
+#[test]
+fn truncated_or_mismatched_checkpoints_are_clear_errors() {
+    let d = dev();
+    let a = mlp(&d);
+    let path = tmp("trunc.safetensors");
+    a.save_safetensors(&path).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
+    let e = a.load_safetensors(&path).unwrap_err();
+    assert!(matches!(e, kiln::Error::Io { .. }) && e.to_string().contains("trunc.safetensors"), "{e}");
+    let e = a.load_safetensors(&tmp("does-not-exist.safetensors")).unwrap_err();
+    assert!(matches!(e, kiln::Error::Io { .. }), "{e}");
+
+    // A different architecture: every mismatch is named, nothing is written.
+    let other = nn::Sequential::new().add(nn::Linear::new(784, 128, &d).unwrap()).add(nn::ReLU).add(nn::Linear::new(128, 10, &d).unwrap()).add(nn::Linear::new(10, 2, &d).unwrap());
+    let before = vals(&a.parameters()[0]);
+    let e = a.load_state_dict(&other.state_dict()).unwrap_err().to_string();
+    for part in ["0.weight", "0.bias", "2.weight", "unexpected 3.weight", "unexpected 3.bias"] {
+        assert!(e.contains(part), "{part} missing from: {e}");
+    }
+    assert_eq!(vals(&a.parameters()[0]), before);
+    let mut sd = a.state_dict();
+    sd.pop();
+    let e = a.load_state_dict(&sd).unwrap_err().to_string();
+    assert!(e.contains("missing 2.bias"), "{e}");
+    let _ = std::fs::remove_file(&path);
+}
