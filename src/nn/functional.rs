@@ -188,12 +188,31 @@ pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
 }
 
 pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
-    float_input("cross_entropy", input)?;
+    class_loss("cross_entropy", input, target, opts, false)
+}
+
+/// Negative log-likelihood of log-probabilities `[N, C]` (or `[C]`, `[N, C, d1, ...]`) against
+/// class indices (`F.nll_loss`).
+pub fn nll_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
+    nll_loss_with(input, target, &CrossEntropyOptions::default())
+}
+
+/// `nll_loss` with class weights, `ignore_index` and reduction (label smoothing must be 0).
+pub fn nll_loss_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
+    if opts.label_smoothing != 0.0 {
+        return Err(Error::arg("nll_loss", "label smoothing is a cross_entropy option"));
+    }
+    class_loss("nll_loss", input, target, opts, true)
+}
+
+/// Cross-entropy (`log_probs` false: logits) or NLL (`log_probs` true) against class indices.
+fn class_loss(op: &'static str, input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions, log_probs: bool) -> Result<Tensor> {
+    float_input(op, input)?;
     if !target.dtype().is_int() {
-        return Err(Error::dtype("cross_entropy", target.dtype(), "targets must be class indices (I64); class-probability targets are not supported"));
+        return Err(Error::dtype(op, target.dtype(), "targets must be class indices (I64); class-probability targets are not supported"));
     }
     if !(0.0..=1.0).contains(&opts.label_smoothing) {
-        return Err(Error::arg("cross_entropy", format!("label_smoothing must be in [0, 1], got {}", opts.label_smoothing)));
+        return Err(Error::arg(op, format!("label_smoothing must be in [0, 1], got {}", opts.label_smoothing)));
     }
     // Classes last, everything else flattened: logits [M, C], targets [M].
     let (logits, tshape) = match input.ndim() {
@@ -207,21 +226,21 @@ pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOp
             ts.extend_from_slice(&input.shape()[2..]);
             (input.permute(&perm)?.reshape(&[-1, input.shape()[1] as i64])?, ts)
         }
-        _ => return Err(Error::shape("cross_entropy", "input must have at least 1 dim")),
+        _ => return Err(Error::shape(op, "input must have at least 1 dim")),
     };
     let c = logits.shape()[1];
     if target.shape() != tshape.as_slice() {
-        return Err(Error::shape("cross_entropy", format!("target of shape {:?} for input of shape {:?} (expected {tshape:?})", target.shape(), input.shape())));
+        return Err(Error::shape(op, format!("target of shape {:?} for input of shape {:?} (expected {tshape:?})", target.shape(), input.shape())));
     }
     if let Some(w) = &opts.weight {
         if w.shape() != [c] {
-            return Err(Error::shape("cross_entropy", format!("weight of shape {:?}, expected [{c}]", w.shape())));
+            return Err(Error::shape(op, format!("weight of shape {:?}, expected [{c}]", w.shape())));
         }
     }
     let t = target.to_dtype(DType::I64)?.reshape(&[-1])?;
     let valid = t.ne_scalar(opts.ignore_index)?;
     let safe_t = t.masked_fill(&valid.logical_not()?, 0)?;
-    let logp = log_softmax(&logits, 1)?;
+    let logp = if log_probs { logits.clone() } else { log_softmax(&logits, 1)? };
     let picked = logp.gather(1, &safe_t.unsqueeze(1)?)?.squeeze(1)?.neg()?;
     let validf = valid.to_dtype(logp.dtype())?;
     // Per-sample weight: w[target], 0 for ignored samples.
@@ -244,6 +263,38 @@ pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOp
         Reduction::None => loss.reshape_usize(&tshape),
         Reduction::Sum => loss.sum_all(),
         Reduction::Mean => loss.sum_all()?.div(&w_t.sum_all()?.to_dtype(input.dtype())?),
+    }
+}
+
+/// `log(1 + exp(x))` without overflow, with the exact gradient `sigmoid(x)` everywhere (also
+/// at 0, where a `relu + log1p(exp(-|x|))` form would give a subgradient).
+fn softplus_exact(x: &Tensor) -> Result<Tensor> {
+    let pos = x.clamp(Some(0.0), None)?;
+    let neg = x.clamp(None, Some(0.0))?;
+    let upper = x.add(&pos.neg()?.exp()?.log1p()?)?; // x + log(1 + e^-x), for x >= 0
+    let lower = neg.exp()?.log1p()?; // log(1 + e^x), for x < 0
+    x.ge_scalar(0.0)?.where_(&upper, &lower)
+}
+
+/// Binary cross-entropy of logits `input` against targets in [0, 1]
+/// (`F.binary_cross_entropy_with_logits`): `softplus(x) - x y`, computed without overflow;
+/// `pos_weight` scales the positive term: `(1 - y) x + (1 + (pw - 1) y) softplus(-x)`.
+pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
+    float_input("binary_cross_entropy_with_logits", input)?;
+    if input.shape() != target.shape() {
+        return Err(Error::shape("binary_cross_entropy_with_logits", format!("target of shape {:?} for input of shape {:?}", target.shape(), input.shape())));
+    }
+    let loss = match pos_weight {
+        None => softplus_exact(input)?.sub(&input.mul(target)?)?,
+        Some(pw) => {
+            let lw = pw.sub_scalar(1.0)?.mul(target)?.add_scalar(1.0)?;
+            target.rsub_scalar(1.0)?.mul(input)?.add(&lw.mul(&softplus_exact(&input.neg()?)?)?)?
+        }
+    };
+    match reduction {
+        Reduction::None => Ok(loss),
+        Reduction::Mean => loss.mean_all(),
+        Reduction::Sum => loss.sum_all(),
     }
 }
 

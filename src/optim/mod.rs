@@ -1,6 +1,10 @@
 //! Optimisers with PyTorch's update rules (`torch.optim.SGD`, `Adam`, `AdamW`). Updates run
 //! under `no_grad` as in-place ops on the parameters, so any tensor holding a parameter sees them.
 
+mod scheduler;
+
+pub use scheduler::{CosineAnnealingLr, LinearWarmup, LrScheduler, StepLr};
+
 use crate::{no_grad, Result, Tensor};
 
 pub trait Optimizer {

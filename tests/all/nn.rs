@@ -214,3 +214,55 @@ fn truncated_or_mismatched_checkpoints_are_clear_errors() {
     assert!(e.contains("missing 2.bias"), "{e}");
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn schedulers_follow_pytorch_closed_forms() {
+    use kiln::optim::{CosineAnnealingLr, LinearWarmup, LrScheduler, StepLr};
+    let p = t(&[1.0], &[1], DType::F32).requires_grad();
+    let mut opt = Sgd::new(vec![p], 0.1);
+    let mut s = StepLr::new(&opt, 2, 0.5);
+    let lrs: Vec<f64> = (0..5).map(|_| { s.step(&mut opt); opt.lr() }).collect();
+    assert_close(&lrs, &[0.1, 0.05, 0.05, 0.025, 0.025], 1e-12, 0.0);
+    let mut opt = Sgd::new(vec![], 1.0);
+    let mut c = CosineAnnealingLr::new(&opt, 4, 0.0);
+    let lrs: Vec<f64> = (0..4).map(|_| { c.step(&mut opt); opt.lr() }).collect();
+    assert_close(&lrs, &[0.8535533905932737, 0.5, 0.14644660940672627, 0.0], 1e-12, 1e-15);
+    let mut opt = Sgd::new(vec![], 1.0);
+    let mut w = LinearWarmup::new(&mut opt, 0.25, 3);
+    assert_eq!(opt.lr(), 0.25);
+    let lrs: Vec<f64> = (0..4).map(|_| { w.step(&mut opt); opt.lr() }).collect();
+    assert_close(&lrs, &[0.5, 0.75, 1.0, 1.0], 1e-12, 0.0);
+}
+
+#[test]
+fn nll_and_bce_with_logits_match_their_formulas() {
+    let d = dev();
+    let x = t(&[0.5, -1.0, 2.0, 0.1, 0.3, -0.2], &[2, 3], DType::F64);
+    let y = Tensor::from_vec(vec![2i64, 0], &[2], &d).unwrap();
+    let nll = vals(&F::nll_loss(&x.log_softmax(1).unwrap(), &y).unwrap());
+    let ce = vals(&F::cross_entropy(&x, &y).unwrap());
+    assert_close(&nll, &ce, 1e-12, 1e-12);
+    let opts = F::CrossEntropyOptions { label_smoothing: 0.1, ..Default::default() };
+    assert!(F::nll_loss_with(&x, &y, &opts).is_err(), "label smoothing belongs to cross_entropy");
+
+    let z = [3.0, -2.0, 0.0, 50.0, -50.0];
+    let tg = [1.0, 0.0, 0.5, 0.0, 1.0];
+    let (zt, tt) = (t(&z, &[5], DType::F64), t(&tg, &[5], DType::F64));
+    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, None, F::Reduction::None).unwrap());
+    let want: Vec<f64> = z.iter().zip(&tg).map(|(&v, &y)| {
+        // log-sigmoid written stably: large |v| must not overflow.
+        let ls = |u: f64| if u >= 0.0 { -(1.0 + (-u).exp()).ln() } else { u - (1.0 + u.exp()).ln() };
+        -(y * ls(v) + (1.0 - y) * ls(-v))
+    }).collect();
+    assert_close(&got, &want, 1e-12, 1e-12);
+    let pw = t(&[2.0; 5], &[5], DType::F64);
+    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, Some(&pw), F::Reduction::Sum).unwrap());
+    let want: f64 = z.iter().zip(&tg).map(|(&v, &y)| {
+        let ls = |u: f64| if u >= 0.0 { -(1.0 + (-u).exp()).ln() } else { u - (1.0 + u.exp()).ln() };
+        -(2.0 * y * ls(v) + (1.0 - y) * ls(-v))
+    }).sum();
+    assert_close(&got, &[want], 1e-12, 1e-12);
+    // Including logits exactly 0, where the gradient is sigmoid(0) - y.
+    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], None, F::Reduction::Mean), &[zt.clone(), tt.clone()], Default::default()).unwrap();
+    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], Some(&xs[2]), F::Reduction::Sum), &[zt, tt, pw], Default::default()).unwrap();
+}
