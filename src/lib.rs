@@ -15,6 +15,7 @@
 
 pub mod autograd;
 pub(crate) mod backend;
+pub mod data;
 pub use backend::cuda;
 mod device;
 mod dtype;

@@ -4,6 +4,7 @@
 mod autograd;
 mod common;
 mod cuda;
+mod data;
 mod errors;
 mod nn;
 mod ops;
