@@ -16,6 +16,7 @@
 pub mod autograd;
 pub(crate) mod backend;
 pub mod data;
+pub mod demo;
 pub use backend::cuda;
 mod device;
 mod dtype;

@@ -1,4 +1,4 @@
-//! The `kiln` program: a short eager example by default, and `kiln bench` for the shared
+//! The `kiln` program: the training demo by default, and `kiln bench` for the shared
 //! side-by-side benchmark.
 
 mod cli;
@@ -15,6 +15,12 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Trains the 784-256-10 MLP on built-in data (what `kiln` does with no arguments).
+    Demo {
+        /// Training steps (batch 32).
+        #[arg(long, default_value_t = 600)]
+        steps: usize,
+    },
     /// Runs the shared benchmark workloads on the GPU and writes their JSON.
     Bench {
         /// Only workloads whose name contains this.
@@ -28,7 +34,8 @@ enum Cmd {
 fn main() {
     let args = Args::parse();
     let r = match args.cmd {
-        None => example(),
+        None => demo(600),
+        Some(Cmd::Demo { steps }) => demo(steps),
         Some(Cmd::Bench { only, out }) => cli::bench::run(only.as_deref(), &out),
     };
     if let Err(e) = r {
@@ -37,17 +44,9 @@ fn main() {
     }
 }
 
-/// A short eager example on the GPU when there is one.
-fn example() -> Result<()> {
+/// The demo on the GPU when there is one, else the CPU.
+fn demo(steps: usize) -> Result<()> {
     let dev = Device::cuda_if_available(0);
-    println!("kiln {} on {dev}", env!("CARGO_PKG_VERSION"));
-    manual_seed(0);
-    let x = Tensor::randn(&[4, 3], DType::F32, &dev)?;
-    let w = Tensor::randn(&[3, 2], DType::F32, &dev)?.requires_grad();
-    let y = x.matmul(&w)?.relu()?;
-    println!("x = {x}\nrelu(x @ w) = {y}");
-    let loss = y.sum_all()?;
-    loss.backward()?;
-    println!("d loss / d w = {}", w.grad().expect("w requires grad"));
-    Ok(())
+    let mut out = std::io::stdout().lock();
+    kiln::demo::run(steps, &dev, true, &mut out).map(|_| ())
 }

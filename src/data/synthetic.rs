@@ -1,5 +1,7 @@
 //! A built-in classification task that needs no download: inputs standard normal, the class
-//! the argmax of a fixed random linear map. Every sample is a pure function of (seed, index).
+//! the argmax of a fixed random linear map. The map depends only on the sizes, so sets with
+//! different seeds are different samples of the same task (a training and a held-out set);
+//! every sample is a pure function of (seed, index).
 
 use super::Dataset;
 use crate::tensor::random::philox;
@@ -19,7 +21,8 @@ impl SyntheticClassification {
         if features == 0 || classes < 2 {
             return Err(Error::arg("SyntheticClassification", format!("needs features > 0 and classes >= 2, got {features} and {classes}")));
         }
-        let projection = (0..features * classes).map(|i| normal(seed ^ 0xA5A5_A5A5, i as u64) as f32).collect();
+        let task = 0x7A5C_0000_0000 ^ ((features as u64) << 16) ^ classes as u64;
+        let projection = (0..features * classes).map(|i| normal(task, i as u64) as f32).collect();
         Ok(SyntheticClassification { n, features, classes, seed, projection })
     }
     /// 784 features and 10 classes, like MNIST.

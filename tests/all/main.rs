@@ -5,6 +5,7 @@ mod autograd;
 mod common;
 mod cuda;
 mod data;
+mod demo;
 mod errors;
 mod nn;
 mod ops;

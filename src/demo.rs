@@ -1,0 +1,69 @@
+//! The demo the `kiln` program runs by default: the 784-256-10 MLP trained eagerly on the
+//! built-in synthetic data, with a progress bar, then evaluated. (Compiled training and the
+//! profiler table join it when the compiler and profiler exist.)
+
+use crate::data::{DataLoader, Dataset, SyntheticClassification};
+use crate::nn::{self, functional as F, Module};
+use crate::optim::{Optimizer, Sgd};
+use crate::{manual_seed, no_grad, DType, Device, Result, Tensor};
+use std::io::Write;
+use std::time::Instant;
+
+/// What a demo run measured.
+#[derive(Clone, Debug)]
+pub struct DemoReport {
+    pub steps: usize,
+    pub first_loss: f32,
+    pub last_loss: f32,
+    /// On a held-out set of the same task.
+    pub accuracy: f32,
+    pub step_ms: f64,
+    /// GPU kernels per training step (None on the CPU).
+    pub kernels_per_step: Option<f64>,
+}
+
+/// Trains for `steps` steps of batch 32 on `device` and writes what it does to `out`.
+pub fn run(steps: usize, device: &Device, progress: bool, out: &mut dyn Write) -> Result<DemoReport> {
+    let io = |e: std::io::Error| crate::Error::Io { op: "demo", msg: e.to_string() };
+    manual_seed(0);
+    let train = DataLoader::new(SyntheticClassification::mnist_like(steps.max(1) * 32, 0)?, 32)?.shuffle(0).workers(2).drop_last(true);
+    let model = nn::Sequential::new().add(nn::Linear::new(784, 256, device)?).add(nn::ReLU).add(nn::Linear::new(256, 10, device)?);
+    let mut opt = Sgd::new(model.parameters(), 0.1);
+    writeln!(out, "kiln {}: training the 784-256-10 MLP on {device} (synthetic data, batch 32, SGD lr 0.1)", env!("CARGO_PKG_VERSION")).map_err(io)?;
+    let bar = if progress { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
+    let (mut first, mut last) = (None, 0.0f32);
+    let launches_before = device.is_cuda().then(crate::cuda::launch_count);
+    let start = Instant::now();
+    for (i, batch) in train.iter().enumerate().take(steps) {
+        let (x, y) = batch?;
+        let (x, y) = (x.to_device_async(device)?, y.to_device_async(device)?);
+        let loss = F::cross_entropy(&model.forward(&x)?, &y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        // Reading the loss synchronises: only every 50 steps and at the end.
+        if i == 0 || (i + 1) % 50 == 0 || i + 1 == steps {
+            last = loss.item::<f32>()?;
+            first.get_or_insert(last);
+            bar.set_message(format!("loss {last:.4}"));
+        }
+        bar.inc(1);
+    }
+    if device.is_cuda() {
+        crate::cuda::synchronize(device)?;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let kernels_per_step = launches_before.map(|b| (crate::cuda::launch_count() - b) as f64 / steps.max(1) as f64);
+    let test = SyntheticClassification::mnist_like(1024, 1)?;
+    let samples: Vec<(Tensor, Tensor)> = (0..test.len()).map(|i| test.get(i)).collect::<Result<_>>()?;
+    let xs: Vec<&Tensor> = samples.iter().map(|s| &s.0).collect();
+    let ys: Vec<&Tensor> = samples.iter().map(|s| &s.1).collect();
+    let (x, y) = (crate::stack(&xs, 0)?.to_device(device)?, crate::stack(&ys, 0)?.to_device(device)?);
+    let accuracy = no_grad(|| model.forward(&x)?.argmax(1, false)?.eq(&y)?.to_dtype(DType::F32)?.mean_all()?.item::<f32>())?;
+    let r = DemoReport { steps, first_loss: first.unwrap_or(f32::NAN), last_loss: last, accuracy, step_ms: elapsed * 1e3 / steps.max(1) as f64, kernels_per_step };
+    writeln!(out, "loss {:.4} -> {:.4} over {} steps; held-out accuracy {:.1}%", r.first_loss, r.last_loss, steps, 100.0 * accuracy).map_err(io)?;
+    let k = r.kernels_per_step.map(|k| format!(", {k:.0} kernels per step")).unwrap_or_default();
+    writeln!(out, "eager step: {:.3} ms{k}", r.step_ms).map_err(io)?;
+    Ok(r)
+}
