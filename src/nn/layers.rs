@@ -45,6 +45,13 @@ impl Module for Linear {
         }
         p
     }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(&mut self.weight)?;
+        if let Some(b) = &mut self.bias {
+            f(b)?;
+        }
+        Ok(())
+    }
 }
 
 macro_rules! activation {
@@ -105,6 +112,9 @@ impl Module for Sequential {
     fn children(&self) -> Vec<(String, &dyn Module)> {
         self.layers.iter().enumerate().map(|(i, l)| (i.to_string(), l.as_ref() as &dyn Module)).collect()
     }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.layers.iter_mut().try_for_each(|l| l.visit_tensors_mut(f))
+    }
 }
 
 /// Zeroes elements with probability `p` in training mode (`nn.Dropout`); identity in eval.
@@ -158,6 +168,10 @@ impl Module for LayerNorm {
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
         vec![("weight".into(), self.weight.clone()), ("bias".into(), self.bias.clone())]
     }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(&mut self.weight)?;
+        f(&mut self.bias)
+    }
 }
 
 /// A lookup table of `num` vectors of `dim` (`nn.Embedding`), initialised standard normal.
@@ -180,5 +194,8 @@ impl Module for Embedding {
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
         vec![("weight".into(), self.weight.clone())]
+    }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(&mut self.weight)
     }
 }

@@ -21,6 +21,22 @@ pub trait Module: Send + Sync {
     /// Sets this module's own training flag (modules that behave differently keep one).
     fn set_training(&self, _training: bool) {}
 
+    /// Calls `f` on every parameter and buffer slot, this module's and its children's, so that
+    /// `to_device` / `to_dtype` can replace them.
+    fn visit_tensors_mut(&mut self, _f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Moves every parameter and buffer to `device` (they stay leaves that require grad).
+    fn to_device(&mut self, device: &crate::Device) -> Result<()> {
+        self.visit_tensors_mut(&mut |t| replace(t, |x| x.to_device(device)))
+    }
+
+    /// Converts floating-point parameters and buffers to `dtype` (integer buffers stay).
+    fn to_dtype(&mut self, dtype: crate::DType) -> Result<()> {
+        self.visit_tensors_mut(&mut |t| if t.dtype().is_float() { replace(t, |x| x.to_dtype(dtype)) } else { Ok(()) })
+    }
+
     /// Every parameter with its dotted path (`"0.weight"`), depth first, as PyTorch orders them.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = self.own_parameters();
@@ -102,4 +118,12 @@ pub trait Module: Send + Sync {
         let sd = crate::nn::safetensors::load(path, &crate::Device::Cpu)?;
         self.load_state_dict(&sd)
     }
+}
+
+/// Replaces a parameter slot with `f(value)`, keeping it a leaf that requires grad if it was.
+fn replace(t: &mut Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
+    let grad = t.is_requires_grad();
+    let new = no_grad(|| f(&t.detach()))?.detach();
+    *t = if grad { new.requires_grad() } else { new };
+    Ok(())
 }

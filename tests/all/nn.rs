@@ -266,3 +266,27 @@ fn nll_and_bce_with_logits_match_their_formulas() {
     kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], None, F::Reduction::Mean), &[zt.clone(), tt.clone()], Default::default()).unwrap();
     kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], Some(&xs[2]), F::Reduction::Sum), &[zt, tt, pw], Default::default()).unwrap();
 }
+
+#[test]
+fn modules_move_and_convert_their_parameters() {
+    let d = dev();
+    manual_seed(3);
+    let mut model = nn::Sequential::new().add(nn::Linear::new(4, 3, &Device::Cpu).unwrap()).add(nn::LayerNorm::new(&[3], 1e-5, &Device::Cpu).unwrap()).add(nn::Embedding::new(2, 2, &Device::Cpu).unwrap());
+    let before: Vec<Vec<f64>> = model.parameters().iter().map(vals).collect();
+    model.to_device(&d).unwrap();
+    model.to_dtype(DType::F64).unwrap();
+    let params = model.parameters();
+    assert_eq!(params.len(), 5);
+    for (p, b) in params.iter().zip(&before) {
+        assert_eq!((p.device(), p.dtype()), (d, DType::F64));
+        assert!(p.is_leaf() && p.is_requires_grad());
+        assert_eq!(&vals(p), b, "values kept exactly (f32 -> f64 is exact)");
+    }
+    // Still trains: gradients reach the moved parameters.
+    let lin = nn::Sequential::new().add(nn::Linear::new(4, 3, &Device::Cpu).unwrap());
+    let mut lin = lin;
+    lin.to_device(&d).unwrap();
+    let x = t(&[1.0, 2.0, 3.0, 4.0], &[1, 4], DType::F32);
+    lin.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(lin.parameters().iter().all(|p| p.grad().is_some()));
+}
