@@ -31,7 +31,7 @@ pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
 
 /// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
 /// kernels launch), capped where the grid-stride loops take over.
-fn grid_for(_dev: &CudaDevice, work: usize) -> u32 {
+fn grid_for(work: usize) -> u32 {
     (work.div_ceil(THREADS as usize)).clamp(1, 1 << 24) as u32
 }
 
@@ -152,7 +152,7 @@ fn map_into(
     for (k, &p) in params.iter().enumerate() {
         a.w[PARAM_BASE + k] = p;
     }
-    let grid = grid_for(dev, n / vec);
+    let grid = grid_for(n / vec);
     let key = KernelKey::Map(spec.clone());
     let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
     dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a)
@@ -226,17 +226,13 @@ pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
 }
 
 pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {
-    let dev = device_checked(device)?;
+    let dev = super::device(device)?;
     if value == 0.0 {
         let s = CudaStorage::new(&dev, dtype, numel(shape))?;
         zero_fill(&dev, &s)?;
         return Ok(s);
     }
     map_new(&dev, "fill", &[], shape, dtype, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])
-}
-
-fn device_checked(n: usize) -> Result<Arc<CudaDevice>> {
-    device(n)
 }
 
 /// The random distributions of `Tensor::rand`/`randn`/`randint`, drawn from the same Philox
@@ -249,7 +245,7 @@ pub(crate) enum Dist {
 }
 
 pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist, seed: u64, first: u64) -> Result<CudaStorage> {
-    let dev = device_checked(device)?;
+    let dev = super::device(device)?;
     let (expr, result, params) = match dist {
         Dist::Uniform { bits } => (format!("kuniform(P(0), P(1) + (u64)i, {bits})"), CType::F64, vec![seed, first]),
         Dist::Normal => ("knormal(P(0), P(1) + (u64)i)".to_string(), CType::F64, vec![seed, first]),
@@ -372,7 +368,7 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     if nd == 0 {
         a.w[8] = 1;
     }
-    dev.launch(kern, (grid_for(&dev, out.len), 1, 1), (THREADS, 1, 1), &a)?;
+    dev.launch(kern, (grid_for(out.len), 1, 1), (THREADS, 1, 1), &a)?;
     Ok(out)
 }
 
@@ -411,7 +407,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
         if nd == 0 {
             a.w[8] = 1;
         }
-        dev.launch(kern, (grid_for(&dev, index.numel()), 1, 1), (THREADS, 1, 1), &a)?;
+        dev.launch(kern, (grid_for(index.numel()), 1, 1), (THREADS, 1, 1), &a)?;
     }
     if t.dtype() == base.dtype() {
         return Ok(acc);
@@ -463,13 +459,13 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     w.w[..7].copy_from_slice(&[out.ptr(), data_ptr(a)?, data_ptr(b)?, bs as u64, m as u64, n as u64, k as u64]);
     w.w[8..11].copy_from_slice(&[a.strides()[0] as u64, a.strides()[1] as u64, a.strides()[2] as u64]);
     w.w[11..14].copy_from_slice(&[b.strides()[0] as u64, b.strides()[1] as u64, b.strides()[2] as u64]);
-    dev.launch(kern, (grid_for(&dev, out.len), 1, 1), (THREADS, 1, 1), &w)?;
+    dev.launch(kern, (grid_for(out.len), 1, 1), (THREADS, 1, 1), &w)?;
     Ok(out)
 }
 
 /// Host → device: a contiguous copy of the CPU tensor's elements.
 pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
-    let dev = device_checked(device)?;
+    let dev = super::device(device)?;
     let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
     if out.len == 0 {
         return Ok(out);
@@ -485,7 +481,7 @@ pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
 /// Host → device without waiting: from the tensor's own memory when it is pinned and
 /// contiguous, else through a pinned staging copy.
 pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
-    let dev = device_checked(device)?;
+    let dev = super::device(device)?;
     let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
     let bytes = x.numel() * x.dtype().size_in_bytes();
     if bytes == 0 {
