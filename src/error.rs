@@ -40,6 +40,11 @@ pub enum Error {
     #[error("{device}: CUDA error in {op}: {msg}")]
     Cuda { op: &'static str, device: Device, msg: String },
 
+    /// The compiler could not trace or run a function (a host read under `fullgraph`, an
+    /// unsupported construct), with the reason and, where known, the call site.
+    #[error("compile: {0}")]
+    Compile(String),
+
     /// A generated kernel that failed to compile, with its source.
     #[error("{device}: kernel compilation failed: {msg}\n--- source ---\n{code}")]
     Kernel { device: Device, msg: String, code: String },
@@ -54,5 +59,11 @@ impl Error {
     }
     pub(crate) fn dtype(op: &'static str, dtype: DType, msg: impl Into<String>) -> Self {
         Error::DType { op, dtype, msg: msg.into() }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io { op: "io", msg: e.to_string() }
     }
 }

@@ -14,6 +14,7 @@
 //! ```
 
 pub mod autograd;
+pub mod compile;
 pub(crate) mod backend;
 pub mod data;
 pub mod demo;

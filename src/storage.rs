@@ -10,6 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub(crate) enum BackendStorage {
     Cpu(CpuStorage),
     Cuda(crate::backend::cuda::CudaStorage),
+    /// No data: a value inside a function being traced by the compiler, bound to a graph node.
+    /// A graph break swaps real data in.
+    Traced(crate::compile::trace::TraceRef),
 }
 
 pub(crate) struct Storage {
@@ -35,6 +38,16 @@ impl Storage {
     pub(crate) fn cuda(s: crate::backend::cuda::CudaStorage) -> Self {
         let device = Device::Cuda(s.dev.ordinal);
         Storage { data: RwLock::new(BackendStorage::Cuda(s)), version: AtomicU64::new(0), device, pinned: None }
+    }
+    pub(crate) fn traced(device: Device, r: crate::compile::trace::TraceRef) -> Self {
+        Storage { data: RwLock::new(BackendStorage::Traced(r)), version: AtomicU64::new(0), device, pinned: None }
+    }
+    /// The graph node this storage stands for while a function is traced.
+    pub(crate) fn traced_ref(&self) -> Option<crate::compile::trace::TraceRef> {
+        match &*self.data.read_recursive() {
+            BackendStorage::Traced(r) => Some(*r),
+            _ => None,
+        }
     }
     /// Host storage page-locked in place (its Vec never reallocates).
     pub(crate) fn cpu_pinned(s: CpuStorage) -> crate::Result<Self> {

@@ -43,7 +43,7 @@ fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
 fn fused_rows(x: &Tensor, dim: i64, kind: RowKind, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Option<Tensor>> {
     let tracked = crate::is_grad_enabled() && [Some(x), w, b].iter().flatten().any(|t| t.is_requires_grad());
     // F64 keeps its own precision through the decomposition; the kernel's statistics are f32.
-    if !x.device().is_cuda() || tracked || x.ndim() == 0 || x.dtype() == DType::F64 {
+    if !x.device().is_cuda() || tracked || crate::compile::trace::active() || x.ndim() == 0 || x.dtype() == DType::F64 {
         return Ok(None);
     }
     if crate::layout::norm_dim(kind.name(), dim, x.ndim())? != x.ndim() - 1 {

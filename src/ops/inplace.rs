@@ -31,7 +31,9 @@ impl Tensor {
         if value.device() != self.device() {
             return Err(Error::DeviceMismatch { op, a: self.device(), b: value.device() });
         }
-        if self.device().is_cuda() {
+        if crate::compile::trace::active() {
+            crate::compile::trace::assign(self, &value)?;
+        } else if self.device().is_cuda() {
             // A value that aliases this tensor is copied first: one kernel must not read what it writes.
             let value = if value.shares_storage_with(self) { value.copy_contiguous()? } else { value.clone() };
             crate::backend::cuda::kernels::write_into(self, &value)?;

@@ -104,6 +104,40 @@ impl Op {
         }
     }
 
+    /// The shape and dtype of the result, from the inputs' shapes and dtypes (validated by the
+    /// caller). Tracing records nodes with it; `forward` allocates with it.
+    pub(crate) fn out_meta(&self, xs: &[(&[usize], DType)]) -> Result<(Vec<usize>, DType)> {
+        let (shape, dt) = xs[0];
+        Ok(match self {
+            Op::Unary(u) => (shape.to_vec(), u.out_dtype(dt)?),
+            Op::Binary(b, c) => (shape.to_vec(), b.out_dtype(*c)),
+            Op::Where(d) => (xs[1].0.to_vec(), *d),
+            Op::Cast(d) => (shape.to_vec(), *d),
+            Op::Reduce(r, dims, keepdim) => (reduce::reduced_shape(shape, dims, *keepdim), r.out_dtype(dt)),
+            Op::Reshape(s) | Op::Expand(s) => (s.clone(), dt),
+            Op::Permute(perm) => (perm.iter().map(|&d| shape[d]).collect(), dt),
+            Op::Slice { dim, len, .. } => {
+                let mut s = shape.to_vec();
+                s[*dim] = *len;
+                (s, dt)
+            }
+            Op::Cat(dim) => {
+                let mut s = shape.to_vec();
+                s[*dim] = xs.iter().map(|x| x.0[*dim]).sum();
+                (s, dt)
+            }
+            Op::Pad(pads, _) => (shape.iter().zip(pads).map(|(d, p)| d + p.0 + p.1).collect(), dt),
+            Op::IndexSelect(dim) => {
+                let mut s = shape.to_vec();
+                s[*dim] = crate::layout::numel(xs[1].0);
+                (s, dt)
+            }
+            Op::Gather(_) => (xs[1].0.to_vec(), dt),
+            Op::ScatterAdd(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
+            Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
+        })
+    }
+
     /// Runs the op on its inputs' device. Arguments were validated by the caller.
     pub(crate) fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
         let device = xs[0].device();
@@ -152,6 +186,8 @@ impl Op {
             _ => {}
         }
         check_device(self.name(), device)?;
+        let metas: Vec<(&[usize], DType)> = xs.iter().map(|t| (t.shape(), t.dtype())).collect();
+        let (shape, dtype) = self.out_meta(&metas)?;
         let on_cuda = device.is_cuda();
         // The same op on the tensors' backend: `run!(cpu call, cuda call)`.
         macro_rules! run {
@@ -159,38 +195,18 @@ impl Op {
                 if on_cuda { BackendStorage::Cuda($cuda?) } else { BackendStorage::Cpu($cpu) }
             };
         }
-        let (storage, shape) = match self {
-            Op::Unary(u) => {
-                let out = u.out_dtype(x.dtype())?;
-                (run!(cpu::pointwise::unary(*u, x, out), cuda::kernels::unary(*u, x, out)), x.shape().to_vec())
-            }
-            Op::Binary(b, c) => (run!(cpu::pointwise::binary(*b, x, xs[1], *c), cuda::kernels::binary(*b, x, xs[1], *c)), x.shape().to_vec()),
-            Op::Where(dt) => (run!(cpu::pointwise::where_(x, xs[1], xs[2], *dt), cuda::kernels::where_(x, xs[1], xs[2], *dt)), x.shape().to_vec()),
-            Op::Cast(dt) => (run!(cpu::cast(x, *dt), cuda::kernels::cast(x, *dt)), x.shape().to_vec()),
-            Op::Reduce(r, dims, keepdim) => {
-                let out = r.out_dtype(x.dtype());
-                (run!(cpu::reduce::reduce(*r, x, dims, out), cuda::kernels::reduce(*r, x, dims, out)), reduce::reduced_shape(x.shape(), dims, *keepdim))
-            }
-            Op::Cat(dim) => {
-                let mut shape = x.shape().to_vec();
-                shape[*dim] = xs.iter().map(|t| t.shape()[*dim]).sum();
-                (run!(cpu::index::cat(xs, *dim, &shape, x.dtype()), cuda::kernels::cat(xs, *dim, &shape, x.dtype())), shape)
-            }
-            Op::Pad(pads, value) => {
-                let shape: Vec<usize> = x.shape().iter().zip(pads).map(|(d, p)| d + p.0 + p.1).collect();
-                (run!(cpu::index::pad(x, pads, *value, &shape), cuda::kernels::pad(x, pads, *value, &shape)), shape)
-            }
-            Op::IndexSelect(dim) => {
-                let mut shape = x.shape().to_vec();
-                shape[*dim] = xs[1].numel();
-                (run!(cpu::index::index_select(x, *dim, xs[1])?, cuda::kernels::index_select(x, *dim, xs[1])), shape)
-            }
-            Op::Gather(dim) => (run!(cpu::index::gather_dim(x, *dim, xs[1])?, cuda::kernels::gather_dim("gather", x, *dim, xs[1])), xs[1].shape().to_vec()),
-            Op::ScatterAdd(dim) => (run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])), x.shape().to_vec()),
-            Op::Matmul => {
-                let (a, b) = (x.shape(), xs[1].shape());
-                (run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())), vec![a[0], a[1], b[2]])
-            }
+        let storage = match self {
+            Op::Unary(u) => run!(cpu::pointwise::unary(*u, x, dtype), cuda::kernels::unary(*u, x, dtype)),
+            Op::Binary(b, c) => run!(cpu::pointwise::binary(*b, x, xs[1], *c), cuda::kernels::binary(*b, x, xs[1], *c)),
+            Op::Where(dt) => run!(cpu::pointwise::where_(x, xs[1], xs[2], *dt), cuda::kernels::where_(x, xs[1], xs[2], *dt)),
+            Op::Cast(dt) => run!(cpu::cast(x, *dt), cuda::kernels::cast(x, *dt)),
+            Op::Reduce(r, dims, _) => run!(cpu::reduce::reduce(*r, x, dims, dtype), cuda::kernels::reduce(*r, x, dims, dtype)),
+            Op::Cat(dim) => run!(cpu::index::cat(xs, *dim, &shape, x.dtype()), cuda::kernels::cat(xs, *dim, &shape, x.dtype())),
+            Op::Pad(pads, value) => run!(cpu::index::pad(x, pads, *value, &shape), cuda::kernels::pad(x, pads, *value, &shape)),
+            Op::IndexSelect(dim) => run!(cpu::index::index_select(x, *dim, xs[1])?, cuda::kernels::index_select(x, *dim, xs[1])),
+            Op::Gather(dim) => run!(cpu::index::gather_dim(x, *dim, xs[1])?, cuda::kernels::gather_dim("gather", x, *dim, xs[1])),
+            Op::ScatterAdd(dim) => run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])),
+            Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
         };
         Ok(Tensor::from_backend(storage, &shape))
@@ -282,6 +298,7 @@ impl Op {
 
 /// Runs a primitive op and records it for autograd.
 pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
-    let out = op.forward(inputs)?;
+    // Inside a function being compiled the op is recorded, not run.
+    let out = if crate::compile::trace::active() { crate::compile::trace::record(op.clone(), inputs)? } else { op.forward(inputs)? };
     crate::autograd::record(op, inputs, out)
 }

@@ -3,6 +3,7 @@
 use super::random::{philox, reserve, uniform_f32, uniform_f64};
 use super::Tensor;
 use crate::backend::check_device;
+use crate::compile::graph::RandomKind;
 use crate::backend::cuda::kernels as cuda;
 use crate::storage::BackendStorage;
 use crate::backend::cpu::{fill_new, with_dtype, CpuStorage, HostElem};
@@ -15,6 +16,9 @@ impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("full", *device)?;
         let n = checked_numel("full", shape, dtype)?;
+        if crate::compile::trace::active() {
+            return crate::compile::trace::full(shape, value, dtype, *device);
+        }
         if let Device::Cuda(d) = device {
             return Ok(Tensor::from_backend(BackendStorage::Cuda(cuda::full(*d, shape, value, dtype)?), shape));
         }
@@ -22,7 +26,7 @@ impl Tensor {
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("zeros", *device)?;
-        if device.is_cuda() {
+        if device.is_cuda() || crate::compile::trace::active() {
             return Tensor::full(shape, 0.0, dtype, device);
         }
         Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, checked_numel("zeros", shape, dtype)?), shape))
@@ -98,6 +102,9 @@ impl Tensor {
             DType::BF16 => 8,
             _ => 24,
         };
+        if crate::compile::trace::active() {
+            return crate::compile::trace::random(RandomKind::Uniform, shape, dtype, *device);
+        }
         if let Some(t) = on_cuda_random("rand", shape, dtype, device, cuda::Dist::Uniform { bits })? {
             return Ok(t);
         }
@@ -114,6 +121,9 @@ impl Tensor {
     /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
     pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("randn", dtype)?;
+        if crate::compile::trace::active() {
+            return crate::compile::trace::random(RandomKind::Normal, shape, dtype, *device);
+        }
         if let Some(t) = on_cuda_random("randn", shape, dtype, device, cuda::Dist::Normal)? {
             return Ok(t);
         }
@@ -132,6 +142,9 @@ impl Tensor {
         check_device("randint", *device)?;
         let n = checked_numel("randint", shape, DType::I64)?;
         let span = high.wrapping_sub(low) as u64;
+        if crate::compile::trace::active() {
+            return crate::compile::trace::random(RandomKind::Int { low, high }, shape, DType::I64, *device);
+        }
         if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, cuda::Dist::Int { low, span })? {
             return Ok(t);
         }

@@ -76,6 +76,7 @@ impl Tensor {
                 let dtype = c.dtype;
                 Tensor::from_parts(Arc::new(Storage::cuda(c)), Layout::contiguous(shape), dtype, false)
             }
+            BackendStorage::Traced(_) => unreachable!("backends return data"),
         }
     }
 
@@ -121,7 +122,9 @@ impl Tensor {
     }
 
     /// This tensor's values on the host (a copy when it lives on a GPU; synchronises).
+    #[track_caller]
     pub(crate) fn to_host(&self) -> Result<Tensor> {
+        crate::compile::trace::before_host_read(self, "a host read")?;
         match self.device() {
             Device::Cpu => Ok(self.clone()),
             Device::Cuda(_) => Ok(Tensor::from_cpu(crate::backend::cuda::kernels::download(self)?, self.shape())),
@@ -194,17 +197,21 @@ impl Tensor {
     }
 
     /// Copies the elements to the host as `T`, which must be the tensor's dtype. Synchronises.
+    #[track_caller]
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
         self.check_read::<T>("to_vec")?;
+        crate::compile::trace::before_host_read(self, "to_vec")?;
         Ok(cpu::to_vec_as::<T>(&self.to_host()?))
     }
 
     /// The single element of a one-element tensor. Synchronises.
+    #[track_caller]
     pub fn item<T: WithDType>(&self) -> Result<T> {
         self.check_read::<T>("item")?;
         if self.numel() != 1 {
             return Err(Error::shape("item", format!("a tensor with {} elements (shape {:?}) cannot be converted to a scalar", self.numel(), self.shape())));
         }
+        crate::compile::trace::before_host_read(self, "item")?;
         Ok(cpu::to_vec_as::<T>(&self.to_host()?)[0])
     }
 

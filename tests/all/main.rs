@@ -3,6 +3,7 @@
 
 mod autograd;
 mod common;
+mod compile;
 mod cuda;
 mod data;
 mod demo;

@@ -4,9 +4,9 @@ use super::{fill_new, to_vec_as, with_operand, CpuStorage, HostElem, Operand};
 use crate::ops::pointwise::{BinaryOp, MapBinary, MapUnary, UnaryOp};
 use crate::{DType, Tensor};
 
-struct Map1<'a, A> {
-    x: Operand<'a, A>,
-    n: usize,
+pub(crate) struct Map1<'a, A> {
+    pub(crate) x: Operand<'a, A>,
+    pub(crate) n: usize,
 }
 impl<A: Copy + Sync, B: Send + Sync + Copy> MapUnary<A, B> for Map1<'_, A> {
     fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B> {
@@ -22,10 +22,10 @@ impl<A: Copy + Sync, B: Send + Sync + Copy> MapUnary<A, B> for Map1<'_, A> {
     }
 }
 
-struct Map2<'a, A> {
-    a: Operand<'a, A>,
-    b: Operand<'a, A>,
-    n: usize,
+pub(crate) struct Map2<'a, A> {
+    pub(crate) a: Operand<'a, A>,
+    pub(crate) b: Operand<'a, A>,
+    pub(crate) n: usize,
 }
 impl<A: Copy + Sync, B: Send + Sync + Copy> MapBinary<A, B> for Map2<'_, A> {
     fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B> {

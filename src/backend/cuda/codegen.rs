@@ -155,52 +155,78 @@ pub(crate) const MAX_DIMS: usize = 8;
 /// Where parameters (`P(k)` in expressions) start in the argument block.
 pub(crate) const PARAM_BASE: usize = 56;
 
-/// A pointwise kernel: output element `i` is `expr` over inputs `v0..` (loaded as their
-/// compute types). Expressions may use `i` (the linear index) and `P(k)` (parameter word k).
+/// A pointwise kernel: at each linear index `i` the inputs `v0..` are loaded (as their compute
+/// types), `body` runs, and output `m` stores `outs[m]`'s expression. Expressions may use `i`
+/// and `P(k)` (parameter word k). An eager op is one output and no body; a fused kernel of the
+/// compiler has a body of `const` temporaries and as many outputs as values it stores.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct MapSpec {
     pub name: String,
     pub inputs: Vec<(DType, CType, Class)>,
-    pub out: (DType, Class),
-    pub result: CType,
-    pub expr: String,
+    /// Per output: its dtype, the type of its expression, the expression.
+    pub outs: Vec<(DType, CType, String)>,
+    /// Contig for fresh outputs; Strided only for a single output written in place.
+    pub out_class: Class,
+    pub body: String,
     pub ndim: usize,
     /// Elements per thread per step with vector loads (1 = none).
     pub vec: usize,
     pub idx64: bool,
 }
 
+/// Where a map kernel's arguments sit: `w[0]` the element count, then the outputs' and the
+/// inputs' addresses, then the sizes, then the strides of each strided operand.
+pub(crate) struct MapWords {
+    pub sizes: usize,
+    /// Per operand (outputs first): where its strides start, if it is strided.
+    pub strides: Vec<Option<usize>>,
+    pub end: usize,
+}
+
 impl MapSpec {
     pub(crate) fn kernel_name(&self) -> String {
         let cls = if self.vec > 1 { format!("v{}", self.vec) } else if self.ndim > 0 { format!("s{}", self.ndim) } else { "c".into() };
-        format!("{}_{}_{}", self.name, short(self.out.0), cls)
+        format!("{}_{}_{}", self.name, short(self.outs[0].0), cls)
     }
-}
-
-/// Argument words: 0 n, 1 out, 2.. inputs; 8.. sizes, then out strides, then each input's.
-pub(crate) fn size_word(d: usize) -> usize {
-    8 + d
-}
-pub(crate) fn stride_word(operand: usize, d: usize) -> usize {
-    // operand 0 is the output, 1.. the inputs
-    8 + (operand + 1) * MAX_DIMS + d
+    pub(crate) fn ptr_word(&self, operand: usize) -> usize {
+        1 + operand
+    }
+    pub(crate) fn words(&self) -> MapWords {
+        let o = self.outs.len();
+        let sizes = 1 + o + self.inputs.len();
+        let mut next = sizes + self.ndim;
+        let classes = std::iter::repeat_n(self.out_class, o).chain(self.inputs.iter().map(|x| x.2));
+        let strides = classes
+            .map(|c| {
+                (c == Class::Strided && self.ndim > 0).then(|| {
+                    next += self.ndim;
+                    next - self.ndim
+                })
+            })
+            .collect();
+        MapWords { sizes, strides, end: next }
+    }
 }
 
 pub(crate) fn gen_map(s: &MapSpec) -> String {
     let mut c = String::from(PRELUDE);
-    if ["kuniform", "knormal", "kbits64"].iter().any(|f| s.expr.contains(f)) {
+    let uses = |f: &str| s.body.contains(f) || s.outs.iter().any(|o| o.2.contains(f));
+    if ["kuniform", "knormal", "kbits64"].iter().any(|f| uses(f)) {
         c.push_str(RANDOM);
     }
+    let words = s.words();
     let idx = if s.idx64 { "long long" } else { "int" };
     let name = s.kernel_name();
-    let ot = storage_type(s.out.0);
-    let strided_out = s.out.1 == Class::Strided;
-    let strided = strided_out || s.inputs.iter().any(|x| x.2 == Class::Strided);
-    // Operands read (or written) through memory per element, not as a broadcast scalar.
+    let nout = s.outs.len();
+    let strided_out = s.out_class == Class::Strided;
+    let strided = words.strides.iter().any(|w| w.is_some());
+    // Operands read per element, not as a broadcast scalar.
     let walks = |cls: Class| cls != Class::Scalar;
     let _ = writeln!(c, "typedef {idx} IDX;\n#define P(k) (a.w[{PARAM_BASE} + (k)])");
     if s.vec > 1 {
-        let _ = writeln!(c, "struct __align__({}) VO {{ {ot} v[{}]; }};", s.vec * s.out.0.size_in_bytes(), s.vec);
+        for (m, (d, _, _)) in s.outs.iter().enumerate() {
+            let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
+        }
         for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
             if walks(*cls) {
                 let _ = writeln!(c, "struct __align__({}) VI{k} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
@@ -208,12 +234,15 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         }
     }
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__(256) {name}(const KArgs a) {{");
-    let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];\n  {ot}* __restrict__ out = ({ot}*)a.w[1];");
+    let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];");
+    for (m, (d, _, _)) in s.outs.iter().enumerate() {
+        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", s.ptr_word(m), t = storage_type(*d));
+    }
     for (k, (d, _, _)) in s.inputs.iter().enumerate() {
-        let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", 2 + k, t = storage_type(*d));
+        let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", s.ptr_word(nout + k), t = storage_type(*d));
     }
     let _ = writeln!(c, "  const IDX tid = (IDX)blockIdx.x * blockDim.x + threadIdx.x, step = (IDX)gridDim.x * blockDim.x;");
-    // Storage offsets o0 (output), o1.. (inputs) of linear index `i`, for strided operands.
+    // Storage offsets o0 (the strided output), o1.. (inputs) of linear index `i`.
     let offsets = |c: &mut String, i: &str| {
         if !strided {
             return;
@@ -223,13 +252,13 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "    IDX o{} = 0;", k + 1);
         }
         for d in (0..s.ndim).rev() {
-            let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{}]; const IDX q = rem % sz; rem /= sz;", size_word(d));
-            if strided_out {
-                let _ = writeln!(c, "      o0 += q * (IDX)a.w[{}];", stride_word(0, d));
+            let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{}]; const IDX q = rem % sz; rem /= sz;", words.sizes + d);
+            if let Some(w) = words.strides[0].filter(|_| strided_out) {
+                let _ = writeln!(c, "      o0 += q * (IDX)a.w[{}];", w + d);
             }
-            for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
-                if *cls == Class::Strided {
-                    let _ = writeln!(c, "      o{} += q * (IDX)a.w[{}];", k + 1, stride_word(k + 1, d));
+            for k in 0..s.inputs.len() {
+                if let Some(w) = words.strides[nout + k] {
+                    let _ = writeln!(c, "      o{} += q * (IDX)a.w[{}];", k + 1, w + d);
                 }
             }
             let _ = writeln!(c, "    }}");
@@ -245,8 +274,9 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         for (k, (d, t, _)) in s.inputs.iter().enumerate() {
             let _ = writeln!(c, "    const {} v{k} = {};", t.name(), load(*d, *t, &elem(k)));
         }
+        c.push_str(&s.body);
     };
-    let result = store(s.out.0, s.result, &s.expr);
+    let results: Vec<String> = s.outs.iter().map(|(d, t, e)| store(*d, *t, e)).collect();
     if s.vec > 1 {
         // Strided operands qualify only with unit inner stride and vector-aligned runs (checked
         // at launch), so one offset computation serves a whole vector.
@@ -257,16 +287,29 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
                 let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + {});", at(k, "base"));
             }
         }
-        let _ = writeln!(c, "    VO r;\n    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
+        for m in 0..nout {
+            let _ = writeln!(c, "    VO{m} r{m};");
+        }
+        let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
         body(&mut c, &|k| if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
-        let _ = writeln!(c, "    r.v[j] = {result};\n    }}\n    *(VO*)(out + {}) = r;\n  }}\n  const IDX start = nv * {};", out_at("base"), s.vec);
+        for (m, r) in results.iter().enumerate() {
+            let _ = writeln!(c, "    r{m}.v[j] = {r};");
+        }
+        let _ = writeln!(c, "    }}");
+        for m in 0..nout {
+            let _ = writeln!(c, "    *(VO{m}*)(out{m} + {}) = r{m};", out_at("base"));
+        }
+        let _ = writeln!(c, "  }}\n  const IDX start = nv * {};", s.vec);
     } else {
         let _ = writeln!(c, "  const IDX start = 0;");
     }
     let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
     offsets(&mut c, "i");
     body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
-    let _ = writeln!(c, "    out[{}] = {result};\n  }}\n}}", out_at("i"));
+    for (m, r) in results.iter().enumerate() {
+        let _ = writeln!(c, "    out{m}[{}] = {r};", out_at("i"));
+    }
+    let _ = writeln!(c, "  }}\n}}");
     c
 }
 

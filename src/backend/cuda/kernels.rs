@@ -26,6 +26,7 @@ pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
     match &*g {
         BackendStorage::Cuda(s) => Ok(s.ptr() + (t.layout().offset * t.dtype().size_in_bytes()) as u64),
         BackendStorage::Cpu(_) => unreachable!("CUDA kernel on a CPU tensor"),
+        BackendStorage::Traced(_) => unreachable!("kernels never see symbolic tensors: ops on them are recorded"),
     }
 }
 
@@ -78,26 +79,25 @@ fn classify(shape: &[usize], strides: &[usize]) -> Class {
     }
 }
 
-/// Runs `expr` elementwise over `inputs` (each already of the iteration `shape`) into `out`,
-/// a buffer of `out_dtype` laid out by `out_layout` (contiguous when it is a fresh result).
-#[allow(clippy::too_many_arguments)]
-fn map_into(
-    dev: &Arc<CudaDevice>,
-    name: &str,
-    inputs: &[(&Tensor, CType)],
-    out_ptr: u64,
-    out_dtype: DType,
-    out_layout: &Layout,
-    result: CType,
-    expr: String,
-    params: &[u64],
-) -> Result<()> {
+/// One output of a map kernel: where it goes and what it stores.
+pub(crate) struct MapOut {
+    pub ptr: u64,
+    pub dtype: DType,
+    pub result: CType,
+    pub expr: String,
+}
+
+/// Runs a map kernel over `inputs` (each already of the iteration shape `out_layout.shape`):
+/// `body` then each output's expression, per element. Outputs are laid out by `out_layout`
+/// (contiguous unless a single output is written in place).
+pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], outs: Vec<MapOut>, out_layout: &Layout, body: String, params: &[u64]) -> Result<()> {
     let shape = out_layout.shape.clone();
     let n = numel(&shape);
     if n == 0 {
         return Ok(());
     }
-    let mut ops: Vec<Operand> = vec![Operand { ptr: out_ptr, dtype: out_dtype, strides: out_layout.strides.clone() }];
+    let nout = outs.len();
+    let mut ops: Vec<Operand> = outs.iter().map(|o| Operand { ptr: o.ptr, dtype: o.dtype, strides: out_layout.strides.clone() }).collect();
     for (t, _) in inputs {
         ops.push(Operand { ptr: data_ptr(t)?, dtype: t.dtype(), strides: t.strides().to_vec() });
     }
@@ -105,13 +105,12 @@ fn map_into(
     let cshape = coalesce(&shape, &mut strides);
     let classes: Vec<Class> = strides.iter().map(|s| classify(&cshape, s)).collect();
     let out_class = if classes[0] == Class::Contig { Class::Contig } else { Class::Strided };
-    let strided = out_class == Class::Strided || classes[1..].iter().any(|&c| c == Class::Strided);
+    let strided = out_class == Class::Strided || classes[nout..].iter().any(|&c| c == Class::Strided);
     if strided && cshape.len() > MAX_DIMS {
         return Err(Error::arg("cuda kernel", format!("{} dims after merging; at most {MAX_DIMS} are supported", cshape.len())));
     }
     let max_off = strides.iter().map(|s| s.iter().zip(&cshape).map(|(st, d)| st * (d - 1)).sum::<usize>()).max().unwrap_or(0);
     let idx64 = n >= i32::MAX as usize || max_off >= i32::MAX as usize;
-    // Vector loads when every operand is contiguous (or a scalar) and aligned.
     // Vector loads when every operand that is walked is aligned and, if strided, has unit inner
     // stride with runs that are whole vectors (a broadcast bias row, a transposed block).
     let vec = {
@@ -128,24 +127,32 @@ fn map_into(
     };
     let spec = MapSpec {
         name: name.to_string(),
-        inputs: inputs.iter().zip(&classes[1..]).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
-        out: (out_dtype, out_class),
-        result,
-        expr,
+        inputs: inputs.iter().zip(&classes[nout..]).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
+        outs: outs.into_iter().map(|o| (o.dtype, o.result, o.expr)).collect(),
+        out_class,
+        body,
         ndim: if strided { cshape.len() } else { 0 },
         vec,
         idx64,
     };
+    let words = spec.words();
+    if words.end > PARAM_BASE {
+        return Err(Error::arg("cuda kernel", format!("{name}: {} operands over {} dims need more argument words than a launch holds", ops.len(), cshape.len())));
+    }
     let mut a = KArgs::default();
     a.w[0] = n as u64;
     for (k, o) in ops.iter().enumerate() {
-        a.w[1 + k] = o.ptr;
+        a.w[spec.ptr_word(k)] = o.ptr;
     }
     if strided {
         for (d, &sz) in cshape.iter().enumerate() {
-            a.w[codegen::size_word(d)] = sz as u64;
-            for (k, s) in strides.iter().enumerate() {
-                a.w[codegen::stride_word(k, d)] = s[d] as u64;
+            a.w[words.sizes + d] = sz as u64;
+        }
+        for (k, s) in strides.iter().enumerate() {
+            if let Some(w) = words.strides[k] {
+                for (d, &st) in s.iter().enumerate() {
+                    a.w[w + d] = st as u64;
+                }
             }
         }
     }
@@ -156,6 +163,12 @@ fn map_into(
     let key = KernelKey::Map(spec.clone());
     let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
     dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a)
+}
+
+/// One eager op's map kernel: `expr` into the buffer at `out_ptr`, laid out by `out_layout`.
+#[allow(clippy::too_many_arguments)]
+fn map_into(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], out_ptr: u64, out_dtype: DType, out_layout: &Layout, result: CType, expr: String, params: &[u64]) -> Result<()> {
+    map_launch(dev, name, inputs, vec![MapOut { ptr: out_ptr, dtype: out_dtype, result, expr }], out_layout, String::new(), params)
 }
 
 /// `map_into` a fresh contiguous buffer.

@@ -5,6 +5,7 @@
 pub(crate) mod alloc;
 mod blas;
 pub(crate) mod codegen;
+pub(crate) mod fused;
 pub(crate) mod kernels;
 mod nvrtc;
 
@@ -197,6 +198,7 @@ impl CudaDevice {
             return Ok(*k);
         }
         let (name, src) = gen();
+        LOADS.with(|c| c.set(c.get() + 1));
         if crate::log_enabled("kernels") {
             eprintln!("[kiln kernels] {name} ({}):\n{src}", self.arch);
         }
@@ -331,6 +333,13 @@ pub fn empty_cache(device: &Device) -> Result<()> {
 
 thread_local! {
     static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static LOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Kernels this thread needed that were not yet in the device's in-memory cache (generated,
+/// then compiled or read from the disk cache). Per thread, like `launch_count`.
+pub fn kernels_loaded() -> u64 {
+    LOADS.with(|c| c.get())
 }
 
 /// Kernels this thread has launched so far, on any device (eager ops and compiled code alike);

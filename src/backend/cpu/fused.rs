@@ -1,0 +1,314 @@
+//! The compiler's fused kernels on the CPU: a kernel's ops run over a chunk of elements (or one
+//! row) at a time, so intermediates live in small buffers that stay in cache instead of
+//! full-size tensors. Scalar semantics come from the op definitions, as in the eager loops.
+
+use super::pointwise::{Map1, Map2};
+use super::{with_storage, CpuStorage, Operand};
+use crate::backend::cuda::codegen::CType;
+use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
+use crate::dtype::Elem;
+use crate::ops::ReduceOp;
+use crate::storage::BackendStorage;
+use crate::{DType, Result, Tensor};
+use rayon::prelude::*;
+
+/// Elements per chunk of a flat kernel: a few buffers of this size fit in L1/L2.
+const CHUNK: usize = 4096;
+
+/// A value over a chunk; one element stands for the whole chunk (a constant, a row value).
+#[derive(Clone)]
+enum Val {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    Bool(Vec<bool>),
+}
+
+macro_rules! with_val {
+    ($v:expr, $x:ident => $body:expr) => {
+        match $v {
+            Val::F32($x) => $body,
+            Val::F64($x) => $body,
+            Val::I64($x) => $body,
+            Val::Bool($x) => $body,
+        }
+    };
+}
+
+impl Val {
+    fn from_vec<C: Elem>(v: Vec<C>, t: CType) -> Val {
+        match t {
+            CType::F32 => Val::F32(v.into_iter().map(|x| x.cast()).collect()),
+            CType::F64 => Val::F64(v.into_iter().map(|x| x.cast()).collect()),
+            CType::I64 => Val::I64(v.into_iter().map(|x| x.cast()).collect()),
+            CType::Bool => Val::Bool(v.into_iter().map(|x| x.cast()).collect()),
+        }
+    }
+    fn ctype(&self) -> CType {
+        match self {
+            Val::F32(_) => CType::F32,
+            Val::F64(_) => CType::F64,
+            Val::I64(_) => CType::I64,
+            Val::Bool(_) => CType::Bool,
+        }
+    }
+    fn to(&self, t: CType) -> Val {
+        if self.ctype() == t {
+            return self.clone();
+        }
+        with_val!(self, v => Val::from_vec(v.clone(), t))
+    }
+    fn as_vec<C: Elem>(&self) -> Vec<C> {
+        with_val!(self, v => v.iter().map(|x| x.cast()).collect())
+    }
+}
+
+fn operand<C: Copy>(v: &[C], n: usize) -> Operand<'_, C> {
+    if v.len() == 1 && n != 1 {
+        Operand::Scalar(v[0])
+    } else {
+        Operand::Slice(v)
+    }
+}
+
+/// Runs a fused kernel on the host; returns its outputs (flat, or [rows, cols] / [rows]).
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    let (blocks, block_len, rows_per_block, cols) = match k.space {
+        Space::Flat { numel } => (numel.div_ceil(CHUNK), CHUNK, 0, numel),
+        Space::Rows { rows, cols } => {
+            let per = (CHUNK * 4 / cols).max(1);
+            (rows.div_ceil(per), 0, per, cols)
+        }
+    };
+    let total_rows = if let Space::Rows { rows, .. } = k.space { rows } else { 0 };
+    // Each block computes its part of every output; parts are joined in order.
+    let parts: Vec<Vec<Val>> = (0..blocks)
+        .into_par_iter()
+        .map(|b| match k.space {
+            Space::Flat { numel } => {
+                let start = b * block_len;
+                eval_chunk(k, inputs, start, (start + block_len).min(numel), 0)
+            }
+            Space::Rows { .. } => {
+                let lo = b * rows_per_block;
+                let hi = (lo + rows_per_block).min(total_rows);
+                let mut acc: Option<Vec<Val>> = None;
+                for r in lo..hi {
+                    let vals = eval_chunk(k, inputs, r * cols, r * cols + cols, r);
+                    acc = Some(match acc {
+                        None => vals,
+                        Some(mut a) => {
+                            for (x, y) in a.iter_mut().zip(vals) {
+                                append(x, y);
+                            }
+                            a
+                        }
+                    });
+                }
+                acc.unwrap_or_default()
+            }
+        })
+        .collect();
+    let mut outs = vec![];
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        let op = &k.ops[*o];
+        let mut whole: Option<Val> = None;
+        for p in &parts {
+            match &mut whole {
+                None => whole = Some(p[m].clone()),
+                Some(w) => append(w, p[m].clone()),
+            }
+        }
+        let whole = whole.unwrap_or(Val::from_vec::<f32>(vec![], CType::of(op.dtype)));
+        let n = match k.space {
+            Space::Flat { numel } => numel,
+            Space::Rows { rows, cols } => if op.row { rows } else { rows * cols },
+        };
+        let storage = with_val!(whole, v => {
+            // A constant output of one element stands for all of them.
+            let v = if v.len() == 1 && n != 1 { vec![v[0]; n] } else { v };
+            CpuStorage::from_vec_as(v, op.dtype)
+        });
+        let s: Vec<usize> = match k.space {
+            Space::Flat { .. } => shape.to_vec(),
+            Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
+        };
+        outs.push(Tensor::from_cpu(storage, &s));
+    }
+    Ok(outs)
+}
+
+fn append(a: &mut Val, b: Val) {
+    match (a, b) {
+        (Val::F32(x), Val::F32(y)) => x.extend(y),
+        (Val::F64(x), Val::F64(y)) => x.extend(y),
+        (Val::I64(x), Val::I64(y)) => x.extend(y),
+        (Val::Bool(x), Val::Bool(y)) => x.extend(y),
+        _ => unreachable!("an output keeps its type"),
+    }
+}
+
+/// Elements `start..end` of every op (row `row` of a row kernel); returns the stored ones.
+fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row: usize) -> Vec<Val> {
+    let n = end - start;
+    let ins: Vec<Val> = k
+        .inputs
+        .iter()
+        .zip(inputs)
+        .map(|(inp, t)| if inp.row { load(t, row, row + 1, CType::of(inp.dtype)) } else { load(t, start, end, CType::of(inp.dtype)) })
+        .collect();
+    let mut vals: Vec<Val> = Vec::with_capacity(k.ops.len());
+    for op in &k.ops {
+        let args: Vec<&Val> = op.args.iter().map(|a| match a {
+            KArg::In(j) => &ins[*j],
+            KArg::Op(j) => &vals[*j],
+        }).collect();
+        let len = if op.row { 1 } else { n };
+        let v = eval(op, &args, len);
+        vals.push(v);
+    }
+    // A full output whose value is one element (a broadcast row value, a constant) is spread.
+    k.outputs
+        .iter()
+        .map(|(o, _)| {
+            let v = &vals[*o];
+            let len = with_val!(v, x => x.len());
+            if !k.ops[*o].row && len == 1 && n > 1 {
+                with_val!(v, x => Val::from_vec(vec![x[0]; n], v.ctype()))
+            } else {
+                v.clone()
+            }
+        })
+        .collect()
+}
+
+/// Elements `start..end` (row-major in its own shape) of `t`, as `ctype`.
+fn load(t: &Tensor, start: usize, end: usize, ctype: CType) -> Val {
+    let g = t.storage().data.read_recursive();
+    let BackendStorage::Cpu(s) = &*g else { unreachable!("CPU kernel on a device tensor") };
+    let layout = t.layout();
+    fn go<T: Elem, C: Elem>(src: &[T], layout: &crate::layout::Layout, start: usize, end: usize) -> Vec<C> {
+        let mut out = Vec::with_capacity(end - start);
+        layout.for_each_run(start, end, |_, off, stride, len| {
+            if stride == 1 {
+                out.extend(src[off..off + len].iter().map(|x| x.cast::<C>()));
+            } else {
+                out.extend((0..len).map(|i| src[off + i * stride].cast::<C>()));
+            }
+        });
+        out
+    }
+    if t.numel() == 1 {
+        return with_storage!(s, v => Val::from_vec(vec![v[layout.offset]], ctype));
+    }
+    match ctype {
+        CType::F32 => Val::F32(with_storage!(s, v => go(v, layout, start, end))),
+        CType::F64 => Val::F64(with_storage!(s, v => go(v, layout, start, end))),
+        CType::I64 => Val::I64(with_storage!(s, v => go(v, layout, start, end))),
+        CType::Bool => Val::Bool(with_storage!(s, v => go(v, layout, start, end))),
+    }
+}
+
+fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
+    let out = CType::of(op.dtype);
+    let v = match &op.kind {
+        KKind::Unary(u) => {
+            let t = op.unary_type();
+            let a = args[0].to(t);
+            match a {
+                Val::F32(x) => Val::F32(u.real(Map1 { x: operand(&x, n), n })),
+                Val::F64(x) => Val::F64(u.real(Map1 { x: operand(&x, n), n })),
+                Val::I64(x) => Val::I64(u.int(Map1 { x: operand(&x, n), n })),
+                Val::Bool(x) => Val::Bool(u.logical(Map1 { x: operand(&x, n), n })),
+            }
+        }
+        KKind::Binary(b, _) => {
+            let (t, _) = op.binary_types();
+            let (x, y) = (args[0].to(t), args[1].to(t));
+            macro_rules! m2 {
+                ($x:expr, $y:expr) => {
+                    Map2 { a: operand($x, n), b: operand($y, n), n }
+                };
+            }
+            match (x, y) {
+                (Val::Bool(x), Val::Bool(y)) if b.is_logical() => Val::Bool(b.logical(m2!(&x, &y))),
+                (Val::Bool(x), Val::Bool(y)) => Val::Bool(b.compare(m2!(&x, &y))),
+                (Val::F32(x), Val::F32(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
+                (Val::F64(x), Val::F64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
+                (Val::I64(x), Val::I64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
+                (Val::F32(x), Val::F32(y)) => Val::F32(b.real(m2!(&x, &y))),
+                (Val::F64(x), Val::F64(y)) => Val::F64(b.real(m2!(&x, &y))),
+                (Val::I64(x), Val::I64(y)) => Val::I64(b.int(m2!(&x, &y))),
+                _ => unreachable!("operands converted to one type"),
+            }
+        }
+        KKind::Where => {
+            let c = args[0].as_vec::<bool>();
+            let (a, b) = (args[1].to(out), args[2].to(out));
+            let pick = |i: usize, len: usize| if len == 1 { 0 } else { i };
+            with_val!(a, x => {
+                let y: Vec<_> = b.as_vec();
+                let v: Vec<_> = (0..n).map(|i| if c[pick(i, c.len())] { x[pick(i, x.len())] } else { y[pick(i, y.len())] }).collect();
+                Val::from_vec(v, out)
+            })
+        }
+        // Rounds to the dtype, as a stored value would be.
+        KKind::Cast => {
+            let d = op.dtype;
+            with_val!(args[0], x => {
+                let r: Vec<f64> = match d {
+                    DType::F16 => x.iter().map(|v| v.cast::<half::f16>().to_f64()).collect(),
+                    DType::BF16 => x.iter().map(|v| v.cast::<half::bf16>().to_f64()).collect(),
+                    DType::I32 => return Val::from_vec(x.iter().map(|v| v.cast::<i32>()).collect(), out),
+                    DType::U8 => return Val::from_vec(x.iter().map(|v| v.cast::<u8>()).collect(), out),
+                    DType::Bool => return Val::from_vec(x.iter().map(|v| v.cast::<bool>()).collect(), out),
+                    DType::F32 => return Val::from_vec(x.iter().map(|v| v.cast::<f32>()).collect(), out),
+                    DType::I64 => return Val::from_vec(x.iter().map(|v| v.cast::<i64>()).collect(), out),
+                    DType::F64 => return Val::from_vec(x.iter().map(|v| v.cast::<f64>()).collect(), out),
+                };
+                Val::from_vec(r, out)
+            })
+        }
+        KKind::Const(c) => Val::from_vec(vec![*c], out),
+        KKind::Same | KKind::Broadcast => args[0].clone(),
+        KKind::Reduce(r) => reduce(*r, &args[0].to(out)),
+    };
+    v.to(out)
+}
+
+fn reduce(r: ReduceOp, v: &Val) -> Val {
+    fn fold<T: Elem + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(r: ReduceOp, x: &[T], zero: T, one: T) -> T {
+        let better = |a: T, b: T, max: bool| {
+            // NaN wins, as in PyTorch's max/min.
+            #[allow(clippy::eq_op)]
+            let nan = |v: T| v != v;
+            if nan(a) { a } else if nan(b) { b } else if (max && b > a) || (!max && b < a) { b } else { a }
+        };
+        match r {
+            ReduceOp::Sum => x.iter().fold(zero, |a, &b| a + b),
+            ReduceOp::Prod => x.iter().fold(one, |a, &b| a * b),
+            ReduceOp::Max => x.iter().copied().reduce(|a, b| better(a, b, true)).unwrap_or(zero),
+            ReduceOp::Min => x.iter().copied().reduce(|a, b| better(a, b, false)).unwrap_or(zero),
+            _ => unreachable!("arg reductions are not fused"),
+        }
+    }
+    match v {
+        // f32 sums and products accumulate in f64, as the eager reductions do.
+        Val::F32(x) if matches!(r, ReduceOp::Sum | ReduceOp::Prod) => {
+            let w: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            Val::F32(vec![fold(r, &w, 0.0, 1.0) as f32])
+        }
+        Val::F32(x) => Val::F32(vec![fold(r, x, 0.0, 1.0)]),
+        Val::F64(x) => Val::F64(vec![fold(r, x, 0.0, 1.0)]),
+        Val::I64(x) => Val::I64(vec![match r {
+            ReduceOp::Sum => x.iter().fold(0i64, |a, &b| a.wrapping_add(b)),
+            ReduceOp::Prod => x.iter().fold(1i64, |a, &b| a.wrapping_mul(b)),
+            ReduceOp::Max => x.iter().copied().max().unwrap_or(0),
+            _ => x.iter().copied().min().unwrap_or(0),
+        }]),
+        Val::Bool(x) => Val::Bool(vec![match r {
+            ReduceOp::Max => x.iter().any(|&b| b),
+            _ => x.iter().all(|&b| b),
+        }]),
+    }
+}

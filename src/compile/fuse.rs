@@ -1,0 +1,405 @@
+//! Fusion: schedules a graph into steps. Pointwise nodes (with the reshapes between them) that
+//! produce values of one element count fuse into one kernel; a reduction over trailing dims
+//! fuses with the pointwise work before it (its prologue), after it (its epilogue, on the
+//! reduced rows) and with the broadcasts of its result back over the rows, so softmax and
+//! layer_norm are one kernel each. Everything else (matmul, gather, cat, other reductions,
+//! views of stored values) is a step of its own, run by the eager backend.
+//!
+//! Values in a fused kernel are indexed linearly: a pointwise value at element i, a row value
+//! at row i / cols. That is why reshapes cost nothing inside a kernel.
+
+use super::graph::{Graph, NodeId, NodeOp};
+use crate::ops::{BinaryOp, Op, ReduceOp, UnaryOp};
+use crate::backend::cuda::codegen::CType;
+use crate::{DType, Device};
+use std::fmt::Write;
+
+/// Longest row a fused row kernel keeps in registers (the eager row kernels' limit).
+pub(crate) const MAX_ROW: usize = 16384;
+
+/// How a fused kernel walks its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Space {
+    /// Every value has `numel` elements.
+    Flat { numel: usize },
+    /// Full values have rows × cols elements, row values one per row.
+    Rows { rows: usize, cols: usize },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum KArg {
+    In(usize),
+    Op(usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum KKind {
+    Unary(UnaryOp),
+    Binary(BinaryOp, DType),
+    Where,
+    Cast,
+    Const(f64),
+    Reduce(ReduceOp),
+    /// A row value seen by every element of its row.
+    Broadcast,
+    /// A reshape: the same elements in the same linear order.
+    Same,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct KOp {
+    pub kind: KKind,
+    pub args: Vec<KArg>,
+    pub dtype: DType,
+    /// One value per row (in a `Rows` kernel).
+    pub row: bool,
+}
+
+impl KOp {
+    /// The type a unary op computes in (as the eager kernels do).
+    pub(crate) fn unary_type(&self) -> CType {
+        match self.kind {
+            KKind::Unary(UnaryOp::LogicalNot) => CType::Bool,
+            _ => CType::of(self.dtype),
+        }
+    }
+    /// (operand type, result type) of a binary op, as the eager kernels compute it.
+    pub(crate) fn binary_types(&self) -> (CType, CType) {
+        let KKind::Binary(b, compute) = self.kind else { unreachable!("not a binary op") };
+        let t = if b.is_logical() {
+            CType::Bool
+        } else if !b.is_comparison() && compute == DType::Bool {
+            CType::I64 // arithmetic on bools runs in integers
+        } else {
+            CType::of(compute)
+        };
+        (t, if b.is_comparison() || b.is_logical() { CType::Bool } else { t })
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct KInput {
+    pub node: NodeId,
+    pub dtype: DType,
+    pub row: bool,
+}
+
+/// One generated kernel: its inputs (stored values), ops in order, and which ops it stores.
+#[derive(Clone, Debug)]
+pub(crate) struct FusedKernel {
+    pub name: String,
+    pub device: Device,
+    pub space: Space,
+    /// The iteration shape of a flat kernel (its last op's shape).
+    pub shape: Vec<usize>,
+    pub inputs: Vec<KInput>,
+    pub ops: Vec<KOp>,
+    /// (op index, graph node it produces)
+    pub outputs: Vec<(usize, NodeId)>,
+}
+
+impl FusedKernel {
+    /// A text form of what it computes (for `KILN_LOG=fusion` and as a cache key).
+    pub(crate) fn describe(&self) -> String {
+        let mut s = format!("{} {:?}:", self.name, self.space);
+        for (k, i) in self.inputs.iter().enumerate() {
+            let _ = write!(s, " in{k}=%{}{}", i.node, if i.row { "(row)" } else { "" });
+        }
+        for (k, o) in self.ops.iter().enumerate() {
+            let _ = write!(s, " | t{k}={:?}{:?}:{:?}{}", o.kind, o.args, o.dtype, if o.row { "(row)" } else { "" });
+        }
+        for (o, n) in &self.outputs {
+            let _ = write!(s, " | %{n}<-t{o}");
+        }
+        s
+    }
+}
+
+/// One step of a compiled program.
+#[derive(Clone, Debug)]
+pub(crate) enum Step {
+    /// A node run by the eager backend (or an input, which needs nothing).
+    Node(NodeId),
+    Kernel(usize),
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Schedule {
+    pub steps: Vec<Step>,
+    pub kernels: Vec<FusedKernel>,
+}
+
+/// What a node can be inside a fused kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Pointwise,
+    Reshape,
+    /// A reduction over trailing dims: (rows, cols).
+    Reduce(usize, usize),
+    /// An expand of a row value over trailing dims: (rows, cols).
+    Expand(usize, usize),
+    Other,
+}
+
+fn kind_of(g: &Graph, i: NodeId) -> Kind {
+    let n = &g.nodes[i];
+    if n.numel() == 0 {
+        return Kind::Other;
+    }
+    match &n.op {
+        NodeOp::Full(_) => Kind::Pointwise,
+        NodeOp::Prim(Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_)) => Kind::Pointwise,
+        NodeOp::Prim(Op::Reshape(_)) => Kind::Reshape,
+        NodeOp::Prim(Op::Reduce(r, dims, _)) if matches!(r, ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min) => {
+            let x = &g.nodes[n.args[0]].shape;
+            let first = x.len() - dims.len();
+            let trailing = dims.iter().enumerate().all(|(k, &d)| d == first + k);
+            let cols: usize = x[first..].iter().product();
+            let rows: usize = x[..first].iter().product();
+            if trailing && cols > 1 && cols <= MAX_ROW && rows > 0 {
+                Kind::Reduce(rows, cols)
+            } else {
+                Kind::Other
+            }
+        }
+        // A broadcast one-element value (a scalar constant) is the same value everywhere.
+        NodeOp::Prim(Op::Expand(_)) if g.nodes[n.args[0]].numel() == 1 => Kind::Pointwise,
+        NodeOp::Prim(Op::Expand(shape)) => {
+            let x = &g.nodes[n.args[0]].shape;
+            // Only dims after the first expanded one may change, and those must all be 1 before.
+            let Some(first) = (0..shape.len()).find(|&d| shape[d] != x[d]) else { return Kind::Other };
+            let tail_ones = x[first..].iter().all(|&d| d == 1);
+            let rows: usize = shape[..first].iter().product();
+            let cols: usize = shape[first..].iter().product();
+            if tail_ones && cols > 1 && cols <= MAX_ROW {
+                Kind::Expand(rows, cols)
+            } else {
+                Kind::Other
+            }
+        }
+        _ => Kind::Other,
+    }
+}
+
+/// A group being formed: its members and the space they share.
+#[derive(Clone)]
+struct Group {
+    members: Vec<NodeId>,
+    /// Element count of its values, for a group without reductions.
+    numel: usize,
+    rows: Option<(usize, usize)>,
+}
+
+impl Group {
+    /// Whether a value of `numel` elements fits in this group's space.
+    fn fits(&self, numel: usize) -> bool {
+        match self.rows {
+            Some((r, c)) => numel == r * c || numel == r,
+            None => numel == self.numel,
+        }
+    }
+    fn merge_space(a: &Group, b: &Group) -> Option<(usize, Option<(usize, usize)>)> {
+        // One-element values (constants) are the same for every element of any group.
+        if a.rows.is_none() && a.numel == 1 {
+            return Some((b.numel, b.rows));
+        }
+        if b.rows.is_none() && b.numel == 1 {
+            return Some((a.numel, a.rows));
+        }
+        match (a.rows, b.rows) {
+            (Some(x), Some(y)) => (x == y).then_some((a.numel, Some(x))),
+            (Some(x), None) => a.fits(b.numel).then_some((a.numel, Some(x))),
+            (None, Some(y)) => b.fits(a.numel).then_some((b.numel, Some(y))),
+            (None, None) => (a.numel == b.numel).then_some((a.numel, None)),
+        }
+    }
+}
+
+/// Groups fusable nodes and orders the steps.
+pub(crate) fn schedule(g: &Graph) -> Schedule {
+    let n = g.nodes.len();
+    let kinds: Vec<Kind> = (0..n).map(|i| kind_of(g, i)).collect();
+    let mut group_of: Vec<Option<usize>> = vec![None; n];
+    let mut groups: Vec<Option<Group>> = vec![];
+    for i in 0..n {
+        let node = &g.nodes[i];
+        let (numel, rows) = match kinds[i] {
+            Kind::Other => continue,
+            Kind::Reduce(r, c) => (r * c, Some((r, c))),
+            Kind::Expand(r, c) => (r * c, Some((r, c))),
+            Kind::Pointwise | Kind::Reshape => (node.numel(), None),
+        };
+        // A reduction's group holds its input's values; an expand's holds its output's.
+        groups.push(Some(Group { members: vec![i], numel, rows }));
+        let mine = groups.len() - 1;
+        group_of[i] = Some(mine);
+        for &a in &node.args {
+            let Some(ga) = group_of[a] else { continue };
+            let gi = group_of[i].expect("just set");
+            if ga == gi || g.nodes[a].device != node.device {
+                continue;
+            }
+            // The producer's value must be one this node reads elementwise.
+            let ok_edge = match kinds[i] {
+                Kind::Pointwise | Kind::Reshape => true,
+                Kind::Reduce(r, c) => g.nodes[a].numel() == r * c,
+                Kind::Expand(r, _) => g.nodes[a].numel() == r,
+                Kind::Other => false,
+            };
+            if !ok_edge {
+                continue;
+            }
+            let (a_grp, i_grp) = (groups[ga].as_ref().expect("live"), groups[gi].as_ref().expect("live"));
+            let Some((numel, rows)) = Group::merge_space(a_grp, i_grp) else { continue };
+            let mut members: Vec<NodeId> = a_grp.members.iter().chain(&i_grp.members).copied().collect();
+            members.sort_unstable();
+            if creates_cycle(g, &members) {
+                continue;
+            }
+            for &m in &members {
+                group_of[m] = Some(ga);
+            }
+            groups[ga] = Some(Group { members, numel, rows });
+            groups[gi] = None;
+        }
+    }
+    // Steps in topological order (a fused group is one unit; no outside node both feeds and
+    // reads a group), preferring the original node order.
+    let mut sched = Schedule::default();
+    let users = g.users();
+    let mut unit_of = vec![0usize; n];
+    let mut units: Vec<Vec<NodeId>> = vec![];
+    let mut unit_of_group: std::collections::HashMap<usize, usize> = Default::default();
+    for i in 0..n {
+        match group_of[i] {
+            None => {
+                units.push(vec![i]);
+                unit_of[i] = units.len() - 1;
+            }
+            Some(gi) => {
+                let u = *unit_of_group.entry(gi).or_insert_with(|| {
+                    units.push(vec![]);
+                    units.len() - 1
+                });
+                units[u].push(i);
+                unit_of[i] = u;
+            }
+        }
+    }
+    let mut indeg = vec![0usize; units.len()];
+    let mut readers: Vec<Vec<usize>> = vec![vec![]; units.len()];
+    for (u, members) in units.iter().enumerate() {
+        let mut deps: Vec<usize> = members.iter().flat_map(|&m| g.nodes[m].args.iter().map(|&a| unit_of[a])).filter(|&d| d != u).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        indeg[u] = deps.len();
+        for d in deps {
+            readers[d].push(u);
+        }
+    }
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(NodeId, usize)>> =
+        (0..units.len()).filter(|&u| indeg[u] == 0).map(|u| std::cmp::Reverse((units[u][0], u))).collect();
+    let mut counter = 0;
+    while let Some(std::cmp::Reverse((_, u))) = ready.pop() {
+        for &r in &readers[u] {
+            indeg[r] -= 1;
+            if indeg[r] == 0 {
+                ready.push(std::cmp::Reverse((units[r][0], r)));
+            }
+        }
+        let first = units[u][0];
+        match group_of[first] {
+            None => sched.steps.push(Step::Node(first)),
+            Some(gi) => {
+                let grp = groups[gi].as_ref().expect("live");
+                // A lone reshape is a view.
+                if grp.members.len() == 1 && kinds[first] == Kind::Reshape {
+                    sched.steps.push(Step::Node(first));
+                    continue;
+                }
+                let k = build_kernel(g, grp, &group_of, &users, counter);
+                counter += 1;
+                sched.kernels.push(k);
+                sched.steps.push(Step::Kernel(sched.kernels.len() - 1));
+            }
+        }
+    }
+    debug_assert_eq!(sched.steps.len(), units.len(), "the step graph has no cycle");
+    sched
+}
+
+/// Whether some node outside `members` both reads from and feeds the group (it could then run
+/// neither before nor after the fused kernel).
+fn creates_cycle(g: &Graph, members: &[NodeId]) -> bool {
+    let lo = members[0];
+    let hi = *members.last().expect("non-empty");
+    let inside = |x: NodeId| members.binary_search(&x).is_ok();
+    // Outside nodes between lo and hi that depend on the group.
+    let mut tainted = vec![false; hi + 1 - lo];
+    for u in lo..=hi {
+        if inside(u) {
+            continue;
+        }
+        tainted[u - lo] = g.nodes[u].args.iter().any(|&a| a >= lo && (inside(a) || tainted[a - lo]));
+    }
+    members.iter().any(|&m| g.nodes[m].args.iter().any(|&a| a >= lo && !inside(a) && tainted[a - lo]))
+}
+
+fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usize], counter: usize) -> FusedKernel {
+    let me = group_of[grp.members[0]];
+    let space = match grp.rows {
+        Some((rows, cols)) => Space::Rows { rows, cols },
+        None => Space::Flat { numel: grp.numel },
+    };
+    let is_row = |numel: usize| matches!(space, Space::Rows { rows, cols } if numel == rows && numel != rows * cols);
+    let mut inputs: Vec<KInput> = vec![];
+    let mut ops: Vec<KOp> = vec![];
+    let mut val: std::collections::HashMap<NodeId, KArg> = Default::default();
+    let mut names: Vec<String> = vec![];
+    for &m in &grp.members {
+        let node = &g.nodes[m];
+        let mut args = vec![];
+        for &a in &node.args {
+            let arg = match val.get(&a) {
+                Some(v) => *v,
+                None => {
+                    let row = is_row(g.nodes[a].numel());
+                    inputs.push(KInput { node: a, dtype: g.nodes[a].dtype, row });
+                    let v = KArg::In(inputs.len() - 1);
+                    val.insert(a, v);
+                    v
+                }
+            };
+            args.push(arg);
+        }
+        let kind = match &node.op {
+            NodeOp::Full(v) => KKind::Const(*v),
+            NodeOp::Prim(Op::Unary(u)) => KKind::Unary(*u),
+            NodeOp::Prim(Op::Binary(b, c)) => KKind::Binary(*b, *c),
+            NodeOp::Prim(Op::Where(_)) => KKind::Where,
+            NodeOp::Prim(Op::Cast(_)) => KKind::Cast,
+            NodeOp::Prim(Op::Reshape(_)) => KKind::Same,
+            NodeOp::Prim(Op::Reduce(r, ..)) => KKind::Reduce(*r),
+            NodeOp::Prim(Op::Expand(_)) => KKind::Broadcast,
+            other => unreachable!("{other:?} is not fusable"),
+        };
+        if !matches!(kind, KKind::Same | KKind::Broadcast | KKind::Const(_)) || grp.members.len() == 1 {
+            names.push(node.name());
+        }
+        ops.push(KOp { kind, args, dtype: node.dtype, row: is_row(node.numel()) });
+        val.insert(m, KArg::Op(ops.len() - 1));
+    }
+    // Stored: values read outside the group, outputs and write-backs.
+    let mut outputs = vec![];
+    for (k, &m) in grp.members.iter().enumerate() {
+        let read_outside = users[m] > g.nodes.iter().enumerate().filter(|(j, _)| group_of[*j] == me).map(|(_, n)| n.args.iter().filter(|&&a| a == m).count()).sum::<usize>();
+        if read_outside {
+            outputs.push((k, m));
+        }
+    }
+    names.dedup();
+    names.truncate(6);
+    let name = format!("fused_{}_{counter}", names.join("_"));
+    let shape = g.nodes[*grp.members.last().expect("non-empty")].shape.clone();
+    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs }
+}

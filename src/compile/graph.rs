@@ -1,0 +1,192 @@
+//! The graph IR: a list of nodes in topological order, each a primitive op (or an input, a
+//! constant fill, a random draw) with the shape, dtype and device of its value. It prints as
+//! text, exports to Graphviz, and runs op by op (`eager_runner`).
+
+use crate::ops::Op;
+use crate::{DType, Device, Result, Tensor};
+use std::fmt;
+use std::sync::Arc;
+
+pub type NodeId = usize;
+
+/// What a node computes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NodeOp {
+    /// Argument `k` of the compiled function.
+    Arg(usize),
+    /// Tensor `k` the function captured (a parameter, a constant made outside).
+    Captured(usize),
+    Prim(Op),
+    /// Every element `value` (`Tensor::full` inside the function).
+    Full(f64),
+    /// A fresh draw from the global generator on every call.
+    Random(RandomKind),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RandomKind {
+    Uniform,
+    Normal,
+    Int { low: i64, high: i64 },
+}
+
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub op: NodeOp,
+    pub args: Vec<NodeId>,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub device: Device,
+}
+
+impl Node {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// The name kernels and printouts use for the op.
+    pub fn name(&self) -> String {
+        match &self.op {
+            NodeOp::Arg(k) => format!("arg{k}"),
+            NodeOp::Captured(k) => format!("captured{k}"),
+            NodeOp::Prim(op) => op.name().to_string(),
+            NodeOp::Full(_) => "full".into(),
+            NodeOp::Random(RandomKind::Uniform) => "rand".into(),
+            NodeOp::Random(RandomKind::Normal) => "randn".into(),
+            NodeOp::Random(RandomKind::Int { .. }) => "randint".into(),
+        }
+    }
+    /// Static arguments, as printed after the name.
+    fn params(&self) -> String {
+        match &self.op {
+            NodeOp::Prim(op) => match op {
+                Op::Binary(_, c) => format!("[{}]", dtype_name(*c)),
+                Op::Where(d) | Op::Cast(d) => format!("[{}]", dtype_name(*d)),
+                Op::Reduce(_, dims, keep) => format!("[dims={dims:?}{}]", if *keep { ", keepdim" } else { "" }),
+                Op::Reshape(s) | Op::Expand(s) | Op::Permute(s) => format!("{s:?}"),
+                Op::Slice { dim, start, len, step } => format!("[dim={dim}, start={start}, len={len}, step={step}]"),
+                Op::Cat(d) | Op::IndexSelect(d) | Op::Gather(d) | Op::ScatterAdd(d) => format!("[dim={d}]"),
+                Op::Pad(p, v) => format!("[{p:?}, value={v}]"),
+                Op::ToDevice { to, .. } => format!("[{to}]"),
+                Op::Unary(_) | Op::Matmul => String::new(),
+            },
+            NodeOp::Full(v) => format!("[{v}]"),
+            NodeOp::Random(RandomKind::Int { low, high }) => format!("[{low}, {high})"),
+            _ => String::new(),
+        }
+    }
+    pub fn is_pointwise(&self) -> bool {
+        matches!(&self.op, NodeOp::Prim(Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_)) | NodeOp::Full(_))
+    }
+}
+
+pub(crate) fn dtype_name(d: DType) -> &'static str {
+    d.torch_name()
+}
+
+/// A traced function: nodes in topological order, its outputs, and the in-place writes it made
+/// to captured tensors (captured index, node holding the new value).
+#[derive(Clone, Debug, Default)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    pub outputs: Vec<NodeId>,
+    pub mutations: Vec<(usize, NodeId)>,
+    pub n_args: usize,
+    pub n_captured: usize,
+}
+
+impl Graph {
+    pub(crate) fn push(&mut self, op: NodeOp, args: Vec<NodeId>, shape: Vec<usize>, dtype: DType, device: Device) -> NodeId {
+        match op {
+            NodeOp::Arg(_) => self.n_args += 1,
+            NodeOp::Captured(_) => self.n_captured += 1,
+            _ => {}
+        }
+        self.nodes.push(Node { op, args, shape, dtype, device });
+        self.nodes.len() - 1
+    }
+
+    /// How many nodes read each node (outputs and write-backs count as readers).
+    pub fn users(&self) -> Vec<usize> {
+        let mut u = vec![0; self.nodes.len()];
+        for n in &self.nodes {
+            for &a in &n.args {
+                u[a] += 1;
+            }
+        }
+        for &o in self.outputs.iter().chain(self.mutations.iter().map(|(_, n)| n)) {
+            u[o] += 1;
+        }
+        u
+    }
+
+    /// Nodes that are graph inputs, in calling order: arguments, then captured tensors.
+    pub fn input_nodes(&self) -> Vec<NodeId> {
+        let mut args = vec![None; self.n_args];
+        let mut caps = vec![None; self.n_captured];
+        for (i, n) in self.nodes.iter().enumerate() {
+            match n.op {
+                NodeOp::Arg(k) => args[k] = Some(i),
+                NodeOp::Captured(k) => caps[k] = Some(i),
+                _ => {}
+            }
+        }
+        args.into_iter().chain(caps).map(|x| x.expect("every input has a node")).collect()
+    }
+
+    /// Graphviz source: one box per node, edges from producers to consumers.
+    pub fn to_dot(&self) -> String {
+        let mut s = String::from("digraph kiln {\n  node [shape=box, fontname=monospace];\n");
+        for (i, n) in self.nodes.iter().enumerate() {
+            let style = match n.op {
+                NodeOp::Arg(_) | NodeOp::Captured(_) => ", style=filled, fillcolor=lightblue",
+                _ if self.outputs.contains(&i) => ", style=filled, fillcolor=lightgreen",
+                _ => "",
+            };
+            s += &format!("  n{i} [label=\"%{i} = {}{}\\n{}{:?}\"{style}];\n", n.name(), n.params().replace('"', "'"), dtype_name(n.dtype), n.shape);
+            for &a in &n.args {
+                s += &format!("  n{a} -> n{i};\n");
+            }
+        }
+        s + "}\n"
+    }
+
+    /// Runs the graph op by op through the eager ops (with autograd), as `Backend::Eager` does.
+    pub fn eager_runner(&self) -> Runner {
+        let g = self.clone();
+        Runner::new(move |inputs: &[Tensor]| crate::compile::runtime::run_eager(&g, inputs))
+    }
+}
+
+impl fmt::Display for Graph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inputs = self.input_nodes();
+        let sig: Vec<String> = inputs.iter().map(|&i| format!("%{i}: {}{:?}", dtype_name(self.nodes[i].dtype), self.nodes[i].shape)).collect();
+        writeln!(f, "graph({}) {{", sig.join(", "))?;
+        for (i, n) in self.nodes.iter().enumerate() {
+            if inputs.contains(&i) {
+                continue;
+            }
+            let args: Vec<String> = n.args.iter().map(|a| format!("%{a}")).collect();
+            writeln!(f, "  %{i}: {}{:?} = {}{}({})", dtype_name(n.dtype), n.shape, n.name(), n.params(), args.join(", "))?;
+        }
+        for (k, n) in &self.mutations {
+            writeln!(f, "  captured{k} <- %{n}")?;
+        }
+        let outs: Vec<String> = self.outputs.iter().map(|o| format!("%{o}")).collect();
+        writeln!(f, "  return ({})\n}}", outs.join(", "))
+    }
+}
+
+/// Runs a compiled graph on real inputs (arguments, then captured tensors) and returns its
+/// outputs. A custom backend returns one of these.
+#[derive(Clone)]
+pub struct Runner(pub(crate) Arc<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>);
+
+impl Runner {
+    pub fn new(f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static) -> Runner {
+        Runner(Arc::new(f))
+    }
+    pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        (self.0)(inputs)
+    }
+}

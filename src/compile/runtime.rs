@@ -1,0 +1,154 @@
+//! Running graphs: the eager runner (op by op, with autograd), and programs — a schedule of
+//! fused kernels and eager steps whose values are dropped after their last use, so the caching
+//! allocator hands their memory to the next step (the memory plan).
+
+use super::fuse::{self, Schedule, Step};
+use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
+use crate::layout::Layout;
+use crate::{Result, Tensor};
+
+fn input_of(g: &Graph, n: &Node, inputs: &[Tensor]) -> Option<Tensor> {
+    match n.op {
+        NodeOp::Arg(k) => Some(inputs[k].clone()),
+        NodeOp::Captured(k) => Some(inputs[g.n_args + k].clone()),
+        _ => None,
+    }
+}
+
+fn random(kind: RandomKind, n: &Node) -> Result<Tensor> {
+    match kind {
+        RandomKind::Uniform => Tensor::rand(&n.shape, n.dtype, &n.device),
+        RandomKind::Normal => Tensor::randn(&n.shape, n.dtype, &n.device),
+        RandomKind::Int { low, high } => Tensor::randint(low, high, &n.shape, &n.device),
+    }
+}
+
+/// Writes the new values of captured tensors written in place into them.
+fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
+    for (k, v) in &g.mutations {
+        let value = env[*v].as_ref().expect("computed");
+        crate::no_grad(|| inputs[g.n_args + k].copy_(value))?;
+    }
+    Ok(())
+}
+
+/// Runs `g` op by op through the eager ops, recording autograd as eager code would.
+pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    let _off = super::trace::Suspend::new();
+    let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        let t = match &n.op {
+            NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
+            NodeOp::Prim(op) => {
+                let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
+                crate::ops::apply(op.clone(), &args)?
+            }
+            NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+            NodeOp::Random(kind) => random(*kind, n)?,
+        };
+        env[i] = Some(t);
+    }
+    write_back(g, inputs, &env)?;
+    Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
+}
+
+/// A graph scheduled into fused kernels and eager steps.
+pub(crate) struct Program {
+    pub graph: Graph,
+    pub schedule: Schedule,
+    /// Per step, the values no later step reads.
+    frees: Vec<Vec<NodeId>>,
+}
+
+impl Program {
+    pub(crate) fn new(graph: Graph) -> Program {
+        let schedule = fuse::schedule(&graph);
+        super::log("fusion", || {
+            let mut s = format!("{} kernels, {} steps", schedule.kernels.len(), schedule.steps.len());
+            for k in &schedule.kernels {
+                s += &format!("\n  {}", k.describe());
+            }
+            s
+        });
+        let frees = plan(&graph, &schedule);
+        Program { graph, schedule, frees }
+    }
+
+    /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute).
+    pub(crate) fn kernel_count(&self) -> usize {
+        self.schedule.steps.iter().filter(|s| match s {
+            Step::Kernel(_) => true,
+            Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
+                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_)),
+        }).count()
+    }
+
+    pub(crate) fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let _off = super::trace::Suspend::new();
+        crate::no_grad(|| self.run_steps(inputs))
+    }
+
+    fn run_steps(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let g = &self.graph;
+        let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+        for (s, step) in self.schedule.steps.iter().enumerate() {
+            match step {
+                Step::Node(i) => {
+                    let n = &g.nodes[*i];
+                    env[*i] = Some(match &n.op {
+                        NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
+                        NodeOp::Prim(op) => {
+                            let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
+                            op.forward(&args)?
+                        }
+                        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+                        NodeOp::Random(kind) => random(*kind, n)?,
+                    });
+                }
+                Step::Kernel(k) => {
+                    let kern = &self.schedule.kernels[*k];
+                    let ins: Vec<Tensor> = kern.inputs.iter().map(|i| env[i.node].clone().expect("computed before use")).collect();
+                    let outs = if kern.device.is_cuda() {
+                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins)?
+                    } else {
+                        crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
+                    };
+                    for ((_, node), t) in kern.outputs.iter().zip(outs) {
+                        let shape = &g.nodes[*node].shape;
+                        env[*node] = Some(if t.shape() == shape.as_slice() { t } else { t.view_as_layout(Layout::contiguous(shape)) });
+                    }
+                }
+            }
+            for f in &self.frees[s] {
+                env[*f] = None;
+            }
+        }
+        write_back(g, inputs, &env)?;
+        Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
+    }
+}
+
+/// The memory plan: after which step each value is dead (outputs and written-back values live
+/// to the end).
+fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
+    let mut last = vec![None; g.nodes.len()];
+    for (k, step) in s.steps.iter().enumerate() {
+        let reads: Vec<NodeId> = match step {
+            Step::Node(i) => g.nodes[*i].args.clone(),
+            Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
+        };
+        for r in reads {
+            last[r] = Some(k);
+        }
+    }
+    for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, n)| n)) {
+        last[o] = None;
+    }
+    let mut frees = vec![vec![]; s.steps.len()];
+    for (v, l) in last.iter().enumerate() {
+        if let Some(k) = l {
+            frees[*k].push(v);
+        }
+    }
+    frees
+}

@@ -1,0 +1,123 @@
+//! Simplification: algebraic identities (x*1, x+0, x-0, x/1, a cast to the same dtype), constant
+//! folding of arithmetic on constants, common subexpressions, and dead code. Each rewrite maps
+//! a node to an equivalent earlier one; the graph is then rebuilt without what no output needs.
+
+use super::graph::{Graph, NodeId, NodeOp};
+use crate::ops::{BinaryOp, Op};
+use std::collections::HashMap;
+
+pub(crate) fn simplify(g: &Graph) -> Graph {
+    let n = g.nodes.len();
+    let outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i)).collect();
+    let mut repl: Vec<NodeId> = (0..n).collect();
+    let mut ops: Vec<NodeOp> = g.nodes.iter().map(|x| x.op.clone()).collect();
+    let mut args: Vec<Vec<NodeId>> = g.nodes.iter().map(|x| x.args.clone()).collect();
+    let mut seen: HashMap<String, NodeId> = HashMap::new();
+    for i in 0..n {
+        for a in args[i].iter_mut() {
+            *a = repl[*a];
+        }
+        let node = &g.nodes[i];
+        // A constant, possibly broadcast or reshaped: its value.
+        let konst = |j: NodeId| -> Option<f64> {
+            let mut j = j;
+            loop {
+                match &ops[j] {
+                    NodeOp::Full(v) => return Some(*v),
+                    NodeOp::Prim(Op::Expand(_) | Op::Reshape(_)) => j = args[j][0],
+                    _ => return None,
+                }
+            }
+        };
+        if let NodeOp::Prim(op) = &ops[i] {
+            let same = |j: NodeId| g.nodes[j].shape == node.shape && g.nodes[j].dtype == node.dtype;
+            let identity = match op {
+                Op::Binary(b, c) if *c == node.dtype => {
+                    let (x, y) = (args[i][0], args[i][1]);
+                    match b {
+                        BinaryOp::Mul if konst(y) == Some(1.0) && same(x) => Some(x),
+                        BinaryOp::Mul if konst(x) == Some(1.0) && same(y) => Some(y),
+                        BinaryOp::Add if konst(y) == Some(0.0) && same(x) => Some(x),
+                        BinaryOp::Add if konst(x) == Some(0.0) && same(y) => Some(y),
+                        BinaryOp::Sub if konst(y) == Some(0.0) && same(x) => Some(x),
+                        BinaryOp::Div if konst(y) == Some(1.0) && same(x) => Some(x),
+                        _ => None,
+                    }
+                }
+                // A same-dtype cast is a copy: needless inside a graph, but an output must not
+                // alias an input.
+                Op::Cast(d) if *d == g.nodes[args[i][0]].dtype && !outputs[i] => Some(args[i][0]),
+                _ => None,
+            };
+            if let Some(j) = identity.filter(|&j| !outputs[i] || !matches!(ops[j], NodeOp::Arg(_) | NodeOp::Captured(_))) {
+                repl[i] = j;
+                continue;
+            }
+            // Arithmetic on two constants of float dtype folds into one constant.
+            if let Op::Binary(b, c) = op {
+                if c.is_float() && node.dtype.is_float() {
+                    if let (Some(x), Some(y)) = (konst(args[i][0]), konst(args[i][1])) {
+                        let v = match b {
+                            BinaryOp::Add => Some(x + y),
+                            BinaryOp::Sub => Some(x - y),
+                            BinaryOp::Mul => Some(x * y),
+                            BinaryOp::Div => Some(x / y),
+                            _ => None,
+                        };
+                        if let Some(v) = v {
+                            // Rounded to the dtype as a stored constant would be.
+                            ops[i] = NodeOp::Full(round_to(v, node.dtype));
+                            args[i].clear();
+                        }
+                    }
+                }
+            }
+        }
+        // Common subexpressions: the same op on the same arguments (random draws differ).
+        if !matches!(ops[i], NodeOp::Random(_) | NodeOp::Arg(_) | NodeOp::Captured(_)) {
+            let key = format!("{:?}|{:?}|{:?}|{:?}|{:?}", ops[i], args[i], node.shape, node.dtype, node.device);
+            match seen.get(&key) {
+                Some(&j) => {
+                    repl[i] = j;
+                    continue;
+                }
+                None => {
+                    seen.insert(key, i);
+                }
+            }
+        }
+    }
+    // Dead code: keep what outputs and write-backs need, and every input.
+    let mut live = vec![false; n];
+    let mut stack: Vec<NodeId> = g.outputs.iter().chain(g.mutations.iter().map(|m| &m.1)).map(|&o| repl[o]).collect();
+    while let Some(v) = stack.pop() {
+        if !live[v] {
+            live[v] = true;
+            stack.extend(args[v].iter().copied());
+        }
+    }
+    let mut out = Graph::default();
+    let mut map: Vec<Option<NodeId>> = vec![None; n];
+    for i in 0..n {
+        let is_input = matches!(ops[i], NodeOp::Arg(_) | NodeOp::Captured(_));
+        if repl[i] != i || !(live[i] || is_input) {
+            continue;
+        }
+        let nd = &g.nodes[i];
+        let a = args[i].iter().map(|x| map[*x].expect("arguments come first")).collect();
+        map[i] = Some(out.push(ops[i].clone(), a, nd.shape.clone(), nd.dtype, nd.device));
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[repl[o]].expect("live")).collect();
+    out.mutations = g.mutations.iter().map(|&(k, v)| (k, map[repl[v]].expect("live"))).collect();
+    out
+}
+
+fn round_to(v: f64, d: crate::DType) -> f64 {
+    use crate::DType::*;
+    match d {
+        F32 => v as f32 as f64,
+        F16 => half::f16::from_f64(v).to_f64(),
+        BF16 => half::bf16::from_f64(v).to_f64(),
+        _ => v,
+    }
+}

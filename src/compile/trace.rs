@@ -1,0 +1,316 @@
+//! Tracing. While a compiled function runs under a tracer, every op on this thread records a
+//! node instead of launching a kernel, and the tensors it returns are symbolic: a storage with
+//! no data, bound to the node. Tensors from outside (parameters) are captured as graph inputs
+//! by identity; in-place writes are recorded as new values (and, for captured tensors, written
+//! back after the call). A host read of a symbolic tensor is a graph break: the graph so far is
+//! compiled and run, its live values get real storage, and tracing goes on.
+
+use super::graph::{Graph, NodeId, NodeOp, RandomKind};
+use crate::layout::Layout;
+use crate::ops::Op;
+use crate::storage::{BackendStorage, Storage};
+use crate::{DType, Device, Error, Result, Tensor};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+
+/// Which trace and which node a symbolic storage stands for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TraceRef {
+    pub trace: u64,
+    pub node: NodeId,
+}
+
+/// Compiles and runs a finished part of a trace at a graph break: (graph, its real inputs) →
+/// the values of its outputs.
+pub(crate) type BreakRunner = Arc<dyn Fn(&Graph, &[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>;
+
+thread_local! {
+    static ACTIVE: Cell<bool> = const { Cell::new(false) };
+    static TRACER: RefCell<Option<Tracer>> = const { RefCell::new(None) };
+}
+
+static NEXT_TRACE: AtomicU64 = AtomicU64::new(1);
+
+/// Whether ops on this thread are being recorded.
+pub(crate) fn active() -> bool {
+    ACTIVE.with(|a| a.get())
+}
+
+pub(crate) struct Tracer {
+    id: u64,
+    graph: Graph,
+    /// Real tensors the graph reads: arguments first, then captured ones.
+    inputs: Vec<Tensor>,
+    /// Captured tensors by identity.
+    captured: HashMap<u64, NodeId>,
+    /// Captured tensors written in place: identity → (tensor, node of its current value).
+    written: HashMap<u64, (Tensor, NodeId)>,
+    /// Every symbolic storage made, to find the live ones at a break.
+    symbolic: Vec<Weak<Storage>>,
+    fullgraph: bool,
+    on_break: BreakRunner,
+    /// Reasons of the breaks taken, with their call sites.
+    pub breaks: Vec<String>,
+}
+
+/// The result of a finished trace.
+pub(crate) struct Traced {
+    pub graph: Graph,
+    /// Real inputs of `graph`: the arguments, then the captured tensors.
+    pub inputs: Vec<Tensor>,
+    pub breaks: Vec<String>,
+}
+
+/// Runs `f` on symbolic stand-ins for `args` and returns the graph of what it computed.
+/// `on_break` runs the finished part of the graph at a host read (unless `fullgraph`).
+pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: &mut dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<(Traced, Vec<Tensor>)> {
+    if active() {
+        return Err(Error::Compile("a compiled function was called while another one is being traced on this thread; nested compile is not supported".into()));
+    }
+    let mut tr = Tracer {
+        id: NEXT_TRACE.fetch_add(1, Ordering::Relaxed),
+        graph: Graph::default(),
+        inputs: vec![],
+        captured: HashMap::new(),
+        written: HashMap::new(),
+        symbolic: vec![],
+        fullgraph,
+        on_break,
+        breaks: vec![],
+    };
+    let sym: Vec<Tensor> = args
+        .iter()
+        .enumerate()
+        .map(|(k, a)| {
+            let id = tr.graph.push(NodeOp::Arg(k), vec![], a.shape().to_vec(), a.dtype(), a.device());
+            tr.inputs.push(a.clone());
+            let s = tr.symbolic_tensor(id, false);
+            if a.is_requires_grad() {
+                let _ = s.set_requires_grad(true);
+            }
+            s
+        })
+        .collect();
+    TRACER.with(|t| *t.borrow_mut() = Some(tr));
+    ACTIVE.with(|a| a.set(true));
+    let out = f(&sym);
+    ACTIVE.with(|a| a.set(false));
+    let mut tr = TRACER.with(|t| t.borrow_mut().take()).expect("the tracer is installed");
+    drop(sym);
+    let outs = out?;
+    let mut ids = Vec::with_capacity(outs.len());
+    for o in &outs {
+        ids.push(tr.value_of(o)?);
+    }
+    tr.graph.outputs = ids;
+    tr.finish_writes();
+    Ok((Traced { graph: tr.graph, inputs: tr.inputs, breaks: tr.breaks }, outs))
+}
+
+/// Runs `f` with the tracer of this thread.
+fn with<R>(f: impl FnOnce(&mut Tracer) -> Result<R>) -> Result<R> {
+    TRACER.with(|t| {
+        let mut t = t.borrow_mut();
+        let tr = t.as_mut().ok_or_else(|| Error::Compile("no function is being traced on this thread".into()))?;
+        f(tr)
+    })
+}
+
+/// Records a primitive op on (symbolic or captured) inputs; returns its symbolic result.
+pub(crate) fn record(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
+    let device = inputs[0].device();
+    if !matches!(op, Op::ToDevice { .. }) {
+        if let Some(x) = inputs.iter().find(|x| x.device() != device) {
+            return Err(Error::DeviceMismatch { op: op.name(), a: device, b: x.device() });
+        }
+    }
+    let metas: Vec<(&[usize], DType)> = inputs.iter().map(|t| (t.shape(), t.dtype())).collect();
+    let (shape, dtype) = op.out_meta(&metas)?;
+    let out_device = if let Op::ToDevice { to, .. } = op { to } else { device };
+    let is_view = matches!(op, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. });
+    with(|tr| {
+        let args = inputs.iter().map(|t| tr.value_of(t)).collect::<Result<Vec<_>>>()?;
+        let id = tr.graph.push(NodeOp::Prim(op), args, shape, dtype, out_device);
+        Ok(tr.symbolic_tensor(id, is_view))
+    })
+}
+
+/// `Tensor::full` inside a traced function.
+pub(crate) fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+    with(|tr| {
+        let id = tr.graph.push(NodeOp::Full(value), vec![], shape.to_vec(), dtype, device);
+        Ok(tr.symbolic_tensor(id, false))
+    })
+}
+
+/// A random draw inside a traced function: a new draw on every call of the compiled function.
+pub(crate) fn random(kind: RandomKind, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    with(|tr| {
+        let id = tr.graph.push(NodeOp::Random(kind), vec![], shape.to_vec(), dtype, device);
+        Ok(tr.symbolic_tensor(id, false))
+    })
+}
+
+/// An in-place write of `value` (already of `dst`'s shape and dtype) into `dst`, functionalised:
+/// a symbolic `dst` is rebound to the new value; a captured one is written back after the call.
+pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
+    with(|tr| {
+        let v = tr.value_of(value)?;
+        match dst.storage().traced_ref() {
+            Some(r) if r.trace == tr.id => {
+                if dst.is_view() {
+                    return Err(Error::Compile(format!(
+                        "an in-place write into a view (shape {:?}) inside a compiled function is not supported; write into the base tensor",
+                        dst.shape()
+                    )));
+                }
+                // Every tensor sharing the storage sees the new value.
+                *dst.storage().data.write() = BackendStorage::Traced(TraceRef { trace: tr.id, node: v });
+                Ok(())
+            }
+            Some(_) => Err(escaped()),
+            None => {
+                tr.value_of(dst)?; // captures it, checking aliasing
+                tr.written.insert(dst.id(), (dst.clone(), v));
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Called before a host read of `t`: a symbolic tensor is an error under `fullgraph`, else a
+/// graph break that gives it (and every other live symbolic tensor) real values.
+#[track_caller]
+pub(crate) fn before_host_read(t: &Tensor, what: &str) -> Result<()> {
+    let Some(r) = t.storage().traced_ref() else { return Ok(()) };
+    let loc = std::panic::Location::caller();
+    let (id, fullgraph) = TRACER.with(|tr| tr.borrow().as_ref().map(|tr| (tr.id, tr.fullgraph))).unwrap_or((0, false));
+    if id != r.trace {
+        return Err(escaped());
+    }
+    if fullgraph {
+        return Err(Error::Compile(format!(
+            "{what} at {}:{}:{} reads the value of a tensor inside a function compiled with fullgraph(true); \
+             remove the read or compile without fullgraph (the read becomes a graph break)",
+            loc.file(),
+            loc.line(),
+            loc.column()
+        )));
+    }
+    let reason = format!("{what} at {}:{}:{}", loc.file(), loc.line(), loc.column());
+    crate::compile::log("breaks", || format!("graph break: {reason}"));
+    graph_break(reason)
+}
+
+fn escaped() -> Error {
+    Error::Compile("a tensor made inside a compiled function was used outside the call that made it; return it from the function instead".into())
+}
+
+/// Runs the graph so far and swaps real data into every symbolic storage still alive.
+fn graph_break(reason: String) -> Result<()> {
+    let (mut graph, inputs, live, id, runner) = with(|tr| {
+        tr.breaks.push(reason);
+        let mut live: Vec<(NodeId, Arc<Storage>)> = vec![];
+        for w in &tr.symbolic {
+            if let Some(s) = w.upgrade() {
+                if let Some(r) = s.traced_ref() {
+                    live.push((r.node, s));
+                }
+            }
+        }
+        tr.finish_writes();
+        let graph = std::mem::take(&mut tr.graph);
+        let inputs = std::mem::take(&mut tr.inputs);
+        tr.captured.clear();
+        tr.written.clear();
+        tr.symbolic.clear();
+        Ok((graph, inputs, live, tr.id, tr.on_break.clone()))
+    })?;
+    graph.outputs = live.iter().map(|l| l.0).collect();
+    ACTIVE.with(|a| a.set(false));
+    let values = runner(&graph, &inputs);
+    ACTIVE.with(|a| a.set(true));
+    let values = values?;
+    for ((_, storage), v) in live.iter().zip(values) {
+        // Each live storage takes a private contiguous copy of its value.
+        let own = crate::no_grad(|| {
+            let _s = Suspend::new();
+            v.copy_contiguous()
+        })?;
+        let data = std::mem::replace(&mut *own.storage().data.write(), BackendStorage::Traced(TraceRef { trace: id, node: 0 }));
+        *storage.data.write() = data;
+    }
+    Ok(())
+}
+
+/// Turns tracing off for its lifetime (the runtime runs real ops inside a trace at a break).
+pub(crate) struct Suspend(bool);
+impl Suspend {
+    pub(crate) fn new() -> Suspend {
+        Suspend(ACTIVE.with(|a| a.replace(false)))
+    }
+}
+impl Drop for Suspend {
+    fn drop(&mut self) {
+        ACTIVE.with(|a| a.set(self.0));
+    }
+}
+
+impl Tracer {
+    fn symbolic_tensor(&mut self, node: NodeId, is_view: bool) -> Tensor {
+        let n = &self.graph.nodes[node];
+        let st = Arc::new(Storage::traced(n.device, TraceRef { trace: self.id, node }));
+        self.symbolic.push(Arc::downgrade(&st));
+        Tensor::from_parts(st, Layout::contiguous(&n.shape), n.dtype, is_view)
+    }
+
+    /// The node holding `t`'s value: its own node when symbolic, else it is captured.
+    fn value_of(&mut self, t: &Tensor) -> Result<NodeId> {
+        if let Some(r) = t.storage().traced_ref() {
+            if r.trace != self.id {
+                return Err(escaped());
+            }
+            return Ok(r.node);
+        }
+        if let Some((_, n)) = self.written.get(&t.id()) {
+            return Ok(*n);
+        }
+        if let Some(&n) = self.captured.get(&t.id()) {
+            return Ok(n);
+        }
+        // Another view of a storage written in place would miss the write.
+        if let Some((w, _)) = self.written.values().find(|(w, _)| w.shares_storage_with(t)) {
+            return Err(Error::Compile(format!(
+                "a compiled function reads a view (shape {:?}) of a captured tensor (shape {:?}) it also writes in place; \
+                 use the written tensor itself",
+                t.shape(),
+                w.shape()
+            )));
+        }
+        let k = self.graph.n_captured;
+        let id = self.graph.push(NodeOp::Captured(k), vec![], t.shape().to_vec(), t.dtype(), t.device());
+        self.inputs.push(t.clone());
+        self.captured.insert(t.id(), id);
+        Ok(id)
+    }
+
+    /// Moves the in-place writes to captured tensors into the graph's write-back list.
+    fn finish_writes(&mut self) {
+        let mut writes: Vec<(usize, NodeId)> = self
+            .written
+            .values()
+            .map(|(t, v)| {
+                let input = self.captured[&t.id()];
+                let k = match self.graph.nodes[input].op {
+                    NodeOp::Captured(k) => k,
+                    _ => unreachable!("written tensors are captured"),
+                };
+                (k, *v)
+            })
+            .collect();
+        writes.sort();
+        self.graph.mutations = writes;
+    }
+}

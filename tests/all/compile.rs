@@ -1,0 +1,282 @@
+//! The compiler: compiled equals eager (values and gradients), fusion's kernel counts, guards
+//! and recompiles, dynamic sizes, graph breaks, backends, and a fuzzer of random graphs.
+
+use crate::common::{assert_close, dev, host_rand, t, vals};
+use kiln::compile::{compile, compile_with, Backend, CompileOptions, Graph, Runner};
+use kiln::nn::functional as F;
+use kiln::{DType, Device, Result, Tensor};
+use std::sync::{Arc, Mutex};
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    t(&host_rand(n, seed), shape, DType::F32)
+}
+
+/// Kernels launched by `f` on the GPU (counted by the runtime), or the program's own count on
+/// the CPU, where kernels are loops.
+fn kernels<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    let before = kiln::cuda::launch_count();
+    let r = f();
+    (r, kiln::cuda::launch_count() - before)
+}
+
+#[test]
+fn pointwise_chains_fuse_into_one_kernel() -> Result<()> {
+    let x = randn(&[1000, 37], 1);
+    let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
+    let y = f.call(&x)?;
+    let eager = (x.sin()?.exp()? + x.cos()?.abs()?.log()?)?;
+    assert_close(&vals(&y), &vals(&eager), 1e-5, 1e-6);
+    assert_eq!(f.kernels_per_call(), Some(1));
+    let (_, launched) = kernels(|| f.call(&x));
+    if dev().is_cuda() {
+        assert_eq!(launched, 1, "exp(sin x) + log|cos x| is one kernel");
+    }
+    let b = randn(&[1000, 37], 2);
+    let g = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
+    let y = g.call(&x, &b)?;
+    assert_close(&vals(&y), &vals(&(&x + &b)?.relu()?), 0.0, 0.0);
+    assert_eq!(g.kernels_per_call(), Some(1));
+    Ok(())
+}
+
+#[test]
+fn softmax_and_layer_norm_are_one_kernel_each() -> Result<()> {
+    let x = randn(&[64, 300], 3);
+    let w = randn(&[300], 4);
+    let b = randn(&[300], 5);
+    let f = compile(|x: &Tensor| F::softmax(x, -1));
+    assert_close(&vals(&f.call(&x)?), &vals(&kiln::no_grad(|| F::softmax(&x, -1))?), 1e-5, 1e-7);
+    assert_eq!(f.kernels_per_call(), Some(1));
+    let (wc, bc) = (w.clone(), b.clone());
+    let g = compile(move |x: &Tensor| F::layer_norm(x, &[300], Some(&wc), Some(&bc), 1e-5));
+    let eager = F::layer_norm(&x, &[300], Some(&w), Some(&b), 1e-5)?;
+    assert_close(&vals(&g.call(&x)?), &vals(&eager), 1e-4, 1e-5);
+    assert_eq!(g.kernels_per_call(), Some(1));
+    let (_, launched) = kernels(|| g.call(&x));
+    if dev().is_cuda() {
+        assert_eq!(launched, 1);
+    }
+    Ok(())
+}
+
+#[test]
+fn matmul_keeps_its_library_call_and_fuses_the_epilogue() -> Result<()> {
+    let x = randn(&[32, 64], 6);
+    let w = randn(&[64, 48], 7);
+    let b = randn(&[48], 8);
+    let (wc, bc) = (w.clone(), b.clone());
+    let f = compile(move |x: &Tensor| (x.matmul(&wc)? + &bc)?.gelu());
+    let eager = (x.matmul(&w)? + &b)?.gelu()?;
+    assert_close(&vals(&f.call(&x)?), &vals(&eager), 1e-5, 1e-5);
+    let k = f.kernels_per_call().unwrap();
+    assert!(k <= 2, "matmul + at most one kernel, got {k}");
+    Ok(())
+}
+
+#[test]
+fn gradients_flow_through_compiled_functions() -> Result<()> {
+    let d = dev();
+    let x = randn(&[16, 20], 9);
+    let y = Tensor::from_vec((0..16).map(|i| (i % 5) as i64).collect::<Vec<_>>(), &[16], &d)?;
+    let w1 = randn(&[20, 32], 10).mul_scalar(0.2)?.requires_grad();
+    let b1 = randn(&[32], 11).mul_scalar(0.1)?.requires_grad();
+    let w2 = randn(&[32, 5], 12).mul_scalar(0.2)?.requires_grad();
+    let loss_of = |x: &Tensor, y: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor| -> Result<Tensor> {
+        let h = (x.matmul(w1)? + b1)?.relu()?;
+        F::cross_entropy(&h.matmul(w2)?, y)
+    };
+    let eager = loss_of(&x, &y, &w1, &b1, &w2)?;
+    eager.backward()?;
+    let grads: Vec<Vec<f64>> = [&w1, &b1, &w2].iter().map(|p| vals(&p.grad().unwrap())).collect();
+    for p in [&w1, &b1, &w2] {
+        p.set_grad(None);
+    }
+    let (a, b, c) = (w1.clone(), b1.clone(), w2.clone());
+    let f = compile(move |x: &Tensor, y: &Tensor| loss_of(x, y, &a, &b, &c));
+    let loss = f.call(&x, &y)?;
+    assert_close(&vals(&loss), &vals(&eager), 1e-5, 1e-6);
+    assert_eq!(loss.grad_fn_name().as_deref(), Some("CompiledFunctionBackward"));
+    loss.backward()?;
+    for (p, g) in [&w1, &b1, &w2].iter().zip(&grads) {
+        assert_close(&vals(&p.grad().unwrap()), g, 1e-4, 1e-6);
+    }
+    Ok(())
+}
+
+#[test]
+fn compiled_gradients_match_finite_differences() -> Result<()> {
+    let d = dev();
+    let x = Tensor::from_vec(host_rand(24, 13), &[4, 6], &d)?.to_dtype(DType::F64)?.requires_grad();
+    let f = compile(|x: &Tensor| F::softmax(&x.sin()?.mul_scalar(2.0)?, -1)?.mul(x)?.sum_all());
+    kiln::gradcheck(|xs| f.call(&xs[0]), &[x], Default::default())?;
+    Ok(())
+}
+
+#[test]
+fn a_new_shape_recompiles_and_the_limit_falls_back_to_eager() -> Result<()> {
+    let f = compile_with(CompileOptions::new().recompile_limit(2), |x: &Tensor| x.exp()?.add_scalar(1.0));
+    for n in [3, 4, 5] {
+        let x = randn(&[n], n as u64);
+        assert_close(&vals(&f.call(&x)?), &vals(&x.exp()?.add_scalar(1.0)?), 1e-6, 1e-6);
+    }
+    assert_eq!(f.graph_count(), 2, "two graphs, then eager");
+    assert_eq!(f.trace_count(), 2);
+    f.call(&randn(&[3], 3))?;
+    assert_eq!(f.trace_count(), 2, "a cached shape needs no trace");
+    Ok(())
+}
+
+#[test]
+fn dynamic_sizes_share_one_graph_and_its_kernels() -> Result<()> {
+    let f = compile_with(CompileOptions::new().dynamic(true), |x: &Tensor| (x.tanh()? * x)?.add_scalar(0.5));
+    let x0 = randn(&[7, 33], 1);
+    f.call(&x0)?;
+    let loaded = kiln::cuda::kernels_loaded();
+    for n in [8usize, 100, 1, 4096, 3] {
+        let x = randn(&[n, 33], n as u64);
+        let eager = (x.tanh()? * &x)?.add_scalar(0.5)?;
+        assert_close(&vals(&f.call(&x)?), &vals(&eager), 1e-6, 1e-6);
+    }
+    assert_eq!(f.graph_count(), 1);
+    assert_eq!(kiln::cuda::kernels_loaded(), loaded, "no kernel was generated for a new size");
+    Ok(())
+}
+
+#[test]
+fn fullgraph_makes_a_host_read_an_error_naming_the_line() {
+    let f = compile_with(CompileOptions::new().fullgraph(true), |x: &Tensor| {
+        let m = x.sum_all()?.item::<f32>()?;
+        x.mul_scalar(m as f64)
+    });
+    let line = line!() - 3;
+    let err = f.call(&randn(&[4], 1)).unwrap_err().to_string();
+    assert!(err.contains("fullgraph") && err.contains(&format!("compile.rs:{line}")), "{err}");
+}
+
+#[test]
+fn a_host_read_is_a_graph_break() -> Result<()> {
+    let f = compile(|x: &Tensor| {
+        let y = x.exp()?;
+        let m = y.max_all()?.item::<f32>()?;
+        y.div_scalar(m as f64)?.add(x)
+    });
+    for seed in [1, 2] {
+        let x = randn(&[50], seed);
+        let y = x.exp()?;
+        let m = y.max_all()?.item::<f32>()?;
+        let eager = y.div_scalar(m as f64)?.add(&x)?;
+        assert_close(&vals(&f.call(&x)?), &vals(&eager), 1e-6, 1e-6);
+    }
+    assert!(f.has_breaks());
+    Ok(())
+}
+
+#[test]
+fn backends_receive_the_graph() -> Result<()> {
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let s = seen.clone();
+    let backend = Backend::custom(move |graph: &Graph, example_inputs: &[Tensor]| {
+        s.lock().unwrap().push(format!("{graph}"));
+        assert!(graph.to_dot().starts_with("digraph"));
+        assert_eq!(example_inputs.len(), 2);
+        Ok(graph.eager_runner())
+    });
+    let w = randn(&[5], 2);
+    let wc = w.clone();
+    let f = compile_with(CompileOptions::new().backend(backend), move |x: &Tensor| (x * &wc)?.relu());
+    let x = randn(&[3, 5], 1);
+    assert_close(&vals(&f.call(&x)?), &vals(&(&x * &w)?.relu()?), 0.0, 0.0);
+    let text = seen.lock().unwrap()[0].clone();
+    assert!(text.contains("relu") && text.contains("mul") && text.contains("expand"), "{text}");
+    let g = compile_with(CompileOptions::new().backend(Backend::Eager), |x: &Tensor| x.neg());
+    assert_close(&vals(&g.call(&x)?), &vals(&x.neg()?), 0.0, 0.0);
+    let _ = Runner::new(|xs| Ok(xs.to_vec()));
+    Ok(())
+}
+
+#[test]
+fn in_place_writes_to_captured_tensors_are_written_back() -> Result<()> {
+    let acc = Tensor::zeros(&[4], DType::F32, &dev())?;
+    let a = acc.clone();
+    let f = compile(move |x: &Tensor| {
+        a.add_(x)?;
+        a.mul_scalar(2.0)
+    });
+    let x = randn(&[4], 3);
+    f.call(&x)?;
+    let y = f.call(&x)?;
+    assert_close(&vals(&acc), &vals(&x.mul_scalar(2.0)?), 1e-6, 1e-6);
+    assert_close(&vals(&y), &vals(&x.mul_scalar(4.0)?), 1e-6, 1e-6);
+    Ok(())
+}
+
+#[test]
+fn simplify_removes_identities_and_dead_code() -> Result<()> {
+    let seen: Arc<Mutex<String>> = Arc::default();
+    let s = seen.clone();
+    let f = compile(|x: &Tensor| {
+        let _unused = x.exp()?;
+        x.mul_scalar(1.0)?.add_scalar(0.0)?.relu()
+    });
+    let x = randn(&[6], 1);
+    assert_close(&vals(&f.call(&x)?), &vals(&x.relu()?), 0.0, 0.0);
+    assert_eq!(f.kernels_per_call(), Some(1));
+    let _ = s;
+    let _ = seen;
+    Ok(())
+}
+
+/// Random graphs of pointwise ops, broadcasts and row reductions: compiled equals eager.
+#[test]
+fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
+    let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
+    for case in 0..cases {
+        let mut rng = (case as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut next = move |n: usize| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n as u64) as usize
+        };
+        let (r, c) = (1 + next(40), 1 + next(70));
+        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(10)).collect();
+        let program = move |x: &Tensor, y: &Tensor| -> Result<Tensor> {
+            let mut vals = vec![x.clone(), y.clone()];
+            for (k, &op) in ops.iter().enumerate() {
+                let a = vals[vals.len() - 1].clone();
+                let b = vals[(k * 7) % vals.len()].clone();
+                let v = match op {
+                    0 => (&a + &b)?,
+                    1 => (&a * &b)?,
+                    2 => a.tanh()?,
+                    3 => a.sub(&b)?.relu()?,
+                    4 => a.sum(&[-1], true)?.broadcast_to(a.shape())?.mul_scalar(0.1)?,
+                    5 => F::softmax(&a, -1)?,
+                    6 => a.amax(&[-1], true)?.sub(&a)?,
+                    7 => a.sigmoid()?.mul(&b)?,
+                    8 => a.sum(&[0], true)?.broadcast_to(a.shape())?.mul_scalar(0.01)?,
+                    _ => a.abs()?.add_scalar(1.0)?.log()?,
+                };
+                vals.push(v);
+            }
+            vals.last().unwrap().add(&vals[1])
+        };
+        let x = randn(&[r, c], case as u64 * 2);
+        let y = randn(&[r, c], case as u64 * 2 + 1);
+        let eager = program(&x, &y)?;
+        let f = compile(program);
+        let got = f.call(&x, &y)?;
+        assert_close(&vals(&got), &vals(&eager), 1e-4, 1e-5);
+    }
+    Ok(())
+}
+
+#[test]
+fn compiled_on_the_cpu_and_tensors_of_another_device_error_clearly() {
+    let f = compile(|x: &Tensor| x.add(&Tensor::ones(&[2], DType::F32, &Device::Cpu)?));
+    if dev().is_cuda() {
+        let x = randn(&[2], 1);
+        assert!(f.call(&x).is_err());
+    }
+}
