@@ -2,6 +2,7 @@
 //! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run yet are
 //! written as `{"error": ...}`, never left out.
 
+use kiln::compile::compile;
 use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
 use kiln::prelude::*;
@@ -44,15 +45,32 @@ fn peak_mib(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
     Ok((cuda::memory_stats(dev)?.peak_allocated - base) as f64 / (1u64 << 20) as f64)
 }
 
-fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
+/// A compiled variant of a workload: its call, and the wall time of its first call.
+type CompiledRun<'a> = (&'a mut dyn FnMut() -> Result<Tensor>, f64);
+
+fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tensor>, compiled: CompiledRun) -> Result<Value> {
     let ms = event_ms(dev, f)?;
+    let (c, compile_s) = compiled;
+    let cms = event_ms(dev, c)?;
     Ok(json!({
         "eager_ms": ms,
         "eager_kernels": kernels(dev, f)?,
         "peak_mib_eager": peak_mib(dev, f)?,
+        "compiled_ms": cms,
+        "compiled_kernels": kernels(dev, c)?,
+        "compiled_compile_s": compile_s,
+        "peak_mib_compiled": peak_mib(dev, c)?,
         "bytes": bytes,
-        "best_GBps": bytes as f64 / (ms / 1e3) / 1e9,
+        "best_GBps": bytes as f64 / (ms.min(cms) / 1e3) / 1e9,
     }))
+}
+
+/// The wall time of a compiled function's first call (trace, compile, run, synchronise).
+fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+    let t0 = std::time::Instant::now();
+    f()?;
+    cuda::synchronize(dev)?;
+    Ok(t0.elapsed().as_secs_f64())
 }
 
 fn workload(name: &str, dev: &Device) -> Result<Value> {
@@ -61,27 +79,47 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
     match name {
         "pointwise.add_relu.f32.1e8" => {
             let (a, b) = (r(&[n])?, r(&[n])?);
-            bandwidth_row(dev, 12 * n, &mut || (&a + &b)?.relu())
+            let f = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
+            let mut c = || f.call(&a, &b);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 12 * n, &mut || (&a + &b)?.relu(), (&mut c, s))
         }
         "pointwise.exp_sin_log_cos.f32.1e8" => {
             let x = r(&[n])?;
-            bandwidth_row(dev, 8 * n, &mut || x.sin()?.exp()? + x.cos()?.abs()?.log()?)
+            let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
+            let mut c = || f.call(&x);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 8 * n, &mut || x.sin()?.exp()? + x.cos()?.abs()?.log()?, (&mut c, s))
         }
         "pointwise.bias_gelu.f32.8192x8192" => {
             let (x, b) = (r(&[8192, 8192])?, r(&[8192])?);
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.add(&b)?.gelu())
+            let bc = b.clone();
+            let f = compile(move |x: &Tensor| x.add(&bc)?.gelu());
+            let mut c = || f.call(&x);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.add(&b)?.gelu(), (&mut c, s))
         }
         "reduction.layernorm.f32.8192x8192" => {
             let (x, w, b) = (r(&[8192, 8192])?, r(&[8192])?, r(&[8192])?);
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5))
+            let (wc, bc) = (w.clone(), b.clone());
+            let f = compile(move |x: &Tensor| F::layer_norm(x, &[8192], Some(&wc), Some(&bc), 1e-5));
+            let mut c = || f.call(&x);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 8 * 8192 * 8192, &mut || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5), (&mut c, s))
         }
         "reduction.softmax.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.softmax(-1))
+            let f = compile(|x: &Tensor| x.softmax(-1));
+            let mut c = || f.call(&x);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.softmax(-1), (&mut c, s))
         }
         "reduction.sum_dim0.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
-            bandwidth_row(dev, 4 * 8192 * 8192, &mut || x.sum(&[0], false))
+            let f = compile(|x: &Tensor| x.sum(&[0], false));
+            let mut c = || f.call(&x);
+            let s = first_call(dev, &mut c)?;
+            bandwidth_row(dev, 4 * 8192 * 8192, &mut || x.sum(&[0], false), (&mut c, s))
         }
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
@@ -89,7 +127,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
             let ms = event_ms(dev, &mut || a.matmul(&b))?;
             Ok(json!({"eager_ms": ms, "TFLOPs": 2.0 * 8192f64.powi(3) / (ms / 1e3) / 1e12}))
         }
-        _ => Ok(json!({"error": "needs nn modules, optimisers and the compiler, which kiln does not have yet"})),
+        _ => Ok(json!({"error": "needs nn modules, optimisers and whole-step compilation, which kiln does not have yet"})),
     }
 }
 
