@@ -24,13 +24,11 @@ fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
     Ok(ts[ts.len() / 2])
 }
 
-/// Kernels one call launches (after warm-up).
+/// Kernels one call launches after warm-up, as the profiler counts them.
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
     cuda::synchronize(dev)?;
-    let before = cuda::launch_count();
-    f()?;
-    Ok(cuda::launch_count() - before)
+    Ok(kiln::profiler::profile(f)?.kernel_count() as u64)
 }
 
 /// Peak device memory one call allocates, beyond what was allocated before it.
@@ -55,41 +53,70 @@ fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tenso
     }))
 }
 
-fn workload(name: &str, dev: &Device) -> Result<Value> {
+/// One call of a workload, and how the bench reports it.
+pub struct Workload {
+    pub call: Box<dyn FnMut() -> Result<Tensor>>,
+    pub measure: Measure,
+}
+
+pub enum Measure {
+    /// Bytes one call must read and write (the roofline is `copy_GBps`).
+    Bandwidth { bytes: usize },
+    /// Floating-point operations of one call.
+    Flops(f64),
+}
+
+/// Why a workload of the schema has no `setup` yet.
+pub const NOT_YET: &str = "needs nn modules, optimisers and the compiler, which kiln does not have yet";
+
+/// The inputs of workload `name` (of [`WORKLOADS`]) on `dev` and the call to measure; None
+/// for workloads kiln cannot run yet.
+pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
     let n = 100_000_000usize;
     let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
-    match name {
+    let bw = |bytes, call: Box<dyn FnMut() -> Result<Tensor>>| Some(Workload { call, measure: Measure::Bandwidth { bytes } });
+    Ok(match name {
         "pointwise.add_relu.f32.1e8" => {
             let (a, b) = (r(&[n])?, r(&[n])?);
-            bandwidth_row(dev, 12 * n, &mut || (&a + &b)?.relu())
+            bw(12 * n, Box::new(move || (&a + &b)?.relu()))
         }
         "pointwise.exp_sin_log_cos.f32.1e8" => {
             let x = r(&[n])?;
-            bandwidth_row(dev, 8 * n, &mut || x.sin()?.exp()? + x.cos()?.abs()?.log()?)
+            bw(8 * n, Box::new(move || x.sin()?.exp()? + x.cos()?.abs()?.log()?))
         }
         "pointwise.bias_gelu.f32.8192x8192" => {
             let (x, b) = (r(&[8192, 8192])?, r(&[8192])?);
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.add(&b)?.gelu())
+            bw(8 * 8192 * 8192, Box::new(move || x.add(&b)?.gelu()))
         }
         "reduction.layernorm.f32.8192x8192" => {
             let (x, w, b) = (r(&[8192, 8192])?, r(&[8192])?, r(&[8192])?);
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5))
+            bw(8 * 8192 * 8192, Box::new(move || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5)))
         }
         "reduction.softmax.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.softmax(-1))
+            bw(8 * 8192 * 8192, Box::new(move || x.softmax(-1)))
         }
         "reduction.sum_dim0.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
-            bandwidth_row(dev, 4 * 8192 * 8192, &mut || x.sum(&[0], false))
+            bw(4 * 8192 * 8192, Box::new(move || x.sum(&[0], false)))
         }
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
-            let ms = event_ms(dev, &mut || a.matmul(&b))?;
-            Ok(json!({"eager_ms": ms, "TFLOPs": 2.0 * 8192f64.powi(3) / (ms / 1e3) / 1e12}))
+            Some(Workload { call: Box::new(move || a.matmul(&b)), measure: Measure::Flops(2.0 * 8192f64.powi(3)) })
         }
-        _ => Ok(json!({"error": "needs nn modules, optimisers and the compiler, which kiln does not have yet"})),
+        _ => None,
+    })
+}
+
+fn workload(name: &str, dev: &Device) -> Result<Value> {
+    let Some(mut w) = setup(name, dev)? else { return Ok(json!({"error": NOT_YET})) };
+    match w.measure {
+        Measure::Bandwidth { bytes } => bandwidth_row(dev, bytes, &mut w.call),
+        Measure::Flops(flops) => {
+            let ms = event_ms(dev, &mut w.call)?;
+            Ok(json!({"eager_ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12}))
+        }
     }
 }
 

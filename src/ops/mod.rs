@@ -105,7 +105,9 @@ impl Op {
     }
 
     /// Runs the op on its inputs' device. Arguments were validated by the caller.
+    #[track_caller]
     pub(crate) fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
+        let _rec = crate::profiler::cpu_op(self, xs);
         let device = xs[0].device();
         for x in &xs[1..] {
             if x.device() != device {
@@ -281,6 +283,7 @@ impl Op {
 }
 
 /// Runs a primitive op and records it for autograd.
+#[track_caller]
 pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     let out = op.forward(inputs)?;
     crate::autograd::record(op, inputs, out)

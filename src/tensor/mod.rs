@@ -81,6 +81,7 @@ impl Tensor {
 
     /// A copy of this tensor's values on `device`, through the host (a copy between two GPUs
     /// is explicit, and rare enough for this).
+    #[track_caller]
     pub(crate) fn copy_to_device(&self, device: Device, non_blocking: bool) -> Result<Tensor> {
         if let (true, Device::Cpu, Device::Cuda(n)) = (non_blocking, self.device(), device) {
             let s = crate::backend::cuda::kernels::upload_async(n, self)?;
@@ -121,6 +122,7 @@ impl Tensor {
     }
 
     /// This tensor's values on the host (a copy when it lives on a GPU; synchronises).
+    #[track_caller]
     pub(crate) fn to_host(&self) -> Result<Tensor> {
         match self.device() {
             Device::Cpu => Ok(self.clone()),
@@ -194,12 +196,14 @@ impl Tensor {
     }
 
     /// Copies the elements to the host as `T`, which must be the tensor's dtype. Synchronises.
+    #[track_caller]
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
         self.check_read::<T>("to_vec")?;
         Ok(cpu::to_vec_as::<T>(&self.to_host()?))
     }
 
     /// The single element of a one-element tensor. Synchronises.
+    #[track_caller]
     pub fn item<T: WithDType>(&self) -> Result<T> {
         self.check_read::<T>("item")?;
         if self.numel() != 1 {
@@ -216,6 +220,7 @@ impl Tensor {
     }
 
     /// Moves the tensor to `device` (a no-op when it is already there). Synchronous.
+    #[track_caller]
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if *device == self.device() {
             return Ok(self.clone());
