@@ -63,7 +63,7 @@ pub fn with_sync_debug_mode<T>(mode: SyncDebug, f: impl FnOnce() -> T) -> T {
 /// Hook: the host is about to wait for `device` (`what` says why), called from `at`. Reports it
 /// as the mode asks, records it when profiling, and in `Error` mode refuses.
 pub(crate) fn sync(what: &'static str, device: Device, at: &'static Location<'static>) -> Result<Span> {
-    let report = || format!("{what} on {device} waits for the device, at {}:{}:{}", at.file(), at.line(), at.column());
+    let report = || format!("{what} on {device}: host synchronisation at {}:{}:{}", at.file(), at.line(), at.column());
     match sync_debug_mode() {
         SyncDebug::Off => logging::log(Category::Sync, report),
         SyncDebug::Warn => logging::warn(Category::Sync, &report()),

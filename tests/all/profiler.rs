@@ -106,14 +106,14 @@ fn a_sync_is_reported_with_the_callers_line() {
 
     // Reads wait for a GPU only; on the CPU they are no synchronisation.
     let x = Tensor::ones(&[3], DType::F32, &d).unwrap().sum_all().unwrap();
-    let (r, line) = (with_sync_debug_mode(SyncDebug::Error, || x.item::<f32>()), line!());
+    let (r, line) = (profiler::profile_value(|| with_sync_debug_mode(SyncDebug::Error, || x.item::<f32>())), line!());
     if d.is_cuda() {
         let e = r.unwrap_err().to_string();
         assert!(e.contains(&format!("{}:{line}:", file!())), "{e}");
         let (r, line) = (with_sync_debug_mode(SyncDebug::Error, || x.to_device(&Device::Cpu)), line!());
         assert!(r.unwrap_err().to_string().contains(&format!("{}:{line}:", file!())));
     } else {
-        assert_eq!(r.unwrap(), 3.0);
+        assert_eq!(r.unwrap().0, 3.0);
     }
     assert_eq!(x.item::<f32>().unwrap(), 3.0, "the mode ends with its scope");
 }
@@ -178,6 +178,16 @@ fn kiln_log_names_parse() {
     for c in Category::ALL {
         assert_eq!(logging::enabled(c), env.contains(&c), "{c:?} follows KILN_LOG");
     }
+}
+
+#[test]
+fn kiln_log_prints_through_the_default_logger() {
+    // The demo synchronises explicitly after training (on the CPU too) and reads losses.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(["demo", "--steps", "1"]).env("KILN_LOG", "bogus,sync").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("KILN_LOG") && err.contains("'bogus'"), "a bad name is reported once:\n{err}");
+    assert!(err.lines().any(|l| l.starts_with("[kiln sync] ") && l.contains("src/demo.rs:")), "{err}");
 }
 
 #[test]
