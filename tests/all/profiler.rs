@@ -180,10 +180,16 @@ fn kiln_log_names_parse() {
     }
 }
 
+/// The `kiln` program where cargo built it, or in the bundle the GPU machine runs from (`.gpu/bin`).
+fn kiln_bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kiln"));
+    if built.exists() { built } else { ".gpu/bin/kiln".into() }
+}
+
 #[test]
 fn kiln_log_prints_through_the_default_logger() {
     // The demo synchronises explicitly after training (on the CPU too) and reads losses.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(["demo", "--steps", "1"]).env("KILN_LOG", "bogus,sync").output().unwrap();
+    let out = std::process::Command::new(kiln_bin()).args(["demo", "--steps", "1"]).env("KILN_LOG", "bogus,sync").output().unwrap();
     assert!(out.status.success(), "{out:?}");
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("KILN_LOG") && err.contains("'bogus'"), "a bad name is reported once:\n{err}");
@@ -192,7 +198,7 @@ fn kiln_log_prints_through_the_default_logger() {
 
 #[test]
 fn the_profile_command_rejects_an_unknown_workload_in_one_line() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln")).args(["profile", "pointwise.nope"]).output().unwrap();
+    let out = std::process::Command::new(kiln_bin()).args(["profile", "pointwise.nope"]).output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8(out.stderr).unwrap();
     assert_eq!(err.lines().count(), 1, "{err}");
