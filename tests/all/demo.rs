@@ -17,7 +17,8 @@ fn the_demo_trains_to_the_end_and_profiles_a_step() {
     assert!(text.contains(&format!("{} kernels per step", r.kernels_per_step)), "{text}");
     let matmul = if d.is_cuda() { "cublas_gemm_float32" } else { "matmul" };
     assert!(r.profile.key_averages().get(matmul).is_some_and(|m| m.calls >= 5), "{:?}", r.profile.kernel_names());
-    let top = &r.profile.key_averages().sorted(kiln::profiler::SortBy::DeviceTimeTotal)[0].name;
+    let avg = r.profile.key_averages();
+    let top = &avg.sorted(kiln::profiler::SortBy::DeviceTimeTotal)[0].name;
     assert!(text.contains("device total") && text.contains(top.as_str()), "the table is printed:\n{text}");
 }
 
