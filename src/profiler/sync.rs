@@ -5,7 +5,9 @@
 //! tensors wait for nothing and are not reported; an explicit `cuda::synchronize` is reported
 //! on every device, the CPU included, so the mode can be checked on a machine without a GPU.
 //! Printing a CUDA tensor synchronises too, but formatting traits cannot carry the caller's
-//! location: its report names kiln's `Display` implementation.
+//! location: its report names kiln's `Display` implementation, and in `Error` mode the tensor
+//! prints as its description (`Tensor[shape, dtype, device]`), formatting having no way to fail
+//! with a kiln error.
 
 use super::record::{self, Span};
 use crate::logging::{self, Category};
