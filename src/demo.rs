@@ -1,10 +1,11 @@
 //! The demo the `kiln` program runs by default: the 784-256-10 MLP trained eagerly on the
-//! built-in synthetic data, with a progress bar, then evaluated. (Compiled training and the
-//! profiler table join it when the compiler and profiler exist.)
+//! built-in synthetic data, with a progress bar, then evaluated; then one training step under
+//! the profiler, with its kernels per step and step time.
 
 use crate::data::{DataLoader, Dataset, SyntheticClassification};
 use crate::nn::{self, functional as F, Module};
 use crate::optim::{Optimizer, Sgd};
+use crate::profiler::{self, Profile, SortBy};
 use crate::{manual_seed, no_grad, DType, Device, Result, Tensor};
 use std::io::Write;
 use std::time::Instant;
@@ -17,9 +18,13 @@ pub struct DemoReport {
     pub last_loss: f32,
     /// On a held-out set of the same task.
     pub accuracy: f32,
+    /// Wall time per training step, data loading included.
     pub step_ms: f64,
-    /// GPU kernels per training step (None on the CPU).
-    pub kernels_per_step: Option<f64>,
+    /// Kernels of one training step, as the profiler counts them (on the CPU: ops that ran a
+    /// CPU kernel).
+    pub kernels_per_step: usize,
+    /// One training step under the profiler.
+    pub profile: Profile,
 }
 
 /// Trains for `steps` steps of batch 32 on `device` and writes what it does to `out`.
@@ -32,15 +37,20 @@ pub fn run(steps: usize, device: &Device, progress: bool, out: &mut dyn Write) -
     writeln!(out, "kiln {}: training the 784-256-10 MLP on {device} (synthetic data, batch 32, SGD lr 0.1)", env!("CARGO_PKG_VERSION")).map_err(io)?;
     let bar = if progress { indicatif::ProgressBar::new(steps as u64) } else { indicatif::ProgressBar::hidden() };
     let (mut first, mut last) = (None, 0.0f32);
-    let launches_before = device.is_cuda().then(crate::cuda::launch_count);
+    let mut step = |x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        let loss = F::cross_entropy(&model.forward(x)?, y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    };
+    let mut last_batch = None;
     let start = Instant::now();
     for (i, batch) in train.iter().enumerate().take(steps) {
         let (x, y) = batch?;
         let (x, y) = (x.to_device_async(device)?, y.to_device_async(device)?);
-        let loss = F::cross_entropy(&model.forward(&x)?, &y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
+        let loss = step(&x, &y)?;
+        last_batch = Some((x, y));
         // Reading the loss synchronises: only every 50 steps and at the end.
         if i == 0 || (i + 1) % 50 == 0 || i + 1 == steps {
             last = loss.item::<f32>()?;
@@ -49,21 +59,29 @@ pub fn run(steps: usize, device: &Device, progress: bool, out: &mut dyn Write) -
         }
         bar.inc(1);
     }
-    if device.is_cuda() {
-        crate::cuda::synchronize(device)?;
-    }
+    crate::cuda::synchronize(device)?;
     let elapsed = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
-    let kernels_per_step = launches_before.map(|b| (crate::cuda::launch_count() - b) as f64 / steps.max(1) as f64);
+    let Some((bx, by)) = last_batch else {
+        return Err(crate::Error::arg("demo", "needs at least one training step"));
+    };
+    let prof = profiler::profile(|| step(&bx, &by))?;
     let test = SyntheticClassification::mnist_like(1024, 1)?;
     let samples: Vec<(Tensor, Tensor)> = (0..test.len()).map(|i| test.get(i)).collect::<Result<_>>()?;
     let xs: Vec<&Tensor> = samples.iter().map(|s| &s.0).collect();
     let ys: Vec<&Tensor> = samples.iter().map(|s| &s.1).collect();
     let (x, y) = (crate::stack(&xs, 0)?.to_device(device)?, crate::stack(&ys, 0)?.to_device(device)?);
     let accuracy = no_grad(|| model.forward(&x)?.argmax(1, false)?.eq(&y)?.to_dtype(DType::F32)?.mean_all()?.item::<f32>())?;
-    let r = DemoReport { steps, first_loss: first.unwrap_or(f32::NAN), last_loss: last, accuracy, step_ms: elapsed * 1e3 / steps.max(1) as f64, kernels_per_step };
+    let r = DemoReport { steps, first_loss: first.unwrap_or(f32::NAN), last_loss: last, accuracy, step_ms: elapsed * 1e3 / steps as f64, kernels_per_step: prof.kernel_count(), profile: prof };
     writeln!(out, "loss {:.4} -> {:.4} over {} steps; held-out accuracy {:.1}%", r.first_loss, r.last_loss, steps, 100.0 * accuracy).map_err(io)?;
-    let k = r.kernels_per_step.map(|k| format!(", {k:.0} kernels per step")).unwrap_or_default();
-    writeln!(out, "eager step: {:.3} ms{k}", r.step_ms).map_err(io)?;
+    report_step("eager", r.step_ms, &r.profile, out).map_err(io)?;
     Ok(r)
+}
+
+/// A training variant's step time, kernels per step, and its profiled step as a table. The
+/// compiled training step reports here too, after the eager one, once the compiler exists.
+fn report_step(variant: &str, step_ms: f64, prof: &Profile, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "{variant} step: {step_ms:.3} ms, {} kernels per step", prof.kernel_count())?;
+    writeln!(out, "\none {variant} training step under the profiler (kiln::profiler):")?;
+    writeln!(out, "{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 12))
 }

@@ -45,6 +45,10 @@ pub enum Error {
     #[error("compile: {0}")]
     Compile(String),
 
+    /// A host synchronisation while sync debug mode is `Error`, with the call site.
+    #[error("{what}: host synchronisation with {device} at {at} (sync debug mode is Error)")]
+    Sync { what: &'static str, device: Device, at: String },
+
     /// A generated kernel that failed to compile, with its source.
     #[error("{device}: kernel compilation failed: {msg}\n--- source ---\n{code}")]
     Kernel { device: Device, msg: String, code: String },

@@ -23,9 +23,11 @@ mod device;
 mod dtype;
 mod error;
 pub(crate) mod layout;
+pub mod logging;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod profiler;
 mod storage;
 mod tensor;
 
@@ -35,18 +37,13 @@ pub use dtype::{promote_types, result_type, Category, DType, Tier, WithDType};
 pub use error::{Error, Result};
 pub use ops::elementwise::{where_, Scalar};
 pub use ops::movement::{cat, stack};
+pub use profiler::{set_sync_debug_mode, with_sync_debug_mode, SyncDebug};
 pub use tensor::{manual_seed, Tensor};
-
-/// Whether `KILN_LOG` (a comma-separated list, or `all`) asks for `category`.
-pub(crate) fn log_enabled(category: &str) -> bool {
-    static LOG: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    let cats = LOG.get_or_init(|| std::env::var("KILN_LOG").map(|v| v.split(',').map(|s| s.trim().to_string()).collect()).unwrap_or_default());
-    cats.iter().any(|c| c == category || c == "all")
-}
 
 /// What most programs need: `use kiln::prelude::*;`.
 pub mod prelude {
     pub use crate::nn::{self, Module};
     pub use crate::optim::{self, Optimizer};
-    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, Tensor};
+    pub use crate::profiler::{self, SortBy};
+    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, SyncDebug, Tensor};
 }

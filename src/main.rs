@@ -1,5 +1,5 @@
-//! The `kiln` program: the training demo by default, and `kiln bench` for the shared
-//! side-by-side benchmark.
+//! The `kiln` program: the training demo by default, `kiln bench` for the shared side-by-side
+//! benchmark, `kiln profile` for one bench workload under the profiler.
 
 mod cli;
 
@@ -29,6 +29,15 @@ enum Cmd {
         #[arg(long, default_value = "kiln.json")]
         out: std::path::PathBuf,
     },
+    /// Runs one call of a bench workload under the profiler: prints the per-kernel table and
+    /// writes a Chrome trace.
+    Profile {
+        /// A workload name of the bench (`pointwise.add_relu.f32.1e8`, ...).
+        workload: String,
+        /// Where the Chrome trace goes.
+        #[arg(long, default_value = "trace.json")]
+        trace: std::path::PathBuf,
+    },
 }
 
 fn main() {
@@ -37,6 +46,7 @@ fn main() {
         None => demo(600),
         Some(Cmd::Demo { steps }) => demo(steps),
         Some(Cmd::Bench { only, out }) => cli::bench::run(only.as_deref(), &out),
+        Some(Cmd::Profile { workload, trace }) => cli::profile::run(&workload, &trace),
     };
     if let Err(e) = r {
         eprintln!("error: {e}");

@@ -25,13 +25,11 @@ fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
     Ok(ts[ts.len() / 2])
 }
 
-/// Kernels one call launches (after warm-up).
+/// Kernels one call launches after warm-up, as the profiler counts them.
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
     cuda::synchronize(dev)?;
-    let before = cuda::launch_count();
-    f()?;
-    Ok(cuda::launch_count() - before)
+    Ok(kiln::profiler::profile(f)?.kernel_count() as u64)
 }
 
 /// Peak device memory one call allocates, beyond what was allocated before it.
@@ -45,12 +43,17 @@ fn peak_mib(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
     Ok((cuda::memory_stats(dev)?.peak_allocated - base) as f64 / (1u64 << 20) as f64)
 }
 
-/// A compiled variant of a workload: its call, and the wall time of its first call.
-type CompiledRun<'a> = (&'a mut dyn FnMut() -> Result<Tensor>, f64);
+/// The wall time of a compiled function's first call (trace, compile, run, synchronise).
+fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+    let t0 = std::time::Instant::now();
+    f()?;
+    cuda::synchronize(dev)?;
+    Ok(t0.elapsed().as_secs_f64())
+}
 
-fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tensor>, compiled: CompiledRun) -> Result<Value> {
+fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tensor>, c: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
+    let compile_s = first_call(dev, c)?;
     let ms = event_ms(dev, f)?;
-    let (c, compile_s) = compiled;
     let cms = event_ms(dev, c)?;
     Ok(json!({
         "eager_ms": ms,
@@ -65,69 +68,89 @@ fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tenso
     }))
 }
 
-/// The wall time of a compiled function's first call (trace, compile, run, synchronise).
-fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
-    let t0 = std::time::Instant::now();
-    f()?;
-    cuda::synchronize(dev)?;
-    Ok(t0.elapsed().as_secs_f64())
+/// One call of a workload, and how the bench reports it.
+pub struct Workload {
+    pub call: Box<dyn FnMut() -> Result<Tensor>>,
+    /// The same work through `compile` (bandwidth workloads).
+    pub compiled: Option<Box<dyn FnMut() -> Result<Tensor>>>,
+    pub measure: Measure,
 }
 
-fn workload(name: &str, dev: &Device) -> Result<Value> {
+pub enum Measure {
+    /// Bytes one call must read and write (the roofline is `copy_GBps`).
+    Bandwidth { bytes: usize },
+    /// Floating-point operations of one call.
+    Flops(f64),
+}
+
+/// Why a workload of the schema has no `setup` yet.
+pub const NOT_YET: &str = "needs nn modules, optimisers and whole-step compilation, which kiln does not have yet";
+
+/// The inputs of workload `name` (of [`WORKLOADS`]) on `dev` and the call to measure; None
+/// for workloads kiln cannot run yet.
+pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
     let n = 100_000_000usize;
     let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
-    match name {
+    let bw = |bytes, call: Box<dyn FnMut() -> Result<Tensor>>, compiled: Box<dyn FnMut() -> Result<Tensor>>| {
+        Some(Workload { call, compiled: Some(compiled), measure: Measure::Bandwidth { bytes } })
+    };
+    Ok(match name {
         "pointwise.add_relu.f32.1e8" => {
             let (a, b) = (r(&[n])?, r(&[n])?);
+            let (ca, cb) = (a.clone(), b.clone());
             let f = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
-            let mut c = || f.call(&a, &b);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 12 * n, &mut || (&a + &b)?.relu(), (&mut c, s))
+            bw(12 * n, Box::new(move || (&a + &b)?.relu()), Box::new(move || f.call(&ca, &cb)))
         }
         "pointwise.exp_sin_log_cos.f32.1e8" => {
             let x = r(&[n])?;
+            let cx = x.clone();
             let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
-            let mut c = || f.call(&x);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 8 * n, &mut || x.sin()?.exp()? + x.cos()?.abs()?.log()?, (&mut c, s))
+            bw(8 * n, Box::new(move || x.sin()?.exp()? + x.cos()?.abs()?.log()?), Box::new(move || f.call(&cx)))
         }
         "pointwise.bias_gelu.f32.8192x8192" => {
             let (x, b) = (r(&[8192, 8192])?, r(&[8192])?);
-            let bc = b.clone();
-            let f = compile(move |x: &Tensor| x.add(&bc)?.gelu());
-            let mut c = || f.call(&x);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.add(&b)?.gelu(), (&mut c, s))
+            let (cx, cb) = (x.clone(), b.clone());
+            let f = compile(move |x: &Tensor| x.add(&cb)?.gelu());
+            bw(8 * 8192 * 8192, Box::new(move || x.add(&b)?.gelu()), Box::new(move || f.call(&cx)))
         }
         "reduction.layernorm.f32.8192x8192" => {
             let (x, w, b) = (r(&[8192, 8192])?, r(&[8192])?, r(&[8192])?);
-            let (wc, bc) = (w.clone(), b.clone());
-            let f = compile(move |x: &Tensor| F::layer_norm(x, &[8192], Some(&wc), Some(&bc), 1e-5));
-            let mut c = || f.call(&x);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5), (&mut c, s))
+            let (cx, cw, cb) = (x.clone(), w.clone(), b.clone());
+            let f = compile(move |x: &Tensor| F::layer_norm(x, &[8192], Some(&cw), Some(&cb), 1e-5));
+            bw(8 * 8192 * 8192, Box::new(move || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5)), Box::new(move || f.call(&cx)))
         }
         "reduction.softmax.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
+            let cx = x.clone();
             let f = compile(|x: &Tensor| x.softmax(-1));
-            let mut c = || f.call(&x);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 8 * 8192 * 8192, &mut || x.softmax(-1), (&mut c, s))
+            bw(8 * 8192 * 8192, Box::new(move || x.softmax(-1)), Box::new(move || f.call(&cx)))
         }
         "reduction.sum_dim0.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
+            let cx = x.clone();
             let f = compile(|x: &Tensor| x.sum(&[0], false));
-            let mut c = || f.call(&x);
-            let s = first_call(dev, &mut c)?;
-            bandwidth_row(dev, 4 * 8192 * 8192, &mut || x.sum(&[0], false), (&mut c, s))
+            bw(4 * 8192 * 8192, Box::new(move || x.sum(&[0], false)), Box::new(move || f.call(&cx)))
         }
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
-            let ms = event_ms(dev, &mut || a.matmul(&b))?;
-            Ok(json!({"eager_ms": ms, "TFLOPs": 2.0 * 8192f64.powi(3) / (ms / 1e3) / 1e12}))
+            Some(Workload { call: Box::new(move || a.matmul(&b)), compiled: None, measure: Measure::Flops(2.0 * 8192f64.powi(3)) })
         }
-        _ => Ok(json!({"error": "needs nn modules, optimisers and whole-step compilation, which kiln does not have yet"})),
+        _ => None,
+    })
+}
+
+fn workload(name: &str, dev: &Device) -> Result<Value> {
+    let Some(mut w) = setup(name, dev)? else { return Ok(json!({"error": NOT_YET})) };
+    match w.measure {
+        Measure::Bandwidth { bytes } => {
+            let c = w.compiled.as_mut().expect("bandwidth workloads have a compiled form");
+            bandwidth_row(dev, bytes, &mut w.call, c)
+        }
+        Measure::Flops(flops) => {
+            let ms = event_ms(dev, &mut w.call)?;
+            Ok(json!({"eager_ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12}))
+        }
     }
 }
 

@@ -1,3 +1,4 @@
 //! The `kiln` program's subcommands.
 
 pub mod bench;
+pub mod profile;

@@ -27,19 +27,14 @@ pub(crate) mod trace;
 pub use graph::{Graph, Node, NodeId, NodeOp, RandomKind, Runner};
 
 use crate::autograd::{Ctx, Function};
+use crate::logging::Category;
 use crate::{Result, Tensor};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-/// Prints a compiler log line when `KILN_LOG` names `category` (graph, kernels, recompiles,
-/// breaks, fusion).
-pub(crate) fn log(category: &str, msg: impl FnOnce() -> String) {
-    if crate::log_enabled(category) {
-        eprintln!("[kiln {category}] {}", msg());
-    }
-}
+use crate::logging::log;
 
 /// What a compiled call trades: `Default` launches its kernels one by one.
 /// `ReduceOverhead` and `MaxAutotune` are accepted and currently run as `Default` (logged under
@@ -307,20 +302,20 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             st.traces += 1;
         }
         if !self.state.lock().entries.is_empty() && !dynamic_respecialise {
-            log("recompiles", || format!("recompiling: {reason}"));
+            log(Category::Recompiles, || format!("recompiling: {reason}"));
         }
         let opts = self.opts.clone();
         let state = self.state.clone();
         let on_break: trace::BreakRunner = Arc::new(move |g: &Graph, inputs: &[Tensor]| run_segment(&opts, &state, g, inputs));
         let (traced, outs) = trace::trace(args, self.opts.fullgraph, on_break, &mut |sym| f.invoke(sym))?;
         drop(outs);
-        log("graph", || format!("{}", traced.graph));
+        log(Category::Graph, || format!("{}", traced.graph));
         if !traced.breaks.is_empty() || self.state.lock().segmented {
             self.state.lock().segmented = true;
             return run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs);
         }
         if self.opts.mode != Mode::Default {
-            log("recompiles", || format!("mode {:?} runs the launch list as in Default mode", self.opts.mode));
+            log(Category::Recompiles, || format!("mode {:?} runs the launch list as in Default mode", self.opts.mode));
         }
         let exec = build(&self.opts, &traced.graph, &traced.inputs)?;
         let captured = traced.inputs[args.len()..].to_vec();
@@ -363,13 +358,13 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor]) -> Result<Exec> {
             let needs_grad = crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
             if needs_grad {
                 if g.outputs.len() != 1 || !g.mutations.is_empty() {
-                    log("breaks", || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());
+                    log(Category::Breaks, || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());
                     return Ok(Exec::Runner(g.eager_runner()));
                 }
                 let s = autodiff::split(g, inputs)?;
                 let forward = runtime::Program::new(simplify::simplify(&s.forward));
                 let backward = runtime::Program::new(simplify::simplify(&s.backward));
-                log("graph", || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
+                log(Category::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
             Ok(Exec::Program(Arc::new(runtime::Program::new(simplify::simplify(g)))))

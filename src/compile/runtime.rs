@@ -3,6 +3,7 @@
 //! allocator hands their memory to the next step (the memory plan).
 
 use super::fuse::{self, Schedule, Step};
+use crate::logging::Category;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
 use crate::layout::Layout;
 use crate::{Result, Tensor};
@@ -63,7 +64,7 @@ pub(crate) struct Program {
 impl Program {
     pub(crate) fn new(graph: Graph) -> Program {
         let schedule = fuse::schedule(&graph);
-        super::log("fusion", || {
+        crate::logging::log(Category::Fusion, || {
             let mut s = format!("{} kernels, {} steps", schedule.kernels.len(), schedule.steps.len());
             for k in &schedule.kernels {
                 s += &format!("\n  {}", k.describe());

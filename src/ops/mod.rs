@@ -139,7 +139,9 @@ impl Op {
     }
 
     /// Runs the op on its inputs' device. Arguments were validated by the caller.
+    #[track_caller]
     pub(crate) fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
+        let _rec = crate::profiler::cpu_op(self, xs);
         let device = xs[0].device();
         for x in &xs[1..] {
             if x.device() != device {
@@ -297,6 +299,7 @@ impl Op {
 }
 
 /// Runs a primitive op and records it for autograd.
+#[track_caller]
 pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     // Inside a function being compiled the op is recorded, not run.
     let out = if crate::compile::trace::active() { crate::compile::trace::record(op.clone(), inputs)? } else { op.forward(inputs)? };

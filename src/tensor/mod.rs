@@ -82,6 +82,7 @@ impl Tensor {
 
     /// A copy of this tensor's values on `device`, through the host (a copy between two GPUs
     /// is explicit, and rare enough for this).
+    #[track_caller]
     pub(crate) fn copy_to_device(&self, device: Device, non_blocking: bool) -> Result<Tensor> {
         if let (true, Device::Cpu, Device::Cuda(n)) = (non_blocking, self.device(), device) {
             let s = crate::backend::cuda::kernels::upload_async(n, self)?;
@@ -223,6 +224,7 @@ impl Tensor {
     }
 
     /// Moves the tensor to `device` (a no-op when it is already there). Synchronous.
+    #[track_caller]
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
         if *device == self.device() {
             return Ok(self.clone());

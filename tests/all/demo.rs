@@ -1,9 +1,9 @@
-//! The `kiln` program's demo runs to the end and learns.
+//! The `kiln` program's demo runs to the end, learns, and profiles a training step.
 
 use crate::common::*;
 
 #[test]
-fn the_demo_trains_to_the_end() {
+fn the_demo_trains_to_the_end_and_profiles_a_step() {
     let d = dev();
     let mut out = Vec::new();
     let r = kiln::demo::run(200, &d, false, &mut out).unwrap();
@@ -11,5 +11,19 @@ fn the_demo_trains_to_the_end() {
     assert!(text.contains("held-out accuracy") && text.contains("eager step"), "{text}");
     assert!(r.last_loss < r.first_loss, "{r:?}");
     assert!(r.accuracy > 0.2, "better than chance (0.1): {r:?}");
-    assert_eq!(r.kernels_per_step.is_some(), d.is_cuda());
+    // Forward, loss, backward and update: two products forward, four backward at least.
+    assert!(r.kernels_per_step >= 6, "{r:?}");
+    assert_eq!(r.kernels_per_step, r.profile.kernel_count());
+    assert!(text.contains(&format!("{} kernels per step", r.kernels_per_step)), "{text}");
+    let matmul = if d.is_cuda() { "cublas_gemm_float32" } else { "matmul" };
+    assert!(r.profile.key_averages().get(matmul).is_some_and(|m| m.calls >= 5), "{:?}", r.profile.kernel_names());
+    let avg = r.profile.key_averages();
+    let top = &avg.sorted(kiln::profiler::SortBy::DeviceTimeTotal)[0].name;
+    assert!(text.contains("device total") && text.contains(top.as_str()), "the table is printed:\n{text}");
+}
+
+#[test]
+fn the_demo_needs_a_step() {
+    let e = kiln::demo::run(0, &dev(), false, &mut Vec::new()).unwrap_err().to_string();
+    assert!(e.contains("demo") && e.contains("at least one training step"), "{e}");
 }

@@ -15,5 +15,6 @@ mod ops_matmul;
 mod ops_nn;
 mod ops_pointwise;
 mod ops_reduce;
+mod profiler;
 mod smoke;
 mod tensor;

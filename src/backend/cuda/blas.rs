@@ -72,6 +72,7 @@ pub(crate) fn bmm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType) -
     } else {
         (&one32 as *const f32 as *const _, &zero32 as *const f32 as *const _)
     };
+    let _rec = crate::profiler::blas(dev, dtype);
     // Row-major C = A B is column-major C^T = B^T A^T: B comes first.
     // SAFETY: pointers and strides describe live buffers of these shapes; alpha/beta are host
     // scalars of the compute type.

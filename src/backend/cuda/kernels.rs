@@ -7,6 +7,7 @@ use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::storage::BackendStorage;
+use crate::profiler::{self, CopyKind};
 use crate::{DType, Device, Error, Result, Tensor};
 use cudarc::driver::result as dr;
 use std::sync::Arc;
@@ -219,6 +220,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
         // A plain device-to-device copy: the copy engine's roofline, no kernel.
         let bytes = dst.numel() * dst.dtype().size_in_bytes();
         if bytes > 0 {
+            let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToDevice, bytes);
             // SAFETY: both ranges hold `bytes` and do not overlap (aliasing values were copied
             // first by the caller); ordered on the device's stream.
             unsafe { dr::memcpy_dtod_async(data_ptr(dst)?, data_ptr(src)?, bytes, dev.stream.cu_stream()) }.map_err(|e| dev.err("copy", e))?;
@@ -234,6 +236,7 @@ pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
     if bytes == 0 {
         return Ok(());
     }
+    let _rec = profiler::memset(dev, bytes);
     // SAFETY: the block holds at least `bytes`; the memset is ordered on the device's stream.
     unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, dev.stream.cu_stream()) }.map_err(|e| dev.err("memset", e))
 }
@@ -485,6 +488,7 @@ pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
     }
     with_dtype!(x.dtype(), T => {
         let host = crate::backend::cpu::to_vec_as::<T>(x);
+        let _rec = profiler::copy(&dev, &dev.stream, CopyKind::HostToDevice, out.len * x.dtype().size_in_bytes());
         // SAFETY: `out` holds host.len() elements of T; the copy completes before returning.
         unsafe { dr::memcpy_htod_sync(out.ptr(), &host) }.map_err(|e| dev.err("copy to device", e))?;
     });
@@ -516,15 +520,18 @@ pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
     Ok(out)
 }
 
-/// Device → host: the tensor's elements, row-major. Waits for the device (an explicit read).
+/// Device → host: the tensor's elements, row-major. Waits for the device (an explicit read,
+/// reported at the caller's call site).
+#[track_caller]
 pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
     let dev = dev_of(x)?;
     let c = if x.is_contiguous() { x.clone() } else { x.copy_contiguous()? };
     let ptr = data_ptr(&c)?;
-    dev.synchronize()?;
+    dev.synchronize("copy to host")?;
     Ok(with_dtype!(x.dtype(), T => {
         let mut host = vec![<T as Default>::default(); c.numel()];
         if !host.is_empty() {
+            let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToHost, c.numel() * x.dtype().size_in_bytes());
             // SAFETY: the device buffer holds numel elements of T from `ptr`; work that writes
             // it was synchronised above.
             unsafe { dr::memcpy_dtoh_sync(&mut host, ptr) }.map_err(|e| dev.err("copy to host", e))?;

@@ -20,9 +20,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-/// A loaded kernel. CUfunction handles are plain pointers valid for the context's lifetime.
+/// A loaded kernel and its name. CUfunction handles are plain pointers valid for the
+/// context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
 #[derive(Clone, Copy)]
-pub(crate) struct Kernel(ds::CUfunction);
+pub(crate) struct Kernel(ds::CUfunction, &'static str);
 // SAFETY: a CUfunction may be launched from any thread that binds its context.
 unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
@@ -166,11 +167,16 @@ impl CudaDevice {
 
     /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
-        self.alloc.lock().alloc(bytes).map_err(|oom| Error::OutOfMemory { device: self.kiln_device(), msg: oom.to_string() })
+        let mut a = self.alloc.lock();
+        let b = a.alloc(bytes).map_err(|oom| Error::OutOfMemory { device: self.kiln_device(), msg: oom.to_string() })?;
+        crate::profiler::memory(self.ordinal, b.size as i64, || a.stats().allocated);
+        Ok(b)
     }
 
     pub(crate) fn free(&self, block: Block) {
-        self.alloc.lock().free(block);
+        let mut a = self.alloc.lock();
+        a.free(block);
+        crate::profiler::memory(self.ordinal, -(block.size as i64), || a.stats().allocated);
     }
 
     /// At least `n` zeroed u32 counters, kept for the device's lifetime.
@@ -199,9 +205,7 @@ impl CudaDevice {
         }
         let (name, src) = gen();
         LOADS.with(|c| c.set(c.get() + 1));
-        if crate::log_enabled("kernels") {
-            eprintln!("[kiln kernels] {name} ({}):\n{src}", self.arch);
-        }
+        crate::logging::log(crate::logging::Category::Kernels, || format!("{name} ({}):\n{src}", self.arch));
         let (cubin, _) = nvrtc::cubin(&src, &self.arch, self.driver, self.kiln_device())?;
         self.bind()?;
         // SAFETY: `cubin` is a complete image for this device's architecture.
@@ -210,13 +214,14 @@ impl CudaDevice {
         // SAFETY: the module was just loaded and names this function.
         let f = unsafe { dr::module::get_function(module, cname) }.map_err(|e| self.err("get function", e))?;
         self.modules.lock().push(module as usize);
-        let k = Kernel(f);
+        let k = Kernel(f, Box::leak(name.into_boxed_str()));
         self.kernels.lock().insert(key, k);
         Ok(k)
     }
 
     /// Launches `k` on the device's stream with the argument block `args`.
     pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &KArgs) -> Result<()> {
+        let _rec = crate::profiler::kernel(self, k.1, grid, block);
         let mut a = *args;
         let mut params = [&mut a as *mut KArgs as *mut std::ffi::c_void];
         // SAFETY: every generated kernel takes exactly one `KArgs` by value; the pointers inside
@@ -228,7 +233,10 @@ impl CudaDevice {
     }
 
     /// Waits for the device, then reports a bad index a kernel found since the last check.
-    pub(crate) fn synchronize(&self) -> Result<()> {
+    /// `what` and the caller's location are what sync debug mode and the profiler report.
+    #[track_caller]
+    pub(crate) fn synchronize(&self, what: &'static str) -> Result<()> {
+        let _rec = crate::profiler::sync(what, self.kiln_device(), std::panic::Location::caller())?;
         self.bind()?;
         self.stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
@@ -262,6 +270,7 @@ impl CudaDevice {
         // SAFETY: `src` points to `bytes` of pinned host memory that `keep` keeps alive until the
         // event below completes; `dst` is a device block of at least `bytes`.
         let host = unsafe { std::slice::from_raw_parts(src, bytes) };
+        let _rec = crate::profiler::copy(self, &self.copy_stream, crate::profiler::CopyKind::HostToDevice, bytes);
         unsafe { dr::memcpy_htod_async(dst, host, self.copy_stream.cu_stream()) }.map_err(|e| self.err("copy to device", e))?;
         let done = self.copy_stream.record_event(None).map_err(|e| self.err("event", e))?;
         self.stream.wait(&done).map_err(|e| self.err("stream wait", e))?;
@@ -307,9 +316,15 @@ pub fn device_name(device: &Device) -> Result<String> {
     d.ctx.name().map_err(|e| d.err("device name", e))
 }
 
-/// Waits for all work queued on `device` (`torch.cuda.synchronize`).
+/// Waits for all work queued on `device` (`torch.cuda.synchronize`). On the CPU there is
+/// nothing to wait for, but the call is still reported by sync debug mode and the profiler, so
+/// code run on a CPU machine shows where it will wait on a GPU.
+#[track_caller]
 pub fn synchronize(device: &Device) -> Result<()> {
-    cuda_device("synchronize", device)?.synchronize()
+    match device {
+        Device::Cpu => crate::profiler::sync("synchronize", *device, std::panic::Location::caller()).map(drop),
+        Device::Cuda(n) => self::device(*n)?.synchronize("synchronize"),
+    }
 }
 
 /// The caching allocator's figures for `device`.
@@ -324,9 +339,10 @@ pub fn reset_peak_memory_stats(device: &Device) -> Result<()> {
 }
 
 /// Returns cached, unused blocks to the device (after the queued work that may use them).
+#[track_caller]
 pub fn empty_cache(device: &Device) -> Result<()> {
     let d = cuda_device("empty_cache", device)?;
-    d.synchronize()?;
+    d.synchronize("empty_cache")?;
     d.alloc.lock().empty_cache();
     Ok(())
 }

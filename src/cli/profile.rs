@@ -1,0 +1,30 @@
+//! `kiln profile WORKLOAD`: one call of a bench workload under the profiler, after a warm-up
+//! call; prints the per-kernel table and writes a Chrome trace.
+
+use super::bench::{self, WORKLOADS};
+use kiln::prelude::*;
+use kiln::Error;
+use std::path::Path;
+
+pub fn run(name: &str, trace: &Path) -> Result<()> {
+    if !WORKLOADS.contains(&name) {
+        return Err(Error::Arg { op: "profile", msg: format!("unknown workload '{name}'; one of: {}", WORKLOADS.join(", ")) });
+    }
+    let dev = Device::cuda_if_available(0);
+    manual_seed(0);
+    let Some(mut w) = bench::setup(name, &dev)? else {
+        return Err(Error::Arg { op: "profile", msg: format!("{name} {}", bench::NOT_YET) });
+    };
+    drop((w.call)()?); // kernels compiled, allocator cache warm
+    kiln::cuda::synchronize(&dev)?;
+    let prof = profiler::profile(|| (w.call)())?;
+    println!("{name} on {dev}: one call after a warm-up, {:.3} ms on the host", prof.wall_us() / 1e3);
+    println!("{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 20));
+    println!("{} kernels", prof.kernel_count());
+    if let Some(peak) = prof.peak_bytes_in_use(dev) {
+        println!("peak device memory allocated: {:.1} MiB", peak as f64 / (1u64 << 20) as f64);
+    }
+    prof.export_chrome_trace(trace)?;
+    println!("Chrome trace written to {} (open in chrome://tracing or ui.perfetto.dev)", trace.display());
+    Ok(())
+}

@@ -1,0 +1,185 @@
+//! The profiler (`torch.profiler`): what a piece of code ran on the device, and what it cost.
+//!
+//! ```
+//! use kiln::prelude::*;
+//! # fn main() -> kiln::Result<()> {
+//! let dev = Device::cuda_if_available(0);
+//! let x = Tensor::randn(&[1000], DType::F32, &dev)?;
+//! let f = |x: &Tensor| x.relu();
+//! let prof = profiler::profile(|| f(&x))?;
+//! println!("{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 10));
+//! assert_eq!(prof.kernel_count(), 1);
+//! prof.export_chrome_trace(std::env::temp_dir().join("kiln-doc-trace.json"))?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! While `profile` runs its closure, the calling thread records every kernel launch (name,
+//! grid, block, stream; device time from CUDA events around it, read with one synchronisation
+//! at the end), cuBLAS call, host↔device copy, memset, synchronisation (with its call site) and
+//! device allocation (with the bytes in use after it). On the CPU, each primitive op that runs
+//! a CPU kernel is recorded as a kernel named after the op, its device time being its host time.
+//! Views (reshape, permute, expand, slice) are no kernels. Other threads are not recorded.
+//! When nothing is profiled, each hook costs one relaxed atomic load.
+
+mod record;
+mod sync;
+mod table;
+mod trace;
+
+pub(crate) use record::{blas, copy, cpu_op, kernel, memory, memset};
+pub(crate) use sync::sync;
+pub use sync::{set_sync_debug_mode, sync_debug_mode, with_sync_debug_mode, SyncDebug};
+pub use table::{KernelStats, KeyAverages, SortBy};
+
+use crate::{Device, Error, Result};
+use std::panic::Location;
+
+/// Runs `f` and returns what it did on the devices; `f`'s value is dropped after recording
+/// stopped (see [`profile_value`] to keep it).
+pub fn profile<T>(f: impl FnOnce() -> Result<T>) -> Result<Profile> {
+    profile_value(f).map(|(_, p)| p)
+}
+
+/// Runs `f` and returns its value with what it did on the devices. An error of `f` is returned
+/// as is (the recording is dropped).
+pub fn profile_value<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
+    let rec = record::Recording::start()?;
+    let value = f()?;
+    let (events, wall_us) = rec.finish()?;
+    Ok((value, Profile { events, wall_us }))
+}
+
+/// What was recorded, in the order the host issued it.
+#[derive(Clone, Debug)]
+pub struct Profile {
+    events: Vec<Event>,
+    wall_us: f64,
+}
+
+/// One recorded thing. Times are µs; `start_us` counts from the start of `profile`.
+#[derive(Clone, Debug)]
+pub struct Event {
+    pub kind: EventKind,
+    /// The kernel's name (as in its generated source; `cublas_gemm_<dtype>` for cuBLAS; the op's
+    /// name for a CPU kernel), `memcpy HtoD`/`DtoH`/`DtoD`, `memset`, `alloc`/`free`, or what a
+    /// synchronisation was for.
+    pub name: String,
+    pub device: Device,
+    /// When the host began it.
+    pub start_us: f64,
+    /// Host time: launching or queueing on a GPU, running on the CPU, waiting for a sync.
+    pub host_us: f64,
+    /// Time on the device, from CUDA events around it (the host time for a CPU kernel).
+    pub device_us: Option<f64>,
+    /// When the device began it, on the host's timeline (anchored at the device's first
+    /// recorded point).
+    pub device_start_us: Option<f64>,
+    pub grid: Option<(u32, u32, u32)>,
+    pub block: Option<(u32, u32, u32)>,
+    /// The CUDA stream's handle (0 is the default stream).
+    pub stream: Option<u64>,
+    /// Bytes copied, set or (de)allocated.
+    pub bytes: usize,
+    /// After an allocation or free: the device's bytes allocated.
+    pub bytes_in_use: Option<usize>,
+    /// A synchronisation's call site.
+    pub location: Option<&'static Location<'static>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Kernel,
+    Copy(CopyKind),
+    Memset,
+    Sync,
+    Alloc,
+    Free,
+}
+
+impl EventKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EventKind::Kernel => "kernel",
+            EventKind::Copy(_) => "copy",
+            EventKind::Memset => "memset",
+            EventKind::Sync => "sync",
+            EventKind::Alloc => "alloc",
+            EventKind::Free => "free",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyKind {
+    HostToDevice,
+    DeviceToHost,
+    DeviceToDevice,
+}
+
+impl CopyKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyKind::HostToDevice => "memcpy HtoD",
+            CopyKind::DeviceToHost => "memcpy DtoH",
+            CopyKind::DeviceToDevice => "memcpy DtoD",
+        }
+    }
+}
+
+impl Profile {
+    pub fn events(&self) -> &[Event] {
+        &self.events
+    }
+
+    /// Host time of the whole profiled closure, µs.
+    pub fn wall_us(&self) -> f64 {
+        self.wall_us
+    }
+
+    pub fn kernels(&self) -> impl Iterator<Item = &Event> {
+        self.events.iter().filter(|e| e.kind == EventKind::Kernel)
+    }
+
+    /// Kernels launched (cuBLAS calls count one each; copies and memsets are not kernels).
+    pub fn kernel_count(&self) -> usize {
+        self.kernels().count()
+    }
+
+    /// The kernels' names in launch order.
+    pub fn kernel_names(&self) -> Vec<&str> {
+        self.kernels().map(|e| e.name.as_str()).collect()
+    }
+
+    pub fn key_averages(&self) -> KeyAverages {
+        KeyAverages::new(&self.events)
+    }
+
+    /// Host synchronisations with their call sites.
+    pub fn syncs(&self) -> impl Iterator<Item = &Event> {
+        self.events.iter().filter(|e| e.kind == EventKind::Sync)
+    }
+
+    /// Allocations and frees of `device`, in order, each with the bytes in use after it.
+    pub fn memory_timeline(&self, device: Device) -> impl Iterator<Item = &Event> {
+        self.events.iter().filter(move |e| matches!(e.kind, EventKind::Alloc | EventKind::Free) && e.device == device)
+    }
+
+    /// The most bytes `device` had allocated at any point of the profile (None: no allocation
+    /// or free was recorded).
+    pub fn peak_bytes_in_use(&self, device: Device) -> Option<usize> {
+        self.memory_timeline(device).filter_map(|e| e.bytes_in_use).max()
+    }
+
+    /// The Chrome trace as JSON (see [`Profile::export_chrome_trace`]).
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        trace::chrome_trace(&self.events)
+    }
+
+    /// Writes the trace for chrome://tracing or ui.perfetto.dev.
+    pub fn export_chrome_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let path = path.as_ref();
+        let text = serde_json::to_string(&self.chrome_trace()).expect("a JSON value serialises");
+        std::fs::write(path, text).map_err(|e| Error::Io { op: "export_chrome_trace", msg: format!("writing {}: {e}", path.display()) })
+    }
+}

@@ -1,0 +1,261 @@
+//! Recording: the per-thread session the hooks write to, and the hooks the backends call.
+//!
+//! Recording is per thread, like `cuda::launch_count`: work of other threads (tests running in
+//! parallel, loader workers) does not enter a profile. When no thread profiles, every hook
+//! returns after one relaxed atomic load.
+
+use super::{CopyKind, Event, EventKind};
+use crate::backend::cuda::CudaDevice;
+use crate::ops::Op;
+use crate::{DType, Device, Error, Result, Tensor};
+use cudarc::driver::{sys as ds, CudaContext, CudaEvent, CudaStream};
+use std::cell::RefCell;
+use std::panic::Location;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Threads profiling now.
+static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+
+#[inline(always)]
+fn active() -> bool {
+    ACTIVE.load(Ordering::Relaxed) != 0
+}
+
+/// A device's first recorded point: device timestamps are placed on the host timeline by it.
+struct Base {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    event: CudaEvent,
+    host_us: f64,
+}
+
+struct Session {
+    t0: Instant,
+    events: Vec<Event>,
+    /// Device time to read at the end: event index, ordinal, start and end events.
+    timings: Vec<(usize, usize, CudaEvent, CudaEvent)>,
+    bases: Vec<Base>,
+}
+
+impl Session {
+    fn now_us(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64() * 1e6
+    }
+}
+
+thread_local! {
+    static SESSION: RefCell<Option<Session>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on this thread's session, if it is recording (None otherwise, also during thread
+/// teardown, where a storage may still be dropped).
+fn with_session<R>(f: impl FnOnce(&mut Session) -> R) -> Option<R> {
+    SESSION.try_with(|s| s.try_borrow_mut().ok()?.as_mut().map(f)).ok().flatten()
+}
+
+/// Recording on this thread; stops when dropped, also when the profiled closure panics.
+pub(super) struct Recording(());
+
+impl Recording {
+    pub(super) fn start() -> Result<Recording> {
+        SESSION.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.is_some() {
+                return Err(Error::arg("profile", "this thread is already being profiled; profiles do not nest"));
+            }
+            *s = Some(Session { t0: Instant::now(), events: Vec::new(), timings: Vec::new(), bases: Vec::new() });
+            Ok(())
+        })?;
+        ACTIVE.fetch_add(1, Ordering::Relaxed);
+        Ok(Recording(()))
+    }
+
+    /// Stops recording and returns the events with their device times, read after one
+    /// synchronisation per device that was used.
+    pub(super) fn finish(self) -> Result<(Vec<Event>, f64)> {
+        let s = SESSION.with(|s| s.borrow_mut().take()).expect("a recording has a session");
+        let wall_us = s.now_us();
+        drop(self);
+        let mut events = s.events;
+        let cuda_err = |ordinal, e| Error::Cuda { op: "profile", device: Device::Cuda(ordinal), msg: format!("{e:?}") };
+        for b in &s.bases {
+            b.ctx.synchronize().map_err(|e| cuda_err(b.ordinal, e))?;
+        }
+        for (i, ordinal, start, end) in &s.timings {
+            let base = s.bases.iter().find(|b| b.ordinal == *ordinal).expect("a device with timings has a base");
+            let offset_ms = base.event.elapsed_ms(start).map_err(|e| cuda_err(*ordinal, e))? as f64;
+            let ms = start.elapsed_ms(end).map_err(|e| cuda_err(*ordinal, e))? as f64;
+            events[*i].device_start_us = Some(base.host_us + offset_ms * 1e3);
+            events[*i].device_us = Some(ms * 1e3);
+        }
+        Ok((events, wall_us))
+    }
+}
+
+impl Drop for Recording {
+    fn drop(&mut self) {
+        let _ = SESSION.try_with(|s| s.borrow_mut().take());
+        ACTIVE.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Something being recorded: pushed to the session when dropped, with its host time and, on
+/// a device, an end event recorded on its stream.
+pub(crate) struct Span(Option<Box<Open>>);
+
+struct Open {
+    event: Event,
+    start: Instant,
+    /// The stream and start event of device work (None on the CPU, or if the event failed).
+    timing: Option<(Arc<CudaStream>, CudaEvent)>,
+}
+
+impl Span {
+    const OFF: Span = Span(None);
+
+    fn open(mut event: Event) -> Span {
+        match with_session(|s| s.now_us()) {
+            Some(t) => {
+                event.start_us = t;
+                Span(Some(Box::new(Open { event, start: Instant::now(), timing: None })))
+            }
+            None => Span::OFF,
+        }
+    }
+
+    /// Device work queued on `stream`: timed by events around it.
+    fn on_device(event: Event, dev: &CudaDevice, stream: &Arc<CudaStream>) -> Span {
+        let mut span = Span::open(event);
+        if let Some(o) = span.0.as_mut() {
+            let timed = Some(ds::CUevent_flags::CU_EVENT_DEFAULT);
+            let has_base = with_session(|s| s.bases.iter().any(|b| b.ordinal == dev.ordinal)).unwrap_or(true);
+            if !has_base {
+                if let Ok(event) = dev.stream.record_event(timed) {
+                    let base = Base { ordinal: dev.ordinal, ctx: dev.ctx.clone(), event, host_us: o.event.start_us };
+                    with_session(|s| s.bases.push(base));
+                }
+            }
+            o.timing = stream.record_event(timed).ok().map(|e| (stream.clone(), e));
+        }
+        span
+    }
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        let Some(o) = self.0.take() else { return };
+        let Open { mut event, start, timing } = *o;
+        event.host_us = start.elapsed().as_secs_f64() * 1e6;
+        if event.device == Device::Cpu && event.kind == EventKind::Kernel {
+            event.device_us = Some(event.host_us); // the CPU is the device
+            event.device_start_us = Some(event.start_us);
+        }
+        let ordinal = match event.device {
+            Device::Cuda(n) => n,
+            Device::Cpu => 0,
+        };
+        let end = timing.and_then(|(stream, start)| Some((start, stream.record_event(Some(ds::CUevent_flags::CU_EVENT_DEFAULT)).ok()?)));
+        with_session(|s| {
+            if let Some((start, end)) = end {
+                s.timings.push((s.events.len(), ordinal, start, end));
+            }
+            s.events.push(event);
+        });
+    }
+}
+
+fn event(kind: EventKind, name: String, device: Device) -> Event {
+    Event { kind, name, device, start_us: 0.0, host_us: 0.0, device_us: None, device_start_us: None, grid: None, block: None, stream: None, bytes: 0, bytes_in_use: None, location: None }
+}
+
+fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name: String, bytes: usize) -> Span {
+    let mut e = event(kind, name, dev.kiln_device());
+    e.stream = Some(stream.cu_stream() as u64);
+    e.bytes = bytes;
+    Span::on_device(e, dev, stream)
+}
+
+/// Hook: a generated kernel launched on the device's stream.
+#[inline]
+pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32)) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    let mut span = device_work(dev, &dev.stream, EventKind::Kernel, name.to_string(), 0);
+    if let Some(o) = span.0.as_mut() {
+        (o.event.grid, o.event.block) = (Some(grid), Some(block));
+    }
+    span
+}
+
+/// Hook: a cuBLAS matrix product (counted as one kernel, whatever cuBLAS launches inside).
+#[inline]
+pub(crate) fn blas(dev: &CudaDevice, dtype: DType) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    device_work(dev, &dev.stream, EventKind::Kernel, format!("cublas_gemm_{}", dtype.torch_name()), 0)
+}
+
+/// Hook: a copy of `bytes` queued on `stream`.
+#[inline]
+pub(crate) fn copy(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: CopyKind, bytes: usize) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    device_work(dev, stream, EventKind::Copy(kind), kind.name().to_string(), bytes)
+}
+
+/// Hook: a memset of `bytes` on the device's stream.
+#[inline]
+pub(crate) fn memset(dev: &CudaDevice, bytes: usize) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    device_work(dev, &dev.stream, EventKind::Memset, "memset".to_string(), bytes)
+}
+
+/// Hook: at the top of `Op::forward`; records the op when it runs a CPU kernel (not a view,
+/// not a copy between devices, which the copy hooks record).
+#[inline]
+pub(crate) fn cpu_op(op: &Op, xs: &[&Tensor]) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    let view_or_move = matches!(op, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. });
+    if view_or_move || xs.first().is_none_or(|x| x.device() != Device::Cpu) {
+        return Span::OFF;
+    }
+    Span::open(event(EventKind::Kernel, op.name().to_string(), Device::Cpu))
+}
+
+/// Hook: a host synchronisation called at `at` (its host time is the wait).
+pub(super) fn sync(what: &'static str, device: Device, at: &'static Location<'static>) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    let mut e = event(EventKind::Sync, what.to_string(), device);
+    e.location = Some(at);
+    Span::open(e)
+}
+
+/// Hook: the caching allocator handed out (`delta` > 0) or took back (< 0) a block of device
+/// `ordinal`; `in_use` gives the bytes allocated afterwards.
+#[inline]
+pub(crate) fn memory(ordinal: usize, delta: i64, in_use: impl FnOnce() -> usize) {
+    let log = crate::logging::enabled(crate::logging::Category::Alloc);
+    if delta == 0 || !(active() || log) {
+        return;
+    }
+    let in_use = in_use();
+    let (kind, name) = if delta > 0 { (EventKind::Alloc, "alloc") } else { (EventKind::Free, "free") };
+    crate::logging::log(crate::logging::Category::Alloc, || format!("cuda:{ordinal} {name} {} bytes, {in_use} in use", delta.unsigned_abs()));
+    let mut e = event(kind, name.to_string(), Device::Cuda(ordinal));
+    (e.bytes, e.bytes_in_use) = (delta.unsigned_abs() as usize, Some(in_use));
+    with_session(|s| {
+        e.start_us = s.now_us();
+        s.events.push(e);
+    });
+}

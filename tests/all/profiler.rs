@@ -1,0 +1,206 @@
+//! The profiler, sync debug mode and KILN_LOG: counts and names of kernels on the test device,
+//! the table, the Chrome trace, call sites of synchronisations.
+
+use crate::common::*;
+use kiln::logging::{self, Category};
+use kiln::prelude::*;
+use kiln::profiler::{CopyKind, EventKind};
+use kiln::{with_sync_debug_mode, Error};
+
+fn inputs(n: usize) -> (Tensor, Tensor) {
+    let d = dev();
+    (Tensor::randn(&[n], DType::F32, &d).unwrap(), Tensor::randn(&[n], DType::F32, &d).unwrap())
+}
+
+#[test]
+fn eager_add_relu_is_two_kernels_named_after_their_ops() {
+    let (a, b) = inputs(1000);
+    let prof = profiler::profile(|| (&a + &b)?.relu()).unwrap();
+    assert_eq!(prof.kernel_count(), 2, "{:?}", prof.events());
+    let names = prof.kernel_names();
+    assert!(names[0].starts_with("add") && names[1].starts_with("relu"), "{names:?}");
+    for k in prof.kernels() {
+        assert_eq!(k.device, dev());
+        assert!(k.device_us.is_some_and(|t| t >= 0.0) && k.host_us >= 0.0, "{k:?}");
+        assert_eq!(k.grid.is_some(), dev().is_cuda(), "launch configuration only on a GPU: {k:?}");
+    }
+    if dev() == Device::Cpu {
+        assert_eq!(names, ["add", "relu"]);
+    }
+}
+
+#[test]
+fn views_are_not_kernels_and_matmul_is_one() {
+    let d = dev();
+    let x = Tensor::randn(&[4, 6], DType::F32, &d).unwrap();
+    let prof = profiler::profile(|| x.reshape(&[6, 4])?.transpose(0, 1)?.unsqueeze(0)).unwrap();
+    assert_eq!(prof.kernel_count(), 0, "{:?}", prof.kernel_names());
+    let w = Tensor::randn(&[6, 3], DType::F32, &d).unwrap();
+    let prof = profiler::profile(|| x.matmul(&w)).unwrap();
+    assert_eq!(prof.kernel_count(), 1, "{:?}", prof.kernel_names());
+    let expected = if d.is_cuda() { "cublas_gemm_float32" } else { "matmul" };
+    assert_eq!(prof.kernel_names(), [expected]);
+}
+
+#[test]
+fn table_groups_by_name_and_sorts() {
+    let (a, b) = inputs(256);
+    let prof = profiler::profile(|| {
+        let s = (&(&a + &b)? + &b)?;
+        (&s + &a)?.relu()
+    })
+    .unwrap();
+    let avg = prof.key_averages();
+    let add = avg.rows().iter().find(|r| r.name.starts_with("add")).expect("an add row");
+    assert_eq!(add.calls, 3);
+    assert!((add.device_avg_us() - add.device_total_us / 3.0).abs() < 1e-9);
+    let table = avg.table(SortBy::Calls, 10);
+    let lines: Vec<&str> = table.lines().collect();
+    for col in ["kernel", "calls", "device total", "device avg", "host total"] {
+        assert!(lines[0].contains(col), "{table}");
+    }
+    assert!(lines[1].starts_with(&add.name) && lines[1].split_whitespace().nth(1) == Some("3"), "most calls first:\n{table}");
+    assert!(lines[2].starts_with("relu"), "{table}");
+    assert!(lines.last().unwrap().starts_with("total") && lines.last().unwrap().split_whitespace().nth(1) == Some("4"), "{table}");
+    let cut = avg.table(SortBy::DeviceTimeTotal, 1);
+    assert!(cut.contains("(1 more not shown)"), "{cut}");
+    assert_eq!(cut.lines().count(), 4, "header, one row, the note, totals:\n{cut}");
+}
+
+#[test]
+fn chrome_trace_is_json_with_slices_and_named_tracks() {
+    let (a, b) = inputs(1000);
+    let prof = profiler::profile(|| (&a + &b)?.relu()).unwrap();
+    let path = std::env::temp_dir().join(format!("kiln-trace-{}.json", std::process::id()));
+    prof.export_chrome_trace(&path).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let events = v["traceEvents"].as_array().expect("traceEvents");
+    let slices: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let on_host: Vec<&str> = slices.iter().filter(|e| e["pid"] == 0 && e["cat"] == "kernel").map(|e| e["name"].as_str().unwrap()).collect();
+    assert_eq!(on_host, prof.kernel_names());
+    assert!(slices.iter().all(|e| e["ts"].is_number() && e["dur"].as_f64().is_some_and(|d| d >= 0.0)), "{v}");
+    assert!(events.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "host"), "{v}");
+    if let Device::Cuda(n) = dev() {
+        let on_device = slices.iter().filter(|e| e["pid"] == 1 + n as u64).count();
+        assert_eq!(on_device, 2, "each kernel on its device track: {v}");
+        assert!(events.iter().any(|e| e["ph"] == "C"), "memory counters: {v}");
+    }
+}
+
+#[test]
+fn a_sync_is_reported_with_the_callers_line() {
+    let d = dev();
+    // An explicit synchronize is reported on every device, the CPU included.
+    let (r, line) = (with_sync_debug_mode(SyncDebug::Error, || kiln::cuda::synchronize(&d)), line!());
+    let e = r.unwrap_err();
+    assert!(matches!(e, Error::Sync { .. }), "{e}");
+    let at = format!("{}:{line}:", file!());
+    assert!(e.to_string().contains(&at), "{e} should name {at}");
+
+    let (prof, line) = (profiler::profile(|| with_sync_debug_mode(SyncDebug::Warn, || kiln::cuda::synchronize(&d))).unwrap(), line!());
+    let syncs: Vec<_> = prof.syncs().collect();
+    assert_eq!(syncs.len(), 1, "{:?}", prof.events());
+    let loc = syncs[0].location.expect("a call site");
+    assert_eq!((loc.file(), loc.line()), (file!(), line));
+
+    // Reads wait for a GPU only; on the CPU they are no synchronisation.
+    let x = Tensor::ones(&[3], DType::F32, &d).unwrap().sum_all().unwrap();
+    let (r, line) = (profiler::profile_value(|| with_sync_debug_mode(SyncDebug::Error, || x.item::<f32>())), line!());
+    if d.is_cuda() {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains(&format!("{}:{line}:", file!())), "{e}");
+        let (r, line) = (with_sync_debug_mode(SyncDebug::Error, || x.to_device(&Device::Cpu)), line!());
+        assert!(r.unwrap_err().to_string().contains(&format!("{}:{line}:", file!())));
+    } else {
+        assert_eq!(r.unwrap().0, 3.0);
+    }
+    assert_eq!(x.item::<f32>().unwrap(), 3.0, "the mode ends with its scope");
+}
+
+#[test]
+fn the_global_mode_applies_unless_a_thread_overrides_it() {
+    assert_eq!(kiln::profiler::sync_debug_mode(), SyncDebug::Off);
+    kiln::set_sync_debug_mode(SyncDebug::Warn);
+    assert_eq!(kiln::profiler::sync_debug_mode(), SyncDebug::Warn);
+    with_sync_debug_mode(SyncDebug::Off, || assert_eq!(kiln::profiler::sync_debug_mode(), SyncDebug::Off));
+    kiln::set_sync_debug_mode(SyncDebug::Off);
+    assert_eq!(kiln::profiler::sync_debug_mode(), SyncDebug::Off);
+}
+
+#[test]
+fn profiles_are_per_thread_and_do_not_nest() {
+    let (a, b) = inputs(100);
+    let prof = profiler::profile(|| {
+        let (a2, b2) = (a.clone(), b.clone());
+        std::thread::spawn(move || (&a2 + &b2).map(drop)).join().unwrap()?;
+        assert!(profiler::profile(|| Ok(())).is_err(), "a nested profile is refused");
+        a.neg()
+    })
+    .unwrap();
+    assert_eq!(prof.kernel_count(), 1, "only this thread's neg: {:?}", prof.kernel_names());
+
+    let e = profiler::profile(|| a.reshape(&[7])).unwrap_err();
+    assert!(matches!(e, Error::Shape { .. }), "the closure's error comes back: {e}");
+    assert_eq!(profiler::profile(|| a.exp()).unwrap().kernel_count(), 1, "recording restarts cleanly");
+}
+
+#[test]
+fn copies_syncs_and_memory_on_the_device() {
+    let d = dev();
+    let host = Tensor::from_vec(vec![1.0f32; 1 << 20], &[1 << 20], &Device::Cpu).unwrap();
+    let (y, prof) = profiler::profile_value(|| host.to_device(&d)?.neg()?.to_device(&Device::Cpu)).unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap()[7], -1.0);
+    assert_eq!(prof.kernel_count(), 1, "{:?}", prof.kernel_names());
+    let copies: Vec<CopyKind> = prof.events().iter().filter_map(|e| if let EventKind::Copy(k) = e.kind { Some(k) } else { None }).collect();
+    if d.is_cuda() {
+        assert_eq!(copies, [CopyKind::HostToDevice, CopyKind::DeviceToHost]);
+        assert!(prof.events().iter().filter(|e| matches!(e.kind, EventKind::Copy(_))).all(|e| e.bytes == 4 << 20));
+        assert_eq!(prof.syncs().count(), 1, "the read back waits once");
+        assert!(prof.peak_bytes_in_use(d).is_some_and(|p| p >= 8 << 20), "input and product are live together");
+        assert!(prof.memory_timeline(d).any(|e| e.kind == EventKind::Alloc && e.bytes >= 4 << 20));
+    } else {
+        assert!(copies.is_empty() && prof.syncs().count() == 0 && prof.memory_timeline(d).count() == 0);
+        let e = kiln::cuda::memory_stats(&d).unwrap_err().to_string();
+        assert!(e.contains("memory_stats") && e.contains("CUDA"), "{e}");
+    }
+}
+
+#[test]
+fn kiln_log_names_parse() {
+    assert_eq!(logging::parse("graph, Kernels,,sync").unwrap(), [Category::Graph, Category::Kernels, Category::Sync]);
+    assert_eq!(logging::parse("all").unwrap(), Category::ALL);
+    assert!(logging::parse("").unwrap().is_empty());
+    let e = logging::parse("kernels,kernal").unwrap_err().to_string();
+    assert!(e.contains("KILN_LOG") && e.contains("'kernal'") && e.contains("recompiles"), "{e}");
+    assert_eq!(Category::Fusion.target(), "kiln::fusion");
+    let env = logging::parse(&std::env::var("KILN_LOG").unwrap_or_default()).unwrap_or_default();
+    for c in Category::ALL {
+        assert_eq!(logging::enabled(c), env.contains(&c), "{c:?} follows KILN_LOG");
+    }
+}
+
+/// The `kiln` program where cargo built it, or in the bundle the GPU machine runs from (`.gpu/bin`).
+fn kiln_bin() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_kiln"));
+    if built.exists() { built } else { ".gpu/bin/kiln".into() }
+}
+
+#[test]
+fn kiln_log_prints_through_the_default_logger() {
+    // The demo synchronises explicitly after training (on the CPU too) and reads losses.
+    let out = std::process::Command::new(kiln_bin()).args(["demo", "--steps", "1"]).env("KILN_LOG", "bogus,sync").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("KILN_LOG") && err.contains("'bogus'"), "a bad name is reported once:\n{err}");
+    assert!(err.lines().any(|l| l.starts_with("[kiln sync] ") && l.contains("src/demo.rs:")), "{err}");
+}
+
+#[test]
+fn the_profile_command_rejects_an_unknown_workload_in_one_line() {
+    let out = std::process::Command::new(kiln_bin()).args(["profile", "pointwise.nope"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.starts_with("error: profile:") && err.contains("unknown workload 'pointwise.nope'") && err.contains("pointwise.add_relu.f32.1e8"), "{err}");
+}
