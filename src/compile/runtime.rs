@@ -112,6 +112,7 @@ impl Program {
                     let outs = if kern.device.is_cuda() {
                         crate::backend::cuda::fused::run(kern, &kern.shape, &ins)?
                     } else {
+                        let _rec = crate::profiler::record::cpu_kernel(&kern.name);
                         crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
                     };
                     for ((_, node), t) in kern.outputs.iter().zip(outs) {

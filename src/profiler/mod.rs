@@ -22,7 +22,7 @@
 //! Views (reshape, permute, expand, slice) are no kernels. Other threads are not recorded.
 //! When nothing is profiled, each hook costs one relaxed atomic load.
 
-mod record;
+pub(crate) mod record;
 mod sync;
 mod table;
 mod trace;

@@ -231,6 +231,15 @@ pub(crate) fn cpu_op(op: &Op, xs: &[&Tensor]) -> Span {
     Span::open(event(EventKind::Kernel, op.name().to_string(), Device::Cpu))
 }
 
+/// Hook: a fused kernel of the compiler running on the host.
+#[inline]
+pub(crate) fn cpu_kernel(name: &str) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    Span::open(event(EventKind::Kernel, name.to_string(), Device::Cpu))
+}
+
 /// Hook: a host synchronisation called at `at` (its host time is the wait).
 pub(super) fn sync(what: &'static str, device: Device, at: &'static Location<'static>) -> Span {
     if !active() {

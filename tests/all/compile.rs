@@ -280,3 +280,15 @@ fn compiled_on_the_cpu_and_tensors_of_another_device_error_clearly() {
         assert!(f.call(&x).is_err());
     }
 }
+
+#[test]
+fn the_profiler_sees_one_fused_kernel_by_name() -> Result<()> {
+    let x = randn(&[64, 300], 3);
+    let f = compile(|x: &Tensor| (x.exp()? + 1.0)?.relu());
+    f.call(&x)?;
+    let prof = kiln::profiler::profile(|| f.call(&x))?;
+    assert_eq!(prof.kernel_count(), 1);
+    let names = prof.kernel_names();
+    assert!(names[0].starts_with("fused_exp_add_relu"), "{names:?}");
+    Ok(())
+}

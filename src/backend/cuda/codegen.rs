@@ -218,7 +218,8 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let idx = if s.idx64 { "long long" } else { "int" };
     let name = s.kernel_name();
     let nout = s.outs.len();
-    let strided_out = s.out_class == Class::Strided;
+    // A single element (no dims) sits at index 0 = i: no offsets needed.
+    let strided_out = s.out_class == Class::Strided && s.ndim > 0;
     let strided = words.strides.iter().any(|w| w.is_some());
     // Operands read per element, not as a broadcast scalar.
     let walks = |cls: Class| cls != Class::Scalar;

@@ -206,7 +206,20 @@ fn gen_rows(k: &FusedKernel, name: &str, vpt: usize, vec: usize, vector: &[bool]
             ins.push((t, format!("x{j}"), true));
         }
     }
-    let at = |v: &(CType, String, bool)| if v.2 { format!("{}[j]", v.1) } else { v.1.clone() };
+    // A full value read once is not kept in registers: its expression is inlined where it is
+    // read (fewer live arrays, no spills); values read more often get an array.
+    let mut uses = vec![0usize; k.ops.len()];
+    for op in &k.ops {
+        for a in &op.args {
+            if let KArg::Op(j) = a {
+                uses[*j] += 1;
+            }
+        }
+    }
+    for (o, _) in &k.outputs {
+        uses[*o] += 1;
+    }
+    let at = |v: &(CType, String, bool)| if v.2 && !v.1.contains("[j]") && !v.1.starts_with('(') { format!("{}[j]", v.1) } else { v.1.clone() };
     for (i, op) in k.ops.iter().enumerate() {
         let args: Vec<&(CType, String, bool)> = op.args.iter().map(|a| match a {
             KArg::In(j) => &ins[*j],
@@ -229,7 +242,9 @@ fn gen_rows(k: &FusedKernel, name: &str, vpt: usize, vec: usize, vector: &[bool]
                 let full = args.iter().any(|a| a.2) && !op.row;
                 let lowered: Vec<(CType, String)> = args.iter().map(|a| (a.0, at(a))).collect();
                 let (rt, e) = lower(op, &lowered);
-                if full {
+                if full && uses[i] <= 1 && !matches!(op.kind, KKind::Cast) {
+                    vals.push((rt, format!("({e})"), true));
+                } else if full {
                     let _ = writeln!(c, "    {tn} t{i}[VPT];\n    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) t{i}[j] = {e};", tn = rt.name());
                     vals.push((rt, format!("t{i}"), true));
                 } else {
