@@ -13,6 +13,7 @@
 //! # }
 //! ```
 
+pub mod amp;
 pub mod autograd;
 pub(crate) mod backend;
 pub mod data;
@@ -45,6 +46,7 @@ pub(crate) fn log_enabled(category: &str) -> bool {
 
 /// What most programs need: `use kiln::prelude::*;`.
 pub mod prelude {
+    pub use crate::amp;
     pub use crate::nn::{self, Module};
     pub use crate::optim::{self, Optimizer};
     pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, Tensor};

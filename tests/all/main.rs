@@ -7,6 +7,7 @@ mod cuda;
 mod data;
 mod demo;
 mod errors;
+mod fixtures;
 mod nn;
 mod ops;
 mod ops_index;
