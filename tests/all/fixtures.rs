@@ -40,6 +40,11 @@ impl Fixture {
     /// Copies the fixture's `param.*` into the module (converted to `dt`); every parameter
     /// must be there. Buffers keep the module's own values.
     fn load_params(&self, m: &mut impl Module, dt: DType) {
+        let mut mine: Vec<String> = m.named_parameters().into_iter().map(|(n, _)| n).collect();
+        let mut theirs: Vec<String> = self.0.keys().filter_map(|k| k.strip_prefix("param.")).map(String::from).collect();
+        mine.sort();
+        theirs.sort();
+        assert_eq!(mine, theirs, "parameter names differ from PyTorch's");
         m.to_device(&dev()).unwrap();
         m.to_dtype(dt).unwrap();
         let sd: Vec<(String, Tensor)> = m

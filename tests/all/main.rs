@@ -8,6 +8,7 @@ mod data;
 mod demo;
 mod errors;
 mod fixtures;
+mod models;
 mod nn;
 mod ops;
 mod ops_index;
