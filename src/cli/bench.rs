@@ -1,6 +1,6 @@
 //! `kiln bench`: the shared side-by-side workloads (../shared/bench), measured by the same rules
-//! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run yet are
-//! written as `{"error": ...}`, never left out.
+//! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run are written
+//! as `{"error": ...}`, never left out; compiled modes join when the compiler exists.
 
 use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
@@ -55,6 +55,64 @@ fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tenso
     }))
 }
 
+/// Wall time per call over 50 calls after 5 warm-ups, one synchronisation at the end (host
+/// overhead included, as the step workloads are defined).
+fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+    for _ in 0..5 {
+        f()?;
+    }
+    cuda::synchronize(dev)?;
+    let start = std::time::Instant::now();
+    for _ in 0..50 {
+        f()?;
+    }
+    cuda::synchronize(dev)?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / 50.0)
+}
+
+fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
+    Ok(json!({"eager_ms": wall_ms(dev, f)?, "eager_kernels": kernels(dev, f)?, "peak_mib_eager": peak_mib(dev, f)?}))
+}
+
+fn mlp(dev: &Device) -> Result<nn::Sequential> {
+    manual_seed(0);
+    Ok(nn::Sequential::new().add(nn::Linear::new(784, 256, dev)?).add(nn::ReLU).add(nn::Linear::new(256, 10, dev)?))
+}
+
+/// One training step of the MLP: forward, cross-entropy, backward, SGD(lr 0.01), grads cleared.
+fn mlp_train(dev: &Device, bs: usize) -> Result<Value> {
+    let model = mlp(dev)?;
+    let (x, y) = (Tensor::randn(&[bs, 784], DType::F32, dev)?, Tensor::randint(0, 10, &[bs], dev)?);
+    let mut opt = optim::Sgd::new(model.parameters(), 0.01);
+    step_row(dev, &mut || {
+        let loss = F::cross_entropy(&model.forward(&x)?, &y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    })
+}
+
+/// nn.Transformer(512, 8 heads, 6+6 layers, ff 2048, dropout 0) in eval mode, src = tgt of
+/// shape (10, 32, 512), no grad; under bf16 autocast when `amp`.
+fn transformer(dev: &Device, amp: bool) -> Result<Value> {
+    manual_seed(0);
+    let cfg = nn::TransformerConfig { dropout: 0.0, ..Default::default() };
+    let tr = nn::Transformer::new(cfg, dev)?;
+    tr.eval();
+    let xs = Tensor::randn(&[10, 32, 512], DType::F32, dev)?;
+    let fwd = || no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default()));
+    step_row(dev, &mut || if amp { kiln::amp::autocast(dev, DType::BF16, fwd) } else { fwd() })
+}
+
+fn resnet50(dev: &Device) -> Result<Value> {
+    manual_seed(0);
+    let rn = nn::resnet50(1000, dev)?;
+    rn.eval();
+    let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?;
+    step_row(dev, &mut || kiln::amp::autocast(dev, DType::BF16, || no_grad(|| rn.forward(&x))))
+}
+
 fn workload(name: &str, dev: &Device) -> Result<Value> {
     let n = 100_000_000usize;
     let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
@@ -89,7 +147,16 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
             let ms = event_ms(dev, &mut || a.matmul(&b))?;
             Ok(json!({"eager_ms": ms, "TFLOPs": 2.0 * 8192f64.powi(3) / (ms / 1e3) / 1e12}))
         }
-        _ => Ok(json!({"error": "needs nn modules, optimisers and the compiler, which kiln does not have yet"})),
+        "mlp.infer.bs32" => {
+            let (model, x) = (mlp(dev)?, r(&[32, 784])?);
+            step_row(dev, &mut || no_grad(|| model.forward(&x)))
+        }
+        "mlp.train_sgd.bs32" => mlp_train(dev, 32),
+        "mlp.train_sgd.bs4096" => mlp_train(dev, 4096),
+        "transformer.fwd.f32.10x32x512" => transformer(dev, false),
+        "transformer.fwd.bf16amp.10x32x512" => transformer(dev, true),
+        "resnet50.infer.bf16amp.bs128" => resnet50(dev),
+        _ => Ok(json!({"error": format!("unknown workload {name}")})),
     }
 }
 

@@ -1,5 +1,7 @@
 //! Composite ops (`torch.nn.functional`), each a decomposition into primitive ops. Half-precision
-//! inputs are computed in F32 and the result converted back, as PyTorch's kernels do.
+//! inputs are computed in F32 and the result converted back, as PyTorch's kernels do; under
+//! `amp::autocast` the F32 ops (softmax, layer_norm, losses) return F32 and `linear` runs in
+//! the autocast dtype.
 
 use crate::{no_grad, DType, Error, Result, Tensor};
 
