@@ -48,7 +48,7 @@ impl MultiheadAttention {
     /// PyTorch's initialisation: out_proj as a Linear (its bias then zeroed), in_proj_weight
     /// xavier uniform, in_proj_bias zeros.
     pub fn with_options(embed_dim: usize, num_heads: usize, dropout: f64, bias: bool, batch_first: bool, dev: &Device) -> Result<Self> {
-        if num_heads == 0 || embed_dim == 0 || embed_dim % num_heads != 0 {
+        if num_heads == 0 || embed_dim == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(Error::arg("MultiheadAttention", format!("embed_dim {embed_dim} must be a positive multiple of num_heads {num_heads}")));
         }
         if !(0.0..=1.0).contains(&dropout) {

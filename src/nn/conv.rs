@@ -76,7 +76,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     let (n, c, h, w) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let (o, cg, kh, kw) = (weight.shape()[0], weight.shape()[1], weight.shape()[2], weight.shape()[3]);
     let g = args.groups;
-    if g == 0 || c != cg * g || o % g != 0 {
+    if g == 0 || c != cg * g || !o.is_multiple_of(g) {
         return Err(Error::shape(op, format!("input {:?} and weight {:?} with groups {g}: need in channels = weight.shape[1] * groups and out channels divisible by groups", x.shape(), weight.shape())));
     }
     if let Some(b) = bias {
@@ -203,7 +203,7 @@ impl Conv2d {
     }
     pub fn with_options(in_channels: usize, out_channels: usize, kernel: (usize, usize), args: Conv2dArgs, bias: bool, dev: &Device) -> Result<Conv2d> {
         let g = args.groups;
-        if g == 0 || in_channels % g != 0 || out_channels % g != 0 {
+        if g == 0 || !in_channels.is_multiple_of(g) || !out_channels.is_multiple_of(g) {
             return Err(Error::arg("Conv2d", format!("in_channels {in_channels} and out_channels {out_channels} must be divisible by groups {g}")));
         }
         check_positive("Conv2d", "kernel size", kernel)?;

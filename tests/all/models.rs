@@ -22,8 +22,8 @@ fn conv2d_and_pooling_gradients_match_finite_differences() {
     let args = F::Conv2dArgs { stride: (2, 1), padding: (1, 2), dilation: (1, 2), groups: 2 };
     gradcheck(|xs| F::conv2d(&xs[0], &xs[1], Some(&xs[2]), args), &[x.clone(), w, b], GradcheckOptions::default()).unwrap();
     // Distinct values so every window has one maximum (finite differences need that).
-    gradcheck(|xs| F::max_pool2d(&xs[0], (3, 2), (2, 2), (1, 1)), &[x.clone()], GradcheckOptions::default()).unwrap();
-    gradcheck(|xs| F::adaptive_avg_pool2d(&xs[0], (3, 4)), &[x.clone()], GradcheckOptions::default()).unwrap();
+    gradcheck(|xs| F::max_pool2d(&xs[0], (3, 2), (2, 2), (1, 1)), std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
+    gradcheck(|xs| F::adaptive_avg_pool2d(&xs[0], (3, 4)), std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
     let (wt, bt) = (rand_t(&[4], 4, DType::F64), rand_t(&[4], 5, DType::F64));
     gradcheck(|xs| F::batch_norm(&xs[0], None, None, Some(&xs[1]), Some(&xs[2]), true, 0.1, 1e-5), &[x, wt, bt], GradcheckOptions::default()).unwrap();
 }
@@ -279,7 +279,8 @@ fn autocast_follows_pytorchs_op_policy() {
     assert_eq!(a.matmul(&w.t().unwrap()).unwrap().dtype(), DType::F32);
     // Autocast for another device type leaves these tensors alone.
     let other = if d.is_cuda() { Device::Cpu } else { Device::Cuda(0) };
-    amp::autocast(&other, DType::F16, || Ok(assert_eq!(a.matmul(&w.t()?)?.dtype(), DType::F32))).unwrap();
+    let dt = amp::autocast(&other, DType::F16, || Ok(a.matmul(&w.t()?)?.dtype())).unwrap();
+    assert_eq!(dt, DType::F32);
     assert!(amp::autocast(&d, DType::F32, || Ok(())).unwrap_err().to_string().contains("F16 or BF16"));
 
     // Gradients of F32 parameters stay F32 and match the F32 computation to F16 precision.
@@ -364,4 +365,31 @@ fn the_mlp_learns_the_synthetic_task_in_f32_and_under_f16_autocast() {
     // Chance is 0.1; 400 steps reach about 0.63 in both.
     assert!(full >= 0.55 && half >= 0.55, "held-out accuracy: F32 {full}, F16 autocast {half}");
     assert!((full - half).abs() < 0.05, "autocast converges like F32: {full} vs {half}");
+}
+
+#[test]
+fn checkpoints_with_running_statistics_round_trip_bit_exactly() {
+    let d = dev();
+    let path = std::env::temp_dir().join(format!("kiln-{}-bottleneck.safetensors", std::process::id())).to_string_lossy().into_owned();
+    manual_seed(21);
+    let a = nn::Bottleneck::new(32, 8, 2, &d).unwrap();
+    a.forward(&Tensor::randn(&[2, 32, 6, 6], DType::F32, &d).unwrap()).unwrap();
+    a.save_safetensors(&path).unwrap();
+    let b = nn::Bottleneck::new(32, 8, 2, &d).unwrap();
+    b.load_safetensors(&path).unwrap();
+    let (sa, sb) = (a.state_dict(), b.state_dict());
+    assert_eq!(sa.len(), sb.len());
+    for ((na, ta), (nb, tb)) in sa.iter().zip(&sb) {
+        assert_eq!((na, ta.dtype()), (nb, tb.dtype()));
+        assert_eq!(vals(ta), vals(tb), "{na} bit-exact");
+    }
+    assert_eq!(b.bn1.num_batches_tracked.item::<i64>().unwrap(), 1);
+    b.eval();
+    a.eval();
+    let x = Tensor::randn(&[1, 32, 6, 6], DType::F32, &d).unwrap();
+    assert_eq!(vals(&a.forward(&x).unwrap()), vals(&b.forward(&x).unwrap()));
+    // Another width: every mismatching tensor is named with both shapes.
+    let e = nn::Bottleneck::new(32, 4, 2, &d).unwrap().load_safetensors(&path).unwrap_err().to_string();
+    assert!(e.contains("conv1.weight: shape [8, 32, 1, 1] in the state dict, [4, 32, 1, 1] in the module") && e.contains("bn2.running_var"), "{e}");
+    let _ = std::fs::remove_file(&path);
 }
