@@ -53,24 +53,28 @@ pub fn autocast_dtype(dev: &Device) -> Option<DType> {
     AUTOCAST.with(|a| a.get()).filter(|s| s.cuda == dev.is_cuda()).map(|s| s.dtype)
 }
 
-/// The low dtype a floating-point `t` is cast to by a lower-precision op, if autocast is on.
-fn low_for(t: &Tensor) -> Option<DType> {
-    autocast_dtype(&t.device()).filter(|_| t.dtype().is_float())
+/// `t` in `dt` if autocast may cast it: F32, F16 and BF16 are eligible; F64 and integers are
+/// left alone, as in PyTorch.
+fn eligible_to(t: &Tensor, dt: DType) -> Result<Tensor> {
+    match t.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => t.to_dtype(dt),
+        _ => Ok(t.clone()),
+    }
 }
 
 /// Lower-precision policy for binary products (matmul): both operands in the autocast dtype.
 pub(crate) fn cast_pair(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
-    match low_for(a).filter(|_| b.dtype().is_float()) {
-        Some(dt) => Ok((a.to_dtype(dt)?, b.to_dtype(dt)?)),
+    match autocast_dtype(&a.device()) {
+        Some(dt) => Ok((eligible_to(a, dt)?, eligible_to(b, dt)?)),
         None => Ok((a.clone(), b.clone())),
     }
 }
 
 /// Lower-precision policy for layers (linear, conv): input, weight and bias in the autocast
 /// dtype, so the result is too.
-pub(crate) fn cast_low(_op: &'static str, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-    match low_for(x).filter(|_| w.dtype().is_float()) {
-        Some(dt) => Ok((x.to_dtype(dt)?, w.to_dtype(dt)?, b.map(|b| b.to_dtype(dt)).transpose()?)),
+pub(crate) fn cast_low(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    match autocast_dtype(&x.device()) {
+        Some(dt) => Ok((eligible_to(x, dt)?, eligible_to(w, dt)?, b.map(|b| eligible_to(b, dt)).transpose()?)),
         None => Ok((x.clone(), w.clone(), b.cloned())),
     }
 }
@@ -78,7 +82,7 @@ pub(crate) fn cast_low(_op: &'static str, x: &Tensor, w: &Tensor, b: Option<&Ten
 /// F32 policy (softmax, norms, losses, reductions): F16/BF16 inputs are computed and returned
 /// in F32 while autocast is on.
 pub(crate) fn fp32(x: &Tensor) -> Result<Tensor> {
-    match low_for(x) {
+    match autocast_dtype(&x.device()) {
         Some(_) if matches!(x.dtype(), DType::F16 | DType::BF16) => x.to_dtype(DType::F32),
         _ => Ok(x.clone()),
     }

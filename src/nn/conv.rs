@@ -62,7 +62,7 @@ impl Default for Conv2dArgs {
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
     let op = "conv2d";
     let (x, unbatched) = batched(op, x)?;
-    let (x, weight, bias) = crate::amp::cast_low(op, &x, weight, bias)?;
+    let (x, weight, bias) = crate::amp::cast_low(&x, weight, bias)?;
     let bias = bias.as_ref();
     if weight.ndim() != 4 {
         return Err(Error::shape(op, format!("weight must be 4-D [out, in / groups, kh, kw], got {:?}", weight.shape())));

@@ -149,7 +149,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     if weight.ndim() != 2 {
         return Err(Error::shape("linear", format!("weight must be 2-D [out, in], got {:?}", weight.shape())));
     }
-    let (x, weight, bias) = crate::amp::cast_low("linear", x, weight, bias)?;
+    let (x, weight, bias) = crate::amp::cast_low(x, weight, bias)?;
     let y = x.matmul(&weight.t()?)?;
     match bias {
         Some(b) => y.add(&b),

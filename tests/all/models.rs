@@ -275,6 +275,10 @@ fn autocast_follows_pytorchs_op_policy() {
         })
         .unwrap();
     }
+    // F64 is not cast (PyTorch's eligibility rule).
+    let a64 = a.to_dtype(DType::F64).unwrap();
+    let dt = amp::autocast(&d, DType::F16, || Ok(a64.matmul(&a64.t()?)?.dtype())).unwrap();
+    assert_eq!(dt, DType::F64);
     assert_eq!(amp::autocast_dtype(&d), None, "restored after the closure");
     assert_eq!(a.matmul(&w.t().unwrap()).unwrap().dtype(), DType::F32);
     // Autocast for another device type leaves these tensors alone.
