@@ -13,6 +13,7 @@
 //! # }
 //! ```
 
+pub mod amp;
 pub mod autograd;
 pub mod compile;
 pub(crate) mod backend;
@@ -42,6 +43,7 @@ pub use tensor::{manual_seed, Tensor};
 
 /// What most programs need: `use kiln::prelude::*;`.
 pub mod prelude {
+    pub use crate::amp;
     pub use crate::nn::{self, Module};
     pub use crate::optim::{self, Optimizer};
     pub use crate::profiler::{self, SortBy};

@@ -20,7 +20,12 @@ impl Tensor {
         self.backward_with(BackwardOptions::default())
     }
 
+    /// Backward ops keep the forward's dtypes: autocast is suspended while it runs.
     pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        crate::amp::suspended(|| self.backward_inner(opts))
+    }
+
+    fn backward_inner(&self, opts: BackwardOptions) -> Result<()> {
         if !self.is_requires_grad() {
             return Err(Error::Autograd(format!(
                 "backward on a tensor (shape {:?}) that does not require grad and has no grad_fn",

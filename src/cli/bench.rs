@@ -1,6 +1,6 @@
 //! `kiln bench`: the shared side-by-side workloads (../shared/bench), measured by the same rules
-//! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run yet are
-//! written as `{"error": ...}`, never left out.
+//! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run are written
+//! as `{"error": ...}`, never left out; compiled modes join when the compiler exists.
 
 use kiln::compile::compile;
 use kiln::cuda::{self, Event};
@@ -68,6 +68,70 @@ fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tenso
     }))
 }
 
+type Call = Box<dyn FnMut() -> Result<Tensor>>;
+
+/// Wall time per call over 50 calls after 5 warm-ups, one synchronisation at the end (host
+/// overhead included, as the step workloads are defined).
+fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+    for _ in 0..5 {
+        f()?;
+    }
+    cuda::synchronize(dev)?;
+    let start = std::time::Instant::now();
+    for _ in 0..50 {
+        f()?;
+    }
+    cuda::synchronize(dev)?;
+    Ok(start.elapsed().as_secs_f64() * 1e3 / 50.0)
+}
+
+fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
+    Ok(json!({"eager_ms": wall_ms(dev, f)?, "eager_kernels": kernels(dev, f)?, "peak_mib_eager": peak_mib(dev, f)?}))
+}
+
+fn mlp(dev: &Device) -> Result<nn::Sequential> {
+    manual_seed(0);
+    Ok(nn::Sequential::new().add(nn::Linear::new(784, 256, dev)?).add(nn::ReLU).add(nn::Linear::new(256, 10, dev)?))
+}
+
+/// One training step of the MLP: forward, cross-entropy, backward, SGD(lr 0.01), grads cleared.
+fn mlp_train(dev: &Device, bs: usize) -> Result<Call> {
+    let model = mlp(dev)?;
+    let (x, y) = (Tensor::randn(&[bs, 784], DType::F32, dev)?, Tensor::randint(0, 10, &[bs], dev)?);
+    let mut opt = optim::Sgd::new(model.parameters(), 0.01);
+    Ok(Box::new(move || {
+        let loss = F::cross_entropy(&model.forward(&x)?, &y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    }))
+}
+
+/// nn.Transformer(512, 8 heads, 6+6 layers, ff 2048, dropout 0) in eval mode, src = tgt of
+/// shape (10, 32, 512), no grad; under bf16 autocast when `amp`.
+fn transformer(dev: &Device, amp: bool) -> Result<Call> {
+    manual_seed(0);
+    let cfg = nn::TransformerConfig { dropout: 0.0, ..Default::default() };
+    let tr = nn::Transformer::new(cfg, dev)?;
+    tr.eval();
+    let xs = Tensor::randn(&[10, 32, 512], DType::F32, dev)?;
+    let d = *dev;
+    Ok(Box::new(move || {
+        let fwd = || no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default()));
+        if amp { kiln::amp::autocast(&d, DType::BF16, fwd) } else { fwd() }
+    }))
+}
+
+fn resnet50(dev: &Device) -> Result<Call> {
+    manual_seed(0);
+    let rn = nn::resnet50(1000, dev)?;
+    rn.eval();
+    let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?;
+    let d = *dev;
+    Ok(Box::new(move || kiln::amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(&x)))))
+}
+
 /// One call of a workload, and how the bench reports it.
 pub struct Workload {
     pub call: Box<dyn FnMut() -> Result<Tensor>>,
@@ -81,6 +145,8 @@ pub enum Measure {
     Bandwidth { bytes: usize },
     /// Floating-point operations of one call.
     Flops(f64),
+    /// A step: wall time per call, host overhead included.
+    Step,
 }
 
 /// Why a workload of the schema has no `setup` yet.
@@ -94,6 +160,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
     let bw = |bytes, call: Box<dyn FnMut() -> Result<Tensor>>, compiled: Box<dyn FnMut() -> Result<Tensor>>| {
         Some(Workload { call, compiled: Some(compiled), measure: Measure::Bandwidth { bytes } })
     };
+    let step = |call: Call| Some(Workload { call, compiled: None, measure: Measure::Step });
     Ok(match name {
         "pointwise.add_relu.f32.1e8" => {
             let (a, b) = (r(&[n])?, r(&[n])?);
@@ -131,6 +198,15 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
             let f = compile(|x: &Tensor| x.sum(&[0], false));
             bw(4 * 8192 * 8192, Box::new(move || x.sum(&[0], false)), Box::new(move || f.call(&cx)))
         }
+        "mlp.infer.bs32" => {
+            let (model, x) = (mlp(dev)?, r(&[32, 784])?);
+            step(Box::new(move || no_grad(|| model.forward(&x))))
+        }
+        "mlp.train_sgd.bs32" => step(mlp_train(dev, 32)?),
+        "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096)?),
+        "transformer.fwd.f32.10x32x512" => step(transformer(dev, false)?),
+        "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true)?),
+        "resnet50.infer.bf16amp.bs128" => step(resnet50(dev)?),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
@@ -151,6 +227,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
             let ms = event_ms(dev, &mut w.call)?;
             Ok(json!({"eager_ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12}))
         }
+        Measure::Step => step_row(dev, &mut w.call),
     }
 }
 

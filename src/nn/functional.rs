@@ -1,5 +1,7 @@
 //! Composite ops (`torch.nn.functional`), each a decomposition into primitive ops. Half-precision
-//! inputs are computed in F32 and the result converted back, as PyTorch's kernels do.
+//! inputs are computed in F32 and the result converted back, as PyTorch's kernels do; under
+//! `amp::autocast` the F32 ops (softmax, layer_norm, losses) return F32 and `linear` runs in
+//! the autocast dtype.
 
 use crate::{no_grad, DType, Error, Result, Tensor};
 
@@ -80,6 +82,7 @@ impl RowKind {
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
+    let x = &crate::amp::fp32(x)?;
     if let Some(y) = fused_rows(x, dim, RowKind::Softmax, None, None, 0.0)? {
         return Ok(y);
     }
@@ -93,6 +96,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// `x - max - log(sum(exp(x - max)))` along `dim`.
 pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
+    let x = &crate::amp::fp32(x)?;
     if let Some(y) = fused_rows(x, dim, RowKind::LogSoftmax, None, None, 0.0)? {
         return Ok(y);
     }
@@ -107,6 +111,7 @@ pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// (`F.layer_norm`; biased variance, as PyTorch).
 pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     float_input("layer_norm", x)?;
+    let x = &crate::amp::fp32(x)?;
     let k = normalized_shape.len();
     if k == 0 || k > x.ndim() || &x.shape()[x.ndim() - k..] != normalized_shape {
         return Err(Error::shape("layer_norm", format!("normalized_shape {normalized_shape:?} does not match the trailing dims of input {:?}", x.shape())));
@@ -144,9 +149,10 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     if weight.ndim() != 2 {
         return Err(Error::shape("linear", format!("weight must be 2-D [out, in], got {:?}", weight.shape())));
     }
+    let (x, weight, bias) = crate::amp::cast_low(x, weight, bias)?;
     let y = x.matmul(&weight.t()?)?;
     match bias {
-        Some(b) => y.add(b),
+        Some(b) => y.add(&b),
         None => Ok(y),
     }
 }
@@ -208,6 +214,7 @@ pub fn nll_loss_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions
 /// Cross-entropy (`log_probs` false: logits) or NLL (`log_probs` true) against class indices.
 fn class_loss(op: &'static str, input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions, log_probs: bool) -> Result<Tensor> {
     float_input(op, input)?;
+    let input = &crate::amp::fp32(input)?;
     if !target.dtype().is_int() {
         return Err(Error::dtype(op, target.dtype(), "targets must be class indices (I64); class-probability targets are not supported"));
     }
@@ -281,6 +288,7 @@ fn softplus_exact(x: &Tensor) -> Result<Tensor> {
 /// `pos_weight` scales the positive term: `(1 - y) x + (1 + (pw - 1) y) softplus(-x)`.
 pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
     float_input("binary_cross_entropy_with_logits", input)?;
+    let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
     if input.shape() != target.shape() {
         return Err(Error::shape("binary_cross_entropy_with_logits", format!("target of shape {:?} for input of shape {:?}", target.shape(), input.shape())));
     }
@@ -301,6 +309,7 @@ pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, pos_wei
 /// Mean (or sum, or elementwise) squared error (`F.mse_loss`); shapes broadcast.
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     float_input("mse_loss", input)?;
+    let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
     let d = input.sub(target)?;
     let sq = d.mul(&d)?;
     match reduction {
@@ -320,3 +329,6 @@ impl Tensor {
         log_softmax(self, dim)
     }
 }
+
+pub use super::batchnorm::batch_norm;
+pub use super::conv::{adaptive_avg_pool2d, conv2d, max_pool2d, Conv2dArgs};

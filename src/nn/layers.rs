@@ -2,14 +2,9 @@
 //! `manual_seed`).
 
 use super::functional as F;
-use super::Module;
+use super::{init, Module};
 use crate::{DType, Device, Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
-
-/// Uniform in [-bound, bound), from the global generator.
-fn uniform(shape: &[usize], bound: f64, dev: &Device) -> Result<Tensor> {
-    Tensor::rand(shape, DType::F32, dev)?.mul_scalar(2.0 * bound)?.sub_scalar(bound)
-}
 
 /// `y = x W^T + b` (`nn.Linear`), W of shape [out, in]; PyTorch's init: W and b uniform in
 /// ±1/sqrt(in) (kaiming_uniform with a = sqrt(5)).
@@ -26,10 +21,10 @@ impl Linear {
         if in_features == 0 {
             return Err(Error::arg("Linear", "in_features must be positive"));
         }
-        let bound = 1.0 / (in_features as f64).sqrt();
+        let shape = [out_features, in_features];
         Ok(Linear {
-            weight: uniform(&[out_features, in_features], bound, dev)?.requires_grad(),
-            bias: if bias { Some(uniform(&[out_features], bound, dev)?.requires_grad()) } else { None },
+            weight: init::kaiming_uniform(&shape, 5f64.sqrt(), dev)?.requires_grad(),
+            bias: if bias { Some(init::bias_uniform(&shape, dev)?.requires_grad()) } else { None },
         })
     }
 }
@@ -181,7 +176,7 @@ pub struct Embedding {
 
 impl Embedding {
     pub fn new(num: usize, dim: usize, dev: &Device) -> Result<Embedding> {
-        Ok(Embedding { weight: Tensor::randn(&[num, dim], DType::F32, dev)?.requires_grad() })
+        Ok(Embedding { weight: init::normal(&[num, dim], 1.0, dev)?.requires_grad() })
     }
 }
 

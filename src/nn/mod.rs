@@ -1,11 +1,25 @@
 //! Neural-network building blocks. `functional` holds the composite ops (softmax, layer norm,
-//! losses, ...), written as decompositions into primitives so the compiler sees through them;
-//! `Module` and the layers build models from them.
+//! losses, convolution, pooling, ...), written as decompositions into primitives so the
+//! compiler sees through them; `Module` and the layers build models from them.
 
+mod attention;
+mod batchnorm;
+mod conv;
 pub mod functional;
+pub mod init;
 mod layers;
 mod module;
+mod resnet;
 pub mod safetensors;
+mod transformer;
 
+pub use attention::{AttnArgs, MultiheadAttention};
+pub use batchnorm::BatchNorm2d;
+pub use conv::{AdaptiveAvgPool2d, Conv2d, Conv2dArgs, Flatten, MaxPool2d};
 pub use layers::{Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential, SiLU, Sigmoid, Tanh, GELUTanh, GELU};
 pub use module::Module;
+pub use resnet::{resnet50, Bottleneck, ResNet};
+pub use transformer::{
+    generate_square_subsequent_mask, Activation, Transformer, TransformerConfig, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
+    TransformerEncoderLayer, TransformerMasks,
+};

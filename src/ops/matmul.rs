@@ -7,8 +7,10 @@ use crate::{Error, Result, Tensor};
 impl Tensor {
     /// Matrix product: 1-D·1-D is a dot product, 2-D a matrix product, and more dims a batched
     /// product whose batch dims broadcast; a 1-D operand gets a dim added and then removed.
+    /// Under `amp::autocast` both operands are cast to the autocast dtype first.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        let (a, b) = (self, other);
+        let (a, b) = crate::amp::cast_pair(self, other)?;
+        let (a, b) = (&a, &b);
         if a.ndim() == 0 || b.ndim() == 0 {
             return Err(Error::shape("matmul", format!("both arguments need at least 1 dim, got {:?} and {:?}", a.shape(), b.shape())));
         }

@@ -124,21 +124,21 @@ impl Tensor {
         self.reduce(ReduceOp::Sum, dims.to_vec(), keepdim)
     }
 
-    /// Sum over `dims` (all when empty); integer and bool inputs sum to I64.
+    /// Sum over `dims` (all when empty); integer and bool inputs sum to I64. F32 under autocast.
     pub fn sum(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        self.reduce(ReduceOp::Sum, norm_dims("sum", dims, self.ndim())?, keepdim)
+        crate::amp::fp32(self)?.reduce(ReduceOp::Sum, norm_dims("sum", dims, self.ndim())?, keepdim)
     }
     pub fn sum_all(&self) -> Result<Tensor> {
         self.sum(&[], false)
     }
-    /// Mean over `dims` (all when empty); floating-point only, as in PyTorch.
+    /// Mean over `dims` (all when empty); floating-point only, as in PyTorch. F32 under autocast.
     pub fn mean(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
         if !self.dtype().is_float() {
             return Err(Error::dtype("mean", self.dtype(), "mean needs a floating-point input; convert with to_dtype"));
         }
         let dims = norm_dims("mean", dims, self.ndim())?;
         let n: usize = dims.iter().map(|&d| self.shape()[d]).product();
-        self.reduce(ReduceOp::Sum, dims, keepdim)?.div_scalar(n as f64)
+        crate::amp::fp32(self)?.reduce(ReduceOp::Sum, dims, keepdim)?.div_scalar(n as f64)
     }
     pub fn mean_all(&self) -> Result<Tensor> {
         self.mean(&[], false)

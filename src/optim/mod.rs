@@ -2,10 +2,12 @@
 //! under `no_grad` as in-place ops on the parameters, so any tensor holding a parameter sees them.
 
 mod scheduler;
+mod state;
 
 pub use scheduler::{CosineAnnealingLr, LinearWarmup, LrScheduler, StepLr};
 
 use crate::{no_grad, Result, Tensor};
+use state::{entry, hyper, Reader, StateDict};
 
 pub trait Optimizer {
     /// One update from the parameters' current `.grad` (parameters without one are skipped).
@@ -14,6 +16,14 @@ pub trait Optimizer {
     fn zero_grad(&mut self);
     fn lr(&self) -> f64;
     fn set_lr(&mut self, lr: f64);
+    /// The parameters this optimiser updates, in order.
+    fn params(&self) -> &[Tensor];
+    /// Per-parameter state (`state.<i>.<name>`, copies) and hyperparameters
+    /// (`param_groups.0.<name>`), PyTorch's names; saves with `nn::safetensors::save`.
+    fn state_dict(&self) -> Result<Vec<(String, Tensor)>>;
+    /// Restores what `state_dict` returned: hyperparameters and state; shapes must match the
+    /// parameters and every key must be known, else nothing is changed.
+    fn load_state_dict(&mut self, sd: &[(String, Tensor)]) -> Result<()>;
 }
 
 fn clear(params: &[Tensor]) {
@@ -94,6 +104,30 @@ impl Optimizer for Sgd {
     fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
     }
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut sd = Vec::new();
+        for (i, b) in self.momentum_buffers.iter().enumerate() {
+            if let Some(b) = b {
+                entry(&mut sd, i, "momentum_buffer", b)?;
+            }
+        }
+        for (k, v) in [("lr", self.lr), ("momentum", self.momentum), ("dampening", self.dampening), ("nesterov", self.nesterov as u8 as f64), ("weight_decay", self.weight_decay)] {
+            hyper(&mut sd, k, v)?;
+        }
+        Ok(sd)
+    }
+    fn load_state_dict(&mut self, sd: &[(String, Tensor)]) -> Result<()> {
+        let mut r = Reader::new(sd, &self.params);
+        let (lr, momentum, dampening, nesterov, wd) = (r.hyper("lr")?, r.hyper("momentum")?, r.hyper("dampening")?, r.hyper("nesterov")?, r.hyper("weight_decay")?);
+        let bufs = (0..self.params.len()).map(|i| r.like_param(i, "momentum_buffer")).collect::<Result<Vec<_>>>()?;
+        r.finish()?;
+        (self.lr, self.momentum, self.dampening, self.nesterov, self.weight_decay) = (lr, momentum, dampening, nesterov != 0.0, wd);
+        self.momentum_buffers = bufs;
+        Ok(())
+    }
 }
 
 /// Settings of [`Adam`] and [`AdamW`], PyTorch's defaults (AdamW's weight decay is 0.01).
@@ -112,29 +146,33 @@ impl Default for AdamConfig {
     }
 }
 
+/// One parameter's Adam state: steps taken and the first and second moment estimates.
+#[derive(Clone, Debug)]
+pub struct AdamState {
+    pub step: u64,
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+}
+
 /// Adam (`decoupled` = false: weight decay added to the gradient) and AdamW (`decoupled`:
 /// parameters shrink by lr * weight_decay before the update).
 struct AdamCore {
     params: Vec<Tensor>,
     cfg: AdamConfig,
     decoupled: bool,
-    step: u64,
-    moments: Vec<Option<(Tensor, Tensor)>>,
+    state: Vec<Option<AdamState>>,
 }
 
 impl AdamCore {
     fn new(params: Vec<Tensor>, cfg: AdamConfig, decoupled: bool) -> AdamCore {
         let n = params.len();
-        AdamCore { params, cfg, decoupled, step: 0, moments: vec![None; n] }
+        AdamCore { params, cfg, decoupled, state: vec![None; n] }
     }
 
     fn step(&mut self) -> Result<()> {
-        self.step += 1;
         let c = self.cfg;
-        let bc1 = 1.0 - c.beta1.powi(self.step as i32);
-        let bc2 = 1.0 - c.beta2.powi(self.step as i32);
         no_grad(|| {
-            for (p, m) in self.params.iter().zip(self.moments.iter_mut()) {
+            for (p, st) in self.params.iter().zip(self.state.iter_mut()) {
                 let Some(mut g) = p.grad() else { continue };
                 if c.weight_decay != 0.0 {
                     if self.decoupled {
@@ -143,22 +181,67 @@ impl AdamCore {
                         g = g.add(&p.mul_scalar(c.weight_decay)?)?;
                     }
                 }
-                let (m1, m2) = match m.take() {
+                let s = match st {
                     Some(s) => s,
-                    None => (p.zeros_like()?, p.zeros_like()?),
+                    None => st.insert(AdamState { step: 0, exp_avg: p.zeros_like()?, exp_avg_sq: p.zeros_like()? }),
                 };
+                s.step += 1;
+                let bc1 = 1.0 - c.beta1.powi(s.step as i32);
+                let bc2 = 1.0 - c.beta2.powi(s.step as i32);
                 // As torch.optim.Adam: m = β1 m + (1-β1) g; v = β2 v + (1-β2) g²;
                 // p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+                let (m1, m2) = (&s.exp_avg, &s.exp_avg_sq);
                 m1.mul_scalar_(c.beta1)?;
                 m1.add_(&g.mul_scalar(1.0 - c.beta1)?)?;
                 m2.mul_scalar_(c.beta2)?;
                 m2.add_(&g.mul(&g)?.mul_scalar(1.0 - c.beta2)?)?;
                 let denom = m2.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(c.eps)?;
                 p.sub_(&m1.div(&denom)?.mul_scalar(c.lr / bc1)?)?;
-                *m = Some((m1, m2));
             }
             Ok(())
         })
+    }
+
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut sd = Vec::new();
+        for (i, s) in self.state.iter().enumerate() {
+            if let Some(s) = s {
+                // PyTorch keeps the step as an F32 scalar tensor.
+                sd.push((format!("state.{i}.step"), Tensor::scalar(s.step as f64, crate::DType::F32, &crate::Device::Cpu)?));
+                entry(&mut sd, i, "exp_avg", &s.exp_avg)?;
+                entry(&mut sd, i, "exp_avg_sq", &s.exp_avg_sq)?;
+            }
+        }
+        let c = self.cfg;
+        sd.push(("param_groups.0.betas".into(), Tensor::from_vec(vec![c.beta1, c.beta2], &[2], &crate::Device::Cpu)?));
+        for (k, v) in [("lr", c.lr), ("eps", c.eps), ("weight_decay", c.weight_decay)] {
+            hyper(&mut sd, k, v)?;
+        }
+        Ok(sd)
+    }
+
+    fn load_state_dict(&mut self, sd: &[(String, Tensor)]) -> Result<()> {
+        let op = "Optimizer::load_state_dict";
+        let mut r = Reader::new(sd, &self.params);
+        let (lr, eps, wd) = (r.hyper("lr")?, r.hyper("eps")?, r.hyper("weight_decay")?);
+        let betas = r.find("param_groups.0.betas").ok_or_else(|| crate::Error::arg(op, "missing param_groups.0.betas"))?;
+        if betas.shape() != [2] {
+            return Err(crate::Error::shape(op, format!("param_groups.0.betas must have shape [2], got {:?}", betas.shape())));
+        }
+        let betas = betas.to_dtype(crate::DType::F64)?.to_vec::<f64>()?;
+        let mut state = Vec::with_capacity(self.params.len());
+        for i in 0..self.params.len() {
+            let (step, m, v) = (r.step(i)?, r.like_param(i, "exp_avg")?, r.like_param(i, "exp_avg_sq")?);
+            state.push(match (step, m, v) {
+                (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(AdamState { step, exp_avg, exp_avg_sq }),
+                (None, None, None) => None,
+                _ => return Err(crate::Error::arg(op, format!("state.{i} needs step, exp_avg and exp_avg_sq together"))),
+            });
+        }
+        r.finish()?;
+        self.cfg = AdamConfig { lr, beta1: betas[0], beta2: betas[1], eps, weight_decay: wd };
+        self.state = state;
+        Ok(())
     }
 }
 
@@ -174,9 +257,9 @@ macro_rules! adam {
             pub fn with_lr(params: Vec<Tensor>, lr: f64) -> $name {
                 $name::new(params, AdamConfig { lr, weight_decay: $default_wd, ..Default::default() })
             }
-            /// Steps taken and the (first, second) moment estimates per parameter.
-            pub fn state(&self) -> (u64, &[Option<(Tensor, Tensor)>]) {
-                (self.0.step, &self.0.moments)
+            /// Each parameter's state (none before its first update).
+            pub fn state(&self) -> &[Option<AdamState>] {
+                &self.0.state
             }
         }
         impl Optimizer for $name {
@@ -191,6 +274,15 @@ macro_rules! adam {
             }
             fn set_lr(&mut self, lr: f64) {
                 self.0.cfg.lr = lr;
+            }
+            fn params(&self) -> &[Tensor] {
+                &self.0.params
+            }
+            fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+                self.0.state_dict()
+            }
+            fn load_state_dict(&mut self, sd: &[(String, Tensor)]) -> Result<()> {
+                self.0.load_state_dict(sd)
             }
         }
     };

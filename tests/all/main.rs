@@ -8,6 +8,8 @@ mod cuda;
 mod data;
 mod demo;
 mod errors;
+mod fixtures;
+mod models;
 mod nn;
 mod ops;
 mod ops_index;

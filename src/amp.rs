@@ -1,0 +1,214 @@
+//! Automatic mixed precision (`torch.amp`): `autocast` runs matmul-like ops (matmul, linear,
+//! conv2d, the attention products) in F16/BF16 and numerically sensitive ones (softmax,
+//! log_softmax, layer_norm, losses, sum/mean) in F32, by PyTorch's policy; `GradScaler`
+//! scales the loss so small F16 gradients survive, and skips steps whose gradients overflowed.
+//!
+//! The policy is applied at the public entry points of those ops. Autocast is per thread and
+//! per device type, like PyTorch's; backward passes run with it suspended.
+
+use crate::optim::Optimizer;
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
+use std::cell::Cell;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct State {
+    cuda: bool,
+    dtype: DType,
+}
+
+thread_local! {
+    static AUTOCAST: Cell<Option<State>> = const { Cell::new(None) };
+}
+
+/// Restores the previous autocast state when dropped (also on early return or panic).
+struct Restore(Option<State>);
+impl Drop for Restore {
+    fn drop(&mut self) {
+        AUTOCAST.with(|a| a.set(self.0));
+    }
+}
+
+fn set(state: Option<State>) -> Restore {
+    Restore(AUTOCAST.with(|a| a.replace(state)))
+}
+
+/// Runs `f` with autocast to `dtype` (F16 or BF16) for tensors on `dev`'s device type.
+/// On the CPU, F16/BF16 arithmetic runs through F32 and is rounded per op.
+pub fn autocast<T>(dev: &Device, dtype: DType, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    if !matches!(dtype, DType::F16 | DType::BF16) {
+        return Err(Error::dtype("autocast", dtype, "autocast runs in F16 or BF16"));
+    }
+    let _restore = set(Some(State { cuda: dev.is_cuda(), dtype }));
+    f()
+}
+
+/// Runs `f` with autocast off (`torch.autocast(enabled=False)`).
+pub fn suspended<R>(f: impl FnOnce() -> R) -> R {
+    let _restore = set(None);
+    f()
+}
+
+/// The autocast dtype in force for tensors on `dev`, if any.
+pub fn autocast_dtype(dev: &Device) -> Option<DType> {
+    AUTOCAST.with(|a| a.get()).filter(|s| s.cuda == dev.is_cuda()).map(|s| s.dtype)
+}
+
+/// `t` in `dt` if autocast may cast it: F32, F16 and BF16 are eligible; F64 and integers are
+/// left alone, as in PyTorch.
+fn eligible_to(t: &Tensor, dt: DType) -> Result<Tensor> {
+    match t.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => t.to_dtype(dt),
+        _ => Ok(t.clone()),
+    }
+}
+
+/// Lower-precision policy for binary products (matmul): both operands in the autocast dtype.
+pub(crate) fn cast_pair(a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+    match autocast_dtype(&a.device()) {
+        Some(dt) => Ok((eligible_to(a, dt)?, eligible_to(b, dt)?)),
+        None => Ok((a.clone(), b.clone())),
+    }
+}
+
+/// Lower-precision policy for layers (linear, conv): input, weight and bias in the autocast
+/// dtype, so the result is too.
+pub(crate) fn cast_low(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    match autocast_dtype(&x.device()) {
+        Some(dt) => Ok((eligible_to(x, dt)?, eligible_to(w, dt)?, b.map(|b| eligible_to(b, dt)).transpose()?)),
+        None => Ok((x.clone(), w.clone(), b.cloned())),
+    }
+}
+
+/// F32 policy (softmax, norms, losses, reductions): F16/BF16 inputs are computed and returned
+/// in F32 while autocast is on.
+pub(crate) fn fp32(x: &Tensor) -> Result<Tensor> {
+    match autocast_dtype(&x.device()) {
+        Some(_) if matches!(x.dtype(), DType::F16 | DType::BF16) => x.to_dtype(DType::F32),
+        _ => Ok(x.clone()),
+    }
+}
+
+/// Dynamic loss scaling (`torch.amp.GradScaler`), PyTorch's defaults: scale 65536, doubled
+/// after 2000 steps without overflow, halved on overflow. The check for inf/NaN reads one
+/// value from the device per step.
+#[derive(Clone, Debug)]
+pub struct GradScaler {
+    scale: f64,
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+    pub growth_interval: u64,
+    growth_tracker: u64,
+    /// Whether the last `step` found a non-finite gradient (`None` before a step).
+    found_inf: Option<bool>,
+    unscaled: bool,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        GradScaler::new()
+    }
+}
+
+impl GradScaler {
+    pub fn new() -> GradScaler {
+        GradScaler::with_options(65536.0, 2.0, 0.5, 2000)
+    }
+    pub fn with_options(init_scale: f64, growth_factor: f64, backoff_factor: f64, growth_interval: u64) -> GradScaler {
+        GradScaler { scale: init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker: 0, found_inf: None, unscaled: false }
+    }
+
+    pub fn get_scale(&self) -> f64 {
+        self.scale
+    }
+
+    /// `loss * scale`.
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        loss.mul_scalar(self.scale)
+    }
+
+    /// Divides the optimiser's gradients by the scale in place and records whether any is
+    /// inf/NaN (`unscale_`, for clipping before `step`). At most once per step.
+    pub fn unscale_<O: Optimizer + ?Sized>(&mut self, opt: &O) -> Result<()> {
+        if self.unscaled {
+            return Err(Error::arg("GradScaler::unscale_", "already called since the last update()"));
+        }
+        let inv = 1.0 / self.scale;
+        let checks = no_grad(|| {
+            let mut checks = Vec::new();
+            for g in opt.params().iter().filter_map(|p| p.grad()) {
+                g.mul_scalar_(inv)?;
+                // x * 0 is 0 for finite x and NaN for inf/NaN: one sum per gradient.
+                checks.push(g.mul_scalar(0.0)?.to_dtype(DType::F32)?.sum_all()?);
+            }
+            Ok::<_, Error>(checks)
+        })?;
+        let found = if checks.is_empty() { false } else { !crate::stack(&checks.iter().collect::<Vec<_>>(), 0)?.sum_all()?.item::<f32>()?.is_finite() };
+        self.found_inf = Some(found);
+        self.unscaled = true;
+        Ok(())
+    }
+
+    /// Unscales (unless `unscale_` already did) and runs `opt.step()` only if every gradient
+    /// is finite.
+    pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<()> {
+        if !self.unscaled {
+            self.unscale_(opt)?;
+        }
+        if self.found_inf == Some(false) {
+            opt.step()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the last step was skipped for a non-finite gradient.
+    pub fn step_was_skipped(&self) -> bool {
+        self.found_inf == Some(true)
+    }
+
+    /// Adjusts the scale after a step: back off on overflow, grow after `growth_interval`
+    /// clean steps.
+    pub fn update(&mut self) -> Result<()> {
+        let found = self.found_inf.ok_or_else(|| Error::arg("GradScaler::update", "no inf checks were recorded: call step() (or unscale_) first"))?;
+        if found {
+            self.scale *= self.backoff_factor;
+            self.growth_tracker = 0;
+        } else {
+            self.growth_tracker += 1;
+            if self.growth_tracker == self.growth_interval {
+                self.scale *= self.growth_factor;
+                self.growth_tracker = 0;
+            }
+        }
+        self.found_inf = None;
+        self.unscaled = false;
+        Ok(())
+    }
+
+    /// PyTorch's keys: scale, growth_factor, backoff_factor, growth_interval, _growth_tracker
+    /// (F64 scalars).
+    pub fn state_dict(&self) -> Result<Vec<(String, Tensor)>> {
+        let s = |k: &str, v: f64| Ok((k.to_string(), Tensor::scalar(v, DType::F64, &Device::Cpu)?));
+        vec![
+            s("scale", self.scale),
+            s("growth_factor", self.growth_factor),
+            s("backoff_factor", self.backoff_factor),
+            s("growth_interval", self.growth_interval as f64),
+            s("_growth_tracker", self.growth_tracker as f64),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    pub fn load_state_dict(&mut self, sd: &[(String, Tensor)]) -> Result<()> {
+        let get = |k: &str| -> Result<f64> {
+            let (_, t) = sd.iter().find(|(n, _)| n == k).ok_or_else(|| Error::arg("GradScaler::load_state_dict", format!("missing {k}")))?;
+            if t.numel() != 1 {
+                return Err(Error::shape("GradScaler::load_state_dict", format!("{k} must hold one value, got shape {:?}", t.shape())));
+            }
+            t.to_dtype(DType::F64)?.reshape(&[])?.item::<f64>()
+        };
+        let (scale, gf, bf, gi, gt) = (get("scale")?, get("growth_factor")?, get("backoff_factor")?, get("growth_interval")?, get("_growth_tracker")?);
+        *self = GradScaler { scale, growth_factor: gf, backoff_factor: bf, growth_interval: gi as u64, growth_tracker: gt as u64, found_inf: None, unscaled: false };
+        Ok(())
+    }
+}

@@ -1,0 +1,146 @@
+//! Batch normalisation over the channels of `[N, C, H, W]` (`nn.BatchNorm2d`): batch
+//! statistics and running-statistics updates in training, running statistics in eval.
+
+use super::Module;
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// `F.batch_norm` over dim 1 of `x` (`[N, C, ...]`). In training the batch's statistics
+/// normalise (biased variance) and, when given, the running ones are updated in place with
+/// the unbiased variance: `r = (1 - momentum) r + momentum * stat`. Computed in F32 for
+/// F16/BF16 inputs; the result has the input's dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm(
+    x: &Tensor,
+    running_mean: Option<&Tensor>,
+    running_var: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    training: bool,
+    momentum: f64,
+    eps: f64,
+) -> Result<Tensor> {
+    let op = "batch_norm";
+    if x.ndim() < 2 || !x.dtype().is_float() {
+        return Err(Error::shape(op, format!("expected a floating-point input of at least 2 dims [N, C, ...], got {:?} {:?}", x.shape(), x.dtype())));
+    }
+    let c = x.shape()[1];
+    for (name, t) in [("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)] {
+        if let Some(t) = t {
+            if t.shape() != [c] {
+                return Err(Error::shape(op, format!("{name} of shape {:?} for {c} channels (input {:?})", t.shape(), x.shape())));
+            }
+        }
+    }
+    // Per-channel tensors broadcast as [1, C, 1, ...].
+    let mut bshape = vec![1usize; x.ndim()];
+    bshape[1] = c;
+    let per_channel = |t: &Tensor| t.to_dtype(x.dtype().compute_dtype())?.reshape_usize(&bshape);
+    let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
+    let xf = x.to_dtype(x.dtype().compute_dtype())?;
+    let (mean, var) = if training {
+        let n = x.numel() / c.max(1);
+        if n <= 1 {
+            return Err(Error::shape(op, format!("expected more than 1 value per channel when training, got input {:?}", x.shape())));
+        }
+        let mean = xf.mean(&dims, true)?;
+        let centered = xf.sub(&mean)?;
+        let var = centered.mul(&centered)?.mean(&dims, true)?;
+        if let (Some(rm), Some(rv)) = (running_mean, running_var) {
+            no_grad(|| -> Result<()> {
+                let unbiased = var.mul_scalar(n as f64 / (n - 1) as f64)?.reshape_usize(&[c])?;
+                rm.mul_scalar_(1.0 - momentum)?;
+                rm.add_(&mean.reshape_usize(&[c])?.mul_scalar(momentum)?.to_dtype(rm.dtype())?)?;
+                rv.mul_scalar_(1.0 - momentum)?;
+                rv.add_(&unbiased.mul_scalar(momentum)?.to_dtype(rv.dtype())?)
+            })?;
+        }
+        (mean, var)
+    } else {
+        match (running_mean, running_var) {
+            (Some(rm), Some(rv)) => (per_channel(rm)?, per_channel(rv)?),
+            _ => return Err(Error::arg(op, "evaluation mode needs running_mean and running_var")),
+        }
+    };
+    let mut y = xf.sub(&mean)?.mul(&var.add_scalar(eps)?.rsqrt()?)?;
+    if let Some(w) = weight {
+        y = y.mul(&per_channel(w)?)?;
+    }
+    if let Some(b) = bias {
+        y = y.add(&per_channel(b)?)?;
+    }
+    y.to_dtype(x.dtype())
+}
+
+/// `nn.BatchNorm2d(num_features, eps, momentum)`: weight ones, bias zeros, buffers
+/// `running_mean` (zeros), `running_var` (ones), `num_batches_tracked` (I64). A momentum of
+/// `None` uses the cumulative average, as PyTorch.
+pub struct BatchNorm2d {
+    pub weight: Tensor,
+    pub bias: Tensor,
+    pub running_mean: Tensor,
+    pub running_var: Tensor,
+    pub num_batches_tracked: Tensor,
+    pub eps: f64,
+    pub momentum: Option<f64>,
+    training: AtomicBool,
+}
+
+impl BatchNorm2d {
+    /// eps 1e-5, momentum 0.1.
+    pub fn new(num_features: usize, dev: &Device) -> Result<BatchNorm2d> {
+        BatchNorm2d::with_options(num_features, 1e-5, Some(0.1), dev)
+    }
+    pub fn with_options(num_features: usize, eps: f64, momentum: Option<f64>, dev: &Device) -> Result<BatchNorm2d> {
+        let c = [num_features];
+        Ok(BatchNorm2d {
+            weight: Tensor::ones(&c, DType::F32, dev)?.requires_grad(),
+            bias: Tensor::zeros(&c, DType::F32, dev)?.requires_grad(),
+            running_mean: Tensor::zeros(&c, DType::F32, dev)?,
+            running_var: Tensor::ones(&c, DType::F32, dev)?,
+            num_batches_tracked: Tensor::zeros(&[], DType::I64, dev)?,
+            eps,
+            momentum,
+            training: AtomicBool::new(true),
+        })
+    }
+}
+
+impl Module for BatchNorm2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.ndim() != 4 {
+            return Err(Error::shape("BatchNorm2d", format!("expected a 4-D [N, C, H, W] input, got {:?}", x.shape())));
+        }
+        let training = self.training.load(Ordering::Relaxed);
+        let momentum = if training {
+            no_grad(|| self.num_batches_tracked.add_scalar_(1))?;
+            match self.momentum {
+                Some(m) => m,
+                // Cumulative moving average: 1 / batches seen.
+                None => 1.0 / self.num_batches_tracked.item::<i64>()? as f64,
+            }
+        } else {
+            0.0
+        };
+        batch_norm(x, Some(&self.running_mean), Some(&self.running_var), Some(&self.weight), Some(&self.bias), training, momentum, self.eps)
+    }
+    fn own_parameters(&self) -> Vec<(String, Tensor)> {
+        vec![("weight".into(), self.weight.clone()), ("bias".into(), self.bias.clone())]
+    }
+    fn own_buffers(&self) -> Vec<(String, Tensor)> {
+        vec![
+            ("running_mean".into(), self.running_mean.clone()),
+            ("running_var".into(), self.running_var.clone()),
+            ("num_batches_tracked".into(), self.num_batches_tracked.clone()),
+        ]
+    }
+    fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        for t in [&mut self.weight, &mut self.bias, &mut self.running_mean, &mut self.running_var, &mut self.num_batches_tracked] {
+            f(t)?;
+        }
+        Ok(())
+    }
+}

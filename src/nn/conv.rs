@@ -1,0 +1,289 @@
+//! Convolution and pooling over `[N, C, H, W]` as compositions of primitives: padding and
+//! strided slices gather the windows (im2col), a matmul applies the kernel, amax/argmax-gather
+//! pools. Gradients come from the primitives' own, on every device.
+
+use super::{init, Module};
+use crate::{stack, DType, Device, Error, Result, Tensor};
+
+/// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
+fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
+    let span = dil * (k - 1) + 1;
+    if size + 2 * pad < span {
+        return Err(Error::shape(op, format!("input size {size} with padding {pad} is smaller than the (dilated) kernel {span}")));
+    }
+    Ok((size + 2 * pad - span) / stride + 1)
+}
+
+fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()> {
+    if v.0 == 0 || v.1 == 0 {
+        return Err(Error::arg(op, format!("{what} must be positive, got {v:?}")));
+    }
+    Ok(())
+}
+
+/// The `kh * kw` strided windows of padded `x` `[N, C, H, W]`, each `[N, C, OH, OW]`.
+fn windows(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Vec<Tensor>> {
+    let mut ws = Vec::with_capacity(k.0 * k.1);
+    for i in 0..k.0 {
+        let rows = x.slice(2, (i * dil.0) as i64, (i * dil.0 + stride.0 * (out.0 - 1) + 1) as i64, stride.0)?;
+        for j in 0..k.1 {
+            ws.push(rows.slice(3, (j * dil.1) as i64, (j * dil.1 + stride.1 * (out.1 - 1) + 1) as i64, stride.1)?);
+        }
+    }
+    Ok(ws)
+}
+
+/// 4-D input (or 3-D unbatched, given a batch dim of 1); whether it was unbatched.
+fn batched(op: &'static str, x: &Tensor) -> Result<(Tensor, bool)> {
+    match x.ndim() {
+        4 => Ok((x.clone(), false)),
+        3 => Ok((x.unsqueeze(0)?, true)),
+        _ => Err(Error::shape(op, format!("expected a 4-D [N, C, H, W] (or 3-D unbatched) input, got {:?}", x.shape()))),
+    }
+}
+
+/// Options of [`conv2d`]: `(height, width)` pairs and groups, PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv2dArgs {
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+}
+
+impl Default for Conv2dArgs {
+    fn default() -> Self {
+        Conv2dArgs { stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1 }
+    }
+}
+
+/// 2-D cross-correlation (`F.conv2d`): `x` `[N, C, H, W]`, `weight` `[O, C / groups, KH, KW]`,
+/// `bias` `[O]`. The result is `[N, O, OH, OW]`, laid out channels-last in memory.
+pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
+    let op = "conv2d";
+    let (x, unbatched) = batched(op, x)?;
+    let (x, weight, bias) = crate::amp::cast_low(&x, weight, bias)?;
+    let bias = bias.as_ref();
+    if weight.ndim() != 4 {
+        return Err(Error::shape(op, format!("weight must be 4-D [out, in / groups, kh, kw], got {:?}", weight.shape())));
+    }
+    if x.dtype() != weight.dtype() || bias.is_some_and(|b| b.dtype() != x.dtype()) {
+        return Err(Error::dtype(op, weight.dtype(), format!("input {:?}, weight {:?} and bias {:?} must have one dtype", x.dtype(), weight.dtype(), bias.map(|b| b.dtype()))));
+    }
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "needs floating-point tensors"));
+    }
+    let (n, c, h, w) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let (o, cg, kh, kw) = (weight.shape()[0], weight.shape()[1], weight.shape()[2], weight.shape()[3]);
+    let g = args.groups;
+    if g == 0 || c != cg * g || !o.is_multiple_of(g) {
+        return Err(Error::shape(op, format!("input {:?} and weight {:?} with groups {g}: need in channels = weight.shape[1] * groups and out channels divisible by groups", x.shape(), weight.shape())));
+    }
+    if let Some(b) = bias {
+        if b.shape() != [o] {
+            return Err(Error::shape(op, format!("bias of shape {:?}, expected [{o}]", b.shape())));
+        }
+    }
+    check_positive(op, "stride", args.stride)?;
+    check_positive(op, "dilation", args.dilation)?;
+    check_positive(op, "kernel size", (kh, kw))?;
+    let (p, s, d) = (args.padding, args.stride, args.dilation);
+    let (oh, ow) = (out_len(op, h, kh, s.0, p.0, d.0)?, out_len(op, w, kw, s.1, p.1, d.1)?);
+
+    // Columns [N * OH * OW, C * KH * KW] (channel-major, window-minor, as the weight's layout).
+    let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], 0.0)? };
+    let ws = windows(&padded, (kh, kw), s, d, (oh, ow))?;
+    let rows = n * oh * ow;
+    let cols = if ws.len() == 1 {
+        ws[0].permute(&[0, 2, 3, 1])?.reshape_usize(&[rows, c])?
+    } else {
+        let ws: Vec<Tensor> = ws.iter().map(|t| t.permute(&[0, 2, 3, 1])).collect::<Result<_>>()?;
+        stack(&ws.iter().collect::<Vec<_>>(), 4)?.reshape_usize(&[rows, c * kh * kw])?
+    };
+    let k = cg * kh * kw;
+    let y = if g == 1 {
+        cols.matmul(&weight.reshape_usize(&[o, k])?.t()?)?
+    } else {
+        let cols = cols.reshape_usize(&[rows, g, k])?.transpose(0, 1)?;
+        let wt = weight.reshape_usize(&[g, o / g, k])?.transpose(1, 2)?;
+        cols.matmul(&wt)?.transpose(0, 1)?.reshape_usize(&[rows, o])?
+    };
+    let y = match bias {
+        Some(b) => y.add(b)?,
+        None => y,
+    };
+    let y = y.reshape_usize(&[n, oh, ow, o])?.permute(&[0, 3, 1, 2])?;
+    if unbatched {
+        y.squeeze(0)
+    } else {
+        Ok(y)
+    }
+}
+
+/// Max over `kernel` windows (`F.max_pool2d`, floor mode); padding counts as `-inf`. The
+/// gradient goes to the first maximum of each window, as PyTorch's.
+pub fn max_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> Result<Tensor> {
+    let op = "max_pool2d";
+    let (x, unbatched) = batched(op, x)?;
+    check_positive(op, "kernel size", kernel)?;
+    check_positive(op, "stride", stride)?;
+    if 2 * padding.0 > kernel.0 || 2 * padding.1 > kernel.1 {
+        return Err(Error::arg(op, format!("padding {padding:?} must be at most half the kernel size {kernel:?}")));
+    }
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "needs a floating-point input"));
+    }
+    let (oh, ow) = (out_len(op, x.shape()[2], kernel.0, stride.0, padding.0, 1)?, out_len(op, x.shape()[3], kernel.1, stride.1, padding.1, 1)?);
+    let p = padding;
+    let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], f64::NEG_INFINITY)? };
+    let ws = windows(&padded, kernel, stride, (1, 1), (oh, ow))?;
+    let stacked = stack(&ws.iter().collect::<Vec<_>>(), 4)?;
+    let first_max = crate::no_grad(|| stacked.argmax(4, true))?;
+    let y = stacked.gather(4, &first_max)?.squeeze(4)?;
+    if unbatched {
+        y.squeeze(0)
+    } else {
+        Ok(y)
+    }
+}
+
+/// `[out, size]` averaging matrix of adaptive pooling: row i averages
+/// `floor(i * size / out) .. ceil((i + 1) * size / out)`.
+fn adaptive_weights(size: usize, out: usize, dtype: DType, dev: &Device) -> Result<Tensor> {
+    let mut m = vec![0.0f64; out * size];
+    for i in 0..out {
+        let (a, b) = (i * size / out, ((i + 1) * size).div_ceil(out));
+        for j in a..b {
+            m[i * size + j] = 1.0 / (b - a) as f64;
+        }
+    }
+    Tensor::from_vec(m, &[out, size], &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)
+}
+
+/// Average pooling to a fixed output size (`F.adaptive_avg_pool2d`).
+pub fn adaptive_avg_pool2d(x: &Tensor, output_size: (usize, usize)) -> Result<Tensor> {
+    let op = "adaptive_avg_pool2d";
+    let (x, unbatched) = batched(op, x)?;
+    check_positive(op, "output size", output_size)?;
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "needs a floating-point input"));
+    }
+    let (h, w) = (x.shape()[2], x.shape()[3]);
+    if h == 0 || w == 0 {
+        return Err(Error::shape(op, format!("input {:?} has an empty spatial dim", x.shape())));
+    }
+    let y = if output_size == (1, 1) {
+        x.mean(&[2, 3], true)?
+    } else {
+        // Averaging matrices on both sides, outside autocast: pooling keeps the input's dtype.
+        crate::amp::suspended(|| {
+            let (mh, mw) = (adaptive_weights(h, output_size.0, x.dtype(), &x.device())?, adaptive_weights(w, output_size.1, x.dtype(), &x.device())?);
+            mh.matmul(&x.matmul(&mw.t()?)?)
+        })?
+    };
+    if unbatched {
+        y.squeeze(0)
+    } else {
+        Ok(y)
+    }
+}
+
+/// `nn.Conv2d`: weight `[out, in / groups, kh, kw]` kaiming uniform (a = sqrt(5)), bias
+/// uniform in ±1/sqrt(fan_in), as PyTorch initialises them.
+pub struct Conv2d {
+    pub weight: Tensor,
+    pub bias: Option<Tensor>,
+    pub args: Conv2dArgs,
+}
+
+impl Conv2d {
+    /// Stride 1, no padding, no dilation, one group, with bias.
+    pub fn new(in_channels: usize, out_channels: usize, kernel: usize, dev: &Device) -> Result<Conv2d> {
+        Conv2d::with_options(in_channels, out_channels, (kernel, kernel), Conv2dArgs::default(), true, dev)
+    }
+    pub fn with_options(in_channels: usize, out_channels: usize, kernel: (usize, usize), args: Conv2dArgs, bias: bool, dev: &Device) -> Result<Conv2d> {
+        let g = args.groups;
+        if g == 0 || !in_channels.is_multiple_of(g) || !out_channels.is_multiple_of(g) {
+            return Err(Error::arg("Conv2d", format!("in_channels {in_channels} and out_channels {out_channels} must be divisible by groups {g}")));
+        }
+        check_positive("Conv2d", "kernel size", kernel)?;
+        check_positive("Conv2d", "stride", args.stride)?;
+        check_positive("Conv2d", "dilation", args.dilation)?;
+        let shape = [out_channels, in_channels / g, kernel.0, kernel.1];
+        Ok(Conv2d {
+            weight: init::kaiming_uniform(&shape, 5f64.sqrt(), dev)?.requires_grad(),
+            bias: if bias { Some(init::bias_uniform(&shape, dev)?.requires_grad()) } else { None },
+            args,
+        })
+    }
+}
+
+impl Module for Conv2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv2d(x, &self.weight, self.bias.as_ref(), self.args)
+    }
+    fn own_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut p = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            p.push(("bias".into(), b.clone()));
+        }
+        p
+    }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        f(&mut self.weight)?;
+        if let Some(b) = &mut self.bias {
+            f(b)?;
+        }
+        Ok(())
+    }
+}
+
+/// `nn.MaxPool2d` (floor mode, no dilation).
+#[derive(Clone, Copy, Debug)]
+pub struct MaxPool2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+}
+
+impl MaxPool2d {
+    /// Square kernel; the stride defaults to the kernel size in PyTorch: pass it explicitly.
+    pub fn new(kernel: usize, stride: usize, padding: usize) -> MaxPool2d {
+        MaxPool2d { kernel: (kernel, kernel), stride: (stride, stride), padding: (padding, padding) }
+    }
+}
+
+impl Module for MaxPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        max_pool2d(x, self.kernel, self.stride, self.padding)
+    }
+}
+
+/// `nn.AdaptiveAvgPool2d`.
+#[derive(Clone, Copy, Debug)]
+pub struct AdaptiveAvgPool2d(pub (usize, usize));
+
+impl Module for AdaptiveAvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        adaptive_avg_pool2d(x, self.0)
+    }
+}
+
+/// `nn.Flatten`: merges dims `start_dim..=end_dim` (default 1..=-1).
+#[derive(Clone, Copy, Debug)]
+pub struct Flatten {
+    pub start_dim: i64,
+    pub end_dim: i64,
+}
+
+impl Default for Flatten {
+    fn default() -> Self {
+        Flatten { start_dim: 1, end_dim: -1 }
+    }
+}
+
+impl Module for Flatten {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.flatten(self.start_dim, self.end_dim)
+    }
+}

@@ -1,0 +1,399 @@
+//! Models, optimiser state, initialisation and mixed precision: finite-difference gradients in
+//! f64 for the new composites, PyTorch's init distributions, autocast's dtype policy,
+//! GradScaler, training runs and bad input.
+
+use crate::common::*;
+use kiln::amp::{self, GradScaler};
+use kiln::data::{DataLoader, SyntheticClassification};
+use kiln::nn::{self, functional as F, AttnArgs, Module};
+use kiln::optim::{Adam, AdamConfig, Optimizer, Sgd};
+use kiln::prelude::*;
+use kiln::{gradcheck, GradcheckOptions};
+
+fn rand_t(shape: &[usize], seed: u64, dt: DType) -> Tensor {
+    t(&host_rand(shape.iter().product(), seed), shape, dt)
+}
+
+#[test]
+fn conv2d_and_pooling_gradients_match_finite_differences() {
+    let x = rand_t(&[2, 4, 5, 6], 1, DType::F64);
+    let w = rand_t(&[6, 2, 3, 2], 2, DType::F64);
+    let b = rand_t(&[6], 3, DType::F64);
+    let args = F::Conv2dArgs { stride: (2, 1), padding: (1, 2), dilation: (1, 2), groups: 2 };
+    gradcheck(|xs| F::conv2d(&xs[0], &xs[1], Some(&xs[2]), args), &[x.clone(), w, b], GradcheckOptions::default()).unwrap();
+    // Distinct values so every window has one maximum (finite differences need that).
+    gradcheck(|xs| F::max_pool2d(&xs[0], (3, 2), (2, 2), (1, 1)), std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
+    gradcheck(|xs| F::adaptive_avg_pool2d(&xs[0], (3, 4)), std::slice::from_ref(&x), GradcheckOptions::default()).unwrap();
+    let (wt, bt) = (rand_t(&[4], 4, DType::F64), rand_t(&[4], 5, DType::F64));
+    gradcheck(|xs| F::batch_norm(&xs[0], None, None, Some(&xs[1]), Some(&xs[2]), true, 0.1, 1e-5), &[x, wt, bt], GradcheckOptions::default()).unwrap();
+}
+
+#[test]
+fn max_pool_sends_the_gradient_to_the_first_maximum_like_pytorch() {
+    // A window of equal values (as after a ReLU): PyTorch's gradient goes to the first.
+    let x = t(&[0.0, 0.0, 0.0, 0.0], &[1, 1, 2, 2], DType::F32).requires_grad();
+    let y = F::max_pool2d(&x, (2, 2), (2, 2), (0, 0)).unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), [1.0, 0.0, 0.0, 0.0]);
+}
+
+#[test]
+fn attention_gradients_match_finite_differences_with_masks() {
+    let d = dev();
+    manual_seed(4);
+    let mut m = nn::MultiheadAttention::with_options(4, 2, 0.0, true, true, &d).unwrap();
+    m.to_dtype(DType::F64).unwrap();
+    let kpm = Tensor::from_vec(vec![false, false, true, false, true, false], &[2, 3], &d).unwrap();
+    let am = t(&host_rand(6, 9), &[2, 3], DType::F64);
+    let (q, k, v) = (rand_t(&[2, 2, 4], 6, DType::F64), rand_t(&[2, 3, 4], 7, DType::F64), rand_t(&[2, 3, 4], 8, DType::F64));
+    let args = AttnArgs { key_padding_mask: Some(&kpm), attn_mask: Some(&am), need_weights: false, ..Default::default() };
+    gradcheck(|xs| Ok(m.attend(&xs[0], &xs[1], &xs[2], args)?.0), &[q, k, v], GradcheckOptions::default()).unwrap();
+}
+
+#[test]
+fn attention_dropout_acts_in_training_only_and_weights_average_over_heads() {
+    let d = dev();
+    manual_seed(2);
+    let m = nn::MultiheadAttention::with_options(8, 2, 0.5, true, false, &d).unwrap();
+    let x = Tensor::randn(&[5, 3, 8], DType::F32, &d).unwrap();
+    let full = AttnArgs { average_attn_weights: false, ..Default::default() };
+    let (_, w_train) = m.attend(&x, &x, &x, full).unwrap();
+    let zeros = vals(&w_train.unwrap()).iter().filter(|&&v| v == 0.0).count();
+    assert!(zeros > 0, "dropout zeroes some weights in training");
+    m.eval();
+    let (o1, w) = m.attend(&x, &x, &x, full).unwrap();
+    let (o2, avg) = m.attend(&x, &x, &x, AttnArgs::default()).unwrap();
+    let (w, avg) = (w.unwrap(), avg.unwrap());
+    assert_eq!((w.shape(), avg.shape()), (&[3usize, 2, 5, 5][..], &[3usize, 5, 5][..]));
+    assert_close(&vals(&avg), &vals(&w.mean(&[1], false).unwrap()), 1e-6, 1e-7);
+    assert_close(&vals(&w.sum(&[-1], false).unwrap()), &[1.0; 30], 1e-5, 1e-6);
+    assert_eq!(vals(&o1), vals(&o2));
+    // The Module form is self-attention without weights; unbatched input keeps its rank.
+    assert_eq!(vals(&m.forward(&x).unwrap()), vals(&o1));
+    let single = x.narrow(1, 0, 1).unwrap().squeeze(1).unwrap();
+    let (o, w) = m.attend(&single, &single, &single, AttnArgs::default()).unwrap();
+    assert_eq!((o.shape(), w.unwrap().shape()), (&[5usize, 8][..], &[5usize, 5][..]));
+    assert_close(&vals(&o), &vals(&o1.narrow(1, 0, 1).unwrap()), 1e-5, 1e-6);
+}
+
+#[test]
+fn square_subsequent_mask_and_transformer_defaults() {
+    let m = nn::generate_square_subsequent_mask(3, &dev()).unwrap();
+    let inf = f64::NEG_INFINITY;
+    assert_eq!(vals(&m), [0.0, inf, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0]);
+    let c = nn::TransformerConfig::default();
+    assert_eq!((c.d_model, c.nhead, c.num_encoder_layers, c.num_decoder_layers, c.dim_feedforward), (512, 8, 6, 6, 2048));
+    assert_eq!((c.dropout, c.layer_norm_eps, c.activation, c.norm_first, c.batch_first), (0.1, 1e-5, nn::Activation::Relu, false, false));
+    // API.md's construction, scaled down in layers to keep the test quick.
+    let tr = nn::Transformer::new(nn::TransformerConfig { d_model: 512, nhead: 8, num_encoder_layers: 1, num_decoder_layers: 1, ..Default::default() }, &dev()).unwrap();
+    let names: Vec<String> = tr.named_parameters().into_iter().map(|(n, _)| n).collect();
+    for n in ["encoder.layers.0.self_attn.in_proj_weight", "encoder.layers.0.linear1.weight", "encoder.norm.weight", "decoder.layers.0.multihead_attn.out_proj.bias", "decoder.layers.0.norm3.bias", "decoder.norm.bias"] {
+        assert!(names.iter().any(|m| m == n), "{n} missing from {names:?}");
+    }
+    assert_eq!(tr.named_parameters().iter().find(|(n, _)| n == "encoder.layers.0.linear1.weight").unwrap().1.shape(), [2048, 512]);
+}
+
+#[test]
+fn encoder_layers_start_as_copies_and_dropout_follows_the_mode() {
+    let d = dev();
+    manual_seed(8);
+    let cfg = nn::TransformerConfig { d_model: 8, nhead: 2, dim_feedforward: 16, dropout: 0.5, ..Default::default() };
+    let enc = nn::TransformerEncoder::new(nn::TransformerEncoderLayer::new(&cfg, &d).unwrap(), 3, None, &d).unwrap();
+    let p = enc.named_parameters();
+    let first = |i: usize| vals(&p.iter().find(|(n, _)| *n == format!("layers.{i}.linear1.weight")).unwrap().1);
+    assert_eq!(first(0), first(2), "deep copies, as PyTorch's _get_clones");
+    let x = Tensor::randn(&[4, 2, 8], DType::F32, &d).unwrap();
+    let (a, b) = (vals(&enc.forward(&x).unwrap()), vals(&enc.forward(&x).unwrap()));
+    assert_ne!(a, b, "dropout draws differ in training");
+    enc.eval();
+    assert_eq!(vals(&enc.forward(&x).unwrap()), vals(&enc.forward(&x).unwrap()));
+}
+
+/// Max |v| and the sample standard deviation.
+fn spread(t: &Tensor) -> (f64, f64) {
+    let v = vals(t);
+    let mean = v.iter().sum::<f64>() / v.len() as f64;
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / v.len() as f64;
+    (v.iter().fold(0.0f64, |m, x| m.max(x.abs())), var.sqrt())
+}
+
+#[test]
+fn default_initialisations_follow_pytorch() {
+    let d = dev();
+    manual_seed(11);
+    // Uniform in ±b has std b/sqrt(3); 10k+ samples put the estimate within a few percent.
+    let uniform_ok = |t: &Tensor, bound: f64| {
+        let (max, std) = spread(t);
+        assert!(max <= bound && max > 0.98 * bound, "max {max} for bound {bound}");
+        assert!((std / (bound / 3f64.sqrt()) - 1.0).abs() < 0.05, "std {std} for bound {bound}");
+    };
+    let conv = nn::Conv2d::with_options(16, 32, (3, 3), nn::Conv2dArgs { groups: 2, ..Default::default() }, true, &d).unwrap();
+    uniform_ok(&conv.weight, 1.0 / (8.0f64 * 9.0).sqrt());
+    assert!(spread(conv.bias.as_ref().unwrap()).0 <= 1.0 / 72f64.sqrt());
+    let lin = nn::Linear::new(300, 200, &d).unwrap();
+    uniform_ok(&lin.weight, 1.0 / 300f64.sqrt());
+    let mha = nn::MultiheadAttention::new(64, 4, &d).unwrap();
+    uniform_ok(&mha.in_proj_weight, (6.0 / (64.0 + 192.0f64)).sqrt());
+    assert!(vals(mha.in_proj_bias.as_ref().unwrap()).iter().all(|&v| v == 0.0));
+    assert!(vals(mha.out_proj.bias.as_ref().unwrap()).iter().all(|&v| v == 0.0));
+    uniform_ok(&mha.out_proj.weight, 1.0 / 8.0);
+    let emb = nn::Embedding::new(100, 100, &d).unwrap();
+    let (_, std) = spread(&emb.weight);
+    assert!((std - 1.0).abs() < 0.03, "Embedding is standard normal: std {std}");
+    let bn = nn::BatchNorm2d::new(4, &d).unwrap();
+    assert_eq!((vals(&bn.weight), vals(&bn.bias), vals(&bn.running_var)), (vec![1.0; 4], vec![0.0; 4], vec![1.0; 4]));
+    // torchvision's ResNet convs: kaiming normal, fan_out, gain sqrt(2).
+    let blk = nn::Bottleneck::new(256, 64, 1, &d).unwrap();
+    let (_, std) = spread(&blk.conv2.weight);
+    assert!((std / (2.0 / (64.0 * 9.0f64)).sqrt() - 1.0).abs() < 0.05, "conv2 std {std}");
+    // Seeded: the same seed gives the same model.
+    manual_seed(3);
+    let a = nn::Linear::new(5, 4, &d).unwrap();
+    manual_seed(3);
+    let b = nn::Linear::new(5, 4, &d).unwrap();
+    assert_eq!(vals(&a.weight), vals(&b.weight));
+}
+
+#[test]
+fn resnet50_classifies_a_small_batch() {
+    let d = dev();
+    manual_seed(0);
+    let model = nn::resnet50(10, &d).unwrap();
+    model.eval();
+    let x = Tensor::randn(&[1, 3, 32, 32], DType::F32, &d).unwrap();
+    let y = no_grad(|| model.forward(&x)).unwrap();
+    assert_eq!(y.shape(), [1, 10]);
+    assert!(vals(&y).iter().all(|v| v.is_finite()));
+    assert_eq!(model.parameters().len(), 161);
+}
+
+#[test]
+fn bad_model_inputs_are_clear_errors() {
+    let d = dev();
+    let x = Tensor::randn(&[2, 4, 5, 5], DType::F32, &d).unwrap();
+    let w = Tensor::randn(&[6, 4, 3, 3], DType::F32, &d).unwrap();
+    let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+    let e = err(F::conv2d(&x, &Tensor::randn(&[6, 3, 3, 3], DType::F32, &d).unwrap(), None, Default::default()));
+    assert!(e.contains("conv2d") && e.contains("[2, 4, 5, 5]") && e.contains("[6, 3, 3, 3]"), "{e}");
+    let e = err(F::conv2d(&x.reshape(&[2, 100]).unwrap(), &w, None, Default::default()));
+    assert!(e.contains("4-D"), "{e}");
+    let e = err(F::conv2d(&x, &w.to_dtype(DType::F64).unwrap(), None, Default::default()));
+    assert!(e.contains("conv2d") && e.contains("F64"), "{e}");
+    let e = err(F::conv2d(&x, &w, Some(&Tensor::zeros(&[5], DType::F32, &d).unwrap()), Default::default()));
+    assert!(e.contains("bias") && e.contains("[5]"), "{e}");
+    let e = err(F::conv2d(&x, &Tensor::randn(&[6, 4, 7, 7], DType::F32, &d).unwrap(), None, Default::default()));
+    assert!(e.contains("smaller than the (dilated) kernel"), "{e}");
+    let e = err(F::conv2d(&x, &w, None, F::Conv2dArgs { stride: (0, 1), ..Default::default() }));
+    assert!(e.contains("stride"), "{e}");
+    assert!(nn::Conv2d::with_options(4, 6, (3, 3), F::Conv2dArgs { groups: 4, ..Default::default() }, true, &d).is_err());
+    let e = err(F::max_pool2d(&x, (2, 2), (2, 2), (2, 2)));
+    assert!(e.contains("half the kernel"), "{e}");
+    let e = err(nn::BatchNorm2d::new(4, &d).unwrap().forward(&Tensor::randn(&[1, 4, 1, 1], DType::F32, &d).unwrap()));
+    assert!(e.contains("more than 1 value per channel"), "{e}");
+    let e = err(nn::BatchNorm2d::new(3, &d).unwrap().forward(&x));
+    assert!(e.contains("running_mean") && e.contains("[3]"), "{e}");
+
+    let m = nn::MultiheadAttention::new(8, 2, &d).unwrap();
+    assert!(nn::MultiheadAttention::new(8, 3, &d).err().unwrap().to_string().contains("multiple of num_heads"));
+    let q = Tensor::randn(&[3, 2, 8], DType::F32, &d).unwrap();
+    let e = m.attend(&q, &Tensor::randn(&[4, 2, 6], DType::F32, &d).unwrap(), &q, AttnArgs::default()).unwrap_err().to_string();
+    assert!(e.contains("embed_dim 8"), "{e}");
+    let bad = Tensor::zeros(&[2, 2], DType::Bool, &d).unwrap();
+    let e = m.attend(&q, &q, &q, AttnArgs { attn_mask: Some(&bad), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("attn_mask of shape [2, 2]"), "{e}");
+    let int_mask = Tensor::zeros(&[2, 3], DType::I64, &d).unwrap();
+    let e = m.attend(&q, &q, &q, AttnArgs { key_padding_mask: Some(&int_mask), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("key_padding_mask must be bool or floating point"), "{e}");
+
+    let cfg = nn::TransformerConfig { d_model: 8, nhead: 2, num_encoder_layers: 1, num_decoder_layers: 1, dim_feedforward: 8, ..Default::default() };
+    let tr = nn::Transformer::new(cfg, &d).unwrap();
+    let e = tr.forward_src_tgt(&q, &Tensor::randn(&[3, 5, 8], DType::F32, &d).unwrap(), &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("same batch size"), "{e}");
+    assert!(tr.forward(&q).unwrap_err().to_string().contains("forward_src_tgt"));
+}
+
+#[test]
+fn optimiser_state_round_trips_through_a_file_and_resumes_bit_exactly() {
+    let d = dev();
+    let path = std::env::temp_dir().join(format!("kiln-{}-adam-state.safetensors", std::process::id())).to_string_lossy().into_owned();
+    let grads = |i: usize| rand_t(&[3, 2], 100 + i as u64, DType::F32);
+    let run = |opt: &mut dyn Optimizer, p: &Tensor, from: usize, to: usize| {
+        for i in from..to {
+            p.set_grad(Some(grads(i)));
+            opt.step().unwrap();
+        }
+    };
+    let cfg = AdamConfig { lr: 0.05, ..Default::default() };
+    let p = rand_t(&[3, 2], 1, DType::F32).requires_grad();
+    let mut a = Adam::new(vec![p.clone()], cfg);
+    run(&mut a, &p, 0, 3);
+    nn::safetensors::save(&a.state_dict().unwrap(), &path).unwrap();
+    let q = p.detach().copy_contiguous().unwrap().requires_grad();
+    let mut b = Adam::new(vec![q.clone()], AdamConfig::default());
+    b.load_state_dict(&nn::safetensors::load(&path, &d).unwrap()).unwrap();
+    assert_eq!(b.lr(), 0.05, "hyperparameters restored");
+    run(&mut a, &p, 3, 6);
+    run(&mut b, &q, 3, 6);
+    assert_eq!(vals(&p), vals(&q), "resumed optimiser continues bit-exactly");
+    assert_eq!(b.state()[0].as_ref().unwrap().step, 6);
+
+    // SGD's momentum buffers, and errors naming what does not fit.
+    let mut s = Sgd::new(vec![p.clone()], 0.1).momentum(0.9);
+    run(&mut s, &p, 0, 1);
+    let sd = s.state_dict().unwrap();
+    assert!(sd.iter().any(|(n, _)| n == "state.0.momentum_buffer"));
+    let other = Tensor::zeros(&[4], DType::F32, &d).unwrap().requires_grad();
+    let e = Sgd::new(vec![other], 0.1).load_state_dict(&sd).unwrap_err().to_string();
+    assert!(e.contains("state.0.momentum_buffer has shape [3, 2], parameter 0 has [4]"), "{e}");
+    let e = Sgd::new(vec![p.clone()], 0.1).load_state_dict(&a.state_dict().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("missing param_groups.0.momentum"), "{e}");
+    let e = Adam::new(vec![], cfg).load_state_dict(&a.state_dict().unwrap()).unwrap_err().to_string();
+    assert!(e.contains("unexpected keys") && e.contains("state.0.exp_avg"), "{e}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn autocast_follows_pytorchs_op_policy() {
+    let d = dev();
+    let a = Tensor::randn(&[4, 8], DType::F32, &d).unwrap();
+    let w = Tensor::randn(&[3, 8], DType::F32, &d).unwrap();
+    let y = Tensor::from_vec(vec![0i64, 2, 1, 0], &[4], &Device::Cpu).unwrap().to_device(&d).unwrap();
+    for low in [DType::F16, DType::BF16] {
+        amp::autocast(&d, low, || {
+            assert_eq!(amp::autocast_dtype(&d), Some(low));
+            assert_eq!(a.matmul(&w.t()?)?.dtype(), low);
+            let lin = F::linear(&a, &w, Some(&Tensor::zeros(&[3], DType::F32, &d)?))?;
+            assert_eq!(lin.dtype(), low, "bias included, like one autocast op");
+            let img = Tensor::randn(&[1, 2, 4, 4], DType::F32, &d)?;
+            assert_eq!(F::conv2d(&img, &Tensor::randn(&[3, 2, 3, 3], DType::F32, &d)?, None, Default::default())?.dtype(), low);
+            for out in [lin.softmax(-1)?, lin.log_softmax(-1)?, F::layer_norm(&lin, &[3], None, None, 1e-5)?, F::cross_entropy(&lin, &y)?, lin.sum_all()?, lin.mean(&[0], false)?, F::mse_loss(&lin, &lin, F::Reduction::Mean)?] {
+                assert_eq!(out.dtype(), DType::F32);
+            }
+            assert_eq!(lin.relu()?.dtype(), low, "other ops run in their input's dtype");
+            assert_eq!(amp::suspended(|| a.matmul(&w.t().unwrap()).unwrap().dtype()), DType::F32);
+            Ok(())
+        })
+        .unwrap();
+    }
+    // F64 is not cast (PyTorch's eligibility rule).
+    let a64 = a.to_dtype(DType::F64).unwrap();
+    let dt = amp::autocast(&d, DType::F16, || Ok(a64.matmul(&a64.t()?)?.dtype())).unwrap();
+    assert_eq!(dt, DType::F64);
+    assert_eq!(amp::autocast_dtype(&d), None, "restored after the closure");
+    assert_eq!(a.matmul(&w.t().unwrap()).unwrap().dtype(), DType::F32);
+    // Autocast for another device type leaves these tensors alone.
+    let other = if d.is_cuda() { Device::Cpu } else { Device::Cuda(0) };
+    let dt = amp::autocast(&other, DType::F16, || Ok(a.matmul(&w.t()?)?.dtype())).unwrap();
+    assert_eq!(dt, DType::F32);
+    assert!(amp::autocast(&d, DType::F32, || Ok(())).unwrap_err().to_string().contains("F16 or BF16"));
+
+    // Gradients of F32 parameters stay F32 and match the F32 computation to F16 precision.
+    let wg = w.detach().requires_grad();
+    let loss = amp::autocast(&d, DType::F16, || F::cross_entropy(&F::linear(&a, &wg, None)?, &y)).unwrap();
+    loss.backward().unwrap();
+    let g16 = wg.grad().unwrap();
+    assert_eq!(g16.dtype(), DType::F32);
+    let w32 = w.detach().requires_grad();
+    F::cross_entropy(&F::linear(&a, &w32, None).unwrap(), &y).unwrap().backward().unwrap();
+    assert_close(&vals(&g16), &vals(&w32.grad().unwrap()), 1e-2, 2e-3);
+}
+
+#[test]
+fn grad_scaler_skips_non_finite_steps_and_adjusts_its_scale() {
+    let p = t(&[1.0, 2.0], &[2], DType::F32).requires_grad();
+    let mut opt = Sgd::new(vec![p.clone()], 0.5);
+    let mut scaler = GradScaler::with_options(1024.0, 2.0, 0.5, 2);
+    assert_eq!(GradScaler::new().get_scale(), 65536.0);
+    assert!(scaler.update().unwrap_err().to_string().contains("step() (or unscale_) first"));
+    let step = |scaler: &mut GradScaler, opt: &mut Sgd, bad: bool| {
+        let loss = p.mul_scalar(3.0).unwrap().sum_all().unwrap();
+        scaler.scale(&loss).unwrap().backward().unwrap();
+        if bad {
+            p.grad().unwrap().fill_(f64::INFINITY).unwrap();
+        }
+        scaler.step(opt).unwrap();
+        scaler.update().unwrap();
+        opt.zero_grad();
+    };
+    step(&mut scaler, &mut opt, false);
+    assert_close(&vals(&p), &[-0.5, 0.5], 1e-6, 0.0);
+    assert_eq!(scaler.get_scale(), 1024.0);
+    step(&mut scaler, &mut opt, false);
+    assert_eq!(scaler.get_scale(), 2048.0, "grows after growth_interval clean steps");
+    step(&mut scaler, &mut opt, true);
+    assert_close(&vals(&p), &[-2.0, -1.0], 1e-6, 0.0);
+    assert_eq!(scaler.get_scale(), 1024.0, "backs off on overflow");
+    // NaN also skips.
+    let loss = p.mul_scalar(f64::NAN).unwrap().sum_all().unwrap();
+    scaler.scale(&loss).unwrap().backward().unwrap();
+    scaler.step(&mut opt).unwrap();
+    assert!(scaler.step_was_skipped());
+    scaler.update().unwrap();
+    assert_close(&vals(&p), &[-2.0, -1.0], 1e-6, 0.0);
+    let mut restored = GradScaler::new();
+    restored.load_state_dict(&scaler.state_dict().unwrap()).unwrap();
+    assert_eq!((restored.get_scale(), restored.growth_interval), (512.0, 2));
+}
+
+/// The 784-256-10 MLP trained for 400 steps of batch 32 (SGD lr 0.1) on the synthetic task,
+/// in F32 or under F16 autocast with a GradScaler; held-out accuracy.
+fn train_mlp(d: &Device, f16: bool) -> f32 {
+    manual_seed(0);
+    let loader = DataLoader::new(SyntheticClassification::mnist_like(32 * 400, 0).unwrap(), 32).unwrap().shuffle(0).drop_last(true);
+    let model = nn::Sequential::new().add(nn::Linear::new(784, 256, d).unwrap()).add(nn::ReLU).add(nn::Linear::new(256, 10, d).unwrap());
+    let mut opt = Sgd::new(model.parameters(), 0.1);
+    let mut scaler = GradScaler::new();
+    for batch in loader.iter() {
+        let (x, y) = batch.unwrap();
+        let (x, y) = (x.to_device(d).unwrap(), y.to_device(d).unwrap());
+        let forward = || F::cross_entropy(&model.forward(&x)?, &y);
+        let loss = if f16 { amp::autocast(d, DType::F16, forward) } else { forward() }.unwrap();
+        assert_eq!(loss.dtype(), DType::F32);
+        scaler.scale(&loss).unwrap().backward().unwrap();
+        scaler.step(&mut opt).unwrap();
+        assert!(!scaler.step_was_skipped(), "no overflow expected at this scale");
+        scaler.update().unwrap();
+        opt.zero_grad();
+    }
+    assert!(model.parameters().iter().all(|p| p.dtype() == DType::F32));
+    let test = DataLoader::new(SyntheticClassification::mnist_like(1024, 1).unwrap(), 1024).unwrap();
+    let (x, y) = test.iter().next().unwrap().unwrap();
+    let (x, y) = (x.to_device(d).unwrap(), y.to_device(d).unwrap());
+    no_grad(|| model.forward(&x).unwrap().argmax(1, false).unwrap().eq(&y).unwrap().to_dtype(DType::F32).unwrap().mean_all().unwrap().item::<f32>().unwrap())
+}
+
+#[test]
+fn the_mlp_learns_the_synthetic_task_in_f32_and_under_f16_autocast() {
+    let d = dev();
+    let (full, half) = (train_mlp(&d, false), train_mlp(&d, true));
+    // Chance is 0.1; 400 steps reach about 0.63 in both.
+    assert!(full >= 0.55 && half >= 0.55, "held-out accuracy: F32 {full}, F16 autocast {half}");
+    assert!((full - half).abs() < 0.05, "autocast converges like F32: {full} vs {half}");
+}
+
+#[test]
+fn checkpoints_with_running_statistics_round_trip_bit_exactly() {
+    let d = dev();
+    let path = std::env::temp_dir().join(format!("kiln-{}-bottleneck.safetensors", std::process::id())).to_string_lossy().into_owned();
+    manual_seed(21);
+    let a = nn::Bottleneck::new(32, 8, 2, &d).unwrap();
+    a.forward(&Tensor::randn(&[2, 32, 6, 6], DType::F32, &d).unwrap()).unwrap();
+    a.save_safetensors(&path).unwrap();
+    let b = nn::Bottleneck::new(32, 8, 2, &d).unwrap();
+    b.load_safetensors(&path).unwrap();
+    let (sa, sb) = (a.state_dict(), b.state_dict());
+    assert_eq!(sa.len(), sb.len());
+    for ((na, ta), (nb, tb)) in sa.iter().zip(&sb) {
+        assert_eq!((na, ta.dtype()), (nb, tb.dtype()));
+        assert_eq!(vals(ta), vals(tb), "{na} bit-exact");
+    }
+    assert_eq!(b.bn1.num_batches_tracked.item::<i64>().unwrap(), 1);
+    b.eval();
+    a.eval();
+    let x = Tensor::randn(&[1, 32, 6, 6], DType::F32, &d).unwrap();
+    assert_eq!(vals(&a.forward(&x).unwrap()), vals(&b.forward(&x).unwrap()));
+    // Another width: every mismatching tensor is named with both shapes.
+    let e = nn::Bottleneck::new(32, 4, 2, &d).unwrap().load_safetensors(&path).unwrap_err().to_string();
+    assert!(e.contains("conv1.weight: shape [8, 32, 1, 1] in the state dict, [4, 32, 1, 1] in the module") && e.contains("bn2.running_var"), "{e}");
+    let _ = std::fs::remove_file(&path);
+}
