@@ -397,3 +397,27 @@ fn checkpoints_with_running_statistics_round_trip_bit_exactly() {
     assert!(e.contains("conv1.weight: shape [8, 32, 1, 1] in the state dict, [4, 32, 1, 1] in the module") && e.contains("bn2.running_var"), "{e}");
     let _ = std::fs::remove_file(&path);
 }
+
+#[test]
+fn batch_first_transformers_and_cumulative_batch_norm() {
+    let d = dev();
+    let cfg = nn::TransformerConfig { d_model: 8, nhead: 2, num_encoder_layers: 1, num_decoder_layers: 1, dim_feedforward: 16, dropout: 0.0, ..Default::default() };
+    let seq = nn::Transformer::new(cfg, &d).unwrap();
+    let bf = nn::Transformer::new(nn::TransformerConfig { batch_first: true, ..cfg }, &d).unwrap();
+    bf.load_state_dict(&seq.state_dict()).unwrap();
+    let (src, tgt) = (Tensor::randn(&[5, 2, 8], DType::F32, &d).unwrap(), Tensor::randn(&[3, 2, 8], DType::F32, &d).unwrap());
+    let a = seq.forward_src_tgt(&src, &tgt, &Default::default()).unwrap();
+    let b = bf.forward_src_tgt(&src.transpose(0, 1).unwrap(), &tgt.transpose(0, 1).unwrap(), &Default::default()).unwrap();
+    assert_eq!(b.shape(), [2, 3, 8]);
+    assert_close(&vals(&b.transpose(0, 1).unwrap()), &vals(&a), 1e-5, 1e-6);
+
+    // momentum None: running statistics are the plain average over batches.
+    let bn = nn::BatchNorm2d::with_options(1, 1e-5, None, &d).unwrap();
+    for v in [1.0, 3.0] {
+        bn.forward(&t(&[v, v + 2.0], &[2, 1, 1, 1], DType::F32)).unwrap();
+    }
+    // Factor 1/batches: the first batch replaces the initial values. Means 2 and 4 -> 3;
+    // unbiased variances 2 and 2 -> 2.
+    assert_close(&vals(&bn.running_mean), &[3.0], 1e-6, 1e-6);
+    assert_close(&vals(&bn.running_var), &[2.0], 1e-6, 1e-6);
+}
