@@ -330,9 +330,29 @@ fn grad_scaler_skips_non_finite_steps_and_adjusts_its_scale() {
     assert!(scaler.step_was_skipped());
     scaler.update().unwrap();
     assert_close(&vals(&p), &[-2.0, -1.0], 1e-6, 0.0);
+    // Two optimisers: each is unscaled once; an overflow in one skips only that one's step
+    // but backs off the shared scale.
+    opt.zero_grad();
+    let q = t(&[1.0], &[1], DType::F32).requires_grad();
+    let mut opt_q = Sgd::new(vec![q.clone()], 1.0);
+    let before = scaler.get_scale();
+    let loss = p.sum_all().unwrap().add(&q.sum_all().unwrap()).unwrap();
+    scaler.scale(&loss).unwrap().backward().unwrap();
+    q.grad().unwrap().fill_(f64::NAN).unwrap();
+    scaler.unscale_(&opt).unwrap();
+    assert!(scaler.unscale_(&opt).unwrap_err().to_string().contains("already called for this optimiser"));
+    scaler.step(&mut opt).unwrap();
+    assert!(!scaler.step_was_skipped());
+    scaler.step(&mut opt_q).unwrap();
+    assert!(scaler.step_was_skipped());
+    scaler.update().unwrap();
+    assert_close(&vals(&p), &[-2.5, -1.5], 1e-6, 0.0);
+    assert_eq!((vals(&q), scaler.get_scale()), (vec![1.0], before * 0.5));
+    opt.zero_grad();
+    opt_q.zero_grad();
     let mut restored = GradScaler::new();
     restored.load_state_dict(&scaler.state_dict().unwrap()).unwrap();
-    assert_eq!((restored.get_scale(), restored.growth_interval), (512.0, 2));
+    assert_eq!((restored.get_scale(), restored.growth_interval), (256.0, 2));
 }
 
 /// The 784-256-10 MLP trained for 400 steps of batch 32 (SGD lr 0.1) on the synthetic task,
