@@ -113,7 +113,7 @@ impl MultiheadAttention {
         if self.training.load(Ordering::Relaxed) && self.dropout > 0.0 {
             w = F::dropout(&w, self.dropout, true)?;
         }
-        let out = w.to_dtype(v.dtype())?.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?;
+        let out = w.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?;
         let out = self.out_proj.forward(&out)?;
         let out = match (batched, self.batch_first) {
             (false, _) => out.squeeze(1)?,

@@ -441,3 +441,27 @@ fn batch_first_transformers_and_cumulative_batch_norm() {
     assert_close(&vals(&bn.running_mean), &[3.0], 1e-6, 1e-6);
     assert_close(&vals(&bn.running_var), &[2.0], 1e-6, 1e-6);
 }
+
+#[test]
+fn transformer_and_resnet_run_under_bf16_autocast_close_to_f32() {
+    let d = dev();
+    manual_seed(5);
+    let cfg = nn::TransformerConfig { d_model: 16, nhead: 2, num_encoder_layers: 1, num_decoder_layers: 1, dim_feedforward: 32, dropout: 0.0, ..Default::default() };
+    let tr = nn::Transformer::new(cfg, &d).unwrap();
+    let xs = Tensor::randn(&[4, 2, 16], DType::F32, &d).unwrap();
+    let full = no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default())).unwrap();
+    let low = amp::autocast(&d, DType::BF16, || no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default()))).unwrap();
+    // The last op is a layer norm: F32 under autocast. BF16 keeps ~3 significant digits.
+    assert_eq!(low.dtype(), DType::F32);
+    assert_close(&vals(&low), &vals(&full), 5e-2, 5e-2);
+
+    let rn = nn::resnet50(10, &d).unwrap();
+    rn.eval();
+    let x = Tensor::randn(&[2, 3, 32, 32], DType::F32, &d).unwrap();
+    let full = no_grad(|| rn.forward(&x)).unwrap();
+    let low = amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(&x))).unwrap();
+    assert_eq!(low.dtype(), DType::BF16, "fc is a linear: BF16 under autocast");
+    let (a, b) = (vals(&low), vals(&full));
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 0.05 * scale), "{a:?} vs {b:?}");
+}
