@@ -78,7 +78,7 @@ fn attention_dropout_acts_in_training_only_and_weights_average_over_heads() {
 
 #[test]
 fn square_subsequent_mask_and_transformer_defaults() {
-    let m = nn::generate_square_subsequent_mask(3, &dev()).unwrap();
+    let m = nn::Transformer::generate_square_subsequent_mask(3, &dev()).unwrap();
     let inf = f64::NEG_INFINITY;
     assert_eq!(vals(&m), [0.0, inf, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0]);
     let c = nn::TransformerConfig::default();
