@@ -24,6 +24,7 @@ pub fn batch_norm(
     if x.ndim() < 2 || !x.dtype().is_float() {
         return Err(Error::shape(op, format!("expected a floating-point input of at least 2 dims [N, C, ...], got {:?} {:?}", x.shape(), x.dtype())));
     }
+    super::functional::same_device(op, x, &[running_mean, running_var, weight, bias])?;
     let c = x.shape()[1];
     for (name, t) in [("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)] {
         if let Some(t) = t {

@@ -106,6 +106,7 @@ impl Default for Conv2dArgs {
 /// `bias` `[O]`. The result is `[N, O, OH, OW]`, laid out channels-last in memory.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
     let op = "conv2d";
+    super::functional::same_device(op, x, &[Some(weight), bias])?;
     let (x, unbatched) = batched(op, x)?;
     let (x, weight, bias) = crate::amp::cast_low(&x, weight, bias)?;
     let bias = bias.as_ref();

@@ -465,3 +465,17 @@ fn transformer_and_resnet_run_under_bf16_autocast_close_to_f32() {
     let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
     assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 0.05 * scale), "{a:?} vs {b:?}");
 }
+
+#[test]
+fn inputs_on_another_device_name_the_op_and_both_devices() {
+    let Some(g) = Some(dev()).filter(|d| d.is_cuda()) else { return };
+    let x = Tensor::randn(&[1, 2, 4, 4], DType::F32, &g).unwrap();
+    let w = Tensor::randn(&[3, 2, 3, 3], DType::F32, &Device::Cpu).unwrap();
+    let e = F::conv2d(&x, &w, None, Default::default()).unwrap_err();
+    assert!(matches!(e, kiln::Error::DeviceMismatch { op: "conv2d", .. }), "{e}");
+    let bn = nn::BatchNorm2d::new(2, &Device::Cpu).unwrap();
+    assert!(matches!(bn.forward(&x).unwrap_err(), kiln::Error::DeviceMismatch { op: "batch_norm", .. }));
+    let m = nn::MultiheadAttention::new(4, 2, &Device::Cpu).unwrap();
+    let q = Tensor::randn(&[3, 1, 4], DType::F32, &g).unwrap();
+    assert!(matches!(m.attend(&q, &q, &q, AttnArgs::default()).unwrap_err(), kiln::Error::DeviceMismatch { op: "multi_head_attention", .. }));
+}
