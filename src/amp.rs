@@ -98,9 +98,15 @@ pub struct GradScaler {
     pub backoff_factor: f64,
     pub growth_interval: u64,
     growth_tracker: u64,
-    /// Whether the last `step` found a non-finite gradient (`None` before a step).
-    found_inf: Option<bool>,
-    unscaled: bool,
+    /// Optimisers unscaled since the last `update`, by address, and whether each had an
+    /// inf/NaN gradient (PyTorch also keeps this per optimiser).
+    unscaled: Vec<(usize, bool)>,
+    last_skipped: bool,
+}
+
+/// An optimiser's identity for the span of one step.
+fn key<O: Optimizer + ?Sized>(opt: &O) -> usize {
+    opt as *const O as *const u8 as usize
 }
 
 impl Default for GradScaler {
@@ -114,7 +120,7 @@ impl GradScaler {
         GradScaler::with_options(65536.0, 2.0, 0.5, 2000)
     }
     pub fn with_options(init_scale: f64, growth_factor: f64, backoff_factor: f64, growth_interval: u64) -> GradScaler {
-        GradScaler { scale: init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker: 0, found_inf: None, unscaled: false }
+        GradScaler { scale: init_scale, growth_factor, backoff_factor, growth_interval, growth_tracker: 0, unscaled: Vec::new(), last_skipped: false }
     }
 
     pub fn get_scale(&self) -> f64 {
@@ -127,10 +133,10 @@ impl GradScaler {
     }
 
     /// Divides the optimiser's gradients by the scale in place and records whether any is
-    /// inf/NaN (`unscale_`, for clipping before `step`). At most once per step.
+    /// inf/NaN (`unscale_`, for clipping before `step`). At most once per optimiser and step.
     pub fn unscale_<O: Optimizer + ?Sized>(&mut self, opt: &O) -> Result<()> {
-        if self.unscaled {
-            return Err(Error::arg("GradScaler::unscale_", "already called since the last update()"));
+        if self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
+            return Err(Error::arg("GradScaler::unscale_", "already called for this optimiser since the last update()"));
         }
         let inv = 1.0 / self.scale;
         let checks = no_grad(|| {
@@ -143,32 +149,36 @@ impl GradScaler {
             Ok::<_, Error>(checks)
         })?;
         let found = if checks.is_empty() { false } else { !crate::stack(&checks.iter().collect::<Vec<_>>(), 0)?.sum_all()?.item::<f32>()?.is_finite() };
-        self.found_inf = Some(found);
-        self.unscaled = true;
+        self.unscaled.push((key(opt), found));
         Ok(())
     }
 
     /// Unscales (unless `unscale_` already did) and runs `opt.step()` only if every gradient
     /// is finite.
     pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<()> {
-        if !self.unscaled {
+        if !self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
             self.unscale_(opt)?;
         }
-        if self.found_inf == Some(false) {
+        let found = self.unscaled.iter().any(|(k, f)| *k == key(opt) && *f);
+        if !found {
             opt.step()?;
         }
+        self.last_skipped = found;
         Ok(())
     }
 
-    /// Whether the last step was skipped for a non-finite gradient.
+    /// Whether the last `step` was skipped for a non-finite gradient.
     pub fn step_was_skipped(&self) -> bool {
-        self.found_inf == Some(true)
+        self.last_skipped
     }
 
     /// Adjusts the scale after a step: back off on overflow, grow after `growth_interval`
     /// clean steps.
     pub fn update(&mut self) -> Result<()> {
-        let found = self.found_inf.ok_or_else(|| Error::arg("GradScaler::update", "no inf checks were recorded: call step() (or unscale_) first"))?;
+        if self.unscaled.is_empty() {
+            return Err(Error::arg("GradScaler::update", "no inf checks were recorded: call step() (or unscale_) first"));
+        }
+        let found = self.unscaled.iter().any(|(_, f)| *f);
         if found {
             self.scale *= self.backoff_factor;
             self.growth_tracker = 0;
@@ -179,8 +189,7 @@ impl GradScaler {
                 self.growth_tracker = 0;
             }
         }
-        self.found_inf = None;
-        self.unscaled = false;
+        self.unscaled.clear();
         Ok(())
     }
 
@@ -208,7 +217,7 @@ impl GradScaler {
             t.to_dtype(DType::F64)?.reshape(&[])?.item::<f64>()
         };
         let (scale, gf, bf, gi, gt) = (get("scale")?, get("growth_factor")?, get("backoff_factor")?, get("growth_interval")?, get("_growth_tracker")?);
-        *self = GradScaler { scale, growth_factor: gf, backoff_factor: bf, growth_interval: gi as u64, growth_tracker: gt as u64, found_inf: None, unscaled: false };
+        *self = GradScaler { scale, growth_factor: gf, backoff_factor: bf, growth_interval: gi as u64, growth_tracker: gt as u64, unscaled: Vec::new(), last_skipped: false };
         Ok(())
     }
 }

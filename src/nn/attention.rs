@@ -68,6 +68,7 @@ impl MultiheadAttention {
     /// weights when `need_weights`.
     pub fn attend(&self, query: &Tensor, key: &Tensor, value: &Tensor, args: AttnArgs) -> Result<(Tensor, Option<Tensor>)> {
         let op = "multi_head_attention";
+        F::same_device(op, query, &[Some(key), Some(value), Some(&self.in_proj_weight), args.attn_mask, args.key_padding_mask])?;
         let batched = query.ndim() == 3;
         if !(query.ndim() == 2 || batched) || key.ndim() != query.ndim() || value.ndim() != query.ndim() {
             return Err(Error::shape(op, format!("query, key and value must all be 3-D (batched) or 2-D, got {:?}, {:?} and {:?}", query.shape(), key.shape(), value.shape())));
@@ -113,7 +114,7 @@ impl MultiheadAttention {
         if self.training.load(Ordering::Relaxed) && self.dropout > 0.0 {
             w = F::dropout(&w, self.dropout, true)?;
         }
-        let out = w.to_dtype(v.dtype())?.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?;
+        let out = w.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?;
         let out = self.out_proj.forward(&out)?;
         let out = match (batched, self.batch_first) {
             (false, _) => out.squeeze(1)?,

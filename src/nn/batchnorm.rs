@@ -24,6 +24,7 @@ pub fn batch_norm(
     if x.ndim() < 2 || !x.dtype().is_float() {
         return Err(Error::shape(op, format!("expected a floating-point input of at least 2 dims [N, C, ...], got {:?} {:?}", x.shape(), x.dtype())));
     }
+    super::functional::same_device(op, x, &[running_mean, running_var, weight, bias])?;
     let c = x.shape()[1];
     for (name, t) in [("running_mean", running_mean), ("running_var", running_var), ("weight", weight), ("bias", bias)] {
         if let Some(t) = t {
@@ -36,13 +37,28 @@ pub fn batch_norm(
     let mut bshape = vec![1usize; x.ndim()];
     bshape[1] = c;
     let per_channel = |t: &Tensor| t.to_dtype(x.dtype().compute_dtype())?.reshape_usize(&bshape);
-    let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
-    let xf = x.to_dtype(x.dtype().compute_dtype())?;
-    let (mean, var) = if training {
+    // Per channel, y = (x - mean) * scale + b with scale = w / sqrt(var + eps): only [C]-sized
+    // tensors are combined before the full-size tensor is touched.
+    let scale_of = |var: &Tensor| -> Result<Tensor> {
+        let inv = var.add_scalar(eps)?.rsqrt()?;
+        match weight {
+            Some(w) => inv.mul(&per_channel(w)?),
+            None => Ok(inv),
+        }
+    };
+    let plus_bias = |y: Tensor| -> Result<Tensor> {
+        match bias {
+            Some(b) => y.add(&per_channel(b)?),
+            None => Ok(y),
+        }
+    };
+    let y = if training {
         let n = x.numel() / c.max(1);
         if n <= 1 {
             return Err(Error::shape(op, format!("expected more than 1 value per channel when training, got input {:?}", x.shape())));
         }
+        let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
+        let xf = x.to_dtype(x.dtype().compute_dtype())?;
         let mean = xf.mean(&dims, true)?;
         let centered = xf.sub(&mean)?;
         let var = centered.mul(&centered)?.mean(&dims, true)?;
@@ -55,20 +71,17 @@ pub fn batch_norm(
                 rv.add_(&unbiased.mul_scalar(momentum)?.to_dtype(rv.dtype())?)
             })?;
         }
-        (mean, var)
+        plus_bias(centered.mul(&scale_of(&var)?)?)?
     } else {
-        match (running_mean, running_var) {
+        let (rm, rv) = match (running_mean, running_var) {
             (Some(rm), Some(rv)) => (per_channel(rm)?, per_channel(rv)?),
             _ => return Err(Error::arg(op, "evaluation mode needs running_mean and running_var")),
-        }
+        };
+        // x * scale + (b - mean * scale); half inputs promote against the F32 per-channel
+        // tensors, so this computes in F32 without a separate cast of x.
+        let scale = scale_of(&rv)?;
+        x.mul(&scale)?.add(&plus_bias(rm.mul(&scale)?.neg()?)?)?
     };
-    let mut y = xf.sub(&mean)?.mul(&var.add_scalar(eps)?.rsqrt()?)?;
-    if let Some(w) = weight {
-        y = y.mul(&per_channel(w)?)?;
-    }
-    if let Some(b) = bias {
-        y = y.add(&per_channel(b)?)?;
-    }
     y.to_dtype(x.dtype())
 }
 

@@ -1,9 +1,9 @@
-//! Convolution and pooling over `[N, C, H, W]` as compositions of primitives: padding and
-//! strided slices gather the windows (im2col), a matmul applies the kernel, amax/argmax-gather
+//! Convolution and pooling over `[N, C, H, W]` as compositions of primitives: padding and one
+//! index_select gather the windows (im2col), a matmul applies the kernel, argmax + gather
 //! pools. Gradients come from the primitives' own, on every device.
 
 use super::{init, Module};
-use crate::{stack, DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
 fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
@@ -21,16 +21,61 @@ fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()>
     Ok(())
 }
 
-/// The `kh * kw` strided windows of padded `x` `[N, C, H, W]`, each `[N, C, OH, OW]`.
-fn windows(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Vec<Tensor>> {
-    let mut ws = Vec::with_capacity(k.0 * k.1);
-    for i in 0..k.0 {
-        let rows = x.slice(2, (i * dil.0) as i64, (i * dil.0 + stride.0 * (out.0 - 1) + 1) as i64, stride.0)?;
-        for j in 0..k.1 {
-            ws.push(rows.slice(3, (j * dil.1) as i64, (j * dil.1 + stride.1 * (out.1 - 1) + 1) as i64, stride.1)?);
+/// The `kh * kw` windows of padded `x` `[N, C, Hp, Wp]`, channels last:
+/// `[N, OH * OW, kh * kw, C]`. One index_select over the flattened positions, so the gradient
+/// is one scatter-add; a 1x1 kernel is a strided view instead.
+fn unfold(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+    let (n, c, hp, wp) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let l = out.0 * out.1;
+    if k == (1, 1) {
+        let v = x.slice(2, 0, (stride.0 * (out.0 - 1) + 1) as i64, stride.0)?.slice(3, 0, (stride.1 * (out.1 - 1) + 1) as i64, stride.1)?;
+        return v.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, l, 1, c]);
+    }
+    let idx = window_index(&x.device(), wp, k, stride, dil, out)?;
+    let flat = x.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, hp * wp, c])?;
+    flat.index_select(1, &idx)?.reshape_usize(&[n, l, k.0 * k.1, c])
+}
+
+type IndexKey = (Device, usize, (usize, usize), (usize, usize), (usize, usize), (usize, usize));
+
+thread_local! {
+    /// Window indices by geometry, so repeated calls copy nothing to the device.
+    static WINDOW_INDEX: std::cell::RefCell<std::collections::HashMap<IndexKey, Tensor>> = Default::default();
+}
+
+/// Flat input positions (row * `wp` + col) of every window element, in (oh, ow, i, j) order.
+fn window_index(dev: &Device, wp: usize, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+    let key = (*dev, wp, k, stride, dil, out);
+    if let Some(t) = WINDOW_INDEX.with(|c| c.borrow().get(&key).cloned()) {
+        return Ok(t);
+    }
+    let mut idx = Vec::with_capacity(out.0 * out.1 * k.0 * k.1);
+    for oh in 0..out.0 {
+        for ow in 0..out.1 {
+            for i in 0..k.0 {
+                for j in 0..k.1 {
+                    idx.push(((oh * stride.0 + i * dil.0) * wp + ow * stride.1 + j * dil.1) as i64);
+                }
+            }
         }
     }
-    Ok(ws)
+    let n = idx.len();
+    let t = Tensor::from_vec(idx, &[n], &Device::Cpu)?.to_device(dev)?;
+    WINDOW_INDEX.with(|c| {
+        let mut c = c.borrow_mut();
+        // A model has few geometries; inputs of ever-changing sizes must not grow it forever.
+        if c.len() >= 64 {
+            c.clear();
+        }
+        c.insert(key, t.clone());
+    });
+    Ok(t)
+}
+
+/// `[N, OH * OW, C]` channels-last rows back to `[N, C, OH, OW]` (a view).
+fn to_nchw(y: &Tensor, out: (usize, usize)) -> Result<Tensor> {
+    let (n, c) = (y.shape()[0], y.shape()[2]);
+    y.reshape_usize(&[n, out.0, out.1, c])?.permute(&[0, 3, 1, 2])
 }
 
 /// 4-D input (or 3-D unbatched, given a batch dim of 1); whether it was unbatched.
@@ -61,6 +106,7 @@ impl Default for Conv2dArgs {
 /// `bias` `[O]`. The result is `[N, O, OH, OW]`, laid out channels-last in memory.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
     let op = "conv2d";
+    super::functional::same_device(op, x, &[Some(weight), bias])?;
     let (x, unbatched) = batched(op, x)?;
     let (x, weight, bias) = crate::amp::cast_low(&x, weight, bias)?;
     let bias = bias.as_ref();
@@ -90,29 +136,24 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     let (p, s, d) = (args.padding, args.stride, args.dilation);
     let (oh, ow) = (out_len(op, h, kh, s.0, p.0, d.0)?, out_len(op, w, kw, s.1, p.1, d.1)?);
 
-    // Columns [N * OH * OW, C * KH * KW] (channel-major, window-minor, as the weight's layout).
+    // Columns [N * OH * OW, KH * KW * C] (window-major, channel-minor); the weight is permuted
+    // to match, which is cheap next to the columns.
     let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], 0.0)? };
-    let ws = windows(&padded, (kh, kw), s, d, (oh, ow))?;
-    let rows = n * oh * ow;
-    let cols = if ws.len() == 1 {
-        ws[0].permute(&[0, 2, 3, 1])?.reshape_usize(&[rows, c])?
-    } else {
-        let ws: Vec<Tensor> = ws.iter().map(|t| t.permute(&[0, 2, 3, 1])).collect::<Result<_>>()?;
-        stack(&ws.iter().collect::<Vec<_>>(), 4)?.reshape_usize(&[rows, c * kh * kw])?
-    };
-    let k = cg * kh * kw;
+    let cols = unfold(&padded, (kh, kw), s, d, (oh, ow))?;
+    let (rows, kk) = (n * oh * ow, kh * kw);
+    let wk = weight.permute(&[0, 2, 3, 1])?; // [O, KH, KW, Cg]
     let y = if g == 1 {
-        cols.matmul(&weight.reshape_usize(&[o, k])?.t()?)?
+        cols.reshape_usize(&[rows, kk * c])?.matmul(&wk.reshape_usize(&[o, kk * c])?.t()?)?
     } else {
-        let cols = cols.reshape_usize(&[rows, g, k])?.transpose(0, 1)?;
-        let wt = weight.reshape_usize(&[g, o / g, k])?.transpose(1, 2)?;
+        let cols = cols.reshape_usize(&[rows, kk, g, cg])?.permute(&[2, 0, 1, 3])?.reshape_usize(&[g, rows, kk * cg])?;
+        let wt = wk.reshape_usize(&[g, o / g, kk * cg])?.transpose(1, 2)?;
         cols.matmul(&wt)?.transpose(0, 1)?.reshape_usize(&[rows, o])?
     };
     let y = match bias {
         Some(b) => y.add(b)?,
         None => y,
     };
-    let y = y.reshape_usize(&[n, oh, ow, o])?.permute(&[0, 3, 1, 2])?;
+    let y = to_nchw(&y.reshape_usize(&[n, oh * ow, o])?, (oh, ow))?;
     if unbatched {
         y.squeeze(0)
     } else {
@@ -136,10 +177,9 @@ pub fn max_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), pa
     let (oh, ow) = (out_len(op, x.shape()[2], kernel.0, stride.0, padding.0, 1)?, out_len(op, x.shape()[3], kernel.1, stride.1, padding.1, 1)?);
     let p = padding;
     let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], f64::NEG_INFINITY)? };
-    let ws = windows(&padded, kernel, stride, (1, 1), (oh, ow))?;
-    let stacked = stack(&ws.iter().collect::<Vec<_>>(), 4)?;
-    let first_max = crate::no_grad(|| stacked.argmax(4, true))?;
-    let y = stacked.gather(4, &first_max)?.squeeze(4)?;
+    let ws = unfold(&padded, kernel, stride, (1, 1), (oh, ow))?;
+    let first_max = crate::no_grad(|| ws.argmax(2, true))?;
+    let y = to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?;
     if unbatched {
         y.squeeze(0)
     } else {

@@ -30,6 +30,14 @@ fn float_input(op: &'static str, x: &Tensor) -> Result<()> {
     Ok(())
 }
 
+/// All given tensors on `first`'s device, or an error naming `op` and both devices.
+pub(crate) fn same_device(op: &'static str, first: &Tensor, others: &[Option<&Tensor>]) -> Result<()> {
+    match others.iter().flatten().find(|t| t.device() != first.device()) {
+        Some(t) => Err(Error::DeviceMismatch { op, a: first.device(), b: t.device() }),
+        None => Ok(()),
+    }
+}
+
 /// The max along `dim` (kept), or zeros when `x` is empty: amax refuses empty dims, and an empty
 /// input (even one empty along `dim`) has an empty softmax, as in PyTorch.
 fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {

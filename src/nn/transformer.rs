@@ -281,6 +281,11 @@ impl Transformer {
         Ok(t)
     }
 
+    /// See [`generate_square_subsequent_mask`] (PyTorch's static method).
+    pub fn generate_square_subsequent_mask(sz: usize, dev: &Device) -> Result<Tensor> {
+        generate_square_subsequent_mask(sz, dev)
+    }
+
     /// `src` `[S, N, E]` and `tgt` `[T, N, E]` (`[N, S, E]`, `[N, T, E]` with `batch_first`;
     /// or unbatched `[S, E]`, `[T, E]`) to the decoder's output, shaped like `tgt`.
     pub fn forward_src_tgt(&self, src: &Tensor, tgt: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {

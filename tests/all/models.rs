@@ -78,7 +78,7 @@ fn attention_dropout_acts_in_training_only_and_weights_average_over_heads() {
 
 #[test]
 fn square_subsequent_mask_and_transformer_defaults() {
-    let m = nn::generate_square_subsequent_mask(3, &dev()).unwrap();
+    let m = nn::Transformer::generate_square_subsequent_mask(3, &dev()).unwrap();
     let inf = f64::NEG_INFINITY;
     assert_eq!(vals(&m), [0.0, inf, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0]);
     let c = nn::TransformerConfig::default();
@@ -330,9 +330,29 @@ fn grad_scaler_skips_non_finite_steps_and_adjusts_its_scale() {
     assert!(scaler.step_was_skipped());
     scaler.update().unwrap();
     assert_close(&vals(&p), &[-2.0, -1.0], 1e-6, 0.0);
+    // Two optimisers: each is unscaled once; an overflow in one skips only that one's step
+    // but backs off the shared scale.
+    opt.zero_grad();
+    let q = t(&[1.0], &[1], DType::F32).requires_grad();
+    let mut opt_q = Sgd::new(vec![q.clone()], 1.0);
+    let before = scaler.get_scale();
+    let loss = p.sum_all().unwrap().add(&q.sum_all().unwrap()).unwrap();
+    scaler.scale(&loss).unwrap().backward().unwrap();
+    q.grad().unwrap().fill_(f64::NAN).unwrap();
+    scaler.unscale_(&opt).unwrap();
+    assert!(scaler.unscale_(&opt).unwrap_err().to_string().contains("already called for this optimiser"));
+    scaler.step(&mut opt).unwrap();
+    assert!(!scaler.step_was_skipped());
+    scaler.step(&mut opt_q).unwrap();
+    assert!(scaler.step_was_skipped());
+    scaler.update().unwrap();
+    assert_close(&vals(&p), &[-2.5, -1.5], 1e-6, 0.0);
+    assert_eq!((vals(&q), scaler.get_scale()), (vec![1.0], before * 0.5));
+    opt.zero_grad();
+    opt_q.zero_grad();
     let mut restored = GradScaler::new();
     restored.load_state_dict(&scaler.state_dict().unwrap()).unwrap();
-    assert_eq!((restored.get_scale(), restored.growth_interval), (512.0, 2));
+    assert_eq!((restored.get_scale(), restored.growth_interval), (256.0, 2));
 }
 
 /// The 784-256-10 MLP trained for 400 steps of batch 32 (SGD lr 0.1) on the synthetic task,
@@ -396,4 +416,66 @@ fn checkpoints_with_running_statistics_round_trip_bit_exactly() {
     let e = nn::Bottleneck::new(32, 4, 2, &d).unwrap().load_safetensors(&path).unwrap_err().to_string();
     assert!(e.contains("conv1.weight: shape [8, 32, 1, 1] in the state dict, [4, 32, 1, 1] in the module") && e.contains("bn2.running_var"), "{e}");
     let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn batch_first_transformers_and_cumulative_batch_norm() {
+    let d = dev();
+    let cfg = nn::TransformerConfig { d_model: 8, nhead: 2, num_encoder_layers: 1, num_decoder_layers: 1, dim_feedforward: 16, dropout: 0.0, ..Default::default() };
+    let seq = nn::Transformer::new(cfg, &d).unwrap();
+    let bf = nn::Transformer::new(nn::TransformerConfig { batch_first: true, ..cfg }, &d).unwrap();
+    bf.load_state_dict(&seq.state_dict()).unwrap();
+    let (src, tgt) = (Tensor::randn(&[5, 2, 8], DType::F32, &d).unwrap(), Tensor::randn(&[3, 2, 8], DType::F32, &d).unwrap());
+    let a = seq.forward_src_tgt(&src, &tgt, &Default::default()).unwrap();
+    let b = bf.forward_src_tgt(&src.transpose(0, 1).unwrap(), &tgt.transpose(0, 1).unwrap(), &Default::default()).unwrap();
+    assert_eq!(b.shape(), [2, 3, 8]);
+    assert_close(&vals(&b.transpose(0, 1).unwrap()), &vals(&a), 1e-5, 1e-6);
+
+    // momentum None: running statistics are the plain average over batches.
+    let bn = nn::BatchNorm2d::with_options(1, 1e-5, None, &d).unwrap();
+    for v in [1.0, 3.0] {
+        bn.forward(&t(&[v, v + 2.0], &[2, 1, 1, 1], DType::F32)).unwrap();
+    }
+    // Factor 1/batches: the first batch replaces the initial values. Means 2 and 4 -> 3;
+    // unbiased variances 2 and 2 -> 2.
+    assert_close(&vals(&bn.running_mean), &[3.0], 1e-6, 1e-6);
+    assert_close(&vals(&bn.running_var), &[2.0], 1e-6, 1e-6);
+}
+
+#[test]
+fn transformer_and_resnet_run_under_bf16_autocast_close_to_f32() {
+    let d = dev();
+    manual_seed(5);
+    let cfg = nn::TransformerConfig { d_model: 16, nhead: 2, num_encoder_layers: 1, num_decoder_layers: 1, dim_feedforward: 32, dropout: 0.0, ..Default::default() };
+    let tr = nn::Transformer::new(cfg, &d).unwrap();
+    let xs = Tensor::randn(&[4, 2, 16], DType::F32, &d).unwrap();
+    let full = no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default())).unwrap();
+    let low = amp::autocast(&d, DType::BF16, || no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default()))).unwrap();
+    // The last op is a layer norm: F32 under autocast. BF16 keeps ~3 significant digits.
+    assert_eq!(low.dtype(), DType::F32);
+    assert_close(&vals(&low), &vals(&full), 5e-2, 5e-2);
+
+    let rn = nn::resnet50(10, &d).unwrap();
+    rn.eval();
+    let x = Tensor::randn(&[2, 3, 32, 32], DType::F32, &d).unwrap();
+    let full = no_grad(|| rn.forward(&x)).unwrap();
+    let low = amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(&x))).unwrap();
+    assert_eq!(low.dtype(), DType::BF16, "fc is a linear: BF16 under autocast");
+    let (a, b) = (vals(&low), vals(&full));
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= 0.05 * scale), "{a:?} vs {b:?}");
+}
+
+#[test]
+fn inputs_on_another_device_name_the_op_and_both_devices() {
+    let Some(g) = Some(dev()).filter(|d| d.is_cuda()) else { return };
+    let x = Tensor::randn(&[1, 2, 4, 4], DType::F32, &g).unwrap();
+    let w = Tensor::randn(&[3, 2, 3, 3], DType::F32, &Device::Cpu).unwrap();
+    let e = F::conv2d(&x, &w, None, Default::default()).unwrap_err();
+    assert!(matches!(e, kiln::Error::DeviceMismatch { op: "conv2d", .. }), "{e}");
+    let bn = nn::BatchNorm2d::new(2, &Device::Cpu).unwrap();
+    assert!(matches!(bn.forward(&x).unwrap_err(), kiln::Error::DeviceMismatch { op: "batch_norm", .. }));
+    let m = nn::MultiheadAttention::new(4, 2, &Device::Cpu).unwrap();
+    let q = Tensor::randn(&[3, 1, 4], DType::F32, &g).unwrap();
+    assert!(matches!(m.attend(&q, &q, &q, AttnArgs::default()).unwrap_err(), kiln::Error::DeviceMismatch { op: "multi_head_attention", .. }));
 }
