@@ -37,7 +37,7 @@ pub(crate) fn split(g: &Graph, inputs: &[Tensor]) -> Result<Split> {
     let g2 = g.clone();
     let ng = needs_grad.clone();
     let on_break: trace::BreakRunner = Arc::new(|_, _| Err(Error::Compile("a host read in a gradient formula".into())));
-    let (joint, _) = trace::trace(&ex, true, on_break, &mut |sym| crate::no_grad(|| joint_body(&g2, &ng, &sym[..n_in], &sym[n_in])))?;
+    let joint = trace::trace(&ex, true, on_break, &mut |sym| crate::no_grad(|| joint_body(&g2, &ng, &sym[..n_in], &sym[n_in])))?;
     let mut joint = joint.graph;
     joint.mutations.clear();
     partition(&joint, g, n_in, &needs_grad)

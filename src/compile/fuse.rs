@@ -400,6 +400,8 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     names.dedup();
     names.truncate(6);
     let name = format!("fused_{}_{counter}", names.join("_"));
-    let shape = g.nodes[*grp.members.last().expect("non-empty")].shape.clone();
+    // The iteration shape: a member with the group's element count (one-element members, like
+    // constants, are the same at every element).
+    let shape = grp.members.iter().rev().map(|&m| &g.nodes[m]).find(|n| n.numel() == grp.numel).map(|n| n.shape.clone()).unwrap_or_else(|| vec![grp.numel]);
     FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs }
 }

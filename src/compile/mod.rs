@@ -189,6 +189,7 @@ struct Entry {
     key: GuardKey,
     exec: Exec,
     captured: Vec<Tensor>,
+    effects: trace::Effects,
     /// The argument shapes it was traced with (a dynamic entry re-traces on other sizes).
     shapes: Vec<Vec<usize>>,
 }
@@ -278,10 +279,10 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
                 return f.invoke(args);
             }
             if !st.segmented {
-                if let Some(e) = st.entries.iter().find(|e| e.key == key && (!self.opts.dynamic || same_shapes(&e.shapes, args))) {
-                    let (exec, captured) = (e.exec.clone(), e.captured.clone());
+                if let Some(e) = st.entries.iter().find(|e| e.key == key && (!self.opts.dynamic || same_shapes(&e.shapes, args)) && e.grads_match()) {
+                    let (exec, captured, effects) = (e.exec.clone(), e.captured.clone(), e.effects.clone());
                     drop(st);
-                    return run_exec(&exec, args, &captured);
+                    return finish(run_exec(&exec, args, &captured)?, &captured, &effects);
                 }
             }
         }
@@ -307,26 +308,56 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         let opts = self.opts.clone();
         let state = self.state.clone();
         let on_break: trace::BreakRunner = Arc::new(move |g: &Graph, inputs: &[Tensor]| run_segment(&opts, &state, g, inputs));
-        let (traced, outs) = trace::trace(args, self.opts.fullgraph, on_break, &mut |sym| f.invoke(sym))?;
-        drop(outs);
+        let traced = trace::trace(args, self.opts.fullgraph, on_break, &mut |sym| f.invoke(sym))?;
         log(Category::Graph, || format!("{}", traced.graph));
+        let n_args = traced.graph.n_args;
+        let captured = traced.inputs[n_args..].to_vec();
         if !traced.breaks.is_empty() || self.state.lock().segmented {
             self.state.lock().segmented = true;
-            return run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs);
+            let outs = run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs)?;
+            return finish(outs, &captured, &traced.effects);
         }
         if self.opts.mode != Mode::Default {
             log(Category::Recompiles, || format!("mode {:?} runs the launch list as in Default mode", self.opts.mode));
         }
-        let exec = build(&self.opts, &traced.graph, &traced.inputs)?;
-        let captured = traced.inputs[args.len()..].to_vec();
-        let out = run_exec(&exec, args, &captured);
+        let exec = build(&self.opts, &traced.graph, &traced.inputs, &traced.effects)?;
+        let out = finish(run_exec(&exec, args, &captured)?, &captured, &traced.effects)?;
+        if !traced.effects.escaped.is_empty() {
+            // The call made state (an optimiser's first momentum buffer): the next call reads it,
+            // so it traces again instead of replaying this graph.
+            log(Category::Recompiles, || format!("not cached: the call left {} new tensors alive (new state); the next call traces again", traced.effects.escaped.len()));
+            return Ok(out);
+        }
         let mut st = self.state.lock();
         if dynamic_respecialise {
             st.entries.retain(|e| e.key != key);
         }
-        st.entries.push(Entry { key, exec, captured, shapes: args.iter().map(|a| a.shape().to_vec()).collect() });
-        out
+        st.entries.push(Entry { key, exec, captured, effects: traced.effects, shapes: args.iter().map(|a| a.shape().to_vec()).collect() });
+        Ok(out)
     }
+}
+
+impl Entry {
+    /// The guard on captured tensors' `.grad`: present or absent as when traced.
+    fn grads_match(&self) -> bool {
+        self.captured.iter().zip(&self.effects.grad_none).all(|(t, &none)| t.grad().is_none() == none)
+    }
+}
+
+/// Applies what a call did besides its return values: gradients it left in captured tensors
+/// (written into an existing `.grad` in place, else set), and the values of state it created.
+fn finish(mut outs: Vec<Tensor>, captured: &[Tensor], effects: &trace::Effects) -> Result<Vec<Tensor>> {
+    let rest = outs.split_off(effects.n_returned.min(outs.len()));
+    let (grads, escaped) = rest.split_at(effects.grads.len().min(rest.len()));
+    for (&k, g) in effects.grads.iter().zip(grads) {
+        let p = &captured[k];
+        match p.grad() {
+            Some(old) if old.storage().traced_ref().is_none() => crate::no_grad(|| old.copy_(g))?,
+            _ => p.set_grad(Some(g.clone())),
+        }
+    }
+    trace::fill_escaped(&effects.escaped, escaped.to_vec())?;
+    Ok(outs)
 }
 
 fn same_shapes(shapes: &[Vec<usize>], args: &[Tensor]) -> bool {
@@ -341,7 +372,7 @@ fn run_segment(opts: &CompileOptions, state: &Mutex<State>, g: &Graph, inputs: &
     let exec = match found {
         Some(e) => e,
         None => {
-            let e = build(opts, g, inputs)?;
+            let e = build(opts, g, inputs, &trace::Effects { n_returned: g.outputs.len(), ..Default::default() })?;
             state.lock().segments.insert(key, e.clone());
             e
         }
@@ -350,12 +381,14 @@ fn run_segment(opts: &CompileOptions, state: &Mutex<State>, g: &Graph, inputs: &
 }
 
 /// Turns a traced graph into something that runs, with the chosen backend.
-fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor]) -> Result<Exec> {
+fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {
     match &opts.backend {
         Backend::Eager => Ok(Exec::Runner(g.eager_runner())),
         Backend::Custom(f) => Ok(Exec::Runner(f(g, inputs)?)),
         Backend::Fused => {
-            let needs_grad = crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
+            // A call that ran its own backward (a training step) returns plain values.
+            let step = !effects.grads.is_empty() || effects.n_returned != g.outputs.len();
+            let needs_grad = !step && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
             if needs_grad {
                 if g.outputs.len() != 1 || !g.mutations.is_empty() {
                     log(Category::Breaks, || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());

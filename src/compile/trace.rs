@@ -52,21 +52,40 @@ pub(crate) struct Tracer {
     symbolic: Vec<Weak<Storage>>,
     fullgraph: bool,
     on_break: BreakRunner,
+    /// Per captured tensor: it had no `.grad` when captured.
+    grad_none: Vec<bool>,
     /// Reasons of the breaks taken, with their call sites.
     pub breaks: Vec<String>,
 }
 
 /// The result of a finished trace.
 pub(crate) struct Traced {
+    /// Outputs: what the function returned, then the gradients it left in captured tensors'
+    /// `.grad`, then the values of symbolic tensors it left alive elsewhere (new optimiser state).
     pub graph: Graph,
     /// Real inputs of `graph`: the arguments, then the captured tensors.
     pub inputs: Vec<Tensor>,
     pub breaks: Vec<String>,
+    pub effects: Effects,
+}
+
+/// What a traced call did besides returning values, beyond in-place writes (`Graph::mutations`).
+#[derive(Clone, Default)]
+pub(crate) struct Effects {
+    pub n_returned: usize,
+    /// Captured tensors (by captured index) whose `.grad` the call set: one output each.
+    pub grads: Vec<usize>,
+    /// Whether each captured tensor had no `.grad` when it was captured (a guard: backward
+    /// accumulates into an existing gradient, and the graph depends on which case it traced).
+    pub grad_none: Vec<bool>,
+    /// Storages of symbolic tensors still alive after the call: they take real values once,
+    /// and the graph is not cached (it made state that the next call will read instead).
+    pub escaped: Vec<Arc<Storage>>,
 }
 
 /// Runs `f` on symbolic stand-ins for `args` and returns the graph of what it computed.
 /// `on_break` runs the finished part of the graph at a host read (unless `fullgraph`).
-pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: &mut dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<(Traced, Vec<Tensor>)> {
+pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: &mut dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<Traced> {
     if active() {
         return Err(Error::Compile("a compiled function was called while another one is being traced on this thread; nested compile is not supported".into()));
     }
@@ -79,6 +98,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
         symbolic: vec![],
         fullgraph,
         on_break,
+        grad_none: vec![],
         breaks: vec![],
     };
     let sym: Vec<Tensor> = args
@@ -105,9 +125,46 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     for o in &outs {
         ids.push(tr.value_of(o)?);
     }
+    // The returned symbolic tensors (and the trace-time autograd graph behind them) go now, so
+    // that what stays alive is what the call left behind.
+    drop(outs);
+    let mut effects = Effects { n_returned: ids.len(), grad_none: std::mem::take(&mut tr.grad_none), ..Default::default() };
+    let mut grad_storages = vec![];
+    for (k, t) in tr.inputs[tr.graph.n_args..].iter().enumerate() {
+        if let Some(g) = t.grad() {
+            if let Some(r) = g.storage().traced_ref().filter(|r| r.trace == tr.id) {
+                ids.push(r.node);
+                effects.grads.push(k);
+                grad_storages.push(g.storage().clone());
+            }
+        }
+    }
+    for w in &tr.symbolic {
+        let Some(st) = w.upgrade() else { continue };
+        if grad_storages.iter().any(|g| Arc::ptr_eq(g, &st)) {
+            continue;
+        }
+        if let Some(r) = st.traced_ref().filter(|r| r.trace == tr.id) {
+            ids.push(r.node);
+            effects.escaped.push(st);
+        }
+    }
     tr.graph.outputs = ids;
     tr.finish_writes();
-    Ok((Traced { graph: tr.graph, inputs: tr.inputs, breaks: tr.breaks }, outs))
+    Ok(Traced { graph: tr.graph, inputs: tr.inputs, breaks: tr.breaks, effects })
+}
+
+/// Gives the storages a call left alive their real values (the graph's trailing outputs).
+pub(crate) fn fill_escaped(escaped: &[Arc<Storage>], values: Vec<Tensor>) -> Result<()> {
+    for (storage, v) in escaped.iter().zip(values) {
+        let own = crate::no_grad(|| {
+            let _s = Suspend::new();
+            v.copy_contiguous()
+        })?;
+        let data = std::mem::replace(&mut *own.storage().data.write(), BackendStorage::Traced(TraceRef { trace: 0, node: 0 }));
+        *storage.data.write() = data;
+    }
+    Ok(())
 }
 
 /// Runs `f` with the tracer of this thread.
@@ -225,6 +282,7 @@ fn graph_break(reason: String) -> Result<()> {
         let graph = std::mem::take(&mut tr.graph);
         let inputs = std::mem::take(&mut tr.inputs);
         tr.captured.clear();
+        tr.grad_none.clear();
         tr.written.clear();
         tr.symbolic.clear();
         Ok((graph, inputs, live, tr.id, tr.on_break.clone()))
@@ -234,16 +292,9 @@ fn graph_break(reason: String) -> Result<()> {
     let values = runner(&graph, &inputs);
     ACTIVE.with(|a| a.set(true));
     let values = values?;
-    for ((_, storage), v) in live.iter().zip(values) {
-        // Each live storage takes a private contiguous copy of its value.
-        let own = crate::no_grad(|| {
-            let _s = Suspend::new();
-            v.copy_contiguous()
-        })?;
-        let data = std::mem::replace(&mut *own.storage().data.write(), BackendStorage::Traced(TraceRef { trace: id, node: 0 }));
-        *storage.data.write() = data;
-    }
-    Ok(())
+    // Each live storage takes a private contiguous copy of its value.
+    let _ = id;
+    fill_escaped(&live.into_iter().map(|l| l.1).collect::<Vec<_>>(), values)
 }
 
 /// Turns tracing off for its lifetime (the runtime runs real ops inside a trace at a break).
@@ -293,6 +344,7 @@ impl Tracer {
         let k = self.graph.n_captured;
         let id = self.graph.push(NodeOp::Captured(k), vec![], t.shape().to_vec(), t.dtype(), t.device());
         self.inputs.push(t.clone());
+        self.grad_none.push(t.grad().is_none());
         self.captured.insert(t.id(), id);
         Ok(id)
     }

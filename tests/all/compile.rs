@@ -294,3 +294,90 @@ fn the_profiler_sees_one_fused_kernel_by_name() -> Result<()> {
     assert!(names[0].starts_with("fused_exp_add_relu"), "{names:?}");
     Ok(())
 }
+
+/// A small classifier and its data for the training-step tests.
+fn mlp_setup(seed: u64) -> Result<(kiln::nn::Sequential, Tensor, Tensor)> {
+    kiln::manual_seed(seed);
+    let d = dev();
+    let model = kiln::nn::Sequential::new()
+        .add(kiln::nn::Linear::new(20, 32, &d)?)
+        .add(kiln::nn::ReLU)
+        .add(kiln::nn::Linear::new(32, 5, &d)?);
+    let x = randn(&[16, 20], 40 + seed);
+    let y = Tensor::from_vec((0..16).map(|i| (i * 3 % 5) as i64).collect::<Vec<_>>(), &[16], &d)?;
+    Ok((model, x, y))
+}
+
+/// Ten SGD steps (momentum on or off), eager and as one compiled call each: same parameters.
+fn train_step_matches_eager(momentum: f64) -> Result<()> {
+    use kiln::nn::Module;
+    use kiln::optim::Optimizer;
+    let (m_eager, x, y) = mlp_setup(7)?;
+    let (m_comp, _, _) = mlp_setup(7)?;
+    let mut opt = kiln::optim::Sgd::new(m_eager.parameters(), 0.05).momentum(momentum);
+    let mut losses = vec![];
+    for _ in 0..10 {
+        let loss = F::cross_entropy(&m_eager.forward(&x)?, &y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        losses.push(vals(&loss)[0]);
+    }
+    let opt2 = Mutex::new(kiln::optim::Sgd::new(m_comp.parameters(), 0.05).momentum(momentum));
+    let model = Mutex::new(m_comp);
+    let step = compile(|x: &Tensor, y: &Tensor| {
+        let loss = F::cross_entropy(&model.lock().unwrap().forward(x)?, y)?;
+        loss.backward()?;
+        let mut o = opt2.lock().unwrap();
+        o.step()?;
+        o.zero_grad();
+        Ok(loss)
+    });
+    let mut closs = vec![];
+    for _ in 0..10 {
+        closs.push(vals(&step.call(&x, &y)?)[0]);
+    }
+    assert_close(&closs, &losses, 1e-4, 1e-5);
+    let m_comp = model.lock().unwrap();
+    for (a, b) in m_comp.parameters().iter().zip(m_eager.parameters()) {
+        assert_close(&vals(a), &vals(&b), 1e-4, 1e-5);
+        assert!(a.grad().is_none(), "zero_grad inside the step leaves no gradient");
+    }
+    // Replays, not traces: one trace (two with momentum, whose first step creates its buffers).
+    assert!(step.trace_count() <= if momentum == 0.0 { 1 } else { 2 }, "traced {} times", step.trace_count());
+    Ok(())
+}
+
+#[test]
+fn a_compiled_training_step_matches_eager_sgd() -> Result<()> {
+    train_step_matches_eager(0.0)
+}
+
+#[test]
+fn a_compiled_training_step_matches_eager_sgd_with_momentum() -> Result<()> {
+    train_step_matches_eager(0.9)
+}
+
+#[test]
+fn a_step_that_leaves_gradients_writes_them_back() -> Result<()> {
+    use kiln::nn::Module;
+    let (m, x, y) = mlp_setup(3)?;
+    let model = Mutex::new(m);
+    let step = compile(|x: &Tensor, y: &Tensor| {
+        let loss = F::cross_entropy(&model.lock().unwrap().forward(x)?, y)?;
+        loss.backward()?;
+        Ok(loss)
+    });
+    step.call(&x, &y)?;
+    let m = model.lock().unwrap();
+    let g1: Vec<Vec<f64>> = m.parameters().iter().map(|p| vals(&p.grad().unwrap())).collect();
+    drop(m);
+    // A second call accumulates into the existing gradients, as eager backward does.
+    step.call(&x, &y)?;
+    let m = model.lock().unwrap();
+    for (p, g) in m.parameters().iter().zip(&g1) {
+        let twice: Vec<f64> = g.iter().map(|v| 2.0 * v).collect();
+        assert_close(&vals(&p.grad().unwrap()), &twice, 1e-5, 1e-6);
+    }
+    Ok(())
+}
