@@ -253,7 +253,12 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             let Some((numel, rows)) = Group::merge_space(a_grp, i_grp) else { continue };
             let mut members: Vec<NodeId> = a_grp.members.iter().chain(&i_grp.members).copied().collect();
             members.sort_unstable();
-            if creates_cycle(g, &members) {
+            // The two groups being merged are not "other groups" for the check.
+            let mut others = group_of.to_vec();
+            for &m in &members {
+                others[m] = None;
+            }
+            if creates_cycle(g, &members, &others, groups.len()) {
                 continue;
             }
             for &m in &members {
@@ -328,21 +333,41 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     sched
 }
 
-/// Whether some node outside `members` both reads from and feeds the group (it could then run
-/// neither before nor after the fused kernel).
-fn creates_cycle(g: &Graph, members: &[NodeId]) -> bool {
-    let lo = members[0];
-    let hi = *members.last().expect("non-empty");
+/// Whether some step outside `members` both reads from and feeds the group (it could then run
+/// neither before nor after the fused kernel). Other groups run as one step, so one of their
+/// members depending on the group makes all of them depend on it.
+fn creates_cycle(g: &Graph, members: &[NodeId], group_of: &[Option<usize>], n_groups: usize) -> bool {
     let inside = |x: NodeId| members.binary_search(&x).is_ok();
-    // Outside nodes between lo and hi that depend on the group.
-    let mut tainted = vec![false; hi + 1 - lo];
-    for u in lo..=hi {
-        if inside(u) {
-            continue;
+    let lo = members[0];
+    let mut tainted = vec![false; g.nodes.len()];
+    let mut group_tainted = vec![false; n_groups];
+    loop {
+        let mut changed = false;
+        for u in lo..g.nodes.len() {
+            if inside(u) || tainted[u] {
+                continue;
+            }
+            let via_group = group_of[u].is_some_and(|h| group_tainted[h]);
+            if via_group || g.nodes[u].args.iter().any(|&a| inside(a) || tainted[a]) {
+                tainted[u] = true;
+                changed = true;
+                if let Some(h) = group_of[u] {
+                    group_tainted[h] = true;
+                }
+            }
         }
-        tainted[u - lo] = g.nodes[u].args.iter().any(|&a| a >= lo && (inside(a) || tainted[a - lo]));
+        // Members of a tainted group that come before the group's first member matter too.
+        for u in 0..lo {
+            if !tainted[u] && group_of[u].is_some_and(|h| group_tainted[h]) {
+                tainted[u] = true;
+                changed = true;
+            }
+        }
+        if !changed {
+            break;
+        }
     }
-    members.iter().any(|&m| g.nodes[m].args.iter().any(|&a| a >= lo && !inside(a) && tainted[a - lo]))
+    members.iter().any(|&m| g.nodes[m].args.iter().any(|&a| !inside(a) && tainted[a]))
 }
 
 fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usize], counter: usize) -> FusedKernel {

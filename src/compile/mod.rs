@@ -26,9 +26,15 @@ pub(crate) mod trace;
 
 pub use graph::{Graph, Node, NodeId, NodeOp, RandomKind, Runner};
 
+/// Whether this thread is tracing a compiled function (code that keeps host-side state, like
+/// an optimiser's step count, switches to device tensors then).
+pub fn tracing() -> bool {
+    trace::active()
+}
+
 use crate::autograd::{Ctx, Function};
 use crate::logging::Category;
-use crate::{Result, Tensor};
+use crate::{Device, Result, Tensor};
 use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::marker::PhantomData;
@@ -36,9 +42,10 @@ use std::sync::Arc;
 
 use crate::logging::log;
 
-/// What a compiled call trades: `Default` launches its kernels one by one.
-/// `ReduceOverhead` and `MaxAutotune` are accepted and currently run as `Default` (logged under
-/// `recompiles` when a graph is built).
+/// What a compiled call trades: `Default` launches its kernels one by one; `ReduceOverhead`
+/// captures them as a CUDA graph after the first call and replays it (falling back, with the
+/// reason logged under `recompiles`, where capture is impossible); `MaxAutotune` currently runs
+/// the default kernels (logged).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]
@@ -199,6 +206,77 @@ enum Exec {
     Runner(Runner),
     Program(Arc<runtime::Program>),
     Train(Arc<Train>),
+    /// `Mode::ReduceOverhead`: the program captured as a CUDA graph after its first run.
+    Graphed(Arc<Graphed>),
+}
+
+/// A program replayed as a CUDA graph: arguments are copied into its static inputs, its static
+/// outputs are copied out (so the next replay never overwrites what a caller holds).
+struct Graphed {
+    program: Arc<runtime::Program>,
+    replay: Mutex<Option<Replay>>,
+}
+
+struct Replay {
+    graph: crate::backend::cuda::graph::Graph,
+    args: Vec<Tensor>,
+    outs: Vec<Tensor>,
+}
+
+impl Graphed {
+    fn run(&self, args: &[Tensor], captured: &[Tensor]) -> Result<Vec<Tensor>> {
+        let mut slot = self.replay.lock();
+        let _off = trace::Suspend::new();
+        if let Some(r) = slot.as_ref() {
+            crate::no_grad(|| -> Result<Vec<Tensor>> {
+                for (s, a) in r.args.iter().zip(args) {
+                    s.copy_(a)?;
+                }
+                r.graph.replay()?;
+                r.outs.iter().map(|o| o.copy_contiguous()).collect()
+            })
+        } else {
+            let mut inputs = args.to_vec();
+            inputs.extend(captured.iter().cloned());
+            // The first call runs normally (it also compiles every kernel), then the same launch
+            // list is captured; capturing runs nothing.
+            let outs = self.program.run(&inputs)?;
+            let Device::Cuda(n) = args.first().map(|a| a.device()).unwrap_or(Device::Cpu) else { return Ok(outs) };
+            let dev = crate::backend::cuda::device(n)?;
+            let statics = crate::no_grad(|| args.iter().map(|a| a.copy_contiguous()).collect::<Result<Vec<_>>>())?;
+            let mut sin = statics.clone();
+            sin.extend(captured.iter().cloned());
+            match crate::backend::cuda::graph::capture(&dev, || self.program.run(&sin)) {
+                Ok((graph, souts)) => {
+                    log(Category::Recompiles, || format!("captured a CUDA graph of {} kernels", graph.kernels));
+                    *slot = Some(Replay { graph, args: statics, outs: souts });
+                }
+                Err(e) => log(Category::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call")),
+            }
+            Ok(outs)
+        }
+    }
+}
+
+/// Why a program cannot be replayed as a CUDA graph, if it cannot.
+fn graph_blocker(p: &runtime::Program, args: &[Tensor]) -> Option<String> {
+    if !args.iter().all(|a| a.device().is_cuda()) && !args.is_empty() {
+        return Some("arguments are not all on a GPU".into());
+    }
+    if p.graph.nodes.iter().all(|n| !n.device.is_cuda()) {
+        return Some("the graph runs on the CPU".into());
+    }
+    if let Some(a) = args.iter().find(|a| !a.is_contiguous()) {
+        return Some(format!("a non-contiguous argument (shape {:?}, strides {:?})", a.shape(), a.strides()));
+    }
+    for n in &p.graph.nodes {
+        match &n.op {
+            NodeOp::Random(_) => return Some("it draws random numbers (their offsets change per call)".into()),
+            NodeOp::Prim(crate::ops::Op::ToDevice { .. }) => return Some("it copies between devices".into()),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// Forward and backward programs of a function whose inputs need gradients.
@@ -265,6 +343,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         match &s.entries.last()?.exec {
             Exec::Program(p) => Some(p.kernel_count()),
             Exec::Train(t) => Some(t.forward.kernel_count()),
+            Exec::Graphed(g) => Some(g.replay.lock().as_ref().map(|r| r.graph.kernels as usize).unwrap_or_else(|| g.program.kernel_count())),
             Exec::Runner(_) => None,
         }
     }
@@ -317,8 +396,8 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             let outs = run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs)?;
             return finish(outs, &captured, &traced.effects);
         }
-        if self.opts.mode != Mode::Default {
-            log(Category::Recompiles, || format!("mode {:?} runs the launch list as in Default mode", self.opts.mode));
+        if self.opts.mode == Mode::MaxAutotune {
+            log(Category::Recompiles, || "max-autotune: no tuning is built yet; running the default kernels".into());
         }
         let exec = build(&self.opts, &traced.graph, &traced.inputs, &traced.effects)?;
         let out = finish(run_exec(&exec, args, &captured)?, &captured, &traced.effects)?;
@@ -400,7 +479,14 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
                 log(Category::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
-            Ok(Exec::Program(Arc::new(runtime::Program::new(simplify::simplify(g)))))
+            let program = Arc::new(runtime::Program::new(simplify::simplify(g)));
+            if opts.mode == Mode::ReduceOverhead {
+                match graph_blocker(&program, &inputs[..g.n_args]) {
+                    None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),
+                    Some(why) => log(Category::Recompiles, || format!("reduce-overhead: no CUDA graph because {why}; the launch list runs each call")),
+                }
+            }
+            Ok(Exec::Program(program))
         }
     }
 }
@@ -411,6 +497,7 @@ fn run_exec(exec: &Exec, args: &[Tensor], captured: &[Tensor]) -> Result<Vec<Ten
     match exec {
         Exec::Runner(r) => r.run(&inputs),
         Exec::Program(p) => p.run(&inputs),
+        Exec::Graphed(g) => g.run(args, captured),
         Exec::Train(t) => {
             let refs: Vec<&Tensor> = inputs.iter().collect();
             Ok(vec![CompiledFunction(t.clone()).apply(&refs)?])

@@ -152,6 +152,20 @@ pub struct AdamState {
     pub step: u64,
     pub exp_avg: Tensor,
     pub exp_avg_sq: Tensor,
+    /// The step count on the parameter's device, kept once a step ran inside a compiled
+    /// function (as torch's `capturable`): a replayed step must read the current count, not
+    /// the one it was traced with. When present it is the count.
+    pub step_tensor: Option<Tensor>,
+}
+
+impl AdamState {
+    /// The number of steps taken.
+    pub fn steps(&self) -> Result<u64> {
+        match &self.step_tensor {
+            Some(t) => Ok(t.to_dtype(crate::DType::F64)?.to_device(&crate::Device::Cpu)?.item::<f64>()? as u64),
+            None => Ok(self.step),
+        }
+    }
 }
 
 /// Adam (`decoupled` = false: weight decay added to the gradient) and AdamW (`decoupled`:
@@ -183,11 +197,8 @@ impl AdamCore {
                 }
                 let s = match st {
                     Some(s) => s,
-                    None => st.insert(AdamState { step: 0, exp_avg: p.zeros_like()?, exp_avg_sq: p.zeros_like()? }),
+                    None => st.insert(AdamState { step: 0, exp_avg: p.zeros_like()?, exp_avg_sq: p.zeros_like()?, step_tensor: None }),
                 };
-                s.step += 1;
-                let bc1 = 1.0 - c.beta1.powi(s.step as i32);
-                let bc2 = 1.0 - c.beta2.powi(s.step as i32);
                 // As torch.optim.Adam: m = β1 m + (1-β1) g; v = β2 v + (1-β2) g²;
                 // p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
                 let (m1, m2) = (&s.exp_avg, &s.exp_avg_sq);
@@ -195,8 +206,25 @@ impl AdamCore {
                 m1.add_(&g.mul_scalar(1.0 - c.beta1)?)?;
                 m2.mul_scalar_(c.beta2)?;
                 m2.add_(&g.mul(&g)?.mul_scalar(1.0 - c.beta2)?)?;
-                let denom = m2.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(c.eps)?;
-                p.sub_(&m1.div(&denom)?.mul_scalar(c.lr / bc1)?)?;
+                if crate::compile::tracing() || s.step_tensor.is_some() {
+                    // The bias corrections from the device step count (F32, as torch's).
+                    if s.step_tensor.is_none() {
+                        s.step_tensor = Some(Tensor::scalar(s.step as f64, crate::DType::F32, &p.device())?);
+                    }
+                    let t = s.step_tensor.as_ref().expect("just set");
+                    t.add_scalar_(1.0)?;
+                    let pow = |beta: f64| Tensor::scalar(beta, crate::DType::F32, &p.device())?.pow(t);
+                    let bc1 = pow(c.beta1)?.neg()?.add_scalar(1.0)?;
+                    let bc2 = pow(c.beta2)?.neg()?.add_scalar(1.0)?;
+                    let denom = m2.sqrt()?.div(&bc2.sqrt()?)?.add_scalar(c.eps)?;
+                    p.sub_(&m1.div(&denom)?.mul(&bc1.reciprocal()?.mul_scalar(c.lr)?)?)?;
+                } else {
+                    s.step += 1;
+                    let bc1 = 1.0 - c.beta1.powi(s.step as i32);
+                    let bc2 = 1.0 - c.beta2.powi(s.step as i32);
+                    let denom = m2.sqrt()?.div_scalar(bc2.sqrt())?.add_scalar(c.eps)?;
+                    p.sub_(&m1.div(&denom)?.mul_scalar(c.lr / bc1)?)?;
+                }
             }
             Ok(())
         })
@@ -207,7 +235,7 @@ impl AdamCore {
         for (i, s) in self.state.iter().enumerate() {
             if let Some(s) = s {
                 // PyTorch keeps the step as an F32 scalar tensor.
-                sd.push((format!("state.{i}.step"), Tensor::scalar(s.step as f64, crate::DType::F32, &crate::Device::Cpu)?));
+                sd.push((format!("state.{i}.step"), Tensor::scalar(s.steps()? as f64, crate::DType::F32, &crate::Device::Cpu)?));
                 entry(&mut sd, i, "exp_avg", &s.exp_avg)?;
                 entry(&mut sd, i, "exp_avg_sq", &s.exp_avg_sq)?;
             }
@@ -233,7 +261,7 @@ impl AdamCore {
         for i in 0..self.params.len() {
             let (step, m, v) = (r.step(i)?, r.like_param(i, "exp_avg")?, r.like_param(i, "exp_avg_sq")?);
             state.push(match (step, m, v) {
-                (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(AdamState { step, exp_avg, exp_avg_sq }),
+                (Some(step), Some(exp_avg), Some(exp_avg_sq)) => Some(AdamState { step, exp_avg, exp_avg_sq, step_tensor: None }),
                 (None, None, None) => None,
                 _ => return Err(crate::Error::arg(op, format!("state.{i} needs step, exp_avg and exp_avg_sq together"))),
             });

@@ -7,6 +7,9 @@ use cudarc::cublas::{result as br, sys as bs};
 use std::sync::Arc;
 
 pub(crate) struct Handle(bs::cublasHandle_t);
+
+/// cuBLAS workspace per device (PyTorch's size on Hopper).
+const WORKSPACE: usize = 32 << 20;
 // SAFETY: the handle is used under the device's mutex only.
 unsafe impl Send for Handle {}
 
@@ -52,6 +55,14 @@ pub(crate) fn bmm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType) -
         let handle = br::create_handle().map_err(|e| dev.err("cublasCreate", e))?;
         // SAFETY: a fresh handle; the device's stream outlives it.
         unsafe { br::set_stream(handle, dev.stream.cu_stream() as _) }.map_err(|e| dev.err("cublasSetStream", e))?;
+        // A workspace of our own, kept for the device's lifetime: cuBLAS then allocates nothing
+        // while a CUDA graph is captured.
+        let ws = dev.alloc(WORKSPACE)?;
+        // SAFETY: `ws` holds WORKSPACE bytes and is never freed while the handle lives.
+        let st = unsafe { bs::cublasSetWorkspace_v2(handle, ws.ptr as *mut std::ffi::c_void, WORKSPACE) };
+        if st != bs::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+            return Err(dev.err("cublasSetWorkspace", st));
+        }
         *h = Some(Handle(handle));
     }
     let handle = h.as_ref().expect("created above").0;

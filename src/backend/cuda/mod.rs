@@ -6,6 +6,7 @@ pub(crate) mod alloc;
 mod blas;
 pub(crate) mod codegen;
 pub(crate) mod fused;
+pub(crate) mod graph;
 pub(crate) mod kernels;
 mod nvrtc;
 
@@ -81,6 +82,11 @@ pub(crate) struct CudaDevice {
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
+    /// While a CUDA graph is being captured: the blocks it allocates (they belong to the graph).
+    pub(crate) capture: Mutex<Option<graph::CapturePool>>,
+    /// Blocks owned by live graphs: the graph still reads and writes them at each replay, so a
+    /// tensor over one that is dropped does not give it back to the allocator.
+    pub(crate) graph_blocks: Mutex<std::collections::HashSet<u64>>,
     pub(crate) arch: String,
     pub(crate) sm_count: usize,
     driver: i32,
@@ -144,6 +150,8 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         counters: Mutex::new(None),
         modules: Mutex::new(Vec::new()),
         blas: Mutex::new(None),
+        capture: Mutex::new(None),
+        graph_blocks: Mutex::new(Default::default()),
         arch: format!("sm_{major}{minor}"),
         sm_count,
         driver,
@@ -167,6 +175,19 @@ impl CudaDevice {
 
     /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
+        if let Some(pool) = self.capture.lock().as_mut() {
+            if let Some(b) = pool.take(bytes) {
+                return Ok(b);
+            }
+            let b = self.alloc_block(bytes)?;
+            pool.blocks.push(b);
+            self.graph_blocks.lock().insert(b.ptr);
+            return Ok(b);
+        }
+        self.alloc_block(bytes)
+    }
+
+    fn alloc_block(self: &Arc<Self>, bytes: usize) -> Result<Block> {
         let mut a = self.alloc.lock();
         let b = a.alloc(bytes).map_err(|oom| Error::OutOfMemory { device: self.kiln_device(), msg: oom.to_string() })?;
         crate::profiler::memory(self.ordinal, b.size as i64, || a.stats().allocated);
@@ -174,6 +195,20 @@ impl CudaDevice {
     }
 
     pub(crate) fn free(&self, block: Block) {
+        let owned_by_graph = self.graph_blocks.lock().contains(&block.ptr);
+        if owned_by_graph {
+            // Inside a capture the block is free for the graph's later steps; after it, the
+            // graph keeps it.
+            if let Some(pool) = self.capture.lock().as_mut() {
+                pool.give_back(block);
+            }
+            return;
+        }
+        self.release(block);
+    }
+
+    /// Returns a block to the caching allocator.
+    pub(crate) fn release(&self, block: Block) {
         let mut a = self.alloc.lock();
         a.free(block);
         crate::profiler::memory(self.ordinal, -(block.size as i64), || a.stats().allocated);
@@ -350,6 +385,11 @@ pub fn empty_cache(device: &Device) -> Result<()> {
 thread_local! {
     static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static LOADS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Adds `n` kernels to this thread's launch count (a graph replay runs its captured kernels).
+pub(crate) fn count_launches(n: u64) {
+    LAUNCHES.with(|c| c.set(c.get() + n));
 }
 
 /// Kernels this thread needed that were not yet in the device's in-memory cache (generated,

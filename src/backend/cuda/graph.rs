@@ -1,0 +1,100 @@
+//! CUDA graphs: the launches of one compiled call captured on the device's stream, then
+//! replayed with one driver call. Memory allocated during capture belongs to the graph (its
+//! kernels read and write those addresses at every replay) and is reused only inside it.
+
+use super::alloc::Block;
+use super::CudaDevice;
+use crate::{Error, Result};
+use cudarc::driver::sys as ds;
+use std::sync::Arc;
+
+/// The blocks a capture allocated, and those of them free again for later steps of the capture.
+#[derive(Default)]
+pub(crate) struct CapturePool {
+    pub(crate) blocks: Vec<Block>,
+    free: Vec<Block>,
+}
+
+impl CapturePool {
+    /// A free block that fits `bytes` without wasting more than half of it.
+    pub(crate) fn take(&mut self, bytes: usize) -> Option<Block> {
+        let i = self.free.iter().position(|b| b.size >= bytes && b.size <= 2 * bytes.max(512))?;
+        Some(self.free.swap_remove(i))
+    }
+    pub(crate) fn give_back(&mut self, b: Block) {
+        if self.blocks.iter().any(|x| x.ptr == b.ptr) {
+            self.free.push(b);
+        }
+    }
+}
+
+/// A captured launch list, replayable on its device's stream.
+pub(crate) struct Graph {
+    graph: cudarc::driver::CudaGraph,
+    blocks: Vec<Block>,
+    dev: Arc<CudaDevice>,
+    /// Kernels launched while capturing.
+    pub(crate) kernels: u64,
+}
+
+// SAFETY: the graph handles are used under the caller's lock, from any thread that binds the
+// context (as every launch does).
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+/// Captures what `f` launches on `dev`'s stream (nothing runs) into a graph.
+#[track_caller]
+pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -> Result<(Graph, T)> {
+    dev.synchronize("graph capture")?;
+    *dev.capture.lock() = Some(CapturePool::default());
+    let launches = super::launch_count();
+    let begun = dev.stream.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
+    let r = begun.and_then(|_| f());
+    let ended = dev.stream.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    let pool = dev.capture.lock().take().unwrap_or_default();
+    let kernels = super::launch_count() - launches;
+    let fail = |e: Error| {
+        // Nothing captured ran: the blocks go back.
+        let mut owned = dev.graph_blocks.lock();
+        for b in &pool.blocks {
+            owned.remove(&b.ptr);
+        }
+        drop(owned);
+        for b in &pool.blocks {
+            dev.release(*b);
+        }
+        Err(e)
+    };
+    let value = match r {
+        Ok(v) => v,
+        Err(e) => return fail(e),
+    };
+    match ended {
+        Ok(Some(graph)) => Ok((Graph { graph, blocks: pool.blocks, dev: dev.clone(), kernels }, value)),
+        Ok(None) => fail(Error::Compile("the captured CUDA graph is empty".into())),
+        Err(e) => fail(dev.err("end capture", e)),
+    }
+}
+
+impl Graph {
+    pub(crate) fn replay(&self) -> Result<()> {
+        self.graph.launch().map_err(|e| self.dev.err("graph launch", e))?;
+        super::count_launches(self.kernels);
+        Ok(())
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // Its kernels may still run: wait, then give its memory back.
+        let _ = self.dev.stream.synchronize();
+        let mut owned = self.dev.graph_blocks.lock();
+        for b in &self.blocks {
+            owned.remove(&b.ptr);
+        }
+        drop(owned);
+        for b in &self.blocks {
+            self.dev.release(*b);
+        }
+    }
+}
