@@ -22,6 +22,7 @@ impl Tensor {
 
     /// Backward ops keep the forward's dtypes: autocast is suspended while it runs.
     pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        crate::compile::trace::note_backward();
         crate::amp::suspended(|| self.backward_inner(opts))
     }
 

@@ -2,7 +2,7 @@
 //! as the PyTorch reference, written in its JSON schema. Workloads kiln cannot run are written
 //! as `{"error": ...}`, never left out; compiled modes join when the compiler exists.
 
-use kiln::compile::compile;
+use kiln::compile::{compile, compile_with, CompileOptions, Mode};
 use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
 use kiln::prelude::*;
@@ -85,8 +85,33 @@ fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64() * 1e3 / 50.0)
 }
 
-fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
-    Ok(json!({"eager_ms": wall_ms(dev, f)?, "eager_kernels": kernels(dev, f)?, "peak_mib_eager": peak_mib(dev, f)?}))
+/// Kernels one call launches (after warm-up) as the runtime counts them: a CUDA graph replay
+/// counts the kernels it holds, which the profiler does not see launched one by one.
+fn launched(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
+    f()?;
+    cuda::synchronize(dev)?;
+    let before = cuda::launch_count();
+    f()?;
+    Ok(cuda::launch_count() - before)
+}
+
+/// A step workload: eager, then each compiled variant (`compiled`, `reduce_overhead`) with its
+/// first-call time as compile time.
+fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut [(&'static str, Call)]) -> Result<Value> {
+    let mut row = json!({"eager_ms": wall_ms(dev, f)?, "eager_kernels": kernels(dev, f)?, "peak_mib_eager": peak_mib(dev, f)?});
+    for (name, c) in variants.iter_mut() {
+        let compile_s = first_call(dev, c)?;
+        row[format!("{name}_compile_s")] = json!(compile_s);
+        row[format!("{name}_ms")] = json!(wall_ms(dev, c)?);
+        row[format!("{name}_kernels")] = json!(launched(dev, c)?);
+        row[format!("peak_mib_{name}")] = json!(peak_mib(dev, c)?);
+    }
+    Ok(row)
+}
+
+/// The compiled variants of a step workload built by `make` (None = eager).
+fn variants(make: impl Fn(Option<Mode>) -> Result<Call>) -> Result<Vec<(&'static str, Call)>> {
+    Ok(vec![("compiled", make(Some(Mode::Default))?), ("reduce_overhead", make(Some(Mode::ReduceOverhead))?)])
 }
 
 fn mlp(dev: &Device) -> Result<nn::Sequential> {
@@ -95,32 +120,46 @@ fn mlp(dev: &Device) -> Result<nn::Sequential> {
 }
 
 /// One training step of the MLP: forward, cross-entropy, backward, SGD(lr 0.01), grads cleared.
-fn mlp_train(dev: &Device, bs: usize) -> Result<Call> {
+fn mlp_train(dev: &Device, bs: usize, mode: Option<Mode>) -> Result<Call> {
     let model = mlp(dev)?;
     let (x, y) = (Tensor::randn(&[bs, 784], DType::F32, dev)?, Tensor::randint(0, 10, &[bs], dev)?);
     let mut opt = optim::Sgd::new(model.parameters(), 0.01);
-    Ok(Box::new(move || {
-        let loss = F::cross_entropy(&model.forward(&x)?, &y)?;
+    let mut step = move |x: &Tensor, y: &Tensor| {
+        let loss = F::cross_entropy(&model.forward(x)?, y)?;
         loss.backward()?;
         opt.step()?;
         opt.zero_grad();
         Ok(loss)
-    }))
+    };
+    Ok(match mode {
+        None => Box::new(move || step(&x, &y)),
+        Some(m) => {
+            let f = compile_with(CompileOptions::new().mode(m), step);
+            Box::new(move || f.call(&x, &y))
+        }
+    })
 }
 
 /// nn.Transformer(512, 8 heads, 6+6 layers, ff 2048, dropout 0) in eval mode, src = tgt of
 /// shape (10, 32, 512), no grad; under bf16 autocast when `amp`.
-fn transformer(dev: &Device, amp: bool) -> Result<Call> {
+fn transformer(dev: &Device, amp: bool, mode: Option<Mode>) -> Result<Call> {
     manual_seed(0);
     let cfg = nn::TransformerConfig { dropout: 0.0, ..Default::default() };
     let tr = nn::Transformer::new(cfg, dev)?;
     tr.eval();
     let xs = Tensor::randn(&[10, 32, 512], DType::F32, dev)?;
     let d = *dev;
-    Ok(Box::new(move || {
-        let fwd = || no_grad(|| tr.forward_src_tgt(&xs, &xs, &Default::default()));
+    let run = move |x: &Tensor| {
+        let fwd = || no_grad(|| tr.forward_src_tgt(x, x, &Default::default()));
         if amp { kiln::amp::autocast(&d, DType::BF16, fwd) } else { fwd() }
-    }))
+    };
+    Ok(match mode {
+        None => Box::new(move || run(&xs)),
+        Some(m) => {
+            let f = compile_with(CompileOptions::new().mode(m), run);
+            Box::new(move || f.call(&xs))
+        }
+    })
 }
 
 fn resnet50(dev: &Device) -> Result<Call> {
@@ -145,8 +184,8 @@ pub enum Measure {
     Bandwidth { bytes: usize },
     /// Floating-point operations of one call.
     Flops(f64),
-    /// A step: wall time per call, host overhead included.
-    Step,
+    /// A step: wall time per call, host overhead included; with its compiled variants.
+    Step(Vec<(&'static str, Call)>),
 }
 
 /// Why a workload of the schema has no `setup` yet.
@@ -160,7 +199,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
     let bw = |bytes, call: Box<dyn FnMut() -> Result<Tensor>>, compiled: Box<dyn FnMut() -> Result<Tensor>>| {
         Some(Workload { call, compiled: Some(compiled), measure: Measure::Bandwidth { bytes } })
     };
-    let step = |call: Call| Some(Workload { call, compiled: None, measure: Measure::Step });
+    let step = |call: Call, v: Vec<(&'static str, Call)>| Some(Workload { call, compiled: None, measure: Measure::Step(v) });
     Ok(match name {
         "pointwise.add_relu.f32.1e8" => {
             let (a, b) = (r(&[n])?, r(&[n])?);
@@ -199,14 +238,25 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
             bw(4 * 8192 * 8192, Box::new(move || x.sum(&[0], false)), Box::new(move || f.call(&cx)))
         }
         "mlp.infer.bs32" => {
-            let (model, x) = (mlp(dev)?, r(&[32, 784])?);
-            step(Box::new(move || no_grad(|| model.forward(&x))))
+            let x = r(&[32, 784])?;
+            let infer = |mode: Option<Mode>| -> Result<Call> {
+                let (model, x) = (mlp(dev)?, x.clone());
+                let run = move |x: &Tensor| no_grad(|| model.forward(x));
+                Ok(match mode {
+                    None => Box::new(move || run(&x)),
+                    Some(m) => {
+                        let f = compile_with(CompileOptions::new().mode(m), run);
+                        Box::new(move || f.call(&x))
+                    }
+                })
+            };
+            step(infer(None)?, variants(infer)?)
         }
-        "mlp.train_sgd.bs32" => step(mlp_train(dev, 32)?),
-        "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096)?),
-        "transformer.fwd.f32.10x32x512" => step(transformer(dev, false)?),
-        "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true)?),
-        "resnet50.infer.bf16amp.bs128" => step(resnet50(dev)?),
+        "mlp.train_sgd.bs32" => step(mlp_train(dev, 32, None)?, variants(|m| mlp_train(dev, 32, m))?),
+        "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096, None)?, variants(|m| mlp_train(dev, 4096, m))?),
+        "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
+        "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
+        "resnet50.infer.bf16amp.bs128" => step(resnet50(dev)?, vec![]),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
@@ -227,7 +277,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
             let ms = event_ms(dev, &mut w.call)?;
             Ok(json!({"eager_ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12}))
         }
-        Measure::Step => step_row(dev, &mut w.call),
+        Measure::Step(mut v) => step_row(dev, &mut w.call, &mut v),
     }
 }
 

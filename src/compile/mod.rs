@@ -466,7 +466,7 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
         Backend::Custom(f) => Ok(Exec::Runner(f(g, inputs)?)),
         Backend::Fused => {
             // A call that ran its own backward (a training step) returns plain values.
-            let step = !effects.grads.is_empty() || effects.n_returned != g.outputs.len();
+            let step = effects.ran_backward || !effects.grads.is_empty() || effects.n_returned != g.outputs.len();
             let needs_grad = !step && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
             if needs_grad {
                 if g.outputs.len() != 1 || !g.mutations.is_empty() {

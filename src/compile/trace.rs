@@ -54,6 +54,8 @@ pub(crate) struct Tracer {
     on_break: BreakRunner,
     /// Per captured tensor: it had no `.grad` when captured.
     grad_none: Vec<bool>,
+    /// `backward` ran inside the traced function (a training step).
+    ran_backward: bool,
     /// Reasons of the breaks taken, with their call sites.
     pub breaks: Vec<String>,
 }
@@ -81,6 +83,19 @@ pub(crate) struct Effects {
     /// Storages of symbolic tensors still alive after the call: they take real values once,
     /// and the graph is not cached (it made state that the next call will read instead).
     pub escaped: Vec<Arc<Storage>>,
+    /// `backward` ran inside the call: its outputs are plain values, not differentiated again.
+    pub ran_backward: bool,
+}
+
+/// Called by `backward`: inside a trace, the function is a training step.
+pub(crate) fn note_backward() {
+    if active() {
+        TRACER.with(|t| {
+            if let Some(tr) = t.borrow_mut().as_mut() {
+                tr.ran_backward = true;
+            }
+        });
+    }
 }
 
 /// Runs `f` on symbolic stand-ins for `args` and returns the graph of what it computed.
@@ -99,6 +114,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
         fullgraph,
         on_break,
         grad_none: vec![],
+        ran_backward: false,
         breaks: vec![],
     };
     let sym: Vec<Tensor> = args
@@ -128,7 +144,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     // The returned symbolic tensors (and the trace-time autograd graph behind them) go now, so
     // that what stays alive is what the call left behind.
     drop(outs);
-    let mut effects = Effects { n_returned: ids.len(), grad_none: std::mem::take(&mut tr.grad_none), ..Default::default() };
+    let mut effects = Effects { n_returned: ids.len(), grad_none: std::mem::take(&mut tr.grad_none), ran_backward: tr.ran_backward, ..Default::default() };
     let mut grad_storages = vec![];
     for (k, t) in tr.inputs[tr.graph.n_args..].iter().enumerate() {
         if let Some(g) = t.grad() {

@@ -52,11 +52,18 @@ impl Val {
             Val::Bool(_) => CType::Bool,
         }
     }
-    fn to(&self, t: CType) -> Val {
+    /// This value as type `t`: borrowed when it already is.
+    fn to(&self, t: CType) -> std::borrow::Cow<'_, Val> {
         if self.ctype() == t {
-            return self.clone();
+            return std::borrow::Cow::Borrowed(self);
         }
-        with_val!(self, v => Val::from_vec(v.clone(), t))
+        std::borrow::Cow::Owned(with_val!(self, v => Val::from_vec(v.clone(), t)))
+    }
+    fn into_type(self, t: CType) -> Val {
+        if self.ctype() == t {
+            return self;
+        }
+        with_val!(self, v => Val::from_vec(v, t))
     }
     fn as_vec<C: Elem>(&self) -> Vec<C> {
         with_val!(self, v => v.iter().map(|x| x.cast()).collect())
@@ -215,11 +222,11 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
         KKind::Unary(u) => {
             let t = op.unary_type();
             let a = args[0].to(t);
-            match a {
-                Val::F32(x) => Val::F32(u.real(Map1 { x: operand(&x, n), n })),
-                Val::F64(x) => Val::F64(u.real(Map1 { x: operand(&x, n), n })),
-                Val::I64(x) => Val::I64(u.int(Map1 { x: operand(&x, n), n })),
-                Val::Bool(x) => Val::Bool(u.logical(Map1 { x: operand(&x, n), n })),
+            match a.as_ref() {
+                Val::F32(x) => Val::F32(u.real(Map1 { x: operand(x, n), n })),
+                Val::F64(x) => Val::F64(u.real(Map1 { x: operand(x, n), n })),
+                Val::I64(x) => Val::I64(u.int(Map1 { x: operand(x, n), n })),
+                Val::Bool(x) => Val::Bool(u.logical(Map1 { x: operand(x, n), n })),
             }
         }
         KKind::Binary(b, _) => {
@@ -230,15 +237,15 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
                     Map2 { a: operand($x, n), b: operand($y, n), n }
                 };
             }
-            match (x, y) {
-                (Val::Bool(x), Val::Bool(y)) if b.is_logical() => Val::Bool(b.logical(m2!(&x, &y))),
-                (Val::Bool(x), Val::Bool(y)) => Val::Bool(b.compare(m2!(&x, &y))),
-                (Val::F32(x), Val::F32(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
-                (Val::F64(x), Val::F64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
-                (Val::I64(x), Val::I64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(&x, &y))),
-                (Val::F32(x), Val::F32(y)) => Val::F32(b.real(m2!(&x, &y))),
-                (Val::F64(x), Val::F64(y)) => Val::F64(b.real(m2!(&x, &y))),
-                (Val::I64(x), Val::I64(y)) => Val::I64(b.int(m2!(&x, &y))),
+            match (x.as_ref(), y.as_ref()) {
+                (Val::Bool(x), Val::Bool(y)) if b.is_logical() => Val::Bool(b.logical(m2!(x, y))),
+                (Val::Bool(x), Val::Bool(y)) => Val::Bool(b.compare(m2!(x, y))),
+                (Val::F32(x), Val::F32(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(x, y))),
+                (Val::F64(x), Val::F64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(x, y))),
+                (Val::I64(x), Val::I64(y)) if b.is_comparison() => Val::Bool(b.compare(m2!(x, y))),
+                (Val::F32(x), Val::F32(y)) => Val::F32(b.real(m2!(x, y))),
+                (Val::F64(x), Val::F64(y)) => Val::F64(b.real(m2!(x, y))),
+                (Val::I64(x), Val::I64(y)) => Val::I64(b.int(m2!(x, y))),
                 _ => unreachable!("operands converted to one type"),
             }
         }
@@ -246,7 +253,7 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
             let c = args[0].as_vec::<bool>();
             let (a, b) = (args[1].to(out), args[2].to(out));
             let pick = |i: usize, len: usize| if len == 1 { 0 } else { i };
-            with_val!(a, x => {
+            with_val!(a.as_ref(), x => {
                 let y: Vec<_> = b.as_vec();
                 let v: Vec<_> = (0..n).map(|i| if c[pick(i, c.len())] { x[pick(i, x.len())] } else { y[pick(i, y.len())] }).collect();
                 Val::from_vec(v, out)
@@ -273,7 +280,7 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
         KKind::Same | KKind::Broadcast => args[0].clone(),
         KKind::Reduce(r) => reduce(*r, &args[0].to(out)),
     };
-    v.to(out)
+    v.into_type(out)
 }
 
 fn reduce(r: ReduceOp, v: &Val) -> Val {
