@@ -332,3 +332,34 @@ fn mse_loss_values() {
         check(&format!("mse broadcast {dt:?}"), &F::mse_loss(&a, &c, Reduction::Mean).unwrap(), &[], dt, &[sq.iter().sum::<f64>() / 12.0], rt, at);
     }
 }
+
+#[test]
+fn row_kernels_across_widths_dtypes_and_nan_rows() {
+    // Widths below, at and past a vector multiple, and past the longest row the fused row
+    // kernels keep in registers (16384: the decomposition runs instead); a row with a NaN.
+    for &c in &[1, 7, 8, 300, 1031, 4096, 20000] {
+        for dt in FLOATS {
+            let r = 3;
+            let mut xv: Vec<f64> = host_rand(r * c, c as u64).into_iter().map(|v| round_to(dt, v * 3.0)).collect();
+            xv[c + c / 2] = f64::NAN;
+            let x = t(&xv, &[r, c], dt);
+            let (w, wv) = inputs(&[c], 7, dt, |v| v);
+            let (b, bv) = inputs(&[c], 8, dt, |v| v);
+            let (rt, at) = tol(dt, true);
+            let ctx = |s: &str| format!("{s} [{r}, {c}] {dt:?}");
+            check(&ctx("softmax"), &x.softmax(-1).unwrap(), &[r, c], dt, &along(&xv, &[r, c], 1, ref_softmax), rt, at);
+            check(&ctx("log_softmax"), &x.log_softmax(-1).unwrap(), &[r, c], dt, &along(&xv, &[r, c], 1, ref_log_softmax), rt, at * 10.0);
+            let want: Vec<f64> = xv
+                .chunks(c)
+                .flat_map(|g| {
+                    let m = g.iter().sum::<f64>() / c as f64;
+                    let var = g.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / c as f64;
+                    g.iter().map(move |v| (v - m) / (var + 1e-5).sqrt()).collect::<Vec<_>>()
+                })
+                .enumerate()
+                .map(|(i, v)| v * wv[i % c] + bv[i % c])
+                .collect();
+            check(&ctx("layer_norm"), &F::layer_norm(&x, &[c], Some(&w), Some(&b), 1e-5).unwrap(), &[r, c], dt, &want, rt * 10.0, at * 100.0);
+        }
+    }
+}

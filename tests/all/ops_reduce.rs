@@ -468,3 +468,45 @@ fn large_few_long_rows_split_across_threads() {
         check(&ctx("sum dim 0 of [150000, 2]"), &xt.sum(&[0], false).unwrap(), &[2], dt, &g.iter().map(|g| ref_sum(g)).collect::<Vec<_>>(), rt, at);
     }
 }
+
+#[test]
+fn column_reductions_across_vector_widths_splits_and_alignment() {
+    // Leading-dim reductions of contiguous inputs read several adjacent columns per load:
+    // widths that are and are not a multiple of the vector, tall inputs split into chunks,
+    // ties between the threads of a column (the first index wins), and NaN columns.
+    for &(r, c) in &[(5, 8), (300, 130), (257, 132), (4096, 64), (2000, 1)] {
+        for dt in [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::U8, DType::Bool] {
+            let f = |v: f64| match dt {
+                DType::Bool => (v > 0.0) as u8 as f64,
+                d if d.is_float() => v,
+                _ => (v * 20.0).round().abs(),
+            };
+            let mut xv: Vec<f64> = host_rand(r * c, (r * c) as u64).into_iter().map(|v| round_to(dt, f(v))).collect();
+            if dt.is_float() {
+                xv[(r / 2) * c] = f64::NAN;
+            }
+            let x = t(&xv, &[r, c], dt);
+            let g = groups(&xv, &[r, c], &[0]);
+            let ctx = |s: &str| format!("{s} [{r}, {c}] {dt:?} dim 0");
+            let sum_dt = if dt.is_float() { dt } else { DType::I64 };
+            let (rt, at) = sum_tol(dt);
+            check(&ctx("sum"), &x.sum(&[0], false).unwrap(), &[c], sum_dt, &g.iter().map(|g| ref_sum(g)).collect::<Vec<_>>(), rt, at * r as f64);
+            check(&ctx("amax"), &x.amax(&[0], false).unwrap(), &[c], dt, &g.iter().map(|g| ref_max(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            if dt == DType::Bool {
+                continue;
+            }
+            check(&ctx("amin"), &x.amin(&[0], false).unwrap(), &[c], dt, &g.iter().map(|g| ref_min(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            check(&ctx("argmax"), &x.argmax(0, false).unwrap(), &[c], DType::I64, &g.iter().map(|g| ref_argmax(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            check(&ctx("argmin"), &x.argmin(0, false).unwrap(), &[c], DType::I64, &g.iter().map(|g| ref_argmin(g)).collect::<Vec<_>>(), 0.0, 0.0);
+        }
+    }
+    // A contiguous view one element into its buffer: rows are not aligned to a vector.
+    let (r, c) = (64, 128);
+    let (flat, fv) = inputs(&[1 + r * c], 90, DType::F32, |v| v);
+    let x = flat.narrow(0, 1, r * c).unwrap().reshape(&[r as i64, c as i64]).unwrap();
+    assert!(x.is_contiguous());
+    let g = groups(&fv[1..], &[r, c], &[0]);
+    let (rt, at) = sum_tol(DType::F32);
+    check("sum of an unaligned view", &x.sum(&[0], false).unwrap(), &[c], DType::F32, &g.iter().map(|g| ref_sum(g)).collect::<Vec<_>>(), rt, at * r as f64);
+    check("amax of an unaligned view", &x.amax(&[0], false).unwrap(), &[c], DType::F32, &g.iter().map(|g| ref_max(g)).collect::<Vec<_>>(), 0.0, 0.0);
+}

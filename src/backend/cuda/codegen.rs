@@ -331,23 +331,81 @@ pub(crate) struct ReduceSpec {
     pub out: DType,
     pub layout: ReduceLayout,
     pub idx64: bool,
+    /// Adjacent columns a thread reads with one load (`Cols` only; 1 for `Rows`).
+    pub vec: usize,
 }
 
 impl ReduceSpec {
     pub(crate) fn kernel_name(&self) -> String {
         let l = if self.layout == ReduceLayout::Rows { "rows" } else { "cols" };
-        format!("{}_{}_{}_{}", self.op.name(), short(self.input), short(self.out), l)
+        format!("{}_{}_{}_{}{}", self.op.name(), short(self.input), short(self.out), l, self.vec)
     }
+}
+
+/// The value a reduction starts from in type `t` (max starts at the lowest value, min at the
+/// highest).
+pub(crate) fn identity(op: ReduceOp, t: CType) -> String {
+    let inf = |neg: bool| match t {
+        CType::F32 => format!("({}__int_as_float(0x7f800000))", if neg { "-" } else { "" }),
+        CType::F64 => format!("({}__longlong_as_double(0x7ff0000000000000ll))", if neg { "-" } else { "" }),
+        CType::I64 => (if neg { "(-9223372036854775807ll - 1)" } else { "9223372036854775807ll" }).into(),
+        CType::Bool => (if neg { "false" } else { "true" }).into(),
+    };
+    match op {
+        ReduceOp::Sum => format!("(({})0)", t.name()),
+        ReduceOp::Prod => format!("(({})1)", t.name()),
+        ReduceOp::Max | ReduceOp::ArgMax => inf(true),
+        ReduceOp::Min | ReduceOp::ArgMin => inf(false),
+    }
+}
+
+/// Name of the combining function of a (non-arg) reduction emitted by `block_reduce`.
+pub(crate) fn comb_name(op: ReduceOp, t: CType) -> String {
+    format!("kc_{}_{}", op.name(), short(t.dtype()))
+}
+
+/// Name of the block reduction emitted by `block_reduce`.
+pub(crate) fn block_name(op: ReduceOp, t: CType) -> String {
+    format!("kb_{}_{}", op.name(), short(t.dtype()))
+}
+
+/// `kc_*(a, b)`, combining two partial results (max/min propagate NaN from either side), and
+/// `kb_*(v)`, the reduction of one value per thread over a block of a multiple of 32 threads:
+/// warp shuffles, each warp's result through shared memory, then one more round of shuffles,
+/// so every thread gets the result. Shared by the eager and the compiler's row kernels.
+pub(crate) fn block_reduce(op: ReduceOp, t: CType) -> String {
+    let n = t.name();
+    let comb = match op {
+        ReduceOp::Sum => "a + b",
+        ReduceOp::Prod => "a * b",
+        ReduceOp::Max => "(a > b || a != a) ? a : b",
+        ReduceOp::Min => "(a < b || a != a) ? a : b",
+        _ => unreachable!("arg reductions have no block reduction"),
+    };
+    // Booleans travel through the shuffles as ints.
+    let sh = if t == CType::Bool { "int" } else { n };
+    let (c, b, id) = (comb_name(op, t), block_name(op, t), identity(op, t));
+    format!(
+        r#"__device__ __forceinline__ {n} {c}({n} a, {n} b) {{ return {comb}; }}
+__device__ __forceinline__ {n} {b}({n} v) {{
+  __shared__ {n} red[32];
+  for (int o = 16; o > 0; o >>= 1) v = {c}(v, ({n})__shfl_xor_sync(0xffffffffu, ({sh})v, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads(); // the previous call's readers are done with red
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? red[lane] : {id};
+  for (int o = 16; o > 0; o >>= 1) v = {c}(v, ({n})__shfl_xor_sync(0xffffffffu, ({sh})v, o));
+  return v;
+}}
+"#
+    )
 }
 
 /// (init, combine of `acc` with value `v` at index `k`) for each reduction.
 fn reduce_parts(s: &ReduceSpec) -> (String, String) {
     let t = s.acc.name();
-    let (lo, hi) = match s.acc {
-        CType::F32 => ("(-__int_as_float(0x7f800000))".to_string(), "__int_as_float(0x7f800000)".to_string()),
-        CType::F64 => ("(-__longlong_as_double(0x7ff0000000000000ll))".to_string(), "__longlong_as_double(0x7ff0000000000000ll)".to_string()),
-        _ => ("(-9223372036854775807ll - 1)".to_string(), "9223372036854775807ll".to_string()),
-    };
+    let (lo, hi) = (identity(ReduceOp::Max, s.acc), identity(ReduceOp::Min, s.acc));
     // "v better than acc" for max/min; NaN beats everything, ties keep the earlier index.
     let better = |max: bool| {
         let cmp = if max { ">" } else { "<" };
@@ -370,7 +428,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let arg = matches!(s.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     let t = s.acc.name();
     let finish = if arg { store(s.out, CType::I64, "ai") } else { store(s.out, s.acc, "acc") };
-    let _ = writeln!(c, "typedef {idx} IDX;");
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
     // Folds the partial (v, k) of another thread into (acc, ai).
     let _ = writeln!(c, "__device__ __forceinline__ void kcomb({t}& acc, long long& ai, {t} v, long long k) {{ {combine} }}");
     let it = storage_type(s.input);
@@ -404,36 +462,53 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
 }}"#, lv = lv.replace("x[X]", "x[row * K + k]"));
         }
         ReduceLayout::Cols => {
-            let _ = writeln!(c, r#"  __shared__ {t} sa[8][33]; __shared__ long long si[8][33];
-  const IDX col = (IDX)blockIdx.x * 32 + threadIdx.x, ch = blockIdx.y;
+            // A block is 32 x 8 threads over 32 * VEC columns: each thread reads VEC adjacent
+            // columns of every 8th row of its chunk (one 16-byte load for f32), folding them
+            // into VEC accumulators; then the 8 partial rows are folded through shared memory,
+            // one column per thread.
+            let sidx = if arg { "  __shared__ long long si[8][32 * VEC];\n" } else { "" };
+            let keep_i = if arg { "si[threadIdx.y][threadIdx.x * VEC + e] = ai[e]; " } else { "" };
+            let read_i = |r: &str| if arg { format!("si[{r}][l]") } else { "0".into() };
+            let _ = writeln!(c, r#"  __shared__ {t} sa[8][32 * VEC];
+{sidx}  const IDX c0 = ((IDX)blockIdx.x * 32 + threadIdx.x) * VEC, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
-  {t} acc = {init}; long long ai = 9223372036854775807ll;
-  if (col < M) for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
-  sa[threadIdx.y][threadIdx.x] = acc; si[threadIdx.y][threadIdx.x] = ai;
+  {t} acc[VEC]; long long ai[VEC];
+  _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ acc[e] = {init}; ai[e] = 9223372036854775807ll; }}
+  if (c0 < M) {{
+    _Pragma("unroll 4") for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{
+      const VX q = *(const VX*)(x + k * M + c0);
+      _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc[e], ai[e], v, k); }}
+    }}
+  }}
+  _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ sa[threadIdx.y][threadIdx.x * VEC + e] = acc[e]; {keep_i}}}
   __syncthreads();
-  if (threadIdx.y == 0) for (int r = 1; r < 8; r++) kcomb(acc, ai, sa[r][threadIdx.x], si[r][threadIdx.x]);
+  const int l = threadIdx.y * 32 + threadIdx.x;
+  const IDX col = (IDX)blockIdx.x * (32 * VEC) + l;
+  const bool mine = l < 32 * VEC && col < M;
+  {t} r = {init}; long long ri = 9223372036854775807ll;
+  if (mine) {{ r = sa[0][l]; ri = {i0}; for (int y = 1; y < 8; y++) kcomb(r, ri, sa[y][l], {iy}); }}
   if (C == 1) {{
-    if (threadIdx.y == 0 && col < M) out[col] = {finish};
+    if (mine) out[col] = {finish};
     return;
   }}
   // Split columns: each chunk leaves its partial; the last block of a column group to finish
   // folds them, so one launch does the whole reduction. Its counter is reset for the next use.
   {t}* part = ({t}*)a.w[5];
   unsigned int* count = (unsigned int*)a.w[6];
-  if (threadIdx.y == 0 && col < M) part[ch * M + col] = acc;
+  if (mine) part[ch * M + col] = r;
   __threadfence();
   __syncthreads();
   __shared__ bool last;
-  if (threadIdx.x == 0 && threadIdx.y == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  if (l == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
   __syncthreads();
   if (!last) return;
-  if (threadIdx.y == 0 && col < M) {{
-    acc = ((volatile {t}*)part)[col];
-    for (IDX c2 = 1; c2 < C; c2++) kcomb(acc, ai, ((volatile {t}*)part)[c2 * M + col], 0);
+  if (mine) {{
+    r = ((volatile {t}*)part)[col];
+    for (IDX c2 = 1; c2 < C; c2++) kcomb(r, ri, ((volatile {t}*)part)[c2 * M + col], 0);
     out[col] = {finish};
   }}
-  if (threadIdx.x == 0 && threadIdx.y == 0) count[blockIdx.x] = 0;
-}}"#, lv = lv.replace("x[X]", "x[k * M + col]"));
+  if (l == 0) count[blockIdx.x] = 0;
+}}"#, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
         }
     }
     c
@@ -527,47 +602,40 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 }
 "#;
 
-/// One block per row of a contiguous [M, K] input, the row held in registers (`vpt` values per
-/// thread, loaded `vec` at a time): softmax, log_softmax or layer_norm (with optional weight and
-/// bias) in one pass over memory. Statistics are in f32, as PyTorch's kernels keep them.
-pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, vpt: usize, vec: usize, weight: bool, bias: bool) -> (String, String) {
+/// One block of `threads` threads per row of a contiguous [M, K] input, the row held in
+/// registers (`vpt` values per thread, loaded `vec` at a time): softmax, log_softmax or
+/// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
+/// as PyTorch's kernels keep them.
+pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, weight: bool, bias: bool) -> (String, String) {
     use crate::nn::functional::RowKind;
-    let name = format!("{}_{}_rows{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
+    let name = format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
     let t = storage_type(dtype);
     let ld = |e: &str| load(dtype, CType::F32, e);
     let st = |e: &str| store(dtype, CType::F32, e);
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}\nstruct __align__({}) VX {{ {t} v[VEC]; }};", vec * dtype.size_in_bytes());
-    c.push_str(r#"
-// Element j of a thread's registers sits at column KIDX(j) of its row.
-#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))
-__device__ __forceinline__ float kmaxf(float a, float b) { return (a > b || a != a) ? a : b; }
-__device__ float kblock(float v, float* red, bool is_max) {
-  for (int o = 16; o > 0; o >>= 1) { float u = __shfl_xor_sync(0xffffffffu, v, o); v = is_max ? kmaxf(v, u) : v + u; }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float r = lane < nw ? red[lane] : (is_max ? -__int_as_float(0x7f800000) : 0.0f);
-  for (int o = 16; o > 0; o >>= 1) { float u = __shfl_xor_sync(0xffffffffu, r, o); r = is_max ? kmaxf(r, u) : r + u; }
-  return r;
-}
-"#);
+    c.push_str(ROW_INDEX);
+    let (sum, max) = (block_name(ReduceOp::Sum, CType::F32), block_name(ReduceOp::Max, CType::F32));
+    c.push_str(&block_reduce(ReduceOp::Sum, CType::F32));
+    if kind != RowKind::LayerNorm {
+        c.push_str(&block_reduce(ReduceOp::Max, CType::F32));
+    }
+    let kmax = comb_name(ReduceOp::Max, CType::F32);
     // The output of element j (in registers v) given row statistics; `k` is its column.
     let (stats, outv) = match kind {
         RowKind::Softmax | RowKind::LogSoftmax => (
-            r#"    float lm = -__int_as_float(0x7f800000);
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) lm = kmaxf(lm, v[j]);
-    const float m = kblock(lm, red, true);
+            format!(
+                r#"    float lm = -__int_as_float(0x7f800000);
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) lm = {kmax}(lm, v[j]);
+    const float m = {max}(lm);
     float ls = 0.0f;
 "#
-            .to_string()
+            ) + &if kind == RowKind::Softmax {
                 // softmax keeps exp(v - m) in the registers: one exp per element.
-                + if kind == RowKind::Softmax {
-                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { v[j] = expf(v[j] - m); ls += v[j]; }\n    const float inv = 1.0f / kblock(ls, red, false);\n"
-                } else {
-                    "    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);\n    const float lse = logf(kblock(ls, red, false));\n"
-                },
+                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) {{ v[j] = expf(v[j] - m); ls += v[j]; }}\n    const float inv = 1.0f / {sum}(ls);\n")
+            } else {
+                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);\n    const float lse = logf({sum}(ls));\n")
+            },
             if kind == RowKind::Softmax { "v[j] * inv".to_string() } else { "v[j] - m - lse".to_string() },
         ),
         RowKind::LayerNorm => {
@@ -579,14 +647,15 @@ __device__ float kblock(float v, float* red, bool is_max) {
                 y = format!("{y} + {}", ld("bq.v[e]"));
             }
             (
-                r#"    float ls = 0.0f;
+                format!(
+                    r#"    float ls = 0.0f;
     _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += v[j];
-    const float mean = kblock(ls, red, false) / (float)K;
+    const float mean = {sum}(ls) / (float)K;
     float lq = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) { const float d = v[j] - mean; lq += d * d; }
-    const float rstd = rsqrtf(kblock(lq, red, false) / (float)K + eps);
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) {{ const float d = v[j] - mean; lq += d * d; }}
+    const float rstd = rsqrtf({sum}(lq) / (float)K + eps);
 "#
-                .to_string(),
+                ),
                 y,
             )
         }
@@ -596,11 +665,10 @@ __device__ float kblock(float v, float* red, bool is_max) {
         if weight { "        const VX wq = *(const VX*)(w + k0);\n" } else { "" },
         if bias { "        const VX bq = *(const VX*)(b + k0);\n" } else { "" }
     );
-    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__(512) {name}(const KArgs a) {{
+    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__({threads}) {name}(const KArgs a) {{
   const {t}* x = (const {t}*)a.w[0]; {t}* y = ({t}*)a.w[1];
   const {t}* w = (const {t}*)a.w[2]; const {t}* b = (const {t}*)a.w[3];
   const long long M = (long long)a.w[4]; const int K = (int)a.w[5]; const float eps = (float)kparam_f(a.w[6]);
-  __shared__ float red[32];
   for (long long row = blockIdx.x; row < M; row += gridDim.x) {{
     const {t}* xr = x + row * K; {t}* yr = y + row * K;
     float v[VPT];
@@ -621,3 +689,7 @@ __device__ float kblock(float v, float* red, bool is_max) {
 }}"#, lq = ld("q.v[e]"), so = st(&outv));
     (name, c)
 }
+
+/// Row kernels: element j of a thread's registers sits at column KIDX(j) of its row (vectors
+/// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines).
+pub(crate) const ROW_INDEX: &str = "#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))\n";

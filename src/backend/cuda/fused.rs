@@ -3,14 +3,13 @@
 //! kernel is emitted here: one block per row, the row's values in registers, block reductions
 //! by warp shuffles, every intermediate computed once and never stored.
 
-use super::codegen::{convert, load, storage_type, CType, PRELUDE};
-use super::kernels::{data_ptr, map_launch, MapOut};
+use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, CType, PRELUDE, ROW_INDEX};
+use super::kernels::{data_ptr, map_launch, row_shape, MapOut};
 use super::{device, CudaStorage, KArgs, KernelKey};
 use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::layout::Layout;
-use crate::ops::ReduceOp;
 use crate::storage::BackendStorage;
-use crate::{Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 use std::fmt::Write;
 
 /// The type each op computes in and the C expression of its value, given its arguments'.
@@ -108,50 +107,115 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     Ok(wrap(outs, |_| shape.to_vec()))
 }
 
-/// Reduction in the row generator: (template op code, identity) for the value type.
-fn reduce_parts(r: ReduceOp, t: CType) -> (u32, String) {
-    let inf = |neg: bool| match t {
-        CType::F32 => format!("{}__int_as_float(0x7f800000)", if neg { "-" } else { "" }),
-        CType::F64 => format!("{}__longlong_as_double(0x7ff0000000000000ll)", if neg { "-" } else { "" }),
-        _ => (if neg { "(-9223372036854775807ll - 1)" } else { "9223372036854775807ll" }).into(),
-    };
-    match r {
-        ReduceOp::Sum => (0, format!("({})0", t.name())),
-        ReduceOp::Prod => (1, format!("({})1", t.name())),
-        ReduceOp::Max => (2, inf(true)),
-        ReduceOp::Min => (3, inf(false)),
-        _ => unreachable!("arg reductions are not fused"),
+/// Unary ops worth computing once and keeping in registers when several passes over the row
+/// read them (the rest are cheaper to recompute than to hold).
+fn expensive(op: &KOp) -> bool {
+    use crate::ops::{BinaryOp as B, UnaryOp as U};
+    match op.kind {
+        KKind::Unary(u) => !matches!(u, U::Neg | U::Abs | U::Sign | U::Relu | U::LogicalNot),
+        KKind::Binary(b, _) => matches!(b, B::Pow | B::Div),
+        _ => false,
     }
 }
 
-const ROW_HELPERS: &str = r#"
-#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))
-template <typename T, int OP> __device__ __forceinline__ T kcomb(T a, T b) {
-  if (OP == 0) return a + b;
-  if (OP == 1) return a * b;
-  if (OP == 2) return (a > b || a != a) ? a : b;
-  return (a < b || a != a) ? a : b;
+/// The plan of a row kernel. The row is walked in passes: one per reduction (its argument
+/// folded into a per-thread accumulator, then a block reduction) and a last one storing the
+/// full outputs. A full value is computed in each pass that reads it, from inputs loaded in
+/// that pass, except where that would repeat work: an input read by several passes is loaded
+/// once into a register array, and so is an expensive op (an `exp`) read by several passes.
+struct RowPlan {
+    /// Per op: it is one value per element (not per row).
+    elem: Vec<bool>,
+    /// Per pass (reductions in op order, then the output pass): the full inputs and ops it
+    /// computes, and the ones it reads from register arrays.
+    passes: Vec<Pass>,
+    in_array: Vec<bool>,
+    op_array: Vec<bool>,
 }
-// Combines one value per thread across the block; every thread gets the result.
-template <typename T, int OP> __device__ T kblockred(T v, T* red) {
-  for (int o = 16; o > 0; o >>= 1) v = kcomb<T, OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  __syncthreads();
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  T r = red[0];
-  for (int w = 1; w < nw; w++) r = kcomb<T, OP>(r, red[w]);
-  return r;
-}
-"#;
 
-/// Source of a row kernel for `vpt` values per thread, loaded `vec` at a time; `vector[k]`
-/// says whether full input k is read with vector loads.
-fn gen_rows(k: &FusedKernel, name: &str, vpt: usize, vec: usize, vector: &[bool]) -> String {
+#[derive(Default, Clone)]
+struct Pass {
+    inputs: Vec<usize>,
+    ops: Vec<usize>,
+}
+
+impl RowPlan {
+    fn new(k: &FusedKernel) -> RowPlan {
+        let n = k.ops.len();
+        let in_elem = |a: &KArg, elem: &[bool]| match a {
+            KArg::In(j) => !k.inputs[*j].row,
+            KArg::Op(j) => elem[*j],
+        };
+        let mut elem = vec![false; n];
+        for (i, op) in k.ops.iter().enumerate() {
+            elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| in_elem(a, &elem));
+        }
+        let mut roots: Vec<Vec<KArg>> = k.ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).map(|o| vec![o.args[0]]).collect();
+        roots.push(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| KArg::Op(*o)).collect());
+        // The full values a pass needs, walking back from its roots and stopping at ops held in
+        // arrays computed by an earlier pass.
+        let closure = |roots: &[KArg], stop: &dyn Fn(usize) -> bool| {
+            let (mut ins, mut ops) = (vec![false; k.inputs.len()], vec![false; n]);
+            let mut todo = roots.to_vec();
+            while let Some(a) = todo.pop() {
+                match a {
+                    KArg::In(j) => ins[j] |= !k.inputs[j].row,
+                    KArg::Op(i) if elem[i] && !ops[i] => {
+                        ops[i] = true;
+                        if !stop(i) {
+                            todo.extend(k.ops[i].args.iter().copied());
+                        }
+                    }
+                    KArg::Op(_) => {}
+                }
+            }
+            (ins, ops)
+        };
+        // Expensive ops read by several passes get arrays (decided on the passes that read
+        // them with everything recomputed) ...
+        let mut reads = vec![0usize; n];
+        for r in &roots {
+            for (i, used) in closure(r, &|_| false).1.into_iter().enumerate() {
+                reads[i] += used as usize;
+            }
+        }
+        let op_array: Vec<bool> = (0..n).map(|i| elem[i] && reads[i] > 1 && expensive(&k.ops[i])).collect();
+        // ... then each pass computes what it needs, reading arrays filled by earlier passes.
+        let mut filled = vec![false; n];
+        let mut passes = vec![];
+        let mut in_reads = vec![0usize; k.inputs.len()];
+        for r in &roots {
+            let (ins, ops) = closure(r, &|i| filled[i]);
+            for (j, used) in ins.iter().enumerate() {
+                in_reads[j] += *used as usize;
+            }
+            let p = Pass { inputs: (0..ins.len()).filter(|&j| ins[j]).collect(), ops: (0..n).filter(|&i| ops[i]).collect() };
+            for &i in &p.ops {
+                filled[i] |= op_array[i];
+            }
+            passes.push(p);
+        }
+        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| c > 1).collect(), op_array }
+    }
+}
+
+/// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
+/// time; `vector[j]` says whether full input j is read with vector loads.
+fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool]) -> String {
+    let plan = RowPlan::new(k);
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
-    c.push_str(ROW_HELPERS);
-    let nout = k.outputs.len();
+    c.push_str(ROW_INDEX);
+    let mut helpers = vec![];
+    for op in &k.ops {
+        if let KKind::Reduce(r) = op.kind {
+            let t = CType::of(op.dtype);
+            if !helpers.contains(&(r, t)) {
+                helpers.push((r, t));
+                c.push_str(&block_reduce(r, t));
+            }
+        }
+    }
     for (j, inp) in k.inputs.iter().enumerate() {
         if !inp.row && vector[j] {
             let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
@@ -163,112 +227,149 @@ fn gen_rows(k: &FusedKernel, name: &str, vpt: usize, vec: usize, vector: &[bool]
             let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
         }
     }
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__(512) {name}(const KArgs a) {{");
-    let _ = writeln!(c, "  const long long M = (long long)a.w[0]; const int K = (int)a.w[1];\n  __shared__ double kred[32];");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const KArgs a) {{");
+    let _ = writeln!(c, "  const long long M = (long long)a.w[0]; const int K = (int)a.w[1];");
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", 2 + m, t = storage_type(k.ops[*o].dtype));
     }
-    let base = 2 + nout;
+    let base = 2 + k.outputs.len();
     for (j, inp) in k.inputs.iter().enumerate() {
-        let _ = writeln!(
-            c,
-            "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{}]; const long long rs{j} = (long long)a.w[{}], cs{j} = (long long)a.w[{}];",
-            base + 3 * j,
-            base + 3 * j + 1,
-            base + 3 * j + 2,
-            t = storage_type(inp.dtype)
-        );
+        let t = storage_type(inp.dtype);
+        let _ = write!(c, "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{}]; const long long rs{j} = (long long)a.w[{}]", base + 3 * j, base + 3 * j + 1);
+        // Only inputs read element by element need their column stride.
+        if !inp.row && !vector[j] {
+            let _ = write!(c, ", cs{j} = (long long)a.w[{}]", base + 3 * j + 2);
+        }
+        c.push_str(";\n");
     }
     let _ = writeln!(c, "  for (long long row = blockIdx.x; row < M; row += gridDim.x) {{");
-    // Loads: a full input into a register array, a row input into one register.
-    let mut vals: Vec<(CType, String, bool)> = vec![]; // (type, name, is an array)
-    let mut ins: Vec<(CType, String, bool)> = vec![];
+    // Every value has a C name: x{j} for input j, t{i} for op i (per row or, inside a pass,
+    // per element); reshapes and broadcasts are their argument's name.
+    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect();
+    let mut vals: Vec<(CType, String)> = vec![];
     for (j, inp) in k.inputs.iter().enumerate() {
         let t = CType::of(inp.dtype);
         if inp.row {
             let _ = writeln!(c, "    const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[row * rs{j}]")));
-            ins.push((t, format!("x{j}"), false));
-        } else if vector[j] {
-            let _ = writeln!(
-                c,
-                "    {tn} x{j}[VPT];\n    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{ const int k0 = KIDX(g * VEC);\n      if (k0 < K) {{ const VI{j} q = *(const VI{j}*)(p{j} + row * rs{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) x{j}[g * VEC + e] = {}; }}\n      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) x{j}[g * VEC + e] = 0; }} }}",
-                load(inp.dtype, t, "q.v[e]"),
-                tn = t.name()
-            );
-            ins.push((t, format!("x{j}"), true));
         } else {
-            let _ = writeln!(
-                c,
-                "    {tn} x{j}[VPT];\n    _Pragma(\"unroll\") for (int jj = 0; jj < VPT; jj++) {{ const int kk = KIDX(jj); x{j}[jj] = kk < K ? {} : 0; }}",
-                load(inp.dtype, t, &format!("p{j}[row * rs{j} + kk * cs{j}]")),
-                tn = t.name()
-            );
-            ins.push((t, format!("x{j}"), true));
-        }
-    }
-    // A full value read once is not kept in registers: its expression is inlined where it is
-    // read (fewer live arrays, no spills); values read more often get an array.
-    let mut uses = vec![0usize; k.ops.len()];
-    for op in &k.ops {
-        for a in &op.args {
-            if let KArg::Op(j) = a {
-                uses[*j] += 1;
+            let _ = writeln!(c, "    const {t}* __restrict__ r{j} = p{j} + row * rs{j};", t = storage_type(inp.dtype));
+            if plan.in_array[j] {
+                let _ = writeln!(c, "    {} ax{j}[VPT];", t.name());
             }
         }
     }
-    for (o, _) in &k.outputs {
-        uses[*o] += 1;
+    for op in &k.ops {
+        let v = match op.kind {
+            KKind::Same | KKind::Broadcast => arg_val(&op.args[0], &ins, &vals),
+            KKind::Reduce(_) => (CType::of(op.dtype), format!("t{}", vals.len())),
+            _ => (lower(op, &op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect::<Vec<_>>()).0, format!("t{}", vals.len())),
+        };
+        vals.push(v);
     }
-    let at = |v: &(CType, String, bool)| if v.2 && !v.1.contains("[j]") && !v.1.starts_with('(') { format!("{}[j]", v.1) } else { v.1.clone() };
+    for (i, v) in vals.iter().enumerate() {
+        if plan.op_array[i] {
+            let _ = writeln!(c, "    {} at{i}[VPT];", v.0.name());
+        }
+    }
+    let mut filled_in = vec![false; k.inputs.len()];
+    let mut filled_op = vec![false; k.ops.len()];
+    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
+    // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
+    let mut pass = |c: &mut String, p: &Pass, each: &str, stores: &str, prologue: &str| {
+        let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (k0 < K) {{{prologue}");
+        for &j in &p.inputs {
+            if vector[j] && !(plan.in_array[j] && filled_in[j]) {
+                let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(r{j} + k0);");
+            }
+        }
+        let _ = writeln!(c, "        _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{\n          const int j = g * VEC + e;");
+        for &j in &p.inputs {
+            let (inp, t) = (&k.inputs[j], ins[j].0);
+            let v = if plan.in_array[j] && filled_in[j] {
+                format!("ax{j}[j]")
+            } else if vector[j] {
+                load(inp.dtype, t, &format!("q{j}.v[e]"))
+            } else {
+                load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
+            };
+            let _ = writeln!(c, "          const {} x{j} = {v};", t.name());
+            if plan.in_array[j] && !filled_in[j] {
+                let _ = writeln!(c, "          ax{j}[j] = x{j};");
+            }
+        }
+        for &i in &p.ops {
+            let op = &k.ops[i];
+            if let KKind::Same | KKind::Broadcast = op.kind {
+                continue;
+            }
+            let (t, e) = if filled_op[i] {
+                (vals[i].0, format!("at{i}[j]"))
+            } else {
+                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect();
+                lower(op, &args)
+            };
+            let _ = writeln!(c, "          const {} t{i} = {e};", t.name());
+            if plan.op_array[i] && !filled_op[i] {
+                let _ = writeln!(c, "          at{i}[j] = t{i};");
+            }
+        }
+        let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
+        for &j in &p.inputs {
+            filled_in[j] |= plan.in_array[j];
+        }
+        for &i in &p.ops {
+            filled_op[i] |= plan.op_array[i];
+        }
+    };
     for (i, op) in k.ops.iter().enumerate() {
-        let args: Vec<&(CType, String, bool)> = op.args.iter().map(|a| match a {
-            KArg::In(j) => &ins[*j],
-            KArg::Op(j) => &vals[*j],
-        }).collect();
-        let t = CType::of(op.dtype);
         match &op.kind {
             KKind::Reduce(r) => {
-                let (code, init) = reduce_parts(*r, t);
-                let a = convert(args[0].0, t, &at(args[0]));
-                let _ = writeln!(
-                    c,
-                    "    {tn} t{i};\n    {{ {tn} acc = {init};\n      _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) acc = kcomb<{tn}, {code}>(acc, {a});\n      t{i} = kblockred<{tn}, {code}>(acc, ({tn}*)kred); }}",
-                    tn = t.name()
-                );
-                vals.push((t, format!("t{i}"), false));
+                let t = CType::of(op.dtype);
+                let a = arg_val(&op.args[0], &ins, &vals);
+                let each = format!("          acc{i} = {}(acc{i}, {});\n", comb_name(*r, t), convert(a.0, t, &a.1));
+                let _ = writeln!(c, "    {} acc{i} = {};", t.name(), identity(*r, t));
+                pass(&mut c, &plan.passes[pass_of(i)], &each, "", "");
+                let _ = writeln!(c, "    const {} t{i} = {}(acc{i});", t.name(), block_name(*r, t));
             }
-            KKind::Same | KKind::Broadcast => vals.push(args[0].clone()),
-            _ => {
-                let full = args.iter().any(|a| a.2) && !op.row;
-                let lowered: Vec<(CType, String)> = args.iter().map(|a| (a.0, at(a))).collect();
-                let (rt, e) = lower(op, &lowered);
-                if full && uses[i] <= 1 && !matches!(op.kind, KKind::Cast) {
-                    vals.push((rt, format!("({e})"), true));
-                } else if full {
-                    let _ = writeln!(c, "    {tn} t{i}[VPT];\n    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) t{i}[j] = {e};", tn = rt.name());
-                    vals.push((rt, format!("t{i}"), true));
-                } else {
-                    let _ = writeln!(c, "    const {} t{i} = {e};", rt.name());
-                    vals.push((rt, format!("t{i}"), false));
-                }
+            KKind::Same | KKind::Broadcast => {}
+            _ if !plan.elem[i] => {
+                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect();
+                let (t, e) = lower(op, &args);
+                let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
             }
+            _ => {}
         }
     }
+    // The output pass: full outputs stored a vector at a time; then row outputs.
+    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
+    if !full.is_empty() {
+        let (mut pro, mut each, mut stores) = (String::new(), String::new(), String::new());
+        for &m in &full {
+            let o = k.outputs[m].0;
+            let v = &vals[o];
+            let _ = write!(pro, "\n        VO{m} o{m};");
+            let _ = writeln!(each, "          o{m}.v[e] = {};", super::codegen::store(k.ops[o].dtype, v.0, &v.1));
+            let _ = writeln!(stores, "        *(VO{m}*)(out{m} + row * (long long)K + k0) = o{m};");
+        }
+        pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
+    }
     for (m, (o, _)) in k.outputs.iter().enumerate() {
-        let d = k.ops[*o].dtype;
-        let v = &vals[*o];
         if k.ops[*o].row {
-            let _ = writeln!(c, "    if (threadIdx.x == 0) out{m}[row] = {};", super::codegen::store(d, v.0, &v.1));
-        } else {
-            let e = super::codegen::store(d, v.0, &at(v));
-            let _ = writeln!(
-                c,
-                "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{ const int k0 = KIDX(g * VEC); if (k0 < K) {{ VO{m} o;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const int j = g * VEC + e; o.v[e] = {e}; }}\n      *(VO{m}*)(out{m} + row * (long long)K + k0) = o; }} }}"
-            );
+            let v = &vals[*o];
+            let _ = writeln!(c, "    if (threadIdx.x == 0) out{m}[row] = {};", super::codegen::store(k.ops[*o].dtype, v.0, &v.1));
         }
     }
     c.push_str("  }\n}\n");
     c
+}
+
+/// The C name and type of an argument.
+fn arg_val(a: &KArg, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
+    match a {
+        KArg::In(j) => ins[*j].clone(),
+        KArg::Op(j) => vals[*j].clone(),
+    }
 }
 
 fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -285,12 +386,17 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
-    let threads = (cols.div_ceil(16)).next_power_of_two().clamp(32, 512);
-    let vpt = cols.div_ceil(threads).next_power_of_two().max(vec);
+    let (threads, vpt) = row_shape(cols, vec);
     let vk: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
-    let name = format!("{}_r{vpt}x{vec}_{vk}", k.name);
-    let src = gen_rows(k, &name, vpt, vec, &vector);
-    let kern = dev.kernel(KernelKey::Named(src.clone()), || (name, src))?;
+    let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
+    // Keyed by what determines the source (ops, input dtypes, launch shape), so a call after
+    // the first neither generates nor hashes the source.
+    let dtypes: Vec<DType> = k.inputs.iter().map(|i| i.dtype).collect();
+    let key = format!("rows {name} {dtypes:?} {}", k.describe());
+    let kern = dev.kernel(KernelKey::Named(key), || {
+        let src = gen_rows(k, &name, threads, vpt, vec, &vector);
+        (name.clone(), src)
+    })?;
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
     let mut a = KArgs::default();
     a.w[0] = rows as u64;
@@ -309,4 +415,59 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
     }
     dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::{compile_with, Backend, CompileOptions};
+    use crate::nn::functional as F;
+    use std::sync::{Arc, Mutex};
+
+    /// The row kernels the compiler schedules for `f` (traced on the CPU; the plan and the
+    /// source do not depend on the device).
+    fn row_kernels(x: &Tensor, f: impl FnMut(&Tensor) -> Result<Tensor> + Send + 'static) -> Vec<FusedKernel> {
+        let seen = Arc::new(Mutex::new(vec![]));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            let sched = crate::compile::fuse::schedule(g);
+            s2.lock().unwrap().extend(sched.kernels.into_iter().filter(|k| matches!(k.space, Space::Rows { .. })));
+            Ok(g.eager_runner())
+        });
+        compile_with(CompileOptions::new().backend(backend), f).call(x).unwrap();
+        let v = seen.lock().unwrap().clone();
+        v
+    }
+
+    #[test]
+    fn softmax_keeps_exp_and_input_only() {
+        let x = Tensor::randn(&[4, 64], DType::F32, &Device::Cpu).unwrap();
+        let ks = row_kernels(&x, |x| x.softmax(-1));
+        assert_eq!(ks.len(), 1);
+        let plan = RowPlan::new(&ks[0]);
+        // max, sum and the output pass; exp is read by the last two, x by the first two.
+        assert_eq!(plan.passes.len(), 3);
+        let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
+        assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
+        assert_eq!(plan.in_array, vec![true]);
+        let src = gen_rows(&ks[0], "k", 32, 2, 1, &[false]);
+        assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
+    }
+
+    #[test]
+    fn layer_norm_recomputes_centered_values_and_streams_weights() {
+        let x = Tensor::randn(&[4, 64], DType::F32, &Device::Cpu).unwrap();
+        let (w, b) = (Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap());
+        let ks = row_kernels(&x, move |x| F::layer_norm(x, &[64], Some(&w), Some(&b), 1e-5));
+        assert_eq!(ks.len(), 1);
+        let k = &ks[0];
+        let plan = RowPlan::new(k);
+        assert!(plan.op_array.iter().all(|&a| !a), "no op is kept in registers");
+        // Only x (read by both statistics passes and the output pass) is kept; weight and bias
+        // are read in the output pass alone.
+        let kept: Vec<bool> = k.inputs.iter().zip(&plan.in_array).filter(|(i, _)| !i.row).map(|(_, &a)| a).collect();
+        assert_eq!(kept.iter().filter(|&&a| a).count(), 1, "{kept:?}");
+        let last = plan.passes.last().unwrap();
+        assert_eq!(last.inputs.len(), 3);
+    }
 }

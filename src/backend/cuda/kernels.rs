@@ -308,48 +308,68 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
     };
     let acc = acc_type(op, x.dtype());
     let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let ptr = data_ptr(&input)?;
+    // Columns are read `vec` at a time (16-byte loads for f32, at most 4 accumulators per
+    // thread) when every row starts aligned.
+    let vec = match layout {
+        ReduceLayout::Cols => {
+            let size = input.dtype().size_in_bytes();
+            let v = (16 / size).min(4);
+            if m % v == 0 && ptr % (v * size) as u64 == 0 { v } else { 1 }
+        }
+        ReduceLayout::Rows => 1,
+    };
+    let groups = m.div_ceil(32 * vec);
     let chunks = if arg {
         1
     } else {
         match layout {
             ReduceLayout::Rows => ((dev.sm_count * 4) / m).clamp(1, (k / 2048).max(1)),
-            ReduceLayout::Cols => ((dev.sm_count * 32) / m.div_ceil(32)).clamp(1, (k / 64).max(1)),
+            // About one wave of 256-thread blocks (8 per SM): every block runs at once, and
+            // each still reads at least 64 rows.
+            ReduceLayout::Cols => cols_chunks().unwrap_or((dev.sm_count * 8) / groups).clamp(1, (k / 64).max(1)),
         }
     };
-    let ptr = data_ptr(&input)?;
+    let spec = |input: DType, out: DType, vec: usize, m: usize, k: usize| ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize, vec };
     if chunks == 1 {
-        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, 1, (0, 0))?;
+        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k), ptr, res.ptr(), m, k, 1, (0, 0))?;
         return Ok(res);
     }
     if layout == ReduceLayout::Cols {
         // One launch: partials per chunk, folded by the last block of each column group.
         let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
-        let counters = dev.reduce_counters(m.div_ceil(32))?;
-        launch_reduce(&dev, op, layout, input.dtype(), acc, out, ptr, res.ptr(), m, k, chunks, (partial.ptr(), counters))?;
+        let counters = dev.reduce_counters(groups)?;
+        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k), ptr, res.ptr(), m, k, chunks, (partial.ptr(), counters))?;
         return Ok(res);
     }
     // Two passes: partial results per chunk (in the acc type), then a reduction of those.
     let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
-    launch_reduce(&dev, op, layout, input.dtype(), acc, acc.dtype(), ptr, partial.ptr(), m, k, chunks, (0, 0))?;
-    launch_reduce(&dev, op, layout, acc.dtype(), acc, out, partial.ptr(), res.ptr(), m, chunks, 1, (0, 0))?;
+    launch_reduce(&dev, &spec(input.dtype(), acc.dtype(), 1, m, k), ptr, partial.ptr(), m, k, chunks, (0, 0))?;
+    launch_reduce(&dev, &spec(acc.dtype(), out, 1, m, chunks), partial.ptr(), res.ptr(), m, chunks, 1, (0, 0))?;
     Ok(res)
+}
+
+/// A tuning override of how many chunks a column reduction's rows are split into
+/// (`KILN_COLS_CHUNKS`, read once).
+fn cols_chunks() -> Option<usize> {
+    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_COLS_CHUNKS").ok().and_then(|v| v.parse().ok()))
 }
 
 #[allow(clippy::too_many_arguments)]
 /// `split` = (partials buffer, counters) for a one-launch split column reduction.
-fn launch_reduce(dev: &Arc<CudaDevice>, op: ReduceOp, layout: ReduceLayout, input: DType, acc: CType, out: DType, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
-    let spec = ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize };
+fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
     let key = KernelKey::Reduce(spec.clone());
-    let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(&spec)))?;
+    let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(spec)))?;
     let mut a = KArgs::default();
     a.w[..7].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64, split.0, split.1]);
-    match layout {
+    match spec.layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks);
             let threads = per.next_power_of_two().clamp(32, 256) as u32;
             dev.launch(kern, (m.min(1 << 20) as u32, chunks as u32, 1), (threads, 1, 1), &a)
         }
-        ReduceLayout::Cols => dev.launch(kern, (m.div_ceil(32) as u32, chunks as u32, 1), (32, 8, 1), &a),
+        ReduceLayout::Cols => dev.launch(kern, (m.div_ceil(32 * spec.vec) as u32, chunks as u32, 1), (32, 8, 1), &a),
     }
 }
 
@@ -543,6 +563,21 @@ pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
 /// Longest row the fused row kernels take (512 threads × 32 values in registers).
 pub(crate) const MAX_FUSED_ROW: usize = 32 * 512;
 
+/// (threads, values per thread) of a row kernel (eager or compiled) for rows of `k` columns
+/// read `vec` at a time: up to 16 values per thread before adding threads (fewer registers,
+/// more warps in flight), at most 32 values and 1024 threads. `KILN_ROWS_THREADS` (read once)
+/// picks another thread count within those limits, for tuning.
+pub(crate) fn row_shape(k: usize, vec: usize) -> (usize, usize) {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *OVERRIDE.get_or_init(|| std::env::var("KILN_ROWS_THREADS").ok().and_then(|v| v.parse::<usize>().ok()));
+    let least = k.div_ceil(32).next_power_of_two().clamp(32, 1024);
+    let threads = match forced {
+        Some(t) => t.next_power_of_two().clamp(least, 1024),
+        None => k.div_ceil(16).next_power_of_two().clamp(32, 512),
+    };
+    (threads, k.div_ceil(threads).next_power_of_two().max(vec))
+}
+
 /// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.
 pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
@@ -557,10 +592,8 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     // 16-byte loads when every row starts aligned.
     let v = 16 / size;
     let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
-    // Up to 16 values per thread before adding threads: fewer registers, more warps in flight.
-    let threads = (k.div_ceil(16)).next_power_of_two().clamp(32, 512);
-    let vpt = k.div_ceil(threads).next_power_of_two().max(vec);
-    let (name, src) = codegen::gen_rows(kind, x.dtype(), vpt, vec, w.is_some(), b.is_some());
+    let (threads, vpt) = row_shape(k, vec);
+    let (name, src) = codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some());
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
     let mut a = KArgs::default();
     a.w[0] = ptrs[0].unwrap_or(0);
