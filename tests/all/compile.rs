@@ -451,6 +451,9 @@ fn a_step_that_leaves_gradients_writes_them_back() -> Result<()> {
     for (p, g) in m.parameters().iter().zip(&g1) {
         let twice: Vec<f64> = g.iter().map(|v| 2.0 * v).collect();
         assert_close(&vals(&p.grad().unwrap()), &twice, 1e-5, 1e-6);
+    }
+    Ok(())
+}
 
 #[test]
 fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result<()> {
