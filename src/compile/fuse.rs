@@ -253,6 +253,9 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             let Some((numel, rows)) = Group::merge_space(a_grp, i_grp) else { continue };
             let mut members: Vec<NodeId> = a_grp.members.iter().chain(&i_grp.members).copied().collect();
             members.sort_unstable();
+            if too_many_operands(g, &members) {
+                continue;
+            }
             // The two groups being merged are not "other groups" for the check.
             let mut others = group_of.to_vec();
             for &m in &members {
@@ -333,6 +336,20 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     sched
 }
 
+/// Most loaded inputs plus stored outputs of one fused kernel: every operand takes argument
+/// words in the launch's fixed block (addresses, and strides when strided).
+const MAX_OPERANDS: usize = 20;
+
+fn too_many_operands(g: &Graph, members: &[NodeId]) -> bool {
+    let inside = |x: NodeId| members.binary_search(&x).is_ok();
+    let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
+    inputs.sort_unstable();
+    inputs.dedup();
+    // Outputs: members some node outside reads (graph outputs are not known here; they add few).
+    let outputs = members.iter().filter(|&&m| g.nodes.iter().enumerate().any(|(j, n)| !inside(j) && n.args.contains(&m))).count();
+    inputs.len() + outputs > MAX_OPERANDS
+}
+
 /// Whether some step outside `members` both reads from and feeds the group (it could then run
 /// neither before nor after the fused kernel). Other groups run as one step, so one of their
 /// members depending on the group makes all of them depend on it.
@@ -411,14 +428,33 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
         if !matches!(kind, KKind::Same | KKind::Broadcast | KKind::Const(_)) || grp.members.len() == 1 {
             names.push(node.name());
         }
-        ops.push(KOp { kind, args, dtype: node.dtype, row: is_row(node.numel()) });
+        let row = is_row(node.numel());
+        let row_arg = |a: &KArg, ops: &[KOp]| match a {
+            KArg::Op(j) => ops[*j].row,
+            KArg::In(j) => inputs[*j].row,
+        };
+        if let KKind::Binary(BinaryOp::Div, c) = kind {
+            if !row && c.is_float() && row_arg(&args[1], &ops) {
+                // Dividing a row by its per-row value: one reciprocal per row, then a multiply
+                // per element (as the eager softmax kernel does; within an ulp of dividing).
+                ops.push(KOp { kind: KKind::Const(1.0), args: vec![], dtype: c, row: true });
+                let one = KArg::Op(ops.len() - 1);
+                ops.push(KOp { kind: KKind::Binary(BinaryOp::Div, c), args: vec![one, args[1]], dtype: c, row: true });
+                let recip = KArg::Op(ops.len() - 1);
+                ops.push(KOp { kind: KKind::Binary(BinaryOp::Mul, c), args: vec![args[0], recip], dtype: node.dtype, row });
+                val.insert(m, KArg::Op(ops.len() - 1));
+                continue;
+            }
+        }
+        ops.push(KOp { kind, args, dtype: node.dtype, row });
         val.insert(m, KArg::Op(ops.len() - 1));
     }
     // Stored: values read outside the group, outputs and write-backs.
     let mut outputs = vec![];
-    for (k, &m) in grp.members.iter().enumerate() {
+    for &m in &grp.members {
         let read_outside = users[m] > g.nodes.iter().enumerate().filter(|(j, _)| group_of[*j] == me).map(|(_, n)| n.args.iter().filter(|&&a| a == m).count()).sum::<usize>();
         if read_outside {
+            let KArg::Op(k) = val[&m] else { unreachable!("members are ops") };
             outputs.push((k, m));
         }
     }
