@@ -129,6 +129,19 @@ pub struct CustomOpBuilder {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// Op names live as long as the program (errors carry `&'static str`); each distinct name is
+/// stored once, so ops rebuilt in a loop do not grow memory.
+fn intern(name: String) -> &'static str {
+    static NAMES: std::sync::OnceLock<parking_lot::Mutex<std::collections::HashSet<&'static str>>> = std::sync::OnceLock::new();
+    let mut names = NAMES.get_or_init(Default::default).lock();
+    if let Some(n) = names.get(name.as_str()) {
+        return n;
+    }
+    let n: &'static str = Box::leak(name.into_boxed_str());
+    names.insert(n);
+    n
+}
+
 impl CustomOp {
     /// Starts an op named `name` (how it shows in errors, graphs and `<name>Backward`).
     #[allow(clippy::new_ret_no_self)]
@@ -228,7 +241,7 @@ impl CustomOpBuilder {
             }
         }
         Ok(CustomOp(Arc::new(Inner {
-            name: Box::leak(self.name.into_boxed_str()),
+            name: intern(self.name),
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             n_inputs: self.n_inputs,
             dtypes: self.dtypes,
