@@ -99,7 +99,7 @@ fn gradcheck_through_custom_ops() -> Result<()> {
     // Values away from the kink of relu, where finite differences are exact enough.
     let shift = |v: Vec<f64>| v.into_iter().map(|a| if a.abs() < 0.1 { a + 0.3 } else { a }).collect::<Vec<_>>();
     let x = t(&shift(host_rand(24, 5)), &[4, 6], DType::F64);
-    let b = t(&vec![0.0; 6], &[6], DType::F64);
+    let b = t(&[0.0; 6], &[6], DType::F64);
     gradcheck(|xs| op.call(&[&xs[0], &xs[1]]), &[x.clone(), b.clone()], GradcheckOptions::default())?;
     // Composed with ordinary ops on both sides, and a custom op inside another's backward.
     let scale = scaled_relu(1.5);
