@@ -17,6 +17,7 @@ pub mod amp;
 pub mod autograd;
 pub mod compile;
 pub(crate) mod backend;
+pub mod custom;
 pub mod data;
 pub mod demo;
 pub use backend::cuda;
@@ -32,6 +33,7 @@ pub mod profiler;
 mod storage;
 mod tensor;
 
+pub use custom::{CustomOp, CustomOpBuilder, HostTensor, LaunchSpec, OpCtx};
 pub use autograd::{enable_grad, gradcheck, inference_mode, is_grad_enabled, no_grad, BackwardOptions, Ctx, Function, GradcheckOptions};
 pub use device::Device;
 pub use dtype::{promote_types, result_type, Category, DType, Tier, WithDType};
@@ -47,5 +49,5 @@ pub mod prelude {
     pub use crate::nn::{self, Module};
     pub use crate::optim::{self, Optimizer};
     pub use crate::profiler::{self, SortBy};
-    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, DType, Device, Function, Result, SyncDebug, Tensor};
+    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, CustomOp, DType, Device, Function, LaunchSpec, Result, SyncDebug, Tensor};
 }

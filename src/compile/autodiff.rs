@@ -63,6 +63,11 @@ fn joint_body(g: &Graph, needs: &[bool], xs: &[Tensor], gout: &Tensor) -> Result
                 req[i] = node.dtype.is_float() && node.args.iter().zip(&diff).any(|(&a, &d)| d && req[a]);
                 crate::ops::apply(op.clone(), &args)?
             }
+            NodeOp::Custom(c) => {
+                let args: Vec<&Tensor> = node.args.iter().map(|&a| &vals[a]).collect();
+                req[i] = node.dtype.is_float() && node.args.iter().any(|&a| req[a]);
+                c.call(&args)?
+            }
             NodeOp::Full(v) => Tensor::full(&node.shape, *v, node.dtype, &node.device)?,
             NodeOp::Random(_) => {
                 return Err(Error::Compile("random draws in a compiled function that needs gradients are not supported; draw them outside and pass them in".into()))
@@ -75,25 +80,39 @@ fn joint_body(g: &Graph, needs: &[bool], xs: &[Tensor], gout: &Tensor) -> Result
     for i in (0..n).rev() {
         let Some(gi) = grads[i].take() else { continue };
         let node = &g.nodes[i];
-        if let NodeOp::Prim(op) = &node.op {
-            let want: Vec<bool> = node.args.iter().zip(op.differentiable_inputs(node.args.len())).map(|(&a, d)| d && req[a]).collect();
-            if !want.iter().any(|&w| w) {
+        let (want, ga) = match &node.op {
+            NodeOp::Prim(op) => {
+                let want: Vec<bool> = node.args.iter().zip(op.differentiable_inputs(node.args.len())).map(|(&a, d)| d && req[a]).collect();
+                if !want.iter().any(|&w| w) {
+                    continue;
+                }
+                let xs: Vec<Option<Tensor>> = node.args.iter().map(|&a| Some(vals[a].clone())).collect();
+                let meta: Vec<(Vec<usize>, crate::DType)> = node.args.iter().map(|&a| (g.nodes[a].shape.clone(), g.nodes[a].dtype)).collect();
+                let ga = op.backward(&xs, Some(&vals[i]), &meta, &gi, &want)?;
+                (want, ga)
+            }
+            // A custom op's own backward, traced into the joint graph like the formulas above.
+            NodeOp::Custom(c) => {
+                let want: Vec<bool> = node.args.iter().map(|&a| req[a]).collect();
+                if !want.iter().any(|&w| w) {
+                    continue;
+                }
+                let xs: Vec<Tensor> = node.args.iter().map(|&a| vals[a].clone()).collect();
+                (want, c.gradients(&xs, &vals[i], &gi)?)
+            }
+            _ => {
+                grads[i] = Some(gi); // inputs keep theirs
                 continue;
             }
-            let xs: Vec<Option<Tensor>> = node.args.iter().map(|&a| Some(vals[a].clone())).collect();
-            let meta: Vec<(Vec<usize>, crate::DType)> = node.args.iter().map(|&a| (g.nodes[a].shape.clone(), g.nodes[a].dtype)).collect();
-            let ga = op.backward(&xs, Some(&vals[i]), &meta, &gi, &want)?;
-            for ((&a, w), gr) in node.args.iter().zip(&want).zip(ga) {
-                if let (true, Some(gr)) = (*w, gr) {
-                    let gr = if gr.dtype() != g.nodes[a].dtype { gr.to_dtype(g.nodes[a].dtype)? } else { gr };
-                    grads[a] = Some(match grads[a].take() {
-                        Some(acc) => acc.add(&gr)?,
-                        None => gr,
-                    });
-                }
+        };
+        for ((&a, w), gr) in node.args.iter().zip(&want).zip(ga) {
+            if let (true, Some(gr)) = (*w, gr) {
+                let gr = if gr.dtype() != g.nodes[a].dtype { gr.to_dtype(g.nodes[a].dtype)? } else { gr };
+                grads[a] = Some(match grads[a].take() {
+                    Some(acc) => acc.add(&gr)?,
+                    None => gr,
+                });
             }
-        } else {
-            grads[i] = Some(gi); // inputs keep theirs
         }
     }
     let mut out = vec![vals[g.outputs[0]].clone()];

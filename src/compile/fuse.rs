@@ -177,6 +177,8 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
                 Kind::Other
             }
         }
+        // Opaque: fusion stops at a custom op's edges.
+        NodeOp::Custom(_) => Kind::Other,
         _ => Kind::Other,
     }
 }

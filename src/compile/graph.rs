@@ -21,6 +21,8 @@ pub enum NodeOp {
     Full(f64),
     /// A fresh draw from the global generator on every call.
     Random(RandomKind),
+    /// A user op (`kiln::CustomOp`): opaque to fusion, run by its own kernel or CPU function.
+    Custom(crate::custom::CustomOp),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -53,6 +55,7 @@ impl Node {
             NodeOp::Random(RandomKind::Uniform) => "rand".into(),
             NodeOp::Random(RandomKind::Normal) => "randn".into(),
             NodeOp::Random(RandomKind::Int { .. }) => "randint".into(),
+            NodeOp::Custom(c) => c.name().into(),
         }
     }
     /// Static arguments, as printed after the name.
@@ -71,6 +74,7 @@ impl Node {
             },
             NodeOp::Full(v) => format!("[{v}]"),
             NodeOp::Random(RandomKind::Int { low, high }) => format!("[{low}, {high})"),
+            NodeOp::Custom(_) => "[custom]".into(),
             _ => String::new(),
         }
     }

@@ -44,6 +44,7 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
                 let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
                 crate::ops::apply(op.clone(), &args)?
             }
+            NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
             NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
             NodeOp::Random(kind) => random(*kind, n)?,
         };
@@ -80,7 +81,7 @@ impl Program {
         self.schedule.steps.iter().filter(|s| match s {
             Step::Kernel(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
-                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_)),
+                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
         }).count()
     }
 
@@ -102,6 +103,7 @@ impl Program {
                             let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
                             op.forward(&args)?
                         }
+                        NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
                         NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
                         NodeOp::Random(kind) => random(*kind, n)?,
                     });

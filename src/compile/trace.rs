@@ -211,6 +211,15 @@ pub(crate) fn record(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     })
 }
 
+/// Records an opaque node (a custom op) of the given result on `inputs` (at least one).
+pub(crate) fn record_node(op: NodeOp, inputs: &[&Tensor], shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
+    with(|tr| {
+        let args = inputs.iter().map(|t| tr.value_of(t)).collect::<Result<Vec<_>>>()?;
+        let id = tr.graph.push(op, args, shape, dtype, inputs[0].device());
+        Ok(tr.symbolic_tensor(id, false))
+    })
+}
+
 /// `Tensor::full` inside a traced function.
 pub(crate) fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
     with(|tr| {

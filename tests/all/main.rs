@@ -5,6 +5,7 @@ mod autograd;
 mod common;
 mod compile;
 mod cuda;
+mod custom;
 mod data;
 mod demo;
 mod errors;

@@ -5,6 +5,7 @@
 pub(crate) mod alloc;
 mod blas;
 pub(crate) mod codegen;
+pub(crate) mod custom;
 pub(crate) mod fused;
 pub(crate) mod graph;
 pub(crate) mod kernels;
@@ -48,6 +49,8 @@ pub(crate) enum KernelKey {
     Reduce(codegen::ReduceSpec),
     /// Kernels whose name already encodes every parameter of their source.
     Named(String),
+    /// A custom op's kernel: its source, function name and the C types its macros stand for.
+    Custom { source: Arc<str>, name: Arc<str>, types: (&'static str, &'static str) },
 }
 
 struct DriverAlloc {
@@ -235,13 +238,18 @@ impl CudaDevice {
     /// The compiled kernel for `key`, generating (`gen` gives name and source) and compiling on
     /// first use.
     pub(crate) fn kernel(&self, key: KernelKey, gen: impl FnOnce() -> (String, String)) -> Result<Kernel> {
+        self.kernel_with(key, &[], gen)
+    }
+
+    /// `kernel` compiled with extra NVRTC `options` (which `key` must determine).
+    pub(crate) fn kernel_with(&self, key: KernelKey, options: &[String], gen: impl FnOnce() -> (String, String)) -> Result<Kernel> {
         if let Some(k) = self.kernels.lock().get(&key) {
             return Ok(*k);
         }
         let (name, src) = gen();
         LOADS.with(|c| c.set(c.get() + 1));
         crate::logging::log(crate::logging::Category::Kernels, || format!("{name} ({}):\n{src}", self.arch));
-        let (cubin, _) = nvrtc::cubin(&src, &self.arch, self.driver, self.kiln_device())?;
+        let (cubin, _) = nvrtc::cubin(&src, options, &self.arch, self.driver, self.kiln_device())?;
         self.bind()?;
         // SAFETY: `cubin` is a complete image for this device's architecture.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const _) }.map_err(|e| self.err("load module", e))?;
@@ -256,13 +264,24 @@ impl CudaDevice {
 
     /// Launches `k` on the device's stream with the argument block `args`.
     pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &KArgs) -> Result<()> {
-        let _rec = crate::profiler::kernel(self, k.1, grid, block);
         let mut a = *args;
         let mut params = [&mut a as *mut KArgs as *mut std::ffi::c_void];
         // SAFETY: every generated kernel takes exactly one `KArgs` by value; the pointers inside
         // point to live device buffers kept alive by the tensors of the calling op, and buffers
         // are only reused in stream order.
-        unsafe { dr::launch_kernel(k.0, grid, block, 0, self.stream.cu_stream(), &mut params) }.map_err(|e| self.err("launch", e))?;
+        unsafe { self.launch_params(k, grid, block, 0, &mut params) }
+    }
+
+    /// Launches `k` with `shared` bytes of dynamic shared memory and one pointer per kernel
+    /// parameter; the profiler records it and `launch_count` counts it.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameters in number and size, and device pointers
+    /// among them must stay valid until the kernel has run (stream order).
+    pub(crate) unsafe fn launch_params(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
+        let _rec = crate::profiler::kernel(self, k.1, grid, block);
+        // SAFETY: the caller's contract.
+        unsafe { dr::launch_kernel(k.0, grid, block, shared, self.stream.cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
         LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }

@@ -54,10 +54,17 @@ pub enum KernelSource {
     DiskCache,
 }
 
-/// The cubin of `src` for `arch` (`sm_90`), from the disk cache or freshly compiled.
-pub(crate) fn cubin(src: &str, arch: &str, driver: i32, device: Device) -> Result<(Vec<u8>, KernelSource)> {
+/// The cubin of `src` for `arch` (`sm_90`) compiled with extra NVRTC `options` (`-D` macros of
+/// custom ops), from the disk cache or freshly compiled.
+pub(crate) fn cubin(src: &str, options: &[String], arch: &str, driver: i32, device: Device) -> Result<(Vec<u8>, KernelSource)> {
     let (ma, mi) = nvrtc_version();
-    let key = format!("{:016x}", fnv64(&[src.as_bytes(), arch.as_bytes(), &driver.to_le_bytes(), &ma.to_le_bytes(), &mi.to_le_bytes()]));
+    let (driver, ma, mi, opts) = (driver.to_le_bytes(), ma.to_le_bytes(), mi.to_le_bytes(), options.join("\n"));
+    let mut parts: Vec<&[u8]> = vec![src.as_bytes(), arch.as_bytes(), &driver, &ma, &mi];
+    // Only kernels with options hash them, so the keys of generated kernels stay as they were.
+    if !opts.is_empty() {
+        parts.push(opts.as_bytes());
+    }
+    let key = format!("{:016x}", fnv64(&parts));
     let path = cache_dir().map(|d| d.join(format!("{key}.cubin")));
     if let Some(p) = &path {
         if let Ok(bytes) = std::fs::read(p) {
@@ -67,7 +74,7 @@ pub(crate) fn cubin(src: &str, arch: &str, driver: i32, device: Device) -> Resul
             }
         }
     }
-    let bytes = compile(src, arch, device)?;
+    let bytes = compile(src, options, arch, device)?;
     COMPILED.fetch_add(1, Ordering::Relaxed);
     if let Some(p) = &path {
         // Written to a temporary name and renamed, so a concurrent reader never sees half a file.
@@ -82,18 +89,21 @@ pub(crate) fn cubin(src: &str, arch: &str, driver: i32, device: Device) -> Resul
     Ok((bytes, KernelSource::Compiled))
 }
 
-fn compile(src: &str, arch: &str, device: Device) -> Result<Vec<u8>> {
+fn compile(src: &str, options: &[String], arch: &str, device: Device) -> Result<Vec<u8>> {
     let err = |msg: String| Error::Kernel { device, msg, code: src.to_string() };
     let csrc = CString::new(src).map_err(|_| err("source contains a NUL byte".into()))?;
     let prog = nr::create_program(&csrc, None).map_err(|e| err(format!("nvrtcCreateProgram: {e:?}")))?;
-    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into()];
+    let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into()];
+    opts.extend(options.iter().cloned());
     // SAFETY: `prog` is a live program; options are valid C strings.
     let res = unsafe { nr::compile_program(prog, &opts) };
     if let Err(e) = res {
         // SAFETY: as above.
         let log = unsafe { nr::get_program_log(prog) }.ok().map(|l| unsafe { CStr::from_ptr(l.as_ptr()) }.to_string_lossy().into_owned()).unwrap_or_default();
         unsafe { nr::destroy_program(prog) }.ok();
-        return Err(err(format!("NVRTC failed ({e:?}):\n{log}")));
+        let lines = offending_lines(&log, src);
+        let lines = if lines.is_empty() { String::new() } else { format!("\nat:\n{lines}") };
+        return Err(err(format!("NVRTC failed ({e:?}):\n{log}{lines}")));
     }
     let mut size = 0usize;
     // SAFETY: compiled program; the buffer has the size NVRTC reported.
@@ -105,4 +115,35 @@ fn compile(src: &str, arch: &str, device: Device) -> Result<Vec<u8>> {
         buf
     };
     Ok(bytes)
+}
+
+/// The source lines NVRTC's log reports errors at (`default_program(12): error: ...`), each as
+/// `line 12: <text>`, so an error shows the code it is about.
+pub(crate) fn offending_lines(log: &str, src: &str) -> String {
+    let lines: Vec<&str> = src.lines().collect();
+    let mut seen = vec![];
+    let mut out = String::new();
+    for l in log.lines() {
+        let Some(open) = l.find('(') else { continue };
+        let Some(close) = l[open..].find("): ").map(|c| open + c) else { continue };
+        let Ok(n) = l[open + 1..close].parse::<usize>() else { continue };
+        if !l[close..].contains("error") || seen.contains(&n) {
+            continue;
+        }
+        if let Some(text) = n.checked_sub(1).and_then(|i| lines.get(i)) {
+            seen.push(n);
+            out += &format!("  line {n}: {}\n", text.trim_end());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn offending_lines_quote_the_source_nvrtc_points_at() {
+        let src = "extern \"C\" __global__ void k(float* y) {\n  y[0] = 1.0f\n}\n";
+        let log = "default_program(2): error: expected a \";\"\n  y[0] = 1.0f\n\ndefault_program(2): warning: x\n1 error detected in the compilation of \"default_program\".\n";
+        assert_eq!(super::offending_lines(log, src), "  line 2:   y[0] = 1.0f\n");
+    }
 }
