@@ -35,7 +35,8 @@ impl Scalar {
     /// through f64, which rounds beyond 2^53).
     fn to_tensor(self, dtype: DType, device: &crate::Device) -> Result<Tensor> {
         match self {
-            Scalar::Int(i) if dtype.is_int() => Tensor::from_vec(vec![i], &[], device)?.to_dtype(dtype),
+            // Exact through f64 below 2^53: a constant fill (no host copy; a graph constant).
+            Scalar::Int(i) if dtype.is_int() && i.unsigned_abs() > (1u64 << 53) => Tensor::from_vec(vec![i], &[], device)?.to_dtype(dtype),
             s => Tensor::scalar(s.to_f64(), dtype, device),
         }
     }
