@@ -37,6 +37,9 @@ enum Cmd {
         /// Where the Chrome trace goes.
         #[arg(long, default_value = "trace.json")]
         trace: std::path::PathBuf,
+        /// Profile the workload's compiled form (`kiln::compile`) instead of its eager one.
+        #[arg(long)]
+        compiled: bool,
     },
 }
 
@@ -46,7 +49,7 @@ fn main() {
         None => demo(600),
         Some(Cmd::Demo { steps }) => demo(steps),
         Some(Cmd::Bench { only, out }) => cli::bench::run(only.as_deref(), &out),
-        Some(Cmd::Profile { workload, trace }) => cli::profile::run(&workload, &trace),
+        Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
     };
     if let Err(e) = r {
         eprintln!("error: {e}");

@@ -68,7 +68,7 @@ fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tenso
     }))
 }
 
-type Call = Box<dyn FnMut() -> Result<Tensor>>;
+pub type Call = Box<dyn FnMut() -> Result<Tensor>>;
 
 /// Wall time per call over 50 calls after 5 warm-ups, one synchronisation at the end (host
 /// overhead included, as the step workloads are defined).

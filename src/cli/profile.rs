@@ -6,7 +6,7 @@ use kiln::prelude::*;
 use kiln::Error;
 use std::path::Path;
 
-pub fn run(name: &str, trace: &Path) -> Result<()> {
+pub fn run(name: &str, trace: &Path, compiled: bool) -> Result<()> {
     if !WORKLOADS.contains(&name) {
         return Err(Error::Arg { op: "profile", msg: format!("unknown workload '{name}'; one of: {}", WORKLOADS.join(", ")) });
     }
@@ -15,10 +15,21 @@ pub fn run(name: &str, trace: &Path) -> Result<()> {
     let Some(mut w) = bench::setup(name, &dev)? else {
         return Err(Error::Arg { op: "profile", msg: format!("{name} {}", bench::NOT_YET) });
     };
-    drop((w.call)()?); // kernels compiled, allocator cache warm
+    let call: &mut bench::Call = if compiled {
+        match (&mut w.compiled, &mut w.measure) {
+            (Some(c), _) => c,
+            (None, bench::Measure::Step(v)) if !v.is_empty() => &mut v[0].1,
+            _ => return Err(Error::Arg { op: "profile", msg: format!("{name} has no compiled form in the bench") }),
+        }
+    } else {
+        &mut w.call
+    };
+    drop(call()?); // kernels compiled, allocator cache warm
+    drop(call()?);
     kiln::cuda::synchronize(&dev)?;
-    let prof = profiler::profile(|| (w.call)())?;
-    println!("{name} on {dev}: one call after a warm-up, {:.3} ms on the host", prof.wall_us() / 1e3);
+    let prof = profiler::profile(|| call())?;
+    let form = if compiled { "compiled" } else { "eager" };
+    println!("{name} ({form}) on {dev}: one call after warm-up, {:.3} ms on the host", prof.wall_us() / 1e3);
     println!("{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 20));
     println!("{} kernels", prof.kernel_count());
     if let Some(peak) = prof.peak_bytes_in_use(dev) {
