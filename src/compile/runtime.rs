@@ -25,10 +25,17 @@ fn random(kind: RandomKind, n: &Node) -> Result<Tensor> {
 }
 
 /// Writes the new values of captured tensors written in place into them.
+/// Writes the new values of captured tensors written in place into them (those a kernel
+/// already wrote in place only get their version bumped).
 fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
     for (k, v) in &g.mutations {
+        let target = &inputs[g.n_args + k];
         let value = env[*v].as_ref().expect("computed");
-        crate::no_grad(|| inputs[g.n_args + k].copy_(value))?;
+        if value.shares_storage_with(target) && value.layout() == target.layout() {
+            target.storage().bump_version();
+            continue;
+        }
+        crate::no_grad(|| target.copy_(value))?;
     }
     Ok(())
 }
@@ -60,6 +67,9 @@ pub(crate) struct Program {
     pub schedule: Schedule,
     /// Per step, the values no later step reads.
     frees: Vec<Vec<NodeId>>,
+    /// New values of captured tensors that their fused kernel writes straight into them (by
+    /// captured index): no copy afterwards.
+    in_place: std::collections::HashMap<NodeId, usize>,
 }
 
 impl Program {
@@ -73,7 +83,8 @@ impl Program {
             s
         });
         let frees = plan(&graph, &schedule);
-        Program { graph, schedule, frees }
+        let in_place = plan_in_place(&graph, &schedule);
+        Program { graph, schedule, frees, in_place }
     }
 
     /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute).
@@ -112,7 +123,15 @@ impl Program {
                     let kern = &self.schedule.kernels[*k];
                     let ins: Vec<Tensor> = kern.inputs.iter().map(|i| env[i.node].clone().expect("computed before use")).collect();
                     let outs = if kern.device.is_cuda() {
-                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins)?
+                        let into: Vec<Option<Tensor>> = kern
+                            .outputs
+                            .iter()
+                            .map(|(_, node)| {
+                                let t = &inputs[g.n_args + *self.in_place.get(node)?];
+                                (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
+                            })
+                            .collect();
+                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into)?
                     } else {
                         let _rec = crate::profiler::record::cpu_kernel(&kern.name);
                         crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
@@ -155,4 +174,53 @@ fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
         }
     }
     frees
+}
+
+/// Which written-back values a flat fused kernel can store straight into their captured tensor:
+/// every other read of that tensor (through views too) must come in an earlier step, and the
+/// kernel must read it directly (element i read and written by the same thread), not a view.
+fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, usize> {
+    use crate::ops::Op;
+    let mut reads: Vec<Vec<usize>> = vec![vec![]; g.nodes.len()];
+    let mut made_by: std::collections::HashMap<NodeId, (usize, usize)> = Default::default();
+    for (k, step) in s.steps.iter().enumerate() {
+        match step {
+            Step::Node(i) => g.nodes[*i].args.iter().for_each(|&a| reads[a].push(k)),
+            Step::Kernel(j) => {
+                s.kernels[*j].inputs.iter().for_each(|i| reads[i.node].push(k));
+                s.kernels[*j].outputs.iter().for_each(|(_, node)| {
+                    made_by.insert(*node, (k, *j));
+                });
+            }
+        }
+    }
+    let step_of_view: std::collections::HashMap<usize, NodeId> =
+        s.steps.iter().enumerate().filter_map(|(k, st)| if let Step::Node(i) = st { Some((k, *i)) } else { None }).collect();
+    // Every read of `node` (following views) happens before step `at`, or is `at` reading it
+    // directly when `direct`.
+    fn before(g: &Graph, reads: &[Vec<usize>], views: &std::collections::HashMap<usize, NodeId>, node: NodeId, at: usize, direct: bool) -> bool {
+        reads[node].iter().all(|&k| {
+            if k == at {
+                return direct;
+            }
+            match views.get(&k).map(|&i| (i, &g.nodes[i].op)) {
+                Some((i, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }))) => before(g, reads, views, i, at, false),
+                _ => k < at,
+            }
+        })
+    }
+    let captured: std::collections::HashMap<usize, NodeId> =
+        g.nodes.iter().enumerate().filter_map(|(i, n)| if let NodeOp::Captured(k) = n.op { Some((k, i)) } else { None }).collect();
+    let mut out = std::collections::HashMap::new();
+    for &(k, v) in &g.mutations {
+        let (Some(&(at, j)), Some(&c)) = (made_by.get(&v), captured.get(&k)) else { continue };
+        let flat = matches!(s.kernels[j].space, super::fuse::Space::Flat { .. });
+        let same = g.nodes[v].shape == g.nodes[c].shape && g.nodes[v].dtype == g.nodes[c].dtype;
+        let once = g.mutations.iter().filter(|m| m.0 == k).count() == 1;
+        let returned = g.outputs.contains(&c) || g.outputs.contains(&v);
+        if flat && same && once && !returned && before(g, &reads, &step_of_view, c, at, true) {
+            out.insert(v, k);
+        }
+    }
+    out
 }

@@ -44,11 +44,13 @@ fn literal(v: f64, t: CType) -> String {
 }
 
 /// Runs a fused kernel on its inputs (real tensors, in `k.inputs` order); returns its outputs.
-pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+/// `into[m]`, when set, is a contiguous tensor of output m's size and dtype that a flat kernel
+/// writes in place (a parameter updated by a compiled step) instead of a fresh buffer.
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let Device::Cuda(ord) = k.device else { unreachable!("a CUDA kernel for a CPU graph") };
     let dev = device(ord)?;
     match k.space {
-        Space::Flat { numel } => run_flat(&dev, k, shape, numel, inputs),
+        Space::Flat { numel } => run_flat(&dev, k, shape, numel, inputs, into),
         Space::Rows { rows, cols } => run_rows(&dev, k, rows, cols, inputs),
     }
 }
@@ -79,7 +81,7 @@ fn wrap(outs: Vec<CudaStorage>, shapes: impl Fn(usize) -> Vec<usize>) -> Vec<Ten
     outs.into_iter().enumerate().map(|(m, s)| Tensor::from_backend(BackendStorage::Cuda(s), &shapes(m))).collect()
 }
 
-fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
     let mut body = String::new();
     let mut vals: Vec<(CType, String)> = vec![];
@@ -100,11 +102,20 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
         let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
         vals.push((t, format!("t{i}")));
     }
-    let outs = new_outputs(dev, k, |_| numel)?;
-    let specs = k.outputs.iter().zip(&outs).map(|((o, _), s)| MapOut { ptr: s.ptr(), dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() }).collect();
+    let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        outs.push(match into.get(m).cloned().flatten() {
+            Some(t) => t,
+            None => Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, k.ops[*o].dtype, numel)?), shape),
+        });
+    }
+    let mut specs = Vec::with_capacity(outs.len());
+    for ((o, _), t) in k.outputs.iter().zip(&outs) {
+        specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() });
+    }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
     map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body, &[])?;
-    Ok(wrap(outs, |_| shape.to_vec()))
+    Ok(outs)
 }
 
 /// Unary ops worth computing once and keeping in registers when several passes over the row
