@@ -66,6 +66,9 @@ pub(crate) fn bmm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType) -
         *h = Some(Handle(handle));
     }
     let handle = h.as_ref().expect("created above").0;
+    // SAFETY: a live handle; the stream outlives it. (The capture stream while a graph is
+    // captured on this thread.)
+    unsafe { br::set_stream(handle, dev.work_stream().cu_stream() as _) }.map_err(|e| dev.err("cublasSetStream", e))?;
     let (ty, compute) = match dtype {
         DType::F32 => (
             bs::cudaDataType::CUDA_R_32F,

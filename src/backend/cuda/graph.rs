@@ -8,6 +8,16 @@ use crate::{Error, Result};
 use cudarc::driver::sys as ds;
 use std::sync::Arc;
 
+thread_local! {
+    /// The device this thread is capturing a graph on.
+    static CAPTURING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The device this thread is capturing a graph on, if any.
+pub(crate) fn capturing() -> Option<usize> {
+    CAPTURING.with(|c| c.get())
+}
+
 /// The blocks a capture allocated, and those of them free again for later steps of the capture.
 #[derive(Default)]
 pub(crate) struct CapturePool {
@@ -46,11 +56,19 @@ unsafe impl Sync for Graph {}
 #[track_caller]
 pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -> Result<(Graph, T)> {
     dev.synchronize("graph capture")?;
-    *dev.capture.lock() = Some(CapturePool::default());
+    let mut slot = dev.capture.lock();
+    if slot.is_some() {
+        return Err(Error::Compile("another thread is capturing a CUDA graph on this device".into()));
+    }
+    *slot = Some(CapturePool::default());
+    drop(slot);
     let launches = super::launch_count();
-    let begun = dev.stream.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
+    let cs = &dev.capture_stream;
+    let begun = cs.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
+    CAPTURING.with(|c| c.set(Some(dev.ordinal)));
     let r = begun.and_then(|_| f());
-    let ended = dev.stream.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    CAPTURING.with(|c| c.set(None));
+    let ended = cs.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = super::launch_count() - launches;
     let fail = |e: Error| {
@@ -77,8 +95,13 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
 }
 
 impl Graph {
+    /// Runs the graph on the capture stream, after the device stream's work so far and before
+    /// what is queued on it next.
     pub(crate) fn replay(&self) -> Result<()> {
+        let (s, c) = (&self.dev.stream, &self.dev.capture_stream);
+        c.join(s).map_err(|e| self.dev.err("stream wait", e))?;
         self.graph.launch().map_err(|e| self.dev.err("graph launch", e))?;
+        s.join(c).map_err(|e| self.dev.err("stream wait", e))?;
         super::count_launches(self.kernels);
         Ok(())
     }
@@ -87,7 +110,7 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         // Its kernels may still run: wait, then give its memory back.
-        let _ = self.dev.stream.synchronize();
+        let _ = self.dev.capture_stream.synchronize();
         let mut owned = self.dev.graph_blocks.lock();
         for b in &self.blocks {
             owned.remove(&b.ptr);

@@ -223,7 +223,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
             let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToDevice, bytes);
             // SAFETY: both ranges hold `bytes` and do not overlap (aliasing values were copied
             // first by the caller); ordered on the device's stream.
-            unsafe { dr::memcpy_dtod_async(data_ptr(dst)?, data_ptr(src)?, bytes, dev.stream.cu_stream()) }.map_err(|e| dev.err("copy", e))?;
+            unsafe { dr::memcpy_dtod_async(data_ptr(dst)?, data_ptr(src)?, bytes, dev.work_stream().cu_stream()) }.map_err(|e| dev.err("copy", e))?;
         }
         return Ok(());
     }
@@ -238,7 +238,7 @@ pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
     }
     let _rec = profiler::memset(dev, bytes);
     // SAFETY: the block holds at least `bytes`; the memset is ordered on the device's stream.
-    unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, dev.stream.cu_stream()) }.map_err(|e| dev.err("memset", e))
+    unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, dev.work_stream().cu_stream()) }.map_err(|e| dev.err("memset", e))
 }
 
 pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {

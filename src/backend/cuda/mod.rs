@@ -76,6 +76,9 @@ pub(crate) struct CudaDevice {
     pub(crate) stream: Arc<CudaStream>,
     /// Host-to-device copies of `to_device_async` run here, ordered against `stream` by events.
     copy_stream: Arc<CudaStream>,
+    /// CUDA graphs are captured here, so that other threads' work on `stream` is never caught
+    /// in a capture; a replay is ordered between `stream`'s work by events.
+    pub(crate) capture_stream: Arc<CudaStream>,
     /// What in-flight async copies read (host buffers), kept alive until their event completes.
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
@@ -142,8 +145,10 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     unsafe { ds::cuDriverGetVersion(&mut driver) };
     let stream = ctx.default_stream();
     let copy_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
+    let capture_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
     let d = Arc::new(CudaDevice {
         copy_stream,
+        capture_stream,
         pending: Mutex::new(Vec::new()),
         ordinal: n,
         alloc: Mutex::new(CachingAllocator::new(DriverAlloc { ctx: ctx.clone() })),
@@ -177,7 +182,16 @@ impl CudaDevice {
     }
 
     /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
+    /// The stream this thread's work goes to: the capture stream while this thread captures a
+    /// graph on this device, else the device's stream.
+    pub(crate) fn work_stream(&self) -> &Arc<CudaStream> {
+        if graph::capturing() == Some(self.ordinal) { &self.capture_stream } else { &self.stream }
+    }
+
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
+        if graph::capturing() != Some(self.ordinal) {
+            return self.alloc_block(bytes);
+        }
         if let Some(pool) = self.capture.lock().as_mut() {
             if let Some(b) = pool.take(bytes) {
                 return Ok(b);
@@ -202,8 +216,10 @@ impl CudaDevice {
         if owned_by_graph {
             // Inside a capture the block is free for the graph's later steps; after it, the
             // graph keeps it.
-            if let Some(pool) = self.capture.lock().as_mut() {
-                pool.give_back(block);
+            if graph::capturing() == Some(self.ordinal) {
+                if let Some(pool) = self.capture.lock().as_mut() {
+                    pool.give_back(block);
+                }
             }
             return;
         }
@@ -230,7 +246,7 @@ impl CudaDevice {
         let len = n.max(1 << 14);
         let b = self.alloc(len * 4)?;
         // SAFETY: a fresh block of len * 4 bytes; ordered on the device's stream.
-        unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.work_stream().cu_stream()) }.map_err(|e| self.err("memset", e))?;
         *c = Some((b, len));
         Ok(b.ptr)
     }
@@ -281,7 +297,7 @@ impl CudaDevice {
     pub(crate) unsafe fn launch_params(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
         let _rec = crate::profiler::kernel(self, k.1, grid, block);
         // SAFETY: the caller's contract.
-        unsafe { dr::launch_kernel(k.0, grid, block, shared, self.stream.cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
+        unsafe { dr::launch_kernel(k.0, grid, block, shared, self.work_stream().cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
         LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }
