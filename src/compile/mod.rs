@@ -217,10 +217,11 @@ struct Graphed {
     replay: Mutex<Option<Replay>>,
 }
 
+/// Fields drop in order: the static tensors before the graph that owns their memory.
 struct Replay {
-    graph: crate::backend::cuda::graph::Graph,
     args: Vec<Tensor>,
     outs: Vec<Tensor>,
+    graph: crate::backend::cuda::graph::Graph,
 }
 
 impl Graphed {
