@@ -431,9 +431,16 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
             names.push(node.name());
         }
         let row = is_row(node.numel());
-        let row_arg = |a: &KArg, ops: &[KOp]| match a {
-            KArg::Op(j) => ops[*j].row,
-            KArg::In(j) => inputs[*j].row,
+        // A row value, possibly seen through the broadcast that spreads it over the row.
+        let row_arg = |a: &KArg, ops: &[KOp]| {
+            let mut a = *a;
+            loop {
+                match a {
+                    KArg::Op(j) if matches!(ops[j].kind, KKind::Broadcast | KKind::Same) && !ops[j].row => a = ops[j].args[0],
+                    KArg::Op(j) => return ops[j].row,
+                    KArg::In(j) => return inputs[j].row,
+                }
+            }
         };
         if let KKind::Binary(BinaryOp::Div, c) = kind {
             if !row && c.is_float() && row_arg(&args[1], &ops) {
