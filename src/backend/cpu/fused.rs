@@ -44,6 +44,14 @@ impl Val {
             CType::Bool => Val::Bool(v.into_iter().map(|x| x.cast()).collect()),
         }
     }
+    fn zeros(t: CType, n: usize) -> Val {
+        match t {
+            CType::F32 => Val::F32(vec![0.0; n]),
+            CType::F64 => Val::F64(vec![0.0; n]),
+            CType::I64 => Val::I64(vec![0; n]),
+            CType::Bool => Val::Bool(vec![false; n]),
+        }
+    }
     fn ctype(&self) -> CType {
         match self {
             Val::F32(_) => CType::F32,
@@ -80,62 +88,37 @@ fn operand<C: Copy>(v: &[C], n: usize) -> Operand<'_, C> {
 
 /// Runs a fused kernel on the host; returns its outputs (flat, or [rows, cols] / [rows]).
 pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-    let (blocks, block_len, rows_per_block, cols) = match k.space {
-        Space::Flat { numel } => (numel.div_ceil(CHUNK), CHUNK, 0, numel),
+    let (rows, cols) = match k.space {
+        Space::Flat { numel } => (1, numel),
+        Space::Rows { rows, cols } => (rows, cols),
+    };
+    // Output m holds `len(m)` values; every block writes its own range of each, in place.
+    let len = |m: usize| if k.ops[k.outputs[m].0].row { rows } else { rows * cols };
+    let mut bufs: Vec<Val> = (0..k.outputs.len()).map(|m| Val::zeros(CType::of(k.ops[k.outputs[m].0].dtype), len(m))).collect();
+    let targets: Vec<Target> = bufs.iter_mut().map(Target::of).collect();
+    let store = |m: usize, at: usize, v: &Val| targets[m].write(at, v);
+    match k.space {
+        Space::Flat { numel } => (0..numel.div_ceil(CHUNK)).into_par_iter().for_each(|b| {
+            let start = b * CHUNK;
+            for (m, v) in eval_chunk(k, inputs, start, (start + CHUNK).min(numel), 0).iter().enumerate() {
+                store(m, start, v);
+            }
+        }),
         Space::Rows { rows, cols } => {
             let per = (CHUNK * 4 / cols).max(1);
-            (rows.div_ceil(per), 0, per, cols)
-        }
-    };
-    let total_rows = if let Space::Rows { rows, .. } = k.space { rows } else { 0 };
-    // Each block computes its part of every output; parts are joined in order.
-    let parts: Vec<Vec<Val>> = (0..blocks)
-        .into_par_iter()
-        .map(|b| match k.space {
-            Space::Flat { numel } => {
-                let start = b * block_len;
-                eval_chunk(k, inputs, start, (start + block_len).min(numel), 0)
-            }
-            Space::Rows { .. } => {
-                let lo = b * rows_per_block;
-                let hi = (lo + rows_per_block).min(total_rows);
-                let mut acc: Option<Vec<Val>> = None;
-                for r in lo..hi {
-                    let vals = eval_chunk(k, inputs, r * cols, r * cols + cols, r);
-                    acc = Some(match acc {
-                        None => vals,
-                        Some(mut a) => {
-                            for (x, y) in a.iter_mut().zip(vals) {
-                                append(x, y);
-                            }
-                            a
-                        }
-                    });
+            (0..rows.div_ceil(per)).into_par_iter().for_each(|b| {
+                for r in b * per..((b + 1) * per).min(rows) {
+                    for (m, v) in eval_chunk(k, inputs, r * cols, r * cols + cols, r).iter().enumerate() {
+                        store(m, if k.ops[k.outputs[m].0].row { r } else { r * cols }, v);
+                    }
                 }
-                acc.unwrap_or_default()
-            }
-        })
-        .collect();
-    let mut outs = vec![];
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        let op = &k.ops[*o];
-        let mut whole: Option<Val> = None;
-        for p in &parts {
-            match &mut whole {
-                None => whole = Some(p[m].clone()),
-                Some(w) => append(w, p[m].clone()),
-            }
+            })
         }
-        let whole = whole.unwrap_or(Val::from_vec::<f32>(vec![], CType::of(op.dtype)));
-        let n = match k.space {
-            Space::Flat { numel } => numel,
-            Space::Rows { rows, cols } => if op.row { rows } else { rows * cols },
-        };
-        let storage = with_val!(whole, v => {
-            // A constant output of one element stands for all of them.
-            let v = if v.len() == 1 && n != 1 { vec![v[0]; n] } else { v };
-            CpuStorage::from_vec_as(v, op.dtype)
-        });
+    }
+    let mut outs = vec![];
+    for (m, buf) in bufs.into_iter().enumerate() {
+        let op = &k.ops[k.outputs[m].0];
+        let storage = with_val!(buf, v => CpuStorage::from_vec_as(v, op.dtype));
         let s: Vec<usize> = match k.space {
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
@@ -145,13 +128,31 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result
     Ok(outs)
 }
 
-fn append(a: &mut Val, b: Val) {
-    match (a, b) {
-        (Val::F32(x), Val::F32(y)) => x.extend(y),
-        (Val::F64(x), Val::F64(y)) => x.extend(y),
-        (Val::I64(x), Val::I64(y)) => x.extend(y),
-        (Val::Bool(x), Val::Bool(y)) => x.extend(y),
-        _ => unreachable!("an output keeps its type"),
+/// Where a block writes its part of an output: the output's first element, shared by the blocks
+/// of one `run`, each writing a disjoint range.
+struct Target {
+    ptr: usize,
+    len: usize,
+    ty: CType,
+}
+
+impl Target {
+    fn of(v: &mut Val) -> Target {
+        let ty = v.ctype();
+        let (ptr, len) = with_val!(v, x => (x.as_mut_ptr() as usize, x.len()));
+        Target { ptr, len, ty }
+    }
+    /// Writes `v` at `at..at + v.len()`.
+    fn write(&self, at: usize, v: &Val) {
+        fn go<T: Copy>(ptr: usize, len: usize, at: usize, x: &[T]) {
+            assert!(at + x.len() <= len, "a block writes inside its output");
+            // SAFETY: the buffer outlives `run`'s blocks, which write disjoint ranges of it, and
+            // holds elements of type T (checked by the caller's type match).
+            let out = unsafe { std::slice::from_raw_parts_mut((ptr as *mut T).add(at), x.len()) };
+            out.copy_from_slice(x);
+        }
+        assert_eq!(self.ty, v.ctype(), "an output keeps its type");
+        with_val!(v, x => go(self.ptr, self.len, at, x))
     }
 }
 
