@@ -95,13 +95,12 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
 }
 
 impl Graph {
-    /// Runs the graph on the capture stream, after the device stream's work so far and before
-    /// what is queued on it next.
+    /// Runs the graph on the device's stream, in order with the work around it.
     pub(crate) fn replay(&self) -> Result<()> {
-        let (s, c) = (&self.dev.stream, &self.dev.capture_stream);
-        c.join(s).map_err(|e| self.dev.err("stream wait", e))?;
-        self.graph.launch().map_err(|e| self.dev.err("graph launch", e))?;
-        s.join(c).map_err(|e| self.dev.err("stream wait", e))?;
+        self.dev.bind()?;
+        // SAFETY: a live instantiated graph; its buffers belong to it or to tensors it keeps.
+        unsafe { cudarc::driver::result::graph::launch(self.graph.cu_graph_exec(), self.dev.stream.cu_stream()) }
+            .map_err(|e| self.dev.err("graph launch", e))?;
         super::count_launches(self.kernels);
         Ok(())
     }
@@ -110,6 +109,7 @@ impl Graph {
 impl Drop for Graph {
     fn drop(&mut self) {
         // Its kernels may still run: wait, then give its memory back.
+        let _ = self.dev.stream.synchronize();
         let _ = self.dev.capture_stream.synchronize();
         let mut owned = self.dev.graph_blocks.lock();
         for b in &self.blocks {

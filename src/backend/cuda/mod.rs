@@ -77,7 +77,7 @@ pub(crate) struct CudaDevice {
     /// Host-to-device copies of `to_device_async` run here, ordered against `stream` by events.
     copy_stream: Arc<CudaStream>,
     /// CUDA graphs are captured here, so that other threads' work on `stream` is never caught
-    /// in a capture; a replay is ordered between `stream`'s work by events.
+    /// in a capture (replays run on `stream`).
     pub(crate) capture_stream: Arc<CudaStream>,
     /// What in-flight async copies read (host buffers), kept alive until their event completes.
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
