@@ -53,23 +53,6 @@ fn fused_bias_relu() -> Result<CustomOp> {
 fn max_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
     a.sub(b)?.abs()?.max_all()?.to_dtype(DType::F64)?.item::<f64>()
 }
-
-/// Median device time of 30 event-timed calls after 5 warm-ups, ms.
-fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-    for _ in 0..5 {
-        f()?;
-    }
-    let mut ts = Vec::with_capacity(30);
-    for _ in 0..30 {
-        let s = Event::record(dev)?;
-        f()?;
-        let e = Event::record(dev)?;
-        ts.push(s.elapsed_ms(&e)?);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
-}
-
 fn main() -> Result<()> {
     let dev = Device::cuda_if_available(0);
     let op = fused_bias_relu()?;
@@ -112,4 +95,9 @@ fn main() -> Result<()> {
         println!("  {name:<26} {ms:8.3} ms  {gbs:7.0} GB/s");
     }
     Ok(())
+}
+
+/// Median device time of 30 event-timed calls after 5 warm-ups (the shared bench's rule).
+fn event_ms<T>(dev: &Device, f: &mut dyn FnMut() -> Result<T>) -> Result<f64> {
+    Event::median_ms(dev, 5, 30, f)
 }

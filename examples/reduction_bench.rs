@@ -20,24 +20,6 @@ use kiln::prelude::*;
 const ROOFLINE_GBPS: f64 = 4089.0;
 
 type Call = Box<dyn FnMut() -> Result<Tensor>>;
-
-/// Median device time of 30 event-timed calls after 5 warm-ups.
-fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
-    for _ in 0..5 {
-        f()?;
-    }
-    let mut ts = Vec::with_capacity(30);
-    for _ in 0..30 {
-        let s = Event::record(dev)?;
-        let out = f()?;
-        let e = Event::record(dev)?;
-        ts.push(s.elapsed_ms(&e)?);
-        drop(out);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
-}
-
 /// Wall time of the first call, synchronised (for a compiled function: its cold compile).
 fn first_call_s(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     let t0 = std::time::Instant::now();
@@ -161,4 +143,9 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Median device time of 30 event-timed calls after 5 warm-ups (the shared bench's rule).
+fn event_ms<T>(dev: &Device, f: &mut dyn FnMut() -> Result<T>) -> Result<f64> {
+    Event::median_ms(dev, 5, 30, f)
 }

@@ -7,24 +7,6 @@ use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
-
-/// Median device time of 30 event-timed calls after 5 warm-ups.
-fn event_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
-    for _ in 0..5 {
-        f()?;
-    }
-    let mut ts = Vec::with_capacity(30);
-    for _ in 0..30 {
-        let s = Event::record(dev)?;
-        let out = f()?;
-        let e = Event::record(dev)?;
-        ts.push(s.elapsed_ms(&e)?);
-        drop(out);
-    }
-    ts.sort_by(|a, b| a.total_cmp(b));
-    Ok(ts[ts.len() / 2])
-}
-
 /// Kernels one call launches after warm-up, as the profiler counts them.
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
@@ -327,4 +309,9 @@ pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
     res.insert("workloads".into(), Value::Object(rows));
     let text = serde_json::to_string_pretty(&Value::Object(res)).expect("json");
     std::fs::write(out, text).map_err(|e| kiln::Error::Io { op: "bench", msg: format!("writing {}: {e}", out.display()) })
+}
+
+/// Median device time of 30 event-timed calls after 5 warm-ups (the shared bench's rule).
+fn event_ms<T>(dev: &Device, f: &mut dyn FnMut() -> Result<T>) -> Result<f64> {
+    Event::median_ms(dev, 5, 30, f)
 }

@@ -561,4 +561,22 @@ impl Event {
         end.event.synchronize().map_err(|e| self.dev.err("event synchronize", e))?;
         Ok(self.event.elapsed_ms(&end.event).map_err(|e| self.dev.err("event elapsed", e))? as f64)
     }
+    /// Median device time (ms) of `iters` calls of `f` after `warmup` untimed ones, each call
+    /// between two events on `device` (the shared bench times 30 after 5). A call's result is
+    /// dropped after its end event, so freeing it is not timed.
+    pub fn median_ms<T>(device: &Device, warmup: usize, iters: usize, mut f: impl FnMut() -> Result<T>) -> Result<f64> {
+        for _ in 0..warmup {
+            f()?;
+        }
+        let mut ts = Vec::with_capacity(iters);
+        for _ in 0..iters.max(1) {
+            let s = Event::record(device)?;
+            let out = f()?;
+            let e = Event::record(device)?;
+            ts.push(s.elapsed_ms(&e)?);
+            drop(out);
+        }
+        ts.sort_by(|a, b| a.total_cmp(b));
+        Ok(ts[ts.len() / 2])
+    }
 }
