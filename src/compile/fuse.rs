@@ -223,6 +223,13 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     let kinds: Vec<Kind> = (0..n).map(|i| kind_of(g, i)).collect();
     let mut group_of: Vec<Option<usize>> = vec![None; n];
     let mut groups: Vec<Option<Group>> = vec![];
+    // Who reads each node (once per argument slot), for the operand and output counts.
+    let mut node_readers: Vec<Vec<NodeId>> = vec![vec![]; n];
+    for (j, node) in g.nodes.iter().enumerate() {
+        for &a in &node.args {
+            node_readers[a].push(j);
+        }
+    }
     for i in 0..n {
         let node = &g.nodes[i];
         let (numel, rows) = match kinds[i] {
@@ -255,7 +262,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             let Some((numel, rows)) = Group::merge_space(a_grp, i_grp) else { continue };
             let mut members: Vec<NodeId> = a_grp.members.iter().chain(&i_grp.members).copied().collect();
             members.sort_unstable();
-            if too_many_operands(g, &members) {
+            if too_many_operands(g, &node_readers, &members) {
                 continue;
             }
             // The two groups being merged are not "other groups" for the check.
@@ -327,7 +334,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
                     sched.steps.push(Step::Node(first));
                     continue;
                 }
-                let k = build_kernel(g, grp, &group_of, &users, counter);
+                let k = build_kernel(g, grp, &group_of, &users, &node_readers, counter);
                 counter += 1;
                 sched.kernels.push(k);
                 sched.steps.push(Step::Kernel(sched.kernels.len() - 1));
@@ -342,13 +349,13 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
 /// words in the launch's fixed block (addresses, and strides when strided).
 const MAX_OPERANDS: usize = 20;
 
-fn too_many_operands(g: &Graph, members: &[NodeId]) -> bool {
+fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], members: &[NodeId]) -> bool {
     let inside = |x: NodeId| members.binary_search(&x).is_ok();
     let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
     inputs.sort_unstable();
     inputs.dedup();
     // Outputs: members some node outside reads (graph outputs are not known here; they add few).
-    let outputs = members.iter().filter(|&&m| g.nodes.iter().enumerate().any(|(j, n)| !inside(j) && n.args.contains(&m))).count();
+    let outputs = members.iter().filter(|&&m| readers[m].iter().any(|&j| !inside(j))).count();
     inputs.len() + outputs > MAX_OPERANDS
 }
 
@@ -389,7 +396,7 @@ fn creates_cycle(g: &Graph, members: &[NodeId], group_of: &[Option<usize>], n_gr
     members.iter().any(|&m| g.nodes[m].args.iter().any(|&a| !inside(a) && tainted[a]))
 }
 
-fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usize], counter: usize) -> FusedKernel {
+fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usize], readers: &[Vec<NodeId>], counter: usize) -> FusedKernel {
     let me = group_of[grp.members[0]];
     let space = match grp.rows {
         Some((rows, cols)) => Space::Rows { rows, cols },
@@ -461,7 +468,7 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     // Stored: values read outside the group, outputs and write-backs.
     let mut outputs = vec![];
     for &m in &grp.members {
-        let read_outside = users[m] > g.nodes.iter().enumerate().filter(|(j, _)| group_of[*j] == me).map(|(_, n)| n.args.iter().filter(|&&a| a == m).count()).sum::<usize>();
+        let read_outside = users[m] > readers[m].iter().filter(|&&j| group_of[j] == me).count();
         if read_outside {
             let KArg::Op(k) = val[&m] else { unreachable!("members are ops") };
             outputs.push((k, m));

@@ -293,7 +293,7 @@ fn escaped() -> Error {
 
 /// Runs the graph so far and swaps real data into every symbolic storage still alive.
 fn graph_break(reason: String) -> Result<()> {
-    let (mut graph, inputs, live, id, runner) = with(|tr| {
+    let (mut graph, inputs, live, runner) = with(|tr| {
         tr.breaks.push(reason);
         let mut live: Vec<(NodeId, Arc<Storage>)> = vec![];
         for w in &tr.symbolic {
@@ -310,7 +310,7 @@ fn graph_break(reason: String) -> Result<()> {
         tr.grad_none.clear();
         tr.written.clear();
         tr.symbolic.clear();
-        Ok((graph, inputs, live, tr.id, tr.on_break.clone()))
+        Ok((graph, inputs, live, tr.on_break.clone()))
     })?;
     graph.outputs = live.iter().map(|l| l.0).collect();
     ACTIVE.with(|a| a.set(false));
@@ -318,7 +318,6 @@ fn graph_break(reason: String) -> Result<()> {
     ACTIVE.with(|a| a.set(true));
     let values = values?;
     // Each live storage takes a private contiguous copy of its value.
-    let _ = id;
     fill_escaped(&live.into_iter().map(|l| l.1).collect::<Vec<_>>(), values)
 }
 

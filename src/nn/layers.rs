@@ -34,18 +34,10 @@ impl Module for Linear {
         F::linear(x, &self.weight, self.bias.as_ref())
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut p = vec![("weight".to_string(), self.weight.clone())];
-        if let Some(b) = &self.bias {
-            p.push(("bias".into(), b.clone()));
-        }
-        p
+        super::module::weight_and_bias(&self.weight, self.bias.as_ref())
     }
     fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
-        f(&mut self.weight)?;
-        if let Some(b) = &mut self.bias {
-            f(b)?;
-        }
-        Ok(())
+        super::module::visit_weight_and_bias(&mut self.weight, self.bias.as_mut(), f)
     }
 }
 

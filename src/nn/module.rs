@@ -127,3 +127,21 @@ fn replace(t: &mut Tensor, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<
     *t = if grad { new.requires_grad() } else { new };
     Ok(())
 }
+
+/// The own parameters of a layer with a weight and an optional bias (Linear, Conv2d).
+pub(crate) fn weight_and_bias(weight: &Tensor, bias: Option<&Tensor>) -> Vec<(String, Tensor)> {
+    let mut p = vec![("weight".to_string(), weight.clone())];
+    if let Some(b) = bias {
+        p.push(("bias".into(), b.clone()));
+    }
+    p
+}
+
+/// `visit_tensors_mut` for a layer with a weight and an optional bias.
+pub(crate) fn visit_weight_and_bias(weight: &mut Tensor, bias: Option<&mut Tensor>, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+    f(weight)?;
+    if let Some(b) = bias {
+        f(b)?;
+    }
+    Ok(())
+}
