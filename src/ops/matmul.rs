@@ -27,6 +27,16 @@ impl Tensor {
         if k != k2 {
             return Err(Error::shape("matmul", format!("shapes {:?} and {:?} cannot be multiplied ({m}x{k} and {k2}x{n})", a.shape(), b.shape())));
         }
+        // [.., M, K] @ [K, N] is one [(.. M), K] @ [K, N] product when the batch folds into the
+        // rows without a copy: one large GEMM instead of many small ones (as PyTorch does).
+        if a2.ndim() > 2 && b.ndim() == 2 {
+            let rows = a2.numel() / k.max(1);
+            if k > 0 && a2.layout().view_strides(&[rows, k]).is_some() {
+                let mut shape = a2.shape()[..a2.ndim() - 1].to_vec();
+                shape.push(n);
+                return apply(Op::Matmul, &[&a2.reshape_usize(&[1, rows, k])?, &b2.unsqueeze(0)?])?.reshape_usize(&shape);
+            }
+        }
         let batch = broadcast_shapes("matmul", &a2.shape()[..a2.ndim() - 2], &b2.shape()[..b2.ndim() - 2])?;
         let nb: usize = batch.iter().product();
         let full = |t: &Tensor, r: usize, c: usize| -> Result<Tensor> {
