@@ -70,6 +70,7 @@ impl Node {
                 Op::Cat(d) | Op::IndexSelect(d) | Op::Gather(d) | Op::ScatterAdd(d) => format!("[dim={d}]"),
                 Op::Pad(p, v) => format!("[{p:?}, value={v}]"),
                 Op::ToDevice { to, .. } => format!("[{to}]"),
+                Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),
                 Op::Unary(_) | Op::Matmul => String::new(),
             },
             NodeOp::Full(v) => format!("[{v}]"),

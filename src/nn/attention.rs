@@ -101,27 +101,33 @@ impl MultiheadAttention {
             };
             (F::linear(&q, &w[0], b[0].as_ref())?, F::linear(&k, &w[1], b[1].as_ref())?, F::linear(&v, &w[2], b[2].as_ref())?)
         };
-        // [len, N, E] -> [N * H, len, hd]
-        let heads = |t: &Tensor, len: usize| t.reshape_usize(&[len, n * h, hd])?.transpose(0, 1);
-        let (q, k, v) = (heads(&q, l)?, heads(&k, s)?, heads(&v, s)?);
-
         let mask = self.merged_mask(&args, batched, n, l, s, q.dtype())?;
-        let mut scores = q.mul_scalar(1.0 / (hd as f64).sqrt())?.matmul(&k.transpose(1, 2)?)?;
-        if let Some(m) = &mask {
-            scores = scores.add(m)?;
-        }
-        let mut w = F::softmax(&scores, -1)?;
-        if self.training.load(Ordering::Relaxed) && self.dropout > 0.0 {
-            w = F::dropout(&w, self.dropout, true)?;
-        }
-        let out = w.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?;
+        let dropout = if self.training.load(Ordering::Relaxed) { self.dropout } else { 0.0 };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (out, w) = if args.need_weights {
+            // [len, N, E] -> [N * H, len, hd]
+            let heads = |t: &Tensor, len: usize| t.reshape_usize(&[len, n * h, hd])?.transpose(0, 1);
+            let (q, k, v) = (heads(&q, l)?, heads(&k, s)?, heads(&v, s)?);
+            let mut scores = q.mul_scalar(scale)?.matmul(&k.transpose(1, 2)?)?;
+            if let Some(m) = &mask {
+                scores = scores.add(m)?;
+            }
+            let w = F::dropout(&F::softmax(&scores, -1)?, dropout, true)?;
+            (w.matmul(&v)?.transpose(0, 1)?.reshape_usize(&[l, n, e])?, Some(w))
+        } else {
+            // [len, N, E] -> [len, N, H, hd]: views, read in place by the fused kernel.
+            let heads = |t: &Tensor, len: usize| t.reshape_usize(&[len, n, h, hd]);
+            let mask = mask.map(|m| m.broadcast_to(&[n * h, l, s])?.reshape_usize(&[n, h, l, s])).transpose()?;
+            let out = F::attention_lbhd(&heads(&q, l)?, &heads(&k, s)?, &heads(&v, s)?, mask.as_ref(), scale, false, dropout)?;
+            (out.reshape_usize(&[l, n, e])?, None)
+        };
         let out = self.out_proj.forward(&out)?;
         let out = match (batched, self.batch_first) {
             (false, _) => out.squeeze(1)?,
             (true, true) => out.transpose(0, 1)?,
             (true, false) => out,
         };
-        let weights = if args.need_weights {
+        let weights = if let Some(w) = w {
             let w = w.reshape_usize(&[n, h, l, s])?;
             let w = if args.average_attn_weights { w.mean(&[1], false)? } else { w };
             Some(if batched { w } else { w.squeeze(0)? })

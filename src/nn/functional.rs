@@ -165,6 +165,92 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
 }
 
+/// The optional arguments of [`scaled_dot_product_attention`], PyTorch's defaults.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SdpaOptions<'a> {
+    /// Broadcastable to `[N, H, L, S]`: bool `true` lets a query attend to that key (PyTorch's
+    /// convention for this function); a float mask is added to the scores.
+    pub attn_mask: Option<&'a Tensor>,
+    /// Dropout on the attention weights (the unfused path runs when it is positive).
+    pub dropout_p: f64,
+    /// Masks keys after each query (query i sees keys 0..=i).
+    pub is_causal: bool,
+    /// Scales the scores; 1/sqrt(D) when `None`.
+    pub scale: Option<f64>,
+}
+
+/// `softmax(q k^T * scale + mask) v` over `q` `[N, H, L, D]` and `k`, `v` `[N, H, S, D]`
+/// (`F.scaled_dot_product_attention`). One fused kernel (and two for its gradient) where the
+/// head dim allows, else matmul and softmax; the result is `[N, H, L, D]`.
+pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Tensor> {
+    let op = "scaled_dot_product_attention";
+    same_device(op, q, &[Some(k), Some(v), opts.attn_mask])?;
+    for t in [q, k, v] {
+        float_input(op, t)?;
+    }
+    let (n, h, l, d) = match q.shape() {
+        &[n, h, l, d] => (n, h, l, d),
+        s => return Err(Error::shape(op, format!("query must be [N, H, L, D], got {s:?}"))),
+    };
+    let s = k.shape().get(2).copied().unwrap_or(0);
+    if k.shape() != [n, h, s, d] || v.shape() != k.shape() {
+        return Err(Error::shape(op, format!("key and value must be [N, H, S, D] = [{n}, {h}, S, {d}] (value's D as the query's), got {:?} and {:?}", k.shape(), v.shape())));
+    }
+    if !(0.0..1.0).contains(&opts.dropout_p) {
+        return Err(Error::arg(op, format!("dropout_p must be in [0, 1), got {}", opts.dropout_p)));
+    }
+    let (q, k) = crate::amp::cast_pair(q, k)?;
+    let (v, _) = crate::amp::cast_pair(v, &q)?;
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return Err(Error::dtype(op, k.dtype(), format!("query, key and value must share a dtype, got {:?}, {:?} and {:?}", q.dtype(), k.dtype(), v.dtype())));
+    }
+    let mask = match opts.attn_mask {
+        None => None,
+        Some(m) => {
+            let m = match m.dtype() {
+                DType::Bool => Tensor::zeros(m.shape(), q.dtype(), &m.device())?.masked_fill(&m.logical_not()?, f64::NEG_INFINITY)?,
+                dt if dt.is_float() => m.to_dtype(q.dtype())?,
+                dt => return Err(Error::dtype(op, dt, "attn_mask must be bool or floating point")),
+            };
+            Some(m.broadcast_to(&[n, h, l, s]).map_err(|_| Error::shape(op, format!("attn_mask of shape {:?} does not broadcast to [{n}, {h}, {l}, {s}]", m.shape())))?)
+        }
+    };
+    let scale = opts.scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let lbhd = |t: &Tensor| t.permute(&[2, 0, 1, 3]);
+    let out = attention_lbhd(&lbhd(&q)?, &lbhd(&k)?, &lbhd(&v)?, mask.as_ref(), scale, opts.is_causal, opts.dropout_p)?;
+    out.permute(&[1, 2, 0, 3])
+}
+
+/// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
+/// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]` (contiguous when fused).
+/// Fused (`Op::Attention`) unless dropout is active or the GPU kernels cannot take the shape.
+pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
+    let d = q.shape()[3];
+    let fused = dropout_p == 0.0
+        && match q.device() {
+            crate::Device::Cpu => true,
+            crate::Device::Cuda(_) => d <= crate::backend::cuda::attention::MAX_HEAD_DIM && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16),
+        };
+    if fused {
+        let mut inputs = vec![q, k, v];
+        inputs.extend(mask);
+        return crate::ops::apply(crate::ops::Op::Attention { scale, causal }, &inputs);
+    }
+    // softmax(q k^T) v with matmuls over [B, H, ., D].
+    let bhld = |t: &Tensor| t.permute(&[1, 2, 0, 3]);
+    let (l, s) = (q.shape()[0], k.shape()[0]);
+    let mut scores = bhld(q)?.mul_scalar(scale)?.matmul(&bhld(k)?.transpose(2, 3)?)?;
+    if let Some(m) = mask {
+        scores = scores.add(m)?;
+    }
+    if causal {
+        let above = Tensor::full(&[l, s], f64::NEG_INFINITY, scores.dtype(), &q.device())?.triu(1)?;
+        scores = scores.add(&above)?;
+    }
+    let w = dropout(&softmax(&scores, -1)?, dropout_p, true)?;
+    w.matmul(&bhld(v)?)?.permute(&[2, 0, 1, 3])
+}
+
 /// Zeroes each element with probability `p` and scales the rest by `1 / (1 - p)` when
 /// `training`; the identity otherwise (`F.dropout`). Draws from the global generator.
 pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {

@@ -46,6 +46,40 @@ pub enum Op {
     Matmul,
     /// A copy on another device.
     ToDevice { from: crate::Device, to: crate::Device, non_blocking: bool },
+    /// softmax(scale q k^T + mask) v over q `[L, B, H, D]`, k and v `[S, B, H, D]` and an
+    /// optional additive mask `[B, H, L, S]` (any strides), keys after the query masked out
+    /// when `causal`; the output is contiguous `[L, B, H, D]`, so `[L, B, E]` is a view of it.
+    Attention { scale: f64, causal: bool },
+    /// The gradients of [`Op::Attention`] from inputs (q, k, v, out, d(out)[, mask]), packed as
+    /// one F32 (F64 for F64 inputs) vector `[dq | dk | dv | lse | delta]` (the last two per query row, `[B, H, L]`:
+    /// the scores' log-sum-exp and d(out)·out).
+    AttentionBackward { scale: f64, causal: bool },
+}
+
+/// The sizes of an attention: L queries, S keys, B batches, H heads of D features.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttnDims {
+    pub l: usize,
+    pub s: usize,
+    pub b: usize,
+    pub h: usize,
+    pub d: usize,
+}
+
+impl AttnDims {
+    pub(crate) fn of(q: &[usize], k: &[usize]) -> AttnDims {
+        AttnDims { l: q[0], s: k[0], b: q[1], h: q[2], d: q[3] }
+    }
+    /// The dtype of [`Op::AttentionBackward`]'s packed result for inputs of `q`: F64 stays F64,
+    /// everything else is computed and returned in F32.
+    pub(crate) fn grad_dtype(q: DType) -> DType {
+        if q == DType::F64 { DType::F64 } else { DType::F32 }
+    }
+    /// Elements of [`Op::AttentionBackward`]'s packed result.
+    pub(crate) fn packed_len(&self) -> usize {
+        let AttnDims { l, s, b, h, d } = *self;
+        l * b * h * d + 2 * s * b * h * d + 2 * b * h * l
+    }
 }
 
 impl Op {
@@ -67,6 +101,8 @@ impl Op {
             Op::ScatterAdd(_) => "scatter_add",
             Op::Matmul => "matmul",
             Op::ToDevice { .. } => "to_device",
+            Op::Attention { .. } => "attention",
+            Op::AttentionBackward { .. } => "attention_backward",
         }
     }
 
@@ -79,6 +115,8 @@ impl Op {
             Op::Reduce(r, ..) => vec![r.differentiable()],
             Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
             Op::ScatterAdd(_) => vec![true, false, true],
+            Op::Attention { .. } => (0..n).map(|i| i < 3).collect(),
+            Op::AttentionBackward { .. } => vec![false; n],
             _ => vec![true; n],
         }
     }
@@ -100,6 +138,7 @@ impl Op {
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
             Op::ScatterAdd(_) => (vec![false, true, false], false),
             Op::Matmul => (vec![true, true], false),
+            Op::Attention { .. } => (vec![true; n], true),
             _ => (vec![false; n], false),
         }
     }
@@ -135,6 +174,8 @@ impl Op {
             Op::Gather(_) => (xs[1].0.to_vec(), dt),
             Op::ScatterAdd(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
+            Op::Attention { .. } => (shape.to_vec(), dt),
+            Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], AttnDims::grad_dtype(dt)),
         })
     }
 
@@ -209,6 +250,18 @@ impl Op {
             Op::Gather(dim) => run!(cpu::index::gather_dim(x, *dim, xs[1])?, cuda::kernels::gather_dim("gather", x, *dim, xs[1])),
             Op::ScatterAdd(dim) => run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])),
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
+            Op::Attention { scale, causal } => {
+                let head_dim_contiguous = |t: &Tensor| if t.strides()[3] == 1 || t.shape()[3] <= 1 { Ok(t.clone()) } else { t.copy_contiguous() };
+                let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
+                run!(cpu::attention::attention(x, xs[1], xs[2], xs.get(3).copied(), *scale, *causal), cuda::attention::attention(&q, &k, &v, xs.get(3).copied(), *scale, *causal))
+            }
+            Op::AttentionBackward { scale, causal } => {
+                let head_dim_contiguous = |t: &Tensor| if t.strides()[3] == 1 || t.shape()[3] <= 1 { Ok(t.clone()) } else { t.copy_contiguous() };
+                let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
+                let (out, g) = (xs[3].contiguous()?, xs[4].contiguous()?);
+                let mask = xs.get(5).copied();
+                run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
+            }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
         };
         Ok(Tensor::from_backend(storage, &shape))
@@ -294,6 +347,27 @@ impl Op {
                 let gb = if want[1] { Some(apply(Op::Matmul, &[&a.transpose(1, 2)?, g])?) } else { None };
                 Ok(vec![ga, gb])
             }
+            Op::Attention { scale, causal } => {
+                let saved = |i: usize| xs[i].as_ref().expect("attention inputs saved");
+                let (q, k, v) = (saved(0), saved(1), saved(2));
+                let y = y.expect("attention output saved");
+                let g = g.contiguous()?;
+                let mut inputs = vec![q, k, v, y, &g];
+                if let Some(Some(m)) = xs.get(3) {
+                    inputs.push(m);
+                }
+                let packed = apply(Op::AttentionBackward { scale: *scale, causal: *causal }, &inputs)?;
+                let (nq, nk) = (q.numel(), k.numel());
+                let part = |at: usize, len: usize, like: &(Vec<usize>, DType)| packed.narrow(0, at, len)?.reshape_usize(&like.0)?.to_dtype(like.1);
+                let mut grads = vec![
+                    if want[0] { Some(part(0, nq, &meta[0])?) } else { None },
+                    if want[1] { Some(part(nq, nk, &meta[1])?) } else { None },
+                    if want[2] { Some(part(nq + nk, nk, &meta[2])?) } else { None },
+                ];
+                grads.resize(meta.len(), None);
+                Ok(grads)
+            }
+            Op::AttentionBackward { .. } => Err(Error::arg("attention_backward", "the attention gradient is not differentiable again")),
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The integration suite: one binary (each test binary links the whole crate), one module per
 //! area. Device-generic tests take their device from `KILN_TEST_DEVICE` (`cpu` when unset).
 
+mod attention;
 mod autograd;
 mod common;
 mod compile;

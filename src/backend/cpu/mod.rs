@@ -1,6 +1,7 @@
 //! The CPU backend: host storage and loops over strided data, parallel with rayon on large
 //! tensors, with contiguous fast paths.
 
+pub(crate) mod attention;
 pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod matmul;

@@ -3,6 +3,7 @@
 //! cudarc loads the CUDA libraries dynamically, so builds and CPU runs need no CUDA.
 
 pub(crate) mod alloc;
+pub(crate) mod attention;
 mod blas;
 pub(crate) mod codegen;
 pub(crate) mod custom;

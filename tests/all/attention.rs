@@ -1,0 +1,180 @@
+//! Fused scaled dot-product attention against the same attention written with matmul and
+//! softmax: outputs and gradients, masks, causal, cross-attention lengths over several key
+//! tiles, head dims that are not multiples of 32; eager, compiled, and inside
+//! MultiheadAttention. Tolerances: F32 1e-5 relative + 1e-5 absolute (different summation
+//! order), BF16 2e-2 + 2e-2 (inputs rounded to 8 bits; the reference rounds its scores and
+//! weights to BF16 too), F64 1e-12.
+
+use crate::common::*;
+use kiln::compile::compile;
+use kiln::nn::{self, functional as F, AttnArgs, Module};
+use kiln::prelude::*;
+use kiln::BackwardOptions;
+use kiln::{gradcheck, GradcheckOptions};
+
+fn rand_t(shape: &[usize], seed: u64, dt: DType) -> Tensor {
+    t(&host_rand(shape.iter().product(), seed), shape, dt)
+}
+
+/// softmax(q k^T scale + mask) v with plain ops, over [N, H, L, D].
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, scale: f64) -> Tensor {
+    let mut s = q.mul_scalar(scale).unwrap().matmul(&k.transpose(2, 3).unwrap()).unwrap();
+    if let Some(m) = mask {
+        s = s.add(m).unwrap();
+    }
+    if causal {
+        let (l, n) = (q.shape()[2], k.shape()[2]);
+        let above = Tensor::full(&[l, n], f64::NEG_INFINITY, s.dtype(), &s.device()).unwrap().triu(1).unwrap();
+        s = s.add(&above).unwrap();
+    }
+    F::softmax(&s, -1).unwrap().to_dtype(q.dtype()).unwrap().matmul(v).unwrap()
+}
+
+struct Case {
+    shape_q: [usize; 4],
+    s: usize,
+    causal: bool,
+    masked: bool,
+}
+
+/// Output and d(q, k, v) of the fused op and the reference, compared.
+fn check(c: &Case, dt: DType, rtol: f64, atol: f64) {
+    let [n, h, l, d] = c.shape_q;
+    let mk = |shape: &[usize], seed| rand_t(shape, seed, dt).requires_grad();
+    let (q, k, v) = (mk(&[n, h, l, d], 1), mk(&[n, h, c.s, d], 2), mk(&[n, h, c.s, d], 3));
+    let mask = c.masked.then(|| rand_t(&[1, h, l, c.s], 4, dt));
+    let go = rand_t(&[n, h, l, d], 5, dt);
+    let opts = F::SdpaOptions { attn_mask: mask.as_ref(), is_causal: c.causal, ..Default::default() };
+    let run = |fused: bool| {
+        let (q, k, v) = (q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad());
+        let y = if fused {
+            F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap()
+        } else {
+            reference(&q, &k, &v, mask.as_ref(), c.causal, 1.0 / (d as f64).sqrt())
+        };
+        y.backward_with(BackwardOptions { gradient: Some(go.clone()), retain_graph: false }).unwrap();
+        [y, q.grad().unwrap(), k.grad().unwrap(), v.grad().unwrap()]
+    };
+    let (got, want) = (run(true), run(false));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.shape(), w.shape(), "shape of result {i}");
+        assert_eq!(g.dtype(), dt, "dtype of result {i}");
+        assert_close(&vals(g), &vals(w), rtol, atol);
+    }
+}
+
+fn cases() -> Vec<Case> {
+    vec![
+        Case { shape_q: [2, 3, 37, 40], s: 45, causal: false, masked: false },
+        Case { shape_q: [2, 3, 37, 40], s: 45, causal: false, masked: true },
+        Case { shape_q: [1, 2, 70, 64], s: 70, causal: true, masked: false },
+        Case { shape_q: [3, 2, 5, 8], s: 9, causal: true, masked: true },
+        Case { shape_q: [1, 1, 1, 128], s: 1, causal: false, masked: false },
+    ]
+}
+
+#[test]
+fn fused_attention_matches_matmul_softmax_in_f32() {
+    for c in cases() {
+        check(&c, DType::F32, 1e-5, 1e-5);
+    }
+}
+
+#[test]
+fn fused_attention_matches_matmul_softmax_in_bf16() {
+    for c in cases() {
+        check(&c, DType::BF16, 2e-2, 2e-2);
+    }
+}
+
+#[test]
+fn fused_attention_gradients_match_finite_differences() {
+    // On the CPU the op itself runs in f64; on a GPU F64 takes the matmul path.
+    let (q, k, v) = (rand_t(&[1, 2, 3, 4], 1, DType::F64), rand_t(&[1, 2, 5, 4], 2, DType::F64), rand_t(&[1, 2, 5, 4], 3, DType::F64));
+    let mask = rand_t(&[3, 5], 4, DType::F64);
+    for causal in [false, true] {
+        let opts = F::SdpaOptions { attn_mask: Some(&mask), is_causal: causal, scale: Some(0.7), ..Default::default() };
+        gradcheck(|xs| F::scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], &opts), &[q.clone(), k.clone(), v.clone()], GradcheckOptions::default()).unwrap();
+    }
+}
+
+#[test]
+fn bool_masks_follow_pytorch_true_attends() {
+    let d = dev();
+    let (q, k, v) = (rand_t(&[1, 1, 2, 4], 1, DType::F32), rand_t(&[1, 1, 3, 4], 2, DType::F32), rand_t(&[1, 1, 3, 4], 3, DType::F32));
+    let keep = Tensor::from_vec(vec![true, false, true, false, true, true], &[2, 3], &d).unwrap();
+    let y = F::scaled_dot_product_attention(&q, &k, &v, &F::SdpaOptions { attn_mask: Some(&keep), ..Default::default() }).unwrap();
+    let add = t(&[0.0, f64::NEG_INFINITY, 0.0, f64::NEG_INFINITY, 0.0, 0.0], &[2, 3], DType::F32);
+    let want = reference(&q, &k, &v, Some(&add), false, 0.5);
+    assert_close(&vals(&y), &vals(&want), 1e-5, 1e-6);
+}
+
+#[test]
+fn fused_attention_is_one_kernel_and_compiles_with_its_gradient() {
+    let d = dev();
+    let (q, k, v) = (rand_t(&[2, 4, 10, 64], 1, DType::F32), rand_t(&[2, 4, 12, 64], 2, DType::F32), rand_t(&[2, 4, 12, 64], 3, DType::F32));
+    let opts = F::SdpaOptions { is_causal: true, ..Default::default() };
+    let eager = F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
+    if d.is_cuda() {
+        let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &opts)).unwrap();
+        assert_eq!(p.kernel_count(), 1, "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 10));
+    }
+    // Compiled, with gradients through the compiled backward.
+    let f = compile(move |xs: &[Tensor]| Ok(vec![(F::scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], &opts)?.mul(&xs[0]))?.sum_all()?]));
+    let leaves = || [q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad()];
+    let (a, b) = (leaves(), leaves());
+    f.call(&a).unwrap()[0].backward().unwrap();
+    let y = eager.detach();
+    assert_close(&vals(&F::scaled_dot_product_attention(&b[0], &b[1], &b[2], &opts).unwrap()), &vals(&y), 0.0, 0.0);
+    (F::scaled_dot_product_attention(&b[0], &b[1], &b[2], &opts).unwrap().mul(&b[0]).unwrap()).sum_all().unwrap().backward().unwrap();
+    for (x, e) in a.iter().zip(&b) {
+        assert_close(&vals(&x.grad().unwrap()), &vals(&e.grad().unwrap()), 1e-5, 1e-6);
+    }
+}
+
+#[test]
+fn multihead_attention_fused_path_matches_the_weights_path() {
+    let d = dev();
+    manual_seed(3);
+    let m = nn::MultiheadAttention::new(64, 4, &d).unwrap();
+    m.eval();
+    let x = rand_t(&[7, 3, 64], 1, DType::F32);
+    let mem = rand_t(&[9, 3, 64], 2, DType::F32);
+    let kpm = Tensor::from_vec(vec![false, false, true, false, false, false, false, false, true, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, true], &[3, 9], &d).unwrap();
+    for (k, kpm) in [(&x, None), (&mem, Some(&kpm))] {
+        let run = |need_weights: bool| {
+            let q = x.detach().requires_grad();
+            let args = AttnArgs { key_padding_mask: kpm, need_weights, ..Default::default() };
+            let (y, _) = m.attend(&q, k, k, args).unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+            (y, q.grad().unwrap())
+        };
+        let ((y1, g1), (y2, g2)) = (run(false), run(true));
+        assert_close(&vals(&y1), &vals(&y2), 1e-5, 1e-5);
+        assert_close(&vals(&g1), &vals(&g2), 1e-5, 1e-5);
+    }
+    // A transformer layer in eval mode takes the fused path end to end.
+    let cfg = nn::TransformerConfig { d_model: 64, nhead: 4, dim_feedforward: 128, ..Default::default() };
+    let layer = nn::TransformerEncoderLayer::new(&cfg, &d).unwrap();
+    layer.eval();
+    let y = layer.forward(&x).unwrap();
+    assert_eq!(y.shape(), &[7, 3, 64]);
+    assert!(vals(&y).iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn attention_rejects_bad_shapes_and_dtypes() {
+    let d = dev();
+    let q = Tensor::zeros(&[1, 2, 3, 4], DType::F32, &d).unwrap();
+    let k = Tensor::zeros(&[1, 2, 5, 8], DType::F32, &d).unwrap();
+    let e = F::scaled_dot_product_attention(&q, &k, &k, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("key and value must be [N, H, S, D]"), "{e}");
+    let e = F::scaled_dot_product_attention(&q.reshape(&[2, 3, 4]).unwrap(), &k, &k, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("query must be [N, H, L, D]"), "{e}");
+    let k = Tensor::zeros(&[1, 2, 5, 4], DType::F32, &d).unwrap();
+    let bad = Tensor::zeros(&[4, 5], DType::F32, &d).unwrap();
+    let e = F::scaled_dot_product_attention(&q, &k, &k, &F::SdpaOptions { attn_mask: Some(&bad), ..Default::default() }).unwrap_err().to_string();
+    assert!(e.contains("does not broadcast"), "{e}");
+    let e = F::scaled_dot_product_attention(&q, &k.to_dtype(DType::F64).unwrap(), &k, &Default::default()).unwrap_err().to_string();
+    assert!(e.contains("share a dtype"), "{e}");
+}
