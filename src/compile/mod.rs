@@ -233,6 +233,11 @@ impl Graphed {
                 for (s, a) in r.args.iter().zip(args) {
                     s.copy_(a)?;
                 }
+                if self.program.has_hoisted() {
+                    let mut inputs = r.args.clone();
+                    inputs.extend(captured.iter().cloned());
+                    self.program.refresh_hoisted(&inputs)?;
+                }
                 r.graph.replay()?;
                 r.outs.iter().map(|o| o.copy_contiguous()).collect()
             })

@@ -70,6 +70,107 @@ pub(crate) struct Program {
     /// New values of captured tensors that their fused kernel writes straight into them (by
     /// captured index): no copy afterwards.
     in_place: std::collections::HashMap<NodeId, usize>,
+    /// Values computed only from captured tensors the graph does not write (parameters under
+    /// inference: their casts, transposes, sums), kept between runs.
+    hoisted: Hoisted,
+}
+
+/// Work that depends only on captured tensors: its steps run once and their results are kept
+/// until one of those tensors changes version (then they run again, writing into the kept
+/// buffers, whose addresses a captured CUDA graph has baked in).
+#[derive(Default)]
+struct Hoisted {
+    /// Per step: runs only to refresh the kept values.
+    steps: Vec<bool>,
+    /// Values of those steps that later steps read.
+    kept: Vec<NodeId>,
+    /// The captured tensors (by captured index) the kept values derive from.
+    sources: Vec<usize>,
+    cache: parking_lot::Mutex<Option<HoistCache>>,
+}
+
+struct HoistCache {
+    versions: Vec<u64>,
+    values: Vec<Tensor>,
+}
+
+impl Hoisted {
+    fn plan(g: &Graph, s: &Schedule) -> Hoisted {
+        use crate::ops::Op;
+        #[derive(Clone, Copy, PartialEq)]
+        enum Class {
+            Param,
+            Const,
+            Frozen,
+            Dynamic,
+        }
+        let mutated: std::collections::HashSet<usize> = g.mutations.iter().map(|m| m.0).collect();
+        let mut class = vec![Class::Dynamic; g.nodes.len()];
+        for (i, n) in g.nodes.iter().enumerate() {
+            let args = || n.args.iter().map(|&a| class[a]);
+            class[i] = match &n.op {
+                NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
+                NodeOp::Full(_) => Class::Const,
+                NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }) => class[n.args[0]],
+                NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
+                NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,
+                NodeOp::Prim(_) => Class::Const,
+                _ => Class::Dynamic,
+            };
+            // A result handed to the caller is made fresh each run.
+            if class[i] == Class::Frozen && g.outputs.contains(&i) {
+                class[i] = Class::Dynamic;
+            }
+        }
+        let is_view = |i: NodeId| matches!(g.nodes[i].op, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }));
+        let steps: Vec<bool> = s
+            .steps
+            .iter()
+            .map(|st| match st {
+                Step::Node(i) => class[*i] == Class::Frozen && !is_view(*i),
+                Step::Kernel(k) => s.kernels[*k].outputs.iter().all(|(_, n)| class[*n] == Class::Frozen),
+            })
+            .collect();
+        let made: Vec<NodeId> = s
+            .steps
+            .iter()
+            .zip(&steps)
+            .filter(|(_, &h)| h)
+            .flat_map(|(st, _)| match st {
+                Step::Node(i) => vec![*i],
+                Step::Kernel(k) => s.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
+            })
+            .collect();
+        let read_later = |v: NodeId| {
+            s.steps.iter().zip(&steps).any(|(st, &h)| {
+                !h && match st {
+                    Step::Node(i) => g.nodes[*i].args.contains(&v),
+                    Step::Kernel(k) => s.kernels[*k].inputs.iter().any(|inp| inp.node == v),
+                }
+            })
+        };
+        let kept: Vec<NodeId> = made.into_iter().filter(|&v| read_later(v)).collect();
+        let mut sources: Vec<usize> = g
+            .nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| match n.op {
+                NodeOp::Captured(k) if class[i] == Class::Param => Some(k),
+                _ => None,
+            })
+            .collect();
+        sources.sort_unstable();
+        sources.dedup();
+        if kept.is_empty() {
+            return Hoisted::default();
+        }
+        crate::logging::log(Category::Fusion, || format!("{} step(s) computed from parameters alone run once and keep {} value(s) until a parameter changes", steps.iter().filter(|&&h| h).count(), kept.len()));
+        Hoisted { steps, kept, sources, cache: Default::default() }
+    }
+
+    fn versions(&self, g: &Graph, inputs: &[Tensor]) -> Vec<u64> {
+        self.sources.iter().map(|&k| inputs[g.n_args + k].version()).collect()
+    }
 }
 
 impl Program {
@@ -84,12 +185,30 @@ impl Program {
         });
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
-        Program { graph, schedule, frees, in_place }
+        let hoisted = Hoisted::plan(&graph, &schedule);
+        Program { graph, schedule, frees, in_place, hoisted }
     }
 
-    /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute).
+    pub(crate) fn has_hoisted(&self) -> bool {
+        !self.hoisted.kept.is_empty()
+    }
+
+    /// Brings the values computed from parameters alone up to date (nothing when they are):
+    /// before replaying a CUDA graph that reads them.
+    pub(crate) fn refresh_hoisted(&self, inputs: &[Tensor]) -> Result<()> {
+        let h = &self.hoisted;
+        let fresh = h.kept.is_empty() || h.cache.lock().as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(&self.graph, inputs));
+        if fresh {
+            return Ok(());
+        }
+        let _off = super::trace::Suspend::new();
+        crate::no_grad(|| self.run_steps_of(inputs, true)).map(drop)
+    }
+
+    /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute),
+    /// once the values computed from parameters alone are kept.
     pub(crate) fn kernel_count(&self) -> usize {
-        self.schedule.steps.iter().filter(|s| match s {
+        self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
             Step::Kernel(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
                 || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
@@ -102,9 +221,26 @@ impl Program {
     }
 
     fn run_steps(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.run_steps_of(inputs, false)
+    }
+
+    /// Runs the schedule; only the hoisted steps when `hoisted_only` (then returns nothing).
+    fn run_steps_of(&self, inputs: &[Tensor], hoisted_only: bool) -> Result<Vec<Tensor>> {
         let g = &self.graph;
+        let h = &self.hoisted;
         let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
+        let mut cache = h.cache.lock();
+        let fresh = !h.kept.is_empty() && cache.as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(g, inputs));
+        if fresh {
+            for (v, t) in h.kept.iter().zip(&cache.as_ref().expect("fresh").values) {
+                env[*v] = Some(t.clone());
+            }
+        }
         for (s, step) in self.schedule.steps.iter().enumerate() {
+            let hoisted = h.steps.get(s).copied().unwrap_or(false);
+            if (hoisted && fresh) || (hoisted_only && !hoisted) {
+                continue;
+            }
             match step {
                 Step::Node(i) => {
                     let n = &g.nodes[*i];
@@ -142,12 +278,49 @@ impl Program {
                     }
                 }
             }
+            if hoisted {
+                self.keep(inputs, s, &mut env, &mut cache)?;
+            }
+            if hoisted_only {
+                continue;
+            }
+            // (Kept values stay alive in the cache.)
             for f in &self.frees[s] {
                 env[*f] = None;
             }
         }
+        if hoisted_only {
+            return Ok(vec![]);
+        }
         write_back(g, inputs, &env)?;
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
+    }
+}
+
+impl Program {
+    /// After hoisted step `s` ran: its kept values go into the cache (into the buffers already
+    /// there, whose addresses a CUDA graph may hold), and `env` reads them from there.
+    fn keep(&self, inputs: &[Tensor], s: usize, env: &mut [Option<Tensor>], cache: &mut Option<HoistCache>) -> Result<()> {
+        let h = &self.hoisted;
+        let versions = h.versions(&self.graph, inputs);
+        let made: Vec<NodeId> = match &self.schedule.steps[s] {
+            Step::Node(i) => vec![*i],
+            Step::Kernel(k) => self.schedule.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
+        };
+        let c = cache.get_or_insert_with(|| HoistCache { versions: versions.clone(), values: vec![] });
+        for v in made {
+            let Some(slot) = h.kept.iter().position(|&x| x == v) else { continue };
+            let value = env[v].clone().expect("just computed");
+            if let Some(kept) = c.values.get(slot) {
+                kept.copy_(&value)?;
+                env[v] = Some(kept.clone());
+            } else {
+                debug_assert_eq!(c.values.len(), slot, "hoisted values are kept in step order");
+                c.values.push(value);
+            }
+        }
+        c.versions = versions;
+        Ok(())
     }
 }
 

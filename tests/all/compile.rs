@@ -519,3 +519,28 @@ fn compiled_row_kernel_with_row_and_full_outputs() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn work_on_parameters_alone_runs_once_until_a_parameter_changes() -> Result<()> {
+    // x @ (2 w)^T + exp(b): `2 w` and `exp(b)` depend on captured tensors only.
+    let (x, w, b) = (randn(&[8, 16], 1), randn(&[12, 16], 2), randn(&[12], 3));
+    let eager = |w: &Tensor, b: &Tensor| kiln::no_grad(|| x.matmul(&w.mul_scalar(2.0)?.t()?)? + b.exp()?);
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        let (wc, bc) = (w.clone(), b.clone());
+        let f = compile_with(CompileOptions::new().mode(mode), move |x: &Tensor| x.matmul(&wc.mul_scalar(2.0)?.t()?)? + bc.exp()?);
+        let (y, first) = kernels(|| f.call(&x));
+        assert_close(&vals(&y?), &vals(&eager(&w, &b)?), 1e-5, 1e-5);
+        let (y, later) = kernels(|| f.call(&x));
+        assert_close(&vals(&y?), &vals(&eager(&w, &b)?), 1e-5, 1e-5);
+        if dev().is_cuda() && mode == Mode::Default {
+            assert!(later < first, "the scaled weight is kept: {later} launches after {first}");
+        }
+        // A parameter written in place is seen by the next call (also by a replayed graph).
+        kiln::no_grad(|| w.add_scalar_(1.0))?;
+        assert_close(&vals(&f.call(&x)?), &vals(&eager(&w, &b)?), 1e-5, 1e-5);
+        assert_close(&vals(&f.call(&x)?), &vals(&eager(&w, &b)?), 1e-5, 1e-5);
+        kiln::no_grad(|| b.mul_scalar_(0.5))?;
+        assert_close(&vals(&f.call(&x)?), &vals(&eager(&w, &b)?), 1e-5, 1e-5);
+    }
+    Ok(())
+}

@@ -23,6 +23,9 @@ fn common(dtype: DType, d: usize) -> String {
 #define PER ((D_ + 31) / 32)
 #define ROWS {ROWS}
 #define FULL 0xffffffffu
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
 typedef {t} T;
 #define LD(e) ({ld})
 #define ST(e) ({st})
