@@ -72,6 +72,9 @@ impl Node {
                 Op::ToDevice { to, .. } => format!("[{to}]"),
                 Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),
                 Op::Unary(_) | Op::Matmul => String::new(),
+                Op::Conv2d(a) => conv_params(a, ""),
+                Op::Conv2dGradInput(a, hw) => conv_params(a, &format!(", input={hw:?}")),
+                Op::Conv2dGradWeight(a, k) => conv_params(a, &format!(", kernel={k:?}")),
             },
             NodeOp::Full(v) => format!("[{v}]"),
             NodeOp::Random(RandomKind::Int { low, high }) => format!("[{low}, {high})"),
@@ -194,4 +197,8 @@ impl Runner {
     pub fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         (self.0)(inputs)
     }
+}
+
+fn conv_params(a: &crate::ops::Conv2dArgs, extra: &str) -> String {
+    format!("[stride={:?}, padding={:?}, dilation={:?}, groups={}{extra}]", a.stride, a.padding, a.dilation, a.groups)
 }

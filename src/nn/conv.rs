@@ -1,76 +1,14 @@
-//! Convolution and pooling over `[N, C, H, W]` as compositions of primitives: padding and one
-//! index_select gather the windows (im2col), a matmul applies the kernel, argmax + gather
-//! pools. Gradients come from the primitives' own, on every device.
+//! Convolution and pooling over `[N, C, H, W]`. conv2d checks its arguments and applies the
+//! `Conv2d` primitive (cuDNN on CUDA, im2col + one matmul elsewhere: `ops::conv`), then adds
+//! the bias as a separate op the compiler can fuse. Pooling is a composition of primitives:
+//! padding and one index_select gather the windows, argmax + gather pools.
 
 use super::{init, Module};
+use crate::ops::conv::{check_positive, out_len, unfold};
+use crate::ops::{apply, Op};
 use crate::{DType, Device, Error, Result, Tensor};
 
-/// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
-fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
-    let span = dil * (k - 1) + 1;
-    if size + 2 * pad < span {
-        return Err(Error::shape(op, format!("input size {size} with padding {pad} is smaller than the (dilated) kernel {span}")));
-    }
-    Ok((size + 2 * pad - span) / stride + 1)
-}
-
-fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()> {
-    if v.0 == 0 || v.1 == 0 {
-        return Err(Error::arg(op, format!("{what} must be positive, got {v:?}")));
-    }
-    Ok(())
-}
-
-/// The `kh * kw` windows of padded `x` `[N, C, Hp, Wp]`, channels last:
-/// `[N, OH * OW, kh * kw, C]`. One index_select over the flattened positions, so the gradient
-/// is one scatter-add; a 1x1 kernel is a strided view instead.
-fn unfold(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
-    let (n, c, hp, wp) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
-    let l = out.0 * out.1;
-    if k == (1, 1) {
-        let v = x.slice(2, 0, (stride.0 * (out.0 - 1) + 1) as i64, stride.0)?.slice(3, 0, (stride.1 * (out.1 - 1) + 1) as i64, stride.1)?;
-        return v.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, l, 1, c]);
-    }
-    let idx = window_index(&x.device(), wp, k, stride, dil, out)?;
-    let flat = x.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, hp * wp, c])?;
-    flat.index_select(1, &idx)?.reshape_usize(&[n, l, k.0 * k.1, c])
-}
-
-type IndexKey = (Device, usize, (usize, usize), (usize, usize), (usize, usize), (usize, usize));
-
-thread_local! {
-    /// Window indices by geometry, so repeated calls copy nothing to the device.
-    static WINDOW_INDEX: std::cell::RefCell<std::collections::HashMap<IndexKey, Tensor>> = Default::default();
-}
-
-/// Flat input positions (row * `wp` + col) of every window element, in (oh, ow, i, j) order.
-fn window_index(dev: &Device, wp: usize, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
-    let key = (*dev, wp, k, stride, dil, out);
-    if let Some(t) = WINDOW_INDEX.with(|c| c.borrow().get(&key).cloned()) {
-        return Ok(t);
-    }
-    let mut idx = Vec::with_capacity(out.0 * out.1 * k.0 * k.1);
-    for oh in 0..out.0 {
-        for ow in 0..out.1 {
-            for i in 0..k.0 {
-                for j in 0..k.1 {
-                    idx.push(((oh * stride.0 + i * dil.0) * wp + ow * stride.1 + j * dil.1) as i64);
-                }
-            }
-        }
-    }
-    let n = idx.len();
-    let t = Tensor::from_vec(idx, &[n], &Device::Cpu)?.to_device(dev)?;
-    WINDOW_INDEX.with(|c| {
-        let mut c = c.borrow_mut();
-        // A model has few geometries; inputs of ever-changing sizes must not grow it forever.
-        if c.len() >= 64 {
-            c.clear();
-        }
-        c.insert(key, t.clone());
-    });
-    Ok(t)
-}
+pub use crate::ops::conv::Conv2dArgs;
 
 /// `[N, OH * OW, C]` channels-last rows back to `[N, C, OH, OW]` (a view).
 fn to_nchw(y: &Tensor, out: (usize, usize)) -> Result<Tensor> {
@@ -87,23 +25,9 @@ fn batched(op: &'static str, x: &Tensor) -> Result<(Tensor, bool)> {
     }
 }
 
-/// Options of [`conv2d`]: `(height, width)` pairs and groups, PyTorch's defaults.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Conv2dArgs {
-    pub stride: (usize, usize),
-    pub padding: (usize, usize),
-    pub dilation: (usize, usize),
-    pub groups: usize,
-}
-
-impl Default for Conv2dArgs {
-    fn default() -> Self {
-        Conv2dArgs { stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1 }
-    }
-}
-
 /// 2-D cross-correlation (`F.conv2d`): `x` `[N, C, H, W]`, `weight` `[O, C / groups, KH, KW]`,
-/// `bias` `[O]`. The result is `[N, O, OH, OW]`, laid out channels-last in memory.
+/// `bias` `[O]`, giving `[N, O, OH, OW]` (contiguous from cuDNN; elsewhere a view over the
+/// channels-last rows of the im2col product).
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
     let op = "conv2d";
     super::functional::same_device(op, x, &[Some(weight), bias])?;
@@ -119,7 +43,7 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     if !x.dtype().is_float() {
         return Err(Error::dtype(op, x.dtype(), "needs floating-point tensors"));
     }
-    let (n, c, h, w) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let c = x.shape()[1];
     let (o, cg, kh, kw) = (weight.shape()[0], weight.shape()[1], weight.shape()[2], weight.shape()[3]);
     let g = args.groups;
     if g == 0 || c != cg * g || !o.is_multiple_of(g) {
@@ -133,27 +57,12 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     check_positive(op, "stride", args.stride)?;
     check_positive(op, "dilation", args.dilation)?;
     check_positive(op, "kernel size", (kh, kw))?;
-    let (p, s, d) = (args.padding, args.stride, args.dilation);
-    let (oh, ow) = (out_len(op, h, kh, s.0, p.0, d.0)?, out_len(op, w, kw, s.1, p.1, d.1)?);
-
-    // Columns [N * OH * OW, KH * KW * C] (window-major, channel-minor); the weight is permuted
-    // to match, which is cheap next to the columns.
-    let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], 0.0)? };
-    let cols = unfold(&padded, (kh, kw), s, d, (oh, ow))?;
-    let (rows, kk) = (n * oh * ow, kh * kw);
-    let wk = weight.permute(&[0, 2, 3, 1])?; // [O, KH, KW, Cg]
-    let y = if g == 1 {
-        cols.reshape_usize(&[rows, kk * c])?.matmul(&wk.reshape_usize(&[o, kk * c])?.t()?)?
-    } else {
-        let cols = cols.reshape_usize(&[rows, kk, g, cg])?.permute(&[2, 0, 1, 3])?.reshape_usize(&[g, rows, kk * cg])?;
-        let wt = wk.reshape_usize(&[g, o / g, kk * cg])?.transpose(1, 2)?;
-        cols.matmul(&wt)?.transpose(0, 1)?.reshape_usize(&[rows, o])?
-    };
+    // An image smaller than the (dilated) kernel is reported by the op's shape rule.
+    let y = apply(Op::Conv2d(args), &[&x, &weight])?;
     let y = match bias {
-        Some(b) => y.add(b)?,
+        Some(b) => y.add(&b.reshape_usize(&[o, 1, 1])?)?,
         None => y,
     };
-    let y = to_nchw(&y.reshape_usize(&[n, oh * ow, o])?, (oh, ow))?;
     if unbatched {
         y.squeeze(0)
     } else {

@@ -2,6 +2,7 @@
 //! (`forward`) and one place that differentiates it (`backward`). Public tensor methods in the
 //! sibling modules validate arguments, then build these ops; composites are written in them.
 
+pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod index;
 pub(crate) mod inplace;
@@ -10,6 +11,7 @@ pub(crate) mod movement;
 pub mod pointwise;
 pub(crate) mod reduce;
 
+pub use conv::Conv2dArgs;
 pub use pointwise::{BinaryOp, UnaryOp};
 pub use reduce::ReduceOp;
 
@@ -44,6 +46,14 @@ pub enum Op {
     ScatterAdd(usize),
     /// [B, M, K] @ [B, K, N].
     Matmul,
+    /// 2-D cross-correlation of [N, C, H, W] by [O, C / groups, KH, KW] -> [N, O, OH, OW]
+    /// (no bias: adding it is a separate, fusable op).
+    Conv2d(Conv2dArgs),
+    /// `Conv2d`'s gradient for its input, from (grad of the output, weight); the input's
+    /// (H, W), which the output's size does not determine when the stride is above 1.
+    Conv2dGradInput(Conv2dArgs, (usize, usize)),
+    /// `Conv2d`'s gradient for its weight, from (input, grad of the output); the kernel's (KH, KW).
+    Conv2dGradWeight(Conv2dArgs, (usize, usize)),
     /// A copy on another device.
     ToDevice { from: crate::Device, to: crate::Device, non_blocking: bool },
     /// softmax(scale q k^T + mask) v over q `[L, B, H, D]`, k and v `[S, B, H, D]` and an
@@ -100,10 +110,18 @@ impl Op {
             Op::Gather(_) => "gather",
             Op::ScatterAdd(_) => "scatter_add",
             Op::Matmul => "matmul",
+            Op::Conv2d(_) => "conv2d",
+            Op::Conv2dGradInput(..) => "conv2d_grad_input",
+            Op::Conv2dGradWeight(..) => "conv2d_grad_weight",
             Op::ToDevice { .. } => "to_device",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
         }
+    }
+
+    /// A convolution product (a cuDNN call on CUDA, made of other ops elsewhere).
+    pub(crate) fn is_conv(&self) -> bool {
+        matches!(self, Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
     }
 
     /// Which inputs gradients flow into.
@@ -137,8 +155,8 @@ impl Op {
             Op::Reduce(..) => (vec![true], true),
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
             Op::ScatterAdd(_) => (vec![false, true, false], false),
-            Op::Matmul => (vec![true, true], false),
             Op::Attention { .. } => (vec![true; n], true),
+            Op::Matmul | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => (vec![true, true], false),
             _ => (vec![false; n], false),
         }
     }
@@ -176,6 +194,9 @@ impl Op {
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
             Op::Attention { .. } => (shape.to_vec(), dt),
             Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], AttnDims::grad_dtype(dt)),
+            Op::Conv2d(a) => (conv::out_shape(a, shape, xs[1].0)?, dt),
+            Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
+            Op::Conv2dGradWeight(a, k) => (vec![xs[1].0[1], shape[1] / a.groups.max(1), k.0, k.1], dt),
         })
     }
 
@@ -231,6 +252,9 @@ impl Op {
         check_device(self.name(), device)?;
         let metas: Vec<(&[usize], DType)> = xs.iter().map(|t| (t.shape(), t.dtype())).collect();
         let (shape, dtype) = self.out_meta(&metas)?;
+        if self.is_conv() {
+            return conv::run(self, xs, &shape);
+        }
         let on_cuda = device.is_cuda();
         // The same op on the tensors' backend: `run!(cpu call, cuda call)`.
         macro_rules! run {
@@ -263,6 +287,7 @@ impl Op {
                 run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
+            Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),
         };
         Ok(Tensor::from_backend(storage, &shape))
     }
@@ -368,6 +393,30 @@ impl Op {
                 Ok(grads)
             }
             Op::AttentionBackward { .. } => Err(Error::arg("attention_backward", "the attention gradient is not differentiable again")),
+            // The three convolution products are bilinear and adjoint to one another, so each
+            // one's gradients are the other two.
+            Op::Conv2d(a) => {
+                let (x, w) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
+                let kernel = (meta[1].0[2], meta[1].0[3]);
+                let gx = if want[0] { Some(apply(Op::Conv2dGradInput(*a, (in_shape[2], in_shape[3])), &[g, w])?) } else { None };
+                let gw = if want[1] { Some(apply(Op::Conv2dGradWeight(*a, kernel), &[x, g])?) } else { None };
+                Ok(vec![gx, gw])
+            }
+            Op::Conv2dGradInput(a, _) => {
+                // <GradInput(dy, w), g> = <dy, Conv2d(g, w)>.
+                let (dy, w) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
+                let kernel = (meta[1].0[2], meta[1].0[3]);
+                let gdy = if want[0] { Some(apply(Op::Conv2d(*a), &[g, w])?) } else { None };
+                let gw = if want[1] { Some(apply(Op::Conv2dGradWeight(*a, kernel), &[g, dy])?) } else { None };
+                Ok(vec![gdy, gw])
+            }
+            Op::Conv2dGradWeight(a, _) => {
+                // <GradWeight(x, dy), g> = <dy, Conv2d(x, g)>.
+                let (x, dy) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
+                let gx = if want[0] { Some(apply(Op::Conv2dGradInput(*a, (in_shape[2], in_shape[3])), &[dy, g])?) } else { None };
+                let gdy = if want[1] { Some(apply(Op::Conv2d(*a), &[x, g])?) } else { None };
+                Ok(vec![gx, gdy])
+            }
         }
     }
 }

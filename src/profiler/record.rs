@@ -199,6 +199,15 @@ pub(crate) fn blas(dev: &CudaDevice, dtype: DType) -> Span {
     device_work(dev, &dev.stream, EventKind::Kernel, format!("cublas_gemm_{}", dtype.torch_name()), 0)
 }
 
+/// Hook: a cuDNN call (`what`: `conv2d_fwd`, `conv2d_bwd_data`, `conv2d_bwd_filter`).
+#[inline]
+pub(crate) fn cudnn(dev: &CudaDevice, what: &str, dtype: DType) -> Span {
+    if !active() {
+        return Span::OFF;
+    }
+    device_work(dev, &dev.stream, EventKind::Kernel, format!("cudnn_{what}_{}", dtype.torch_name()), 0)
+}
+
 /// Hook: a copy of `bytes` queued on `stream`.
 #[inline]
 pub(crate) fn copy(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: CopyKind, bytes: usize) -> Span {
@@ -225,7 +234,8 @@ pub(crate) fn cpu_op(op: &Op, xs: &[&Tensor]) -> Span {
         return Span::OFF;
     }
     let view_or_move = matches!(op, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. });
-    if view_or_move || xs.first().is_none_or(|x| x.device() != Device::Cpu) {
+    // Convolutions on the host are made of other ops, which record themselves.
+    if view_or_move || op.is_conv() || xs.first().is_none_or(|x| x.device() != Device::Cpu) {
         return Span::OFF;
     }
     Span::open(event(EventKind::Kernel, op.name().to_string(), Device::Cpu))

@@ -28,6 +28,170 @@ fn conv2d_and_pooling_gradients_match_finite_differences() {
     gradcheck(|xs| F::batch_norm(&xs[0], None, None, Some(&xs[1]), Some(&xs[2]), true, 0.1, 1e-5), &[x, wt, bt], GradcheckOptions::default()).unwrap();
 }
 
+/// Direct loops in f64: y = conv(x, w), and for the output gradient `dy` the gradients of x and
+/// w. Sizes: x [N, C, H, W], w [O, C / groups, KH, KW], y [N, O, OH, OW].
+struct ConvRef {
+    y: Vec<f64>,
+    gx: Vec<f64>,
+    gw: Vec<f64>,
+}
+
+fn conv_out_shape(xs: [usize; 4], ws: [usize; 4], a: F::Conv2dArgs) -> [usize; 4] {
+    let len = |size: usize, k: usize, s: usize, p: usize, d: usize| (size + 2 * p - d * (k - 1) - 1) / s + 1;
+    [xs[0], ws[0], len(xs[2], ws[2], a.stride.0, a.padding.0, a.dilation.0), len(xs[3], ws[3], a.stride.1, a.padding.1, a.dilation.1)]
+}
+
+fn conv_reference(x: &[f64], xs: [usize; 4], w: &[f64], ws: [usize; 4], a: F::Conv2dArgs, dy: &[f64]) -> ConvRef {
+    let ys = conv_out_shape(xs, ws, a);
+    let (og, cg) = (ws[0] / a.groups, ws[1]);
+    let (mut y, mut gx, mut gw) = (vec![0.0; ys.iter().product()], vec![0.0; x.len()], vec![0.0; w.len()]);
+    for n in 0..ys[0] {
+        for o in 0..ys[1] {
+            for oh in 0..ys[2] {
+                for ow in 0..ys[3] {
+                    let yi = ((n * ys[1] + o) * ys[2] + oh) * ys[3] + ow;
+                    for ic in 0..cg {
+                        let c = (o / og) * cg + ic;
+                        for i in 0..ws[2] {
+                            for j in 0..ws[3] {
+                                let ih = (oh * a.stride.0 + i * a.dilation.0) as i64 - a.padding.0 as i64;
+                                let iw = (ow * a.stride.1 + j * a.dilation.1) as i64 - a.padding.1 as i64;
+                                if ih < 0 || iw < 0 || ih >= xs[2] as i64 || iw >= xs[3] as i64 {
+                                    continue;
+                                }
+                                let xi = ((n * xs[1] + c) * xs[2] + ih as usize) * xs[3] + iw as usize;
+                                let wi = ((o * cg + ic) * ws[2] + i) * ws[3] + j;
+                                y[yi] += x[xi] * w[wi];
+                                gx[xi] += dy[yi] * w[wi];
+                                gw[wi] += dy[yi] * x[xi];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    ConvRef { y, gx, gw }
+}
+
+/// Values rounded to `dt` (and back to f64).
+fn rounded(v: &[f64], dt: DType) -> Vec<f64> {
+    let t = Tensor::from_slice(v, &[v.len()], &Device::Cpu).unwrap();
+    t.to_dtype(dt).unwrap().to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+/// y, dL/dx and dL/dw of conv2d on `d` in `dt`, for L = sum(y * dy).
+fn conv_with_grads(d: &Device, dt: DType, x: &[f64], xs: [usize; 4], w: &[f64], ws: [usize; 4], a: F::Conv2dArgs, dy: &[f64]) -> [Vec<f64>; 3] {
+    let on = |v: &[f64], s: &[usize]| Tensor::from_slice(v, s, &Device::Cpu).unwrap().to_dtype(dt).unwrap().to_device(d).unwrap();
+    let (xt, wt) = (on(x, &xs).requires_grad(), on(w, &ws).requires_grad());
+    let y = F::conv2d(&xt, &wt, None, a).unwrap();
+    assert_eq!(y.dtype(), dt);
+    let ys = conv_out_shape(xs, ws, a);
+    assert_eq!(y.shape(), ys);
+    y.backward_with(kiln::BackwardOptions { gradient: Some(on(dy, &ys)), ..Default::default() }).unwrap();
+    [vals(&y), vals(&xt.grad().unwrap()), vals(&wt.grad().unwrap())]
+}
+
+/// max |a - b| <= tol * max(1, max |b|).
+#[track_caller]
+fn assert_close_to_scale(a: &[f64], b: &[f64], tol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    let (i, err) = a.iter().zip(b).map(|(x, y)| (x - y).abs()).enumerate().fold((0, 0.0f64), |m, (i, e)| if e > m.1 { (i, e) } else { m });
+    assert!(err <= tol * scale, "{what}: element {i}: got {}, expected {} (|diff| {err:e} > {tol:e} * {scale})", a[i], b[i]);
+}
+
+/// The convolution cases the device paths are checked on: stride 2 (with a column the windows
+/// never reach), padding, dilation 2, groups 2 and a depthwise convolution.
+fn conv_cases() -> Vec<(&'static str, [usize; 4], [usize; 4], F::Conv2dArgs)> {
+    let a = F::Conv2dArgs::default();
+    vec![
+        ("stride 2", [2, 3, 9, 8], [4, 3, 3, 3], F::Conv2dArgs { stride: (2, 2), ..a }),
+        ("padding", [2, 3, 7, 6], [5, 3, 3, 2], F::Conv2dArgs { padding: (1, 2), ..a }),
+        ("dilation 2", [2, 2, 9, 9], [3, 2, 3, 3], F::Conv2dArgs { dilation: (2, 2), padding: (2, 1), ..a }),
+        ("groups 2", [2, 4, 7, 7], [6, 2, 3, 3], F::Conv2dArgs { groups: 2, stride: (1, 2), padding: (1, 1), ..a }),
+        ("depthwise", [2, 6, 8, 8], [6, 1, 3, 3], F::Conv2dArgs { groups: 6, padding: (1, 1), ..a }),
+        ("1x1 stride 2", [2, 4, 7, 7], [5, 4, 1, 1], F::Conv2dArgs { stride: (2, 2), ..a }),
+    ]
+}
+
+/// The forward convolution and both gradients on the test device (cuDNN on CUDA) against the
+/// CPU path (im2col + matmul) on the same inputs, which is itself checked against direct loops.
+/// Tolerances, as max |diff| <= tol * max(1, max |expected|) per tensor:
+/// - CPU F32 against f64 loops: 1e-5.
+/// - F32 on the device: 1e-4 (TF32, which cuDNN must not use here, errs by about 5e-4).
+/// - F16 / BF16 on the device, against the CPU path in F32 on the same rounded values: 5e-3 /
+///   2e-2 (results are rounded to F16 / BF16, relative steps 2^-11 / 2^-8; accumulation is F32).
+#[test]
+fn conv2d_on_the_device_matches_the_cpu_path_in_f32_f16_and_bf16() {
+    let d = dev();
+    for (k, (name, xs, ws, a)) in conv_cases().into_iter().enumerate() {
+        let ys = conv_out_shape(xs, ws, a);
+        let x = host_rand(xs.iter().product(), 100 + k as u64);
+        let w: Vec<f64> = host_rand(ws.iter().product(), 200 + k as u64).iter().map(|v| v * 0.5).collect();
+        let dy = host_rand(ys.iter().product(), 300 + k as u64);
+        for (dt, tol) in [(DType::F32, 1e-4), (DType::F16, 5e-3), (DType::BF16, 2e-2)] {
+            let (x, w, dy) = (rounded(&x, dt), rounded(&w, dt), rounded(&dy, dt));
+            let cpu = conv_with_grads(&Device::Cpu, DType::F32, &x, xs, &w, ws, a, &dy);
+            let r = conv_reference(&x, xs, &w, ws, a, &dy);
+            for (got, want, what) in [(&cpu[0], &r.y, "y"), (&cpu[1], &r.gx, "grad input"), (&cpu[2], &r.gw, "grad weight")] {
+                assert_close_to_scale(got, want, 1e-5, &format!("{name}, CPU F32 vs loops: {what}"));
+            }
+            let got = conv_with_grads(&d, dt, &x, xs, &w, ws, a, &dy);
+            for (i, what) in ["y", "grad input", "grad weight"].iter().enumerate() {
+                assert_close_to_scale(&got[i], &cpu[i], tol, &format!("{name}, {d} {dt:?} vs CPU: {what}"));
+            }
+        }
+    }
+}
+
+/// On CUDA the convolution and both gradients are cuDNN calls (the machine under test must have
+/// cuDNN 9); on the CPU they are the im2col definition, whose parts the profiler shows.
+#[test]
+fn conv2d_runs_through_cudnn_on_cuda() {
+    let d = dev();
+    let x = rand_t(&[2, 4, 8, 8], 7, DType::F32).requires_grad();
+    let w = rand_t(&[8, 4, 3, 3], 8, DType::F32).requires_grad();
+    let args = F::Conv2dArgs { padding: (1, 1), ..Default::default() };
+    // A first call picks cuDNN's algorithm (an algorithm that refuses would be a second call).
+    no_grad(|| F::conv2d(&x, &w, None, args)).unwrap();
+    let (y, fwd) = profiler::profile_value(|| F::conv2d(&x, &w, None, args)).unwrap();
+    let bwd = profiler::profile(|| y.sum_all()?.backward()).unwrap();
+    let (fwd, bwd) = (fwd.kernel_names(), bwd.kernel_names());
+    if d.is_cuda() {
+        let v = kiln::cuda::cudnn_version();
+        assert!(v.as_ref().is_ok_and(|v| *v >= 90000), "cuDNN 9 is needed on the GPU under test: {v:?}");
+        assert_eq!(fwd, ["cudnn_conv2d_fwd_float32"]);
+        for name in ["cudnn_conv2d_bwd_data_float32", "cudnn_conv2d_bwd_filter_float32"] {
+            assert!(bwd.contains(&name), "{bwd:?}");
+        }
+    } else {
+        assert!(fwd.contains(&"matmul") && !fwd.iter().any(|n| n.starts_with("conv2d")), "{fwd:?}");
+        assert!(bwd.contains(&"scatter_add") && bwd.contains(&"matmul"), "{bwd:?}");
+    }
+    // A channels-last input view (not contiguous NCHW) gives the same values.
+    let xv = vals(&x);
+    let nhwc = t(&xv, &[2, 4, 8, 8], DType::F32).permute(&[0, 2, 3, 1]).unwrap().contiguous().unwrap().permute(&[0, 3, 1, 2]).unwrap();
+    assert!(!nhwc.is_contiguous());
+    let y2 = F::conv2d(&nhwc, &w.detach(), None, args).unwrap();
+    assert_close(&vals(&y2), &vals(&y), 0.0, 1e-6);
+}
+
+/// The convolution primitive and its two gradient products against finite differences, in F64 on
+/// the CPU, with stride, padding, dilation, groups and a bias.
+#[test]
+fn conv2d_gradcheck_in_f64_on_the_cpu() {
+    let cpu = Device::Cpu;
+    let r = |shape: &[usize], seed| Tensor::from_vec(host_rand(shape.iter().product(), seed), shape, &cpu).unwrap();
+    for (xs, ws, a) in [
+        ([2, 4, 6, 5], [6, 2, 3, 2], F::Conv2dArgs { stride: (2, 1), padding: (1, 2), dilation: (1, 2), groups: 2 }),
+        ([1, 3, 5, 5], [3, 1, 3, 3], F::Conv2dArgs { stride: (1, 2), padding: (1, 1), dilation: (2, 1), groups: 3 }),
+    ] {
+        let (x, w, b) = (r(&xs, 11), r(&ws, 12), r(&[ws[0]], 13));
+        gradcheck(|v| F::conv2d(&v[0], &v[1], Some(&v[2]), a), &[x, w, b], GradcheckOptions::default()).unwrap();
+    }
+}
+
 #[test]
 fn max_pool_sends_the_gradient_to_the_first_maximum_like_pytorch() {
     // A window of equal values (as after a ReLU): PyTorch's gradient goes to the first.

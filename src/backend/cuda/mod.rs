@@ -1,11 +1,13 @@
 //! The CUDA backend: one context and stream per device, a caching allocator, kernels generated
-//! at run time (codegen.rs → nvrtc.rs) and cached per device, cuBLAS for matrix products.
+//! at run time (codegen.rs → nvrtc.rs) and cached per device, cuBLAS for matrix products,
+//! cuDNN for convolutions.
 //! cudarc loads the CUDA libraries dynamically, so builds and CPU runs need no CUDA.
 
 pub(crate) mod alloc;
 pub(crate) mod attention;
 mod blas;
 pub(crate) mod codegen;
+pub(crate) mod cudnn;
 pub(crate) mod custom;
 pub(crate) mod fused;
 pub(crate) mod graph;
@@ -89,6 +91,8 @@ pub(crate) struct CudaDevice {
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
+    /// The cuDNN handle and the convolution algorithms chosen per geometry.
+    pub(crate) cudnn: Mutex<Option<cudnn::State>>,
     /// While a CUDA graph is being captured: the blocks it allocates (they belong to the graph).
     pub(crate) capture: Mutex<Option<graph::CapturePool>>,
     /// Blocks owned by live graphs: the graph still reads and writes them at each replay, so a
@@ -159,6 +163,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         counters: Mutex::new(None),
         modules: Mutex::new(Vec::new()),
         blas: Mutex::new(None),
+        cudnn: Mutex::new(None),
         capture: Mutex::new(None),
         graph_blocks: Mutex::new(Default::default()),
         arch: format!("sm_{major}{minor}"),
@@ -440,13 +445,20 @@ pub fn launch_count() -> u64 {
     LAUNCHES.with(|c| c.get())
 }
 
-/// Lets F32 matrix products use TF32 tensor cores (`torch.backends.cuda.matmul.allow_tf32`);
-/// off by default, so F32 products are full precision.
+/// Lets F32 matrix products and convolutions use TF32 tensor cores (PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32` and `torch.backends.cudnn.allow_tf32` in one);
+/// off by default, so F32 products and convolutions are full precision.
 pub fn set_allow_tf32(allow: bool) {
     ALLOW_TF32.store(allow, Ordering::Relaxed);
 }
 pub fn allow_tf32() -> bool {
     ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+/// The version of the cuDNN library convolutions run through (`cudnnGetVersion`, e.g. 91000
+/// for 9.10.0), or why it cannot be used: then CUDA convolutions run as im2col + matmul.
+pub fn cudnn_version() -> std::result::Result<usize, String> {
+    cudnn::library()
 }
 
 /// The directory generated kernels are cached in across processes.

@@ -1,0 +1,228 @@
+//! Convolution primitives: `Op::Conv2d` and the two products its gradient needs,
+//! `Op::Conv2dGradInput` and `Op::Conv2dGradWeight`. On CUDA (F32, F16, BF16) each is one cuDNN
+//! call (`backend::cuda::cudnn`). Everywhere else — the CPU, F64 on CUDA, a CUDA machine without
+//! cuDNN — each is defined here with other primitives: padding and one index_select gather the
+//! windows (im2col) and one matmul applies the kernel; the gradients are the same products
+//! transposed, plus one scatter-add (col2im) for the input.
+
+use super::Op;
+use crate::storage::BackendStorage;
+use crate::{Device, Error, Result, Tensor};
+
+/// Options of a 2-D convolution: `(height, width)` pairs and groups, PyTorch's defaults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dArgs {
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    pub groups: usize,
+}
+
+impl Default for Conv2dArgs {
+    fn default() -> Self {
+        Conv2dArgs { stride: (1, 1), padding: (0, 0), dilation: (1, 1), groups: 1 }
+    }
+}
+
+/// Which product of a convolution an op computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Pass {
+    /// y from (x, w).
+    Forward,
+    /// dx from (dy, w).
+    GradInput,
+    /// dw from (x, dy).
+    GradWeight,
+}
+
+/// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
+pub(crate) fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
+    let span = dil * (k.max(1) - 1) + 1;
+    if size + 2 * pad < span {
+        return Err(Error::shape(op, format!("input size {size} with padding {pad} is smaller than the (dilated) kernel {span}")));
+    }
+    Ok((size + 2 * pad - span) / stride.max(1) + 1)
+}
+
+pub(crate) fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()> {
+    if v.0 == 0 || v.1 == 0 {
+        return Err(Error::arg(op, format!("{what} must be positive, got {v:?}")));
+    }
+    Ok(())
+}
+
+/// `[N, O, OH, OW]`: the output shape of `x` `[N, C, H, W]` convolved with `w` `[O, C / g, KH, KW]`.
+pub(crate) fn out_shape(a: &Conv2dArgs, x: &[usize], w: &[usize]) -> Result<Vec<usize>> {
+    let oh = out_len("conv2d", x[2], w[2], a.stride.0, a.padding.0, a.dilation.0)?;
+    let ow = out_len("conv2d", x[3], w[3], a.stride.1, a.padding.1, a.dilation.1)?;
+    Ok(vec![x[0], w[0], oh, ow])
+}
+
+/// The `kh * kw` windows of padded `x` `[N, C, Hp, Wp]`, channels last:
+/// `[N, OH * OW, kh * kw, C]`. One index_select over the flattened positions; a 1x1 kernel is a
+/// strided view instead.
+pub(crate) fn unfold(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+    let (n, c, hp, wp) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
+    let l = out.0 * out.1;
+    if k == (1, 1) {
+        let v = x.slice(2, 0, (stride.0 * (out.0 - 1) + 1) as i64, stride.0)?.slice(3, 0, (stride.1 * (out.1 - 1) + 1) as i64, stride.1)?;
+        return v.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, l, 1, c]);
+    }
+    let idx = window_index(&x.device(), wp, k, stride, dil, out)?;
+    let flat = x.permute(&[0, 2, 3, 1])?.reshape_usize(&[n, hp * wp, c])?;
+    flat.index_select(1, &idx)?.reshape_usize(&[n, l, k.0 * k.1, c])
+}
+
+type IndexKey = (Device, usize, (usize, usize), (usize, usize), (usize, usize), (usize, usize));
+
+thread_local! {
+    /// Window indices by geometry, so repeated calls copy nothing to the device.
+    static WINDOW_INDEX: std::cell::RefCell<std::collections::HashMap<IndexKey, Tensor>> = Default::default();
+}
+
+/// Flat input positions (row * `wp` + col) of every window element, in (oh, ow, i, j) order.
+fn window_index(dev: &Device, wp: usize, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+    let key = (*dev, wp, k, stride, dil, out);
+    if let Some(t) = WINDOW_INDEX.with(|c| c.borrow().get(&key).cloned()) {
+        return Ok(t);
+    }
+    let mut idx = Vec::with_capacity(out.0 * out.1 * k.0 * k.1);
+    for oh in 0..out.0 {
+        for ow in 0..out.1 {
+            for i in 0..k.0 {
+                for j in 0..k.1 {
+                    idx.push(((oh * stride.0 + i * dil.0) * wp + ow * stride.1 + j * dil.1) as i64);
+                }
+            }
+        }
+    }
+    let n = idx.len();
+    let t = Tensor::from_vec(idx, &[n], &Device::Cpu)?.to_device(dev)?;
+    WINDOW_INDEX.with(|c| {
+        let mut c = c.borrow_mut();
+        // A model has few geometries; inputs of ever-changing sizes must not grow it forever.
+        if c.len() >= 64 {
+            c.clear();
+        }
+        c.insert(key, t.clone());
+    });
+    Ok(t)
+}
+
+/// Sizes of one convolution: input `[n, c, h, w]`, weight `[o, c / g, kh, kw]`, output
+/// `[n, o, oh, ow]`.
+struct Geom {
+    n: usize,
+    c: usize,
+    h: usize,
+    w: usize,
+    o: usize,
+    kh: usize,
+    kw: usize,
+    oh: usize,
+    ow: usize,
+    g: usize,
+}
+
+impl Geom {
+    fn new(x: &[usize], w: &[usize], y: &[usize], g: usize) -> Geom {
+        Geom { n: x[0], c: x[1], h: x[2], w: x[3], o: w[0], kh: w[2], kw: w[3], oh: y[2], ow: y[3], g }
+    }
+    fn rows(&self) -> usize {
+        self.n * self.oh * self.ow
+    }
+    fn kk(&self) -> usize {
+        self.kh * self.kw
+    }
+}
+
+/// Runs one of the convolution ops (arguments validated by its caller) on its inputs' device;
+/// `out` is the result's shape from `Op::out_meta`.
+pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
+    let (a, b) = (xs[0], xs[1]);
+    let (pass, args, x, w, y) = match op {
+        Op::Conv2d(args) => (Pass::Forward, args, a.shape(), b.shape(), out),
+        Op::Conv2dGradInput(args, _) => (Pass::GradInput, args, out, b.shape(), a.shape()),
+        Op::Conv2dGradWeight(args, _) => (Pass::GradWeight, args, a.shape(), out, b.shape()),
+        _ => unreachable!("{} is not a convolution", op.name()),
+    };
+    if a.device().is_cuda() && crate::backend::cuda::cudnn::usable(a.dtype()) {
+        let shapes = [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]);
+        let s = crate::backend::cuda::cudnn::conv(pass, args, shapes, a, b)?;
+        return Ok(Tensor::from_backend(BackendStorage::Cuda(s), out));
+    }
+    let geo = Geom::new(x, w, y, args.groups);
+    // The definition below is written with tensor ops: none of them is recorded (for autograd or
+    // by a tracer) or cast by autocast; this op is the one that was.
+    let _off = crate::compile::trace::Suspend::new();
+    crate::amp::suspended(|| {
+        crate::no_grad(|| match pass {
+            Pass::Forward => forward(a, b, args, &geo),
+            Pass::GradInput => grad_input(a, b, args, &geo),
+            Pass::GradWeight => grad_weight(a, b, args, &geo),
+        })
+    })
+}
+
+/// im2col columns of `x`: `[N, OH * OW, KH * KW, C]` (window-major, channel-minor).
+fn columns(x: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Tensor> {
+    let p = a.padding;
+    let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], 0.0)? };
+    unfold(&padded, (geo.kh, geo.kw), a.stride, a.dilation, (geo.oh, geo.ow))
+}
+
+/// The weight as the matrix the columns multiply: `[G, O / G, KH * KW * C / G]`, in the
+/// columns' (window, channel) order.
+fn weight_rows(w: &Tensor, geo: &Geom) -> Result<Tensor> {
+    let cg = geo.c / geo.g;
+    w.permute(&[0, 2, 3, 1])?.reshape_usize(&[geo.g, geo.o / geo.g, geo.kk() * cg])
+}
+
+/// `dy` `[N, O, OH, OW]` as rows of the columns' product, per group: `[G, N * OH * OW, O / G]`.
+fn grad_rows(dy: &Tensor, geo: &Geom) -> Result<Tensor> {
+    let rows = dy.permute(&[0, 2, 3, 1])?.reshape_usize(&[geo.rows(), geo.o])?;
+    if geo.g == 1 {
+        return rows.unsqueeze(0);
+    }
+    rows.reshape_usize(&[geo.rows(), geo.g, geo.o / geo.g])?.transpose(0, 1)
+}
+
+/// `y = cols @ W^T`, returned as `[N, O, OH, OW]` viewed over channels-last memory.
+fn forward(x: &Tensor, w: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Tensor> {
+    let (rows, kk, c, o, g) = (geo.rows(), geo.kk(), geo.c, geo.o, geo.g);
+    let cols = columns(x, a, geo)?;
+    let wk = weight_rows(w, geo)?;
+    let y = if g == 1 {
+        cols.reshape_usize(&[rows, kk * c])?.matmul(&wk.squeeze(0)?.t()?)?
+    } else {
+        let cg = c / g;
+        let cols = cols.reshape_usize(&[rows, kk, g, cg])?.permute(&[2, 0, 1, 3])?.reshape_usize(&[g, rows, kk * cg])?;
+        cols.matmul(&wk.transpose(1, 2)?)?.transpose(0, 1)?.reshape_usize(&[rows, o])?
+    };
+    y.reshape_usize(&[geo.n, geo.oh, geo.ow, o])?.permute(&[0, 3, 1, 2])
+}
+
+/// `dW = dy_rows^T @ cols`, as `[O, C / G, KH, KW]`.
+fn grad_weight(x: &Tensor, dy: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Tensor> {
+    let (rows, kk, c, o, g) = (geo.rows(), geo.kk(), geo.c, geo.o, geo.g);
+    let cg = c / g;
+    let cols = columns(x, a, geo)?.reshape_usize(&[rows, kk, g, cg])?.permute(&[2, 0, 1, 3])?.reshape_usize(&[g, rows, kk * cg])?;
+    let gw = grad_rows(dy, geo)?.transpose(1, 2)?.matmul(&cols)?; // [G, O / G, KH * KW * Cg]
+    gw.reshape_usize(&[o, geo.kh, geo.kw, cg])?.permute(&[0, 3, 1, 2])
+}
+
+/// `dcols = dy_rows @ W`, scattered back onto the (padded) input positions it was gathered
+/// from (col2im), as `[N, C, H, W]`.
+fn grad_input(dy: &Tensor, w: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Tensor> {
+    let (rows, kk, c, g, n) = (geo.rows(), geo.kk(), geo.c, geo.g, geo.n);
+    let cg = c / g;
+    let dcols = grad_rows(dy, geo)?.matmul(&weight_rows(w, geo)?)?; // [G, rows, KH * KW * Cg]
+    let dcols = dcols.reshape_usize(&[g, rows, kk, cg])?.permute(&[1, 2, 0, 3])?.reshape_usize(&[n, geo.oh * geo.ow * kk, c])?;
+    let p = a.padding;
+    let (hp, wp) = (geo.h + 2 * p.0, geo.w + 2 * p.1);
+    let idx = window_index(&dy.device(), wp, (geo.kh, geo.kw), a.stride, a.dilation, (geo.oh, geo.ow))?;
+    let idx = idx.reshape_usize(&[1, idx.numel(), 1])?.broadcast_to(dcols.shape())?;
+    let base = Tensor::zeros(&[n, hp * wp, c], dy.dtype(), &dy.device())?;
+    let padded = base.scatter_add(1, &idx, &dcols)?.reshape_usize(&[n, hp, wp, c])?.permute(&[0, 3, 1, 2])?;
+    padded.narrow(2, p.0, geo.h)?.narrow(3, p.1, geo.w)
+}
