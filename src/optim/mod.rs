@@ -1,6 +1,9 @@
 //! Optimisers with PyTorch's update rules (`torch.optim.SGD`, `Adam`, `AdamW`). Updates run
 //! under `no_grad` as in-place ops on the parameters, so any tensor holding a parameter sees them.
+//! On a CUDA device, outside compiled functions, one multi-tensor kernel updates all the
+//! parameters (`foreach.rs`), with the same results as the per-tensor ops here.
 
+mod foreach;
 mod scheduler;
 mod state;
 
@@ -40,13 +43,15 @@ pub struct Sgd {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
+    /// Multi-tensor kernels on CUDA (see [`Sgd::foreach`]).
+    pub foreach: bool,
     momentum_buffers: Vec<Option<Tensor>>,
 }
 
 impl Sgd {
     pub fn new(params: Vec<Tensor>, lr: f64) -> Sgd {
         let n = params.len();
-        Sgd { params, lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0, momentum_buffers: vec![None; n] }
+        Sgd { params, lr, momentum: 0.0, dampening: 0.0, nesterov: false, weight_decay: 0.0, foreach: true, momentum_buffers: vec![None; n] }
     }
     pub fn momentum(mut self, m: f64) -> Sgd {
         self.momentum = m;
@@ -64,6 +69,14 @@ impl Sgd {
         self.weight_decay = wd;
         self
     }
+    /// Whether `step` updates parameters on CUDA devices with multi-tensor kernels, a launch
+    /// or a few for all of them (on by default, as PyTorch's `foreach` on CUDA), or with a few
+    /// ops per parameter (`false`, PyTorch's `foreach=False`). The results are the same.
+    /// CPU parameters and steps inside compiled functions always take the per-tensor ops.
+    pub fn foreach(mut self, on: bool) -> Sgd {
+        self.foreach = on;
+        self
+    }
     /// The momentum buffers (the optimiser's state), one per parameter.
     pub fn state(&self) -> &[Option<Tensor>] {
         &self.momentum_buffers
@@ -73,7 +86,11 @@ impl Sgd {
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         no_grad(|| {
-            for (p, buf) in self.params.iter().zip(self.momentum_buffers.iter_mut()) {
+            let done = foreach::sgd(self)?;
+            for ((p, buf), done) in self.params.iter().zip(self.momentum_buffers.iter_mut()).zip(done) {
+                if done {
+                    continue;
+                }
                 let Some(mut g) = p.grad() else { continue };
                 if self.weight_decay != 0.0 {
                     g = g.add(&p.mul_scalar(self.weight_decay)?)?;
@@ -174,19 +191,24 @@ struct AdamCore {
     params: Vec<Tensor>,
     cfg: AdamConfig,
     decoupled: bool,
+    foreach: bool,
     state: Vec<Option<AdamState>>,
 }
 
 impl AdamCore {
     fn new(params: Vec<Tensor>, cfg: AdamConfig, decoupled: bool) -> AdamCore {
         let n = params.len();
-        AdamCore { params, cfg, decoupled, state: vec![None; n] }
+        AdamCore { params, cfg, decoupled, foreach: true, state: vec![None; n] }
     }
 
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
         no_grad(|| {
-            for (p, st) in self.params.iter().zip(self.state.iter_mut()) {
+            let done = foreach::adam(self)?;
+            for ((p, st), done) in self.params.iter().zip(self.state.iter_mut()).zip(done) {
+                if done {
+                    continue;
+                }
                 let Some(mut g) = p.grad() else { continue };
                 if c.weight_decay != 0.0 {
                     if self.decoupled {
@@ -284,6 +306,15 @@ macro_rules! adam {
             /// PyTorch's defaults with learning rate `lr`.
             pub fn with_lr(params: Vec<Tensor>, lr: f64) -> $name {
                 $name::new(params, AdamConfig { lr, weight_decay: $default_wd, ..Default::default() })
+            }
+            /// Whether `step` updates parameters on CUDA devices with multi-tensor kernels, a
+            /// launch or a few for all of them (on by default, as PyTorch's `foreach` on CUDA),
+            /// or with a few ops per parameter (`false`, PyTorch's `foreach=False`). The results
+            /// are the same. CPU parameters and steps inside compiled functions always take the
+            /// per-tensor ops.
+            pub fn foreach(mut self, on: bool) -> $name {
+                self.0.foreach = on;
+                self
             }
             /// Each parameter's state (none before its first update).
             pub fn state(&self) -> &[Option<AdamState>] {

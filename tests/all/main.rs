@@ -19,6 +19,7 @@ mod ops_matmul;
 mod ops_nn;
 mod ops_pointwise;
 mod ops_reduce;
+mod optim;
 mod profiler;
 mod smoke;
 mod tensor;

@@ -57,7 +57,7 @@ pub(crate) fn storage_type(d: DType) -> &'static str {
     }
 }
 
-fn short(d: DType) -> &'static str {
+pub(crate) fn short(d: DType) -> &'static str {
     match d {
         DType::F32 => "f32",
         DType::F64 => "f64",

@@ -78,18 +78,7 @@ pub(crate) fn launch(k: &UserKernel, inputs: &[&Tensor], out: &Tensor, spec: &La
 /// Compares the call's parameters (pointers, then scalars) with the kernel's, as the driver
 /// reports them (CUDA 12.4 and later; older drivers skip the check).
 fn check_params(dev: &CudaDevice, kern: Kernel, k: &UserKernel, n_inputs: usize, args: &[KernelArg]) -> Result<()> {
-    if dev.driver < 12040 {
-        return Ok(());
-    }
-    let mut sizes = vec![];
-    loop {
-        let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: plain out-parameters; an index past the last parameter is an error.
-        if unsafe { ds::cuFuncGetParamInfo(kern.0, sizes.len(), &mut offset, &mut size) }.result().is_err() {
-            break;
-        }
-        sizes.push(size);
-    }
+    let sizes = dev.param_sizes(kern);
     // Every call passes at least two parameters: no answer means the driver cannot tell.
     if sizes.is_empty() {
         return Ok(());

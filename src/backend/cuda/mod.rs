@@ -9,6 +9,7 @@ mod blas;
 pub(crate) mod codegen;
 pub(crate) mod cudnn;
 pub(crate) mod custom;
+pub(crate) mod foreach;
 pub(crate) mod fused;
 pub(crate) mod graph;
 pub(crate) mod kernels;
@@ -282,6 +283,24 @@ impl CudaDevice {
         let k = Kernel(f, Box::leak(name.into_boxed_str()));
         self.kernels.lock().insert(key, k);
         Ok(k)
+    }
+
+    /// The sizes of `k`'s parameters as the driver reports them (CUDA 12.4 and later); empty
+    /// where it cannot tell.
+    pub(crate) fn param_sizes(&self, k: Kernel) -> Vec<usize> {
+        let mut sizes = vec![];
+        if self.driver < 12040 {
+            return sizes;
+        }
+        loop {
+            let (mut offset, mut size) = (0usize, 0usize);
+            // SAFETY: plain out-parameters; an index past the last parameter is an error.
+            if unsafe { ds::cuFuncGetParamInfo(k.0, sizes.len(), &mut offset, &mut size) }.result().is_err() {
+                break;
+            }
+            sizes.push(size);
+        }
+        sizes
     }
 
     /// Launches `k` on the device's stream with the argument block `args`.

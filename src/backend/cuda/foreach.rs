@@ -1,0 +1,301 @@
+//! Multi-tensor optimiser updates, as PyTorch's `multi_tensor_apply`: one generated kernel
+//! updates a whole list of parameters (and their state) in place. The list travels as a table
+//! passed by value (tensor count, each tensor's first block, element count and one address per
+//! slot: parameter, gradient, state buffers); block `b` finds its tensor by binary search over
+//! the first blocks and updates one chunk of `CHUNK` elements of it. Hyperparameters are scalar
+//! kernel parameters. A table holds at most `tensors_per_launch` tensors, so that the kernel's
+//! parameters stay within 4 KiB (the limit before CUDA 12.1); longer lists take more launches.
+//!
+//! Each update is written as the per-tensor path's sequence of eager ops (optim/mod.rs), one
+//! rounding per op: products and sums are never contracted into FMAs (`--fmad=false`), division
+//! and square root are IEEE-rounded (NVRTC's defaults, as in the eager kernels), and F16/BF16
+//! values are rounded to their storage type after every op, as each eager op stores its result.
+//! The results are therefore those of the per-tensor path, bit for bit.
+
+use super::codegen::{load, short, storage_type, store, CType, PRELUDE};
+use super::kernels::dev_of;
+use super::{CudaDevice, Kernel, KernelKey};
+use crate::{DType, Error, Result, Tensor};
+use std::fmt::Write;
+
+/// Elements one block updates (PyTorch's chunk size).
+pub(crate) const CHUNK: usize = 65536;
+const THREADS: u32 = 512;
+/// Elements a thread loads before it computes (independent loads in flight).
+const ILP: usize = 4;
+/// Bytes of the table; the scalars after it take at most 128 more, within the 4 KiB limit.
+const TABLE_BYTES: usize = 3840;
+
+/// Which update a kernel applies; the flags are what the source depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Rule {
+    /// SGD. Slots: parameter, gradient, and the momentum buffer when `momentum`.
+    /// Scalars: lr, weight_decay, momentum, 1 - dampening; the flag marks a first step (the
+    /// buffer is written, not read: a copy of the gradient).
+    Sgd { weight_decay: bool, momentum: bool, nesterov: bool },
+    /// Adam (AdamW when `decoupled`). Slots: parameter, gradient, exp_avg, exp_avg_sq.
+    /// Scalars: weight_decay, 1 - lr * weight_decay, beta1, 1 - beta1, beta2, 1 - beta2,
+    /// sqrt(bias_correction2), eps, lr / bias_correction1.
+    Adam { weight_decay: bool, decoupled: bool },
+}
+
+impl Rule {
+    /// Addresses per tensor.
+    pub(crate) fn depth(self) -> usize {
+        match self {
+            Rule::Sgd { momentum, .. } => 2 + momentum as usize,
+            Rule::Adam { .. } => 4,
+        }
+    }
+    /// Scalar parameters (f64) after the table; an `int` flag follows them.
+    pub(crate) fn scalars(self) -> usize {
+        match self {
+            Rule::Sgd { .. } => 4,
+            Rule::Adam { .. } => 9,
+        }
+    }
+    fn name(self, dtype: DType) -> String {
+        let flags = match self {
+            Rule::Sgd { weight_decay, momentum, nesterov } => format!("sgd{}{}{}", if momentum { "_m" } else { "" }, if nesterov { "_n" } else { "" }, if weight_decay { "_wd" } else { "" }),
+            Rule::Adam { weight_decay, decoupled } => format!("{}{}", if decoupled { "adamw" } else { "adam" }, if weight_decay { "_wd" } else { "" }),
+        };
+        format!("foreach_{flags}_{}", short(dtype))
+    }
+}
+
+/// Parameter dtypes the kernels take (their state has the parameter's dtype).
+pub(crate) fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+}
+
+/// Tensors one table holds with `depth` addresses each.
+pub(crate) fn tensors_per_launch(depth: usize) -> usize {
+    (TABLE_BYTES / 8 - 1) / (2 + depth)
+}
+
+/// Words of a table: the count, then per tensor its first block, its element count and its
+/// `depth` addresses, each as an array of `nt`.
+fn table_words(depth: usize) -> usize {
+    1 + (2 + depth) * tensors_per_launch(depth)
+}
+
+/// The tables of launches over `entries` (each: its addresses, `depth` of them, and its element
+/// count, which must be positive), with the blocks each launch needs.
+pub(crate) fn tables(depth: usize, entries: &[(Vec<u64>, usize)]) -> Vec<(Vec<u64>, u64)> {
+    let nt = tensors_per_launch(depth);
+    entries
+        .chunks(nt)
+        .map(|list| {
+            let mut w = vec![0u64; table_words(depth)];
+            w[0] = list.len() as u64;
+            let mut blocks = 0u64;
+            for (k, (ptrs, numel)) in list.iter().enumerate() {
+                debug_assert!(*numel > 0 && ptrs.len() == depth);
+                w[1 + k] = blocks;
+                w[1 + nt + k] = *numel as u64;
+                for (s, p) in ptrs.iter().enumerate() {
+                    w[1 + (2 + s) * nt + k] = *p;
+                }
+                blocks += numel.div_ceil(CHUNK) as u64;
+            }
+            (w, blocks)
+        })
+        .collect()
+}
+
+/// The kernel's name and CUDA C source.
+pub(crate) fn gen(rule: Rule, dtype: DType) -> (String, String) {
+    let name = rule.name(dtype);
+    let depth = rule.depth();
+    let nt = tensors_per_launch(depth);
+    let t = CType::of(dtype);
+    let (tn, st) = (t.name(), storage_type(dtype));
+    let sqrt = if t == CType::F32 { "sqrtf" } else { "sqrt" };
+    let mut c = String::from(PRELUDE);
+    let _ = writeln!(c, "#define NT {nt}\n#define ILP {ILP}\n#define CHUNK {CHUNK}ll");
+    let _ = writeln!(c, "struct Table {{ u64 n; u64 first[NT]; u64 numel[NT]; u64 ptr[{depth}][NT]; }};");
+    let _ = writeln!(c, "typedef {tn} T;\ntypedef {st} S;");
+    // One eager op's rounding: its result is stored in the parameter's dtype.
+    let _ = writeln!(c, "__device__ __forceinline__ T kr(T x) {{ return {}; }}", load(dtype, t, &store(dtype, t, "x")));
+    let _ = writeln!(c, "__device__ __forceinline__ T kld(S x) {{ return {}; }}", load(dtype, t, "x"));
+    let _ = writeln!(c, "__device__ __forceinline__ S kst(T x) {{ return {}; }}", store(dtype, t, "x"));
+    let scalars: String = (0..rule.scalars()).map(|k| format!("const double s{k}, ")).collect();
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({THREADS}) {name}(const Table tb, {scalars}const int first) {{");
+    c.push_str(
+        r#"  const u64 b = blockIdx.x;
+  int lo = 0, hi = (int)tb.n - 1;
+  while (lo < hi) { const int mid = (lo + hi + 1) >> 1; if (tb.first[mid] <= b) lo = mid; else hi = mid - 1; }
+  const long long n = (long long)tb.numel[lo];
+  const long long begin = (long long)(b - tb.first[lo]) * CHUNK;
+  const long long end = begin + CHUNK < n ? begin + CHUNK : n;
+  const long long stride = (long long)blockDim.x;
+"#,
+    );
+    let _ = writeln!(c, "  S* __restrict__ q0 = (S*)tb.ptr[0][lo];\n  const S* __restrict__ q1 = (const S*)tb.ptr[1][lo];");
+    for s in 2..depth {
+        let _ = writeln!(c, "  S* __restrict__ q{s} = (S*)tb.ptr[{s}][lo];");
+    }
+    // Values per element: p (parameter), g (gradient), then the state; slot s is q<s>.
+    let state: &[&str] = match rule {
+        Rule::Sgd { momentum: true, .. } => &["buf"],
+        Rule::Sgd { .. } => &[],
+        Rule::Adam { .. } => &["m", "v"],
+    };
+    let update = match rule {
+        Rule::Sgd { weight_decay, momentum, nesterov } => {
+            let mut u = String::new();
+            if weight_decay {
+                u += "      g = kr(g + kr(p * wd));\n";
+            }
+            if momentum {
+                u += "      buf = first ? g : kr(kr(buf * mom) + kr(g * keep));\n";
+                u += if nesterov { "      g = kr(g + kr(buf * mom));\n" } else { "      g = buf;\n" };
+            }
+            u += "      p = kr(p - kr(g * lr));\n";
+            u
+        }
+        Rule::Adam { weight_decay, decoupled } => {
+            let mut u = String::new();
+            if weight_decay {
+                u += if decoupled { "      p = kr(p * decay);\n" } else { "      g = kr(g + kr(p * wd));\n" };
+            }
+            u += "      m = kr(kr(m * beta1) + kr(g * keep1));\n";
+            u += "      v = kr(kr(v * beta2) + kr(kr(g * g) * keep2));\n";
+            let _ = writeln!(u, "      const T denom = kr(kr(kr({sqrt}(v)) / bc2s) + eps);");
+            u += "      p = kr(p - kr(kr(m / denom) * step_size));\n";
+            u
+        }
+    };
+    // The scalars in the compute type, those the update uses (in the order of `Rule`'s doc).
+    let names: &[&str] = match rule {
+        Rule::Sgd { .. } => &["lr", "wd", "mom", "keep"],
+        Rule::Adam { .. } => &["wd", "decay", "beta1", "keep1", "beta2", "keep2", "bc2s", "eps", "step_size"],
+    };
+    let ident = |ch: char| ch.is_ascii_alphanumeric() || ch == '_';
+    let word = |n: &str| update.match_indices(n).any(|(i, _)| !update[..i].ends_with(ident) && !update[i + n.len()..].starts_with(ident));
+    let used: Vec<String> = names.iter().enumerate().filter(|(_, n)| word(n)).map(|(k, n)| format!("{n} = (T)s{k}")).collect();
+    let _ = writeln!(c, "  const T {};", used.join(", "));
+    let vals: Vec<&str> = ["p", "g"].iter().chain(state).copied().collect();
+    // A first SGD step's buffer is uninitialised memory: written, never read.
+    let load_of = |k: usize, v: &str| {
+        if v == "buf" {
+            format!("r{v}[j] = first ? (T)0 : kld(q{k}[i]);")
+        } else {
+            format!("r{v}[j] = kld(q{k}[i]);")
+        }
+    };
+    let loads: Vec<String> = vals.iter().enumerate().map(|(k, v)| load_of(k, v)).collect();
+    let regs: Vec<String> = vals.iter().map(|v| format!("r{v}[ILP]")).collect();
+    let takes: Vec<String> = vals.iter().map(|v| format!("{v} = r{v}[j]")).collect();
+    // Written back: the parameter and the state (not the gradient, slot 1).
+    let stores: Vec<String> = vals.iter().enumerate().filter(|(k, _)| *k != 1).map(|(k, v)| format!("q{k}[i] = kst({v});")).collect();
+    let _ = writeln!(
+        c,
+        r#"  for (long long base = begin + (long long)threadIdx.x; base < end; base += ILP * stride) {{
+    T {regs};
+    // Every load first, so that a thread has ILP of each in flight; then update and store.
+    #pragma unroll
+    for (int j = 0; j < ILP; j++) {{
+      const long long i = base + j * stride;
+      if (i < end) {{ {loads} }}
+    }}
+    #pragma unroll
+    for (int j = 0; j < ILP; j++) {{
+      const long long i = base + j * stride;
+      if (i >= end) continue;
+      T {takes};
+{update}      {stores}
+    }}
+  }}
+}}"#,
+        regs = regs.join(", "),
+        loads = loads.join(" "),
+        takes = takes.join(", "),
+        stores = stores.join(" "),
+    );
+    (name, c)
+}
+
+/// Updates in place the tensors of `entries`, each given by its slots (all contiguous, of
+/// `dtype`, of one shape, at least one element, on one device, no two written ones sharing
+/// memory), with `scalars` as `rule` lists them. The caller bumps their versions.
+pub(crate) fn launch(rule: Rule, dtype: DType, entries: &[Vec<&Tensor>], scalars: &[f64], first: bool) -> Result<()> {
+    let Some(t0) = entries.first().and_then(|e| e.first()) else { return Ok(()) };
+    debug_assert_eq!(scalars.len(), rule.scalars());
+    let dev = dev_of(t0)?;
+    let kern = dev.kernel_with(KernelKey::Named(rule.name(dtype)), &["--fmad=false".to_string()], || gen(rule, dtype))?;
+    if cfg!(debug_assertions) {
+        check_params(&dev, kern, rule)?;
+    }
+    let list = entries.iter().map(|slots| Ok((slots.iter().map(|t| super::kernels::data_ptr(t)).collect::<Result<Vec<u64>>>()?, slots[0].numel()))).collect::<Result<Vec<_>>>()?;
+    for (mut words, blocks) in tables(rule.depth(), &list) {
+        let grid =
+            u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32).ok_or_else(|| Error::arg("optimizer step", format!("{blocks} blocks of {CHUNK} elements: more than a launch holds")))?;
+        let mut scalars = scalars.to_vec();
+        let mut flag = first as i32;
+        let mut params: Vec<*mut std::ffi::c_void> = vec![words.as_mut_ptr() as *mut std::ffi::c_void];
+        params.extend(scalars.iter_mut().map(|s| s as *mut f64 as *mut std::ffi::c_void));
+        params.push(&mut flag as *mut i32 as *mut std::ffi::c_void);
+        // SAFETY: the parameters are the kernel's: the table (`words` is `struct Table`, all
+        // u64), then `rule.scalars()` doubles and an int (sizes checked in debug builds). The
+        // addresses are of live tensors the caller holds; buffers are reused in stream order.
+        unsafe { dev.launch_params(kern, (grid, 1, 1), (THREADS, 1, 1), 0, &mut params) }?;
+    }
+    Ok(())
+}
+
+/// The kernel's parameter sizes as the driver reports them, against the table and scalars the
+/// launch passes.
+fn check_params(dev: &CudaDevice, kern: Kernel, rule: Rule) -> Result<()> {
+    let got = dev.param_sizes(kern);
+    let mut want = vec![table_words(rule.depth()) * 8];
+    want.extend(std::iter::repeat_n(8, rule.scalars()));
+    want.push(4);
+    if got.is_empty() || got == want {
+        return Ok(());
+    }
+    Err(Error::Cuda { op: "optimizer step", device: dev.kiln_device(), msg: format!("kernel {} takes parameters of {got:?} bytes, the launch passes {want:?}", kern.1) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tables_stay_within_4k_and_map_blocks_to_tensors() {
+        for rule in
+            [Rule::Sgd { weight_decay: true, momentum: false, nesterov: false }, Rule::Sgd { weight_decay: true, momentum: true, nesterov: true }, Rule::Adam { weight_decay: true, decoupled: true }]
+        {
+            let bytes = table_words(rule.depth()) * 8 + rule.scalars() * 8 + 4;
+            assert!(bytes <= 4096, "{rule:?}: {bytes} bytes of parameters");
+        }
+        let nt = tensors_per_launch(4);
+        let sizes: Vec<usize> = (0..nt + 3).map(|k| [1, 7, 1000, 70000, CHUNK, CHUNK + 1][k % 6]).collect();
+        let entries: Vec<(Vec<u64>, usize)> = sizes.iter().enumerate().map(|(k, &n)| ((0..4).map(|s| (k * 16 + s) as u64).collect(), n)).collect();
+        let t = tables(4, &entries);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t[0].0[0] as usize, nt);
+        assert_eq!(t[1].0[0], 3);
+        // Launch 0: tensor k starts where the blocks of the ones before it end.
+        let mut first = 0;
+        for (k, &n) in sizes[..nt].iter().enumerate() {
+            assert_eq!(t[0].0[1 + k], first);
+            assert_eq!(t[0].0[1 + nt + k], n as u64);
+            assert_eq!(t[0].0[1 + 3 * nt + k], (k * 16 + 1) as u64, "the gradient's address");
+            first += n.div_ceil(CHUNK) as u64;
+        }
+        assert_eq!(t[0].1, first);
+        assert_eq!(t[1].0[1 + 5 * nt + 2], ((nt + 2) * 16 + 3) as u64, "the last slot of the last tensor");
+    }
+
+    #[test]
+    fn sources_name_their_kernels() {
+        for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let (name, src) = gen(Rule::Adam { weight_decay: true, decoupled: false }, dt);
+            assert!(src.contains(&format!("void __launch_bounds__({THREADS}) {name}(")), "{src}");
+        }
+        let (name, src) = gen(Rule::Sgd { weight_decay: false, momentum: true, nesterov: true }, DType::BF16);
+        assert_eq!(name, "foreach_sgd_m_n_bf16");
+        assert!(src.contains("first ? (T)0 : kld(q2[i])"));
+    }
+}
