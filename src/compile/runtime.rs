@@ -61,10 +61,12 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
 }
 
-/// A graph scheduled into fused kernels and eager steps.
+/// A graph scheduled into fused kernels, library products and eager steps.
 pub(crate) struct Program {
     pub graph: Graph,
     pub schedule: Schedule,
+    /// Max-autotune: library algorithms and row-kernel launch shapes are timed on first use.
+    tune: bool,
     /// Per step, the values no later step reads.
     frees: Vec<Vec<NodeId>>,
     /// New values of captured tensors that their fused kernel writes straight into them (by
@@ -73,24 +75,32 @@ pub(crate) struct Program {
 }
 
 impl Program {
-    pub(crate) fn new(graph: Graph) -> Program {
+    /// The program of `graph`. With `tune` (max-autotune) it times its library algorithms and
+    /// row-kernel launch shapes on the device the first time each runs (a no-op on the CPU).
+    pub(crate) fn new(graph: Graph, tune: bool) -> Program {
         let schedule = fuse::schedule(&graph);
         crate::logging::log(Category::Fusion, || {
-            let mut s = format!("{} kernels, {} steps", schedule.kernels.len(), schedule.steps.len());
+            let mut s = format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
             for k in &schedule.kernels {
                 s += &format!("\n  {}", k.describe());
+            }
+            for gm in &schedule.gemms {
+                s += &format!("\n  {}", gm.describe(&graph));
+            }
+            for note in &schedule.notes {
+                s += &format!("\n  {note}");
             }
             s
         });
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
-        Program { graph, schedule, frees, in_place }
+        Program { graph, schedule, tune, frees, in_place }
     }
 
     /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute).
     pub(crate) fn kernel_count(&self) -> usize {
         self.schedule.steps.iter().filter(|s| match s {
-            Step::Kernel(_) => true,
+            Step::Kernel(_) | Step::Gemm(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
                 || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
         }).count()
@@ -106,18 +116,22 @@ impl Program {
         let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         for (s, step) in self.schedule.steps.iter().enumerate() {
             match step {
-                Step::Node(i) => {
-                    let n = &g.nodes[*i];
-                    env[*i] = Some(match &n.op {
-                        NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
-                        NodeOp::Prim(op) => {
-                            let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
-                            op.forward(&args)?
+                Step::Node(i) => env[*i] = Some(run_node(g, *i, inputs, &env)?),
+                Step::Gemm(j) => {
+                    let gm = &self.schedule.gemms[*j];
+                    match run_gemm(g, gm, &env, self.tune)? {
+                        Some(t) => env[gm.out()] = Some(t),
+                        // The epilogue cannot run here (the library has no algorithm for it, or
+                        // the bias is not a packed vector): its nodes run one by one.
+                        None => {
+                            for &i in &gm.nodes {
+                                env[i] = Some(run_node(g, i, inputs, &env)?);
+                            }
+                            for &i in &gm.nodes[..gm.nodes.len() - 1] {
+                                env[i] = None;
+                            }
                         }
-                        NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
-                        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
-                        NodeOp::Random(kind) => random(*kind, n)?,
-                    });
+                    }
                 }
                 Step::Kernel(k) => {
                     let kern = &self.schedule.kernels[*k];
@@ -131,7 +145,7 @@ impl Program {
                                 (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
                             })
                             .collect();
-                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into)?
+                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
                     } else {
                         let _rec = crate::profiler::record::cpu_kernel(&kern.name);
                         crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
@@ -151,16 +165,48 @@ impl Program {
     }
 }
 
+/// One node run by the eager backend (or an input, which needs nothing).
+fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<Tensor> {
+    let n = &g.nodes[i];
+    let arg = |a: &NodeId| env[*a].as_ref().expect("computed before use");
+    Ok(match &n.op {
+        NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
+        NodeOp::Prim(op) => op.forward(&n.args.iter().map(arg).collect::<Vec<_>>())?,
+        NodeOp::Custom(c) => c.call(&n.args.iter().map(arg).collect::<Vec<_>>())?,
+        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+        NodeOp::Random(kind) => random(*kind, n)?,
+    })
+}
+
+/// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
+/// cannot run (the caller then runs the step's nodes one by one).
+fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> Result<Option<Tensor>> {
+    let mm = &g.nodes[gm.matmul];
+    let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
+    let bias = gm.bias.map(|b| (arg(b), gm.relu));
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune)? else { return Ok(None) };
+    let out = &g.nodes[gm.out()].shape;
+    Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
+}
+
+/// The values step `step` reads.
+fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
+    match step {
+        Step::Node(i) => g.nodes[*i].args.clone(),
+        Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
+        Step::Gemm(j) => {
+            let gm = &s.gemms[*j];
+            gm.nodes.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|a| !gm.nodes.contains(a)).collect()
+        }
+    }
+}
+
 /// The memory plan: after which step each value is dead (outputs and written-back values live
 /// to the end).
 fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
     let mut last = vec![None; g.nodes.len()];
     for (k, step) in s.steps.iter().enumerate() {
-        let reads: Vec<NodeId> = match step {
-            Step::Node(i) => g.nodes[*i].args.clone(),
-            Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
-        };
-        for r in reads {
+        for r in step_reads(g, s, step) {
             last[r] = Some(k);
         }
     }
@@ -184,14 +230,11 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     let mut reads: Vec<Vec<usize>> = vec![vec![]; g.nodes.len()];
     let mut made_by: std::collections::HashMap<NodeId, (usize, usize)> = Default::default();
     for (k, step) in s.steps.iter().enumerate() {
-        match step {
-            Step::Node(i) => g.nodes[*i].args.iter().for_each(|&a| reads[a].push(k)),
-            Step::Kernel(j) => {
-                s.kernels[*j].inputs.iter().for_each(|i| reads[i.node].push(k));
-                s.kernels[*j].outputs.iter().for_each(|(_, node)| {
-                    made_by.insert(*node, (k, *j));
-                });
-            }
+        step_reads(g, s, step).into_iter().for_each(|a| reads[a].push(k));
+        if let Step::Kernel(j) = step {
+            s.kernels[*j].outputs.iter().for_each(|(_, node)| {
+                made_by.insert(*node, (k, *j));
+            });
         }
     }
     let step_of_view: std::collections::HashMap<usize, NodeId> =
