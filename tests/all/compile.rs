@@ -1,5 +1,6 @@
-//! The compiler: compiled equals eager (values and gradients), fusion's kernel counts, guards
-//! and recompiles, dynamic sizes, graph breaks, backends, and a fuzzer of random graphs.
+//! The compiler: compiled equals eager (values and gradients), fusion's kernel counts, matmul
+//! epilogues, max-autotune and its disk cache, guards and recompiles, dynamic sizes, graph
+//! breaks, backends, and a fuzzer of random graphs.
 
 use crate::common::{assert_close, dev, host_rand, t, vals};
 use kiln::compile::{compile, compile_with, Backend, CompileOptions, Graph, Mode, Runner};
