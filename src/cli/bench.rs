@@ -77,7 +77,7 @@ fn launched(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> 
     Ok(cuda::launch_count() - before)
 }
 
-/// A step workload: eager, then each compiled variant (`compiled`, `reduce_overhead`) with its
+/// A step workload: eager, then each compiled variant (`compiled`, `reduce_overhead`, `max_autotune`) with its
 /// first-call time as compile time.
 fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut [(&'static str, Call)]) -> Result<Value> {
     let mut row = json!({"eager_ms": wall_ms(dev, f)?, "eager_kernels": kernels(dev, f)?, "peak_mib_eager": peak_mib(dev, f)?});
@@ -93,7 +93,7 @@ fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut 
 
 /// The compiled variants of a step workload built by `make` (None = eager).
 fn variants(make: impl Fn(Option<Mode>) -> Result<Call>) -> Result<Vec<(&'static str, Call)>> {
-    Ok(vec![("compiled", make(Some(Mode::Default))?), ("reduce_overhead", make(Some(Mode::ReduceOverhead))?)])
+    Ok(vec![("compiled", make(Some(Mode::Default))?), ("reduce_overhead", make(Some(Mode::ReduceOverhead))?), ("max_autotune", make(Some(Mode::MaxAutotune))?)])
 }
 
 fn mlp(dev: &Device) -> Result<nn::Sequential> {

@@ -2,8 +2,10 @@
 //! produce values of one element count fuse into one kernel; a reduction over trailing dims
 //! fuses with the pointwise work before it (its prologue), after it (its epilogue, on the
 //! reduced rows) and with the broadcasts of its result back over the rows, so softmax and
-//! layer_norm are one kernel each. Everything else (matmul, gather, cat, other reductions,
-//! views of stored values) is a step of its own, run by the eager backend.
+//! layer_norm are one kernel each. A matrix product on the GPU is a library call (`Gemm`) that
+//! takes the bias add along the last dim (and a ReLU after it) into its epilogue when dtypes
+//! allow (`plan_gemm`). Everything else (gather, cat, other reductions, views of stored values)
+//! is a step of its own, run by the eager backend.
 //!
 //! Values in a fused kernel are indexed linearly: a pointwise value at element i, a row value
 //! at row i / cols. That is why reshapes cost nothing inside a kernel.
@@ -96,11 +98,26 @@ pub(crate) struct FusedKernel {
     pub ops: Vec<KOp>,
     /// (op index, graph node it produces)
     pub outputs: Vec<(usize, NodeId)>,
+    /// What is derived from the kernel once and reused at every launch.
+    pub memo: KernelMemo,
+}
+
+/// Text a backend derives from a kernel on its first launch, so that later launches neither
+/// rebuild nor re-hash it (the host time of a compiled call is mostly per-launch work).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KernelMemo {
+    describe: std::sync::OnceLock<String>,
+    /// A flat kernel's CUDA body and, per op, its value's type and expression.
+    pub flat_code: std::sync::OnceLock<(String, Vec<(CType, String)>)>,
 }
 
 impl FusedKernel {
     /// A text form of what it computes (for `KILN_LOG=fusion` and as a cache key).
-    pub(crate) fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> &str {
+        self.memo.describe.get_or_init(|| self.describe_now())
+    }
+
+    fn describe_now(&self) -> String {
         let mut s = format!("{} {:?}:", self.name, self.space);
         for (k, i) in self.inputs.iter().enumerate() {
             let _ = write!(s, " in{k}=%{}{}", i.node, if i.row { "(row)" } else { "" });
@@ -121,12 +138,108 @@ pub(crate) enum Step {
     /// A node run by the eager backend (or an input, which needs nothing).
     Node(NodeId),
     Kernel(usize),
+    /// A matrix product by the BLAS library, with its epilogue (`Schedule::gemms`).
+    Gemm(usize),
 }
 
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Schedule {
     pub steps: Vec<Step>,
     pub kernels: Vec<FusedKernel>,
+    pub gemms: Vec<Gemm>,
+    /// Why bias adds after products stayed kernels of their own (for `KILN_LOG=fusion`).
+    pub notes: Vec<String>,
+}
+
+/// A matrix product run by the library (cuBLASLt), with the bias add and ReLU after it when
+/// they run in its epilogue: `relu?(matmul + bias)` in one call.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Gemm {
+    pub matmul: NodeId,
+    /// The add's other operand: a view spreading a vector of the product's column count over
+    /// its rows.
+    pub bias: Option<NodeId>,
+    pub relu: bool,
+    /// The nodes the step computes, in order (the product, reshapes of it, the add, the ReLU);
+    /// only the last is stored, the others are read by nothing else.
+    pub nodes: Vec<NodeId>,
+}
+
+impl Gemm {
+    /// The node whose value the step produces.
+    pub(crate) fn out(&self) -> NodeId {
+        *self.nodes.last().expect("a product at least")
+    }
+    pub(crate) fn describe(&self, g: &Graph) -> String {
+        let mm = &g.nodes[self.matmul];
+        let mut s = format!("gemm %{} = matmul(%{}, %{}) {:?} {}", self.matmul, mm.args[0], mm.args[1], mm.shape, mm.dtype.torch_name());
+        if let Some(b) = self.bias {
+            let ep = if self.relu { "RELU_BIAS" } else { "BIAS" };
+            s += &format!(" + bias %{b}{} -> %{} (cuBLASLt epilogue {ep})", if self.relu { ", relu" } else { "" }, self.out());
+        }
+        s
+    }
+}
+
+/// Whether the bias add (and a ReLU) after matmul node `mm` join its library call, and if not,
+/// why (when there is such an add): the product's value must reach the add only through
+/// reshapes nothing else reads; the add must compute in the product's dtype (F32, F16, BF16:
+/// cuBLASLt's bias has the output's type), of one product (no batch), over values whose last
+/// dim is the product's columns; its other operand must be a vector of that many elements
+/// spread over the rows (`[1, .., N]`, expanded). A ReLU that is the add's only reader joins.
+pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm: NodeId) -> (Gemm, Option<String>) {
+    let node = &g.nodes[mm];
+    let plain = Gemm { matmul: mm, bias: None, relu: false, nodes: vec![mm] };
+    // The only reader of `x`, when nothing else (an output, a write-back) needs its value.
+    let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
+    let mut nodes = vec![mm];
+    let mut cur = mm;
+    let add = loop {
+        let Some(r) = sole(cur) else { return (plain, None) };
+        match &g.nodes[r].op {
+            NodeOp::Prim(Op::Reshape(_)) => {
+                nodes.push(r);
+                cur = r;
+            }
+            NodeOp::Prim(Op::Binary(BinaryOp::Add, _)) => break r,
+            _ => return (plain, None),
+        }
+    };
+    let an = &g.nodes[add];
+    let NodeOp::Prim(Op::Binary(_, compute)) = an.op else { unreachable!("matched above") };
+    let dt = node.dtype;
+    let cols = node.shape[2];
+    let no = |why: String| (plain.clone(), Some(format!("matmul %{mm}: the add %{add} after it stays a kernel: {why}")));
+    if !matches!(dt, DType::F32 | DType::F16 | DType::BF16) {
+        return no(format!("{} products get no epilogue", dt.torch_name()));
+    }
+    if compute != dt || an.dtype != dt {
+        return no(format!("the add computes in {} for a {} product", compute.torch_name(), dt.torch_name()));
+    }
+    if node.shape[0] != 1 {
+        return no(format!("a batch of {} products", node.shape[0]));
+    }
+    if an.shape.last() != Some(&cols) || an.numel() != node.numel() {
+        return no(format!("its shape {:?} does not end in the product's {cols} columns", an.shape));
+    }
+    let other = if an.args[0] == cur { an.args[1] } else { an.args[0] };
+    let vector = match &g.nodes[other].op {
+        NodeOp::Prim(Op::Expand(_)) => g.nodes[other].args[0],
+        _ => other,
+    };
+    let v = &g.nodes[vector];
+    if v.shape.last() != Some(&cols) || v.numel() != cols {
+        return no(format!("its other operand is not a vector of {cols} along the last dim (spread from {:?})", v.shape));
+    }
+    nodes.push(add);
+    let relu = match sole(add) {
+        Some(r) if matches!(g.nodes[r].op, NodeOp::Prim(Op::Unary(UnaryOp::Relu))) && g.nodes[r].dtype == dt => {
+            nodes.push(r);
+            true
+        }
+        _ => false,
+    };
+    (Gemm { matmul: mm, bias: Some(other), relu, nodes }, None)
 }
 
 /// What a node can be inside a fused kernel.
@@ -230,8 +343,27 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             node_readers[a].push(j);
         }
     }
+    let users = g.users();
+    // Matrix products on the GPU are library calls, with their epilogues; their nodes join no
+    // fused kernel.
+    let mut sched = Schedule::default();
+    let mut gemm_of: Vec<Option<usize>> = vec![None; n];
     for i in 0..n {
         let node = &g.nodes[i];
+        if matches!(node.op, NodeOp::Prim(Op::Matmul)) && node.device.is_cuda() && node.dtype.is_float() && node.numel() > 0 {
+            let (gm, note) = plan_gemm(g, &node_readers, &users, i);
+            for &x in &gm.nodes {
+                gemm_of[x] = Some(sched.gemms.len());
+            }
+            sched.gemms.push(gm);
+            sched.notes.extend(note);
+        }
+    }
+    for i in 0..n {
+        let node = &g.nodes[i];
+        if gemm_of[i].is_some() {
+            continue;
+        }
         let (numel, rows) = match kinds[i] {
             Kind::Other => continue,
             Kind::Reduce(r, c) => (r * c, Some((r, c))),
@@ -282,26 +414,26 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     // Steps in topological order (a fused group is one unit; no outside node both feeds and
     // reads a group), preferring the original node order.
-    let mut sched = Schedule::default();
-    let users = g.users();
     let mut unit_of = vec![0usize; n];
     let mut units: Vec<Vec<NodeId>> = vec![];
     let mut unit_of_group: std::collections::HashMap<usize, usize> = Default::default();
+    let mut unit_of_gemm: std::collections::HashMap<usize, usize> = Default::default();
     for i in 0..n {
-        match group_of[i] {
-            None => {
+        let (table, key) = match (gemm_of[i], group_of[i]) {
+            (Some(gm), _) => (&mut unit_of_gemm, gm),
+            (None, Some(gi)) => (&mut unit_of_group, gi),
+            (None, None) => {
                 units.push(vec![i]);
                 unit_of[i] = units.len() - 1;
+                continue;
             }
-            Some(gi) => {
-                let u = *unit_of_group.entry(gi).or_insert_with(|| {
-                    units.push(vec![]);
-                    units.len() - 1
-                });
-                units[u].push(i);
-                unit_of[i] = u;
-            }
-        }
+        };
+        let u = *table.entry(key).or_insert_with(|| {
+            units.push(vec![]);
+            units.len() - 1
+        });
+        units[u].push(i);
+        unit_of[i] = u;
     }
     let mut indeg = vec![0usize; units.len()];
     let mut readers: Vec<Vec<usize>> = vec![vec![]; units.len()];
@@ -325,6 +457,10 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             }
         }
         let first = units[u][0];
+        if let Some(gm) = gemm_of[first] {
+            sched.steps.push(Step::Gemm(gm));
+            continue;
+        }
         match group_of[first] {
             None => sched.steps.push(Step::Node(first)),
             Some(gi) => {
@@ -480,5 +616,122 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     // The iteration shape: a member with the group's element count (one-element members, like
     // constants, are the same at every element).
     let shape = grp.members.iter().rev().map(|&m| &g.nodes[m]).find(|n| n.numel() == grp.numel).map(|n| n.shape.clone()).unwrap_or_else(|| vec![grp.numel]);
-    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs }
+    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs, memo: KernelMemo::default() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::{compile_with, Backend, CompileOptions};
+    use crate::nn::functional as F;
+    use crate::{Result, Tensor};
+    use std::sync::{Arc, Mutex};
+
+    /// The graph `f` traces to on the CPU, with every node moved to the GPU (scheduling is pure:
+    /// it only reads the graph, so it runs without one).
+    fn graph_of(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Graph {
+        let seen = Arc::new(Mutex::new(None));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            *s2.lock().unwrap() = Some(g.clone());
+            Ok(g.eager_runner())
+        });
+        compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
+        let mut g = seen.lock().unwrap().take().unwrap();
+        for n in &mut g.nodes {
+            n.device = Device::Cuda(0);
+        }
+        g
+    }
+
+    fn gemms(g: &Graph) -> Vec<(Gemm, Option<String>)> {
+        let mut readers: Vec<Vec<NodeId>> = vec![vec![]; g.nodes.len()];
+        for (j, node) in g.nodes.iter().enumerate() {
+            for &a in &node.args {
+                readers[a].push(j);
+            }
+        }
+        let users = g.users();
+        (0..g.nodes.len()).filter(|&i| matches!(g.nodes[i].op, NodeOp::Prim(Op::Matmul))).map(|i| plan_gemm(g, &readers, &users, i)).collect()
+    }
+
+    fn r(shape: &[usize], dt: DType) -> Tensor {
+        Tensor::randn(shape, DType::F32, &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    }
+
+    #[test]
+    fn linear_and_relu_become_one_library_call() {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let (w, b) = (r(&[48, 64], dt), r(&[48], dt));
+            let g = graph_of(&[r(&[32, 64], dt)], move |xs| Ok(vec![F::linear(&xs[0], &w, Some(&b))?.relu()?]));
+            let found = gemms(&g);
+            assert_eq!(found.len(), 1);
+            let (gm, note) = &found[0];
+            assert!(note.is_none(), "{note:?}");
+            assert!(gm.bias.is_some() && gm.relu, "{dt:?}: {gm:?}");
+            assert_eq!(gm.out(), g.outputs[0]);
+            assert!(matches!(g.nodes[gm.out()].op, NodeOp::Prim(Op::Unary(UnaryOp::Relu))));
+            // The whole program is that one step plus views.
+            let s = schedule(&g);
+            assert_eq!((s.kernels.len(), s.gemms.len()), (0, 1), "{}", gm.describe(&g));
+            assert!(gm.describe(&g).contains("RELU_BIAS"), "{}", gm.describe(&g));
+        }
+    }
+
+    #[test]
+    fn a_bias_add_alone_and_over_folded_batches() {
+        // [2, 5, 64] @ W^T folds into one [10, 64] product; the bias add follows its reshape.
+        let (w, b) = (r(&[48, 64], DType::F32), r(&[48], DType::F32));
+        let g = graph_of(&[r(&[2, 5, 64], DType::F32)], move |xs| Ok(vec![F::linear(&xs[0], &w, Some(&b))?.gelu()?]));
+        let (gm, note) = &gemms(&g)[0];
+        assert!(note.is_none() && gm.bias.is_some() && !gm.relu, "{gm:?} {note:?}");
+        assert!(matches!(g.nodes[gm.out()].op, NodeOp::Prim(Op::Binary(BinaryOp::Add, _))));
+        // gelu stays a generated kernel after the product.
+        let s = schedule(&g);
+        assert_eq!((s.kernels.len(), s.gemms.len()), (1, 1));
+        let pos = |want: fn(&Step) -> bool| s.steps.iter().position(want).unwrap();
+        assert!(pos(|st| matches!(st, Step::Gemm(_))) < pos(|st| matches!(st, Step::Kernel(_))));
+    }
+
+    #[test]
+    fn a_relu_whose_input_is_also_needed_stays_outside() {
+        let (w, b) = (r(&[8, 16], DType::F32), r(&[8], DType::F32));
+        let g = graph_of(&[r(&[4, 16], DType::F32)], move |xs| {
+            let y = F::linear(&xs[0], &w, Some(&b))?;
+            Ok(vec![y.relu()?, y])
+        });
+        let (gm, _) = &gemms(&g)[0];
+        assert!(gm.bias.is_some() && !gm.relu, "{gm:?}");
+    }
+
+    #[test]
+    fn epilogues_are_refused_where_dtypes_or_shapes_do_not_allow() {
+        let cases: Vec<(&str, Vec<Tensor>, Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>)> = vec![
+            // An f16 product plus an f32 bias adds in f32.
+            ("computes in float32", vec![r(&[4, 16], DType::F16), r(&[16, 8], DType::F16), r(&[8], DType::F32)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),
+            ("float64 products", vec![r(&[4, 16], DType::F64), r(&[16, 8], DType::F64), r(&[8], DType::F64)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),
+            // One value per row, not per column.
+            ("not a vector of 8", vec![r(&[4, 16], DType::F32), r(&[16, 8], DType::F32), r(&[4, 1], DType::F32)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),
+            ("a batch of 3", vec![r(&[3, 4, 16], DType::F32), r(&[3, 16, 8], DType::F32), r(&[8], DType::F32)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),
+        ];
+        for (why, args, f) in cases {
+            let g = graph_of(&args, f);
+            let (gm, note) = &gemms(&g)[0];
+            assert!(gm.bias.is_none(), "{why}: {gm:?}");
+            assert!(note.as_deref().is_some_and(|n| n.contains(why)), "{why}: {note:?}");
+        }
+        // A product whose value is also returned keeps it: no epilogue, nothing to explain.
+        let g = graph_of(&[r(&[4, 16], DType::F32), r(&[16, 8], DType::F32), r(&[8], DType::F32)], |xs| {
+            let y = xs[0].matmul(&xs[1])?;
+            Ok(vec![(&y + &xs[2])?, y])
+        });
+        let (gm, note) = &gemms(&g)[0];
+        assert!(gm.bias.is_none() && note.is_none(), "{gm:?} {note:?}");
+        // On the CPU a product stays an eager step.
+        let mut cpu = g.clone();
+        for n in &mut cpu.nodes {
+            n.device = Device::Cpu;
+        }
+        assert!(schedule(&cpu).gemms.is_empty());
+    }
 }

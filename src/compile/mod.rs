@@ -44,8 +44,13 @@ use crate::logging::log;
 
 /// What a compiled call trades: `Default` launches its kernels one by one; `ReduceOverhead`
 /// captures them as a CUDA graph after the first call and replays it (falling back, with the
-/// reason logged under `recompiles`, where capture is impossible); `MaxAutotune` currently runs
-/// the default kernels (logged).
+/// reason logged under `recompiles`, where capture is impossible); `MaxAutotune` launches them
+/// one by one too, but the first run of each matrix product (shape, layout, dtype, epilogue)
+/// times up to 16 of cuBLASLt's candidate algorithms and each row kernel times its threads per
+/// row, keeping the fastest — in memory and on disk beside the kernel cache, so another process
+/// does not time again (`KILN_LOG=kernels` shows each decision; `kiln::cuda::autotune_counts`
+/// counts them). Tuning picks between algorithms that compute the same values up to
+/// floating-point reassociation; on the CPU it does nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]
@@ -252,6 +257,7 @@ impl Graphed {
             let statics = crate::no_grad(|| args.iter().map(|a| a.copy_contiguous()).collect::<Result<Vec<_>>>())?;
             let mut sin = statics.clone();
             sin.extend(captured.iter().cloned());
+            self.program.pin_hoisted();
             match crate::backend::cuda::graph::capture(&dev, || self.program.run(&sin)) {
                 Ok((graph, souts)) => {
                     log(Category::Recompiles, || format!("captured a CUDA graph of {} kernels", graph.kernels));
@@ -402,9 +408,6 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             let outs = run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs)?;
             return finish(outs, &captured, &traced.effects);
         }
-        if self.opts.mode == Mode::MaxAutotune {
-            log(Category::Recompiles, || "max-autotune: no tuning is built yet; running the default kernels".into());
-        }
         let exec = build(&self.opts, &traced.graph, &traced.inputs, &traced.effects)?;
         let out = finish(run_exec(&exec, args, &captured)?, &captured, &traced.effects)?;
         if !traced.effects.escaped.is_empty() {
@@ -471,6 +474,7 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
         Backend::Eager => Ok(Exec::Runner(g.eager_runner())),
         Backend::Custom(f) => Ok(Exec::Runner(f(g, inputs)?)),
         Backend::Fused => {
+            let tune = opts.mode == Mode::MaxAutotune;
             // A call that ran its own backward (a training step) returns plain values.
             let step = effects.ran_backward || !effects.grads.is_empty() || effects.n_returned != g.outputs.len();
             let needs_grad = !step && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
@@ -480,12 +484,12 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
                     return Ok(Exec::Runner(g.eager_runner()));
                 }
                 let s = autodiff::split(g, inputs)?;
-                let forward = runtime::Program::new(simplify::simplify(&s.forward));
-                let backward = runtime::Program::new(simplify::simplify(&s.backward));
+                let forward = runtime::Program::new(simplify::simplify(&s.forward), tune);
+                let backward = runtime::Program::new(simplify::simplify(&s.backward), tune);
                 log(Category::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
-            let program = Arc::new(runtime::Program::new(simplify::simplify(g)));
+            let program = Arc::new(runtime::Program::new(simplify::simplify(g), tune));
             if opts.mode == Mode::ReduceOverhead {
                 match graph_blocker(&program, &inputs[..g.n_args]) {
                     None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),

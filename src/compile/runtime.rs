@@ -61,10 +61,12 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
 }
 
-/// A graph scheduled into fused kernels and eager steps.
+/// A graph scheduled into fused kernels, library products and eager steps.
 pub(crate) struct Program {
     pub graph: Graph,
     pub schedule: Schedule,
+    /// Max-autotune: library algorithms and row-kernel launch shapes are timed on first use.
+    tune: bool,
     /// Per step, the values no later step reads.
     frees: Vec<Vec<NodeId>>,
     /// New values of captured tensors that their fused kernel writes straight into them (by
@@ -87,6 +89,9 @@ struct Hoisted {
     /// The captured tensors (by captured index) the kept values derive from.
     sources: Vec<usize>,
     cache: parking_lot::Mutex<Option<HoistCache>>,
+    /// A captured CUDA graph reads the kept buffers: refreshing writes into them instead of
+    /// replacing them.
+    pinned: std::sync::atomic::AtomicBool,
 }
 
 struct HoistCache {
@@ -129,6 +134,7 @@ impl Hoisted {
             .map(|st| match st {
                 Step::Node(i) => class[*i] == Class::Frozen && !is_view(*i),
                 Step::Kernel(k) => s.kernels[*k].outputs.iter().all(|(_, n)| class[*n] == Class::Frozen),
+                Step::Gemm(_) => false,
             })
             .collect();
         let made: Vec<NodeId> = s
@@ -139,16 +145,10 @@ impl Hoisted {
             .flat_map(|(st, _)| match st {
                 Step::Node(i) => vec![*i],
                 Step::Kernel(k) => s.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
+                Step::Gemm(_) => unreachable!("library products are not hoisted"),
             })
             .collect();
-        let read_later = |v: NodeId| {
-            s.steps.iter().zip(&steps).any(|(st, &h)| {
-                !h && match st {
-                    Step::Node(i) => g.nodes[*i].args.contains(&v),
-                    Step::Kernel(k) => s.kernels[*k].inputs.iter().any(|inp| inp.node == v),
-                }
-            })
-        };
+        let read_later = |v: NodeId| s.steps.iter().zip(&steps).any(|(st, &h)| !h && step_reads(g, s, st).contains(&v));
         let kept: Vec<NodeId> = made.into_iter().filter(|&v| read_later(v)).collect();
         let mut sources: Vec<usize> = g
             .nodes
@@ -165,7 +165,7 @@ impl Hoisted {
             return Hoisted::default();
         }
         crate::logging::log(Category::Fusion, || format!("{} step(s) computed from parameters alone run once and keep {} value(s) until a parameter changes", steps.iter().filter(|&&h| h).count(), kept.len()));
-        Hoisted { steps, kept, sources, cache: Default::default() }
+        Hoisted { steps, kept, sources, cache: Default::default(), pinned: Default::default() }
     }
 
     fn versions(&self, g: &Graph, inputs: &[Tensor]) -> Vec<u64> {
@@ -174,23 +174,36 @@ impl Hoisted {
 }
 
 impl Program {
-    pub(crate) fn new(graph: Graph) -> Program {
+    /// The program of `graph`. With `tune` (max-autotune) it times its library algorithms and
+    /// row-kernel launch shapes on the device the first time each runs (a no-op on the CPU).
+    pub(crate) fn new(graph: Graph, tune: bool) -> Program {
         let schedule = fuse::schedule(&graph);
         crate::logging::log(Category::Fusion, || {
-            let mut s = format!("{} kernels, {} steps", schedule.kernels.len(), schedule.steps.len());
+            let mut s = format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
             for k in &schedule.kernels {
                 s += &format!("\n  {}", k.describe());
+            }
+            for gm in &schedule.gemms {
+                s += &format!("\n  {}", gm.describe(&graph));
+            }
+            for note in &schedule.notes {
+                s += &format!("\n  {note}");
             }
             s
         });
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
         let hoisted = Hoisted::plan(&graph, &schedule);
-        Program { graph, schedule, frees, in_place, hoisted }
+        Program { graph, schedule, tune, frees, in_place, hoisted }
     }
 
     pub(crate) fn has_hoisted(&self) -> bool {
         !self.hoisted.kept.is_empty()
+    }
+
+    /// From now on the kept values keep their buffers (a CUDA graph about to be captured reads them).
+    pub(crate) fn pin_hoisted(&self) {
+        self.hoisted.pinned.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Brings the values computed from parameters alone up to date (nothing when they are):
@@ -209,7 +222,7 @@ impl Program {
     /// once the values computed from parameters alone are kept.
     pub(crate) fn kernel_count(&self) -> usize {
         self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
-            Step::Kernel(_) => true,
+            Step::Kernel(_) | Step::Gemm(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
                 || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
         }).count()
@@ -224,7 +237,8 @@ impl Program {
         self.run_steps_of(inputs, false)
     }
 
-    /// Runs the schedule; only the hoisted steps when `hoisted_only` (then returns nothing).
+    /// Runs the schedule; with `hoisted_only`, only the hoisted steps and the inputs and views
+    /// they read (then returns nothing).
     fn run_steps_of(&self, inputs: &[Tensor], hoisted_only: bool) -> Result<Vec<Tensor>> {
         let g = &self.graph;
         let h = &self.hoisted;
@@ -238,22 +252,29 @@ impl Program {
         }
         for (s, step) in self.schedule.steps.iter().enumerate() {
             let hoisted = h.steps.get(s).copied().unwrap_or(false);
-            if (hoisted && fresh) || (hoisted_only && !hoisted) {
+            // Inputs, constants and views of what is at hand cost no kernel.
+            let free = matches!(step, Step::Node(i) if matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_) | NodeOp::Prim(crate::ops::Op::Reshape(_) | crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. }))
+                && g.nodes[*i].args.iter().all(|a| env[*a].is_some()));
+            if (hoisted && fresh) || (hoisted_only && !hoisted && !free) {
                 continue;
             }
             match step {
-                Step::Node(i) => {
-                    let n = &g.nodes[*i];
-                    env[*i] = Some(match &n.op {
-                        NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
-                        NodeOp::Prim(op) => {
-                            let args: Vec<&Tensor> = n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect();
-                            op.forward(&args)?
+                Step::Node(i) => env[*i] = Some(run_node(g, *i, inputs, &env)?),
+                Step::Gemm(j) => {
+                    let gm = &self.schedule.gemms[*j];
+                    match run_gemm(g, gm, &env, self.tune)? {
+                        Some(t) => env[gm.out()] = Some(t),
+                        // The epilogue cannot run here (the library has no algorithm for it, or
+                        // the bias is not a packed vector): its nodes run one by one.
+                        None => {
+                            for &i in &gm.nodes {
+                                env[i] = Some(run_node(g, i, inputs, &env)?);
+                            }
+                            for &i in &gm.nodes[..gm.nodes.len() - 1] {
+                                env[i] = None;
+                            }
                         }
-                        NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
-                        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
-                        NodeOp::Random(kind) => random(*kind, n)?,
-                    });
+                    }
                 }
                 Step::Kernel(k) => {
                     let kern = &self.schedule.kernels[*k];
@@ -267,7 +288,7 @@ impl Program {
                                 (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
                             })
                             .collect();
-                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into)?
+                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
                     } else {
                         let _rec = crate::profiler::record::cpu_kernel(&kern.name);
                         crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
@@ -295,9 +316,7 @@ impl Program {
         write_back(g, inputs, &env)?;
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
     }
-}
 
-impl Program {
     /// After hoisted step `s` ran: its kept values go into the cache (into the buffers already
     /// there, whose addresses a CUDA graph may hold), and `env` reads them from there.
     fn keep(&self, inputs: &[Tensor], s: usize, env: &mut [Option<Tensor>], cache: &mut Option<HoistCache>) -> Result<()> {
@@ -306,14 +325,19 @@ impl Program {
         let made: Vec<NodeId> = match &self.schedule.steps[s] {
             Step::Node(i) => vec![*i],
             Step::Kernel(k) => self.schedule.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
+            Step::Gemm(_) => unreachable!("library products are not hoisted"),
         };
         let c = cache.get_or_insert_with(|| HoistCache { versions: versions.clone(), values: vec![] });
         for v in made {
             let Some(slot) = h.kept.iter().position(|&x| x == v) else { continue };
             let value = env[v].clone().expect("just computed");
-            if let Some(kept) = c.values.get(slot) {
-                kept.copy_(&value)?;
-                env[v] = Some(kept.clone());
+            if let Some(kept) = c.values.get_mut(slot) {
+                if h.pinned.load(std::sync::atomic::Ordering::Relaxed) {
+                    kept.copy_(&value)?;
+                    env[v] = Some(kept.clone());
+                } else {
+                    *kept = value;
+                }
             } else {
                 debug_assert_eq!(c.values.len(), slot, "hoisted values are kept in step order");
                 c.values.push(value);
@@ -324,16 +348,48 @@ impl Program {
     }
 }
 
+/// One node run by the eager backend (or an input, which needs nothing).
+fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<Tensor> {
+    let n = &g.nodes[i];
+    let arg = |a: &NodeId| env[*a].as_ref().expect("computed before use");
+    Ok(match &n.op {
+        NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
+        NodeOp::Prim(op) => op.forward(&n.args.iter().map(arg).collect::<Vec<_>>())?,
+        NodeOp::Custom(c) => c.call(&n.args.iter().map(arg).collect::<Vec<_>>())?,
+        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+        NodeOp::Random(kind) => random(*kind, n)?,
+    })
+}
+
+/// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
+/// cannot run (the caller then runs the step's nodes one by one).
+fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> Result<Option<Tensor>> {
+    let mm = &g.nodes[gm.matmul];
+    let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
+    let bias = gm.bias.map(|b| (arg(b), gm.relu));
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune)? else { return Ok(None) };
+    let out = &g.nodes[gm.out()].shape;
+    Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
+}
+
+/// The values step `step` reads.
+fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
+    match step {
+        Step::Node(i) => g.nodes[*i].args.clone(),
+        Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
+        Step::Gemm(j) => {
+            let gm = &s.gemms[*j];
+            gm.nodes.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|a| !gm.nodes.contains(a)).collect()
+        }
+    }
+}
+
 /// The memory plan: after which step each value is dead (outputs and written-back values live
 /// to the end).
 fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
     let mut last = vec![None; g.nodes.len()];
     for (k, step) in s.steps.iter().enumerate() {
-        let reads: Vec<NodeId> = match step {
-            Step::Node(i) => g.nodes[*i].args.clone(),
-            Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
-        };
-        for r in reads {
+        for r in step_reads(g, s, step) {
             last[r] = Some(k);
         }
     }
@@ -357,14 +413,11 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     let mut reads: Vec<Vec<usize>> = vec![vec![]; g.nodes.len()];
     let mut made_by: std::collections::HashMap<NodeId, (usize, usize)> = Default::default();
     for (k, step) in s.steps.iter().enumerate() {
-        match step {
-            Step::Node(i) => g.nodes[*i].args.iter().for_each(|&a| reads[a].push(k)),
-            Step::Kernel(j) => {
-                s.kernels[*j].inputs.iter().for_each(|i| reads[i.node].push(k));
-                s.kernels[*j].outputs.iter().for_each(|(_, node)| {
-                    made_by.insert(*node, (k, *j));
-                });
-            }
+        step_reads(g, s, step).into_iter().for_each(|a| reads[a].push(k));
+        if let Step::Kernel(j) = step {
+            s.kernels[*j].outputs.iter().for_each(|(_, node)| {
+                made_by.insert(*node, (k, *j));
+            });
         }
     }
     let step_of_view: std::collections::HashMap<usize, NodeId> =

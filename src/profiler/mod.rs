@@ -61,8 +61,9 @@ pub struct Profile {
 #[derive(Clone, Debug)]
 pub struct Event {
     pub kind: EventKind,
-    /// The kernel's name (as in its generated source; `cublas_gemm_<dtype>` for cuBLAS; the op's
-    /// name for a CPU kernel), `memcpy HtoD`/`DtoH`/`DtoD`, `memset`, `alloc`/`free`, or what a
+    /// The kernel's name (as in its generated source; `cublas_gemm_<dtype>` for a library
+    /// product, `cublas_gemm_bias[_relu]_<dtype>` with a fused epilogue; the op's name for a CPU
+    /// kernel), `memcpy HtoD`/`DtoH`/`DtoD`, `memset`, `alloc`/`free`, or what a
     /// synchronisation was for.
     pub name: String,
     pub device: Device,

@@ -190,13 +190,14 @@ pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32)
     span
 }
 
-/// Hook: a cuBLAS matrix product (counted as one kernel, whatever cuBLAS launches inside).
+/// Hook: a cuBLAS(Lt) matrix product, with its epilogue in the name (`_bias`, `_bias_relu`),
+/// counted as one kernel whatever the library launches inside.
 #[inline]
-pub(crate) fn blas(dev: &CudaDevice, dtype: DType) -> Span {
+pub(crate) fn blas(dev: &CudaDevice, dtype: DType, epilogue: &str) -> Span {
     if !active() {
         return Span::OFF;
     }
-    device_work(dev, &dev.stream, EventKind::Kernel, format!("cublas_gemm_{}", dtype.torch_name()), 0)
+    device_work(dev, &dev.stream, EventKind::Kernel, format!("cublas_gemm{epilogue}_{}", dtype.torch_name()), 0)
 }
 
 /// Hook: a cuDNN call (`what`: `conv2d_fwd`, `conv2d_bwd_data`, `conv2d_bwd_filter`).

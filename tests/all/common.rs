@@ -41,3 +41,20 @@ pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, atol: f64) {
         assert!(ok, "element {i}: got {x}, expected {y} (rtol {rtol}, atol {atol})");
     }
 }
+
+/// Runs test `name` of this binary (an ignored one) as a child process with `KILN_CACHE_DIR`
+/// set to `cache_dir`, and reads the `key=value` numbers from the line of its output that
+/// starts with `marker`, in the order of `keys`.
+pub fn child_counts(name: &str, cache_dir: &std::path::Path, marker: &str, keys: &[&str]) -> Vec<u64> {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KILN_CACHE_DIR", cache_dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let line = text
+        .lines()
+        .find_map(|l| l.split_once(marker).map(|(_, rest)| rest.to_string()))
+        .unwrap_or_else(|| panic!("child printed no counts:\n{text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    keys.iter().map(|k| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u64>().unwrap()).collect()
+}

@@ -1,5 +1,6 @@
-//! The compiler: compiled equals eager (values and gradients), fusion's kernel counts, guards
-//! and recompiles, dynamic sizes, graph breaks, backends, and a fuzzer of random graphs.
+//! The compiler: compiled equals eager (values and gradients), fusion's kernel counts, matmul
+//! epilogues, max-autotune and its disk cache, guards and recompiles, dynamic sizes, graph
+//! breaks, backends, and a fuzzer of random graphs.
 
 use crate::common::{assert_close, dev, host_rand, t, vals};
 use kiln::compile::{compile, compile_with, Backend, CompileOptions, Graph, Mode, Runner};
@@ -72,6 +73,113 @@ fn matmul_keeps_its_library_call_and_fuses_the_epilogue() -> Result<()> {
     let k = f.kernels_per_call().unwrap();
     assert!(k <= 2, "matmul + at most one kernel, got {k}");
     Ok(())
+}
+
+/// `linear` and `linear` + ReLU compiled against eager, in F32 and BF16, over a plain input, a
+/// batch folded into the product's rows, and a bias read with a stride. On the GPU the bias
+/// add and ReLU run in the cuBLASLt call's epilogue (one library call per function, named in
+/// the profile), rounding once where eager rounds the product first: BF16 results match to
+/// rtol 2e-2 / atol 6e-2 (a few BF16 ulps of values up to ~10), F32 ones to rtol 1e-5 /
+/// atol 1e-4 (another summation order over K = 64).
+#[test]
+fn linear_epilogues_match_eager() -> Result<()> {
+    for dt in [DType::F32, DType::BF16] {
+        let (rt, at) = if dt == DType::F32 { (1e-5, 1e-4) } else { (2e-2, 6e-2) };
+        let w = randn(&[48, 64], 60).to_dtype(dt)?;
+        let b = randn(&[48], 61).to_dtype(dt)?;
+        // Every other element of a longer vector: copied to a packed one for the library.
+        let b_strided = randn(&[96], 62).to_dtype(dt)?.slice(0, 0, 96, 2)?;
+        for (xshape, bias) in [(vec![37usize, 64], &b), (vec![3, 5, 64], &b), (vec![37, 64], &b_strided)] {
+            let x = randn(&xshape, 63).to_dtype(dt)?;
+            for relu in [false, true] {
+                let ctx = format!("linear{} {dt:?} x {xshape:?} bias strides {:?}", if relu { "+relu" } else { "" }, bias.strides());
+                let (wc, bc) = (w.clone(), bias.clone());
+                let f = compile(move |x: &Tensor| {
+                    let y = F::linear(x, &wc, Some(&bc))?;
+                    if relu { y.relu() } else { Ok(y) }
+                });
+                let got = f.call(&x)?;
+                let want = kiln::no_grad(|| {
+                    let y = F::linear(&x, &w, Some(bias))?;
+                    if relu { y.relu() } else { Ok(y) }
+                })?;
+                assert_eq!((got.shape(), got.dtype()), (want.shape(), dt), "{ctx}");
+                crate::ops::close(&ctx, &vals(&got), &vals(&want), rt, at);
+                if dev().is_cuda() {
+                    assert_eq!(f.kernels_per_call(), Some(1), "{ctx}: one library call");
+                    let prof = kiln::profiler::profile(|| f.call(&x))?;
+                    let name = format!("cublas_gemm_bias{}_{}", if relu { "_relu" } else { "" }, dt.torch_name());
+                    assert!(prof.kernel_names().contains(&name.as_str()), "{ctx}: {:?}", prof.kernel_names());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Softmax over the ReLU of a linear layer and a plain product: the GEMMs and the row kernel
+/// are what max-autotune times.
+fn tuned_fn(w: Tensor, b: Tensor, w2: Tensor) -> impl FnMut(&Tensor) -> Result<Tensor> + Send {
+    move |x: &Tensor| F::softmax(&F::linear(x, &w, Some(&b))?.relu()?.matmul(&w2)?, -1)
+}
+
+fn tuned_inputs() -> (Tensor, Tensor, Tensor, Tensor) {
+    // Weights scaled so the logits stay small: softmax then passes on their rounding as is.
+    (randn(&[64, 96], 70), randn(&[128, 96], 71).mul_scalar(0.1).unwrap(), randn(&[128], 72), randn(&[128, 300], 73).mul_scalar(0.1).unwrap())
+}
+
+#[test]
+fn max_autotune_matches_eager_and_does_not_time_twice() -> Result<()> {
+    let (x, w, b, w2) = tuned_inputs();
+    let want = kiln::no_grad(|| tuned_fn(w.clone(), b.clone(), w2.clone())(&x))?;
+    let before = kiln::cuda::autotune_counts();
+    let f = compile_with(CompileOptions::new().mode(Mode::MaxAutotune), tuned_fn(w.clone(), b.clone(), w2.clone()));
+    assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-4, 1e-6);
+    assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-4, 1e-6);
+    let first = kiln::cuda::autotune_counts();
+    if dev().is_cuda() {
+        // Two products and one row kernel: each timed here or found (another process, or a
+        // test before, may have decided them).
+        let decided = (first.timed + first.disk_hits + first.memory_hits) - (before.timed + before.disk_hits + before.memory_hits);
+        assert!(decided >= 3, "{before:?} -> {first:?}");
+    } else {
+        assert_eq!(first, before, "autotuning is a no-op on the CPU");
+    }
+    // A second compile of the same function reuses every decision.
+    let g = compile_with(CompileOptions::new().mode(Mode::MaxAutotune), tuned_fn(w, b, w2));
+    assert_close(&vals(&g.call(&x)?), &vals(&want), 1e-4, 1e-6);
+    assert_eq!(kiln::cuda::autotune_counts().timed, first.timed, "nothing is timed again");
+    Ok(())
+}
+
+/// Run as a child process by the test below: one max-autotune call, then this process's counts.
+#[test]
+#[ignore = "run as a child process by max_autotune_choices_come_from_disk_in_a_second_process"]
+fn autotune_child() {
+    let (x, w, b, w2) = tuned_inputs();
+    let f = compile_with(CompileOptions::new().mode(Mode::MaxAutotune), tuned_fn(w.clone(), b.clone(), w2.clone()));
+    let got = vals(&f.call(&x).unwrap());
+    assert_close(&got, &vals(&kiln::no_grad(|| tuned_fn(w, b, w2)(&x)).unwrap()), 1e-4, 1e-6);
+    let c = kiln::cuda::autotune_counts();
+    println!("KILN_AUTOTUNE timed={} disk={}", c.timed, c.disk_hits);
+}
+
+#[test]
+fn max_autotune_choices_come_from_disk_in_a_second_process() {
+    if !dev().is_cuda() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kiln-autotune-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let run = || {
+        let c = crate::common::child_counts("compile::autotune_child", &dir, "KILN_AUTOTUNE", &["timed=", "disk="]);
+        (c[0], c[1])
+    };
+    let (t1, d1) = run();
+    assert!(t1 >= 3 && d1 == 0, "the first process times: timed={t1} disk={d1}");
+    let (t2, d2) = run();
+    assert!(t2 == 0 && d2 >= t1, "the second process reads every choice from disk: timed={t2} disk={d2}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -427,6 +535,11 @@ fn mlp_train(o: Opt, mode: Mode) -> Result<()> {
 fn a_compiled_training_step_matches_eager_sgd() -> Result<()> {
     mlp_train(Opt::Sgd(0.0), Mode::Default)?;
     mlp_train(Opt::Sgd(0.0), Mode::ReduceOverhead)
+}
+
+#[test]
+fn a_compiled_training_step_matches_eager_under_max_autotune() -> Result<()> {
+    mlp_train(Opt::Sgd(0.0), Mode::MaxAutotune)
 }
 
 #[test]

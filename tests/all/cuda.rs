@@ -114,15 +114,8 @@ fn kernels_come_from_the_disk_cache_in_a_second_process() {
     let dir = std::env::temp_dir().join(format!("kiln-cache-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let run = || {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["cuda::kernel_cache_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-            .env("KILN_CACHE_DIR", &dir)
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let line = text.lines().find_map(|l| l.split_once("KILN_CACHE").map(|(_, rest)| rest)).unwrap_or_else(|| panic!("child printed no counts:\n{text}\n{}", String::from_utf8_lossy(&out.stderr))).to_string();
-        let num = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u64>().unwrap();
-        (num("compiled="), num("disk="))
+        let c = child_counts("cuda::kernel_cache_child", &dir, "KILN_CACHE", &["compiled=", "disk="]);
+        (c[0], c[1])
     };
     let (c1, d1) = run();
     assert!(c1 > 0 && d1 == 0, "first process compiles: compiled={c1} disk={d1}");

@@ -4,8 +4,8 @@
 //! by warp shuffles, every intermediate computed once and never stored.
 
 use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, CType, PRELUDE, ROW_INDEX};
-use super::kernels::{data_ptr, map_launch, row_shape, MapOut};
-use super::{device, CudaStorage, KArgs, KernelKey};
+use super::kernels::{data_ptr, map_launch, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
+use super::{autotune, device, CudaStorage, KArgs, KernelKey};
 use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
@@ -45,13 +45,14 @@ fn literal(v: f64, t: CType) -> String {
 
 /// Runs a fused kernel on its inputs (real tensors, in `k.inputs` order); returns its outputs.
 /// `into[m]`, when set, is a contiguous tensor of output m's size and dtype that a flat kernel
-/// writes in place (a parameter updated by a compiled step) instead of a fresh buffer.
-pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+/// writes in place (a parameter updated by a compiled step) instead of a fresh buffer. `tune`
+/// (max-autotune): a row kernel's threads per row are timed on first use and the fastest kept.
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>], tune: bool) -> Result<Vec<Tensor>> {
     let Device::Cuda(ord) = k.device else { unreachable!("a CUDA kernel for a CPU graph") };
     let dev = device(ord)?;
     match k.space {
         Space::Flat { numel } => run_flat(&dev, k, shape, numel, inputs, into),
-        Space::Rows { rows, cols } => run_rows(&dev, k, rows, cols, inputs),
+        Space::Rows { rows, cols } => run_rows(&dev, k, rows, cols, inputs, tune),
     }
 }
 
@@ -83,25 +84,28 @@ fn wrap(outs: Vec<CudaStorage>, shapes: impl Fn(usize) -> Vec<usize>) -> Vec<Ten
 
 fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
-    let mut body = String::new();
-    let mut vals: Vec<(CType, String)> = vec![];
-    for (i, op) in k.ops.iter().enumerate() {
-        let args: Vec<(CType, String)> = op
-            .args
-            .iter()
-            .map(|a| match a {
-                KArg::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
-                KArg::Op(j) => vals[*j].clone(),
-            })
-            .collect();
-        let (t, e) = lower(op, &args);
-        if matches!(op.kind, KKind::Same) {
-            vals.push((t, e));
-            continue;
+    let (body, vals) = k.memo.flat_code.get_or_init(|| {
+        let mut body = String::new();
+        let mut vals: Vec<(CType, String)> = vec![];
+        for (i, op) in k.ops.iter().enumerate() {
+            let args: Vec<(CType, String)> = op
+                .args
+                .iter()
+                .map(|a| match a {
+                    KArg::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
+                    KArg::Op(j) => vals[*j].clone(),
+                })
+                .collect();
+            let (t, e) = lower(op, &args);
+            if matches!(op.kind, KKind::Same) {
+                vals.push((t, e));
+                continue;
+            }
+            let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
+            vals.push((t, format!("t{i}")));
         }
-        let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
-        vals.push((t, format!("t{i}")));
-    }
+        (body, vals)
+    });
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
@@ -114,7 +118,7 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
         specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
-    map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body, &[])?;
+    map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body.clone(), &[])?;
     Ok(outs)
 }
 
@@ -383,7 +387,7 @@ fn arg_val(a: &KArg, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CTyp
     }
 }
 
-fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
     // Full inputs as [rows, cols], row inputs as [rows]: (row stride, col stride) each.
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
@@ -397,17 +401,8 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
-    let (threads, vpt) = row_shape(cols, vec);
     let vk: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
-    let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
-    // Keyed by what determines the source (ops, input dtypes, launch shape), so a call after
-    // the first neither generates nor hashes the source.
     let dtypes: Vec<DType> = k.inputs.iter().map(|i| i.dtype).collect();
-    let key = format!("rows {name} {dtypes:?} {}", k.describe());
-    let kern = dev.kernel(KernelKey::Named(key), || {
-        let src = gen_rows(k, &name, threads, vpt, vec, &vector);
-        (name.clone(), src)
-    })?;
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
     let mut a = KArgs::default();
     a.w[0] = rows as u64;
@@ -424,8 +419,51 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         a.w[base + 3 * j + 1] = t.strides()[0] as u64;
         a.w[base + 3 * j + 2] = t.strides()[1] as u64;
     }
-    dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)?;
+    // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
+    // the inputs, so timing candidates changes nothing.
+    let launch = |threads: usize| -> Result<()> {
+        let vpt = row_vpt(cols, threads, vec);
+        let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
+        // Keyed by what determines the source (ops, input dtypes, launch shape), so a call after
+        // the first neither generates nor hashes the source.
+        let key = format!("rows {name} {dtypes:?} {}", k.describe());
+        let kern = dev.kernel(KernelKey::Named(key), || {
+            let src = gen_rows(k, &name, threads, vpt, vec, &vector);
+            (name.clone(), src)
+        })?;
+        dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
+    };
+    let tuned = if tune { tuned_threads(dev, k, rows, cols, vec, &format!("{vk} {dtypes:?}"), &launch) } else { None };
+    launch(tuned.unwrap_or_else(|| row_shape(cols, vec).0))?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
+}
+
+/// Max-autotune for a row kernel: the remembered thread count for this kernel, rows and layout,
+/// else the fastest candidate timed on the device (remembered). None: use the default shape
+/// (`KILN_ROWS_THREADS` set, a single candidate, or timing not allowed now).
+fn tuned_threads(dev: &super::CudaDevice, k: &FusedKernel, rows: usize, cols: usize, vec: usize, layout: &str, launch: &dyn Fn(usize) -> Result<()>) -> Option<usize> {
+    if rows_threads_forced().is_some() {
+        return None;
+    }
+    let cands = row_thread_candidates(cols, vec);
+    if cands.len() < 2 {
+        return None;
+    }
+    let key = format!("rows|{}|{rows}x{cols} vec {vec} {layout}|{}", dev.tune_ident, k.describe());
+    if let Some(v) = autotune::lookup(&key) {
+        match v.strip_prefix("threads=").and_then(|t| t.parse::<usize>().ok()) {
+            Some(t) if cands.contains(&t) => return Some(t),
+            _ => autotune::forget(&key),
+        }
+    }
+    if !autotune::allowed(dev) {
+        return None;
+    }
+    let timed: Vec<(String, usize, Option<f64>)> =
+        cands.iter().map(|&t| (format!("{t} threads x {} values", row_vpt(cols, t, vec)), t, autotune::time_ms(dev, || launch(t)))).collect();
+    let (_, best) = autotune::pick(&format!("{} rows {rows}x{cols}", k.name), &timed)?;
+    autotune::store(&key, &format!("threads={best}"));
+    Some(best)
 }
 
 #[cfg(test)]

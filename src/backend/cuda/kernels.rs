@@ -479,6 +479,15 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
     Ok(out)
 }
 
+/// A library product in compiled code: `a` [B, M, K] @ `b` [B, K, N] as a [B, M, N] tensor,
+/// with the bias epilogue when `bias` is set (see `blas::gemm`) and the algorithm timed when
+/// `tune`; None when the epilogue cannot run here.
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>, tune: bool) -> Result<Option<Tensor>> {
+    let dev = dev_of(a)?;
+    let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
+    Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
+}
+
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
@@ -566,16 +575,35 @@ pub(crate) const MAX_FUSED_ROW: usize = 32 * 512;
 /// (threads, values per thread) of a row kernel (eager or compiled) for rows of `k` columns
 /// read `vec` at a time: up to 16 values per thread before adding threads (fewer registers,
 /// more warps in flight), at most 32 values and 1024 threads. `KILN_ROWS_THREADS` (read once)
-/// picks another thread count within those limits, for tuning.
+/// picks another thread count within those limits, for tuning (max-autotune then keeps it).
 pub(crate) fn row_shape(k: usize, vec: usize) -> (usize, usize) {
-    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = *OVERRIDE.get_or_init(|| std::env::var("KILN_ROWS_THREADS").ok().and_then(|v| v.parse::<usize>().ok()));
     let least = k.div_ceil(32).next_power_of_two().clamp(32, 1024);
-    let threads = match forced {
+    let threads = match rows_threads_forced() {
         Some(t) => t.next_power_of_two().clamp(least, 1024),
         None => k.div_ceil(16).next_power_of_two().clamp(32, 512),
     };
-    (threads, k.div_ceil(threads).next_power_of_two().max(vec))
+    (threads, row_vpt(k, threads, vec))
+}
+
+/// `KILN_ROWS_THREADS`, read once.
+pub(crate) fn rows_threads_forced() -> Option<usize> {
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *OVERRIDE.get_or_init(|| std::env::var("KILN_ROWS_THREADS").ok().and_then(|v| v.parse::<usize>().ok()))
+}
+
+/// Values per thread of a row kernel with `threads` threads over rows of `k`: a power of two,
+/// at least `vec`, with threads × values covering the row.
+pub(crate) fn row_vpt(k: usize, threads: usize, vec: usize) -> usize {
+    k.div_ceil(threads).next_power_of_two().max(vec)
+}
+
+/// The thread counts max-autotune times for a row kernel over rows of `k` read `vec` at a
+/// time: powers of two from the fewest that keep at most 32 values per thread up to one vector
+/// per thread (at most 1024).
+pub(crate) fn row_thread_candidates(k: usize, vec: usize) -> Vec<usize> {
+    let least = k.div_ceil(32).next_power_of_two().clamp(32, 1024);
+    let most = k.div_ceil(vec.max(1)).next_power_of_two().clamp(least, 1024);
+    std::iter::successors(Some(least), |t| Some(t * 2)).take_while(|&t| t <= most).collect()
 }
 
 /// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.

@@ -1,11 +1,12 @@
 //! The CUDA backend: one context and stream per device, a caching allocator, kernels generated
-//! at run time (codegen.rs → nvrtc.rs) and cached per device, cuBLAS for matrix products,
-//! cuDNN for convolutions.
+//! at run time (codegen.rs → nvrtc.rs) and cached per device, cuBLASLt for matrix products
+//! (blas.rs), max-autotune's timed choices (autotune.rs), cuDNN for convolutions.
 //! cudarc loads the CUDA libraries dynamically, so builds and CPU runs need no CUDA.
 
 pub(crate) mod alloc;
 pub(crate) mod attention;
-mod blas;
+mod autotune;
+pub(crate) mod blas;
 pub(crate) mod codegen;
 pub(crate) mod cudnn;
 pub(crate) mod custom;
@@ -16,6 +17,7 @@ pub(crate) mod kernels;
 mod nvrtc;
 
 pub use alloc::MemoryStats;
+pub use autotune::{autotune_counts, AutotuneCounts};
 pub use nvrtc::{kernel_cache_counts, KernelSource};
 
 use crate::{DType, Device, Error, Result};
@@ -102,6 +104,11 @@ pub(crate) struct CudaDevice {
     pub(crate) arch: String,
     pub(crate) sm_count: usize,
     driver: i32,
+    /// The product name ("NVIDIA H200").
+    name: String,
+    /// What a timed choice on this device depends on besides the problem: the product, its
+    /// architecture, the driver and NVRTC versions (max-autotune's keys start with it).
+    pub(crate) tune_ident: String,
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
@@ -149,9 +156,12 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     let mut driver = 0;
     // SAFETY: plain out-parameter.
     unsafe { ds::cuDriverGetVersion(&mut driver) };
+    let name = ctx.name().map_err(|e| cuda_err("device name", dev, e))?;
     let stream = ctx.default_stream();
     let copy_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
     let capture_stream = ctx.new_stream().map_err(|e| cuda_err("stream", dev, e))?;
+    let (nv_major, nv_minor) = nvrtc::nvrtc_version();
+    let tune_ident = format!("{name}|sm_{major}{minor}|driver {driver}|nvrtc {nv_major}.{nv_minor}");
     let d = Arc::new(CudaDevice {
         copy_stream,
         capture_stream,
@@ -170,6 +180,8 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         arch: format!("sm_{major}{minor}"),
         sm_count,
         driver,
+        name,
+        tune_ident,
     });
     map.lock().insert(n, d.clone());
     Ok(d)
@@ -407,8 +419,7 @@ fn cuda_device(op: &'static str, which: &Device) -> Result<Arc<CudaDevice>> {
 
 /// The device's product name ("NVIDIA H200").
 pub fn device_name(device: &Device) -> Result<String> {
-    let d = cuda_device("device_name", device)?;
-    d.ctx.name().map_err(|e| d.err("device name", e))
+    Ok(cuda_device("device_name", device)?.name.clone())
 }
 
 /// Waits for all work queued on `device` (`torch.cuda.synchronize`). On the CPU there is

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// FNV-1a, 64 bits: stable across processes and Rust versions (unlike `DefaultHasher`).
-fn fnv64(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
         for &b in *p {
