@@ -460,7 +460,8 @@ fn run_segment(opts: &CompileOptions, state: &Mutex<State>, g: &Graph, inputs: &
     let exec = match found {
         Some(e) => e,
         None => {
-            let e = build(opts, g, inputs, &trace::Effects { n_returned: g.outputs.len(), ..Default::default() })?;
+            // A segment's outputs are differentiable when its inputs are (decided in `build`).
+            let e = build(opts, g, inputs, &trace::Effects { n_returned: g.outputs.len(), returns_grad: true, ..Default::default() })?;
             state.lock().segments.insert(key, e.clone());
             e
         }
@@ -477,7 +478,9 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
             let tune = opts.mode == Mode::MaxAutotune;
             // A call that ran its own backward (a training step) returns plain values.
             let step = effects.ran_backward || !effects.grads.is_empty() || effects.n_returned != g.outputs.len();
-            let needs_grad = !step && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
+            // Only when what the function returned requires grad: a function that computes
+            // under `no_grad` (inference) is a plain program, which can be a CUDA graph.
+            let needs_grad = !step && effects.returns_grad && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
             if needs_grad {
                 if g.outputs.len() != 1 || !g.mutations.is_empty() {
                     log(Category::Breaks, || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());
@@ -502,12 +505,15 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
 }
 
 fn run_exec(exec: &Exec, args: &[Tensor], captured: &[Tensor]) -> Result<Vec<Tensor>> {
+    if let Exec::Graphed(g) = exec {
+        return g.run(args, captured);
+    }
     let mut inputs = args.to_vec();
     inputs.extend(captured.iter().cloned());
     match exec {
         Exec::Runner(r) => r.run(&inputs),
         Exec::Program(p) => p.run(&inputs),
-        Exec::Graphed(g) => g.run(args, captured),
+        Exec::Graphed(_) => unreachable!("replayed above"),
         Exec::Train(t) => {
             let refs: Vec<&Tensor> = inputs.iter().collect();
             Ok(vec![CompiledFunction(t.clone()).apply(&refs)?])

@@ -85,6 +85,9 @@ pub(crate) struct Effects {
     pub escaped: Vec<Arc<Storage>>,
     /// `backward` ran inside the call: its outputs are plain values, not differentiated again.
     pub ran_backward: bool,
+    /// A returned tensor requires grad (it was not computed under `no_grad` inside the call):
+    /// the compiled call must take part in autograd.
+    pub returns_grad: bool,
 }
 
 /// Called by `backward`: inside a trace, the function is a training step.
@@ -141,10 +144,11 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     for o in &outs {
         ids.push(tr.value_of(o)?);
     }
+    let returns_grad = outs.iter().any(|o| o.is_requires_grad());
     // The returned symbolic tensors (and the trace-time autograd graph behind them) go now, so
     // that what stays alive is what the call left behind.
     drop(outs);
-    let mut effects = Effects { n_returned: ids.len(), grad_none: std::mem::take(&mut tr.grad_none), ran_backward: tr.ran_backward, ..Default::default() };
+    let mut effects = Effects { n_returned: ids.len(), returns_grad, grad_none: std::mem::take(&mut tr.grad_none), ran_backward: tr.ran_backward, ..Default::default() };
     let mut grad_storages = vec![];
     for (k, t) in tr.inputs[tr.graph.n_args..].iter().enumerate() {
         if let Some(g) = t.grad() {

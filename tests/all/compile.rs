@@ -716,3 +716,20 @@ fn work_on_parameters_alone_runs_once_until_a_parameter_changes() -> Result<()> 
     }
     Ok(())
 }
+
+#[test]
+fn a_function_computing_under_no_grad_is_a_plain_program() -> Result<()> {
+    // Parameters require grad, but the function computes under `no_grad` (inference): its
+    // result takes no part in autograd, so it is neither differentiated nor a training graph.
+    let (x, w) = (randn(&[4, 8], 1), randn(&[8, 3], 2).requires_grad());
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        let wc = w.clone();
+        let f = compile_with(CompileOptions::new().mode(mode), move |x: &Tensor| kiln::no_grad(|| x.matmul(&wc)?.relu()));
+        for _ in 0..3 {
+            let y = f.call(&x)?;
+            assert!(!y.is_requires_grad());
+            assert_close(&vals(&y), &vals(&kiln::no_grad(|| x.matmul(&w)?.relu())?), 1e-5, 1e-6);
+        }
+    }
+    Ok(())
+}
