@@ -144,13 +144,20 @@ fn transformer(dev: &Device, amp: bool, mode: Option<Mode>) -> Result<Call> {
     })
 }
 
-fn resnet50(dev: &Device) -> Result<Call> {
+fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     manual_seed(0);
     let rn = nn::resnet50(1000, dev)?;
     rn.eval();
     let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?;
     let d = *dev;
-    Ok(Box::new(move || kiln::amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(&x)))))
+    let run = move |x: &Tensor| kiln::amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(x)));
+    Ok(match mode {
+        None => Box::new(move || run(&x)),
+        Some(m) => {
+            let f = compile_with(CompileOptions::new().mode(m), run);
+            Box::new(move || f.call(&x))
+        }
+    })
 }
 
 /// One call of a workload, and how the bench reports it.
@@ -238,7 +245,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096, None)?, variants(|m| mlp_train(dev, 4096, m))?),
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
-        "resnet50.infer.bf16amp.bs128" => step(resnet50(dev)?, vec![]),
+        "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;

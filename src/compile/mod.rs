@@ -44,8 +44,9 @@ use crate::logging::log;
 
 /// What a compiled call trades: `Default` launches its kernels one by one; `ReduceOverhead`
 /// captures them as a CUDA graph after the first call and replays it (falling back, with the
-/// reason logged under `recompiles`, where capture is impossible); `MaxAutotune` launches them
-/// one by one too, but the first run of each matrix product (shape, layout, dtype, epilogue)
+/// reason logged under `recompiles`, where capture is impossible); `MaxAutotune` replays a CUDA
+/// graph too (as PyTorch's mode of that name does), but the first, uncaptured run of each
+/// matrix product (shape, layout, dtype, epilogue)
 /// times up to 16 of cuBLASLt's candidate algorithms and each row kernel times its threads per
 /// row, keeping the fastest — in memory and on disk beside the kernel cache, so another process
 /// does not time again (`KILN_LOG=kernels` shows each decision; `kiln::cuda::autotune_counts`
@@ -493,10 +494,10 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
             let program = Arc::new(runtime::Program::new(simplify::simplify(g), tune));
-            if opts.mode == Mode::ReduceOverhead {
+            if matches!(opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune) {
                 match graph_blocker(&program, &inputs[..g.n_args]) {
                     None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),
-                    Some(why) => log(Category::Recompiles, || format!("reduce-overhead: no CUDA graph because {why}; the launch list runs each call")),
+                    Some(why) => log(Category::Recompiles, || format!("{:?}: no CUDA graph because {why}; the launch list runs each call", opts.mode)),
                 }
             }
             Ok(Exec::Program(program))
