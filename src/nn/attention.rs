@@ -94,12 +94,17 @@ impl MultiheadAttention {
             let qkv = F::linear(&q, &self.in_proj_weight, self.in_proj_bias.as_ref())?.chunk(3, -1)?;
             (qkv[0].clone(), qkv[1].clone(), qkv[2].clone())
         } else {
-            let w = self.in_proj_weight.chunk(3, 0)?;
-            let b = match &self.in_proj_bias {
-                Some(b) => b.chunk(3, 0)?.into_iter().map(Some).collect(),
-                None => vec![None; 3],
-            };
-            (F::linear(&q, &w[0], b[0].as_ref())?, F::linear(&k, &w[1], b[1].as_ref())?, F::linear(&v, &w[2], b[2].as_ref())?)
+            let rows = |t: &Tensor, from: usize, n: usize| t.narrow(0, from, n);
+            let b = |from: usize, n: usize| self.in_proj_bias.as_ref().map(|b| rows(b, from, n)).transpose();
+            let q = F::linear(&q, &rows(&self.in_proj_weight, 0, e)?, b(0, e)?.as_ref())?;
+            if key.id() == value.id() {
+                // Cross-attention over one memory: its key and value projections are one
+                // product with the weight's last 2E rows (a view).
+                let kv = F::linear(&k, &rows(&self.in_proj_weight, e, 2 * e)?, b(e, 2 * e)?.as_ref())?.chunk(2, -1)?;
+                (q, kv[0].clone(), kv[1].clone())
+            } else {
+                (q, F::linear(&k, &rows(&self.in_proj_weight, e, e)?, b(e, e)?.as_ref())?, F::linear(&v, &rows(&self.in_proj_weight, 2 * e, e)?, b(2 * e, e)?.as_ref())?)
+            }
         };
         let mask = self.merged_mask(&args, batched, n, l, s, q.dtype())?;
         let dropout = if self.training.load(Ordering::Relaxed) { self.dropout } else { 0.0 };

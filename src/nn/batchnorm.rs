@@ -80,7 +80,15 @@ pub fn batch_norm(
         // x * scale + (b - mean * scale); half inputs promote against the F32 per-channel
         // tensors, so this computes in F32 without a separate cast of x.
         let scale = scale_of(&rv)?;
-        x.mul(&scale)?.add(&plus_bias(rm.mul(&scale)?.neg()?)?)?
+        let shift = plus_bias(rm.mul(&scale)?.neg()?)?;
+        let differentiable = crate::is_grad_enabled() && [Some(x), weight, bias].into_iter().flatten().any(|t| t.is_requires_grad());
+        if x.device().is_cuda() && !differentiable && !crate::compile::tracing() && scale.dtype() == DType::F32 {
+            // Inference on the GPU: one pass over x, in F32, stored in x's dtype.
+            let (scale, shift) = (scale.broadcast_to(x.shape())?, shift.broadcast_to(x.shape())?);
+            let y = crate::backend::cuda::kernels::scale_shift(x, &scale, &shift)?;
+            return Ok(Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), x.shape()));
+        }
+        x.mul(&scale)?.add(&shift)?
     };
     y.to_dtype(x.dtype())
 }

@@ -86,9 +86,27 @@ pub fn max_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), pa
     let (oh, ow) = (out_len(op, x.shape()[2], kernel.0, stride.0, padding.0, 1)?, out_len(op, x.shape()[3], kernel.1, stride.1, padding.1, 1)?);
     let p = padding;
     let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], f64::NEG_INFINITY)? };
-    let ws = unfold(&padded, kernel, stride, (1, 1), (oh, ow))?;
-    let first_max = crate::no_grad(|| ws.argmax(2, true))?;
-    let y = to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?;
+    let y = if crate::is_grad_enabled() && x.is_requires_grad() {
+        // Windows, then the first maximum of each: its position is where PyTorch sends the
+        // gradient.
+        let ws = unfold(&padded, kernel, stride, (1, 1), (oh, ow))?;
+        let first_max = crate::no_grad(|| ws.argmax(2, true))?;
+        to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?
+    } else {
+        // Values only: the maximum of the window's kh * kw strided views of the input, each
+        // pass reading the input in place (no window copy, no index search).
+        let mut m: Option<Tensor> = None;
+        for i in 0..kernel.0 {
+            for j in 0..kernel.1 {
+                let v = padded.slice(2, i as i64, (i + stride.0 * (oh - 1) + 1) as i64, stride.0)?.slice(3, j as i64, (j + stride.1 * (ow - 1) + 1) as i64, stride.1)?;
+                m = Some(match m {
+                    None => v,
+                    Some(m) => m.maximum(&v)?,
+                });
+            }
+        }
+        m.expect("a kernel of at least one element").contiguous()?
+    };
     if unbatched {
         y.squeeze(0)
     } else {

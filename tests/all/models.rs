@@ -644,3 +644,42 @@ fn inputs_on_another_device_name_the_op_and_both_devices() {
     let q = Tensor::randn(&[3, 1, 4], DType::F32, &g).unwrap();
     assert!(matches!(m.attend(&q, &q, &q, AttnArgs::default()).unwrap_err(), kiln::Error::DeviceMismatch { op: "multi_head_attention", .. }));
 }
+
+#[test]
+fn max_pool_without_gradients_gives_the_same_values() {
+    // Inference takes the maximum of strided views; with gradients, the window search.
+    for (k, s, p) in [((3, 3), (2, 2), (1, 1)), ((3, 2), (1, 2), (1, 0)), ((2, 2), (2, 2), (0, 0)), ((1, 1), (2, 1), (0, 0))] {
+        for dt in [DType::F32, DType::BF16] {
+            let x = rand_t(&[2, 3, 9, 8], 11, dt);
+            let fast = F::max_pool2d(&x, k, s, p).unwrap();
+            let with_grad = F::max_pool2d(&x.to_dtype(DType::F32).unwrap().requires_grad(), k, s, p).unwrap();
+            assert_eq!(fast.shape(), with_grad.shape());
+            assert_eq!(fast.dtype(), dt);
+            assert_eq!(vals(&fast), vals(&with_grad.to_dtype(dt).unwrap()), "kernel {k:?} stride {s:?} padding {p:?} {dt:?}");
+        }
+    }
+}
+
+#[test]
+fn batch_norm_inference_matches_the_differentiable_evaluation() {
+    // Under no_grad the GPU evaluates x * scale + shift in one F32 pass; with gradients, the
+    // per-op form. Tolerances: F32 1e-6 relative (one fused multiply-add against two roundings),
+    // BF16 one rounding of the result (2^-8 relative).
+    let d = dev();
+    let bn = nn::BatchNorm2d::new(5, &d).unwrap();
+    kiln::no_grad(|| -> kiln::Result<()> {
+        bn.running_mean.copy_(&rand_t(&[5], 1, DType::F32))?;
+        bn.running_var.copy_(&rand_t(&[5], 2, DType::F32).abs()?.add_scalar(0.1)?)?;
+        bn.weight.copy_(&rand_t(&[5], 3, DType::F32))?;
+        bn.bias.copy_(&rand_t(&[5], 4, DType::F32))
+    })
+    .unwrap();
+    bn.eval();
+    for (dt, rtol, atol) in [(DType::F32, 1e-6, 1e-6), (DType::BF16, 8e-3, 8e-3)] {
+        let x = rand_t(&[3, 5, 7, 6], 5, dt);
+        let fast = kiln::no_grad(|| bn.forward(&x)).unwrap();
+        let slow = bn.forward(&x).unwrap();
+        assert_eq!(fast.dtype(), dt);
+        assert_close(&vals(&fast), &vals(&slow), rtol, atol);
+    }
+}

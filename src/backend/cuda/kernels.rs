@@ -205,6 +205,14 @@ pub(crate) fn where_(c: &Tensor, a: &Tensor, b: &Tensor, out: DType) -> Result<C
     map_new(&dev, "where", &[(c, CType::Bool), (a, t), (b, t)], a.shape(), out, t, "(v0 ? v1 : v2)".into(), &[])
 }
 
+/// `x * scale + shift` for F32 `scale` and `shift` broadcast to x's shape, computed in F32 and
+/// stored in x's dtype in one pass (batch norm in evaluation).
+pub(crate) fn scale_shift(x: &Tensor, scale: &Tensor, shift: &Tensor) -> Result<CudaStorage> {
+    let dev = dev_of(x)?;
+    let t = CType::F32;
+    map_new(&dev, "scale_shift", &[(x, t), (scale, t), (shift, t)], x.shape(), x.dtype(), t, "(v0 * v1 + v2)".into(), &[])
+}
+
 /// A contiguous copy of `x` converted to `dtype`.
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
