@@ -281,8 +281,27 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
         };
         vals.push(v);
     }
+    // An op's register array takes over an input's array of the same type whose last reader
+    // is the pass that fills the op's (each element is read before it is overwritten): fewer
+    // registers per thread, more blocks per SM (softmax keeps exp(x - max) where x was).
+    let first_in = |j: usize| plan.passes.iter().position(|p| p.inputs.contains(&j));
+    let last_in = |j: usize| plan.passes.iter().rposition(|p| p.inputs.contains(&j));
+    let mut taken = vec![false; k.inputs.len()];
+    let arr: Vec<String> = (0..k.ops.len())
+        .map(|i| {
+            let fill = plan.passes.iter().position(|p| p.ops.contains(&i));
+            let reusable = |j: usize| plan.in_array[j] && !taken[j] && ins[j].0 == vals[i].0 && first_in(j) < fill && last_in(j) == fill;
+            match (0..k.inputs.len()).find(|&j| plan.op_array[i] && fill.is_some() && reusable(j)) {
+                Some(j) => {
+                    taken[j] = true;
+                    format!("ax{j}")
+                }
+                None => format!("at{i}"),
+            }
+        })
+        .collect();
     for (i, v) in vals.iter().enumerate() {
-        if plan.op_array[i] {
+        if plan.op_array[i] && arr[i] == format!("at{i}") {
             let _ = writeln!(c, "    {} at{i}[VPT];", v.0.name());
         }
     }
@@ -319,14 +338,14 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
                 continue;
             }
             let (t, e) = if filled_op[i] {
-                (vals[i].0, format!("at{i}[j]"))
+                (vals[i].0, format!("{}[j]", arr[i]))
             } else {
                 let args: Vec<(CType, String)> = op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect();
                 lower(op, &args)
             };
             let _ = writeln!(c, "          const {} t{i} = {e};", t.name());
             if plan.op_array[i] && !filled_op[i] {
-                let _ = writeln!(c, "          at{i}[j] = t{i};");
+                let _ = writeln!(c, "          {}[j] = t{i};", arr[i]);
             }
         }
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
@@ -486,6 +505,17 @@ mod tests {
         compile_with(CompileOptions::new().backend(backend), f).call(x).unwrap();
         let v = seen.lock().unwrap().clone();
         v
+    }
+
+    #[test]
+    fn softmax_keeps_exp_where_its_input_was() {
+        // One register array per thread: exp(x - max) overwrites x, whose last reader is the
+        // pass that computes it (as the eager softmax kernel does).
+        let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
+        let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
+        let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
+        let src = gen_rows(&k, "softmax_rows", threads, vpt, 4, &[true]);
+        assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
     #[test]
