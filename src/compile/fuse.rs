@@ -390,26 +390,24 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             if !ok_edge {
                 continue;
             }
-            let (a_grp, i_grp) = (groups[ga].as_ref().expect("live"), groups[gi].as_ref().expect("live"));
-            let Some((numel, rows)) = Group::merge_space(a_grp, i_grp) else { continue };
-            let mut members: Vec<NodeId> = a_grp.members.iter().chain(&i_grp.members).copied().collect();
-            members.sort_unstable();
-            if too_many_operands(g, &node_readers, &members) {
-                continue;
+            try_merge(g, &node_readers, &mut groups, &mut group_of, ga, gi);
+        }
+    }
+    // Siblings: groups reading the same value over the same space become one kernel (the value
+    // is loaded once, one launch instead of two), unless that would make a cycle. Groups that
+    // are only views or broadcasts stay as they are (a lone reshape is no kernel at all).
+    let computes = |grp: &Group| grp.members.iter().any(|&m| matches!(kinds[m], Kind::Pointwise | Kind::Reduce(..)));
+    for v in 0..n {
+        let mut sibs: Vec<usize> = node_readers[v].iter().filter_map(|&r| group_of[r]).filter(|&h| Some(h) != group_of[v]).collect();
+        sibs.sort_unstable();
+        sibs.dedup();
+        sibs.retain(|&h| groups[h].as_ref().is_some_and(computes) && g.nodes[groups[h].as_ref().expect("live").members[0]].device == g.nodes[v].device);
+        if let Some((&first, rest)) = sibs.split_first() {
+            for &other in rest {
+                if try_merge(g, &node_readers, &mut groups, &mut group_of, first, other) {
+                    sched.notes.push(format!("siblings reading %{v} fused into one kernel"));
+                }
             }
-            // The two groups being merged are not "other groups" for the check.
-            let mut others = group_of.to_vec();
-            for &m in &members {
-                others[m] = None;
-            }
-            if creates_cycle(g, &members, &others, groups.len()) {
-                continue;
-            }
-            for &m in &members {
-                group_of[m] = Some(ga);
-            }
-            groups[ga] = Some(Group { members, numel, rows });
-            groups[gi] = None;
         }
     }
     // Steps in topological order (a fused group is one unit; no outside node both feeds and
@@ -479,6 +477,32 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     debug_assert_eq!(sched.steps.len(), units.len(), "the step graph has no cycle");
     sched
+}
+
+/// Merges group `b` into group `a` when their spaces agree, the kernel stays within its operand
+/// limit and no step outside would both feed and read it; whether it did.
+fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group>], group_of: &mut [Option<usize>], a: usize, b: usize) -> bool {
+    let (ga, gb) = (groups[a].as_ref().expect("live"), groups[b].as_ref().expect("live"));
+    let Some((numel, rows)) = Group::merge_space(ga, gb) else { return false };
+    let mut members: Vec<NodeId> = ga.members.iter().chain(&gb.members).copied().collect();
+    members.sort_unstable();
+    if too_many_operands(g, node_readers, &members) {
+        return false;
+    }
+    // The two groups being merged are not "other groups" for the check.
+    let mut others = group_of.to_vec();
+    for &m in &members {
+        others[m] = None;
+    }
+    if creates_cycle(g, &members, &others, groups.len()) {
+        return false;
+    }
+    for &m in &members {
+        group_of[m] = Some(a);
+    }
+    groups[a] = Some(Group { members, numel, rows });
+    groups[b] = None;
+    true
 }
 
 /// Most loaded inputs plus stored outputs of one fused kernel: every operand takes argument

@@ -739,3 +739,19 @@ fn a_function_computing_under_no_grad_is_a_plain_program() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn siblings_reading_one_input_share_a_kernel() -> Result<()> {
+    // exp(x) and sin(x) + 1 read x over the same elements: one kernel with two outputs.
+    let x = randn(&[1000, 33], 4);
+    let f = compile(|xs: &[Tensor]| Ok(vec![xs[0].exp()?, xs[0].sin()?.add_scalar(1.0)?]));
+    let ys = f.call(std::slice::from_ref(&x))?;
+    assert_close(&vals(&ys[0]), &vals(&x.exp()?), 1e-6, 1e-6);
+    assert_close(&vals(&ys[1]), &vals(&x.sin()?.add_scalar(1.0)?), 1e-6, 1e-6);
+    assert_eq!(f.kernels_per_call(), Some(1));
+    let (_, launched) = kernels(|| f.call(std::slice::from_ref(&x)));
+    if dev().is_cuda() {
+        assert_eq!(launched, 1);
+    }
+    Ok(())
+}
