@@ -275,12 +275,10 @@ impl Op {
             Op::ScatterAdd(dim) => run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])),
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
             Op::Attention { scale, causal } => {
-                let head_dim_contiguous = |t: &Tensor| if t.strides()[3] == 1 || t.shape()[3] <= 1 { Ok(t.clone()) } else { t.copy_contiguous() };
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
                 run!(cpu::attention::attention(x, xs[1], xs[2], xs.get(3).copied(), *scale, *causal), cuda::attention::attention(&q, &k, &v, xs.get(3).copied(), *scale, *causal))
             }
             Op::AttentionBackward { scale, causal } => {
-                let head_dim_contiguous = |t: &Tensor| if t.strides()[3] == 1 || t.shape()[3] <= 1 { Ok(t.clone()) } else { t.copy_contiguous() };
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
                 let (out, g) = (xs[3].contiguous()?, xs[4].contiguous()?);
                 let mask = xs.get(5).copied();
@@ -418,6 +416,15 @@ impl Op {
                 Ok(vec![gx, gdy])
             }
         }
+    }
+}
+
+/// `t` (`[len, B, H, D]`) with its head dim contiguous, as the attention kernels read it.
+fn head_dim_contiguous(t: &Tensor) -> Result<Tensor> {
+    if t.strides()[3] == 1 || t.shape()[3] <= 1 {
+        Ok(t.clone())
+    } else {
+        t.copy_contiguous()
     }
 }
 
