@@ -110,24 +110,42 @@ impl Hoisted {
             Dynamic,
         }
         let mutated: std::collections::HashSet<usize> = g.mutations.iter().map(|m| m.0).collect();
+        let is_view = |i: NodeId| matches!(g.nodes[i].op, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }));
+        // Results handed to the caller, and the values they are views of, are made fresh each
+        // run: the caller owns them (and may write them in place).
+        let mut fresh_each_run = std::collections::HashSet::new();
         let mut class = vec![Class::Dynamic; g.nodes.len()];
-        for (i, n) in g.nodes.iter().enumerate() {
-            let args = || n.args.iter().map(|&a| class[a]);
-            class[i] = match &n.op {
-                NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
-                NodeOp::Full(_) => Class::Const,
-                NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }) => class[n.args[0]],
-                NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
-                NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,
-                NodeOp::Prim(_) => Class::Const,
-                _ => Class::Dynamic,
-            };
-            // A result handed to the caller is made fresh each run.
-            if class[i] == Class::Frozen && g.outputs.contains(&i) {
-                class[i] = Class::Dynamic;
+        loop {
+            for (i, n) in g.nodes.iter().enumerate() {
+                let args = || n.args.iter().map(|&a| class[a]);
+                class[i] = match &n.op {
+                    _ if fresh_each_run.contains(&i) => Class::Dynamic,
+                    NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
+                    NodeOp::Full(_) => Class::Const,
+                    NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }) => class[n.args[0]],
+                    NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
+                    NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,
+                    NodeOp::Prim(_) => Class::Const,
+                    _ => Class::Dynamic,
+                };
+            }
+            let mut more = false;
+            for &o in &g.outputs {
+                let mut v = o;
+                loop {
+                    if class[v] == Class::Frozen {
+                        more |= fresh_each_run.insert(v);
+                    }
+                    if !is_view(v) {
+                        break;
+                    }
+                    v = g.nodes[v].args[0];
+                }
+            }
+            if !more {
+                break;
             }
         }
-        let is_view = |i: NodeId| matches!(g.nodes[i].op, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }));
         let steps: Vec<bool> = s
             .steps
             .iter()

@@ -755,3 +755,18 @@ fn siblings_reading_one_input_share_a_kernel() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn a_returned_view_of_parameter_work_is_the_callers_own() -> Result<()> {
+    // (2 w)^T depends on the parameter alone but is returned: each call makes it afresh, so
+    // writing into one result changes neither the next result nor the parameter.
+    let w = randn(&[3, 4], 5);
+    let wc = w.clone();
+    let f = compile(move |xs: &[Tensor]| Ok(vec![wc.mul_scalar(2.0)?.t()?, xs[0].add_scalar(1.0)?]));
+    let x = [randn(&[2], 6)];
+    let first = f.call(&x)?.remove(0);
+    kiln::no_grad(|| first.add_scalar_(100.0))?;
+    let second = f.call(&x)?.remove(0);
+    assert_close(&vals(&second), &vals(&w.mul_scalar(2.0)?.t()?), 0.0, 0.0);
+    Ok(())
+}
