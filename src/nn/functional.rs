@@ -223,12 +223,13 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
 
 /// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
 /// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]` (contiguous when fused).
-/// Fused (`Op::Attention`) unless dropout is active or the GPU kernels cannot take the shape.
+/// Fused (`Op::Attention`) on the GPU unless dropout is active or the kernels cannot take the
+/// shape; on the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
 pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
     let d = q.shape()[3];
     let fused = dropout_p == 0.0
         && match q.device() {
-            crate::Device::Cpu => true,
+            crate::Device::Cpu => false,
             crate::Device::Cuda(_) => d <= crate::backend::cuda::attention::MAX_HEAD_DIM && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16),
         };
     if fused {

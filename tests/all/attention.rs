@@ -1,6 +1,7 @@
-//! Fused scaled dot-product attention against the same attention written with matmul and
-//! softmax: outputs and gradients, masks, causal, cross-attention lengths over several key
-//! tiles, head dims that are not multiples of 32; eager, compiled, and inside
+//! Fused scaled dot-product attention (the GPU's kernels; the CPU runs matmul and softmax, and
+//! its reference op is checked in the library's unit tests) against the same attention written
+//! with matmul and softmax: outputs and gradients, masks, causal, cross-attention lengths over
+//! several key tiles, head dims that are not multiples of 32; eager, compiled, and inside
 //! MultiheadAttention. Tolerances: F32 1e-5 relative + 1e-5 absolute (different summation
 //! order), BF16 2e-2 + 2e-2 (inputs rounded to 8 bits; the reference rounds its scores and
 //! weights to BF16 too), F64 1e-12.
@@ -89,7 +90,8 @@ fn fused_attention_matches_matmul_softmax_in_bf16() {
 
 #[test]
 fn fused_attention_gradients_match_finite_differences() {
-    // On the CPU the op itself runs in f64; on a GPU F64 takes the matmul path.
+    // F64 takes the matmul path on every device; this checks the public function's masks,
+    // scale and causal handling.
     let (q, k, v) = (rand_t(&[1, 2, 3, 4], 1, DType::F64), rand_t(&[1, 2, 5, 4], 2, DType::F64), rand_t(&[1, 2, 5, 4], 3, DType::F64));
     let mask = rand_t(&[3, 5], 4, DType::F64);
     for causal in [false, true] {

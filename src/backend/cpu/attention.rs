@@ -126,3 +126,37 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor,
     }
     CpuStorage::from_vec_as(out, AttnDims::grad_dtype(q.dtype()))
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::ops::{apply, Op};
+    use crate::{DType, Device, Tensor};
+
+    /// The op (this f64 reference, forward and backward) against matmul + softmax, which the
+    /// CPU runs for attention: the GPU kernels are tested against the same composite.
+    #[test]
+    fn the_reference_matches_matmul_softmax_with_gradients() {
+        crate::manual_seed(7);
+        let dev = Device::Cpu;
+        let (l, s, b, h, d) = (5, 7, 2, 3, 4);
+        let r = |shape: &[usize]| Tensor::randn(shape, DType::F64, &dev).unwrap();
+        let (q, k, v, mask, g) = (r(&[l, b, h, d]), r(&[s, b, h, d]), r(&[s, b, h, d]), r(&[b, h, l, s]), r(&[l, b, h, d]));
+        for causal in [false, true] {
+            let run = |fused: bool| {
+                let (q, k, v) = (q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad());
+                let y = if fused {
+                    apply(Op::Attention { scale: 0.6, causal }, &[&q, &k, &v, &mask]).unwrap()
+                } else {
+                    crate::nn::functional::attention_lbhd(&q, &k, &v, Some(&mask), 0.6, causal, 0.0).unwrap()
+                };
+                y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+                [y, q.grad().unwrap(), k.grad().unwrap(), v.grad().unwrap()].map(|t| t.contiguous().unwrap().to_vec::<f64>().unwrap())
+            };
+            for (a, e) in run(true).iter().zip(run(false).iter()) {
+                for (x, y) in a.iter().zip(e) {
+                    assert!((x - y).abs() <= 1e-12 + 1e-10 * y.abs(), "{x} vs {y} (causal {causal})");
+                }
+            }
+        }
+    }
+}
