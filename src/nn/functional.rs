@@ -230,7 +230,10 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
     let fused = dropout_p == 0.0
         && match q.device() {
             crate::Device::Cpu => false,
-            crate::Device::Cuda(_) => d <= crate::backend::cuda::attention::MAX_HEAD_DIM && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16),
+            crate::Device::Cuda(_) => {
+                let (l, b, h, s) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[0]);
+                crate::backend::cuda::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+            }
         };
     if fused {
         let mut inputs = vec![q, k, v];

@@ -13,7 +13,15 @@ use crate::{DType, Result, Tensor};
 /// Warps (query or key rows) per block.
 const ROWS: usize = 4;
 /// Largest head dim the kernels take (their tiles live in 48 KiB of shared memory).
-pub(crate) const MAX_HEAD_DIM: usize = 128;
+const MAX_HEAD_DIM: usize = 128;
+/// Most query or key rows per head: one block per ROWS rows in the grid's y (65535 at most).
+const MAX_ROWS: usize = 65535 * ROWS;
+
+/// Whether the kernels take an attention of `l` queries and `s` keys over `bh` heads of `d`
+/// features (else the caller computes it with matmul and softmax).
+pub(crate) fn takes(l: usize, s: usize, bh: usize, d: usize) -> bool {
+    d <= MAX_HEAD_DIM && l <= MAX_ROWS && s <= MAX_ROWS && bh <= i32::MAX as usize
+}
 
 /// Source shared by the three kernels: types, loads, warp reductions, the argument block.
 fn common(dtype: DType, d: usize) -> String {
@@ -259,8 +267,12 @@ fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &At
     Ok(a)
 }
 
-fn grid(bh: usize, rows: usize) -> (u32, u32, u32) {
-    (bh as u32, rows.div_ceil(ROWS) as u32, 1)
+/// Blocks: one per (batch, head) in x, one per ROWS rows in y (at most 65535).
+fn grid(bh: usize, rows: usize) -> Result<(u32, u32, u32)> {
+    if rows > MAX_ROWS || bh > i32::MAX as usize {
+        return Err(crate::Error::arg("attention", format!("{rows} rows per head (at most {MAX_ROWS}) or {bh} heads in all (at most 2^31 - 1) exceed one launch")));
+    }
+    Ok((bh as u32, rows.div_ceil(ROWS) as u32, 1))
 }
 
 /// The attention output `[L, B, H, D]` in q's dtype. Inputs have a contiguous head dim.
@@ -275,7 +287,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
-    dev.launch(kern, grid(n.b * n.h, n.l), ((ROWS * 32) as u32, 1, 1), &a)?;
+    dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
     Ok(out)
 }
 
@@ -306,9 +318,9 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     let block = ((ROWS * 32) as u32, 1, 1);
     let (name, src) = gen_backward_q(q.dtype(), n.d);
     let kq = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    dev.launch(kq, grid(n.b * n.h, n.l), block, &a)?;
+    dev.launch(kq, grid(n.b * n.h, n.l)?, block, &a)?;
     let (name, src) = gen_backward_kv(q.dtype(), n.d);
     let kkv = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    dev.launch(kkv, grid(n.b * n.h, n.s), block, &a)?;
+    dev.launch(kkv, grid(n.b * n.h, n.s)?, block, &a)?;
     Ok(packed)
 }
