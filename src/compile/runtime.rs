@@ -101,7 +101,6 @@ struct HoistCache {
 
 impl Hoisted {
     fn plan(g: &Graph, s: &Schedule) -> Hoisted {
-        use crate::ops::Op;
         #[derive(Clone, Copy, PartialEq)]
         enum Class {
             Param,
@@ -110,7 +109,7 @@ impl Hoisted {
             Dynamic,
         }
         let mutated: std::collections::HashSet<usize> = g.mutations.iter().map(|m| m.0).collect();
-        let is_view = |i: NodeId| matches!(g.nodes[i].op, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }));
+        let is_view = |i: NodeId| matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view());
         // Results handed to the caller, and the values they are views of, are made fresh each
         // run: the caller owns them (and may write them in place).
         let mut fresh_each_run = std::collections::HashSet::new();
@@ -122,7 +121,7 @@ impl Hoisted {
                     _ if fresh_each_run.contains(&i) => Class::Dynamic,
                     NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
                     NodeOp::Full(_) => Class::Const,
-                    NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }) => class[n.args[0]],
+                    NodeOp::Prim(op) if op.is_view() => class[n.args[0]],
                     NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
                     NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,
                     NodeOp::Prim(_) => Class::Const,
@@ -160,11 +159,7 @@ impl Hoisted {
             .iter()
             .zip(&steps)
             .filter(|(_, &h)| h)
-            .flat_map(|(st, _)| match st {
-                Step::Node(i) => vec![*i],
-                Step::Kernel(k) => s.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
-                Step::Gemm(_) => unreachable!("library products are not hoisted"),
-            })
+            .flat_map(|(st, _)| step_outputs(s, st))
             .collect();
         let read_later = |v: NodeId| s.steps.iter().zip(&steps).any(|(st, &h)| !h && step_reads(g, s, st).contains(&v));
         let kept: Vec<NodeId> = made.into_iter().filter(|&v| read_later(v)).collect();
@@ -241,7 +236,7 @@ impl Program {
     pub(crate) fn kernel_count(&self) -> usize {
         self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
             Step::Kernel(_) | Step::Gemm(_) => true,
-            Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !matches!(op, crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. } | crate::ops::Op::Reshape(_)))
+            Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !op.is_view())
                 || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
         }).count()
     }
@@ -271,8 +266,9 @@ impl Program {
         for (s, step) in self.schedule.steps.iter().enumerate() {
             let hoisted = h.steps.get(s).copied().unwrap_or(false);
             // Inputs, constants and views of what is at hand cost no kernel.
-            let free = matches!(step, Step::Node(i) if matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_) | NodeOp::Prim(crate::ops::Op::Reshape(_) | crate::ops::Op::Permute(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Slice { .. }))
-                && g.nodes[*i].args.iter().all(|a| env[*a].is_some()));
+            let free = matches!(step, Step::Node(i)
+                if (matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()))
+                    && g.nodes[*i].args.iter().all(|a| env[*a].is_some()));
             if (hoisted && fresh) || (hoisted_only && !hoisted && !free) {
                 continue;
             }
@@ -340,11 +336,7 @@ impl Program {
     fn keep(&self, inputs: &[Tensor], s: usize, env: &mut [Option<Tensor>], cache: &mut Option<HoistCache>) -> Result<()> {
         let h = &self.hoisted;
         let versions = h.versions(&self.graph, inputs);
-        let made: Vec<NodeId> = match &self.schedule.steps[s] {
-            Step::Node(i) => vec![*i],
-            Step::Kernel(k) => self.schedule.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
-            Step::Gemm(_) => unreachable!("library products are not hoisted"),
-        };
+        let made = step_outputs(&self.schedule, &self.schedule.steps[s]);
         let c = cache.get_or_insert_with(|| HoistCache { versions: versions.clone(), values: vec![] });
         for v in made {
             let Some(slot) = h.kept.iter().position(|&x| x == v) else { continue };
@@ -402,6 +394,15 @@ fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
     }
 }
 
+/// The values step `step` computes (a library product: its epilogue's result).
+fn step_outputs(s: &Schedule, step: &Step) -> Vec<NodeId> {
+    match step {
+        Step::Node(i) => vec![*i],
+        Step::Kernel(k) => s.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
+        Step::Gemm(j) => vec![s.gemms[*j].out()],
+    }
+}
+
 /// The memory plan: after which step each value is dead (outputs and written-back values live
 /// to the end).
 fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
@@ -427,7 +428,6 @@ fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
 /// every other read of that tensor (through views too) must come in an earlier step, and the
 /// kernel must read it directly (element i read and written by the same thread), not a view.
 fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, usize> {
-    use crate::ops::Op;
     let mut reads: Vec<Vec<usize>> = vec![vec![]; g.nodes.len()];
     let mut made_by: std::collections::HashMap<NodeId, (usize, usize)> = Default::default();
     for (k, step) in s.steps.iter().enumerate() {
@@ -448,7 +448,7 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
                 return direct;
             }
             match views.get(&k).map(|&i| (i, &g.nodes[i].op)) {
-                Some((i, NodeOp::Prim(Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. }))) => before(g, reads, views, i, at, false),
+                Some((i, NodeOp::Prim(op))) if op.is_view() => before(g, reads, views, i, at, false),
                 _ => k < at,
             }
         })

@@ -207,7 +207,7 @@ pub(crate) fn record(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     let metas: Vec<(&[usize], DType)> = inputs.iter().map(|t| (t.shape(), t.dtype())).collect();
     let (shape, dtype) = op.out_meta(&metas)?;
     let out_device = if let Op::ToDevice { to, .. } = op { to } else { device };
-    let is_view = matches!(op, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. });
+    let is_view = op.is_view();
     with(|tr| {
         let args = inputs.iter().map(|t| tr.value_of(t)).collect::<Result<Vec<_>>>()?;
         let id = tr.graph.push(NodeOp::Prim(op), args, shape, dtype, out_device);

@@ -124,6 +124,11 @@ impl Op {
         matches!(self, Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
     }
 
+    /// A view of its input's storage: no kernel on any device.
+    pub(crate) fn is_view(&self) -> bool {
+        matches!(self, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. })
+    }
+
     /// Which inputs gradients flow into.
     pub(crate) fn differentiable_inputs(&self, n: usize) -> Vec<bool> {
         match self {

@@ -234,7 +234,7 @@ pub(crate) fn cpu_op(op: &Op, xs: &[&Tensor]) -> Span {
     if !active() {
         return Span::OFF;
     }
-    let view_or_move = matches!(op, Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. });
+    let view_or_move = op.is_view() || matches!(op, Op::ToDevice { .. });
     // Convolutions on the host are made of other ops, which record themselves.
     if view_or_move || op.is_conv() || xs.first().is_none_or(|x| x.device() != Device::Cpu) {
         return Span::OFF;
