@@ -20,6 +20,7 @@
 pub(crate) mod autodiff;
 pub(crate) mod fuse;
 pub mod graph;
+pub(crate) mod merge;
 pub(crate) mod runtime;
 pub(crate) mod simplify;
 pub(crate) mod trace;
@@ -471,6 +472,11 @@ fn run_segment(opts: &CompileOptions, state: &Mutex<State>, g: &Graph, inputs: &
 }
 
 /// Turns a traced graph into something that runs, with the chosen backend.
+/// The graph passes between capture (and autodiff) and scheduling.
+fn optimise(g: &Graph) -> Graph {
+    merge::merge_products(&simplify::simplify(g))
+}
+
 fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {
     match &opts.backend {
         Backend::Eager => Ok(Exec::Runner(g.eager_runner())),
@@ -488,12 +494,12 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
                     return Ok(Exec::Runner(g.eager_runner()));
                 }
                 let s = autodiff::split(g, inputs)?;
-                let forward = runtime::Program::new(simplify::simplify(&s.forward), tune);
-                let backward = runtime::Program::new(simplify::simplify(&s.backward), tune);
+                let forward = runtime::Program::new(optimise(&s.forward), tune);
+                let backward = runtime::Program::new(optimise(&s.backward), tune);
                 log(Category::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
-            let program = Arc::new(runtime::Program::new(simplify::simplify(g), tune));
+            let program = Arc::new(runtime::Program::new(optimise(g), tune));
             if matches!(opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune) {
                 match graph_blocker(&program, &inputs[..g.n_args]) {
                     None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),
