@@ -23,6 +23,11 @@ pub(crate) fn takes(l: usize, s: usize, bh: usize, d: usize) -> bool {
     d <= MAX_HEAD_DIM && l <= MAX_ROWS && s <= MAX_ROWS && bh <= i32::MAX as usize
 }
 
+/// A kernel's name, which says all its source depends on (sources are generated only once).
+fn kernel_name(kind: &str, dtype: DType, d: usize) -> String {
+    format!("attention_{kind}_{}_d{d}", dtype.torch_name())
+}
+
 /// Source shared by the three kernels: types, loads, warp reductions, the argument block.
 fn common(dtype: DType, d: usize) -> String {
     format!(
@@ -59,7 +64,7 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
 
 /// Forward: out[l] = softmax(scale q[l] k^T + mask) v.
 fn gen_forward(dtype: DType, d: usize) -> (String, String) {
-    let name = format!("attention_fwd_{}_d{d}", dtype.torch_name());
+    let name = kernel_name("fwd", dtype, d);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -74,11 +79,13 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1;
   long long send = causal ? min(S, last + 1) : S;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
+    // Keys of this tile (all 32 but in the last): short sequences load and sum no padding.
+    const int nk = (int)min(32ll, send - s0);
     __syncthreads();
-    for (int i = threadIdx.x; i < 32 * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long s = s0 + j; bool in = s < S;
-      Ks[j][d] = in ? LD(k[s * kss + b * ksb + h * ksh + d]) : 0.f;
-      Vs[j][d] = in ? LD(v[s * vss + b * vsb + h * vsh + d]) : 0.f;
+    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
+      int j = i / D_, d = i - j * D_; long long s = s0 + j;
+      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
+      Vs[j][d] = LD(v[s * vss + b * vsb + h * vsh + d]);
     }}
     __syncthreads();
     if (!ok) continue;
@@ -90,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     float corr = m == -INFINITY ? 0.f : expf(m - mn);
     den = den * corr + wsum(p);
     for (int i = 0; i < PER; i++) acc[i] *= corr;
-    for (int j = 0; j < 32; j++) {{
+    for (int j = 0; j < nk; j++) {{
       float pj = __shfl_sync(FULL, p, j);
       for (int i = 0; i < PER; i++) {{ int d = lane + 32 * i; if (d < D_) acc[i] += pj * Vs[j][d]; }}
     }}
@@ -107,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
 /// Backward, per query row: the row's log-sum-exp and delta = dO·O, then
 /// dq = scale sum_s p (dO·v_s - delta) k_s.
 fn gen_backward_q(dtype: DType, d: usize) -> (String, String) {
-    let name = format!("attention_bwd_q_{}_d{d}", dtype.torch_name());
+    let name = kernel_name("bwd_q", dtype, d);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -128,10 +135,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   long long send = causal ? min(S, last + 1) : S;
   float m = -INFINITY, den = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
+    const int nk = (int)min(32ll, send - s0);
     __syncthreads();
-    for (int i = threadIdx.x; i < 32 * D_; i += ROWS * 32) {{
+    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
       int j = i / D_, d = i - j * D_; long long s = s0 + j;
-      Ks[j][d] = s < S ? LD(k[s * kss + b * ksb + h * ksh + d]) : 0.f;
+      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
     }}
     __syncthreads();
     if (!ok) continue;
@@ -147,11 +155,13 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   float acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
+    // Keys of this tile (all 32 but in the last): short sequences load and sum no padding.
+    const int nk = (int)min(32ll, send - s0);
     __syncthreads();
-    for (int i = threadIdx.x; i < 32 * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long s = s0 + j; bool in = s < S;
-      Ks[j][d] = in ? LD(k[s * kss + b * ksb + h * ksh + d]) : 0.f;
-      Vs[j][d] = in ? LD(v[s * vss + b * vsb + h * vsh + d]) : 0.f;
+    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
+      int j = i / D_, d = i - j * D_; long long s = s0 + j;
+      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
+      Vs[j][d] = LD(v[s * vss + b * vsb + h * vsh + d]);
     }}
     __syncthreads();
     if (!ok) continue;
@@ -164,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
       for (int d = 0; d < D_; d++) dp += Gs[warp][d] * Vs[lane][d];
       ds = p * (dp - delta);
     }}
-    for (int j = 0; j < 32; j++) {{
+    for (int j = 0; j < nk; j++) {{
       float dsj = __shfl_sync(FULL, ds, j);
       for (int i = 0; i < PER; i++) {{ int d = lane + 32 * i; if (d < D_) acc[i] += dsj * Ks[j][d]; }}
     }}
@@ -182,7 +192,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
 
 /// Backward, per key row: dv = sum_l p dO_l and dk = scale sum_l p (dO_l·v - delta_l) q_l.
 fn gen_backward_kv(dtype: DType, d: usize) -> (String, String) {
-    let name = format!("attention_bwd_kv_{}_d{d}", dtype.torch_name());
+    let name = kernel_name("bwd_kv", dtype, d);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -203,11 +213,12 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   // Causal: no query before this block's first key sees it.
   long long start = causal ? (long long)blockIdx.y * ROWS : 0;
   for (long long l0 = start; l0 < L; l0 += 32) {{
+    const int nl = (int)min(32ll, L - l0);
     __syncthreads();
-    for (int i = threadIdx.x; i < 32 * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long l = l0 + j; bool in = l < L;
-      Qt[j][d] = in ? LD(q[l * qsl + b * qsb + h * qsh + d]) * scale : 0.f;
-      Gt[j][d] = in ? LD(g[((l * B + b) * H + h) * D_ + d]) : 0.f;
+    for (int i = threadIdx.x; i < nl * D_; i += ROWS * 32) {{
+      int j = i / D_, d = i - j * D_; long long l = l0 + j;
+      Qt[j][d] = LD(q[l * qsl + b * qsb + h * qsh + d]) * scale;
+      Gt[j][d] = LD(g[((l * B + b) * H + h) * D_ + d]);
     }}
     if (threadIdx.x < 32) {{
       long long l = l0 + threadIdx.x;
@@ -226,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
       for (int d = 0; d < D_; d++) dp += Gt[lane][d] * Vw[warp][d];
       ds = p * (dp - Dt[lane]);
     }}
-    for (int j = 0; j < 32; j++) {{
+    for (int j = 0; j < nl; j++) {{
       float pj = __shfl_sync(FULL, p, j), dsj = __shfl_sync(FULL, ds, j);
       for (int i = 0; i < PER; i++) {{ int d = lane + 32 * i; if (d < D_) {{ av[i] += pj * Gt[j][d]; ak[i] += dsj * Qt[j][d]; }} }}
     }}
@@ -283,8 +294,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    let (name, src) = gen_forward(q.dtype(), n.d);
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
     dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
@@ -316,11 +326,9 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[29] = at(nq);
     a.w[30] = at(nq + nk);
     let block = ((ROWS * 32) as u32, 1, 1);
-    let (name, src) = gen_backward_q(q.dtype(), n.d);
-    let kq = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q", q.dtype(), n.d)), || gen_backward_q(q.dtype(), n.d))?;
     dev.launch(kq, grid(n.b * n.h, n.l)?, block, &a)?;
-    let (name, src) = gen_backward_kv(q.dtype(), n.d);
-    let kkv = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    let kkv = dev.kernel(KernelKey::Named(kernel_name("bwd_kv", q.dtype(), n.d)), || gen_backward_kv(q.dtype(), n.d))?;
     dev.launch(kkv, grid(n.b * n.h, n.s)?, block, &a)?;
     Ok(packed)
 }
