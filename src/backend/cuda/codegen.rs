@@ -208,6 +208,18 @@ impl MapSpec {
     }
 }
 
+/// The argument word of a map kernel's dim of size `d`: the size, and for kernels with 32-bit
+/// indices the magic number of unsigned division by it in the high half (the kernel derives
+/// the shift, the least `s` with 2^s >= d): n / d = (umulhi(n, magic) + n) >> s for n < 2^31.
+pub(crate) fn size_word(d: usize, idx64: bool) -> u64 {
+    if idx64 || d == 0 || d > i32::MAX as usize {
+        return d as u64;
+    }
+    let shift = usize::BITS - (d - 1).leading_zeros();
+    let magic = ((1u128 << 32) * ((1u128 << shift) - d as u128)) / d as u128 + 1;
+    d as u64 | ((magic as u64) << 32)
+}
+
 pub(crate) fn gen_map(s: &MapSpec) -> String {
     let mut c = String::from(PRELUDE);
     let uses = |f: &str| s.body.contains(f) || s.outs.iter().any(|o| o.2.contains(f));
@@ -253,7 +265,14 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "    IDX o{} = 0;", k + 1);
         }
         for d in (0..s.ndim).rev() {
-            let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{}]; const IDX q = rem % sz; rem /= sz;", words.sizes + d);
+            let w = words.sizes + d;
+            if s.idx64 {
+                let _ = writeln!(c, "    {{ const IDX sz = (IDX)a.w[{w}]; const IDX q = rem % sz; rem /= sz;");
+            } else {
+                // 32-bit indices divide by multiplying with the size's magic number (the high
+                // half of its word, see `size_word`): a hardware division is ~20 instructions.
+                let _ = writeln!(c, "    {{ const unsigned int sz = (unsigned int)a.w[{w}], qq = (__umulhi((unsigned int)rem, (unsigned int)(a.w[{w}] >> 32)) + (unsigned int)rem) >> (32 - __clz(sz - 1)); const IDX q = rem - (IDX)(qq * sz); rem = (IDX)qq;");
+            }
             if let Some(w) = words.strides[0].filter(|_| strided_out) {
                 let _ = writeln!(c, "      o0 += q * (IDX)a.w[{}];", w + d);
             }
@@ -602,13 +621,18 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 }
 "#;
 
+/// The name of a `gen_rows` kernel, which says everything its source depends on.
+pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, weight: bool, bias: bool) -> String {
+    format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
+}
+
 /// One block of `threads` threads per row of a contiguous [M, K] input, the row held in
 /// registers (`vpt` values per thread, loaded `vec` at a time): softmax, log_softmax or
 /// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
 /// as PyTorch's kernels keep them.
 pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, weight: bool, bias: bool) -> (String, String) {
     use crate::nn::functional::RowKind;
-    let name = format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" });
+    let name = rows_name(kind, dtype, threads, vpt, vec, weight, bias);
     let t = storage_type(dtype);
     let ld = |e: &str| load(dtype, CType::F32, e);
     let st = |e: &str| store(dtype, CType::F32, e);
@@ -693,3 +717,37 @@ pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threa
 /// Row kernels: element j of a thread's registers sits at column KIDX(j) of its row (vectors
 /// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines).
 pub(crate) const ROW_INDEX: &str = "#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))\n";
+
+#[cfg(test)]
+mod tests {
+    use super::size_word;
+
+    /// The kernels' division by a size word, done on the host as the device does it.
+    fn divide(n: u32, word: u64) -> (u32, u32) {
+        let (d, magic) = (word as u32, (word >> 32) as u32);
+        let shift = 32 - (d - 1).leading_zeros();
+        let hi = ((n as u64 * magic as u64) >> 32) as u32;
+        let q = (hi + n) >> shift;
+        (q, n - q * d)
+    }
+
+    #[test]
+    fn magic_division_matches_hardware_division() {
+        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let sizes = (1..300usize).chain([511, 512, 513, 1000, 4096, 8191, 8192, 8193, 65535, 1 << 20, 3 << 20, (1 << 31) - 1]);
+        for d in sizes {
+            let w = size_word(d, false);
+            let ns = [0u32, 1, d as u32 - 1, d as u32, (1u32 << 31) - 1].into_iter().chain((0..200).map(|_| (next() % (1u64 << 31)) as u32));
+            for n in ns {
+                assert_eq!(divide(n, w), (n / d as u32, n % d as u32), "{n} / {d}");
+            }
+        }
+        assert_eq!(size_word(12, true), 12, "64-bit kernels divide by the size itself");
+    }
+}

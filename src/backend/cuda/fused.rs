@@ -82,30 +82,50 @@ fn wrap(outs: Vec<CudaStorage>, shapes: impl Fn(usize) -> Vec<usize>) -> Vec<Ten
     outs.into_iter().enumerate().map(|(m, s)| Tensor::from_backend(BackendStorage::Cuda(s), &shapes(m))).collect()
 }
 
-fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
-    let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
-    let (body, vals) = k.memo.flat_code.get_or_init(|| {
-        let mut body = String::new();
-        let mut vals: Vec<(CType, String)> = vec![];
-        for (i, op) in k.ops.iter().enumerate() {
-            let args: Vec<(CType, String)> = op
-                .args
-                .iter()
-                .map(|a| match a {
-                    KArg::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
-                    KArg::Op(j) => vals[*j].clone(),
-                })
-                .collect();
-            let (t, e) = lower(op, &args);
-            if matches!(op.kind, KKind::Same) {
-                vals.push((t, e));
+/// The body of a flat kernel for the map generator: one `const` temporary per op, and each
+/// op's (type, C name) for the outputs' expressions.
+fn flat_code(k: &FusedKernel) -> (String, Vec<(CType, String)>) {
+    let mut body = String::new();
+    let mut vals: Vec<(CType, String)> = vec![];
+    let pairs = sincos_pairs(k);
+    for (i, op) in k.ops.iter().enumerate() {
+        let args: Vec<(CType, String)> = op
+            .args
+            .iter()
+            .map(|a| match a {
+                KArg::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
+                KArg::Op(j) => vals[*j].clone(),
+            })
+            .collect();
+        match pairs[i] {
+            // The first of a sine and cosine of one value computes both.
+            Some((sin, cos)) if i == sin.min(cos) => {
+                let t = op.unary_type();
+                let f = if t == CType::F64 { "sincos" } else { "sincosf" };
+                let _ = writeln!(body, "    {} t{sin}, t{cos}; {f}({}, &t{sin}, &t{cos});", t.name(), convert(args[0].0, t, &args[0].1));
+                vals.push((t, format!("t{i}")));
                 continue;
             }
-            let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
-            vals.push((t, format!("t{i}")));
+            Some(_) => {
+                vals.push((op.unary_type(), format!("t{i}")));
+                continue;
+            }
+            None => {}
         }
-        (body, vals)
-    });
+        let (t, e) = lower(op, &args);
+        if matches!(op.kind, KKind::Same) {
+            vals.push((t, e));
+            continue;
+        }
+        let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
+        vals.push((t, format!("t{i}")));
+    }
+    (body, vals)
+}
+
+fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+    let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
+    let (body, vals) = k.memo.flat_code.get_or_init(|| flat_code(k));
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
@@ -120,6 +140,45 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
     map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body.clone(), &[])?;
     Ok(outs)
+}
+
+/// A row kernel's loaded functions by (threads, values per thread, vector width, which inputs
+/// load vectors), so
+/// that a launch after the first formats and hashes nothing. A clone starts empty.
+#[derive(Default)]
+pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<((usize, usize, usize, u64), super::Kernel)>>);
+
+impl Clone for RowLaunches {
+    fn clone(&self) -> Self {
+        RowLaunches::default()
+    }
+}
+
+impl std::fmt::Debug for RowLaunches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} loaded", self.0.lock().len())
+    }
+}
+
+/// Per op: (sine, cosine) when it is one of a sine and a cosine of the same floating-point
+/// value, which one `sincos` call computes (one argument reduction instead of two).
+fn sincos_pairs(k: &FusedKernel) -> Vec<Option<(usize, usize)>> {
+    use crate::ops::UnaryOp as U;
+    let mut pairs = vec![None; k.ops.len()];
+    let float = |op: &KOp| matches!(op.unary_type(), CType::F32 | CType::F64);
+    for (s, op) in k.ops.iter().enumerate() {
+        if !matches!(op.kind, KKind::Unary(U::Sin)) || !float(op) {
+            continue;
+        }
+        let partner = k.ops.iter().enumerate().position(|(c, o)| {
+            matches!(o.kind, KKind::Unary(U::Cos)) && o.args == op.args && o.dtype == op.dtype && pairs[c].is_none()
+        });
+        if let Some(c) = partner {
+            pairs[s] = Some((s, c));
+            pairs[c] = Some((s, c));
+        }
+    }
+    pairs
 }
 
 /// Unary ops worth computing once and keeping in registers when several passes over the row
@@ -442,14 +501,23 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
     // the inputs, so timing candidates changes nothing.
     let launch = |threads: usize| -> Result<()> {
         let vpt = row_vpt(cols, threads, vec);
-        let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
-        // Keyed by what determines the source (ops, input dtypes, launch shape), so a call after
-        // the first neither generates nor hashes the source.
-        let key = format!("rows {name} {dtypes:?} {}", k.describe());
-        let kern = dev.kernel(KernelKey::Named(key), || {
-            let src = gen_rows(k, &name, threads, vpt, vec, &vector);
-            (name.clone(), src)
-        })?;
+        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))));
+        let cached = k.memo.row_launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
+        let kern = match cached {
+            Some(f) => f,
+            None => {
+                let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
+                // Keyed by what determines the source (ops, input dtypes, launch shape): kernels
+                // of the same text in other graphs share it.
+                let key = format!("rows {name} {dtypes:?} {}", k.describe());
+                let f = dev.kernel(KernelKey::Named(key), || {
+                    let src = gen_rows(k, &name, threads, vpt, vec, &vector);
+                    (name.clone(), src)
+                })?;
+                k.memo.row_launches.0.lock().push((shape, f));
+                f
+            }
+        };
         dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
     };
     let tuned = if tune { tuned_threads(dev, k, rows, cols, vec, &format!("{vk} {dtypes:?}"), &launch) } else { None };
@@ -505,6 +573,23 @@ mod tests {
         compile_with(CompileOptions::new().backend(backend), f).call(x).unwrap();
         let v = seen.lock().unwrap().clone();
         v
+    }
+
+    #[test]
+    fn sine_and_cosine_of_one_value_share_a_sincos() {
+        let seen = Arc::new(Mutex::new(vec![]));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
+            Ok(g.eager_runner())
+        });
+        let x = Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap();
+        compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.sin()?.exp()?.add(&x.cos()?.abs()?.log()?)).call(&x).unwrap();
+        let ks = seen.lock().unwrap().clone();
+        assert_eq!(ks.len(), 1);
+        let (body, _) = flat_code(&ks[0]);
+        assert_eq!(body.matches("sincosf(").count(), 1, "{body}");
+        assert!(!body.contains("sinf(") && !body.contains("cosf(("), "{body}");
     }
 
     #[test]

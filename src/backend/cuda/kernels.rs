@@ -147,7 +147,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     }
     if strided {
         for (d, &sz) in cshape.iter().enumerate() {
-            a.w[words.sizes + d] = sz as u64;
+            a.w[words.sizes + d] = codegen::size_word(sz, idx64);
         }
         for (k, s) in strides.iter().enumerate() {
             if let Some(w) = words.strides[k] {
@@ -629,8 +629,9 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     let v = 16 / size;
     let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
     let (threads, vpt) = row_shape(k, vec);
-    let (name, src) = codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some());
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
+    // The source is generated only the first time (the name says all it depends on).
+    let name = codegen::rows_name(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some());
+    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some()))?;
     let mut a = KArgs::default();
     a.w[0] = ptrs[0].unwrap_or(0);
     a.w[1] = out.ptr();
