@@ -448,7 +448,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(NodeId, usize)>> =
         (0..units.len()).filter(|&u| indeg[u] == 0).map(|u| std::cmp::Reverse((units[u][0], u))).collect();
-    let mut counter = 0;
+    let (mut counter, mut emitted) = (0, 0);
     while let Some(std::cmp::Reverse((_, u))) = ready.pop() {
         for &r in &readers[u] {
             indeg[r] -= 1;
@@ -456,6 +456,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
                 ready.push(std::cmp::Reverse((units[r][0], r)));
             }
         }
+        emitted += 1;
         let first = units[u][0];
         if let Some(gm) = gemm_of[first] {
             sched.steps.push(Step::Gemm(gm));
@@ -465,9 +466,9 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             None => sched.steps.push(Step::Node(first)),
             Some(gi) => {
                 let grp = groups[gi].as_ref().expect("live");
-                // A lone reshape is a view.
-                if grp.members.len() == 1 && kinds[first] == Kind::Reshape {
-                    sched.steps.push(Step::Node(first));
+                // Reshapes alone (one, or a chain of them) are views, not a kernel.
+                if grp.members.iter().all(|&m| kinds[m] == Kind::Reshape) {
+                    sched.steps.extend(grp.members.iter().map(|&m| Step::Node(m)));
                     continue;
                 }
                 let k = build_kernel(g, grp, &group_of, &users, &node_readers, counter);
@@ -477,7 +478,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             }
         }
     }
-    debug_assert_eq!(sched.steps.len(), units.len(), "the step graph has no cycle");
+    debug_assert_eq!(emitted, units.len(), "the step graph has no cycle");
     sched
 }
 
@@ -702,6 +703,19 @@ mod tests {
             assert_eq!((s.kernels.len(), s.gemms.len()), (0, 1), "{}", gm.describe(&g));
             assert!(gm.describe(&g).contains("RELU_BIAS"), "{}", gm.describe(&g));
         }
+    }
+
+    #[test]
+    fn reshapes_between_library_calls_are_views() {
+        // An attention-like output reshaped twice on its way into a product: both reshapes are
+        // views of its buffer, not a copy kernel.
+        let w = r(&[64, 64], DType::F32);
+        let g = graph_of(&[r(&[4, 2, 64], DType::F32)], move |xs| {
+            let y = xs[0].matmul(&w)?.reshape(&[4, 2, 8, 8])?;
+            Ok(vec![y.reshape(&[8, 64])?.reshape(&[4, 2, 64])?.matmul(&w)?])
+        });
+        let s = schedule(&g);
+        assert_eq!((s.kernels.len(), s.gemms.len()), (0, 2), "{:?}", s.steps);
     }
 
     #[test]

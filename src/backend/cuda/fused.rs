@@ -364,7 +364,25 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
             let _ = writeln!(c, "    {} at{i}[VPT];", v.0.name());
         }
     }
+    // Inputs kept in registers are loaded first, all at once, before any pass computes: the
+    // loads are then in flight together instead of one group per step of the first pass.
     let mut filled_in = vec![false; k.inputs.len()];
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if inp.row || !plan.in_array[j] {
+            continue;
+        }
+        let t = ins[j].0;
+        let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);");
+        if vector[j] {
+            let v = load(inp.dtype, t, "q.v[e]");
+            let _ = writeln!(c, "      if (k0 < K) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
+        } else {
+            let v = load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"));
+            let _ = writeln!(c, "      if (k0 < K) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
+        }
+        let _ = writeln!(c, "      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = ({})0; }}\n    }}", t.name());
+        filled_in[j] = true;
+    }
     let mut filled_op = vec![false; k.ops.len()];
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
