@@ -8,7 +8,7 @@ use super::{CopyKind, Event, EventKind};
 use crate::backend::cuda::CudaDevice;
 use crate::ops::Op;
 use crate::{DType, Device, Error, Result, Tensor};
-use cudarc::driver::{sys as ds, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys as ds, CudaEvent, CudaStream};
 use std::cell::RefCell;
 use std::panic::Location;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -26,7 +26,6 @@ fn active() -> bool {
 /// A device's first recorded point: device timestamps are placed on the host timeline by it.
 struct Base {
     ordinal: usize,
-    ctx: Arc<CudaContext>,
     event: CudaEvent,
     host_us: f64,
 }
@@ -80,10 +79,10 @@ impl Recording {
         drop(self);
         let mut events = s.events;
         let cuda_err = |ordinal, e| Error::Cuda { op: "profile", device: Device::Cuda(ordinal), msg: format!("{e:?}") };
-        for b in &s.bases {
-            b.ctx.synchronize().map_err(|e| cuda_err(b.ordinal, e))?;
-        }
+        // Each end event is waited for, not the whole context: another thread may be capturing
+        // a CUDA graph on a stream of the same context, which a context-wide wait would break.
         for (i, ordinal, start, end) in &s.timings {
+            end.synchronize().map_err(|e| cuda_err(*ordinal, e))?;
             let base = s.bases.iter().find(|b| b.ordinal == *ordinal).expect("a device with timings has a base");
             let offset_ms = base.event.elapsed_ms(start).map_err(|e| cuda_err(*ordinal, e))? as f64;
             let ms = start.elapsed_ms(end).map_err(|e| cuda_err(*ordinal, e))? as f64;
@@ -133,7 +132,7 @@ impl Span {
             let has_base = with_session(|s| s.bases.iter().any(|b| b.ordinal == dev.ordinal)).unwrap_or(true);
             if !has_base {
                 if let Ok(event) = dev.stream.record_event(timed) {
-                    let base = Base { ordinal: dev.ordinal, ctx: dev.ctx.clone(), event, host_us: o.event.start_us };
+                    let base = Base { ordinal: dev.ordinal, event, host_us: o.event.start_us };
                     with_session(|s| s.bases.push(base));
                 }
             }

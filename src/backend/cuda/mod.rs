@@ -28,11 +28,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-/// A loaded kernel, its name, and whether it starts by waiting for the kernel before it
-/// (`griddepcontrol.wait`, see `with_grid_wait`). CUfunction handles are plain pointers valid
-/// for the context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
+/// A loaded kernel and its name. CUfunction handles are plain pointers valid for the
+/// context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
 #[derive(Clone, Copy)]
-pub(crate) struct Kernel(ds::CUfunction, &'static str, bool);
+pub(crate) struct Kernel(ds::CUfunction, &'static str);
 // SAFETY: a CUfunction may be launched from any thread that binds its context.
 unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
@@ -110,28 +109,6 @@ pub(crate) struct CudaDevice {
     /// What a timed choice on this device depends on besides the problem: the product, its
     /// architecture, the driver and NVRTC versions (max-autotune's keys start with it).
     pub(crate) tune_ident: String,
-}
-
-/// `src` with kernel `name` starting by waiting for the kernel before it in the stream to
-/// finish (`griddepcontrol.wait`: its writes are then visible) and letting the next kernel be
-/// scheduled (`griddepcontrol.launch_dependents`), and whether that was done. Only the
-/// project's generated kernels (they start from `codegen::PRELUDE`) get it; both instructions
-/// do nothing in a kernel launched the ordinary way. Launched with programmatic stream
-/// serialization, a kernel's launch then overlaps the end of the one before it.
-fn with_grid_wait(mut src: String, name: &str) -> (String, bool) {
-    if !src.contains(codegen::PRELUDE) {
-        return (src, false);
-    }
-    let Some(at) = src.find(&format!(" {name}(")) else { return (src, false) };
-    let Some(open) = src[at..].find('{').map(|o| at + o + 1) else { return (src, false) };
-    src.insert_str(open, "\n  asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\n  asm volatile(\"griddepcontrol.launch_dependents;\");");
-    (src, true)
-}
-
-/// `KILN_PDL=0` launches every kernel the ordinary way (for comparing).
-fn pdl_disabled() -> bool {
-    static OFF: OnceLock<bool> = OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("KILN_PDL").is_ok_and(|v| v == "0"))
 }
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
@@ -305,12 +282,6 @@ impl CudaDevice {
             return Ok(*k);
         }
         let (name, src) = gen();
-        let (src, waits) = match key {
-            KernelKey::Custom { .. } => (src, false),
-            // The instructions exist from Hopper (sm_90) on.
-            _ if self.arch.trim_start_matches("sm_").parse::<u32>().is_ok_and(|v| v < 90) => (src, false),
-            _ => with_grid_wait(src, &name),
-        };
         LOADS.with(|c| c.set(c.get() + 1));
         crate::logging::log(crate::logging::Category::Kernels, || format!("{name} ({}):\n{src}", self.arch));
         let (cubin, _) = nvrtc::cubin(&src, options, &self.arch, self.driver, self.kiln_device())?;
@@ -321,7 +292,7 @@ impl CudaDevice {
         // SAFETY: the module was just loaded and names this function.
         let f = unsafe { dr::module::get_function(module, cname) }.map_err(|e| self.err("get function", e))?;
         self.modules.lock().push(module as usize);
-        let k = Kernel(f, Box::leak(name.into_boxed_str()), waits);
+        let k = Kernel(f, Box::leak(name.into_boxed_str()));
         self.kernels.lock().insert(key, k);
         Ok(k)
     }
@@ -362,31 +333,8 @@ impl CudaDevice {
     /// among them must stay valid until the kernel has run (stream order).
     pub(crate) unsafe fn launch_params(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
         let _rec = crate::profiler::kernel(self, k.1, grid, block);
-        let stream = self.work_stream().cu_stream();
-        if k.2 && !pdl_disabled() {
-            // Programmatic dependent launch: the kernel may be scheduled while the one before it
-            // still runs; its first instruction waits for that kernel's completion and memory.
-            let mut attr: ds::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let config = ds::CUlaunchConfig {
-                gridDimX: grid.0,
-                gridDimY: grid.1,
-                gridDimZ: grid.2,
-                blockDimX: block.0,
-                blockDimY: block.1,
-                blockDimZ: block.2,
-                sharedMemBytes: shared,
-                hStream: stream,
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            // SAFETY: the caller's contract; `config` and `attr` outlive the call.
-            unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(|e| self.err("launch", e))?;
-        } else {
-            // SAFETY: the caller's contract.
-            unsafe { dr::launch_kernel(k.0, grid, block, shared, stream, params) }.map_err(|e| self.err("launch", e))?;
-        }
+        // SAFETY: the caller's contract.
+        unsafe { dr::launch_kernel(k.0, grid, block, shared, self.work_stream().cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
         LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }
@@ -673,33 +621,5 @@ impl Event {
         }
         ts.sort_by(|a, b| a.total_cmp(b));
         Ok(ts[ts.len() / 2])
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn generated_kernels_start_by_waiting_for_their_predecessor() {
-        let spec = codegen::MapSpec {
-            name: "relu".into(),
-            inputs: vec![(crate::DType::F32, codegen::CType::F32, codegen::Class::Contig)],
-            outs: vec![(crate::DType::F32, codegen::CType::F32, "v0".into())],
-            out_class: codegen::Class::Contig,
-            body: String::new(),
-            ndim: 0,
-            vec: 4,
-            idx64: false,
-        };
-        let name = spec.kernel_name();
-        let (src, waits) = with_grid_wait(codegen::gen_map(&spec), &name);
-        assert!(waits);
-        let body = &src[src.find(&format!(" {name}(")).unwrap()..];
-        let first = body.split('{').nth(1).unwrap().trim_start();
-        assert!(first.starts_with("asm volatile(\"griddepcontrol.wait;\""), "{body}");
-        // A user's kernel (no prelude) is left as written.
-        let user = "extern \"C\" __global__ void k(float* x) { x[0] = 1.f; }".to_string();
-        assert_eq!(with_grid_wait(user.clone(), "k"), (user, false));
     }
 }
