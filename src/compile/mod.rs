@@ -204,9 +204,12 @@ struct Entry {
     exec: Exec,
     captured: Vec<Tensor>,
     effects: trace::Effects,
-    /// The argument shapes it was traced with (a dynamic entry re-traces on other sizes).
+    /// The argument shapes it was compiled for (a dynamic function keeps one entry per size).
     shapes: Vec<Vec<usize>>,
 }
+
+/// Most entries (sizes) a dynamic function keeps per guard set; the oldest goes first.
+const DYNAMIC_SIZES: usize = 8;
 
 #[derive(Clone)]
 enum Exec {
@@ -342,7 +345,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
     pub fn trace_count(&self) -> usize {
         self.state.lock().traces
     }
-    /// How many compiled graphs are cached.
+    /// How many compiled graphs are cached (a dynamic function has one per size it keeps).
     pub fn graph_count(&self) -> usize {
         let s = self.state.lock();
         s.entries.len() + s.segments.len()
@@ -387,7 +390,9 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         };
         {
             let mut st = self.state.lock();
-            if !st.segmented && !dynamic_respecialise && st.entries.len() >= self.opts.recompile_limit {
+            // Guard sets count toward the limit, not the sizes a dynamic function keeps.
+            let keys: std::collections::HashSet<&GuardKey> = st.entries.iter().map(|e| &e.key).collect();
+            if !st.segmented && !dynamic_respecialise && keys.len() >= self.opts.recompile_limit {
                 st.eager = true;
                 eprintln!("[kiln] warning: a compiled function reached its recompile limit ({}); it now runs eagerly. Last reason: {reason}", self.opts.recompile_limit);
                 drop(st);
@@ -418,13 +423,19 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             log(Category::Recompiles, || format!("not cached: the call left {} new tensors alive (new state); the next call traces again", traced.effects.escaped.len()));
             return Ok(out);
         }
-        let mut st = self.state.lock();
-        if dynamic_respecialise {
-            st.entries.retain(|e| e.key != key);
-        }
-        st.entries.push(Entry { key, exec, captured, effects: traced.effects, shapes: args.iter().map(|a| a.shape().to_vec()).collect() });
+        let shapes = args.iter().map(|a| a.shape().to_vec()).collect();
+        push_entry(&mut self.state.lock(), Entry { key, exec, captured, effects: traced.effects, shapes });
         Ok(out)
     }
+}
+
+/// Adds a compiled entry; a dynamic function keeps at most `DYNAMIC_SIZES` per guard set.
+fn push_entry(st: &mut State, e: Entry) {
+    let same: Vec<usize> = st.entries.iter().enumerate().filter(|(_, x)| x.key == e.key).map(|(i, _)| i).collect();
+    if same.len() >= DYNAMIC_SIZES {
+        st.entries.remove(same[0]);
+    }
+    st.entries.push(e);
 }
 
 impl Entry {

@@ -489,13 +489,15 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
     if cands.is_empty() {
         return None;
     }
-    let timed: Vec<(String, Algo, Option<f64>)> = cands
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
+    let mut named: Vec<(String, Algo)> = cands.iter().enumerate().map(|(i, r)| (format!("heuristic #{i} (algo {}, workspace {} KiB)", algo_id(&r.algo), r.workspaceSize >> 10), r.algo)).collect();
+    // SAFETY: live handle and descriptors.
+    named.extend(unsafe { split_k_variants(lt, d, &cands) });
+    let timed: Vec<(String, Algo, Option<f64>)> = named
+        .into_iter()
+        .map(|(name, algo)| {
             // SAFETY: as for a regular call; each run rewrites the whole output.
-            let t = autotune::time_ms(dev, || unsafe { lt_run(lt, d, &r.algo, call) }.map_err(|e| dev.err("cublasLtMatmul", e)));
-            (format!("heuristic #{i} (algo {}, workspace {} KiB)", algo_id(&r.algo), r.workspaceSize >> 10), r.algo, t)
+            let t = autotune::time_ms(dev, || unsafe { lt_run(lt, d, &algo, call) }.map_err(|e| dev.err("cublasLtMatmul", e)));
+            (name, algo, t)
         })
         .collect();
     match autotune::pick(&format!("gemm {p:?}"), &timed) {
@@ -505,6 +507,37 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
         }
         None => Some(cands[0].algo),
     }
+}
+
+/// The first heuristic candidates with their reduction dim split into 2 to 8 parts, where the
+/// library takes it: a product with few output tiles (a few hundred rows, as in a small
+/// transformer) keeps only a few multiprocessors busy unless its K is split. The heuristics
+/// rarely offer this for FP32; max-autotune times these beside them.
+///
+/// # Safety
+/// A live handle and descriptors.
+unsafe fn split_k_variants(lt: ls::cublasLtHandle_t, d: &Descs, cands: &[ls::cublasLtMatmulHeuristicResult_t]) -> Vec<(String, Algo)> {
+    use ls::cublasLtMatmulAlgoConfigAttributes_t as A;
+    use ls::cublasLtReductionScheme_t as R;
+    let mut out = vec![];
+    for (i, r) in cands.iter().take(4).enumerate() {
+        for splits in [2u32, 3, 4, 8] {
+            for scheme in [R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE, R::CUBLASLT_REDUCTION_SCHEME_INPLACE] {
+                let mut algo = r.algo;
+                let scheme = scheme as u32;
+                // SAFETY: writes two u32 attributes of a copy of a valid algorithm.
+                let set = unsafe {
+                    ok(ls::cublasLtMatmulAlgoConfigSetAttribute(&mut algo, A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits as *const u32 as *const c_void, 4))
+                        .and_then(|_| ok(ls::cublasLtMatmulAlgoConfigSetAttribute(&mut algo, A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme as *const u32 as *const c_void, 4)))
+                };
+                // SAFETY: the caller's contract.
+                if set.is_ok() && unsafe { algo_ok(lt, d, &algo) } {
+                    out.push((format!("heuristic #{i} (algo {}) with K split {splits} ways (reduction scheme {scheme})", algo_id(&algo)), algo));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// One cuBLASLt product (alpha 1, beta 0: the output is only written).

@@ -37,6 +37,16 @@ fn grid_for(work: usize) -> u32 {
     (work.div_ceil(THREADS as usize)).clamp(1, 1 << 24) as u32
 }
 
+/// Elements from which a map kernel is large enough for wider vectors per thread.
+const LARGE_MAP: usize = 1 << 22;
+
+/// Bytes per operand a thread of a large map kernel reads at a time: 32 (two 16-byte loads),
+/// or `KILN_MAP_VECTOR_BYTES` (16 or 32, read once) for comparing.
+fn map_vector_bytes() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_MAP_VECTOR_BYTES").ok().and_then(|v| v.parse().ok()).filter(|v| [16, 32].contains(v)).unwrap_or(32))
+}
+
 /// An operand of a map kernel: where it is and how it is laid out over the iteration shape.
 struct Operand {
     ptr: u64,
@@ -117,14 +127,19 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let vec = {
         let walked: Vec<(&Operand, &Vec<usize>)> = ops.iter().zip(&strides).zip(&classes).filter(|(_, c)| **c != Class::Scalar).map(|(o, _)| o).collect();
         let widest = walked.iter().map(|(o, _)| o.dtype.size_in_bytes()).max().unwrap_or(1);
-        let v = (16 / widest).clamp(1, 16);
         let inner = *cshape.last().unwrap_or(&1);
-        let ok = walked.iter().all(|(o, st)| {
-            let aligned = o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0;
-            let runs = !strided || (st.last() == Some(&1) && inner % v == 0 && st[..st.len() - 1].iter().all(|&x| x % v == 0));
-            aligned && runs
-        });
-        if ok && n >= v { v } else { 1 }
+        let fits = |v: usize| {
+            n >= v
+                && walked.iter().all(|(o, st)| {
+                    let aligned = o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0;
+                    let runs = !strided || (st.last() == Some(&1) && inner % v == 0 && st[..st.len() - 1].iter().all(|&x| x % v == 0));
+                    aligned && runs
+                })
+        };
+        // Large maps take two 16-byte vectors per thread: half the threads, and index
+        // arithmetic (a broadcast operand's offset) once per two vectors.
+        let bytes = if n >= LARGE_MAP { map_vector_bytes() } else { 16 };
+        [bytes / widest, 16 / widest].into_iter().map(|v| v.clamp(1, 32)).find(|&v| v > 1 && fits(v)).unwrap_or(1)
     };
     let spec = MapSpec {
         name: name.to_string(),
