@@ -107,8 +107,8 @@ pub(crate) struct FusedKernel {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct KernelMemo {
     describe: std::sync::OnceLock<String>,
-    /// A flat kernel's CUDA body and, per op, its value's type and expression.
-    pub flat_code: std::sync::OnceLock<(String, Vec<(CType, String)>)>,
+    /// A flat kernel's CUDA code (body, values, launch parameters).
+    pub flat_code: std::sync::OnceLock<crate::backend::cuda::fused::FlatCode>,
     /// A row kernel's loaded CUDA functions by launch shape.
     pub row_launches: crate::backend::cuda::fused::RowLaunches,
 }

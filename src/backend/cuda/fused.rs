@@ -82,11 +82,25 @@ fn wrap(outs: Vec<CudaStorage>, shapes: impl Fn(usize) -> Vec<usize>) -> Vec<Ten
     outs.into_iter().enumerate().map(|(m, s)| Tensor::from_backend(BackendStorage::Cuda(s), &shapes(m))).collect()
 }
 
-/// The body of a flat kernel for the map generator: one `const` temporary per op, and each
-/// op's (type, C name) for the outputs' expressions.
-fn flat_code(k: &FusedKernel) -> (String, Vec<(CType, String)>) {
+/// Constants a flat kernel takes as launch parameters (the rest are literals in its source).
+const CONST_PARAMS: usize = 8;
+
+/// The code of a flat kernel for the map generator: a body of one `const` temporary per op,
+/// each op's (type, C name) for the outputs' expressions, and the launch parameters. The
+/// kernel's first constants are parameters rather than literals, so that a graph traced at
+/// another size (a mean's divisor is a size) or with another constant (a learning rate, an
+/// epsilon) launches the same kernel instead of compiling one.
+#[derive(Clone, Debug)]
+pub(crate) struct FlatCode {
+    pub body: String,
+    pub vals: Vec<(CType, String)>,
+    pub params: Vec<u64>,
+}
+
+fn flat_code(k: &FusedKernel) -> FlatCode {
     let mut body = String::new();
     let mut vals: Vec<(CType, String)> = vec![];
+    let mut params: Vec<u64> = vec![];
     let pairs = sincos_pairs(k);
     for (i, op) in k.ops.iter().enumerate() {
         let args: Vec<(CType, String)> = op
@@ -112,7 +126,24 @@ fn flat_code(k: &FusedKernel) -> (String, Vec<(CType, String)>) {
             }
             None => {}
         }
-        let (t, e) = lower(op, &args);
+        let (t, e) = match op.kind {
+            KKind::Const(v) if params.len() < CONST_PARAMS => {
+                let t = CType::of(op.dtype);
+                let p = format!("P({})", params.len());
+                params.push(match t {
+                    CType::F32 | CType::F64 => v.to_bits(),
+                    CType::I64 | CType::Bool => v as i64 as u64,
+                });
+                let e = match t {
+                    CType::F32 => format!("((float)kparam_f({p}))"),
+                    CType::F64 => format!("kparam_f({p})"),
+                    CType::I64 => format!("((long long){p})"),
+                    CType::Bool => format!("({p} != 0)"),
+                };
+                (t, e)
+            }
+            _ => lower(op, &args),
+        };
         if matches!(op.kind, KKind::Same) {
             vals.push((t, e));
             continue;
@@ -120,12 +151,12 @@ fn flat_code(k: &FusedKernel) -> (String, Vec<(CType, String)>) {
         let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
         vals.push((t, format!("t{i}")));
     }
-    (body, vals)
+    FlatCode { body, vals, params }
 }
 
 fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
-    let (body, vals) = k.memo.flat_code.get_or_init(|| flat_code(k));
+    let FlatCode { body, vals, params } = k.memo.flat_code.get_or_init(|| flat_code(k));
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
@@ -138,7 +169,7 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
         specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
-    map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body.clone(), &[])?;
+    map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body.clone(), params)?;
     Ok(outs)
 }
 
@@ -605,9 +636,32 @@ mod tests {
         compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.sin()?.exp()?.add(&x.cos()?.abs()?.log()?)).call(&x).unwrap();
         let ks = seen.lock().unwrap().clone();
         assert_eq!(ks.len(), 1);
-        let (body, _) = flat_code(&ks[0]);
+        let body = flat_code(&ks[0]).body;
         assert_eq!(body.matches("sincosf(").count(), 1, "{body}");
         assert!(!body.contains("sinf(") && !body.contains("cosf(("), "{body}");
+    }
+
+    #[test]
+    fn constants_are_launch_parameters() {
+        // Two graphs that differ in a constant (a mean's divisor at two sizes) have one body.
+        let codes: Vec<FlatCode> = [3usize, 5]
+            .iter()
+            .map(|&n| {
+                let seen = Arc::new(Mutex::new(vec![]));
+                let s2 = seen.clone();
+                let backend = Backend::custom(move |g, _| {
+                    s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
+                    Ok(g.eager_runner())
+                });
+                let x = Tensor::randn(&[n, 4], DType::F32, &Device::Cpu).unwrap();
+                compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.mul_scalar(x.shape()[0] as f64)?.add_scalar(0.5)).call(&x).unwrap();
+                let k = seen.lock().unwrap()[0].clone();
+                flat_code(&k)
+            })
+            .collect();
+        assert_eq!(codes[0].body, codes[1].body);
+        assert_eq!(codes[0].params.len(), 2, "{:?}", codes[0]);
+        assert_eq!(f64::from_bits(codes[1].params[0]), 5.0);
     }
 
     #[test]
