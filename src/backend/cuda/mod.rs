@@ -284,7 +284,8 @@ impl CudaDevice {
         let (name, src) = gen();
         LOADS.with(|c| c.set(c.get() + 1));
         crate::logging::log(crate::logging::Category::Kernels, || format!("{name} ({}):\n{src}", self.arch));
-        let (cubin, _) = nvrtc::cubin(&src, options, &self.arch, self.driver, self.kiln_device())?;
+        let ours = !matches!(key, KernelKey::Custom { .. });
+        let (cubin, _) = nvrtc::cubin(&src, options, ours, &self.arch, self.driver, self.kiln_device())?;
         self.bind()?;
         // SAFETY: `cubin` is a complete image for this device's architecture.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const _) }.map_err(|e| self.err("load module", e))?;
