@@ -390,7 +390,9 @@ fn simplify_removes_identities_and_dead_code() -> Result<()> {
     Ok(())
 }
 
-/// Random graphs of pointwise ops, broadcasts and row reductions: compiled equals eager.
+/// Random graphs of pointwise ops, broadcasts, row and column reductions, a sine and cosine of
+/// one value, products of one value by two weights (merged into one product) and reshape
+/// chains: compiled equals eager.
 #[test]
 fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
     let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
@@ -403,7 +405,10 @@ fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
             (rng % n as u64) as usize
         };
         let (r, c) = (1 + next(40), 1 + next(70));
-        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(10)).collect();
+        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(13)).collect();
+        // Weights the function captures (scaled so that products stay of order one).
+        let w1 = randn(&[c, c], case as u64 + 1000).mul_scalar(1.0 / c as f64)?;
+        let w2 = randn(&[c, c], case as u64 + 2000).mul_scalar(1.0 / c as f64)?;
         let program = move |x: &Tensor, y: &Tensor| -> Result<Tensor> {
             let mut vals = vec![x.clone(), y.clone()];
             for (k, &op) in ops.iter().enumerate() {
@@ -419,7 +424,10 @@ fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
                     6 => a.amax(&[-1], true)?.sub(&a)?,
                     7 => a.sigmoid()?.mul(&b)?,
                     8 => a.sum(&[0], true)?.broadcast_to(a.shape())?.mul_scalar(0.01)?,
-                    _ => a.abs()?.add_scalar(1.0)?.log()?,
+                    9 => a.abs()?.add_scalar(1.0)?.log()?,
+                    10 => a.sin()?.mul(&a.cos()?)?,
+                    11 => a.matmul(&w1)?.add(&a.matmul(&w2)?.tanh()?)?,
+                    _ => a.reshape(&[-1])?.reshape(&[1, -1])?.reshape(a.shape().iter().map(|&d| d as i64).collect::<Vec<_>>().as_slice())?.add(&b)?,
                 };
                 vals.push(v);
             }
