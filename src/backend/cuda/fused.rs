@@ -177,7 +177,10 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
 /// load vectors), so
 /// that a launch after the first formats and hashes nothing. A clone starts empty.
 #[derive(Default)]
-pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<((usize, usize, usize, u64), super::Kernel)>>);
+pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<(RowShape, super::Kernel)>>);
+
+/// (threads, values per thread, vector width, bit j set when input j loads vectors).
+type RowShape = (usize, usize, usize, u64);
 
 impl Clone for RowLaunches {
     fn clone(&self) -> Self {
