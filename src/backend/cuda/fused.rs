@@ -173,9 +173,8 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     Ok(outs)
 }
 
-/// A row kernel's loaded functions by (threads, values per thread, vector width, which inputs
-/// load vectors), so
-/// that a launch after the first formats and hashes nothing. A clone starts empty.
+/// A row kernel's loaded functions by launch shape, so that a launch after the first formats
+/// and hashes nothing. A clone starts empty.
 #[derive(Default)]
 pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<(RowShape, super::Kernel)>>);
 
@@ -399,8 +398,8 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
         }
     }
     // Inputs kept in registers are loaded first, all at once, before any pass computes: the
-    // loads are then in flight together instead of one group per step of the first pass.
-    let mut filled_in = vec![false; k.inputs.len()];
+    // loads are then in flight together instead of one group per step of the first pass. Every
+    // pass then reads them from their arrays.
     for (j, inp) in k.inputs.iter().enumerate() {
         if inp.row || !plan.in_array[j] {
             continue;
@@ -415,7 +414,6 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
             let _ = writeln!(c, "      if (k0 < K) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         }
         let _ = writeln!(c, "      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = ({})0; }}\n    }}", t.name());
-        filled_in[j] = true;
     }
     let mut filled_op = vec![false; k.ops.len()];
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
@@ -424,14 +422,14 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
     let mut pass = |c: &mut String, p: &Pass, each: &str, stores: &str, prologue: &str| {
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (k0 < K) {{{prologue}");
         for &j in &p.inputs {
-            if vector[j] && !(plan.in_array[j] && filled_in[j]) {
+            if vector[j] && !plan.in_array[j] {
                 let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(r{j} + k0);");
             }
         }
         let _ = writeln!(c, "        _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{\n          const int j = g * VEC + e;");
         for &j in &p.inputs {
             let (inp, t) = (&k.inputs[j], ins[j].0);
-            let v = if plan.in_array[j] && filled_in[j] {
+            let v = if plan.in_array[j] {
                 format!("ax{j}[j]")
             } else if vector[j] {
                 load(inp.dtype, t, &format!("q{j}.v[e]"))
@@ -439,9 +437,6 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
                 load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
             };
             let _ = writeln!(c, "          const {} x{j} = {v};", t.name());
-            if plan.in_array[j] && !filled_in[j] {
-                let _ = writeln!(c, "          ax{j}[j] = x{j};");
-            }
         }
         for &i in &p.ops {
             let op = &k.ops[i];
@@ -460,9 +455,6 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
             }
         }
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
-        for &j in &p.inputs {
-            filled_in[j] |= plan.in_array[j];
-        }
         for &i in &p.ops {
             filled_op[i] |= plan.op_array[i];
         }
