@@ -225,11 +225,7 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         return no(format!("its shape {:?} does not end in the product's {cols} columns", an.shape));
     }
     let other = if an.args[0] == cur { an.args[1] } else { an.args[0] };
-    let vector = match &g.nodes[other].op {
-        NodeOp::Prim(Op::Expand(_)) => g.nodes[other].args[0],
-        _ => other,
-    };
-    let v = &g.nodes[vector];
+    let v = &g.nodes[spread_vector(g, other)];
     if v.shape.last() != Some(&cols) || v.numel() != cols {
         return no(format!("its other operand is not a vector of {cols} along the last dim (spread from {:?})", v.shape));
     }
@@ -242,6 +238,14 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         _ => false,
     };
     (Gemm { matmul: mm, bias: Some(other), relu, nodes }, None)
+}
+
+/// The value a bias operand spreads over the rows: the vector under its expand.
+pub(crate) fn spread_vector(g: &Graph, operand: NodeId) -> NodeId {
+    match &g.nodes[operand].op {
+        NodeOp::Prim(Op::Expand(_)) => g.nodes[operand].args[0],
+        _ => operand,
+    }
 }
 
 /// What a node can be inside a fused kernel.
@@ -339,12 +343,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     let mut group_of: Vec<Option<usize>> = vec![None; n];
     let mut groups: Vec<Option<Group>> = vec![];
     // Who reads each node (once per argument slot), for the operand and output counts.
-    let mut node_readers: Vec<Vec<NodeId>> = vec![vec![]; n];
-    for (j, node) in g.nodes.iter().enumerate() {
-        for &a in &node.args {
-            node_readers[a].push(j);
-        }
-    }
+    let node_readers = g.readers();
     let users = g.users();
     // Matrix products on the GPU are library calls, with their epilogues; their nodes join no
     // fused kernel.
@@ -672,12 +671,7 @@ mod tests {
     }
 
     fn gemms(g: &Graph) -> Vec<(Gemm, Option<String>)> {
-        let mut readers: Vec<Vec<NodeId>> = vec![vec![]; g.nodes.len()];
-        for (j, node) in g.nodes.iter().enumerate() {
-            for &a in &node.args {
-                readers[a].push(j);
-            }
-        }
+        let readers = g.readers();
         let users = g.users();
         (0..g.nodes.len()).filter(|&i| matches!(g.nodes[i].op, NodeOp::Prim(Op::Matmul))).map(|i| plan_gemm(g, &readers, &users, i)).collect()
     }

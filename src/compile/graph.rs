@@ -127,6 +127,18 @@ impl Graph {
         u
     }
 
+    /// Who reads each node: one entry per argument slot that names it (outputs and write-backs
+    /// are not readers here; `users` counts them).
+    pub(crate) fn readers(&self) -> Vec<Vec<NodeId>> {
+        let mut r = vec![vec![]; self.nodes.len()];
+        for (j, n) in self.nodes.iter().enumerate() {
+            for &a in &n.args {
+                r[a].push(j);
+            }
+        }
+        r
+    }
+
     /// Nodes that are graph inputs, in calling order: arguments, then captured tensors.
     pub fn input_nodes(&self) -> Vec<NodeId> {
         let mut args = vec![None; self.n_args];

@@ -7,20 +7,20 @@
 //! is concatenated too, so the merged product keeps its epilogue.
 
 use super::graph::{Graph, Node, NodeId, NodeOp};
-use crate::ops::{BinaryOp, Op, UnaryOp};
+use crate::ops::{BinaryOp, Op};
 
-/// One product of a group: its matmul, and the bias add after it when there is one.
+/// One product of a group: its matmul, and (the bias add, the bias vector) after it when
+/// there is one.
 #[derive(Clone, Debug)]
 struct Member {
     matmul: NodeId,
-    /// (the add, the bias vector of N elements, the add's shape).
-    bias: Option<(NodeId, NodeId, Vec<usize>)>,
+    bias: Option<(NodeId, NodeId)>,
 }
 
 impl Member {
     /// The node whose value the merged product replaces.
     fn result(&self) -> NodeId {
-        self.bias.as_ref().map(|b| b.0).unwrap_or(self.matmul)
+        self.bias.map(|b| b.0).unwrap_or(self.matmul)
     }
 }
 
@@ -72,17 +72,11 @@ fn parameter_only(g: &Graph) -> Vec<bool> {
 }
 
 /// Groups of products of one input (not itself parameter-only) by parameter-only matrices,
-/// of one dtype and device, all with a bias add or all without.
+/// of one dtype and device, all with a bias add or all without. The bias add is the one the
+/// library call's epilogue would take (`fuse::plan_gemm`), with a parameter-only vector.
 fn groups(g: &Graph) -> Vec<Vec<Member>> {
     let params = parameter_only(g);
-    let users = g.users();
-    let mut readers: Vec<Vec<NodeId>> = vec![vec![]; g.nodes.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        for &a in &n.args {
-            readers[a].push(i);
-        }
-    }
-    let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
+    let (users, readers) = (g.users(), g.readers());
     let mut found: Vec<((NodeId, bool), Vec<Member>)> = vec![];
     for (i, n) in g.nodes.iter().enumerate() {
         if !matches!(n.op, NodeOp::Prim(Op::Matmul)) || n.shape.len() != 3 || n.shape[0] != 1 || !n.dtype.is_float() {
@@ -92,14 +86,14 @@ fn groups(g: &Graph) -> Vec<Vec<Member>> {
         if params[lhs] || !params[rhs] {
             continue;
         }
-        let m = Member { matmul: i, bias: bias_add(g, &params, &sole, i) };
-        // A bias add whose ReLU would join the epilogue stays as it is: merged, the ReLU would
-        // become a kernel of its own.
-        if let Some((add, _, _)) = &m.bias {
-            if sole(*add).is_some_and(|r| matches!(g.nodes[r].op, NodeOp::Prim(Op::Unary(UnaryOp::Relu)))) {
-                continue;
-            }
+        let (gemm, _) = super::fuse::plan_gemm(g, &readers, &users, i);
+        // A ReLU that joins the epilogue stays where it is: merged, it would become a kernel of
+        // its own.
+        if gemm.relu {
+            continue;
         }
+        let bias = gemm.bias.map(|b| (gemm.out(), super::fuse::spread_vector(g, b))).filter(|&(_, v)| params[v] && g.nodes[v].dtype == n.dtype);
+        let m = Member { matmul: i, bias };
         let key = (lhs, m.bias.is_some());
         match found.iter_mut().find(|(k, ms)| *k == key && same_kind(&g.nodes[ms[0].matmul], n)) {
             Some((_, ms)) => ms.push(m),
@@ -111,31 +105,6 @@ fn groups(g: &Graph) -> Vec<Vec<Member>> {
 
 fn same_kind(a: &Node, b: &Node) -> bool {
     a.dtype == b.dtype && a.device == b.device && a.shape[1] == b.shape[1]
-}
-
-/// The bias add after product `mm` (through reshapes that keep its N columns last, each the
-/// only reader of the one before): (the add, its N-element parameter-only vector, its shape).
-fn bias_add(g: &Graph, params: &[bool], sole: &dyn Fn(NodeId) -> Option<NodeId>, mm: NodeId) -> Option<(NodeId, NodeId, Vec<usize>)> {
-    let (n, dt) = (g.nodes[mm].shape[2], g.nodes[mm].dtype);
-    let mut cur = mm;
-    let add = loop {
-        let r = sole(cur)?;
-        if g.nodes[r].shape.last() != Some(&n) {
-            return None;
-        }
-        match &g.nodes[r].op {
-            NodeOp::Prim(Op::Reshape(_)) => cur = r,
-            NodeOp::Prim(Op::Binary(BinaryOp::Add, c)) if *c == dt && g.nodes[r].dtype == dt => break r,
-            _ => return None,
-        }
-    };
-    let other = g.nodes[add].args.iter().copied().find(|&a| a != cur)?;
-    let vector = match &g.nodes[other].op {
-        NodeOp::Prim(Op::Expand(_)) => g.nodes[other].args[0],
-        _ => other,
-    };
-    let v = &g.nodes[vector];
-    (params[vector] && v.numel() == n && v.shape.last() == Some(&n) && v.dtype == dt).then(|| (add, vector, g.nodes[add].shape.clone()))
 }
 
 /// Rebuilds the graph node by node, emitting each merged product (and the parameter-only
@@ -193,8 +162,8 @@ impl Rebuild<'_> {
             let vs: Vec<NodeId> = ms
                 .iter()
                 .map(|m| {
-                    let (_, v, _) = m.bias.as_ref().expect("a group is all with bias or all without");
-                    let v = self.emit(*v, groups);
+                    let (_, v) = m.bias.expect("a group is all with bias or all without");
+                    let v = self.emit(v, groups);
                     let n = self.out.nodes[v].numel();
                     self.out.push(NodeOp::Prim(Op::Reshape(vec![n])), vec![v], vec![n], dt, dev)
                 })
