@@ -62,6 +62,19 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
 }
 
 /// A graph scheduled into fused kernels, library products and eager steps.
+/// How much of a program `run_steps_of` runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// Every step.
+    Full,
+    /// The steps computed from parameters alone, and the inputs and views they read (returns
+    /// nothing).
+    HoistedOnly,
+    /// Every step's host side with the device left alone, nothing kept or written back: the
+    /// kernels it asks for are built before the first run (`cuda::rehearsal`).
+    Rehearsal,
+}
+
 pub(crate) struct Program {
     pub graph: Graph,
     pub schedule: Schedule,
@@ -75,6 +88,8 @@ pub(crate) struct Program {
     /// Values computed only from captured tensors the graph does not write (parameters under
     /// inference: their casts, transposes, sums), kept between runs.
     hoisted: Hoisted,
+    /// Whether the first run's rehearsal (kernels built side by side) has happened.
+    rehearsed: std::sync::atomic::AtomicBool,
 }
 
 /// Work that depends only on captured tensors: its steps run once and their results are kept
@@ -207,7 +222,7 @@ impl Program {
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
         let hoisted = Hoisted::plan(&graph, &schedule);
-        Program { graph, schedule, tune, frees, in_place, hoisted }
+        Program { graph, schedule, tune, frees, in_place, hoisted, rehearsed: Default::default() }
     }
 
     pub(crate) fn has_hoisted(&self) -> bool {
@@ -228,7 +243,7 @@ impl Program {
             return Ok(());
         }
         let _off = super::trace::Suspend::new();
-        crate::no_grad(|| self.run_steps_of(inputs, true)).map(drop)
+        crate::no_grad(|| self.run_steps_of(inputs, Pass::HoistedOnly)).map(drop)
     }
 
     /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute),
@@ -243,21 +258,27 @@ impl Program {
 
     pub(crate) fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let _off = super::trace::Suspend::new();
-        crate::no_grad(|| self.run_steps(inputs))
+        crate::no_grad(|| {
+            // The first run on a GPU: its kernels are built side by side first.
+            if !self.rehearsed.swap(true, std::sync::atomic::Ordering::Relaxed) && self.graph.nodes.iter().any(|n| n.device.is_cuda()) {
+                crate::backend::cuda::rehearsal::rehearse(|| self.run_steps_of(inputs, Pass::Rehearsal).map(drop));
+            }
+            self.run_steps(inputs)
+        })
     }
 
     fn run_steps(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.run_steps_of(inputs, false)
+        self.run_steps_of(inputs, Pass::Full)
     }
 
-    /// Runs the schedule; with `hoisted_only`, only the hoisted steps and the inputs and views
-    /// they read (then returns nothing).
-    fn run_steps_of(&self, inputs: &[Tensor], hoisted_only: bool) -> Result<Vec<Tensor>> {
+    /// Runs the schedule (`Pass` says how much of it, and whether for real).
+    fn run_steps_of(&self, inputs: &[Tensor], pass: Pass) -> Result<Vec<Tensor>> {
+        let hoisted_only = pass == Pass::HoistedOnly;
         let g = &self.graph;
         let h = &self.hoisted;
         let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         let mut cache = h.cache.lock();
-        let fresh = !h.kept.is_empty() && cache.as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(g, inputs));
+        let fresh = pass != Pass::Rehearsal && !h.kept.is_empty() && cache.as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(g, inputs));
         if fresh {
             for (v, t) in h.kept.iter().zip(&cache.as_ref().expect("fresh").values) {
                 env[*v] = Some(t.clone());
@@ -313,7 +334,7 @@ impl Program {
                     }
                 }
             }
-            if hoisted {
+            if hoisted && pass != Pass::Rehearsal {
                 self.keep(inputs, s, &mut env, &mut cache)?;
             }
             if hoisted_only {
@@ -327,7 +348,9 @@ impl Program {
         if hoisted_only {
             return Ok(vec![]);
         }
-        write_back(g, inputs, &env)?;
+        if pass != Pass::Rehearsal {
+            write_back(g, inputs, &env)?;
+        }
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
     }
 

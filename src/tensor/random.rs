@@ -23,7 +23,10 @@ pub fn manual_seed(seed: u64) {
 pub(crate) fn reserve(blocks: u64) -> (u64, u64) {
     let mut g = GENERATOR.lock();
     let start = g.offset;
-    g.offset += blocks;
+    // A rehearsal draws nothing: the real run after it gets the numbers it would have had.
+    if !crate::backend::cuda::rehearsal::active() {
+        g.offset += blocks;
+    }
     (g.seed, start)
 }
 

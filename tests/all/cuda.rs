@@ -124,6 +124,38 @@ fn kernels_come_from_the_disk_cache_in_a_second_process() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Run as a child process by the test below: the first call of a compiled function of three
+/// generated kernels (and a product), with nothing in the kernel cache.
+#[test]
+#[ignore = "run as a child process by a_compiled_functions_kernels_are_built_before_its_first_run"]
+fn rehearsal_child() {
+    let d = gpu().expect("run with KILN_TEST_DEVICE=cuda");
+    let x = Tensor::randn(&[64, 100], DType::F32, &d).unwrap();
+    let w = Tensor::randn(&[100, 50], DType::F32, &d).unwrap().mul_scalar(0.1).unwrap();
+    let f = |x: &Tensor| x.exp()?.mul_scalar(0.5)?.add_scalar(1.0)?.matmul(&w)?.relu()?.softmax(-1)?.sum(&[0], false);
+    let ((c0, _), b0) = (cuda::kernel_cache_counts(), cuda::kernels_built_ahead());
+    let g = kiln::compile::compile(f);
+    let got = g.call(&x).unwrap().to_vec::<f32>().unwrap();
+    let ((c1, _), b1) = (cuda::kernel_cache_counts(), cuda::kernels_built_ahead());
+    let want = no_grad(|| f(&x)).unwrap().to_vec::<f32>().unwrap();
+    let err = got.iter().zip(&want).map(|(a, b)| ((a - b) / b.abs().max(1.0)).abs()).fold(0f32, f32::max);
+    println!("KILN_REHEARSAL compiled={} ahead={} err_e9={}", c1 - c0, b1 - b0, (err * 1e9) as u64);
+}
+
+#[test]
+fn a_compiled_functions_kernels_are_built_before_its_first_run() {
+    let Some(_) = gpu() else { return };
+    let dir = std::env::temp_dir().join(format!("kiln-rehearsal-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let c = child_counts("cuda::rehearsal_child", &dir, "KILN_REHEARSAL", &["compiled=", "ahead=", "err_e9="]);
+    let _ = std::fs::remove_dir_all(&dir);
+    // Exp-scale-shift and softmax at least (the column sum's kernel may be eager's, loaded
+    // earlier): every kernel the first call compiled was built in its rehearsal, and the
+    // results are eager's (FP32 rounding).
+    assert!(c[0] >= 2 && c[1] == c[0], "compiled={} built ahead={}", c[0], c[1]);
+    assert!(c[2] <= 2000, "relative error {}e-9", c[2]);
+}
+
 #[test]
 fn async_copies_are_correct_under_load() {
     let Some(d) = gpu() else { return };

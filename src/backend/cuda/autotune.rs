@@ -60,7 +60,7 @@ fn file_of(key: &str) -> Option<PathBuf> {
 /// Whether timing may run on `dev` now: not while this thread captures a graph, nor while
 /// another thread does on the same device.
 pub(crate) fn allowed(dev: &CudaDevice) -> bool {
-    super::graph::capturing().is_none() && dev.capture.lock().is_none()
+    super::graph::capturing().is_none() && dev.capture.lock().is_none() && !super::rehearsal::active()
 }
 
 /// The remembered winner for `key`: from memory, else from disk (then remembered). Counted.

@@ -200,7 +200,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         },
     };
     let out = CudaStorage::new(dev, dtype, bsz * m * n)?;
-    if out.len == 0 {
+    if out.len == 0 || super::rehearsal::active() {
         return Ok(Some(out));
     }
     if k == 0 {

@@ -310,7 +310,7 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
         Pass::GradWeight => w,
     };
     let out = CudaStorage::new(&dev, dtype, out_shape.iter().product())?;
-    if out.len == 0 {
+    if out.len == 0 || super::rehearsal::active() {
         return Ok(out);
     }
     // A sum over nothing (no input channels, no batch, an empty image): zeros. cuDNN refuses

@@ -242,7 +242,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     if dst.is_contiguous() && src.is_contiguous() && dst.dtype() == src.dtype() {
         // A plain device-to-device copy: the copy engine's roofline, no kernel.
         let bytes = dst.numel() * dst.dtype().size_in_bytes();
-        if bytes > 0 {
+        if bytes > 0 && !super::rehearsal::active() {
             let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToDevice, bytes);
             // SAFETY: both ranges hold `bytes` and do not overlap (aliasing values were copied
             // first by the caller); ordered on the device's stream.
@@ -256,7 +256,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
     let bytes = s.len * s.dtype.size_in_bytes();
-    if bytes == 0 {
+    if bytes == 0 || super::rehearsal::active() {
         return Ok(());
     }
     let _rec = profiler::memset(dev, bytes);
