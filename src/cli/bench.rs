@@ -35,11 +35,29 @@ fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64
     Ok(t0.elapsed().as_secs_f64())
 }
 
+/// The host time of one call (median of 30) made with the device idle: what it takes to queue
+/// its work, which an event-timed call of an idle device includes.
+fn host_us(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+    let mut ts = vec![];
+    for _ in 0..30 {
+        cuda::synchronize(dev)?;
+        let t = std::time::Instant::now();
+        let out = f()?;
+        ts.push(t.elapsed().as_secs_f64() * 1e6);
+        cuda::synchronize(dev)?;
+        drop(out);
+    }
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
 fn bandwidth_row(dev: &Device, bytes: usize, f: &mut dyn FnMut() -> Result<Tensor>, c: &mut dyn FnMut() -> Result<Tensor>) -> Result<Value> {
     let compile_s = first_call(dev, c)?;
     let ms = event_ms(dev, f)?;
     let cms = event_ms(dev, c)?;
     Ok(json!({
+        "eager_host_us": host_us(dev, f)?,
+        "compiled_host_us": host_us(dev, c)?,
         "eager_ms": ms,
         "eager_kernels": kernels(dev, f)?,
         "peak_mib_eager": peak_mib(dev, f)?,
@@ -300,6 +318,20 @@ pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
         y.copy_(&x)?;
         Ok(y.clone())
     })?;
+    if std::env::var_os("KILN_COPY_FIT").is_some() {
+        for n in [25_000_000usize, 50_000_000, 67_108_864, 100_000_000] {
+            let (a, b) = (x.narrow(0, 0, n)?, y.narrow(0, 0, n)?);
+            let ms = event_ms(&dev, &mut || {
+                b.copy_(&a)?;
+                Ok(b.clone())
+            })?;
+            let host = host_us(&dev, &mut || {
+                b.copy_(&a)?;
+                Ok(b.clone())
+            })?;
+            println!("copy of {} MB: {:.1} us event, host {host:.1} us", 8 * n / 1_000_000, ms * 1e3);
+        }
+    }
     drop((x, y));
     let mut res = Map::new();
     res.insert("system".into(), json!(format!("kiln-{}", env!("CARGO_PKG_VERSION"))));
