@@ -55,6 +55,22 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
 // Score of query row l (scaled, in Qrow) against key row s (in Krow), mask added.
 #define SCORE(Qrow, Krow, l, s, out) {{ float dot_ = 0.f; for (int d_ = 0; d_ < D_; d_++) dot_ += (Qrow)[d_] * (Krow)[d_]; \
   if (mk) dot_ += LD(mk[b * msb + h * msh + (l) * msl + (s) * mss]); out = dot_; }}
+// The keys the block's query rows see: all S, or up to its last row when causal.
+#define KEY_END long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1; \
+  long long send = causal ? min(S, last + 1) : S;
+// The tile of keys from s0 (all 32 but in the last: short sequences load and sum no padding)
+// into Ks, with their values into Vs when WITH_V; the whole block loads, then syncs.
+#define LOAD_KEYS(s0, nk, WITH_V) const int nk = (int)min(32ll, send - (s0)); __syncthreads(); \
+  for (int i_ = threadIdx.x; i_ < nk * D_; i_ += ROWS * 32) {{ \
+    int j_ = i_ / D_, d_ = i_ - j_ * D_; long long s_ = (s0) + j_; \
+    Ks[j_][d_] = LD(k[s_ * kss + b * ksb + h * ksh + d_]); \
+    if (WITH_V) Vs[j_][d_] = LD(v[s_ * vss + b * vsb + h * vsh + d_]); }} \
+  __syncthreads();
+// This lane's score against key s0 + lane (-inf where masked out by causality or past S),
+// the row's running max m updated into mn and this lane's exp(score - mn) into p.
+#define ONLINE_STEP(s0, sc, mn, p) long long s = (s0) + lane; float sc = -INFINITY; \
+  if (s < S && !(causal && s > l)) SCORE(Qs[warp], Ks[lane], l, s, sc); \
+  float mn = fmaxf(m, wmax(sc)); float p = sc == -INFINITY ? 0.f : expf(sc - mn);
 "#,
         t = codegen::storage_type(dtype),
         ld = codegen::load(dtype, CType::F32, "(e)"),
@@ -76,24 +92,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]) * scale;
   float m = -INFINITY, den = 0.f, acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
-  long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1;
-  long long send = causal ? min(S, last + 1) : S;
+  KEY_END
   for (long long s0 = 0; s0 < send; s0 += 32) {{
-    // Keys of this tile (all 32 but in the last): short sequences load and sum no padding.
-    const int nk = (int)min(32ll, send - s0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long s = s0 + j;
-      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
-      Vs[j][d] = LD(v[s * vss + b * vsb + h * vsh + d]);
-    }}
-    __syncthreads();
+    LOAD_KEYS(s0, nk, true)
     if (!ok) continue;
-    long long s = s0 + lane;
-    float sc = -INFINITY;
-    if (s < S && !(causal && s > l)) SCORE(Qs[warp], Ks[lane], l, s, sc);
-    float mn = fmaxf(m, wmax(sc));
-    float p = sc == -INFINITY ? 0.f : expf(sc - mn);
+    ONLINE_STEP(s0, sc, mn, p)
     float corr = m == -INFINITY ? 0.f : expf(m - mn);
     den = den * corr + wsum(p);
     for (int i = 0; i < PER; i++) acc[i] *= corr;
@@ -131,23 +134,12 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     float gd = LD(g[row + d]); Gs[warp][d] = gd; delta += gd * LD(o[row + d]);
   }}
   delta = wsum(delta);
-  long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1;
-  long long send = causal ? min(S, last + 1) : S;
+  KEY_END
   float m = -INFINITY, den = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
-    const int nk = (int)min(32ll, send - s0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long s = s0 + j;
-      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
-    }}
-    __syncthreads();
+    LOAD_KEYS(s0, nk, false)
     if (!ok) continue;
-    long long s = s0 + lane;
-    float sc = -INFINITY;
-    if (s < S && !(causal && s > l)) SCORE(Qs[warp], Ks[lane], l, s, sc);
-    float mn = fmaxf(m, wmax(sc));
-    float p = sc == -INFINITY ? 0.f : expf(sc - mn);
+    ONLINE_STEP(s0, sc, mn, p)
     den = den * (m == -INFINITY ? 0.f : expf(m - mn)) + wsum(p);
     m = mn;
   }}
@@ -155,15 +147,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   float acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
-    // Keys of this tile (all 32 but in the last): short sequences load and sum no padding.
-    const int nk = (int)min(32ll, send - s0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < nk * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long s = s0 + j;
-      Ks[j][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
-      Vs[j][d] = LD(v[s * vss + b * vsb + h * vsh + d]);
-    }}
-    __syncthreads();
+    LOAD_KEYS(s0, nk, true)
     if (!ok) continue;
     long long s = s0 + lane;
     float ds = 0.f;
