@@ -107,6 +107,7 @@ pub(crate) struct FusedKernel {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct KernelMemo {
     describe: std::sync::OnceLock<String>,
+    signature: std::sync::OnceLock<String>,
     /// A flat kernel's CUDA code (body, values, launch parameters).
     pub flat_code: std::sync::OnceLock<crate::backend::cuda::fused::FlatCode>,
     /// A row kernel's loaded CUDA functions by launch shape.
@@ -117,6 +118,36 @@ impl FusedKernel {
     /// A text form of what it computes (for `KILN_LOG=fusion` and as a cache key).
     pub(crate) fn describe(&self) -> &str {
         self.memo.describe.get_or_init(|| self.describe_now())
+    }
+
+    /// What a row kernel's code depends on (its constants included), graph positions and sizes
+    /// left out: kernels of one signature (the residual add and layer norm of every layer of
+    /// a transformer, in one graph or several) share one compiled kernel.
+    pub(crate) fn signature(&self) -> &str {
+        self.memo.signature.get_or_init(|| {
+            let mut s = match self.space {
+                Space::Flat { .. } => "flat:".to_string(),
+                Space::Rows { .. } => "rows:".to_string(),
+            };
+            for i in &self.inputs {
+                let _ = write!(s, " {:?}{}", i.dtype, if i.row { "(row)" } else { "" });
+            }
+            for o in &self.ops {
+                let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, o.args, o.dtype, if o.row { "(row)" } else { "" });
+            }
+            for (o, _) in &self.outputs {
+                let _ = write!(s, " | <-t{o}");
+            }
+            s
+        })
+    }
+
+    /// The name its generated code goes by: `fused_<ops>_<hash of what the code depends on>`,
+    /// one name per compiled kernel however many graph positions share it.
+    pub(crate) fn code_name(&self, code: &str) -> String {
+        // `name` is `fused_<ops>_<counter>`: the counter gives way to the hash.
+        let ops = self.name.rsplit_once('_').map_or(self.name.as_str(), |(ops, _)| ops);
+        format!("{ops}_{:04x}", crate::backend::cuda::fnv64(&[code.as_bytes()]) & 0xffff)
     }
 
     fn describe_now(&self) -> String {

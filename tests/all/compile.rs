@@ -464,6 +464,26 @@ fn the_profiler_sees_one_fused_kernel_by_name() -> Result<()> {
     Ok(())
 }
 
+/// Two fused kernels of the same code in one graph (as every layer's residual add and norm in
+/// a transformer) share one compiled kernel: on the GPU the profiler sees one name twice.
+#[test]
+fn fused_kernels_of_the_same_code_share_one_compiled_kernel() -> Result<()> {
+    let (x, w) = (randn(&[64, 300], 5), randn(&[300, 300], 6).mul_scalar(0.01)?);
+    // The product between them keeps the two kernels apart. (No constants: one constant
+    // node serves both, and the kernel it is not part of reads it as an input.)
+    let g = |x: &Tensor, w: &Tensor| -> Result<Tensor> { x.exp()?.tanh()?.matmul(w)?.exp()?.tanh() };
+    let want = kiln::no_grad(|| g(&x, &w))?;
+    let f = compile(g);
+    f.call(&x, &w)?;
+    let (got, prof) = kiln::profiler::profile_value(|| f.call(&x, &w))?;
+    assert_close(&vals(&got), &vals(&want), 1e-5, 1e-4);
+    if dev().is_cuda() {
+        let names: Vec<&str> = prof.kernel_names().into_iter().filter(|n| n.starts_with("fused_")).collect();
+        assert!(names.len() == 2 && names[0] == names[1], "{names:?}");
+    }
+    Ok(())
+}
+
 /// A small classifier and its data for the training-step tests.
 fn mlp_setup(seed: u64) -> Result<(kiln::nn::Sequential, Tensor, Tensor)> {
     kiln::manual_seed(seed);

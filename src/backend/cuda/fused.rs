@@ -95,6 +95,9 @@ pub(crate) struct FlatCode {
     pub body: String,
     pub vals: Vec<(CType, String)>,
     pub params: Vec<u64>,
+    /// The kernel's name, from its code (constants passed as parameters are not in it, so a
+    /// kernel differing only in those shares the name and the compiled kernel).
+    pub name: String,
 }
 
 fn flat_code(k: &FusedKernel) -> FlatCode {
@@ -151,12 +154,14 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
         let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
         vals.push((t, format!("t{i}")));
     }
-    FlatCode { body, vals, params }
+    let outputs: Vec<&str> = k.outputs.iter().map(|(o, _)| vals[*o].1.as_str()).collect();
+    let name = k.code_name(&format!("{body}{outputs:?}"));
+    FlatCode { body, vals, params, name }
 }
 
 fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
-    let FlatCode { body, vals, params } = k.memo.flat_code.get_or_init(|| flat_code(k));
+    let FlatCode { body, vals, params, name } = k.memo.flat_code.get_or_init(|| flat_code(k));
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
@@ -169,7 +174,7 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
         specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
-    map_launch(dev, &k.name, &ins, specs, &Layout::contiguous(shape), body.clone(), params)?;
+    map_launch(dev, name, &ins, specs, &Layout::contiguous(shape), body.clone(), params)?;
     Ok(outs)
 }
 
@@ -550,10 +555,11 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         let kern = match cached {
             Some(f) => f,
             None => {
-                let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.name);
+                let signature = k.signature();
+                let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.code_name(signature));
                 // Keyed by what determines the source (ops, input dtypes, launch shape): kernels
-                // of the same text in other graphs share it.
-                let key = format!("rows {name} {dtypes:?} {}", k.describe());
+                // of the same text, in this graph or others, share it.
+                let key = format!("rows {name} {dtypes:?} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
                     let src = gen_rows(k, &name, threads, vpt, vec, &vector);
                     (name.clone(), src)
@@ -582,7 +588,7 @@ fn tuned_threads(dev: &super::CudaDevice, k: &FusedKernel, rows: usize, cols: us
     if cands.len() < 2 {
         return None;
     }
-    let key = format!("rows|{}|{rows}x{cols} vec {vec} {layout}|{}", dev.tune_ident, k.describe());
+    let key = format!("rows|{}|{rows}x{cols} vec {vec} {layout}|{}", dev.tune_ident, k.signature());
     if let Some(v) = autotune::lookup(&key) {
         match v.strip_prefix("threads=").and_then(|t| t.parse::<usize>().ok()) {
             Some(t) if cands.contains(&t) => return Some(t),

@@ -20,6 +20,7 @@ pub(crate) mod rehearsal;
 pub use alloc::MemoryStats;
 pub use autotune::{autotune_counts, AutotuneCounts};
 pub use nvrtc::{kernel_cache_counts, KernelSource};
+pub(crate) use nvrtc::fnv64;
 pub use rehearsal::kernels_built_ahead;
 
 use crate::{DType, Device, Error, Result};
