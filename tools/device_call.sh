@@ -1,0 +1,79 @@
+#!/bin/bash
+# One call on the GPU machine, from the repository root after ../shared/tools/gpu-bundle:
+#   bash tools/device_call.sh $OUT <sections...>
+# Sections: gemm (tools/gemm harness), nvrtc (NVRTC timing on logged kernels), compile (cold
+# compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
+# row's host time per call, streaming on and off), launch (tools/launch), emu (cuBLAS FP32
+# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
+# (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
+# seconds and rehearsals), suite (every test binary with KILN_TEST_DEVICE=cuda).
+OUT=$1
+libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
+for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
+export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
+export PATH=/usr/local/cuda/bin:$PATH
+compile_s() { python3 -c "import json,sys; d=json.load(open('$1'))['workloads']; [print(' ', k, {a.replace('_compile_s',''):round(b,3) for a,b in v.items() if 'compile_s' in a}) for k,v in d.items()]"; }
+if [[ " $* " == *" compile "* ]]; then
+  for pass in 1 2; do for w in pointwise reduction transformer.fwd.f32; do
+    KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln bench --only $w --out $OUT/c$pass-$w.json 2> $OUT/log-$pass-$w.txt >/dev/null
+    echo "pass $pass $w: $(grep -c 'compiled by NVRTC' $OUT/log-$pass-$w.txt) NVRTC compiles, $(grep 'compiled by NVRTC' $OUT/log-$pass-$w.txt | awk '{s+=$(NF-5)} END {print s}') ms summed; rehearsals: $(grep 'rehearsal' $OUT/log-$pass-$w.txt | sed 's/.*rehearsal: //' | tr '\n' ';' | cut -c1-300)"
+    compile_s $OUT/c$pass-$w.json
+  done; done
+  grep -h "rehearsal stopped" $OUT/log-*.txt | sort | uniq -c | head
+fi
+if [[ " $* " == *" ncu "* ]]; then
+  for w in reduction.layernorm reduction.softmax reduction.sum_dim0 pointwise.bias_gelu pointwise.add_relu; do
+    echo "== $w"
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv -c 200 .gpu/bin/kiln bench --only $w --out $OUT/n.json 2>/dev/null | python3 tools/ncu_rows.py
+  done
+fi
+if [[ " $* " == *" host "* ]]; then
+  for w in reduction pointwise reduction pointwise; do for m in 0 4; do echo "== streaming from $m x L2 (0: off)"
+    KILN_STREAM_L2_MULTIPLE=$m timeout 150 .gpu/bin/kiln bench --only $w --out $OUT/h-$w.json | grep copy
+    python3 -c "import json; d=json.load(open('$OUT/h-$w.json')); print('copy', round(d['copy_GBps'])); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_us','_ms'))}) for k,v in d['workloads'].items()]"
+  done; done
+fi
+if [[ " $* " == *" launch "* ]]; then
+  d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/launch/params.cu -o $d/params -lcuda && $d/params
+fi
+if [[ " $* " == *" emu "* ]]; then
+  d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/gemm/emulation.cu -o $d/emu -lcublas && $d/emu
+fi
+if [[ " $* " == *" rows "* ]]; then
+  cat $OUT/kernels-*.log > /tmp/k.log; cd tools/rows && python3 make_variants.py /tmp/k.log && cd build && (ls *_*.cu | grep -v harness | xargs -P 12 -I{} nvcc -O3 -arch=sm_90 -c {} -o {}.o) && nvcc -O3 -arch=sm_90 harness.cu *.o -o v && ./v; cd ../../..
+fi
+if [[ " $* " == *" final "* ]]; then
+  # The first process after boot pages the CUDA libraries in; measured runs come after it.
+  KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
+  for w in $WORKLOADS; do
+    KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only $w --out $OUT/k-$w.json > /dev/null 2>&1
+    timeout 300 python3 .gpu/bench/torch_reference.py --only $w --out $OUT/t-$w.json > /dev/null 2>&1
+  done
+  python3 - $OUT <<'PY'
+import json, sys, glob
+out = sys.argv[1]
+for side in "kt":
+    files = sorted(glob.glob(f"{out}/{side}-*.json"))
+    merged = json.load(open(files[0]))
+    for f in files[1:]:
+        merged["workloads"].update(json.load(open(f))["workloads"])
+    json.dump(merged, open(f"{out}/{'kiln' if side == 'k' else 'torch'}.json", "w"), indent=1)
+PY
+  python3 .gpu/bench/compare.py $OUT/torch.json $OUT/kiln.json | tee $OUT/compare.txt
+  python3 -c "import json; d=json.load(open('$OUT/kiln.json')); cp=d['copy_GBps']; [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_us'))}, ('%.1f%% of copy' % (100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp)) if 'bytes' in v else '') for k,v in d['workloads'].items()]"
+fi
+if [[ " $* " == *" bf16log "* ]]; then
+  KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
+  KILN_LOG=kernels,recompiles KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only transformer.fwd.bf16amp --out $OUT/bf.json 2> $OUT/bf.log | tail -1 | cut -c1-400
+  grep -n "rehearsal\|captured a CUDA\|no CUDA graph" $OUT/bf.log | cut -c1-200 | head -20
+  first=$(grep -n "rehearsal:" $OUT/bf.log | head -1 | cut -d: -f1)
+  echo "NVRTC compiles after the first rehearsal: $(tail -n +$first $OUT/bf.log | grep -c 'compiled by NVRTC')"
+  tail -n +$first $OUT/bf.log | grep -B1 "compiled by NVRTC" | grep -v "^--" | cut -c1-160 | head -40
+fi
+if [[ " $* " == *" tfc "* ]]; then
+  KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
+  KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only transformer --out $OUT/tf.json 2> $OUT/tf.log > /dev/null
+  grep "rehearsal:" $OUT/tf.log
+  python3 -c "import json; d=json.load(open('$OUT/tf.json')); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_ms'))}) for k,v in d['workloads'].items()]"
+fi
+if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
