@@ -3,7 +3,7 @@
 #   bash tools/device_call.sh $OUT <sections...>
 # Sections: gemm (tools/gemm harness), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
-# row's host time per call, streaming on and off), launch (tools/launch), emu (cuBLAS FP32
+# row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), suite (every test binary with KILN_TEST_DEVICE=cuda).
@@ -28,10 +28,10 @@ if [[ " $* " == *" ncu "* ]]; then
   done
 fi
 if [[ " $* " == *" host "* ]]; then
-  for w in reduction pointwise reduction pointwise; do for m in 0 4; do echo "== streaming from $m x L2 (0: off)"
-    KILN_STREAM_L2_MULTIPLE=$m timeout 150 .gpu/bin/kiln bench --only $w --out $OUT/h-$w.json | grep copy
+  for w in reduction pointwise; do
+    KILN_COPY_FIT=1 timeout 150 .gpu/bin/kiln bench --only $w --out $OUT/h-$w.json | grep copy
     python3 -c "import json; d=json.load(open('$OUT/h-$w.json')); print('copy', round(d['copy_GBps'])); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_us','_ms'))}) for k,v in d['workloads'].items()]"
-  done; done
+  done
 fi
 if [[ " $* " == *" launch "* ]]; then
   d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/launch/params.cu -o $d/params -lcuda && $d/params
