@@ -321,14 +321,11 @@ pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
     if std::env::var_os("KILN_COPY_FIT").is_some() {
         for n in [25_000_000usize, 50_000_000, 67_108_864, 100_000_000] {
             let (a, b) = (x.narrow(0, 0, n)?, y.narrow(0, 0, n)?);
-            let ms = event_ms(&dev, &mut || {
+            let mut copy = || {
                 b.copy_(&a)?;
                 Ok(b.clone())
-            })?;
-            let host = host_us(&dev, &mut || {
-                b.copy_(&a)?;
-                Ok(b.clone())
-            })?;
+            };
+            let (ms, host) = (event_ms(&dev, &mut copy)?, host_us(&dev, &mut copy)?);
             println!("copy of {} MB: {:.1} us event, host {host:.1} us", 8 * n / 1_000_000, ms * 1e3);
         }
     }

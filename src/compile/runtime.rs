@@ -61,7 +61,6 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
 }
 
-/// A graph scheduled into fused kernels, library products and eager steps.
 /// How much of a program `run_steps_of` runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Pass {
@@ -75,6 +74,7 @@ enum Pass {
     Rehearsal,
 }
 
+/// A graph scheduled into fused kernels, library products and eager steps.
 pub(crate) struct Program {
     pub graph: Graph,
     pub schedule: Schedule,

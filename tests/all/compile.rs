@@ -21,6 +21,15 @@ fn kernels<R>(f: impl FnOnce() -> R) -> (R, u64) {
     (r, kiln::cuda::launch_count() - before)
 }
 
+/// Asserts that `f` launches `n` kernels when the suite runs on a GPU (on the CPU it only runs).
+#[track_caller]
+fn assert_gpu_launches<R>(n: u64, f: impl FnOnce() -> R, why: &str) {
+    let (_, launched) = kernels(f);
+    if dev().is_cuda() {
+        assert_eq!(launched, n, "{why}");
+    }
+}
+
 #[test]
 fn pointwise_chains_fuse_into_one_kernel() -> Result<()> {
     let x = randn(&[1000, 37], 1);
@@ -29,10 +38,7 @@ fn pointwise_chains_fuse_into_one_kernel() -> Result<()> {
     let eager = (x.sin()?.exp()? + x.cos()?.abs()?.log()?)?;
     assert_close(&vals(&y), &vals(&eager), 1e-5, 1e-6);
     assert_eq!(f.kernels_per_call(), Some(1));
-    let (_, launched) = kernels(|| f.call(&x));
-    if dev().is_cuda() {
-        assert_eq!(launched, 1, "exp(sin x) + log|cos x| is one kernel");
-    }
+    assert_gpu_launches(1, || f.call(&x), "exp(sin x) + log|cos x| is one kernel");
     let b = randn(&[1000, 37], 2);
     let g = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
     let y = g.call(&x, &b)?;
@@ -54,10 +60,7 @@ fn softmax_and_layer_norm_are_one_kernel_each() -> Result<()> {
     let eager = F::layer_norm(&x, &[300], Some(&w), Some(&b), 1e-5)?;
     assert_close(&vals(&g.call(&x)?), &vals(&eager), 1e-4, 1e-5);
     assert_eq!(g.kernels_per_call(), Some(1));
-    let (_, launched) = kernels(|| g.call(&x));
-    if dev().is_cuda() {
-        assert_eq!(launched, 1);
-    }
+    assert_gpu_launches(1, || g.call(&x), "layer_norm is one kernel");
     Ok(())
 }
 
@@ -790,10 +793,7 @@ fn siblings_reading_one_input_share_a_kernel() -> Result<()> {
     assert_close(&vals(&ys[0]), &vals(&x.exp()?), 1e-6, 1e-6);
     assert_close(&vals(&ys[1]), &vals(&x.sin()?.add_scalar(1.0)?), 1e-6, 1e-6);
     assert_eq!(f.kernels_per_call(), Some(1));
-    let (_, launched) = kernels(|| f.call(std::slice::from_ref(&x)));
-    if dev().is_cuda() {
-        assert_eq!(launched, 1);
-    }
+    assert_gpu_launches(1, || f.call(std::slice::from_ref(&x)), "the siblings are one kernel");
     Ok(())
 }
 
