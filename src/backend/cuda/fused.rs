@@ -9,7 +9,7 @@ use super::{autotune, device, CudaStorage, KArgs, KernelKey};
 use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 use std::fmt::Write;
 
 /// The type each op computes in and the C expression of its value, given its arguments'.
@@ -528,8 +528,8 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
-    let vk: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
-    let dtypes: Vec<DType> = k.inputs.iter().map(|i| i.dtype).collect();
+    // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
+    let vk = || vector.iter().map(|&b| if b { 'v' } else { 's' }).collect::<String>();
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
     let mut a = KArgs::default();
     a.w[0] = rows as u64;
@@ -556,10 +556,10 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = format!("{}_r{threads}x{vpt}x{vec}_{vk}", k.code_name(signature));
-                // Keyed by what determines the source (ops, input dtypes, launch shape): kernels
-                // of the same text, in this graph or others, share it.
-                let key = format!("rows {name} {dtypes:?} {signature}");
+                let name = format!("{}_r{threads}x{vpt}x{vec}_{}", k.code_name(signature), vk());
+                // Keyed by what determines the source (the signature: ops and input dtypes; the
+                // launch shape): kernels of the same text, in this graph or others, share it.
+                let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
                     let src = gen_rows(k, &name, threads, vpt, vec, &vector);
                     (name.clone(), src)
@@ -572,7 +572,7 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         };
         dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
     };
-    let tuned = if tune { tuned_threads(dev, k, rows, cols, vec, &format!("{vk} {dtypes:?}"), &launch) } else { None };
+    let tuned = if tune { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
     launch(tuned.unwrap_or_else(|| row_shape(cols, vec).0))?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
 }
@@ -617,6 +617,7 @@ fn tuned_threads(dev: &super::CudaDevice, k: &FusedKernel, rows: usize, cols: us
 mod tests {
     use super::*;
     use crate::compile::{compile_with, Backend, CompileOptions};
+    use crate::DType;
     use crate::nn::functional as F;
     use std::sync::{Arc, Mutex};
 

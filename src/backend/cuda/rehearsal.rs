@@ -42,15 +42,15 @@ pub(crate) fn active() -> bool {
     ACTIVE.with(|a| a.get())
 }
 
-/// Notes a kernel the rehearsal would load (once per key).
+/// Whether this rehearsal has already noted the kernel of `key`.
+pub(crate) fn wanted(key: &KernelKey) -> bool {
+    WANTED.with(|w| w.borrow().iter().any(|x| &x.key == key))
+}
+
+/// Notes a kernel the rehearsal would load (the caller checked `wanted` first).
 pub(crate) fn want(dev: &CudaDevice, key: KernelKey, name: String, src: String, options: &[String]) -> Result<Kernel> {
     let dev = super::device(dev.ordinal)?;
-    WANTED.with(|w| {
-        let mut w = w.borrow_mut();
-        if !w.iter().any(|x| x.key == key) {
-            w.push(Wanted { dev, key, name, src, options: options.to_vec() });
-        }
-    });
+    WANTED.with(|w| w.borrow_mut().push(Wanted { dev, key, name, src, options: options.to_vec() }));
     Ok(Kernel::REHEARSED)
 }
 
