@@ -105,6 +105,15 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
     let mut vals: Vec<(CType, String)> = vec![];
     let mut params: Vec<u64> = vec![];
     let pairs = sincos_pairs(k);
+    // Temporaries are numbered as they are written, not by op position: a view (`Same`)
+    // writes nothing, so kernels that differ only in where a reshape sits get one code.
+    let mut written = 0usize;
+    let mut fresh = || {
+        written += 1;
+        format!("t{}", written - 1)
+    };
+    // The second of each sine and cosine pair: the name the first gave it.
+    let mut pair_names: Vec<Option<String>> = vec![None; k.ops.len()];
     for (i, op) in k.ops.iter().enumerate() {
         let args: Vec<(CType, String)> = op
             .args
@@ -119,12 +128,16 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
             Some((sin, cos)) if i == sin.min(cos) => {
                 let t = op.unary_type();
                 let f = if t == CType::F64 { "sincos" } else { "sincosf" };
-                let _ = writeln!(body, "    {} t{sin}, t{cos}; {f}({}, &t{sin}, &t{cos});", t.name(), convert(args[0].0, t, &args[0].1));
-                vals.push((t, format!("t{i}")));
+                let (ts, tc) = (fresh(), fresh());
+                let _ = writeln!(body, "    {} {ts}, {tc}; {f}({}, &{ts}, &{tc});", t.name(), convert(args[0].0, t, &args[0].1));
+                let (mine, other) = if i == sin { (ts, tc) } else { (tc, ts) };
+                pair_names[sin.max(cos)] = Some(other);
+                vals.push((t, mine));
                 continue;
             }
             Some(_) => {
-                vals.push((op.unary_type(), format!("t{i}")));
+                let name = pair_names[i].take().expect("the first of a sine and cosine pair comes first");
+                vals.push((op.unary_type(), name));
                 continue;
             }
             None => {}
@@ -151,8 +164,9 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
             vals.push((t, e));
             continue;
         }
-        let _ = writeln!(body, "    const {} t{i} = {e};", t.name());
-        vals.push((t, format!("t{i}")));
+        let name = fresh();
+        let _ = writeln!(body, "    const {} {name} = {e};", t.name());
+        vals.push((t, name));
     }
     let outputs: Vec<&str> = k.outputs.iter().map(|(o, _)| vals[*o].1.as_str()).collect();
     let name = k.code_name(&format!("{body}{outputs:?}"));
@@ -674,6 +688,26 @@ mod tests {
         assert_eq!(codes[0].body, codes[1].body);
         assert_eq!(codes[0].params.len(), 2, "{:?}", codes[0]);
         assert_eq!(f64::from_bits(codes[1].params[0]), 5.0);
+    }
+
+    #[test]
+    fn a_view_inside_a_kernel_does_not_change_its_code() {
+        // exp -> tanh before a product, and after it (behind the reshape of the product's
+        // [1, m, n] result): one code, one compiled kernel.
+        let seen = Arc::new(Mutex::new(vec![]));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
+            Ok(g.eager_runner())
+        });
+        let x = Tensor::randn(&[8, 6], DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::randn(&[6, 6], DType::F32, &Device::Cpu).unwrap();
+        compile_with(CompileOptions::new().backend(backend), |x: &Tensor, w: &Tensor| x.exp()?.tanh()?.matmul(w)?.exp()?.tanh()).call(&x, &w).unwrap();
+        let ks = seen.lock().unwrap().clone();
+        assert_eq!(ks.len(), 2);
+        assert!(ks.iter().any(|k| k.ops.iter().any(|o| matches!(o.kind, KKind::Same))), "the case this checks: a view fused into one of them");
+        let (a, b) = (flat_code(&ks[0]), flat_code(&ks[1]));
+        assert_eq!((&a.name, &a.body), (&b.name, &b.body));
     }
 
     #[test]
