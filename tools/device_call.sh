@@ -6,8 +6,7 @@
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
-# seconds and rehearsals), gemmtune (transformer f32 under max-autotune: cuBLASLt against the
-# generated F32 products per problem), suite (every test binary with KILN_TEST_DEVICE=cuda).
+# seconds and rehearsals), suite (every test binary with KILN_TEST_DEVICE=cuda).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -76,13 +75,5 @@ if [[ " $* " == *" tfc "* ]]; then
   KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only transformer --out $OUT/tf.json 2> $OUT/tf.log > /dev/null
   grep "rehearsal:" $OUT/tf.log
   python3 -c "import json; d=json.load(open('$OUT/tf.json')); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_ms'))}) for k,v in d['workloads'].items()]"
-fi
-if [[ " $* " == *" gemmtune "* ]]; then
-  KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
-  for w in transformer.fwd.f32 mlp.train_sgd.bs4096; do
-    KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only $w --out $OUT/gt-$w.json 2> $OUT/gt-$w.log > /dev/null
-    python3 tools/autotune_summary.py $OUT/gt-$w.log | sort | uniq -c
-    python3 -c "import json; d=json.load(open('$OUT/gt-$w.json')); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_ms'))}) for k,v in d['workloads'].items()]"
-  done
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi

@@ -1,4 +1,4 @@
-// CPU emulation of src/backend/cuda/gemm_f32.cu, to check its indexing without a GPU: one
+// CPU emulation of gemm_f32.cu, to check its indexing without a GPU: one
 // std::thread per CUDA thread, a barrier for __syncthreads, blocks one after another. Checks
 // every output against a float64 product and that the split counters are left at zero.
 //   g++ -std=c++20 -O1 -pthread -DBM=64 -DBN=64 -DBK=16 -DTM=8 -DTN=4 -DTA=0 -DTB=1 -DVA=1 \
@@ -29,7 +29,7 @@ using std::min;
 typedef unsigned long long u64;
 struct KArgs { u64 w[64]; };
 #define KNAME kern
-#include "../../src/backend/cuda/gemm_f32.cu"
+#include "gemm_f32.cu"
 int main(int argc, char** argv) {
   int batch = atoi(argv[1]), M = atoi(argv[2]), N = atoi(argv[3]), K = atoi(argv[4]), splits = atoi(argv[5]);
   std::vector<float> A(batch * M * K), B(batch * K * N), bias(N), C(batch * M * N, -7.f);

@@ -2,13 +2,11 @@
 //! cores with F32 accumulation, batched with arbitrary batch strides, operands read transposed
 //! in place. Compiled code adds a bias along the last dim, and a ReLU after it, in the same call
 //! (cuBLASLt's BIAS / RELU_BIAS epilogues). The algorithm is cuBLASLt's first heuristic, or under
-//! max-autotune the fastest of its heuristic candidates timed on the device (autotune.rs); an
-//! F32 product's candidates also include generated CUDA-core kernels (gemm_f32.rs).
+//! max-autotune the fastest of its heuristic candidates timed on the device (autotune.rs).
 //! cuBLAS runs a product cuBLASLt has no algorithm for, and every product where libcublasLt is
 //! missing. Both libraries use one private workspace, so nothing allocates while a CUDA graph is
 //! captured.
 
-use super::gemm_f32::{self, Operands, Shape, Variant};
 use super::{autotune, CudaDevice, CudaStorage};
 use crate::layout::Layout;
 use crate::logging::{log, Category};
@@ -25,13 +23,6 @@ const WORKSPACE: usize = 32 << 20;
 const CANDIDATES: usize = 16;
 
 type Algo = ls::cublasLtMatmulAlgo_t;
-
-/// What runs a product under max-autotune: a cuBLASLt algorithm or a generated kernel.
-#[derive(Clone, Copy)]
-enum Choice {
-    Lt(Algo),
-    Generated(Variant),
-}
 
 /// What a product does to its result in the same call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -98,7 +89,7 @@ pub(crate) struct Handle {
 struct Planned {
     descs: Descs,
     first: Option<Option<Algo>>,
-    tuned: Option<Option<Choice>>,
+    tuned: Option<Option<Algo>>,
 }
 // SAFETY: the handles are used under the device's mutex only.
 unsafe impl Send for Handle {}
@@ -189,35 +180,6 @@ fn bias_vector(t: &Tensor, n: usize) -> Result<Option<Tensor>> {
     }
 }
 
-/// The epilogue code of the generated kernels: 0 none, 1 bias, 2 bias then ReLU.
-fn epilogue_of(bias: &Option<(Tensor, bool)>) -> u8 {
-    match bias {
-        None => 0,
-        Some((_, relu)) => 1 + *relu as u8,
-    }
-}
-
-/// A product's sizes and addresses as the generated kernels take them; (transposed, leading
-/// dim) of `a` and `b` as `blas_layout` found them.
-fn operands(a: &Tensor, b: &Tensor, out: &CudaStorage, bias: Option<&Tensor>, (_, lda): (bool, usize), (_, ldb): (bool, usize)) -> Result<Operands> {
-    let bsz = a.shape()[0];
-    let batch_stride = |t: &Tensor| if bsz > 1 { t.strides()[0] as i64 } else { 0 };
-    Ok(Operands {
-        batch: bsz,
-        m: a.shape()[1],
-        n: b.shape()[2],
-        k: a.shape()[2],
-        a: super::kernels::data_ptr(a)?,
-        b: super::kernels::data_ptr(b)?,
-        out: out.ptr(),
-        bias: bias.map(super::kernels::data_ptr).transpose()?.unwrap_or(0),
-        lda,
-        ldb,
-        batch_a: batch_stride(a),
-        batch_b: batch_stride(b),
-    })
-}
-
 /// `a` [B, M, K] @ `b` [B, K, N] -> contiguous [B, M, N]. With `bias` (a view broadcasting a
 /// vector of N along the last dim, and whether ReLU follows) the vector is added to every row in
 /// the same call (F32/F16/BF16, one batch). `tune`: the algorithm is the fastest of cuBLASLt's
@@ -238,15 +200,6 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         },
     };
     let out = CudaStorage::new(dev, dtype, bsz * m * n)?;
-    let generated = tune && dtype == DType::F32 && !super::allow_tf32() && k > 0;
-    if out.len > 0 && generated && super::rehearsal::active() {
-        // Max-autotune times the generated kernels on the real run: built side by side now.
-        let fit = |t: &Tensor, r, c| blas_layout(r, c, t.strides()[1], t.strides()[2]).unwrap_or((false, c));
-        let o = operands(a, b, &out, bias.as_ref().map(|v| &v.0), fit(a, m, k), fit(b, k, n))?;
-        let (ta, tb) = (fit(a, m, k).0, fit(b, k, n).0);
-        let (va, vb) = o.vector_loads(ta, tb);
-        gemm_f32::want_all(dev, Shape { ta, tb, va, vb, epilogue: epilogue_of(&bias) })?;
-    }
     if out.len == 0 || super::rehearsal::active() {
         return Ok(Some(out));
     }
@@ -260,13 +213,14 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
     let b = if fit(b, k, n).is_some() { b.clone() } else { b.copy_contiguous()? };
     let (ta, lda) = fit(&a, m, k).expect("contiguous fits");
     let (tb, ldb) = fit(&b, k, n).expect("contiguous fits");
-    let o = operands(&a, &b, &out, bias.as_ref().map(|v| &v.0), (ta, lda), (tb, ldb))?;
-    let (pa, pb, pbias) = (o.a, o.b, o.bias);
+    let (pa, pb) = (super::kernels::data_ptr(&a)?, super::kernels::data_ptr(&b)?);
+    let pbias = bias.as_ref().map(|(v, _)| super::kernels::data_ptr(v)).transpose()?.unwrap_or(0);
     let epilogue = match &bias {
         None => Epilogue::None,
         Some((_, false)) => Epilogue::Bias,
         Some((_, true)) => Epilogue::ReluBias,
     };
+    let batch_stride = |t: &Tensor| if bsz > 1 { t.strides()[0] as i64 } else { 0 };
     let p = Problem {
         dtype,
         tf32: dtype == DType::F32 && super::allow_tf32(),
@@ -274,13 +228,11 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         m,
         n,
         k,
-        a: (ta, lda, o.batch_a),
-        b: (tb, ldb, o.batch_b),
+        a: (ta, lda, batch_stride(&a)),
+        b: (tb, ldb, batch_stride(&b)),
         epilogue,
         align: [align(pa), align(pb), align(out.ptr()), if pbias != 0 { align(pbias) } else { 0 }],
     };
-    let (va, vb) = o.vector_loads(ta, tb);
-    let shape = Shape { ta, tb, va, vb, epilogue: epilogue_of(&bias) };
     let mut guard = dev.blas.lock();
     if guard.is_none() {
         *guard = Some(Handle::new(dev)?);
@@ -304,14 +256,12 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         // Max-autotune's winner (timed now unless a CUDA graph is being captured), else the
         // first heuristic.
         let tuning = tune && (planned.tuned.is_some() || autotune::allowed(dev));
-        let generated = generated.then_some((shape, &o));
-        let choice = match (tuning, planned.tuned, planned.first) {
-            (true, Some(c), _) => c,
-            (false, _, Some(a)) => a.map(Choice::Lt),
+        let algo = match (tuning, planned.tuned, planned.first) {
+            (true, Some(a), _) | (false, _, Some(a)) => a,
             (true, None, _) => {
-                let c = tuned(dev, lt, &planned.descs, &p, &h.ident, &call, generated);
-                planned.tuned = Some(c);
-                c
+                let a = tuned(dev, lt, &planned.descs, &p, &h.ident, &call);
+                planned.tuned = Some(a);
+                a
             }
             (false, _, None) => {
                 // SAFETY: live handle and descriptors.
@@ -320,30 +270,19 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
                     log(Category::Kernels, || format!("cuBLASLt has no algorithm for {p:?}{}", if epilogue == Epilogue::None { "; cuBLAS runs it" } else { "; the epilogue runs unfused" }));
                 }
                 planned.first = Some(a);
-                a.map(Choice::Lt)
+                a
             }
         };
-        match choice {
-            Some(Choice::Generated(v)) => {
-                gemm_f32::run(dev, v, shape, &o)?;
-                return Ok(Some(out));
-            }
-            Some(Choice::Lt(algo)) => {
-                // SAFETY: pointers and layouts describe live buffers of these shapes; the
-                // workspace and the stream outlive the call.
-                match unsafe { lt_run(lt, &planned.descs, &algo, &call) } {
-                    Ok(()) => return Ok(Some(out)),
-                    Err(e) => {
-                        log(Category::Kernels, || format!("cublasLtMatmul failed ({e:?}) for {p:?}; falling back"));
-                        if tuning {
-                            planned.tuned = Some(None);
-                        } else {
-                            planned.first = Some(None);
-                        }
-                    }
+        if let Some(algo) = algo {
+            // SAFETY: pointers and layouts describe live buffers of these shapes; the workspace
+            // and the stream outlive the call.
+            match unsafe { lt_run(lt, &planned.descs, &algo, &call) } {
+                Ok(()) => return Ok(Some(out)),
+                Err(e) => {
+                    log(Category::Kernels, || format!("cublasLtMatmul failed ({e:?}) for {p:?}; falling back"));
+                    *(if tuning { &mut planned.tuned } else { &mut planned.first }) = Some(None);
                 }
             }
-            None => {}
         }
     }
     if epilogue != Epilogue::None {
@@ -534,55 +473,39 @@ fn parse_algo(s: &str) -> Option<Algo> {
 }
 
 /// Max-autotune: the remembered winner for this problem, else the fastest of up to CANDIDATES
-/// heuristic candidates, their split-K variants and, for an F32 product (`generated`: how the
-/// generated kernels would read it), the generated kernels' variants (median of timed runs
-/// into the output, which every run overwrites whole), remembered. None when there is no
-/// candidate.
-fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem, ident: &str, call: &Call, generated: Option<(Shape, &Operands)>) -> Option<Choice> {
-    // A winner chosen without the generated kernels is not reused where they compete.
-    let key = format!("gemm|{ident}|{}{p:?}", if generated.is_some() { "with generated f32|" } else { "" });
+/// heuristic candidates (median of timed runs into the output, which every run overwrites
+/// whole), remembered. None when cuBLASLt has no candidate.
+fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem, ident: &str, call: &Call) -> Option<Algo> {
+    let key = format!("gemm|{ident}|{p:?}");
     if let Some(v) = autotune::lookup(&key) {
-        if let (Some(var), Some(_)) = (Variant::parse(&v), generated) {
-            return Some(Choice::Generated(var));
-        }
         // SAFETY: live handle and descriptors.
         match parse_algo(&v) {
-            Some(a) if unsafe { algo_ok(lt, d, &a) } => return Some(Choice::Lt(a)),
+            Some(a) if unsafe { algo_ok(lt, d, &a) } => return Some(a),
             _ => autotune::forget(&key),
         }
     }
     // SAFETY: live handle and descriptors.
     let cands = unsafe { heuristics(lt, d, CANDIDATES) };
-    let mut named: Vec<(String, Choice)> = cands.iter().enumerate().map(|(i, r)| (format!("heuristic #{i} (algo {}, workspace {} KiB)", algo_id(&r.algo), r.workspaceSize >> 10), Choice::Lt(r.algo))).collect();
-    // SAFETY: live handle and descriptors.
-    named.extend(unsafe { split_k_variants(lt, d, &cands) }.into_iter().map(|(name, a)| (name, Choice::Lt(a))));
-    if let Some((_, o)) = generated {
-        named.extend(gemm_f32::variants(dev, o).into_iter().map(|v| (v.text(), Choice::Generated(v))));
+    if cands.is_empty() {
+        return None;
     }
-    let timed: Vec<(String, Choice, Option<f64>)> = named
+    let mut named: Vec<(String, Algo)> = cands.iter().enumerate().map(|(i, r)| (format!("heuristic #{i} (algo {}, workspace {} KiB)", algo_id(&r.algo), r.workspaceSize >> 10), r.algo)).collect();
+    // SAFETY: live handle and descriptors.
+    named.extend(unsafe { split_k_variants(lt, d, &cands) });
+    let timed: Vec<(String, Algo, Option<f64>)> = named
         .into_iter()
-        .map(|(name, choice)| {
-            let t = autotune::time_ms(dev, || match choice {
-                // SAFETY: as for a regular call; each run rewrites the whole output.
-                Choice::Lt(algo) => unsafe { lt_run(lt, d, &algo, call) }.map_err(|e| dev.err("cublasLtMatmul", e)),
-                Choice::Generated(v) => {
-                    let (shape, o) = generated.expect("generated variants are timed with their operands");
-                    gemm_f32::run(dev, v, shape, o)
-                }
-            });
-            (name, choice, t)
+        .map(|(name, algo)| {
+            // SAFETY: as for a regular call; each run rewrites the whole output.
+            let t = autotune::time_ms(dev, || unsafe { lt_run(lt, d, &algo, call) }.map_err(|e| dev.err("cublasLtMatmul", e)));
+            (name, algo, t)
         })
         .collect();
     match autotune::pick(&format!("gemm {p:?}"), &timed) {
-        Some((_, c)) => {
-            let text = match &c {
-                Choice::Lt(a) => algo_text(a),
-                Choice::Generated(v) => v.text(),
-            };
-            autotune::store(&key, &text);
-            Some(c)
+        Some((_, a)) => {
+            autotune::store(&key, &algo_text(&a));
+            Some(a)
         }
-        None => cands.first().map(|r| Choice::Lt(r.algo)),
+        None => Some(cands[0].algo),
     }
 }
 

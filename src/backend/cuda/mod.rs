@@ -11,7 +11,6 @@ pub(crate) mod codegen;
 pub(crate) mod cudnn;
 pub(crate) mod custom;
 pub(crate) mod foreach;
-pub(crate) mod gemm_f32;
 pub(crate) mod fused;
 pub(crate) mod graph;
 pub(crate) mod kernels;
