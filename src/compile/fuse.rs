@@ -132,11 +132,35 @@ impl FusedKernel {
             for i in &self.inputs {
                 let _ = write!(s, " {:?}{}", i.dtype, if i.row { "(row)" } else { "" });
             }
+            // Views (`Same`) are left out, their readers reading what they view: a reshape
+            // that sits elsewhere in the kernel (before a product's output is normalised, or
+            // after) computes the same code.
+            let mut seen: Vec<KArg> = Vec::with_capacity(self.ops.len());
+            // Whether each op written so far is a row value.
+            let mut kept_rows: Vec<bool> = vec![];
+            let arg = |a: &KArg, seen: &[KArg]| match a {
+                KArg::In(j) => KArg::In(*j),
+                KArg::Op(j) => seen[*j].clone(),
+            };
             for o in &self.ops {
-                let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, o.args, o.dtype, if o.row { "(row)" } else { "" });
+                if o.kind == KKind::Same {
+                    let viewed = arg(&o.args[0], &seen);
+                    let row = match viewed {
+                        KArg::In(j) => self.inputs[j].row,
+                        KArg::Op(j) => kept_rows[j],
+                    };
+                    if row == o.row {
+                        seen.push(viewed);
+                        continue;
+                    }
+                }
+                let args: Vec<KArg> = o.args.iter().map(|a| arg(a, &seen)).collect();
+                let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, args, o.dtype, if o.row { "(row)" } else { "" });
+                seen.push(KArg::Op(kept_rows.len()));
+                kept_rows.push(o.row);
             }
             for (o, _) in &self.outputs {
-                let _ = write!(s, " | <-t{o}");
+                let _ = write!(s, " | <-{:?}", seen[*o]);
             }
             s
         })
@@ -728,6 +752,21 @@ mod tests {
             assert_eq!((s.kernels.len(), s.gemms.len()), (0, 1), "{}", gm.describe(&g));
             assert!(gm.describe(&g).contains("RELU_BIAS"), "{}", gm.describe(&g));
         }
+    }
+
+    #[test]
+    fn layer_norms_with_a_product_between_share_one_code() {
+        // Both norms make the same constants (the row length, eps): simplified, each kernel
+        // still holds its own, so the two have one signature (one compiled kernel).
+        let (w, b, m) = (r(&[64], DType::F32), r(&[64], DType::F32), r(&[64, 64], DType::F32));
+        let g = graph_of(&[r(&[8, 64], DType::F32)], move |xs| {
+            let y = F::layer_norm(&xs[0], &[64], Some(&w), Some(&b), 1e-5)?.matmul(&m)?;
+            Ok(vec![F::layer_norm(&y, &[64], Some(&w), Some(&b), 1e-5)?])
+        });
+        let s = schedule(&crate::compile::simplify::simplify(&g));
+        let rows: Vec<&FusedKernel> = s.kernels.iter().filter(|k| matches!(k.space, Space::Rows { .. })).collect();
+        assert_eq!(rows.len(), 2, "{:?}", s.kernels.iter().map(|k| k.describe().to_string()).collect::<Vec<_>>());
+        assert_eq!(rows[0].signature(), rows[1].signature());
     }
 
     #[test]

@@ -168,6 +168,18 @@ struct GuardKey {
 }
 
 impl GuardKey {
+    /// Whether a call with `args` passes these guards: what `of` would build, compared in
+    /// place (a call that hits the cache allocates no key).
+    fn matches(&self, args: &[Tensor], dynamic: bool) -> bool {
+        let grad = crate::is_grad_enabled();
+        self.grad == grad
+            && self.args.len() == args.len()
+            && self.args.iter().zip(args).all(|((shape, strides, dtype, device, rg), t)| {
+                let layout = if dynamic { shape.len() == 1 && shape[0] == t.ndim() && strides.len() == 1 && strides[0] == t.is_contiguous() as usize } else { shape.as_slice() == t.shape() && strides.as_slice() == t.strides() };
+                layout && *dtype == t.dtype() && *device == t.device() && *rg == (grad && t.is_requires_grad())
+            })
+    }
+
     fn of(args: &[Tensor], dynamic: bool) -> GuardKey {
         let grad = crate::is_grad_enabled();
         GuardKey {
@@ -203,7 +215,7 @@ struct Entry {
     key: GuardKey,
     exec: Exec,
     captured: Vec<Tensor>,
-    effects: trace::Effects,
+    effects: Arc<trace::Effects>,
     /// The argument shapes it was compiled for (a dynamic function keeps one entry per size).
     shapes: Vec<Vec<usize>>,
 }
@@ -366,7 +378,6 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
     }
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
-        let key = GuardKey::of(args, self.opts.dynamic);
         let mut f = self.f.lock();
         {
             let st = self.state.lock();
@@ -375,13 +386,14 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
                 return f.invoke(args);
             }
             if !st.segmented {
-                if let Some(e) = st.entries.iter().find(|e| e.key == key && (!self.opts.dynamic || same_shapes(&e.shapes, args)) && e.grads_match()) {
+                if let Some(e) = st.entries.iter().find(|e| e.key.matches(args, self.opts.dynamic) && (!self.opts.dynamic || same_shapes(&e.shapes, args)) && e.grads_match()) {
                     let (exec, captured, effects) = (e.exec.clone(), e.captured.clone(), e.effects.clone());
                     drop(st);
                     return finish(run_exec(&exec, args, &captured)?, &captured, &effects);
                 }
             }
         }
+        let key = GuardKey::of(args, self.opts.dynamic);
         let (reason, dynamic_respecialise) = {
             let st = self.state.lock();
             let dynamic_hit = self.opts.dynamic && st.entries.iter().any(|e| e.key == key);
@@ -424,7 +436,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             return Ok(out);
         }
         let shapes = args.iter().map(|a| a.shape().to_vec()).collect();
-        push_entry(&mut self.state.lock(), Entry { key, exec, captured, effects: traced.effects, shapes });
+        push_entry(&mut self.state.lock(), Entry { key, exec, captured, effects: Arc::new(traced.effects), shapes });
         Ok(out)
     }
 }
@@ -566,5 +578,35 @@ impl<F, A> std::fmt::Debug for Compiled<F, A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.state.lock();
         write!(f, "Compiled {{ graphs: {}, traces: {}, breaks: {} }}", s.entries.len() + s.segments.len(), s.traces, s.segmented)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GuardKey;
+    use crate::{DType, Device, Tensor};
+
+    #[test]
+    fn guards_compared_in_place_agree_with_built_keys() {
+        let x = Tensor::zeros(&[4, 6], DType::F32, &Device::Cpu).unwrap();
+        let calls: Vec<Vec<Tensor>> = vec![
+            vec![x.clone()],
+            vec![x.transpose(0, 1).unwrap()],
+            vec![Tensor::zeros(&[4, 7], DType::F32, &Device::Cpu).unwrap()],
+            vec![x.to_dtype(DType::F64).unwrap()],
+            vec![x.clone().requires_grad()],
+            vec![x.clone(), x.clone()],
+            vec![Tensor::zeros(&[4], DType::F32, &Device::Cpu).unwrap()],
+        ];
+        for dynamic in [false, true] {
+            for a in &calls {
+                let key = GuardKey::of(a, dynamic);
+                for b in &calls {
+                    assert_eq!(key.matches(b, dynamic), key == GuardKey::of(b, dynamic), "dynamic {dynamic}: {:?} against {:?}", a.iter().map(|t| t.shape().to_vec()).collect::<Vec<_>>(), b.iter().map(|t| t.shape().to_vec()).collect::<Vec<_>>());
+                }
+            }
+        }
+        let key = GuardKey::of(&calls[4], false);
+        assert!(!crate::no_grad(|| key.matches(&calls[4], false)), "grad mode is guarded");
     }
 }
