@@ -6,8 +6,8 @@
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
-# seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), perf (host
-# profile of the layernorm row's calls; needs perf on the machine), suite (every test binary with KILN_TEST_DEVICE=cuda).
+# seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
+# (profiler tables of one layernorm and one bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -80,10 +80,9 @@ fi
 if [[ " $* " == *" tfprof "* ]]; then
   KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln profile transformer.fwd.f32.10x32x512 --compiled --trace $OUT/tf-trace.json 2>&1 | head -40
 fi
-if [[ " $* " == *" perf "* ]]; then
-  if command -v perf > /dev/null; then
-    KILN_CACHE_DIR=$(mktemp -d) perf record -q --call-graph dwarf,32768 -F 4000 -o /tmp/p.data .gpu/bin/kiln bench --only reduction.layernorm --out /tmp/l.json > /dev/null 2>&1
-    perf report -i /tmp/p.data --children --stdio -g none --percent-limit 0.4 2>/dev/null | grep -E "^ +[0-9]" | grep -v "\[unknown\]" | cut -c1-200 | head -90
-  else echo "no perf on this machine"; fi
+if [[ " $* " == *" rowprof "* ]]; then
+  for w in reduction.layernorm.f32.8192x8192 pointwise.bias_gelu.f32.8192x8192; do for c in "" --compiled; do
+    timeout 100 .gpu/bin/kiln profile $w $c --trace /tmp/t.json 2>&1 | head -6
+  done; done
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi

@@ -191,7 +191,6 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         tune_ident,
     });
     map.lock().insert(n, d.clone());
-    nvrtc::warm_up(d.arch.clone(), dev);
     Ok(d)
 }
 

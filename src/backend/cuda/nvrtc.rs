@@ -90,30 +90,6 @@ pub(crate) fn cubin(src: &str, options: &[String], ours: bool, arch: &str, drive
     Ok((bytes, KernelSource::Compiled))
 }
 
-/// Compiles a small kernel of the generated kind on a background thread, once per process,
-/// when the first device is created (unless `KILN_NVRTC_WARMUP=0`). NVRTC's code and built-in
-/// headers are read from disk by the first compile of a process that runs after the machine
-/// started (60-200 ms on the H200's host against 8-12 ms once cached): this moves that read off
-/// the first compiled call, into the time the program spends making its tensors. The result is
-/// dropped, and nothing is written to the kernel cache.
-pub(crate) fn warm_up(arch: String, device: Device) {
-    static STARTED: std::sync::Once = std::sync::Once::new();
-    if std::env::var("KILN_NVRTC_WARMUP").is_ok_and(|v| v == "0") {
-        return;
-    }
-    STARTED.call_once(|| {
-        let src = format!(
-            "{}\nextern \"C\" __global__ void kiln_warm_up(const KArgs a) {{\n  const float* x = (const float*)a.w[0]; float* y = (float*)a.w[1];\n  int i = blockIdx.x * blockDim.x + threadIdx.x;\n  float v = x[i];\n  float s = expf(v) + tanhf(v) * logf(fabsf(v) + 1.f);\n  for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);\n  y[i] = s;\n}}\n",
-            super::codegen::PRELUDE
-        );
-        let _ = std::thread::Builder::new().name("kiln-nvrtc-warm-up".into()).spawn(move || {
-            let started = std::time::Instant::now();
-            let r = compile(&src, &[], true, &arch, device);
-            crate::logging::log(crate::logging::Category::Kernels, || format!("NVRTC warm-up: {} in {:.1} ms", if r.is_ok() { "compiled" } else { "failed" }, started.elapsed().as_secs_f64() * 1e3));
-        });
-    });
-}
-
 fn compile(src: &str, options: &[String], ours: bool, arch: &str, device: Device) -> Result<Vec<u8>> {
     let err = |msg: String| Error::Kernel { device, msg, code: src.to_string() };
     let csrc = CString::new(src).map_err(|_| err("source contains a NUL byte".into()))?;
