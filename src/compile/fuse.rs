@@ -769,6 +769,21 @@ mod tests {
     }
 
     #[test]
+    fn layer_norms_with_a_product_between_share_one_code() {
+        // Both norms make the same constants (the row length, eps): simplified, each kernel
+        // still holds its own, so the two have one signature (one compiled kernel).
+        let (w, b, m) = (r(&[64], DType::F32), r(&[64], DType::F32), r(&[64, 64], DType::F32));
+        let g = graph_of(&[r(&[8, 64], DType::F32)], move |xs| {
+            let y = F::layer_norm(&xs[0], &[64], Some(&w), Some(&b), 1e-5)?.matmul(&m)?;
+            Ok(vec![F::layer_norm(&y, &[64], Some(&w), Some(&b), 1e-5)?])
+        });
+        let s = schedule(&crate::compile::simplify::simplify(&g));
+        let rows: Vec<&FusedKernel> = s.kernels.iter().filter(|k| matches!(k.space, Space::Rows { .. })).collect();
+        assert_eq!(rows.len(), 2, "{:?}", s.kernels.iter().map(|k| k.describe().to_string()).collect::<Vec<_>>());
+        assert_eq!(rows[0].signature(), rows[1].signature());
+    }
+
+    #[test]
     fn reshapes_between_library_calls_are_views() {
         // An attention-like output reshaped twice on its way into a product: both reshapes are
         // views of its buffer, not a copy kernel.

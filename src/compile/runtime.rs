@@ -448,8 +448,11 @@ fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
 }
 
 /// Which written-back values a flat fused kernel can store straight into their captured tensor:
-/// every other read of that tensor (through views too) must come in an earlier step, and the
-/// kernel must read it directly (element i read and written by the same thread), not a view.
+/// every other read of that tensor (through views too) must come in an earlier step, the
+/// kernel must read it directly (element i read and written by the same thread), not a view,
+/// and the kernel must run over exactly the tensor's elements (a one-element value, such as an
+/// optimiser's step count, can be computed in a larger kernel, which writes it once per
+/// element: into its own buffer, never into the one-element tensor).
 fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, usize> {
     let mut reads: Vec<Vec<usize>> = vec![vec![]; g.nodes.len()];
     let mut made_by: std::collections::HashMap<NodeId, (usize, usize)> = Default::default();
@@ -481,7 +484,7 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     let mut out = std::collections::HashMap::new();
     for &(k, v) in &g.mutations {
         let (Some(&(at, j)), Some(&c)) = (made_by.get(&v), captured.get(&k)) else { continue };
-        let flat = matches!(s.kernels[j].space, super::fuse::Space::Flat { .. });
+        let flat = matches!(s.kernels[j].space, super::fuse::Space::Flat { numel } if numel == g.nodes[v].numel());
         let same = g.nodes[v].shape == g.nodes[c].shape && g.nodes[v].dtype == g.nodes[c].dtype;
         let once = g.mutations.iter().filter(|m| m.0 == k).count() == 1;
         let returned = g.outputs.contains(&c) || g.outputs.contains(&v);
@@ -490,4 +493,46 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::compile::{compile_with, Backend, CompileOptions};
+    use crate::{DType, Device, Tensor};
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn a_one_element_value_computed_in_a_larger_kernel_is_not_written_in_place() {
+        // An optimiser-like step: a scalar count and a vector updated from it, which fuse into
+        // one kernel over the vector's elements.
+        let p = Tensor::randn(&[640], DType::F32, &Device::Cpu).unwrap();
+        let count = Tensor::zeros(&[], DType::F32, &Device::Cpu).unwrap();
+        let seen = Arc::new(Mutex::new(None));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            *s2.lock().unwrap() = Some(g.clone());
+            Ok(g.eager_runner())
+        });
+        let (p2, c2) = (p.clone(), count.clone());
+        compile_with(CompileOptions::new().backend(backend), move |x: &Tensor| {
+            crate::no_grad(|| {
+                c2.add_scalar_(1.0)?;
+                p2.sub_(&x.mul(&c2)?)?;
+                x.exp()
+            })
+        })
+        .call(&Tensor::randn(&[640], DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+        let mut g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
+        for n in &mut g.nodes {
+            n.device = Device::Cuda(0);
+        }
+        let s = crate::compile::fuse::schedule(&g);
+        let counted = g.mutations.iter().find(|(_, v)| g.nodes[*v].numel() == 1).expect("the count is written back").1;
+        let kernel = s.kernels.iter().find(|k| k.outputs.iter().any(|(_, n)| *n == counted)).expect("computed in a kernel");
+        assert!(matches!(kernel.space, crate::compile::fuse::Space::Flat { numel: 640 }), "the case this checks: {}", kernel.describe());
+        let in_place = super::plan_in_place(&g, &s);
+        assert!(!in_place.contains_key(&counted), "{in_place:?}");
+        assert_eq!(in_place.len(), 1, "the vector is still written in place: {in_place:?}");
+    }
 }

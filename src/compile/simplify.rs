@@ -6,6 +6,17 @@ use super::graph::{Graph, NodeId, NodeOp};
 use crate::ops::{BinaryOp, Op};
 use std::collections::HashMap;
 
+/// A constant, possibly broadcast or reshaped: its value.
+fn constant(ops: &[NodeOp], args: &[Vec<NodeId>], mut j: NodeId) -> Option<f64> {
+    loop {
+        match &ops[j] {
+            NodeOp::Full(v) => return Some(*v),
+            NodeOp::Prim(Op::Expand(_) | Op::Reshape(_)) => j = args[j][0],
+            _ => return None,
+        }
+    }
+}
+
 pub(crate) fn simplify(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i)).collect();
@@ -13,22 +24,18 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
     let mut ops: Vec<NodeOp> = g.nodes.iter().map(|x| x.op.clone()).collect();
     let mut args: Vec<Vec<NodeId>> = g.nodes.iter().map(|x| x.args.clone()).collect();
     let mut seen: HashMap<String, NodeId> = HashMap::new();
+    // Each node as common subexpressions see it: a constant (possibly broadcast or reshaped)
+    // keeps its own node, so every fused kernel that reads one holds it inline (the layer
+    // norms of a transformer's layers then have one code, not one that holds the shared
+    // constants and others that read them as inputs), but nodes over equal constants still
+    // count as the same expression.
+    let mut canon: Vec<NodeId> = (0..n).collect();
     for i in 0..n {
         for a in args[i].iter_mut() {
             *a = repl[*a];
         }
         let node = &g.nodes[i];
-        // A constant, possibly broadcast or reshaped: its value.
-        let konst = |j: NodeId| -> Option<f64> {
-            let mut j = j;
-            loop {
-                match &ops[j] {
-                    NodeOp::Full(v) => return Some(*v),
-                    NodeOp::Prim(Op::Expand(_) | Op::Reshape(_)) => j = args[j][0],
-                    _ => return None,
-                }
-            }
-        };
+        let konst = |j: NodeId| constant(&ops, &args, j);
         if let NodeOp::Prim(op) = &ops[i] {
             let same = |j: NodeId| g.nodes[j].shape == node.shape && g.nodes[j].dtype == node.dtype;
             let identity = match op {
@@ -75,8 +82,10 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
         }
         // Common subexpressions: the same op on the same arguments (random draws differ).
         if !matches!(ops[i], NodeOp::Random(_) | NodeOp::Arg(_) | NodeOp::Captured(_)) {
-            let key = format!("{:?}|{:?}|{:?}|{:?}|{:?}", ops[i], args[i], node.shape, node.dtype, node.device);
+            let seen_args: Vec<NodeId> = args[i].iter().map(|&a| canon[a]).collect();
+            let key = format!("{:?}|{:?}|{:?}|{:?}|{:?}", ops[i], seen_args, node.shape, node.dtype, node.device);
             match seen.get(&key) {
+                Some(&j) if constant(&ops, &args, i).is_some() => canon[i] = j,
                 Some(&j) => {
                     repl[i] = j;
                     continue;

@@ -487,6 +487,43 @@ fn fused_kernels_of_the_same_code_share_one_compiled_kernel() -> Result<()> {
     Ok(())
 }
 
+/// A step that counts its calls in a one-element tensor and updates a vector from the count:
+/// both fuse into one kernel over the vector, and the count must still land in its own
+/// one-element tensor (not be written once per element of the vector, past its end).
+#[test]
+fn a_compiled_step_keeps_a_one_element_count_beside_a_vector_update() -> Result<()> {
+    let x = randn(&[640], 31);
+    let run = |compiled: bool| -> Result<(Vec<f64>, Vec<f64>, Vec<f64>)> {
+        let p = randn(&[640], 32);
+        let count = Tensor::zeros(&[], DType::F32, &dev())?;
+        let after = randn(&[64], 33);
+        let (p2, c2) = (p.clone(), count.clone());
+        let step = move |x: &Tensor| -> Result<Tensor> {
+            kiln::no_grad(|| {
+                c2.add_scalar_(1.0)?;
+                p2.sub_(&x.mul(&c2)?.mul_scalar(0.01)?)?;
+                x.exp()
+            })
+        };
+        if compiled {
+            let f = compile(step);
+            for _ in 0..3 {
+                f.call(&x)?;
+            }
+        } else {
+            for _ in 0..3 {
+                step(&x)?;
+            }
+        }
+        Ok((vals(&p), vals(&count), vals(&after)))
+    };
+    let (want, got) = (run(false)?, run(true)?);
+    assert_eq!(got.1, vec![3.0]);
+    assert_close(&got.0, &want.0, 1e-6, 1e-6);
+    assert_eq!(got.2, want.2, "a tensor made after the count is untouched");
+    Ok(())
+}
+
 /// A small classifier and its data for the training-step tests.
 fn mlp_setup(seed: u64) -> Result<(kiln::nn::Sequential, Tensor, Tensor)> {
     kiln::manual_seed(seed);

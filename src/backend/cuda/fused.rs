@@ -179,8 +179,9 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
-            Some(t) => t,
-            None => Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, k.ops[*o].dtype, numel)?), shape),
+            // Only a tensor of exactly the kernel's elements: the kernel writes each of them.
+            Some(t) if t.numel() == numel => t,
+            _ => Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, k.ops[*o].dtype, numel)?), shape),
         });
     }
     let mut specs = Vec::with_capacity(outs.len());
