@@ -638,30 +638,27 @@ mod tests {
 
     /// The row kernels the compiler schedules for `f` (traced on the CPU; the plan and the
     /// source do not depend on the device).
-    fn row_kernels(x: &Tensor, f: impl FnMut(&Tensor) -> Result<Tensor> + Send + 'static) -> Vec<FusedKernel> {
-        let seen = Arc::new(Mutex::new(vec![]));
-        let s2 = seen.clone();
-        let backend = Backend::custom(move |g, _| {
-            let sched = crate::compile::fuse::schedule(g);
-            s2.lock().unwrap().extend(sched.kernels.into_iter().filter(|k| matches!(k.space, Space::Rows { .. })));
-            Ok(g.eager_runner())
-        });
-        compile_with(CompileOptions::new().backend(backend), f).call(x).unwrap();
-        let v = seen.lock().unwrap().clone();
-        v
+    fn row_kernels(x: &Tensor, mut f: impl FnMut(&Tensor) -> Result<Tensor> + Send + 'static) -> Vec<FusedKernel> {
+        fused_kernels(&[x.clone()], move |xs| Ok(vec![f(&xs[0])?])).into_iter().filter(|k| matches!(k.space, Space::Rows { .. })).collect()
     }
 
-    #[test]
-    fn sine_and_cosine_of_one_value_share_a_sincos() {
+    /// Every fused kernel the schedule makes of `f`'s graph.
+    fn fused_kernels(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Vec<FusedKernel> {
         let seen = Arc::new(Mutex::new(vec![]));
         let s2 = seen.clone();
         let backend = Backend::custom(move |g, _| {
             s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
             Ok(g.eager_runner())
         });
+        compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
+        let v = seen.lock().unwrap().clone();
+        v
+    }
+
+    #[test]
+    fn sine_and_cosine_of_one_value_share_a_sincos() {
         let x = Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap();
-        compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.sin()?.exp()?.add(&x.cos()?.abs()?.log()?)).call(&x).unwrap();
-        let ks = seen.lock().unwrap().clone();
+        let ks = fused_kernels(&[x], |xs| Ok(vec![xs[0].sin()?.exp()?.add(&xs[0].cos()?.abs()?.log()?)?]));
         assert_eq!(ks.len(), 1);
         let body = flat_code(&ks[0]).body;
         assert_eq!(body.matches("sincosf(").count(), 1, "{body}");
@@ -674,15 +671,8 @@ mod tests {
         let codes: Vec<FlatCode> = [3usize, 5]
             .iter()
             .map(|&n| {
-                let seen = Arc::new(Mutex::new(vec![]));
-                let s2 = seen.clone();
-                let backend = Backend::custom(move |g, _| {
-                    s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
-                    Ok(g.eager_runner())
-                });
                 let x = Tensor::randn(&[n, 4], DType::F32, &Device::Cpu).unwrap();
-                compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.mul_scalar(x.shape()[0] as f64)?.add_scalar(0.5)).call(&x).unwrap();
-                let k = seen.lock().unwrap()[0].clone();
+                let k = fused_kernels(&[x], |xs| Ok(vec![xs[0].mul_scalar(xs[0].shape()[0] as f64)?.add_scalar(0.5)?])).remove(0);
                 flat_code(&k)
             })
             .collect();
@@ -695,16 +685,9 @@ mod tests {
     fn a_view_inside_a_kernel_does_not_change_its_code() {
         // exp -> tanh before a product, and after it (behind the reshape of the product's
         // [1, m, n] result): one code, one compiled kernel.
-        let seen = Arc::new(Mutex::new(vec![]));
-        let s2 = seen.clone();
-        let backend = Backend::custom(move |g, _| {
-            s2.lock().unwrap().extend(crate::compile::fuse::schedule(g).kernels);
-            Ok(g.eager_runner())
-        });
         let x = Tensor::randn(&[8, 6], DType::F32, &Device::Cpu).unwrap();
         let w = Tensor::randn(&[6, 6], DType::F32, &Device::Cpu).unwrap();
-        compile_with(CompileOptions::new().backend(backend), |x: &Tensor, w: &Tensor| x.exp()?.tanh()?.matmul(w)?.exp()?.tanh()).call(&x, &w).unwrap();
-        let ks = seen.lock().unwrap().clone();
+        let ks = fused_kernels(&[x, w], |xs| Ok(vec![xs[0].exp()?.tanh()?.matmul(&xs[1])?.exp()?.tanh()?]));
         assert_eq!(ks.len(), 2);
         assert!(ks.iter().any(|k| k.ops.iter().any(|o| matches!(o.kind, KKind::Same))), "the case this checks: a view fused into one of them");
         let (a, b) = (flat_code(&ks[0]), flat_code(&ks[1]));
