@@ -140,7 +140,7 @@ impl FusedKernel {
             let mut kept_rows: Vec<bool> = vec![];
             let arg = |a: &KArg, seen: &[KArg]| match a {
                 KArg::In(j) => KArg::In(*j),
-                KArg::Op(j) => seen[*j].clone(),
+                KArg::Op(j) => seen[*j],
             };
             for o in &self.ops {
                 if o.kind == KKind::Same {
