@@ -24,7 +24,6 @@ fn random(kind: RandomKind, n: &Node) -> Result<Tensor> {
     }
 }
 
-/// Writes the new values of captured tensors written in place into them.
 /// Writes the new values of captured tensors written in place into them (those a kernel
 /// already wrote in place only get their version bumped).
 fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
@@ -111,6 +110,9 @@ struct Hoisted {
 
 struct HoistCache {
     versions: Vec<u64>,
+    /// The source tensors the values were computed from (held, so no other tensor can take
+    /// their storage while the cache names them).
+    sources: Vec<Tensor>,
     values: Vec<Tensor>,
 }
 
@@ -199,6 +201,21 @@ impl Hoisted {
     fn versions(&self, g: &Graph, inputs: &[Tensor]) -> Vec<u64> {
         self.sources.iter().map(|&k| inputs[g.n_args + k].version()).collect()
     }
+
+    /// Whether `cache` holds the kept values for these inputs: computed from the same source
+    /// tensors, at their current versions. (Versions alone are not enough: a graph-break
+    /// segment's captured inputs are values of the part before it, new tensors each call,
+    /// whose versions repeat.)
+    fn current(&self, cache: &Option<HoistCache>, g: &Graph, inputs: &[Tensor]) -> bool {
+        cache.as_ref().is_some_and(|c| {
+            c.values.len() == self.kept.len()
+                && self.sources.iter().zip(&c.sources).all(|(&k, was)| {
+                    let now = &inputs[g.n_args + k];
+                    now.shares_storage_with(was) && now.layout() == was.layout()
+                })
+                && c.versions == self.versions(g, inputs)
+        })
+    }
 }
 
 impl Program {
@@ -238,7 +255,7 @@ impl Program {
     /// before replaying a CUDA graph that reads them.
     pub(crate) fn refresh_hoisted(&self, inputs: &[Tensor]) -> Result<()> {
         let h = &self.hoisted;
-        let fresh = h.kept.is_empty() || h.cache.lock().as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(&self.graph, inputs));
+        let fresh = h.kept.is_empty() || h.current(&h.cache.lock(), &self.graph, inputs);
         if fresh {
             return Ok(());
         }
@@ -278,7 +295,7 @@ impl Program {
         let h = &self.hoisted;
         let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         let mut cache = h.cache.lock();
-        let fresh = pass != Pass::Rehearsal && !h.kept.is_empty() && cache.as_ref().is_some_and(|c| c.values.len() == h.kept.len() && c.versions == h.versions(g, inputs));
+        let fresh = pass != Pass::Rehearsal && !h.kept.is_empty() && h.current(&cache, g, inputs);
         if fresh {
             for (v, t) in h.kept.iter().zip(&cache.as_ref().expect("fresh").values) {
                 env[*v] = Some(t.clone());
@@ -360,7 +377,8 @@ impl Program {
         let h = &self.hoisted;
         let versions = h.versions(&self.graph, inputs);
         let made = step_outputs(&self.schedule, &self.schedule.steps[s]);
-        let c = cache.get_or_insert_with(|| HoistCache { versions: versions.clone(), values: vec![] });
+        let sources: Vec<Tensor> = h.sources.iter().map(|&k| inputs[self.graph.n_args + k].clone()).collect();
+        let c = cache.get_or_insert_with(|| HoistCache { versions: versions.clone(), sources: sources.clone(), values: vec![] });
         for v in made {
             let Some(slot) = h.kept.iter().position(|&x| x == v) else { continue };
             let value = env[v].clone().expect("just computed");
@@ -377,6 +395,7 @@ impl Program {
             }
         }
         c.versions = versions;
+        c.sources = sources;
         Ok(())
     }
 }

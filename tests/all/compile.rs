@@ -848,3 +848,22 @@ fn a_returned_view_of_parameter_work_is_the_callers_own() -> Result<()> {
     assert_close(&vals(&second), &vals(&w.mul_scalar(2.0)?.t()?), 0.0, 0.0);
     Ok(())
 }
+
+/// After a graph break, the part that follows reads the values of the part before as captured
+/// inputs: new tensors each call. Work computed from them alone (here a product, which the
+/// program would keep between calls were they parameters) is computed again every call.
+#[test]
+fn work_after_a_graph_break_on_values_before_it_runs_every_call() -> Result<()> {
+    let f = compile(|x: &Tensor| {
+        let y = x.exp()?;
+        let _ = x.max_all()?.item::<f32>()?;
+        y.reshape(&[1, 8])?.matmul(&y.reshape(&[8, 1])?)?.reshape(&[1])? + x
+    });
+    for seed in [1, 2, 3] {
+        let x = randn(&[8], seed);
+        let y = x.exp()?;
+        let want = (y.reshape(&[1, 8])?.matmul(&y.reshape(&[8, 1])?)?.reshape(&[1])? + &x)?;
+        assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-5, 1e-5);
+    }
+    Ok(())
+}
