@@ -867,3 +867,21 @@ fn work_after_a_graph_break_on_values_before_it_runs_every_call() -> Result<()> 
     }
     Ok(())
 }
+
+/// Views of captured tensors are made once; a reshape that has to copy (of a transposed
+/// tensor) is made every call, so it sees writes to the tensor between calls.
+#[test]
+fn views_of_captured_tensors_follow_writes_between_calls() -> Result<()> {
+    let base = randn(&[3, 4], 41);
+    let w = base.transpose(0, 1)?;
+    let (w2, base2) = (w.clone(), base.clone());
+    // Reshapes read by products: steps of their own (a view of `base`, a copy of `w`).
+    let f = compile(move |x: &Tensor| x.matmul(&w2.reshape(&[12, 1])?)? + x.matmul(&base2.reshape(&[12, 1])?)?);
+    let x = randn(&[1, 12], 42);
+    for step in 0..3 {
+        let want = (x.matmul(&w.reshape(&[12, 1])?)? + x.matmul(&base.reshape(&[12, 1])?)?)?;
+        assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-6, 1e-6);
+        kiln::no_grad(|| base.add_scalar_(1.0 + step as f64))?;
+    }
+    Ok(())
+}
