@@ -243,7 +243,20 @@ struct Graphed {
 struct Replay {
     args: Vec<Tensor>,
     outs: Vec<Tensor>,
+    /// The graph's own copies of the arguments in and of the outputs out, pointed at this
+    /// call's tensors before each replay (None: the driver did not name their nodes, and a
+    /// replay copies around the graph, two more launches per call).
+    io: Option<Io>,
     graph: crate::backend::cuda::graph::Graph,
+}
+
+struct Io {
+    ins: Vec<crate::backend::cuda::graph::CopyNode>,
+    outs: Vec<crate::backend::cuda::graph::CopyNode>,
+}
+
+fn bytes_of(t: &Tensor) -> usize {
+    t.numel() * t.dtype().size_in_bytes()
 }
 
 impl Graphed {
@@ -251,17 +264,36 @@ impl Graphed {
         let mut slot = self.replay.lock();
         let _off = trace::Suspend::new();
         if let Some(r) = slot.as_ref() {
+            use crate::backend::cuda::{custom::empty, kernels::data_ptr};
             crate::no_grad(|| -> Result<Vec<Tensor>> {
-                for (s, a) in r.args.iter().zip(args) {
-                    s.copy_(a)?;
-                }
+                let fresh = match &r.io {
+                    Some(io) => {
+                        for ((c, s), a) in io.ins.iter().zip(&r.args).zip(args) {
+                            r.graph.set_copy(c, data_ptr(s)?, data_ptr(a)?)?;
+                        }
+                        let outs = r.outs.iter().map(|o| empty(o, o.shape(), o.dtype())).collect::<Result<Vec<_>>>()?;
+                        for ((c, o), f) in io.outs.iter().zip(&r.outs).zip(&outs) {
+                            r.graph.set_copy(c, data_ptr(f)?, data_ptr(o)?)?;
+                        }
+                        Some(outs)
+                    }
+                    None => {
+                        for (s, a) in r.args.iter().zip(args) {
+                            s.copy_(a)?;
+                        }
+                        None
+                    }
+                };
                 if self.program.has_hoisted() {
                     let mut inputs = r.args.clone();
                     inputs.extend(captured.iter().cloned());
                     self.program.refresh_hoisted(&inputs)?;
                 }
                 r.graph.replay()?;
-                r.outs.iter().map(|o| o.copy_contiguous()).collect()
+                match fresh {
+                    Some(outs) => Ok(outs),
+                    None => r.outs.iter().map(|o| o.copy_contiguous()).collect(),
+                }
             })
         } else {
             let mut inputs = args.to_vec();
@@ -275,10 +307,46 @@ impl Graphed {
             let mut sin = statics.clone();
             sin.extend(captured.iter().cloned());
             self.program.pin_hoisted();
-            match crate::backend::cuda::graph::capture(&dev, || self.program.run(&sin)) {
-                Ok((graph, souts)) => {
-                    log(Category::Recompiles, || format!("captured a CUDA graph of {} kernels", graph.kernels));
-                    *slot = Some(Replay { graph, args: statics, outs: souts });
+            // First with the argument and output copies inside the graph, else around it.
+            let attempt = |with_io: bool| {
+                use crate::backend::cuda::{custom::empty, graph::captured_copy, kernels::data_ptr};
+                crate::backend::cuda::graph::capture(&dev, || -> Result<(Vec<Tensor>, Option<Io>)> {
+                    let unnamed = || crate::Error::Compile("the driver did not name a captured copy's node".into());
+                    let mut ins = vec![];
+                    if with_io {
+                        for (s, a) in statics.iter().zip(args) {
+                            ins.push(captured_copy(&dev, data_ptr(s)?, data_ptr(a)?, bytes_of(s))?.ok_or_else(unnamed)?);
+                        }
+                    }
+                    let souts = self.program.run(&sin)?;
+                    let mut outs = vec![];
+                    if with_io {
+                        for o in &souts {
+                            if !o.is_contiguous() || bytes_of(o) == 0 {
+                                return Err(crate::Error::Compile(format!("an output of shape {:?} and strides {:?} is copied around the graph", o.shape(), o.strides())));
+                            }
+                            // Where the copy writes while captured; each replay points it at a fresh tensor.
+                            let placeholder = empty(o, o.shape(), o.dtype())?;
+                            outs.push(captured_copy(&dev, data_ptr(&placeholder)?, data_ptr(o)?, bytes_of(o))?.ok_or_else(unnamed)?);
+                        }
+                    }
+                    Ok((souts, with_io.then_some(Io { ins, outs })))
+                })
+            };
+            let in_graph = statics.iter().all(|s| bytes_of(s) > 0);
+            let captured = match in_graph.then(|| attempt(true)) {
+                Some(Ok(c)) => Ok(c),
+                other => {
+                    if let Some(Err(e)) = other {
+                        log(Category::Recompiles, || format!("CUDA graph: arguments and outputs are copied around it ({e})"));
+                    }
+                    attempt(false)
+                }
+            };
+            match captured {
+                Ok((graph, (souts, io))) => {
+                    log(Category::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
+                    *slot = Some(Replay { graph, args: statics, outs: souts, io });
                 }
                 Err(e) => log(Category::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call")),
             }

@@ -94,7 +94,61 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     }
 }
 
+/// A device-to-device copy inside a captured graph whose addresses change before each replay
+/// (a call's arguments copied into the graph's static inputs, its outputs copied out into
+/// fresh tensors), so the copies cost no launches of their own.
+pub(crate) struct CopyNode {
+    node: ds::CUgraphNode,
+    bytes: usize,
+}
+// SAFETY: a handle into a graph that lives as long as the `Graph` holding it, used under the
+// same lock.
+unsafe impl Send for CopyNode {}
+unsafe impl Sync for CopyNode {}
+
+/// Inside `capture`: copies `bytes` from `src` to `dst` on the capture stream and returns the
+/// node the copy became; None when the driver does not say which node that is.
+pub(crate) fn captured_copy(dev: &CudaDevice, dst: u64, src: u64, bytes: usize) -> Result<Option<CopyNode>> {
+    let stream = dev.work_stream().cu_stream();
+    // SAFETY: both ranges hold `bytes` on this device; the stream is capturing (nothing runs).
+    unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| dev.err("copy", e))?;
+    let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph) = (0u64, std::ptr::null_mut());
+    let (mut deps, mut edges, mut n): (*const ds::CUgraphNode, *const ds::CUgraphEdgeData, usize) = (std::ptr::null(), std::ptr::null(), 0);
+    // SAFETY: plain out-parameters; `deps` points at `n` nodes until the next capture call.
+    let st = unsafe { ds::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut deps, &mut edges, &mut n) };
+    if st != ds::CUresult::CUDA_SUCCESS || status != ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n != 1 || deps.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: checked above: one node.
+    Ok(Some(CopyNode { node: unsafe { *deps }, bytes }))
+}
+
 impl Graph {
+    /// Points a captured copy at new addresses (of the same size) for the next replays.
+    pub(crate) fn set_copy(&self, c: &CopyNode, dst: u64, src: u64) -> Result<()> {
+        // SAFETY: a plain C struct; zero is a valid start.
+        let mut p: ds::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+        p.srcMemoryType = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        p.srcDevice = src;
+        p.srcPitch = c.bytes;
+        p.srcHeight = 1;
+        p.dstMemoryType = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        p.dstDevice = dst;
+        p.dstPitch = c.bytes;
+        p.dstHeight = 1;
+        p.WidthInBytes = c.bytes;
+        p.Height = 1;
+        p.Depth = 1;
+        // SAFETY: the node belongs to the graph this executable was made from; both addresses
+        // hold `bytes` on the graph's device and stay alive until the replay has run.
+        let st = unsafe { ds::cuGraphExecMemcpyNodeSetParams(self.graph.cu_graph_exec(), c.node, &p, self.dev.ctx.cu_ctx()) };
+        if st != ds::CUresult::CUDA_SUCCESS {
+            return Err(self.dev.err("graph copy update", st));
+        }
+        Ok(())
+    }
+
     /// Runs the graph on the device's stream, in order with the work around it.
     pub(crate) fn replay(&self) -> Result<()> {
         self.dev.bind()?;
