@@ -127,19 +127,34 @@ pub(crate) fn captured_copy(dev: &CudaDevice, dst: u64, src: u64, bytes: usize) 
 impl Graph {
     /// Points a captured copy at new addresses (of the same size) for the next replays.
     pub(crate) fn set_copy(&self, c: &CopyNode, dst: u64, src: u64) -> Result<()> {
-        // SAFETY: a plain C struct; zero is a valid start.
-        let mut p: ds::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
-        p.srcMemoryType = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        p.srcDevice = src;
-        p.srcPitch = c.bytes;
-        p.srcHeight = 1;
-        p.dstMemoryType = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        p.dstDevice = dst;
-        p.dstPitch = c.bytes;
-        p.dstHeight = 1;
-        p.WidthInBytes = c.bytes;
-        p.Height = 1;
-        p.Depth = 1;
+        let device = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
+        let p = ds::CUDA_MEMCPY3D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcZ: 0,
+            srcLOD: 0,
+            srcMemoryType: device,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            reserved0: std::ptr::null_mut(),
+            srcPitch: c.bytes,
+            srcHeight: 1,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstZ: 0,
+            dstLOD: 0,
+            dstMemoryType: device,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            reserved1: std::ptr::null_mut(),
+            dstPitch: c.bytes,
+            dstHeight: 1,
+            WidthInBytes: c.bytes,
+            Height: 1,
+            Depth: 1,
+        };
         // SAFETY: the node belongs to the graph this executable was made from; both addresses
         // hold `bytes` on the graph's device and stay alive until the replay has run.
         let st = unsafe { ds::cuGraphExecMemcpyNodeSetParams(self.graph.cu_graph_exec(), c.node, &p, self.dev.ctx.cu_ctx()) };
