@@ -27,7 +27,7 @@ mod sync;
 mod table;
 mod trace;
 
-pub(crate) use record::{blas, copy, cpu_op, cudnn, kernel, memory, memset};
+pub(crate) use record::{blas, copy, cpu_op, cudnn, graph_replay, kernel, memory, memset};
 pub(crate) use sync::sync;
 pub use sync::{set_sync_debug_mode, sync_debug_mode, with_sync_debug_mode, SyncDebug};
 pub use table::{KernelStats, KeyAverages, SortBy};

@@ -179,6 +179,7 @@ fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name
 /// Hook: a generated kernel launched on the device's stream.
 #[inline]
 pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32)) -> Span {
+    crate::backend::cuda::graph::note_captured(|| name.to_string());
     if !active() {
         return Span::OFF;
     }
@@ -193,19 +194,37 @@ pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32)
 /// counted as one kernel whatever the library launches inside.
 #[inline]
 pub(crate) fn blas(dev: &CudaDevice, dtype: DType, epilogue: &str) -> Span {
+    let name = || format!("cublas_gemm{epilogue}_{}", dtype.torch_name());
+    crate::backend::cuda::graph::note_captured(name);
     if !active() {
         return Span::OFF;
     }
-    device_work(dev, &dev.stream, EventKind::Kernel, format!("cublas_gemm{epilogue}_{}", dtype.torch_name()), 0)
+    device_work(dev, &dev.stream, EventKind::Kernel, name(), 0)
 }
 
 /// Hook: a cuDNN call (`what`: `conv2d_fwd`, `conv2d_bwd_data`, `conv2d_bwd_filter`).
 #[inline]
 pub(crate) fn cudnn(dev: &CudaDevice, what: &str, dtype: DType) -> Span {
+    let name = || format!("cudnn_{what}_{}", dtype.torch_name());
+    crate::backend::cuda::graph::note_captured(name);
     if !active() {
         return Span::OFF;
     }
-    device_work(dev, &dev.stream, EventKind::Kernel, format!("cudnn_{what}_{}", dtype.torch_name()), 0)
+    device_work(dev, &dev.stream, EventKind::Kernel, name(), 0)
+}
+
+/// Hook: a CUDA graph replayed on the device's stream: one kernel event per kernel (library
+/// call) it holds, by the name it had when captured, without device times of their own (the
+/// replay is one launch).
+pub(crate) fn graph_replay(dev: &CudaDevice, kernels: &[String]) {
+    if !active() {
+        return;
+    }
+    for name in kernels {
+        let mut e = event(EventKind::Kernel, name.clone(), dev.kiln_device());
+        e.stream = Some(dev.stream.cu_stream() as u64);
+        drop(Span::open(e));
+    }
 }
 
 /// Hook: a copy of `bytes` queued on `stream`.

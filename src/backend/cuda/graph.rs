@@ -11,6 +11,17 @@ use std::sync::Arc;
 thread_local! {
     /// The device this thread is capturing a graph on.
     static CAPTURING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    /// The names of the kernels (library calls) captured so far, for the profiler's replays.
+    static CAPTURED: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Notes a kernel or library call while this thread captures a graph (the profiler hooks call
+/// this whether or not a profile is being taken).
+#[inline]
+pub(crate) fn note_captured(name: impl FnOnce() -> String) {
+    if capturing().is_some() {
+        CAPTURED.with(|c| c.borrow_mut().push(name()));
+    }
 }
 
 /// The device this thread is capturing a graph on, if any.
@@ -45,6 +56,8 @@ pub(crate) struct Graph {
     dev: Arc<CudaDevice>,
     /// Kernels launched while capturing.
     pub(crate) kernels: u64,
+    /// What the profiler shows for each replay: the captured kernels and library calls.
+    work: Vec<String>,
 }
 
 // SAFETY: the graph handles are used under the caller's lock, from any thread that binds the
@@ -65,9 +78,11 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let launches = super::launch_count();
     let cs = &dev.capture_stream;
     let begun = cs.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
+    CAPTURED.with(|c| c.borrow_mut().clear());
     CAPTURING.with(|c| c.set(Some(dev.ordinal)));
     let r = begun.and_then(|_| f());
     CAPTURING.with(|c| c.set(None));
+    let work = CAPTURED.with(|c| std::mem::take(&mut *c.borrow_mut()));
     let ended = cs.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = super::launch_count() - launches;
@@ -88,7 +103,7 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
         Err(e) => return fail(e),
     };
     match ended {
-        Ok(Some(graph)) => Ok((Graph { graph, blocks: pool.blocks, dev: dev.clone(), kernels }, value)),
+        Ok(Some(graph)) => Ok((Graph { graph, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
         Ok(None) => fail(Error::Compile("the captured CUDA graph is empty".into())),
         Err(e) => fail(dev.err("end capture", e)),
     }
@@ -171,6 +186,7 @@ impl Graph {
         unsafe { cudarc::driver::result::graph::launch(self.graph.cu_graph_exec(), self.dev.stream.cu_stream()) }
             .map_err(|e| self.dev.err("graph launch", e))?;
         super::count_launches(self.kernels);
+        crate::profiler::graph_replay(&self.dev, &self.work);
         Ok(())
     }
 }
