@@ -7,7 +7,8 @@ use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
-/// Kernels one call launches after warm-up, as the profiler counts them.
+/// Kernels one call launches after warm-up, as the profiler counts them (a library call is
+/// one; a CUDA graph replay counts the kernels and library calls it holds).
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
     cuda::synchronize(dev)?;
@@ -87,16 +88,6 @@ fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64() * 1e3 / 50.0)
 }
 
-/// Kernels one call launches (after warm-up) as the runtime counts them: a CUDA graph replay
-/// counts the kernels it holds, which the profiler does not see launched one by one.
-fn launched(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
-    f()?;
-    cuda::synchronize(dev)?;
-    let before = cuda::launch_count();
-    f()?;
-    Ok(cuda::launch_count() - before)
-}
-
 /// A step workload: eager, then each compiled variant (`compiled`, `reduce_overhead`, `max_autotune`) with its
 /// first-call time as compile time.
 fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut [(&'static str, Call)]) -> Result<Value> {
@@ -105,7 +96,7 @@ fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut 
         let compile_s = first_call(dev, c)?;
         row[format!("{name}_compile_s")] = json!(compile_s);
         row[format!("{name}_ms")] = json!(wall_ms(dev, c)?);
-        row[format!("{name}_kernels")] = json!(launched(dev, c)?);
+        row[format!("{name}_kernels")] = json!(kernels(dev, c)?);
         row[format!("peak_mib_{name}")] = json!(peak_mib(dev, c)?);
     }
     Ok(row)
