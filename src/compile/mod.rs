@@ -167,6 +167,16 @@ struct GuardKey {
     grad: bool,
 }
 
+/// What the guards keep of an argument's layout, handed to `f`: its shape and strides, or
+/// under `dynamic` only its rank and whether it is contiguous.
+fn guarded_layout<R>(t: &Tensor, dynamic: bool, f: impl FnOnce(&[usize], &[usize]) -> R) -> R {
+    if dynamic {
+        f(&[t.ndim()], &[t.is_contiguous() as usize])
+    } else {
+        f(t.shape(), t.strides())
+    }
+}
+
 impl GuardKey {
     /// Whether a call with `args` passes these guards: what `of` would build, compared in
     /// place (a call that hits the cache allocates no key).
@@ -175,8 +185,7 @@ impl GuardKey {
         self.grad == grad
             && self.args.len() == args.len()
             && self.args.iter().zip(args).all(|((shape, strides, dtype, device, rg), t)| {
-                let layout = if dynamic { shape.len() == 1 && shape[0] == t.ndim() && strides.len() == 1 && strides[0] == t.is_contiguous() as usize } else { shape.as_slice() == t.shape() && strides.as_slice() == t.strides() };
-                layout && *dtype == t.dtype() && *device == t.device() && *rg == (grad && t.is_requires_grad())
+                guarded_layout(t, dynamic, |s, st| shape.as_slice() == s && strides.as_slice() == st) && *dtype == t.dtype() && *device == t.device() && *rg == (grad && t.is_requires_grad())
             })
     }
 
@@ -186,7 +195,7 @@ impl GuardKey {
             args: args
                 .iter()
                 .map(|t| {
-                    let (shape, strides) = if dynamic { (vec![t.ndim()], vec![t.is_contiguous() as usize]) } else { (t.shape().to_vec(), t.strides().to_vec()) };
+                    let (shape, strides) = guarded_layout(t, dynamic, |s, st| (s.to_vec(), st.to_vec()));
                     (shape, strides, t.dtype(), t.device(), grad && t.is_requires_grad())
                 })
                 .collect(),

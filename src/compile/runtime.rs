@@ -24,13 +24,18 @@ fn random(kind: RandomKind, n: &Node) -> Result<Tensor> {
     }
 }
 
+/// Whether `a` and `b` are the same view of the same storage.
+fn same_view(a: &Tensor, b: &Tensor) -> bool {
+    a.shares_storage_with(b) && a.layout() == b.layout()
+}
+
 /// Writes the new values of captured tensors written in place into them (those a kernel
 /// already wrote in place only get their version bumped).
 fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
     for (k, v) in &g.mutations {
         let target = &inputs[g.n_args + k];
         let value = env[*v].as_ref().expect("computed");
-        if value.shares_storage_with(target) && value.layout() == target.layout() {
+        if same_view(value, target) {
             target.storage().bump_version();
             continue;
         }
@@ -238,10 +243,7 @@ impl Hoisted {
     fn current(&self, cache: &Option<HoistCache>, g: &Graph, inputs: &[Tensor]) -> bool {
         cache.as_ref().is_some_and(|c| {
             c.values.len() == self.kept.len()
-                && self.sources.iter().zip(&c.sources).all(|(&k, was)| {
-                    let now = &inputs[g.n_args + k];
-                    now.shares_storage_with(was) && now.layout() == was.layout()
-                })
+                && self.sources.iter().zip(&c.sources).all(|(&k, was)| same_view(&inputs[g.n_args + k], was))
                 && c.versions == self.versions(g, inputs)
         })
     }
@@ -347,7 +349,7 @@ impl Program {
                         Some(r) => {
                             let root = input_of(g, &g.nodes[r], inputs).expect("a captured tensor");
                             match &views[*i] {
-                                Some((was, v)) if was.shares_storage_with(&root) && was.layout() == root.layout() => v.clone(),
+                                Some((was, v)) if same_view(was, &root) => v.clone(),
                                 _ => {
                                     let v = run_node(g, *i, inputs, &env)?;
                                     views[*i] = v.shares_storage_with(&root).then(|| (root, v.clone()));
