@@ -96,6 +96,8 @@ fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut 
         let compile_s = first_call(dev, c)?;
         row[format!("{name}_compile_s")] = json!(compile_s);
         row[format!("{name}_ms")] = json!(wall_ms(dev, c)?);
+        // Beside the wall time per call: whether the host or the device sets the pace.
+        row[format!("{name}_host_us")] = json!(host_us(dev, &mut || c())?);
         row[format!("{name}_kernels")] = json!(kernels(dev, c)?);
         row[format!("peak_mib_{name}")] = json!(peak_mib(dev, c)?);
     }

@@ -327,6 +327,8 @@ impl Graphed {
                             ins.push(captured_copy(&dev, data_ptr(s)?, data_ptr(a)?, bytes_of(s))?.ok_or_else(unnamed)?);
                         }
                     }
+                    // The program's steps wait for the copies (their sources change at each replay).
+                    crate::backend::cuda::graph::end_step(crate::backend::cuda::graph::Footprint::barrier);
                     let souts = self.program.run(&sin)?;
                     let mut outs = vec![];
                     if with_io {

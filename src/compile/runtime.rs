@@ -5,6 +5,7 @@
 use super::fuse::{self, Schedule, Step};
 use crate::logging::Category;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
+use crate::backend::cuda::graph::Footprint;
 use crate::layout::Layout;
 use crate::{Result, Tensor};
 
@@ -402,6 +403,11 @@ impl Program {
             if hoisted && pass != Pass::Rehearsal {
                 self.keep(inputs, s, &mut env, &mut cache)?;
             }
+            if pass == Pass::Full {
+                // While a CUDA graph is captured: what this step touched, so that it waits at
+                // replay only for the steps it conflicts with.
+                crate::backend::cuda::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted));
+            }
             if hoisted_only {
                 continue;
             }
@@ -415,6 +421,9 @@ impl Program {
         }
         if pass != Pass::Rehearsal {
             write_back(g, inputs, &env)?;
+        }
+        if pass == Pass::Full {
+            crate::backend::cuda::graph::end_step(Footprint::barrier);
         }
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
     }
@@ -470,6 +479,17 @@ fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> R
     let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune)? else { return Ok(None) };
     let out = &g.nodes[gm.out()].shape;
     Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
+}
+
+/// What a step that just ran touched on the device: the storage of the values it read and
+/// wrote. Eager steps (whose ops may use scratch memory of their own) and hoisted steps (which
+/// also write the kept buffers) are barriers; library products are ordered among themselves.
+fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool) -> Footprint {
+    if hoisted || matches!(step, Step::Node(_)) {
+        return Footprint::barrier();
+    }
+    let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();
+    Footprint { reads: ranges(step_reads(g, s, step)), writes: ranges(step_outputs(s, step)), library: matches!(step, Step::Gemm(_)), barrier: false }
 }
 
 /// The values step `step` reads.

@@ -1,6 +1,12 @@
 //! CUDA graphs: the launches of one compiled call captured on the device's stream, then
 //! replayed with one driver call. Memory allocated during capture belongs to the graph (its
 //! kernels read and write those addresses at every replay) and is reused only inside it.
+//!
+//! Capture on one stream orders every launch after the one before. The program marks where
+//! each of its steps ends and what device memory it reads and writes (`end_step`); before the
+//! graph is instantiated, each step waits only for the earlier steps it conflicts with
+//! (`step_dependencies`), so independent steps — a gradient's bias sum beside the next
+//! product, the updates of different parameters — run side by side at each replay.
 
 use super::alloc::Block;
 use super::CudaDevice;
@@ -13,6 +19,133 @@ thread_local! {
     static CAPTURING: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     /// The names of the kernels (library calls) captured so far, for the profiler's replays.
     static CAPTURED: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The steps captured so far: the nodes each ended on, and what it touched.
+    static STEPS: std::cell::RefCell<Steps> = std::cell::RefCell::new(Steps::default());
+}
+
+/// The steps of the capture in progress.
+#[derive(Default)]
+struct Steps {
+    done: Vec<(Vec<usize>, Footprint)>,
+    /// Blocks handed out since the last step ended (its scratch memory among them).
+    allocated: Vec<(u64, u64)>,
+    /// Set when the driver did not say where a step ended: the graph keeps the captured order.
+    unknown: bool,
+}
+
+/// Notes a block handed out while this thread captures: the step being captured writes it.
+pub(crate) fn note_alloc(ptr: u64, bytes: usize) {
+    STEPS.with(|s| s.borrow_mut().allocated.push((ptr, ptr + bytes as u64)));
+}
+
+/// Inside `capture`: ends the step whose launches were captured since the last one ended;
+/// `footprint` (built only while capturing) says what it reads and writes.
+pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
+    let Some(ord) = capturing() else { return };
+    let Ok(dev) = super::device(ord) else { return };
+    let mut fp = footprint();
+    let ends = capture_ends(&dev);
+    STEPS.with(|s| {
+        let mut s = s.borrow_mut();
+        fp.writes.append(&mut s.allocated);
+        match ends {
+            Some(ends) => s.done.push((ends, fp)),
+            None => s.unknown = true,
+        }
+    });
+}
+
+/// The nodes the next captured launch would wait for (those the capture ended on so far).
+fn capture_ends(dev: &CudaDevice) -> Option<Vec<usize>> {
+    let stream = dev.work_stream().cu_stream();
+    let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let (mut id, mut graph) = (0u64, std::ptr::null_mut());
+    let (mut deps, mut edges, mut n): (*const ds::CUgraphNode, *const ds::CUgraphEdgeData, usize) = (std::ptr::null(), std::ptr::null(), 0);
+    // SAFETY: plain out-parameters; `deps` points at `n` nodes until the next capture call.
+    let st = unsafe { ds::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut deps, &mut edges, &mut n) };
+    if st != ds::CUresult::CUDA_SUCCESS || status != ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || (n > 0 && deps.is_null()) {
+        return None;
+    }
+    // SAFETY: `n` valid nodes, copied out at once.
+    Some((0..n).map(|i| unsafe { *deps.add(i) } as usize).collect())
+}
+
+/// The nodes `node` waits for.
+fn node_deps(node: ds::CUgraphNode) -> Option<Vec<ds::CUgraphNode>> {
+    let mut n = 0usize;
+    // SAFETY: a node of a live graph; first the count, then that many nodes.
+    unsafe {
+        if ds::cuGraphNodeGetDependencies_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) != ds::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let mut deps = vec![std::ptr::null_mut(); n];
+        if n > 0 && ds::cuGraphNodeGetDependencies_v2(node, deps.as_mut_ptr(), std::ptr::null_mut(), &mut n) != ds::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        deps.truncate(n);
+        Some(deps)
+    }
+}
+
+/// Replaces the captured order between steps by the waits `step_dependencies` finds: each
+/// step's first nodes wait for the last nodes of the steps it conflicts with. Returns (steps,
+/// steps on the longest chain).
+fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usize, usize)> {
+    // Steps that captured nothing (views, host work) have nothing to order.
+    let mut kept: Vec<(Vec<usize>, Footprint)> = vec![];
+    for (ends, fp) in steps {
+        let before = kept.last().map(|k| k.0.as_slice()).unwrap_or(&[]);
+        if ends != before {
+            kept.push((ends, fp));
+        }
+    }
+    let deps = step_dependencies(&kept.iter().map(|k| k.1.clone()).collect::<Vec<_>>());
+    let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
+    // Each node belongs to the first step that ends on it or on a node waiting for it.
+    let mut step_of: std::collections::HashMap<usize, usize> = Default::default();
+    let mut nodes_of: Vec<Vec<ds::CUgraphNode>> = vec![vec![]; kept.len()];
+    for (s, (ends, _)) in kept.iter().enumerate() {
+        let mut todo: Vec<ds::CUgraphNode> = ends.iter().map(|&n| n as ds::CUgraphNode).collect();
+        while let Some(n) = todo.pop() {
+            if step_of.contains_key(&(n as usize)) {
+                continue;
+            }
+            step_of.insert(n as usize, s);
+            nodes_of[s].push(n);
+            todo.extend(node_deps(n).ok_or_else(|| failed("a node's dependencies"))?);
+        }
+    }
+    for (s, nodes) in nodes_of.iter().enumerate() {
+        for &n in nodes {
+            let before: Vec<ds::CUgraphNode> = node_deps(n).ok_or_else(|| failed("a node's dependencies"))?.into_iter().filter(|d| step_of[&(*d as usize)] < s).collect();
+            let within = node_deps(n).map_or(0, |d| d.len()) - before.len();
+            if within > 0 {
+                continue;
+            }
+            // `n` starts step s: it waits for the ends of the steps s depends on instead.
+            let after: Vec<ds::CUgraphNode> = deps[s].iter().flat_map(|&t| kept[t].0.iter().map(|&e| e as ds::CUgraphNode)).collect();
+            let to_old = vec![n; before.len()];
+            let to_new = vec![n; after.len()];
+            // SAFETY: nodes of `graph`; the edges removed exist, the ones added join a node
+            // to nodes of earlier steps (no cycle).
+            unsafe {
+                if !before.is_empty() && ds::cuGraphRemoveDependencies_v2(graph, before.as_ptr(), to_old.as_ptr(), std::ptr::null(), before.len()) != ds::CUresult::CUDA_SUCCESS {
+                    return Err(failed("removing a dependency"));
+                }
+                if !after.is_empty() && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), std::ptr::null(), after.len()) != ds::CUresult::CUDA_SUCCESS {
+                    return Err(failed("adding a dependency"));
+                }
+            }
+        }
+    }
+    Ok((kept.len(), longest_chain(&deps)))
+}
+
+/// Whether captured graphs keep the captured order (`KILN_GRAPH_BRANCHES=0`, read once): to
+/// measure what side-by-side steps gain, or to rule them out.
+fn keep_captured_order() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_GRAPH_BRANCHES").is_ok_and(|v| v == "0"))
 }
 
 /// Notes a kernel or library call while this thread captures a graph (the profiler hooks call
@@ -51,7 +184,8 @@ impl CapturePool {
 
 /// A captured launch list, replayable on its device's stream.
 pub(crate) struct Graph {
-    graph: cudarc::driver::CudaGraph,
+    graph: ds::CUgraph,
+    exec: ds::CUgraphExec,
     blocks: Vec<Block>,
     dev: Arc<CudaDevice>,
     /// Kernels launched while capturing.
@@ -79,11 +213,15 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let cs = &dev.capture_stream;
     let begun = cs.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
     CAPTURED.with(|c| c.borrow_mut().clear());
+    STEPS.with(|s| *s.borrow_mut() = Steps::default());
     CAPTURING.with(|c| c.set(Some(dev.ordinal)));
     let r = begun.and_then(|_| f());
+    // Whatever was captured after the last step the program marked comes last.
+    end_step(Footprint::barrier);
     CAPTURING.with(|c| c.set(None));
     let work = CAPTURED.with(|c| std::mem::take(&mut *c.borrow_mut()));
-    let ended = cs.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    let ended = end_capture(dev, steps, r.is_ok());
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = super::launch_count() - launches;
     let fail = |e: Error| {
@@ -103,9 +241,39 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
         Err(e) => return fail(e),
     };
     match ended {
-        Ok(Some(graph)) => Ok((Graph { graph, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
-        Ok(None) => fail(Error::Compile("the captured CUDA graph is empty".into())),
-        Err(e) => fail(dev.err("end capture", e)),
+        Ok((graph, exec)) => Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
+        Err(e) => fail(e),
+    }
+}
+
+/// Ends the capture on `dev`'s capture stream, lets its steps run side by side where they do
+/// not conflict, and instantiates the graph (when the captured work itself succeeded).
+fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::CUgraph, ds::CUgraphExec)> {
+    dev.bind()?;
+    // SAFETY: the stream is capturing (or the error says why not).
+    let graph = unsafe { cudarc::driver::result::stream::end_capture(dev.capture_stream.cu_stream()) }.map_err(|e| dev.err("end capture", e))?;
+    if graph.is_null() {
+        return Err(Error::Compile("the captured CUDA graph is empty".into()));
+    }
+    let destroy = |e: Error| {
+        // SAFETY: the graph ended above, not instantiated.
+        unsafe { cudarc::driver::result::graph::destroy(graph) }.ok();
+        Err(e)
+    };
+    if !succeeded {
+        return destroy(Error::Compile("the captured work failed".into()));
+    }
+    if !steps.unknown && !keep_captured_order() {
+        match relax(graph, steps.done) {
+            Ok((n, chain)) => crate::logging::log(crate::logging::Category::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
+            Err(e) => return destroy(e),
+        }
+    }
+    let flags = ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
+    // SAFETY: a complete graph.
+    match unsafe { cudarc::driver::result::graph::instantiate(graph, flags) } {
+        Ok(exec) => Ok((graph, exec)),
+        Err(e) => destroy(dev.err("instantiate graph", e)),
     }
 }
 
@@ -172,7 +340,7 @@ impl Graph {
         };
         // SAFETY: the node belongs to the graph this executable was made from; both addresses
         // hold `bytes` on the graph's device and stay alive until the replay has run.
-        let st = unsafe { ds::cuGraphExecMemcpyNodeSetParams(self.graph.cu_graph_exec(), c.node, &p, self.dev.ctx.cu_ctx()) };
+        let st = unsafe { ds::cuGraphExecMemcpyNodeSetParams(self.exec, c.node, &p, self.dev.ctx.cu_ctx()) };
         if st != ds::CUresult::CUDA_SUCCESS {
             return Err(self.dev.err("graph copy update", st));
         }
@@ -183,7 +351,7 @@ impl Graph {
     pub(crate) fn replay(&self) -> Result<()> {
         self.dev.bind()?;
         // SAFETY: a live instantiated graph; its buffers belong to it or to tensors it keeps.
-        unsafe { cudarc::driver::result::graph::launch(self.graph.cu_graph_exec(), self.dev.stream.cu_stream()) }
+        unsafe { cudarc::driver::result::graph::launch(self.exec, self.dev.stream.cu_stream()) }
             .map_err(|e| self.dev.err("graph launch", e))?;
         super::count_launches(self.kernels);
         crate::profiler::graph_replay(&self.dev, &self.work);
@@ -196,6 +364,11 @@ impl Drop for Graph {
         // Its kernels may still run: wait, then give its memory back.
         let _ = self.dev.stream.synchronize();
         let _ = self.dev.capture_stream.synchronize();
+        // SAFETY: made by `end_capture`, destroyed once, after its last replay finished.
+        unsafe {
+            cudarc::driver::result::graph::exec_destroy(self.exec).ok();
+            cudarc::driver::result::graph::destroy(self.graph).ok();
+        }
         let mut owned = self.dev.graph_blocks.lock();
         for b in &self.blocks {
             owned.remove(&b.ptr);
@@ -204,5 +377,125 @@ impl Drop for Graph {
         for b in &self.blocks {
             self.dev.release(*b);
         }
+    }
+}
+
+/// What one step of a captured launch list touches on the device: byte ranges `[start, end)`
+/// it reads and writes.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Footprint {
+    pub(crate) reads: Vec<(u64, u64)>,
+    pub(crate) writes: Vec<(u64, u64)>,
+    /// A library call (cuBLAS, cuDNN): those share a workspace, so they stay in order.
+    pub(crate) library: bool,
+    /// Waits for every earlier step, and every later step waits for it: for work whose memory
+    /// is not known (an eager op, a copy with addresses set at each replay).
+    pub(crate) barrier: bool,
+}
+
+impl Footprint {
+    pub(crate) fn barrier() -> Footprint {
+        Footprint { barrier: true, ..Footprint::default() }
+    }
+
+    fn conflicts(&self, later: &Footprint) -> bool {
+        let overlap = |a: &[(u64, u64)], b: &[(u64, u64)]| a.iter().any(|x| b.iter().any(|y| x.0 < y.1 && y.0 < x.1));
+        self.barrier
+            || later.barrier
+            || (self.library && later.library)
+            || overlap(&self.writes, &later.reads)
+            || overlap(&self.writes, &later.writes)
+            || overlap(&self.reads, &later.writes)
+    }
+}
+
+/// Per step, the earlier steps it must wait for: those it conflicts with (one writes memory
+/// the other reads or writes), with every wait another one already implies left out.
+pub(crate) fn step_dependencies(steps: &[Footprint]) -> Vec<Vec<usize>> {
+    let words = steps.len().div_ceil(64);
+    // ancestors[s]: every step s waits for, directly or not.
+    let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(steps.len());
+    let mut deps = Vec::with_capacity(steps.len());
+    for (s, fp) in steps.iter().enumerate() {
+        let mut implied = vec![0u64; words];
+        let mut direct = vec![];
+        // Latest first: a step already implied by a chosen one needs no edge (nor a check), and
+        // the chosen ones never imply each other.
+        for t in (0..s).rev() {
+            if implied[t / 64] >> (t % 64) & 1 == 1 || !steps[t].conflicts(fp) {
+                continue;
+            }
+            direct.push(t);
+            implied[t / 64] |= 1 << (t % 64);
+            for (w, a) in implied.iter_mut().zip(&ancestors[t]) {
+                *w |= a;
+            }
+        }
+        direct.reverse();
+        ancestors.push(implied);
+        deps.push(direct);
+    }
+    deps
+}
+
+/// The number of steps on the longest chain of waits.
+pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
+    let mut depth = vec![0usize; deps.len()];
+    for (s, d) in deps.iter().enumerate() {
+        depth[s] = 1 + d.iter().map(|&t| depth[t]).max().unwrap_or(0);
+    }
+    depth.into_iter().max().unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{longest_chain, step_dependencies, Footprint};
+
+    fn fp(reads: &[u64], writes: &[u64]) -> Footprint {
+        // Each address stands for a 16-byte buffer.
+        let r = |a: &[u64]| a.iter().map(|&x| (x, x + 16)).collect();
+        Footprint { reads: r(reads), writes: r(writes), ..Footprint::default() }
+    }
+
+    #[test]
+    fn a_step_waits_for_what_wrote_its_inputs_and_for_readers_of_what_it_overwrites() {
+        let steps = [
+            fp(&[0], &[100]),   // 0: a -> b
+            fp(&[0], &[200]),   // 1: a -> c, independent of 0
+            fp(&[100], &[300]), // 2: b -> d, after 0
+            fp(&[], &[0]),      // 3: overwrites a, after its readers 0 and 1
+            fp(&[108], &[400]), // 4: reads inside b (a view), after 0
+        ];
+        assert_eq!(step_dependencies(&steps), vec![vec![], vec![], vec![0], vec![0, 1], vec![0]]);
+    }
+
+    #[test]
+    fn implied_waits_are_left_out() {
+        // 0 -> 1 -> 2, and 2 also reads what 0 wrote: its wait for 1 implies the one for 0.
+        let steps = [fp(&[], &[0]), fp(&[0], &[100]), fp(&[0, 100], &[200])];
+        let deps = step_dependencies(&steps);
+        assert_eq!(deps, vec![vec![], vec![0], vec![1]]);
+        assert_eq!(longest_chain(&deps), 3);
+    }
+
+    #[test]
+    fn barriers_and_library_calls_keep_their_order() {
+        let mut lib = fp(&[0], &[100]);
+        lib.library = true;
+        let mut lib2 = fp(&[0], &[200]);
+        lib2.library = true;
+        let steps = [Footprint::barrier(), lib, lib2, fp(&[0], &[300]), Footprint::barrier(), fp(&[0], &[500])];
+        let deps = step_dependencies(&steps);
+        assert_eq!(deps, vec![vec![], vec![0], vec![1], vec![0], vec![2, 3], vec![4]]);
+        assert_eq!(longest_chain(&deps), 5);
+    }
+
+    #[test]
+    fn independent_updates_of_parameters_run_side_by_side() {
+        // Four parameters, each updated in place from its own gradient.
+        let steps: Vec<Footprint> = (0..4).map(|p| fp(&[1000 + 100 * p], &[100 * p])).collect();
+        let deps = step_dependencies(&steps);
+        assert!(deps.iter().all(|d| d.is_empty()));
+        assert_eq!(longest_chain(&deps), 1);
     }
 }

@@ -31,6 +31,15 @@ pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
     }
 }
 
+/// The device bytes `[start, end)` of `t`'s storage (None off the GPU): what work reading or
+/// writing any view of it touches.
+pub(crate) fn storage_range(t: &Tensor) -> Option<(u64, u64)> {
+    match &*t.storage().data.read_recursive() {
+        BackendStorage::Cuda(s) => Some((s.ptr(), s.ptr() + (s.len * s.dtype.size_in_bytes()) as u64)),
+        _ => None,
+    }
+}
+
 /// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
 /// kernels launch), capped where the grid-stride loops take over.
 fn grid_for(work: usize) -> u32 {

@@ -218,16 +218,22 @@ impl CudaDevice {
         if graph::capturing() != Some(self.ordinal) {
             return self.alloc_block(bytes);
         }
-        if let Some(pool) = self.capture.lock().as_mut() {
-            if let Some(b) = pool.take(bytes) {
-                return Ok(b);
-            }
-            let b = self.alloc_block(bytes)?;
-            pool.blocks.push(b);
-            self.graph_blocks.lock().insert(b.ptr);
-            return Ok(b);
-        }
-        self.alloc_block(bytes)
+        // The step being captured writes whatever it is handed (so a later step given the
+        // same block waits for it).
+        let b = match self.capture.lock().as_mut() {
+            Some(pool) => match pool.take(bytes) {
+                Some(b) => b,
+                None => {
+                    let b = self.alloc_block(bytes)?;
+                    pool.blocks.push(b);
+                    self.graph_blocks.lock().insert(b.ptr);
+                    b
+                }
+            },
+            None => self.alloc_block(bytes)?,
+        };
+        graph::note_alloc(b.ptr, b.size);
+        Ok(b)
     }
 
     fn alloc_block(self: &Arc<Self>, bytes: usize) -> Result<Block> {
