@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables of one layernorm and one bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
-# branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
+# nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -79,19 +79,30 @@ if [[ " $* " == *" tfc "* ]]; then
   python3 -c "import json; d=json.load(open('$OUT/tf.json')); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_ms'))}) for k,v in d['workloads'].items()]"
 fi
 if [[ " $* " == *" tfprof "* ]]; then
-  KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln profile transformer.fwd.f32.10x32x512 --compiled --trace $OUT/tf-trace.json 2>&1 | head -40
+  for w in transformer.fwd.f32.10x32x512 transformer.fwd.bf16amp.10x32x512; do
+    KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln profile $w --compiled --trace $OUT/tf-trace.json 2>&1 | head -30
+  done
 fi
 if [[ " $* " == *" rowprof "* ]]; then
   for w in reduction.layernorm.f32.8192x8192 pointwise.bias_gelu.f32.8192x8192; do for c in "" --compiled; do
     timeout 100 .gpu/bin/kiln profile $w $c --trace /tmp/t.json 2>&1 | head -6
   done; done
 fi
+if [[ " $* " == *" nvrtc "* ]]; then
+  for w in pointwise.exp_sin reduction.layernorm pointwise.bias_gelu; do
+    KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 100 .gpu/bin/kiln bench --only $w --out /tmp/n.json 2> $OUT/kernels-$w.log > /dev/null
+    grep "compiled by NVRTC" $OUT/kernels-$w.log | cut -c1-200 | head -5
+  done
+  cat $OUT/kernels-*.log > /tmp/k.log && timeout 200 python3 tools/nvrtc/compile_time.py /tmp/k.log
+fi
 if [[ " $* " == *" branches "* ]]; then
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
   for w in mlp transformer; do for b in 1 0; do
-    KILN_GRAPH_BRANCHES=$b KILN_LOG=recompiles KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only $w --out $OUT/br$b-$w.json 2> $OUT/br$b-$w.log > /dev/null
+    KILN_GRAPH_BRANCHES=$b KILN_LOG=recompiles,graph KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only $w --out $OUT/br$b-$w.json 2> $OUT/br$b-$w.log > /dev/null
     echo "== $w branches=$b: $(grep -h 'longest chain' $OUT/br$b-$w.log | sed 's/.*CUDA graph: //' | sort | uniq -c | tr '\n' ';' | cut -c1-300)"
     python3 -c "import json; d=json.load(open('$OUT/br$b-$w.json')); [print(' ', k, {a:round(b,4) for a,b in v.items() if a.endswith(('_ms','_us'))}) for k,v in d['workloads'].items()]"
   done; done
+  # The steps of the bs32 training step's graph and what each waits for.
+  awk '/CUDA graph steps/{n++} n==3' $OUT/br1-mlp.log | grep -A30 "CUDA graph steps" | head -32
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi

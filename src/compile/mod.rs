@@ -328,7 +328,7 @@ impl Graphed {
                         }
                     }
                     // The program's steps wait for the copies (their sources change at each replay).
-                    crate::backend::cuda::graph::end_step(crate::backend::cuda::graph::Footprint::barrier);
+                    crate::backend::cuda::graph::end_step(|| crate::backend::cuda::graph::Footprint::barrier("arguments copied in"));
                     let souts = self.program.run(&sin)?;
                     let mut outs = vec![];
                     if with_io {

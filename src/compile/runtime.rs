@@ -423,7 +423,7 @@ impl Program {
             write_back(g, inputs, &env)?;
         }
         if pass == Pass::Full {
-            crate::backend::cuda::graph::end_step(Footprint::barrier);
+            crate::backend::cuda::graph::end_step(|| Footprint::barrier("write-back"));
         }
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
     }
@@ -482,14 +482,25 @@ fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> R
 }
 
 /// What a step that just ran touched on the device: the storage of the values it read and
-/// wrote. Eager steps (whose ops may use scratch memory of their own) and hoisted steps (which
-/// also write the kept buffers) are barriers; library products are ordered among themselves.
+/// wrote (memory it was handed meanwhile is added by the capture). Hoisted steps (which also
+/// write the kept buffers) and eager ops not known to touch only those (a library call, a
+/// random draw, an attention) are barriers; work using scratch memory shared across calls
+/// says so itself (`graph::note_shared_scratch`).
 fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool) -> Footprint {
-    if hoisted || matches!(step, Step::Node(_)) {
-        return Footprint::barrier();
+    let what = match step {
+        Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
+        Step::Kernel(k) => s.kernels[*k].name.clone(),
+        Step::Gemm(j) => format!("gemm %{}", s.gemms[*j].matmul),
+    };
+    let known = |op: &crate::ops::Op| {
+        use crate::ops::Op;
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_))
+    };
+    if hoisted || matches!(step, Step::Node(i) if !matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op))) {
+        return Footprint::barrier(what);
     }
     let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();
-    Footprint { reads: ranges(step_reads(g, s, step)), writes: ranges(step_outputs(s, step)), library: matches!(step, Step::Gemm(_)), barrier: false }
+    Footprint { reads: ranges(step_reads(g, s, step)), writes: ranges(step_outputs(s, step)), shared: false, barrier: false, what }
 }
 
 /// The values step `step` reads.

@@ -896,20 +896,22 @@ fn views_of_captured_tensors_follow_writes_between_calls() -> Result<()> {
 
 #[test]
 fn replayed_steps_keep_reads_before_in_place_writes_and_independent_work_intact() -> Result<()> {
-    // One call reads `p` twice (a product and a row sum), computes independent values, then
-    // updates `p` and `q` in place. In a replayed graph the steps that do not conflict run side
-    // by side: `p`'s update must still wait for both of its readers.
-    let x = randn(&[64, 32], 5);
+    // One call reads `p` twice (a product and a row sum), computes independent values (two
+    // column sums among them, which share the reductions' counters), then updates `p` and `q`
+    // in place. In a replayed graph the steps that do not conflict run side by side: `p`'s
+    // update must still wait for both of its readers.
+    let x = randn(&[256, 32], 5);
     let step = |x: &Tensor, p: &Tensor, q: &Tensor| -> Result<Vec<Tensor>> {
         let a = x.matmul(p)?.relu()?;
         let b = p.exp()?.sum(&[1], false)?;
         let c = x.sin()?.mul_scalar(3.0)?.add_scalar(1.0)?;
         let d = q.mul(q)?.sum(&[0], false)?;
+        let e = x.abs()?.sum(&[0], false)?;
         kiln::no_grad(|| p.add_scalar_(0.25))?;
         kiln::no_grad(|| q.mul_scalar_(0.5))?;
-        Ok(vec![a, b, c, d])
+        Ok(vec![a, b, c, d, e])
     };
-    let (pe, qe) = (randn(&[32, 48], 6).mul_scalar(0.2)?, randn(&[40, 16], 7));
+    let (pe, qe) = (randn(&[32, 48], 6).mul_scalar(0.2)?, randn(&[256, 16], 7));
     let (p, q) = (pe.copy_contiguous()?, qe.copy_contiguous()?);
     let (pc, qc) = (p.clone(), q.clone());
     let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |xs: &[Tensor]| step(&xs[0], &pc, &qc));

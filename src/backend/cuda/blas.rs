@@ -5,7 +5,8 @@
 //! max-autotune the fastest of its heuristic candidates timed on the device (autotune.rs).
 //! cuBLAS runs a product cuBLASLt has no algorithm for, and every product where libcublasLt is
 //! missing. Both libraries use one private workspace, so nothing allocates while a CUDA graph is
-//! captured.
+//! captured; captured calls that use it stay in order in the graph, the others may run beside
+//! each other.
 
 use super::{autotune, CudaDevice, CudaStorage};
 use crate::layout::Layout;
@@ -274,6 +275,12 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
             }
         };
         if let Some(algo) = algo {
+            // A captured call whose algorithm uses the shared workspace stays in order with the
+            // graph's other library calls; one without may run beside them.
+            // SAFETY: live handle and descriptors.
+            if super::graph::capturing().is_some() && unsafe { workspace_of(lt, &planned.descs, &algo) } != Some(0) {
+                super::graph::note_shared_scratch();
+            }
             // SAFETY: pointers and layouts describe live buffers of these shapes; the workspace
             // and the stream outlive the call.
             match unsafe { lt_run(lt, &planned.descs, &algo, &call) } {
@@ -289,6 +296,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         return Ok(None);
     }
     let handle = h.blas(dev)?;
+    super::graph::note_shared_scratch();
     // SAFETY: as above.
     unsafe { cublas_run(dev, handle, &p, &call)? };
     Ok(Some(out))
@@ -443,10 +451,19 @@ unsafe fn heuristics(lt: ls::cublasLtHandle_t, d: &Descs, want: usize) -> Vec<ls
 /// # Safety
 /// A live handle and descriptors.
 unsafe fn algo_ok(lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo) -> bool {
+    // SAFETY: the caller's contract.
+    unsafe { workspace_of(lt, d, algo) }.is_some_and(|w| w <= WORKSPACE)
+}
+
+/// The workspace bytes `algo` needs for this problem (None where cuBLASLt does not say).
+///
+/// # Safety
+/// A live handle and descriptors.
+unsafe fn workspace_of(lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo) -> Option<usize> {
     // SAFETY: a plain C struct written by the check.
     let mut r: ls::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
     let st = unsafe { ls::cublasLtMatmulAlgoCheck(lt, d.op, d.a, d.b, d.c, d.c, algo, &mut r) };
-    ok(st).is_ok() && r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= WORKSPACE
+    (ok(st).is_ok() && r.state == ls::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(r.workspaceSize)
 }
 
 /// cuBLASLt's id of an algorithm (for the log).

@@ -31,6 +31,17 @@ struct Steps {
     allocated: Vec<(u64, u64)>,
     /// Set when the driver did not say where a step ended: the graph keeps the captured order.
     unknown: bool,
+    /// Whether the step being captured uses shared scratch memory.
+    shared_scratch: bool,
+}
+
+/// Notes, while this thread captures, that the step being captured uses scratch memory shared
+/// across calls (a library's workspace, the column reductions' counters): such steps stay in
+/// order among themselves.
+pub(crate) fn note_shared_scratch() {
+    if capturing().is_some() {
+        STEPS.with(|s| s.borrow_mut().shared_scratch = true);
+    }
 }
 
 /// Notes a block handed out while this thread captures: the step being captured writes it.
@@ -48,6 +59,7 @@ pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
     STEPS.with(|s| {
         let mut s = s.borrow_mut();
         fp.writes.append(&mut s.allocated);
+        fp.shared |= std::mem::take(&mut s.shared_scratch);
         match ends {
             Some(ends) => s.done.push((ends, fp)),
             None => s.unknown = true,
@@ -100,6 +112,13 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
         }
     }
     let deps = step_dependencies(&kept.iter().map(|k| k.1.clone()).collect::<Vec<_>>());
+    crate::logging::log(crate::logging::Category::Graph, || {
+        let mut s = String::from("CUDA graph steps (<- the steps each one waits for):");
+        for (i, ((_, fp), d)) in kept.iter().zip(&deps).enumerate() {
+            s += &format!("\n  {i:3} {} <- {d:?}", fp.what);
+        }
+        s
+    });
     let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
     // Each node belongs to the first step that ends on it or on a node waiting for it.
     let mut step_of: std::collections::HashMap<usize, usize> = Default::default();
@@ -217,7 +236,7 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     CAPTURING.with(|c| c.set(Some(dev.ordinal)));
     let r = begun.and_then(|_| f());
     // Whatever was captured after the last step the program marked comes last.
-    end_step(Footprint::barrier);
+    end_step(|| Footprint::barrier("the call's end"));
     CAPTURING.with(|c| c.set(None));
     let work = CAPTURED.with(|c| std::mem::take(&mut *c.borrow_mut()));
     let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
@@ -386,23 +405,27 @@ impl Drop for Graph {
 pub(crate) struct Footprint {
     pub(crate) reads: Vec<(u64, u64)>,
     pub(crate) writes: Vec<(u64, u64)>,
-    /// A library call (cuBLAS, cuDNN): those share a workspace, so they stay in order.
-    pub(crate) library: bool,
+    /// Uses scratch memory shared across calls (cuBLAS's workspace, a cuBLASLt algorithm
+    /// that needs it, the column reductions' counters): such steps stay in order among
+    /// themselves.
+    pub(crate) shared: bool,
     /// Waits for every earlier step, and every later step waits for it: for work whose memory
     /// is not known (an eager op, a copy with addresses set at each replay).
     pub(crate) barrier: bool,
+    /// What the step is, for `KILN_LOG=graph`.
+    pub(crate) what: String,
 }
 
 impl Footprint {
-    pub(crate) fn barrier() -> Footprint {
-        Footprint { barrier: true, ..Footprint::default() }
+    pub(crate) fn barrier(what: impl Into<String>) -> Footprint {
+        Footprint { barrier: true, what: what.into(), ..Footprint::default() }
     }
 
     fn conflicts(&self, later: &Footprint) -> bool {
         let overlap = |a: &[(u64, u64)], b: &[(u64, u64)]| a.iter().any(|x| b.iter().any(|y| x.0 < y.1 && y.0 < x.1));
         self.barrier
             || later.barrier
-            || (self.library && later.library)
+            || (self.shared && later.shared)
             || overlap(&self.writes, &later.reads)
             || overlap(&self.writes, &later.writes)
             || overlap(&self.reads, &later.writes)
@@ -479,12 +502,12 @@ mod tests {
     }
 
     #[test]
-    fn barriers_and_library_calls_keep_their_order() {
+    fn barriers_and_users_of_shared_scratch_keep_their_order() {
         let mut lib = fp(&[0], &[100]);
-        lib.library = true;
+        lib.shared = true;
         let mut lib2 = fp(&[0], &[200]);
-        lib2.library = true;
-        let steps = [Footprint::barrier(), lib, lib2, fp(&[0], &[300]), Footprint::barrier(), fp(&[0], &[500])];
+        lib2.shared = true;
+        let steps = [Footprint::barrier("in"), lib, lib2, fp(&[0], &[300]), Footprint::barrier("out"), fp(&[0], &[500])];
         let deps = step_dependencies(&steps);
         assert_eq!(deps, vec![vec![], vec![0], vec![1], vec![0], vec![2, 3], vec![4]]);
         assert_eq!(longest_chain(&deps), 5);

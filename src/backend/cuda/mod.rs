@@ -265,8 +265,10 @@ impl CudaDevice {
         crate::profiler::memory(self.ordinal, -(block.size as i64), || a.stats().allocated);
     }
 
-    /// At least `n` zeroed u32 counters, kept for the device's lifetime.
+    /// At least `n` zeroed u32 counters, kept for the device's lifetime (shared by every
+    /// column reduction: a captured graph keeps those in order).
     pub(crate) fn reduce_counters(self: &Arc<Self>, n: usize) -> Result<u64> {
+        graph::note_shared_scratch();
         let mut c = self.counters.lock();
         if let Some((b, len)) = *c {
             if len >= n {
