@@ -8,15 +8,19 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables of one layernorm and one bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
-# nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 export PATH=/usr/local/cuda/bin:$PATH
 compile_s() { python3 -c "import json,sys; d=json.load(open('$1'))['workloads']; [print(' ', k, {a.replace('_compile_s',''):round(b,3) for a,b in v.items() if 'compile_s' in a}) for k,v in d.items()]"; }
+if [[ " $* " == *" load "* ]]; then
+  # What else the host is doing (a device call's first minute has shown slow NVRTC compiles).
+  uptime; top -bn1 | sed -n 7,16p
+fi
 if [[ " $* " == *" compile "* ]]; then
-  for pass in 1 2; do for w in pointwise reduction transformer.fwd.f32; do
+  for pass in 1 2; do for w in ${COMPILE_WORKLOADS:-pointwise reduction transformer.fwd.f32}; do
     KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln bench --only $w --out $OUT/c$pass-$w.json 2> $OUT/log-$pass-$w.txt >/dev/null
     echo "pass $pass $w: $(grep -c 'compiled by NVRTC' $OUT/log-$pass-$w.txt) NVRTC compiles, $(grep 'compiled by NVRTC' $OUT/log-$pass-$w.txt | awk '{s+=$(NF-5)} END {print s}') ms summed; rehearsals: $(grep 'rehearsal' $OUT/log-$pass-$w.txt | sed 's/.*rehearsal: //' | tr '\n' ';' | cut -c1-300)"
     compile_s $OUT/c$pass-$w.json
@@ -94,6 +98,16 @@ if [[ " $* " == *" nvrtc "* ]]; then
     grep "compiled by NVRTC" $OUT/kernels-$w.log | cut -c1-200 | head -5
   done
   cat $OUT/kernels-*.log > /tmp/k.log && timeout 200 python3 tools/nvrtc/compile_time.py /tmp/k.log
+fi
+if [[ " $* " == *" sweep "* ]]; then
+  for t in ${SWEEP_THREADS:-256 512 1024}; do for w in reduction.layernorm reduction.softmax; do
+    KILN_ROWS_THREADS=$t timeout 60 .gpu/bin/kiln bench --only $w --out /tmp/s.json > /dev/null 2>&1
+    echo "threads $t $w: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%) eager %.4f' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp, v['eager_ms']) for k,v in d['workloads'].items()))")"
+  done; done
+  for c in ${SWEEP_CHUNKS:-6 8 12 16 24}; do
+    KILN_COLS_CHUNKS=$c timeout 60 .gpu/bin/kiln bench --only reduction.sum_dim0 --out /tmp/s.json > /dev/null 2>&1
+    echo "chunks $c: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%)' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp) for k,v in d['workloads'].items()))")"
+  done
 fi
 if [[ " $* " == *" branches "* ]]; then
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
