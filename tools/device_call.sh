@@ -104,9 +104,9 @@ if [[ " $* " == *" sweep "* ]]; then
     KILN_ROWS_THREADS=$t timeout 60 .gpu/bin/kiln bench --only $w --out /tmp/s.json > /dev/null 2>&1
     echo "threads $t $w: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%) eager %.4f' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp, v['eager_ms']) for k,v in d['workloads'].items()))")"
   done; done
-  for tc in ${SWEEP_COLS:-32:8 256:66}; do
-    KILN_COLS_THREADS=${tc%:*} KILN_COLS_CHUNKS=${tc#*:} timeout 60 .gpu/bin/kiln bench --only reduction.sum_dim0 --out /tmp/s.json > /dev/null 2>&1
-    echo "column threads:chunks $tc: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%)' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp) for k,v in d['workloads'].items()))")"
+  for c in ${SWEEP_CHUNKS:-6 8 12 16 24}; do
+    KILN_COLS_CHUNKS=$c timeout 60 .gpu/bin/kiln bench --only reduction.sum_dim0 --out /tmp/s.json > /dev/null 2>&1
+    echo "chunks $c: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%)' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp) for k,v in d['workloads'].items()))")"
   done
 fi
 if [[ " $* " == *" branches "* ]]; then
