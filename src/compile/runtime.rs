@@ -483,9 +483,9 @@ fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> R
 
 /// What a step that just ran touched on the device: the storage of the values it read and
 /// wrote (memory it was handed meanwhile is added by the capture). Hoisted steps (which also
-/// write the kept buffers) and eager ops not known to touch only those (a library call, a
-/// random draw, an attention) are barriers; work using scratch memory shared across calls
-/// says so itself (`graph::note_shared_scratch`).
+/// write the kept buffers) and eager ops not known to touch only those (a convolution's cuDNN
+/// call, a random draw, a copy between devices, a custom op) are barriers; work using scratch
+/// memory shared across calls says so itself (`graph::note_shared_scratch`).
 fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool) -> Footprint {
     let what = match step {
         Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
@@ -494,7 +494,7 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     };
     let known = |op: &crate::ops::Op| {
         use crate::ops::Op;
-        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_))
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. })
     };
     if hoisted || matches!(step, Step::Node(i) if !matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op))) {
         return Footprint::barrier(what);
