@@ -65,6 +65,7 @@ for side in "kt":
         merged["workloads"].update(json.load(open(f))["workloads"])
     json.dump(merged, open(f"{out}/{'kiln' if side == 'k' else 'torch'}.json", "w"), indent=1)
 PY
+  rm -f $OUT/k-*.json $OUT/t-*.json  # (merged above; fewer files come back)
   python3 .gpu/bench/compare.py $OUT/torch.json $OUT/kiln.json | tee $OUT/compare.txt
   python3 -c "import json; d=json.load(open('$OUT/kiln.json')); cp=d['copy_GBps']; [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_us'))}, ('%.1f%% of copy' % (100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp)) if 'bytes' in v else '') for k,v in d['workloads'].items()]"
 fi
