@@ -33,6 +33,21 @@ if [[ " $* " == *" ncu "* ]]; then
     timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv -c 200 .gpu/bin/kiln bench --only $w --out $OUT/n.json 2>/dev/null | python3 tools/ncu_rows.py
   done
 fi
+if [[ " $* " == *" ncurows "* ]]; then
+  # Why a row kernel runs below the copy rate: occupancy, registers and warp stalls of the
+  # fused layer norm and softmax kernels.
+  m=gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,l1tex__t_sector_hit_rate.pct,smsp__inst_executed.sum
+  for w in reduction.layernorm reduction.softmax reduction.sum_dim0; do
+    timeout 150 ncu --clock-control none -k regex:"fused|layer_norm|softmax_f32|sum_f32" --metrics $m --csv -c 6 .gpu/bin/kiln bench --only $w --out /tmp/n.json 2>/dev/null | python3 -c "
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith('\"'))]
+h = rows[0]; ki, mi, vi = h.index('Kernel Name'), h.index('Metric Name'), h.index('Metric Value')
+d = collections.OrderedDict()
+for r in rows[1:]: d.setdefault(r[ki][:60], {})[r[mi].replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '')] = r[vi]
+for k, v in d.items(): print(k, v)
+"
+  done
+fi
 if [[ " $* " == *" host "* ]]; then
   for w in reduction pointwise; do
     KILN_COPY_FIT=1 timeout 150 .gpu/bin/kiln bench --only $w --out $OUT/h-$w.json | grep copy
@@ -105,7 +120,7 @@ if [[ " $* " == *" sweep "* ]]; then
     KILN_ROWS_THREADS=$t timeout 60 .gpu/bin/kiln bench --only $w --out /tmp/s.json > /dev/null 2>&1
     echo "threads $t $w: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%) eager %.4f' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp, v['eager_ms']) for k,v in d['workloads'].items()))")"
   done; done
-  for c in ${SWEEP_CHUNKS:-6 8 12 16 24}; do
+  for c in ${SWEEP_CHUNKS:-6 8 12}; do
     KILN_COLS_CHUNKS=$c timeout 60 .gpu/bin/kiln bench --only reduction.sum_dim0 --out /tmp/s.json > /dev/null 2>&1
     echo "chunks $c: $(python3 -c "import json; d=json.load(open('/tmp/s.json')); cp=d['copy_GBps']; print(' '.join('%s %.4f ms (%.1f%%)' % (k.split('.')[1], v['compiled_ms'], 100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp) for k,v in d['workloads'].items()))")"
   done
