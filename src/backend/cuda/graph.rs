@@ -136,9 +136,10 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
     }
     for (s, nodes) in nodes_of.iter().enumerate() {
         for &n in nodes {
-            let before: Vec<ds::CUgraphNode> = node_deps(n).ok_or_else(|| failed("a node's dependencies"))?.into_iter().filter(|d| step_of[&(*d as usize)] < s).collect();
-            let within = node_deps(n).map_or(0, |d| d.len()) - before.len();
-            if within > 0 {
+            let waits = node_deps(n).ok_or_else(|| failed("a node's dependencies"))?;
+            let before: Vec<ds::CUgraphNode> = waits.iter().copied().filter(|d| step_of.get(&(*d as usize)).is_some_and(|&t| t < s)).collect();
+            if before.len() < waits.len() {
+                // It waits for a node of its own step: not where the step starts.
                 continue;
             }
             // `n` starts step s: it waits for the ends of the steps s depends on instead.
