@@ -393,6 +393,44 @@ fn simplify_removes_identities_and_dead_code() -> Result<()> {
     Ok(())
 }
 
+/// A random case of the fuzzers: its generator and sizes.
+fn fuzz_case(case: usize) -> (impl FnMut(usize) -> usize, usize, usize) {
+    let mut rng = (case as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut next = move |n: usize| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n as u64) as usize
+    };
+    let (r, c) = (1 + next(40), 1 + next(70));
+    (next, r, c)
+}
+
+/// Op `op` (of `FUZZ_OPS`) of the fuzzers on the last value `a` and an earlier one `b`.
+fn fuzz_op(op: usize, a: &Tensor, b: &Tensor, w1: &Tensor, w2: &Tensor) -> Result<Tensor> {
+    match op {
+        0 => a + b,
+        1 => a * b,
+        2 => a.tanh(),
+        3 => a.sub(b)?.relu(),
+        4 => a.sum(&[-1], true)?.broadcast_to(a.shape())?.mul_scalar(0.1),
+        5 => F::softmax(a, -1),
+        6 => a.amax(&[-1], true)?.sub(a),
+        7 => a.sigmoid()?.mul(b),
+        8 => a.sum(&[0], true)?.broadcast_to(a.shape())?.mul_scalar(0.01),
+        9 => a.abs()?.add_scalar(1.0)?.log(),
+        10 => a.sin()?.mul(&a.cos()?),
+        11 => a.matmul(w1)?.add(&a.matmul(w2)?.tanh()?),
+        _ => a.reshape(&[-1])?.reshape(&[1, -1])?.reshape(a.shape().iter().map(|&d| d as i64).collect::<Vec<_>>().as_slice())?.add(b),
+    }
+}
+const FUZZ_OPS: usize = 13;
+
+/// Weights a fuzz case's function captures (scaled so that products stay of order one).
+fn fuzz_weights(case: usize, c: usize) -> Result<(Tensor, Tensor)> {
+    Ok((randn(&[c, c], case as u64 + 1000).mul_scalar(1.0 / c as f64)?, randn(&[c, c], case as u64 + 2000).mul_scalar(1.0 / c as f64)?))
+}
+
 /// Random graphs of pointwise ops, broadcasts, row and column reductions, a sine and cosine of
 /// one value, products of one value by two weights (merged into one product) and reshape
 /// chains: compiled equals eager.
@@ -400,38 +438,13 @@ fn simplify_removes_identities_and_dead_code() -> Result<()> {
 fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
     let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
     for case in 0..cases {
-        let mut rng = (case as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut next = move |n: usize| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n as u64) as usize
-        };
-        let (r, c) = (1 + next(40), 1 + next(70));
-        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(13)).collect();
-        // Weights the function captures (scaled so that products stay of order one).
-        let w1 = randn(&[c, c], case as u64 + 1000).mul_scalar(1.0 / c as f64)?;
-        let w2 = randn(&[c, c], case as u64 + 2000).mul_scalar(1.0 / c as f64)?;
+        let (mut next, r, c) = fuzz_case(case);
+        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(FUZZ_OPS)).collect();
+        let (w1, w2) = fuzz_weights(case, c)?;
         let program = move |x: &Tensor, y: &Tensor| -> Result<Tensor> {
             let mut vals = vec![x.clone(), y.clone()];
             for (k, &op) in ops.iter().enumerate() {
-                let a = vals[vals.len() - 1].clone();
-                let b = vals[(k * 7) % vals.len()].clone();
-                let v = match op {
-                    0 => (&a + &b)?,
-                    1 => (&a * &b)?,
-                    2 => a.tanh()?,
-                    3 => a.sub(&b)?.relu()?,
-                    4 => a.sum(&[-1], true)?.broadcast_to(a.shape())?.mul_scalar(0.1)?,
-                    5 => F::softmax(&a, -1)?,
-                    6 => a.amax(&[-1], true)?.sub(&a)?,
-                    7 => a.sigmoid()?.mul(&b)?,
-                    8 => a.sum(&[0], true)?.broadcast_to(a.shape())?.mul_scalar(0.01)?,
-                    9 => a.abs()?.add_scalar(1.0)?.log()?,
-                    10 => a.sin()?.mul(&a.cos()?)?,
-                    11 => a.matmul(&w1)?.add(&a.matmul(&w2)?.tanh()?)?,
-                    _ => a.reshape(&[-1])?.reshape(&[1, -1])?.reshape(a.shape().iter().map(|&d| d as i64).collect::<Vec<_>>().as_slice())?.add(&b)?,
-                };
+                let v = fuzz_op(op, &vals[vals.len() - 1], &vals[(k * 7) % vals.len()], &w1, &w2)?;
                 vals.push(v);
             }
             vals.last().unwrap().add(&vals[1])
@@ -443,6 +456,57 @@ fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
         let got = f.call(&x, &y)?;
         assert_close(&vals(&got), &vals(&eager), 1e-4, 1e-5);
     }
+    Ok(())
+}
+
+/// The fuzzer's random graphs, with a captured state that some steps read and others update in
+/// place, as several outputs, called repeatedly: compiled equals eager, by default and replayed
+/// as a CUDA graph (whose steps run side by side where they touch different memory: every
+/// read of the state must still see the writes before it and none after it).
+#[test]
+fn fuzz_random_graphs_with_state_replayed_equal_eager() -> Result<()> {
+    let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40) / 2;
+    let mut updating = 0;
+    for case in 0..cases {
+        let (mut next, r, c) = fuzz_case(case + 7919);
+        // Beyond the shared ops: FUZZ_OPS reads the state, FUZZ_OPS + 1 updates it in place.
+        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(FUZZ_OPS + 2)).collect();
+        updating += ops.contains(&(FUZZ_OPS + 1)) as usize;
+        let (w1, w2) = fuzz_weights(case, c)?;
+        let program = move |x: &Tensor, y: &Tensor, state: &Tensor| -> Result<Vec<Tensor>> {
+            let mut vals = vec![x.clone(), y.clone()];
+            for (k, &op) in ops.iter().enumerate() {
+                let (a, b) = (&vals[vals.len() - 1], &vals[(k * 7) % vals.len()]);
+                let v = match op {
+                    o if o == FUZZ_OPS => a.mul(state)?,
+                    o if o == FUZZ_OPS + 1 => {
+                        kiln::no_grad(|| state.add_(&b.mul_scalar(0.5)?))?;
+                        a.tanh()?
+                    }
+                    o => fuzz_op(o, a, b, &w1, &w2)?,
+                };
+                vals.push(v);
+            }
+            Ok(vec![vals.last().unwrap().add(&vals[1])?, vals[vals.len() / 2 + 1].clone()])
+        };
+        let x = randn(&[r, c], case as u64 * 2);
+        let y = randn(&[r, c], case as u64 * 2 + 1);
+        for mode in [Mode::Default, Mode::ReduceOverhead] {
+            let (eager_state, state) = (randn(&[r, c], case as u64 + 3000), randn(&[r, c], case as u64 + 3000));
+            let captured = state.clone();
+            let p = program.clone();
+            let f = compile_with(CompileOptions::new().mode(mode), move |xs: &[Tensor]| p(&xs[0], &xs[1], &captured));
+            for _ in 0..3 {
+                let want = program(&x, &y, &eager_state)?;
+                let got = f.call(&[x.clone(), y.clone()])?;
+                for (g, w) in got.iter().zip(&want) {
+                    assert_close(&vals(g), &vals(w), 1e-4, 1e-5);
+                }
+                assert_close(&vals(&state), &vals(&eager_state), 1e-5, 1e-6);
+            }
+        }
+    }
+    assert!(updating * 4 >= cases, "only {updating} of {cases} cases update the state");
     Ok(())
 }
 
