@@ -98,6 +98,9 @@ pub(crate) struct FusedKernel {
     pub ops: Vec<KOp>,
     /// (op index, graph node it produces)
     pub outputs: Vec<(usize, NodeId)>,
+    /// Per output: one element computed beside a larger flat space (an optimiser's step count
+    /// next to a parameter's update), stored once rather than at every element.
+    pub single: Vec<bool>,
     /// What is derived from the kernel once and reused at every launch.
     pub memo: KernelMemo,
 }
@@ -697,7 +700,8 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     // The iteration shape: a member with the group's element count (one-element members, like
     // constants, are the same at every element).
     let shape = grp.members.iter().rev().map(|&m| &g.nodes[m]).find(|n| n.numel() == grp.numel).map(|n| n.shape.clone()).unwrap_or_else(|| vec![grp.numel]);
-    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs, memo: KernelMemo::default() }
+    let single = outputs.iter().map(|&(_, m)| matches!(space, Space::Flat { numel } if numel > 1) && g.nodes[m].numel() == 1).collect();
+    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs, single, memo: KernelMemo::default() }
 }
 
 #[cfg(test)]

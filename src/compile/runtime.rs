@@ -632,5 +632,16 @@ mod tests {
         let in_place = super::plan_in_place(&g, &s);
         assert!(!in_place.contains_key(&counted), "{in_place:?}");
         assert_eq!(in_place.len(), 1, "the vector is still written in place: {in_place:?}");
+        // The count is stored once (one element), the vector at every element.
+        let single: Vec<bool> = kernel.outputs.iter().map(|(_, n)| *n == counted).collect();
+        assert_eq!(kernel.single, single);
+        // On the CPU too: the count comes out as one element, equal to its eager value.
+        let mut cpu = kernel.clone();
+        cpu.device = Device::Cpu;
+        let ins: Vec<Tensor> = cpu.inputs.iter().map(|i| if g.nodes[i.node].numel() == 1 { Tensor::full(&[], 2.0, DType::F32, &Device::Cpu).unwrap() } else { Tensor::randn(&g.nodes[i.node].shape, DType::F32, &Device::Cpu).unwrap() }).collect();
+        let outs = crate::backend::cpu::fused::run(&cpu, &cpu.shape, &ins).unwrap();
+        let m = single.iter().position(|&s| s).unwrap();
+        assert_eq!(outs[m].numel(), 1);
+        assert_eq!(outs[m].to_vec::<f32>().unwrap(), vec![3.0]);
     }
 }

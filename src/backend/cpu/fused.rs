@@ -93,7 +93,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result
         Space::Rows { rows, cols } => (rows, cols),
     };
     // Output m holds `len(m)` values; every block writes its own range of each, in place.
-    let len = |m: usize| if k.ops[k.outputs[m].0].row { rows } else { rows * cols };
+    let len = |m: usize| if k.single[m] { 1 } else if k.ops[k.outputs[m].0].row { rows } else { rows * cols };
     let mut bufs: Vec<Val> = (0..k.outputs.len()).map(|m| Val::zeros(CType::of(k.ops[k.outputs[m].0].dtype), len(m))).collect();
     let targets: Vec<Target> = bufs.iter_mut().map(Target::of).collect();
     let store = |m: usize, at: usize, v: &Val| targets[m].write(at, v);
@@ -101,7 +101,12 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result
         Space::Flat { numel } => (0..numel.div_ceil(CHUNK)).into_par_iter().for_each(|b| {
             let start = b * CHUNK;
             for (m, v) in eval_chunk(k, inputs, start, (start + CHUNK).min(numel), 0).iter().enumerate() {
-                store(m, start, v);
+                // A one-element output is stored once, by the first chunk.
+                match k.single[m] {
+                    true if start == 0 => store(m, 0, v),
+                    true => {}
+                    false => store(m, start, v),
+                }
             }
         }),
         Space::Rows { rows, cols } => {
@@ -120,6 +125,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result
         let op = &k.ops[k.outputs[m].0];
         let storage = with_val!(buf, v => CpuStorage::from_vec_as(v, op.dtype));
         let s: Vec<usize> = match k.space {
+            Space::Flat { .. } if k.single[m] => vec![1],
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
         };
@@ -175,13 +181,18 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         let v = eval(op, &args, len);
         vals.push(v);
     }
-    // A full output whose value is one element (a broadcast row value, a constant) is spread.
+    // A full output whose value is one element (a broadcast row value, a constant) is spread,
+    // unless the output itself is one element.
     k.outputs
         .iter()
-        .map(|(o, _)| {
+        .zip(&k.single)
+        .map(|((o, _), &single)| {
             let v = &vals[*o];
             let len = with_val!(v, x => x.len());
-            if !k.ops[*o].row && len == 1 && n > 1 {
+            if single {
+                // (Ops compute over the chunk whatever their operands' lengths.)
+                with_val!(v, x => Val::from_vec(vec![x[0]], v.ctype()))
+            } else if !k.ops[*o].row && len == 1 && n > 1 {
                 with_val!(v, x => Val::from_vec(vec![x[0]; n], v.ctype()))
             } else {
                 v.clone()

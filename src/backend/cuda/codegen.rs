@@ -163,8 +163,9 @@ pub(crate) const PARAM_BASE: usize = 56;
 pub(crate) struct MapSpec {
     pub name: String,
     pub inputs: Vec<(DType, CType, Class)>,
-    /// Per output: its dtype, the type of its expression, the expression.
-    pub outs: Vec<(DType, CType, String)>,
+    /// Per output: its dtype, the type of its expression, the expression, and whether only
+    /// element 0 stores it (one value for every element, into a one-element buffer).
+    pub outs: Vec<(DType, CType, String, bool)>,
     /// Contig for fresh outputs; Strided only for a single output written in place.
     pub out_class: Class,
     pub body: String,
@@ -237,7 +238,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let walks = |cls: Class| cls != Class::Scalar;
     let _ = writeln!(c, "typedef {idx} IDX;\n#define P(k) (a.w[{PARAM_BASE} + (k)])");
     if s.vec > 1 {
-        for (m, (d, _, _)) in s.outs.iter().enumerate() {
+        for (m, (d, ..)) in s.outs.iter().enumerate() {
             let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
         }
         for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
@@ -248,7 +249,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     }
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__(256) {name}(const KArgs a) {{");
     let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];");
-    for (m, (d, _, _)) in s.outs.iter().enumerate() {
+    for (m, (d, ..)) in s.outs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", s.ptr_word(m), t = storage_type(*d));
     }
     for (k, (d, _, _)) in s.inputs.iter().enumerate() {
@@ -296,7 +297,8 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         }
         c.push_str(&s.body);
     };
-    let results: Vec<String> = s.outs.iter().map(|(d, t, e)| store(*d, *t, e)).collect();
+    let results: Vec<String> = s.outs.iter().map(|(d, t, e, _)| store(*d, *t, e)).collect();
+    let once = |m: usize| s.outs[m].3;
     if s.vec > 1 {
         // Strided operands qualify only with unit inner stride and vector-aligned runs (checked
         // at launch), so one offset computation serves a whole vector.
@@ -307,16 +309,20 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
                 let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + {});", at(k, "base"));
             }
         }
-        for m in 0..nout {
+        for m in (0..nout).filter(|&m| !once(m)) {
             let _ = writeln!(c, "    VO{m} r{m};");
         }
         let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
         body(&mut c, &|k| if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
         for (m, r) in results.iter().enumerate() {
-            let _ = writeln!(c, "    r{m}.v[j] = {r};");
+            match once(m) {
+                true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
+                false => writeln!(c, "    r{m}.v[j] = {r};"),
+            }
+            .expect("writing to a String");
         }
         let _ = writeln!(c, "    }}");
-        for m in 0..nout {
+        for m in (0..nout).filter(|&m| !once(m)) {
             let _ = writeln!(c, "    *(VO{m}*)(out{m} + {}) = r{m};", out_at("base"));
         }
         let _ = writeln!(c, "  }}\n  const IDX start = nv * {};", s.vec);
@@ -327,7 +333,11 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     offsets(&mut c, "i");
     body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
     for (m, r) in results.iter().enumerate() {
-        let _ = writeln!(c, "    out{m}[{}] = {r};", out_at("i"));
+        match once(m) {
+            true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
+            false => writeln!(c, "    out{m}[{}] = {r};", out_at("i")),
+        }
+        .expect("writing to a String");
     }
     let _ = writeln!(c, "  }}\n}}");
     c

@@ -180,13 +180,14 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
             // Only a tensor of exactly the kernel's elements: the kernel writes each of them.
-            Some(t) if t.numel() == numel => t,
+            Some(t) if t.numel() == numel && !k.single[m] => t,
+            _ if k.single[m] => Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, k.ops[*o].dtype, 1)?), &[1]),
             _ => Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, k.ops[*o].dtype, numel)?), shape),
         });
     }
     let mut specs = Vec::with_capacity(outs.len());
-    for ((o, _), t) in k.outputs.iter().zip(&outs) {
-        specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone() });
+    for (m, ((o, _), t)) in k.outputs.iter().zip(&outs).enumerate() {
+        specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone(), once: k.single[m] });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
     map_launch(dev, name, &ins, specs, &Layout::contiguous(shape), body.clone(), params)?;

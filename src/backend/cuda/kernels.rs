@@ -105,6 +105,9 @@ pub(crate) struct MapOut {
     pub dtype: DType,
     pub result: CType,
     pub expr: String,
+    /// One value for every element (it reads only one-element operands): only element 0
+    /// stores it, into a one-element buffer.
+    pub once: bool,
 }
 
 /// Runs a map kernel over `inputs` (each already of the iteration shape `out_layout.shape`):
@@ -153,7 +156,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let spec = MapSpec {
         name: name.to_string(),
         inputs: inputs.iter().zip(&classes[nout..]).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
-        outs: outs.into_iter().map(|o| (o.dtype, o.result, o.expr)).collect(),
+        outs: outs.into_iter().map(|o| (o.dtype, o.result, o.expr, o.once)).collect(),
         out_class,
         body,
         ndim: if strided { cshape.len() } else { 0 },
@@ -193,7 +196,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
 /// One eager op's map kernel: `expr` into the buffer at `out_ptr`, laid out by `out_layout`.
 #[allow(clippy::too_many_arguments)]
 fn map_into(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], out_ptr: u64, out_dtype: DType, out_layout: &Layout, result: CType, expr: String, params: &[u64]) -> Result<()> {
-    map_launch(dev, name, inputs, vec![MapOut { ptr: out_ptr, dtype: out_dtype, result, expr }], out_layout, String::new(), params)
+    map_launch(dev, name, inputs, vec![MapOut { ptr: out_ptr, dtype: out_dtype, result, expr, once: false }], out_layout, String::new(), params)
 }
 
 /// `map_into` a fresh contiguous buffer.
