@@ -17,7 +17,8 @@
 //! While `profile` runs its closure, the calling thread records every kernel launch (name,
 //! grid, block, stream; device time from CUDA events around it, read with one synchronisation
 //! at the end), cuBLAS call, host↔device copy, memset, synchronisation (with its call site) and
-//! device allocation (with the bytes in use after it). On the CPU, each primitive op that runs
+//! device allocation (with the bytes in use after it). A replayed CUDA graph shows the kernels
+//! it holds by name and the replay itself (`cuda_graph_replay`), timed as a whole. On the CPU, each primitive op that runs
 //! a CPU kernel is recorded as a kernel named after the op, its device time being its host time.
 //! Views (reshape, permute, expand, slice) are no kernels. Other threads are not recorded.
 //! When nothing is profiled, each hook costs one relaxed atomic load.
@@ -91,6 +92,9 @@ pub struct Event {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EventKind {
     Kernel,
+    /// A CUDA graph replayed: one launch, timed on the device as a whole (the kernels it holds
+    /// are `Kernel` events without device times of their own).
+    Graph,
     Copy(CopyKind),
     Memset,
     Sync,
@@ -102,6 +106,7 @@ impl EventKind {
     pub fn name(self) -> &'static str {
         match self {
             EventKind::Kernel => "kernel",
+            EventKind::Graph => "graph",
             EventKind::Copy(_) => "copy",
             EventKind::Memset => "memset",
             EventKind::Sync => "sync",

@@ -213,18 +213,20 @@ pub(crate) fn cudnn(dev: &CudaDevice, what: &str, dtype: DType) -> Span {
     device_work(dev, &dev.stream, EventKind::Kernel, name(), 0)
 }
 
-/// Hook: a CUDA graph replayed on the device's stream: one kernel event per kernel (library
-/// call) it holds, by the name it had when captured, without device times of their own (the
-/// replay is one launch).
-pub(crate) fn graph_replay(dev: &CudaDevice, kernels: &[String]) {
+/// Hook: a CUDA graph about to be replayed on the device's stream: one kernel event per kernel
+/// (library call) it holds, by the name it had when captured, without device times of their
+/// own, and the replay itself (`cuda_graph_replay`), timed on the device around its launch.
+#[inline]
+pub(crate) fn graph_replay(dev: &CudaDevice, kernels: &[String]) -> Span {
     if !active() {
-        return;
+        return Span::OFF;
     }
     for name in kernels {
         let mut e = event(EventKind::Kernel, name.clone(), dev.kiln_device());
         e.stream = Some(dev.stream.cu_stream() as u64);
         drop(Span::open(e));
     }
+    device_work(dev, &dev.stream, EventKind::Graph, "cuda_graph_replay".to_string(), 0)
 }
 
 /// Hook: a copy of `bytes` queued on `stream`.

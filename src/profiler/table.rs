@@ -40,7 +40,7 @@ pub struct KeyAverages {
 impl KeyAverages {
     pub(super) fn new(events: &[Event]) -> KeyAverages {
         let mut rows: Vec<KernelStats> = Vec::new();
-        for e in events.iter().filter(|e| matches!(e.kind, EventKind::Kernel | EventKind::Copy(_) | EventKind::Memset)) {
+        for e in events.iter().filter(|e| matches!(e.kind, EventKind::Kernel | EventKind::Graph | EventKind::Copy(_) | EventKind::Memset)) {
             let i = match rows.iter().position(|r| r.name == e.name) {
                 Some(i) => i,
                 None => {

@@ -774,6 +774,11 @@ fn replays_stay_intact(mode: Mode) -> Result<()> {
         assert!(copies.is_empty(), "{copies:?}");
         let names = prof.kernel_names();
         assert!(names.len() == 1 && names[0].starts_with("fused_exp_mul"), "{names:?}");
+        // The replay itself is timed on the device.
+        let replays: Vec<&kiln::profiler::Event> = prof.events().iter().filter(|e| e.kind == kiln::profiler::EventKind::Graph).collect();
+        assert_eq!(replays.len(), 1, "{:?}", prof.events());
+        assert!(replays[0].device_us.is_some_and(|us| us > 0.0), "{:?}", replays[0]);
+        assert!(prof.key_averages().get("cuda_graph_replay").is_some_and(|r| r.calls == 1));
     }
     assert_close(&vals(&ya), &vals(&a.exp()?.mul_scalar(2.0)?), 1e-6, 1e-6);
     assert_close(&vals(&ya2), &vals(&ya), 0.0, 0.0);

@@ -370,11 +370,11 @@ impl Graph {
     /// Runs the graph on the device's stream, in order with the work around it.
     pub(crate) fn replay(&self) -> Result<()> {
         self.dev.bind()?;
+        let _rec = crate::profiler::graph_replay(&self.dev, &self.work);
         // SAFETY: a live instantiated graph; its buffers belong to it or to tensors it keeps.
         unsafe { cudarc::driver::result::graph::launch(self.exec, self.dev.stream.cu_stream()) }
             .map_err(|e| self.dev.err("graph launch", e))?;
         super::count_launches(self.kernels);
-        crate::profiler::graph_replay(&self.dev, &self.work);
         Ok(())
     }
 }
