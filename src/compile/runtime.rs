@@ -482,10 +482,11 @@ fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> R
 }
 
 /// What a step that just ran touched on the device: the storage of the values it read and
-/// wrote (memory it was handed meanwhile is added by the capture). Hoisted steps (which also
-/// write the kept buffers) and eager ops not known to touch only those (a convolution's cuDNN
-/// call, a random draw, a copy between devices, a custom op) are barriers; work using scratch
-/// memory shared across calls says so itself (`graph::note_shared_scratch`).
+/// wrote (memory it was handed meanwhile is added by the capture: a cuDNN call's workspace
+/// comes from the allocator). Hoisted steps (which also write the kept buffers) and eager ops
+/// not known to touch only those (a random draw, a copy between devices, a custom op) are
+/// barriers; work using scratch memory shared across calls says so itself
+/// (`graph::note_shared_scratch`).
 fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool) -> Footprint {
     let what = match step {
         Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
@@ -494,9 +495,9 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     };
     let known = |op: &crate::ops::Op| {
         use crate::ops::Op;
-        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. })
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
     };
-    if hoisted || matches!(step, Step::Node(i) if !matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op))) {
+    if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || matches!(g.nodes[*i].op, NodeOp::Full(_)))) {
         return Footprint::barrier(what);
     }
     let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();
