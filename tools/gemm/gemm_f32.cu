@@ -26,6 +26,55 @@
 #define LA (BM * BK / (NT * VWA))
 #define LB (BK * BN / (NT * VWB))
 
+// Where load `i` of a thread reads in a tile of TILE positions along M or N (`mn`) by BK along
+// K, VW floats along the operand's contiguous dim: along M/N when MNC, else along K.
+template <int TILE, int VW, int MNC>
+__device__ __forceinline__ void tile_pos(int i, int& mn, int& k) {
+  if (MNC) {
+    k = i / (TILE / VW);
+    mn = (i % (TILE / VW)) * VW;
+  } else {
+    mn = i / (BK / VW);
+    k = (i % (BK / VW)) * VW;
+  }
+}
+
+// Global -> registers: one operand's tile of the K step at k0, L loads of VW floats per thread,
+// zeros outside the matrix (`lim` positions along M/N, K up to `kend`). Element (mn, k) is at
+// P[k * ld + mn] when MNC (contiguous along M/N), else at P[mn * ld + k].
+template <int TILE, int L, int VW, int MNC>
+__device__ __forceinline__ void load_tile(const float* __restrict__ P, long long ld, int mn0, int lim, int k0, int kend, int tid, float* r) {
+#pragma unroll
+  for (int l = 0; l < L; l++) {
+    int mn, k;
+    tile_pos<TILE, VW, MNC>(tid + l * NT, mn, k);
+    int gmn = mn0 + mn, gk = k0 + k;
+    bool in = gk < kend && gmn < lim;
+    const float* at = MNC ? P + gk * ld + gmn : P + gmn * ld + gk;
+    if (VW == 4) {
+      float4 v = in ? *(const float4*)at : make_float4(0.f, 0.f, 0.f, 0.f);
+      r[4 * l] = v.x; r[4 * l + 1] = v.y; r[4 * l + 2] = v.z; r[4 * l + 3] = v.w;
+    } else {
+      r[l] = in ? *at : 0.f;
+    }
+  }
+}
+
+// Registers -> shared memory: the tile stored [k][mn].
+template <int TILE, int L, int VW, int MNC>
+__device__ __forceinline__ void store_tile(float (*S)[TILE + 4], int tid, const float* r) {
+#pragma unroll
+  for (int l = 0; l < L; l++) {
+    int mn, k;
+    tile_pos<TILE, VW, MNC>(tid + l * NT, mn, k);
+#pragma unroll
+    for (int j = 0; j < VW; j++) {
+      if (MNC) S[k][mn + j] = r[VW * l + j];
+      else S[k + j][mn] = r[VW * l + j];
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT) KNAME(const KArgs a) {
   const float* __restrict__ A = (const float*)a.w[0];
   const float* __restrict__ B = (const float*)a.w[1];
@@ -48,87 +97,15 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(const KArgs a) {
   __shared__ __align__(16) float Bs[2][BK][BN + 4];
   float ra[LA * VWA], rb[LB * VWB];
 
-  // Global -> registers: the A and B tiles of the K step at k0 (zeros outside the matrices).
+  // Global -> registers: the A and B tiles of the K step at k0; registers -> shared memory
+  // buffer `s`. A is contiguous along M when TA, B along N unless TB.
   auto load = [&](int k0) {
-#pragma unroll
-    for (int l = 0; l < LA; l++) {
-      int i = tid + l * NT;
-#if TA
-      int k = i / (BM / VWA), m = (i % (BM / VWA)) * VWA;
-#else
-      int m = i / (BK / VWA), k = (i % (BK / VWA)) * VWA;
-#endif
-      int gm = m0 + m, gk = k0 + k;
-#if VA
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#if TA
-      if (gk < kend && gm < M) v = *(const float4*)(A + gk * lda + gm);
-#else
-      if (gk < kend && gm < M) v = *(const float4*)(A + gm * lda + gk);
-#endif
-      ra[4 * l] = v.x; ra[4 * l + 1] = v.y; ra[4 * l + 2] = v.z; ra[4 * l + 3] = v.w;
-#else
-#if TA
-      ra[l] = (gk < kend && gm < M) ? A[gk * lda + gm] : 0.f;
-#else
-      ra[l] = (gk < kend && gm < M) ? A[gm * lda + gk] : 0.f;
-#endif
-#endif
-    }
-#pragma unroll
-    for (int l = 0; l < LB; l++) {
-      int i = tid + l * NT;
-#if TB
-      int n = i / (BK / VWB), k = (i % (BK / VWB)) * VWB;
-#else
-      int k = i / (BN / VWB), n = (i % (BN / VWB)) * VWB;
-#endif
-      int gn = n0 + n, gk = k0 + k;
-#if VB
-      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#if TB
-      if (gk < kend && gn < N) v = *(const float4*)(B + gn * ldb + gk);
-#else
-      if (gk < kend && gn < N) v = *(const float4*)(B + gk * ldb + gn);
-#endif
-      rb[4 * l] = v.x; rb[4 * l + 1] = v.y; rb[4 * l + 2] = v.z; rb[4 * l + 3] = v.w;
-#else
-#if TB
-      rb[l] = (gk < kend && gn < N) ? B[gn * ldb + gk] : 0.f;
-#else
-      rb[l] = (gk < kend && gn < N) ? B[gk * ldb + gn] : 0.f;
-#endif
-#endif
-    }
+    load_tile<BM, LA, VWA, TA>(A, lda, m0, M, k0, kend, tid, ra);
+    load_tile<BN, LB, VWB, !TB>(B, ldb, n0, N, k0, kend, tid, rb);
   };
-  // Registers -> shared memory buffer `s`, stored [k][m] and [k][n].
   auto store = [&](int s) {
-#pragma unroll
-    for (int l = 0; l < LA; l++) {
-      int i = tid + l * NT;
-#if TA
-      int k = i / (BM / VWA), m = (i % (BM / VWA)) * VWA;
-#pragma unroll
-      for (int j = 0; j < VWA; j++) As[s][k][m + j] = ra[VWA * l + j];
-#else
-      int m = i / (BK / VWA), k = (i % (BK / VWA)) * VWA;
-#pragma unroll
-      for (int j = 0; j < VWA; j++) As[s][k + j][m] = ra[VWA * l + j];
-#endif
-    }
-#pragma unroll
-    for (int l = 0; l < LB; l++) {
-      int i = tid + l * NT;
-#if TB
-      int n = i / (BK / VWB), k = (i % (BK / VWB)) * VWB;
-#pragma unroll
-      for (int j = 0; j < VWB; j++) Bs[s][k + j][n] = rb[VWB * l + j];
-#else
-      int k = i / (BN / VWB), n = (i % (BN / VWB)) * VWB;
-#pragma unroll
-      for (int j = 0; j < VWB; j++) Bs[s][k][n + j] = rb[VWB * l + j];
-#endif
-    }
+    store_tile<BM, LA, VWA, TA>(As[s], tid, ra);
+    store_tile<BN, LB, VWB, !TB>(Bs[s], tid, rb);
   };
 
   float acc[TM][TN];
