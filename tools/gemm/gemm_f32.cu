@@ -150,8 +150,8 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(const KArgs a) {
 #define ROW(i) (m0 + ((i) / 4) * (BM / (TM / 4)) + ty * 4 + ((i) % 4))
 #define COL(j) (n0 + ((j) / 4) * (BN / (TN / 4)) + tx * 4 + ((j) % 4))
   const long long plane = (long long)M * N;
-  if (splits > 1) {
-    float* part = ws + ((long long)bz * splits + sp) * plane;
+  // Calls f(offset in a plane of C, column, value) for each of this thread's outputs inside C.
+  auto each_output = [&](auto f) {
 #pragma unroll
     for (int i = 0; i < TM; i++) {
       int r = ROW(i);
@@ -159,9 +159,13 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(const KArgs a) {
 #pragma unroll
       for (int j = 0; j < TN; j++) {
         int c = COL(j);
-        if (c < N) part[(long long)r * N + c] = acc[i][j];
+        if (c < N) f((long long)r * N + c, c, acc[i][j]);
       }
     }
+  };
+  if (splits > 1) {
+    float* part = ws + ((long long)bz * splits + sp) * plane;
+    each_output([&](long long at, int, float v) { part[at] = v; });
     __shared__ int last;
     __threadfence();
     __syncthreads();
@@ -186,22 +190,14 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(const KArgs a) {
     if (tid == 0) *ctr = 0u;
   }
   float* out = C + bz * plane;
-#pragma unroll
-  for (int i = 0; i < TM; i++) {
-    int r = ROW(i);
-    if (r >= M) continue;
-#pragma unroll
-    for (int j = 0; j < TN; j++) {
-      int c = COL(j);
-      if (c >= N) continue;
-      float v = acc[i][j];
+  each_output([&](long long at, int c, float v) {
+    (void)c;
 #if EPI >= 1
-      v += bias[c];
+    v += bias[c];
 #endif
 #if EPI == 2
-      v = fmaxf(v, 0.f);
+    v = fmaxf(v, 0.f);
 #endif
-      out[(long long)r * N + c] = v;
-    }
-  }
+    out[at] = v;
+  });
 }
