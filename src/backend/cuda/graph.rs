@@ -315,16 +315,11 @@ pub(crate) fn captured_copy(dev: &CudaDevice, dst: u64, src: u64, bytes: usize) 
     let stream = dev.work_stream().cu_stream();
     // SAFETY: both ranges hold `bytes` on this device; the stream is capturing (nothing runs).
     unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| dev.err("copy", e))?;
-    let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    let (mut id, mut graph) = (0u64, std::ptr::null_mut());
-    let (mut deps, mut edges, mut n): (*const ds::CUgraphNode, *const ds::CUgraphEdgeData, usize) = (std::ptr::null(), std::ptr::null(), 0);
-    // SAFETY: plain out-parameters; `deps` points at `n` nodes until the next capture call.
-    let st = unsafe { ds::cuStreamGetCaptureInfo_v3(stream, &mut status, &mut id, &mut graph, &mut deps, &mut edges, &mut n) };
-    if st != ds::CUresult::CUDA_SUCCESS || status != ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE || n != 1 || deps.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: checked above: one node.
-    Ok(Some(CopyNode { node: unsafe { *deps }, bytes }))
+    // The copy is the node the capture now ends on.
+    Ok(match capture_ends(dev).as_deref() {
+        Some(&[node]) => Some(CopyNode { node: node as ds::CUgraphNode, bytes }),
+        _ => None,
+    })
 }
 
 impl Graph {
