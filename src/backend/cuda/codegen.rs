@@ -634,23 +634,24 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 "#;
 
 /// The name of a `gen_rows` kernel, which says everything its source depends on.
-pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, weight: bool, bias: bool) -> String {
-    format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}", kind.name(), short(dtype), if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
+pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
+    format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}{}", kind.name(), short(dtype), if full { "_full" } else { "" }, if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
 }
 
 /// One block of `threads` threads per row of a contiguous [M, K] input, the row held in
 /// registers (`vpt` values per thread, loaded `vec` at a time): softmax, log_softmax or
 /// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
-/// as PyTorch's kernels keep them.
-pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, weight: bool, bias: bool) -> (String, String) {
+/// as PyTorch's kernels keep them. `full`: the threads' values cover the row exactly.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
     use crate::nn::functional::RowKind;
-    let name = rows_name(kind, dtype, threads, vpt, vec, weight, bias);
+    let name = rows_name(kind, dtype, threads, vpt, vec, full, weight, bias);
     let t = storage_type(dtype);
     let ld = |e: &str| load(dtype, CType::F32, e);
     let st = |e: &str| store(dtype, CType::F32, e);
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}\nstruct __align__({}) VX {{ {t} v[VEC]; }};", vec * dtype.size_in_bytes());
-    c.push_str(ROW_INDEX);
+    c.push_str(&row_index(full));
     let (sum, max) = (block_name(ReduceOp::Sum, CType::F32), block_name(ReduceOp::Max, CType::F32));
     c.push_str(&block_reduce(ReduceOp::Sum, CType::F32));
     if kind != RowKind::LayerNorm {
@@ -662,15 +663,15 @@ pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threa
         RowKind::Softmax | RowKind::LogSoftmax => (
             format!(
                 r#"    float lm = -__int_as_float(0x7f800000);
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) lm = {kmax}(lm, v[j]);
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) lm = {kmax}(lm, v[j]);
     const float m = {max}(lm);
     float ls = 0.0f;
 "#
             ) + &if kind == RowKind::Softmax {
                 // softmax keeps exp(v - m) in the registers: one exp per element.
-                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) {{ v[j] = expf(v[j] - m); ls += v[j]; }}\n    const float inv = 1.0f / {sum}(ls);\n")
+                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) {{ v[j] = expf(v[j] - m); ls += v[j]; }}\n    const float inv = 1.0f / {sum}(ls);\n")
             } else {
-                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += expf(v[j] - m);\n    const float lse = logf({sum}(ls));\n")
+                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) ls += expf(v[j] - m);\n    const float lse = logf({sum}(ls));\n")
             },
             if kind == RowKind::Softmax { "v[j] * inv".to_string() } else { "v[j] - m - lse".to_string() },
         ),
@@ -685,10 +686,10 @@ pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threa
             (
                 format!(
                     r#"    float ls = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) ls += v[j];
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) ls += v[j];
     const float mean = {sum}(ls) / (float)K;
     float lq = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (KIDX(j) < K) {{ const float d = v[j] - mean; lq += d * d; }}
+    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) {{ const float d = v[j] - mean; lq += d * d; }}
     const float rstd = rsqrtf({sum}(lq) / (float)K + eps);
 "#
                 ),
@@ -710,12 +711,12 @@ pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threa
     float v[VPT];
     _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
       const int k0 = KIDX(g * VEC);
-      if (k0 < K) {{ const VX q = *(const VX*)(xr + k0); _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = {lq}; }}
+      if (INROW(k0)) {{ const VX q = *(const VX*)(xr + k0); _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = {lq}; }}
       else {{ _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = 0.0f; }}
     }}
 {stats}    _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
       const int k0 = KIDX(g * VEC);
-      if (k0 < K) {{
+      if (INROW(k0)) {{
 {wb}        VX o;
         _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const int j = g * VEC + e; o.v[e] = {so}; }}
         *(VX*)(yr + k0) = o;
@@ -727,8 +728,19 @@ pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threa
 }
 
 /// Row kernels: element j of a thread's registers sits at column KIDX(j) of its row (vectors
-/// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines).
-pub(crate) const ROW_INDEX: &str = "#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))\n";
+/// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines), and
+/// INROW(k) says whether column k is in the row. Where the threads' values cover the row
+/// exactly (`full`) it is always true, and the checks compile away: 2-3% faster on the H200
+/// over 8192 x 8192 (layer norm 137.1 -> 133.9 us back to back, `tools/stream`).
+pub(crate) fn row_index(full: bool) -> String {
+    let inrow = if full { "true" } else { "((k) < K)" };
+    format!("#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))\n#define INROW(k) {inrow}\n")
+}
+
+/// Whether `threads` threads of `vpt` values each cover a row of `k` exactly.
+pub(crate) fn row_full(k: usize, threads: usize, vpt: usize) -> bool {
+    threads * vpt == k
+}
 
 #[cfg(test)]
 mod tests {
@@ -741,6 +753,19 @@ mod tests {
         let hi = ((n as u64 * magic as u64) >> 32) as u32;
         let q = (hi + n) >> shift;
         (q, n - q * d)
+    }
+
+    #[test]
+    fn rows_covered_exactly_have_no_column_checks() {
+        use super::{gen_rows, row_full};
+        use crate::nn::functional::RowKind;
+        use crate::DType;
+        let (_, exact) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, true, true, true);
+        let (_, partial) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, false, true, true);
+        assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"));
+        // Every column test goes through INROW.
+        assert!(!exact.contains("< K)") && !partial.replace("((k) < K)", "").contains("< K)"), "{partial}");
+        assert!(row_full(8192, 512, 16) && !row_full(1000, 64, 16));
     }
 
     #[test]

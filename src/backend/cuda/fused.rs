@@ -3,7 +3,7 @@
 //! kernel is emitted here: one block per row, the row's values in registers, block reductions
 //! by warp shuffles, every intermediate computed once and never stored.
 
-use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, CType, PRELUDE, ROW_INDEX};
+use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, CType, PRELUDE, row_full, row_index};
 use super::kernels::{data_ptr, map_launch, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
 use super::{autotune, device, CudaStorage, KArgs, KernelKey};
 use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
@@ -199,8 +199,9 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
 #[derive(Default)]
 pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<(RowShape, super::Kernel)>>);
 
-/// (threads, values per thread, vector width, bit j set when input j loads vectors).
-type RowShape = (usize, usize, usize, u64);
+/// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
+/// the threads' values cover the row exactly).
+type RowShape = (usize, usize, usize, u64, bool);
 
 impl Clone for RowLaunches {
     fn clone(&self) -> Self {
@@ -328,12 +329,13 @@ impl RowPlan {
 }
 
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
-/// time; `vector[j]` says whether full input j is read with vector loads.
-fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool]) -> String {
+/// time; `vector[j]` says whether full input j is read with vector loads; `full`: the threads'
+/// values cover the row exactly (no column checks).
+fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], full: bool) -> String {
     let plan = RowPlan::new(k);
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
-    c.push_str(ROW_INDEX);
+    c.push_str(&row_index(full));
     let mut helpers = vec![];
     for op in &k.ops {
         if let KKind::Reduce(r) = op.kind {
@@ -429,10 +431,10 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);");
         if vector[j] {
             let v = load(inp.dtype, t, "q.v[e]");
-            let _ = writeln!(c, "      if (k0 < K) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
+            let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         } else {
             let v = load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"));
-            let _ = writeln!(c, "      if (k0 < K) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
+            let _ = writeln!(c, "      if (INROW(k0)) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         }
         let _ = writeln!(c, "      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = ({})0; }}\n    }}", t.name());
     }
@@ -441,7 +443,7 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
     let mut pass = |c: &mut String, p: &Pass, each: &str, stores: &str, prologue: &str| {
-        let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (k0 < K) {{{prologue}");
+        let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if vector[j] && !plan.in_array[j] {
                 let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(r{j} + k0);");
@@ -566,18 +568,19 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
     // the inputs, so timing candidates changes nothing.
     let launch = |threads: usize| -> Result<()> {
         let vpt = row_vpt(cols, threads, vec);
-        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))));
+        let full = row_full(cols, threads, vpt);
+        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
         let cached = k.memo.row_launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
         let kern = match cached {
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = format!("{}_r{threads}x{vpt}x{vec}_{}", k.code_name(signature), vk());
+                let name = format!("{}_r{threads}x{vpt}x{vec}{}_{}", k.code_name(signature), if full { "_full" } else { "" }, vk());
                 // Keyed by what determines the source (the signature: ops and input dtypes; the
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let src = gen_rows(k, &name, threads, vpt, vec, &vector);
+                    let src = gen_rows(k, &name, threads, vpt, vec, &vector, full);
                     (name.clone(), src)
                 })?;
                 if !super::rehearsal::active() {
@@ -702,7 +705,7 @@ mod tests {
         let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
         let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
         let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
-        let src = gen_rows(&k, "softmax_rows", threads, vpt, 4, &[true]);
+        let src = gen_rows(&k, "softmax_rows", threads, vpt, 4, &[true], true);
         assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
@@ -717,7 +720,7 @@ mod tests {
         let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
         assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
         assert_eq!(plan.in_array, vec![true]);
-        let src = gen_rows(&ks[0], "k", 32, 2, 1, &[false]);
+        let src = gen_rows(&ks[0], "k", 32, 2, 1, &[false], true);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
     }
 

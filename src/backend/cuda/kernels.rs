@@ -659,8 +659,9 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
     let (threads, vpt) = row_shape(k, vec);
     // The source is generated only the first time (the name says all it depends on).
-    let name = codegen::rows_name(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some());
-    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, w.is_some(), b.is_some()))?;
+    let full = codegen::row_full(k, threads, vpt);
+    let name = codegen::rows_name(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some());
+    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some()))?;
     let mut a = KArgs::default();
     a.w[0] = ptrs[0].unwrap_or(0);
     a.w[1] = out.ptr();

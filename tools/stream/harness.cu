@@ -1,0 +1,200 @@
+// Layer norm and column-sum kernels over 8192 x 8192 f32, timed as the bench times a row (one
+// launch between two events, median of 30, same input every call) and back to back (20
+// launches), beside cudaMemcpy of the same bytes:  nvcc -O3 -arch=sm_90 harness.cu -o h && ./h
+//   ln_regs:   one block of 512 threads per row, the row loaded into registers (as generated today)
+//   ln_bulk:   persistent blocks; each row is fetched into shared memory by the copy engine
+//              (cp.async.bulk), STAGES rows ahead, while the threads normalise the current row
+//   cs_tile:   column sums, 32 x 8 threads over 128 columns, rows split into C chunks (today)
+//   cs_wide:   column sums, TPB threads over 4 * TPB adjacent columns, rows split into C chunks
+#include <cuda_runtime.h>
+#include <cstdio>
+#include <vector>
+#include <algorithm>
+#include <cmath>
+
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float red[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <int VPT>
+__global__ void __launch_bounds__(512) ln_regs(const float* x, float* y, const float* w, const float* b, long long M, int K, float eps) {
+  for (long long row = blockIdx.x; row < M; row += gridDim.x) {
+    const float* xr = x + row * K; float* yr = y + row * K;
+    float v[VPT];
+#pragma unroll
+    for (int g = 0; g < VPT / 4; g++) { float4 q = *(const float4*)(xr + (g * blockDim.x + threadIdx.x) * 4); v[4*g] = q.x; v[4*g+1] = q.y; v[4*g+2] = q.z; v[4*g+3] = q.w; }
+    float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
+    const float mean = block_sum(ls) / K;
+    float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
+    const float rstd = rsqrtf(block_sum(lq) / K + eps);
+#pragma unroll
+    for (int g = 0; g < VPT / 4; g++) {
+      const int k0 = (g * blockDim.x + threadIdx.x) * 4;
+      float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
+      o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
+      o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
+      *(float4*)(yr + k0) = o;
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(smem_addr(bar)), "r"(n) : "memory"); }
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  unsigned ok = 0;
+  while (!ok) asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }" : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+
+template <int VPT, int STAGES>
+__global__ void ln_bulk(const float* x, float* y, const float* w, const float* b, long long M, int K, float eps) {
+  extern __shared__ __align__(128) float buf[];
+  __shared__ __align__(8) unsigned long long bar[STAGES];
+  const unsigned bytes = K * 4;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) mbar_init(&bar[s], 1);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    for (int s = 0; s < STAGES; s++) { long long r = blockIdx.x + (long long)s * gridDim.x; if (r < M) bulk_load(buf + s * K, x + r * K, bytes, &bar[s]); }
+  }
+  __syncthreads();
+  int it = 0;
+  for (long long row = blockIdx.x; row < M; row += gridDim.x, it++) {
+    const int s = it % STAGES; const unsigned parity = (it / STAGES) & 1;
+    mbar_wait(&bar[s], parity);
+    float v[VPT];
+    const float* xs = buf + s * K;
+#pragma unroll
+    for (int g = 0; g < VPT / 4; g++) { float4 q = *(const float4*)(xs + (g * blockDim.x + threadIdx.x) * 4); v[4*g] = q.x; v[4*g+1] = q.y; v[4*g+2] = q.z; v[4*g+3] = q.w; }
+    __syncthreads();  // every thread has its values: the stage may be refilled
+    if (threadIdx.x == 0) {
+      const long long next = row + (long long)STAGES * gridDim.x;
+      if (next < M) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); bulk_load(buf + s * K, x + next * K, bytes, &bar[s]); }
+    }
+    float* yr = y + row * K;
+    float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
+    const float mean = block_sum(ls) / K;
+    float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
+    const float rstd = rsqrtf(block_sum(lq) / K + eps);
+#pragma unroll
+    for (int g = 0; g < VPT / 4; g++) {
+      const int k0 = (g * blockDim.x + threadIdx.x) * 4;
+      float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
+      o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
+      o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
+      *(float4*)(yr + k0) = o;
+    }
+  }
+}
+
+// Column sums with partials per chunk, the last block of a column group folding them.
+template <int UNROLL>
+__global__ void cs_tile(const float* x, float* out, float* part, unsigned* count, int M, int K) {
+  __shared__ float sa[8][128];
+  const int C = gridDim.y, ch = blockIdx.y;
+  const int c0 = (blockIdx.x * 32 + threadIdx.x) * 4;
+  const int lo = (long long)K * ch / C, hi = (long long)K * (ch + 1) / C;
+  float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll UNROLL
+  for (int k = lo + threadIdx.y; k < hi; k += 8) { float4 q = *(const float4*)(x + (long long)k * M + c0); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
+  sa[threadIdx.y][threadIdx.x * 4] = acc.x; sa[threadIdx.y][threadIdx.x * 4 + 1] = acc.y; sa[threadIdx.y][threadIdx.x * 4 + 2] = acc.z; sa[threadIdx.y][threadIdx.x * 4 + 3] = acc.w;
+  __syncthreads();
+  const int l = threadIdx.y * 32 + threadIdx.x; const int col = blockIdx.x * 128 + l;
+  const bool mine = l < 128;
+  float r = 0; if (mine) for (int yy = 0; yy < 8; yy++) r += sa[yy][l];
+  if (mine) part[ch * M + col] = r;
+  __threadfence(); __syncthreads();
+  __shared__ bool last;
+  if (l == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  if (mine) { r = ((volatile float*)part)[col]; for (int c = 1; c < C; c++) r += ((volatile float*)part)[c * M + col]; out[col] = r; }
+  if (l == 0) count[blockIdx.x] = 0;
+}
+
+template <int UNROLL>
+__global__ void cs_wide(const float* x, float* out, float* part, unsigned* count, int M, int K) {
+  const int C = gridDim.y, ch = blockIdx.y;
+  const int col = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  const int lo = (long long)K * ch / C, hi = (long long)K * (ch + 1) / C;
+  float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll UNROLL
+  for (int k = lo; k < hi; k++) { float4 q = *(const float4*)(x + (long long)k * M + col); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
+  *(float4*)(part + (long long)ch * M + col) = acc;
+  __threadfence(); __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  acc = make_float4(0, 0, 0, 0);
+  for (int c = 0; c < C; c++) { const volatile float* p = part + (long long)c * M + col; acc.x += p[0]; acc.y += p[1]; acc.z += p[2]; acc.w += p[3]; }
+  *(float4*)(out + col) = acc;
+  if (threadIdx.x == 0) count[blockIdx.x] = 0;
+}
+
+template <class F> void timeit(const char* what, double bytes, F launch, double* keep = nullptr) {
+  cudaEvent_t s, e; cudaEventCreate(&s); cudaEventCreate(&e);
+  std::vector<float> ts;
+  for (int i = 0; i < 5; i++) launch();
+  for (int i = 0; i < 30; i++) { cudaDeviceSynchronize(); cudaEventRecord(s); launch(); cudaEventRecord(e); cudaEventSynchronize(e); float ms; cudaEventElapsedTime(&ms, s, e); ts.push_back(ms); }
+  std::sort(ts.begin(), ts.end());
+  cudaEventRecord(s); for (int i = 0; i < 20; i++) launch(); cudaEventRecord(e); cudaEventSynchronize(e);
+  float b2b; cudaEventElapsedTime(&b2b, s, e); b2b /= 20;
+  cudaError_t err = cudaGetLastError();
+  printf("%-34s one call %7.2f us %6.0f GB/s | back to back %7.2f us %6.0f GB/s %s\n", what, ts[15] * 1e3, bytes / (ts[15] * 1e-3) / 1e9, b2b * 1e3, bytes / (b2b * 1e-3) / 1e9, err ? cudaGetErrorString(err) : "");
+  if (keep) *keep = ts[15];
+}
+
+int main() {
+  const int R = 8192, K = 8192; const size_t n = (size_t)R * K;
+  float *x, *y, *y2, *w, *b, *big, *big2, *out, *out2, *part; unsigned* cnt;
+  cudaMalloc(&x, n * 4); cudaMalloc(&y, n * 4); cudaMalloc(&y2, n * 4); cudaMalloc(&w, K * 4); cudaMalloc(&b, K * 4);
+  cudaMalloc(&big, 100000000 * 4); cudaMalloc(&big2, 100000000 * 4);
+  cudaMalloc(&out, K * 4); cudaMalloc(&out2, K * 4); cudaMalloc(&part, 256 * K * 4); cudaMalloc(&cnt, 4096 * 4); cudaMemset(cnt, 0, 4096 * 4);
+  std::vector<float> h(n); unsigned s = 1; for (auto& v : h) { s = s * 1664525u + 1013904223u; v = (s >> 8) * (1.0f / 16777216.0f) * 4 - 2; }
+  cudaMemcpy(x, h.data(), n * 4, cudaMemcpyHostToDevice);
+  std::vector<float> hw(K, 1.5f), hb(K, 0.25f); cudaMemcpy(w, hw.data(), K * 4, cudaMemcpyHostToDevice); cudaMemcpy(b, hb.data(), K * 4, cudaMemcpyHostToDevice);
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  for (int round = 0; round < 2; round++) {
+    printf("== round %d\n", round);
+    timeit("memcpy 400 MB (bench copy)", 8e8, [&] { cudaMemcpyAsync(big2, big, 4e8, cudaMemcpyDeviceToDevice); });
+    timeit("memcpy 256 MB (layer norm bytes)", 2.0 * n * 4, [&] { cudaMemcpyAsync(y2, x, n * 4, cudaMemcpyDeviceToDevice); });
+    timeit("ln_regs 512 x 16", 2.0 * n * 4, [&] { ln_regs<16><<<R, 512>>>(x, y, w, b, R, K, 1e-5f); });
+    auto bulk = [&](auto kern, int threads, int stages, const char* name) {
+      const int smem = stages * K * 4;
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      int per; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, threads, smem);
+      char label[64]; snprintf(label, 64, "%s (%d/SM)", name, per);
+      timeit(label, 2.0 * n * 4, [&] { kern<<<sms * per, threads, smem>>>(x, y2, w, b, R, K, 1e-5f); });
+      std::vector<float> a(n), c(n); cudaMemcpy(a.data(), y, n * 4, cudaMemcpyDeviceToHost); cudaMemcpy(c.data(), y2, n * 4, cudaMemcpyDeviceToHost);
+      double md = 0; for (size_t i = 0; i < n; i++) md = std::max(md, (double)fabsf(a[i] - c[i]));
+      printf("   max |ln_regs - %s| = %g\n", name, md);
+    };
+    bulk(ln_bulk<16, 2>, 512, 2, "ln_bulk 512 x 16, 2 stages");
+    bulk(ln_bulk<16, 3>, 512, 3, "ln_bulk 512 x 16, 3 stages");
+    bulk(ln_bulk<32, 2>, 256, 2, "ln_bulk 256 x 32, 2 stages");
+    bulk(ln_bulk<32, 3>, 256, 3, "ln_bulk 256 x 32, 3 stages");
+    bulk(ln_bulk<8, 2>, 1024, 2, "ln_bulk 1024 x 8, 2 stages");
+    timeit("memcpy 128 MB (256 MB moved)", (double)n * 4, [&] { cudaMemcpyAsync(y2, x, n * 4 / 2, cudaMemcpyDeviceToDevice); });
+    double ref_ms;
+    timeit("cs_tile C=8 (today)", (double)n * 4, [&] { cs_tile<4><<<dim3(64, 8), dim3(32, 8)>>>(x, out, part, cnt, K, R); }, &ref_ms);
+    std::vector<float> ref(K); cudaMemcpy(ref.data(), out, K * 4, cudaMemcpyDeviceToHost);
+    auto check = [&](const char* name) { std::vector<float> o(K); cudaMemcpy(o.data(), out2, K * 4, cudaMemcpyDeviceToHost); double md = 0; for (int i = 0; i < K; i++) md = std::max(md, (double)fabsf(o[i] - ref[i])); printf("   max |cs_tile - %s| = %g\n", name, md); };
+    for (int C : {16, 32}) { char l[64]; snprintf(l, 64, "cs_tile C=%d", C); timeit(l, (double)n * 4, [&] { cs_tile<4><<<dim3(64, C), dim3(32, 8)>>>(x, out2, part, cnt, K, R); }); check(l); }
+    for (int tpb : {128, 256}) for (int C : {16, 32, 64, 128}) {
+      char l[64]; snprintf(l, 64, "cs_wide %d threads C=%d", tpb, C);
+      timeit(l, (double)n * 4, [&] { cs_wide<8><<<dim3(K / (4 * tpb), C), tpb>>>(x, out2, part, cnt, K, R); }); check(l);
+    }
+  }
+  return 0;
+}
