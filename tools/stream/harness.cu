@@ -24,6 +24,24 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+// Normalises one row held in registers (v: this thread's VPT values, vectors of 4 at
+// (g * blockDim.x + threadIdx.x) * 4) and stores it.
+template <int VPT>
+__device__ __forceinline__ void ln_row(const float (&v)[VPT], float* yr, const float* w, const float* b, int K, float eps) {
+  float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
+  const float mean = block_sum(ls) / K;
+  float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
+  const float rstd = rsqrtf(block_sum(lq) / K + eps);
+#pragma unroll
+  for (int g = 0; g < VPT / 4; g++) {
+    const int k0 = (g * blockDim.x + threadIdx.x) * 4;
+    float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
+    o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
+    o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
+    *(float4*)(yr + k0) = o;
+  }
+}
+
 template <int VPT>
 __global__ void __launch_bounds__(512) ln_regs(const float* x, float* y, const float* w, const float* b, long long M, int K, float eps) {
   for (long long row = blockIdx.x; row < M; row += gridDim.x) {
@@ -31,18 +49,7 @@ __global__ void __launch_bounds__(512) ln_regs(const float* x, float* y, const f
     float v[VPT];
 #pragma unroll
     for (int g = 0; g < VPT / 4; g++) { float4 q = *(const float4*)(xr + (g * blockDim.x + threadIdx.x) * 4); v[4*g] = q.x; v[4*g+1] = q.y; v[4*g+2] = q.z; v[4*g+3] = q.w; }
-    float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
-    const float mean = block_sum(ls) / K;
-    float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
-    const float rstd = rsqrtf(block_sum(lq) / K + eps);
-#pragma unroll
-    for (int g = 0; g < VPT / 4; g++) {
-      const int k0 = (g * blockDim.x + threadIdx.x) * 4;
-      float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
-      o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
-      o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
-      *(float4*)(yr + k0) = o;
-    }
+    ln_row<VPT>(v, yr, w, b, K, eps);
   }
 }
 
@@ -82,18 +89,7 @@ __global__ void ln_bulk(const float* x, float* y, const float* w, const float* b
       if (next < M) { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); bulk_load(buf + s * K, x + next * K, bytes, &bar[s]); }
     }
     float* yr = y + row * K;
-    float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
-    const float mean = block_sum(ls) / K;
-    float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
-    const float rstd = rsqrtf(block_sum(lq) / K + eps);
-#pragma unroll
-    for (int g = 0; g < VPT / 4; g++) {
-      const int k0 = (g * blockDim.x + threadIdx.x) * 4;
-      float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
-      o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
-      o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
-      *(float4*)(yr + k0) = o;
-    }
+    ln_row<VPT>(v, yr, w, b, K, eps);
   }
 }
 
