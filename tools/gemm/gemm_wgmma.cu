@@ -38,11 +38,7 @@
 
 namespace {
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+#include "wgmma_common.cuh"
 
 __device__ __forceinline__ uint64_t smem_desc(const float* p) {
     const uint64_t a = (uint64_t)__cvta_generic_to_shared(p);
@@ -54,23 +50,6 @@ __device__ __forceinline__ int b_slot(int n, int k) {
     return (k >> 3) * STEP_F + (n >> 3) * (NOFF / 4) + ((k >> 2) & 1) * (KOFF / 4) + (n & 7) * 4 + (k & 3);
 }
 
-#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-
-// d (64 x 64 per warpgroup, 32 floats per thread) = a * b (+ d when acc != 0).
-__device__ __forceinline__ void wgmma_64x64x8(float* d, const uint32_t* a, uint64_t b, int acc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : D8(0), D8(8), D8(16), D8(24)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
 }  // namespace
 
@@ -145,9 +124,9 @@ extern "C" __global__ void __launch_bounds__(NTH) KNAME(const float* __restrict_
 #pragma unroll
         for (int s = 0; s < KC / 8; s++) {
             const uint64_t db = smem_desc(sbig + s * STEP_F), ds = smem_desc(ssmall + s * STEP_F);
-            wgmma_64x64x8(d, asmall[s], db, PROMOTE ? s > 0 : 1);
-            wgmma_64x64x8(d, abig[s], ds, 1);
-            wgmma_64x64x8(d, abig[s], db, 1);
+            wgmma_rs(d, asmall[s], db, PROMOTE ? s > 0 : 1);
+            wgmma_rs(d, abig[s], ds, 1);
+            wgmma_rs(d, abig[s], db, 1);
         }
         wg_commit();
         if (c + 1 < c_hi) load(c + 1);  // in flight while the products run
@@ -161,57 +140,16 @@ extern "C" __global__ void __launch_bounds__(NTH) KNAME(const float* __restrict_
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = d[i];
 #endif
-    // Accumulator layout: per 8 columns j, (row r0, cols 2q, 2q+1) then (row r0 + 8, same cols).
-    const int q = lane & 3;
-    float* out = S == 1 ? C : part + (long long)z * M * N;
-    const int ld = S == 1 ? ldc : N;
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int r = h ? ar1 : ar0;
-            if (r >= M) continue;
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int n = n0 + 8 * j + 2 * q + e;
-                if (n >= N) continue;
-                float v = acc[4 * j + 2 * h + e];
-                if (S == 1) {
-                    if (epi >= 1) v += bias[n];
-                    if (epi == 2) v = fmaxf(v, 0.f);
-                }
-                out[(long long)r * ld + n] = v;
-            }
-        }
-    }
+    // Accumulator layout: per 8 columns j, (row r0, cols 2q, 2q+1) then (row r0 + 8, same).
+    store_tile(acc, ar0, n0, lane & 3, M, N, C, ldc, part, S, z, bias, epi);
 }
-
-namespace {
-// C = the splits' partial tiles added in split order (+ bias, then ReLU).
-__global__ void add_splits(const float* __restrict__ part, float* __restrict__ C, const float* __restrict__ bias, int M, int N, int ldc, int S, int epi) {
-    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)M * N) return;
-    const int m = (int)(i / N), n = (int)(i % N);
-    float v = part[i];
-    for (int z = 1; z < S; z++) v += part[(long long)z * M * N + i];
-    if (epi >= 1) v += bias[n];
-    if (epi == 2) v = fmaxf(v, 0.f);
-    C[(long long)m * ldc + n] = v;
-}
-}  // namespace
 
 #ifdef LAUNCHER
-// Splits K so that about one wave of tiles runs (at least two chunks per split).
+// K split so that about one wave of tiles runs.
 extern "C" void LAUNCHER(const float* A, const float* B, float* C, const float* bias, int M, int N, int K, int lda, int ldb, int ldc, cudaStream_t st) {
     static float* part = nullptr;
-    static size_t cap = 0;
-    const int tiles = ((N + BN - 1) / BN) * ((M + 63) / 64), chunks = (K + KC - 1) / KC;
-    int S = (132 + tiles - 1) / tiles;
-    if (S > chunks / 2) S = chunks / 2;
-    if (S < 1) S = 1;
-    const size_t need = (size_t)S * M * N;
-    if (S > 1 && need > cap) { cudaFree(part); cudaMalloc(&part, need * 4); cap = need; }
+    const int S = split_count(M, N, K, 132, &part);
     KNAME<<<dim3((N + BN - 1) / BN, (M + 63) / 64, S), NTH, 2 * CHUNK_F * 4, st>>>(A, B, C, bias, M, N, K, lda, ldb, ldc, part, EPI);
-    if (S > 1) add_splits<<<(unsigned)(((long long)M * N + 255) / 256), 256, 0, st>>>(part, C, bias, M, N, ldc, S, EPI);
+    finish_splits(part, C, bias, M, N, ldc, S, EPI, st);
 }
 #endif

@@ -27,11 +27,8 @@
 
 namespace {
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+#include "wgmma_common.cuh"
+
 
 __device__ __forceinline__ uint64_t smem_desc(const float* p) {
     const uint64_t a = (uint64_t)__cvta_generic_to_shared(p);
@@ -51,36 +48,7 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 
-// d (64 x BN, BN / 2 floats per thread) = a * b (+ d when acc != 0); a from registers.
-__device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b, int acc) {
-#if BN == 64
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-        : D8(0), D8(8), D8(16), D8(24)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
-#else
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
-#endif
-}
-
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 
 // big = tf32(b), small = tf32(b - big), element by element ([N,K] in and out).
 __global__ void split_b(const float* __restrict__ b, float* __restrict__ big, float* __restrict__ small, long long n) {
@@ -91,17 +59,6 @@ __global__ void split_b(const float* __restrict__ b, float* __restrict__ big, fl
     small[i] = __uint_as_float(to_tf32(b[i] - __uint_as_float(hi)));
 }
 
-// C = the splits' partial tiles added in split order (+ bias, then ReLU).
-__global__ void add_splits(const float* __restrict__ part, float* __restrict__ C, const float* __restrict__ bias, int M, int N, int ldc, int S, int epi) {
-    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    if (i >= (long long)M * N) return;
-    const int m = (int)(i / N), n = (int)(i % N);
-    float v = part[i];
-    for (int z = 1; z < S; z++) v += part[(long long)z * M * N + i];
-    if (epi >= 1) v += bias[n];
-    if (epi == 2) v = fmaxf(v, 0.f);
-    C[(long long)m * ldc + n] = v;
-}
 
 }  // namespace
 
@@ -223,24 +180,7 @@ extern "C" __global__ void __launch_bounds__(NTH) KNAME(const float* __restrict_
 #endif
     cp_wait<0>();
     // Accumulator layout: per 8 columns j, (row r0, cols 2q, 2q+1) then (row r0 + 8, same).
-    const int r0 = m0 + ar, q = lane & 3;
-    float* out = S == 1 ? C : part + (long long)z * M * N;
-    const int ld = S == 1 ? ldc : N;
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int r = r0 + 8 * h, n = n0 + 8 * j + 2 * q + e;
-                if (r >= M || n >= N) continue;
-                float v = acc[4 * j + 2 * h + e];
-                if (S == 1) {
-                    if (epi >= 1) v += bias[n];
-                    if (epi == 2) v = fmaxf(v, 0.f);
-                }
-                out[(long long)r * ld + n] = v;
-            }
+    store_tile(acc, m0 + ar, n0, lane & 3, M, N, C, ldc, part, S, z, bias, epi);
 }
 
 #ifdef LAUNCHER
@@ -248,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(NTH) KNAME(const float* __restrict_
 // that about SPLIT_TARGET CTAs run (at least two chunks per split).
 extern "C" void LAUNCHER(const float* A, const float* B, float* C, const float* bias, int M, int N, int K, int lda, int ldb, int ldc, cudaStream_t st) {
     static float *part = nullptr, *bbig = nullptr, *bsmall = nullptr;
-    static size_t cap = 0, bcap = 0;
+    static size_t bcap = 0;
     static const float* split_of = nullptr;
     static int split_n = 0, split_k = 0;
     static bool init = false;
@@ -259,13 +199,8 @@ extern "C" void LAUNCHER(const float* A, const float* B, float* C, const float* 
         split_b<<<(unsigned)((nb + 255) / 256), 256, 0, st>>>(B, bbig, bsmall, (long long)nb);
         split_of = B; split_n = N; split_k = K;
     }
-    const int tiles = ((N + BN - 1) / BN) * ((M + BM - 1) / BM), chunks = (K + KC - 1) / KC;
-    int S = (SPLIT_TARGET + tiles - 1) / tiles;
-    if (S > chunks / 2) S = chunks / 2;
-    if (S < 1) S = 1;
-    const size_t need = (size_t)S * M * N;
-    if (S > 1 && need > cap) { cudaFree(part); cudaMalloc(&part, need * 4); cap = need; }
+    const int S = split_count(M, N, K, SPLIT_TARGET, &part);
     KNAME<<<dim3((N + BN - 1) / BN, (M + BM - 1) / BM, S), NTH, SMEM_BYTES, st>>>(A, bbig, bsmall, C, bias, M, N, K, lda, ldb, ldc, part, EPI);
-    if (S > 1) add_splits<<<(unsigned)(((long long)M * N + 255) / 256), 256, 0, st>>>(part, C, bias, M, N, ldc, S, EPI);
+    finish_splits(part, C, bias, M, N, ldc, S, EPI, st);
 }
 #endif
