@@ -27,11 +27,20 @@ pub fn run(name: &str, trace: &Path, compiled: bool) -> Result<()> {
     drop(call()?); // kernels compiled, allocator cache warm
     drop(call()?);
     kiln::cuda::synchronize(&dev)?;
-    let prof = profiler::profile(|| call())?;
+    let (_, prof) = profiler::profile_with(profiler::ProfileOptions::new().device_kernels(true), || call())?;
     let form = if compiled { "compiled" } else { "eager" };
     println!("{name} ({form}) on {dev}: one call after warm-up, {:.3} ms on the host", prof.wall_us() / 1e3);
     println!("{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 20));
     println!("{} kernels", prof.kernel_count());
+    match prof.cupti() {
+        Ok(()) => {
+            let ran = prof.device_kernels();
+            println!("\nkernels the GPU ran (CUPTI: library kernels by their own names, graph replays by their kernels):");
+            println!("{}", prof.device_key_averages().table(SortBy::DeviceTimeTotal, 20));
+            println!("{} kernels on the device", ran.len());
+        }
+        Err(why) => println!("(no per-kernel device timeline: {why})"),
+    }
     if let Some(peak) = prof.peak_bytes_in_use(dev) {
         println!("peak device memory allocated: {:.1} MiB", peak as f64 / (1u64 << 20) as f64);
     }

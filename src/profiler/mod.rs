@@ -18,11 +18,16 @@
 //! grid, block, stream; device time from CUDA events around it, read with one synchronisation
 //! at the end), cuBLAS call, host↔device copy, memset, synchronisation (with its call site) and
 //! device allocation (with the bytes in use after it). A replayed CUDA graph shows the kernels
-//! it holds by name and the replay itself (`cuda_graph_replay`), timed as a whole. On the CPU, each primitive op that runs
+//! it holds by name and the replay itself (`cuda_graph_replay`), timed as a whole. Asked for
+//! (`profile_with(ProfileOptions::new().device_kernels(true), ..)`) and where CUPTI is
+//! installed, each device launch also lists the kernels the GPU ran for it with their own
+//! device times (`Event::device_kernels`, `Profile::device_kernels`): a library call's kernels,
+//! every kernel inside a graph replay. On the CPU, each primitive op that runs
 //! a CPU kernel is recorded as a kernel named after the op, its device time being its host time.
 //! Views (reshape, permute, expand, slice) are no kernels. Other threads are not recorded.
 //! When nothing is profiled, each hook costs one relaxed atomic load.
 
+mod cupti;
 pub(crate) mod record;
 mod sync;
 mod table;
@@ -31,6 +36,7 @@ mod trace;
 pub(crate) use record::{blas, copy, cpu_op, cudnn, graph_replay, kernel, memory, memset};
 pub(crate) use sync::sync;
 pub use sync::{set_sync_debug_mode, sync_debug_mode, with_sync_debug_mode, SyncDebug};
+pub use cupti::DeviceKernel;
 pub use table::{KernelStats, KeyAverages, SortBy};
 
 use crate::{Device, Error, Result};
@@ -45,10 +51,34 @@ pub fn profile<T>(f: impl FnOnce() -> Result<T>) -> Result<Profile> {
 /// Runs `f` and returns its value with what it did on the devices. An error of `f` is returned
 /// as is (the recording is dropped).
 pub fn profile_value<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
-    let rec = record::Recording::start()?;
+    profile_with(ProfileOptions::new(), f)
+}
+
+/// What a profile collects beyond the default.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProfileOptions {
+    device_kernels: bool,
+}
+
+impl ProfileOptions {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Also list the kernels the GPU ran for each launch, with their own device times
+    /// (`Event::device_kernels`), through CUPTI. Once CUPTI is attached, launches of the whole
+    /// process cost more host time (about 2.5x on the H200), also after the profile.
+    pub fn device_kernels(mut self, on: bool) -> Self {
+        self.device_kernels = on;
+        self
+    }
+}
+
+/// [`profile_value`] with options.
+pub fn profile_with<T>(options: ProfileOptions, f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
+    let rec = record::Recording::start(options.device_kernels)?;
     let value = f()?;
-    let (events, wall_us) = rec.finish()?;
-    Ok((value, Profile { events, wall_us }))
+    let (events, wall_us, cupti_missing) = rec.finish()?;
+    Ok((value, Profile { events, wall_us, cupti_missing }))
 }
 
 /// What was recorded, in the order the host issued it.
@@ -56,6 +86,7 @@ pub fn profile_value<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
 pub struct Profile {
     events: Vec<Event>,
     wall_us: f64,
+    cupti_missing: Option<String>,
 }
 
 /// One recorded thing. Times are µs; `start_us` counts from the start of `profile`.
@@ -87,6 +118,10 @@ pub struct Event {
     pub bytes_in_use: Option<usize>,
     /// A synchronisation's call site.
     pub location: Option<&'static Location<'static>>,
+    /// The kernels the GPU ran for this launch, as CUPTI saw them (empty without CUPTI): one
+    /// for a generated kernel, the library's own for a cuBLAS or cuDNN call, every kernel of a
+    /// replayed CUDA graph.
+    pub device_kernels: Vec<DeviceKernel>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +185,26 @@ impl Profile {
     /// Kernels launched (cuBLAS calls count one each; copies and memsets are not kernels).
     pub fn kernel_count(&self) -> usize {
         self.kernels().count()
+    }
+
+    /// Every kernel the GPU ran for the recorded launches, in the order they started on the
+    /// device, as CUPTI reported them (empty where CUPTI was not used: see [`Profile::cupti`]).
+    pub fn device_kernels(&self) -> Vec<&DeviceKernel> {
+        let mut ks: Vec<&DeviceKernel> = self.events.iter().flat_map(|e| &e.device_kernels).collect();
+        ks.sort_by(|a, b| a.device_start_us.total_cmp(&b.device_start_us));
+        ks
+    }
+
+    /// The kernels the GPU ran (CUPTI), grouped by name: library kernels under their own
+    /// names, graph replays broken into their kernels.
+    pub fn device_key_averages(&self) -> KeyAverages {
+        KeyAverages::of_device_kernels(&self.device_kernels())
+    }
+
+    /// Ok when CUPTI reported the device's kernels (or no device work was recorded); else why
+    /// not (not asked for, the library missing, or CUPTI refusing to collect).
+    pub fn cupti(&self) -> std::result::Result<(), &str> {
+        self.cupti_missing.as_deref().map_or(Ok(()), Err)
     }
 
     /// The kernels' names in launch order.

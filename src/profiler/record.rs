@@ -4,7 +4,7 @@
 //! parallel, loader workers) does not enter a profile. When no thread profiles, every hook
 //! returns after one relaxed atomic load.
 
-use super::{CopyKind, Event, EventKind};
+use super::{cupti, CopyKind, Event, EventKind};
 use crate::backend::cuda::CudaDevice;
 use crate::ops::Op;
 use crate::{DType, Device, Error, Result, Tensor};
@@ -14,6 +14,9 @@ use std::panic::Location;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Why a profile has no device kernels when they were not asked for.
+const NOT_ASKED: &str = "device kernels were not asked for (ProfileOptions::device_kernels)";
 
 /// Threads profiling now.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
@@ -36,6 +39,10 @@ struct Session {
     /// Device time to read at the end: event index, ordinal, start and end events.
     timings: Vec<(usize, usize, CudaEvent, CudaEvent)>,
     bases: Vec<Base>,
+    /// CUPTI collection, started with the first device work (Err: why there is none).
+    cupti: Option<std::result::Result<cupti::Collecting, String>>,
+    /// The kiln correlation id each device event's launches ran under.
+    correlated: Vec<(usize, u64)>,
 }
 
 impl Session {
@@ -58,13 +65,14 @@ fn with_session<R>(f: impl FnOnce(&mut Session) -> R) -> Option<R> {
 pub(super) struct Recording(());
 
 impl Recording {
-    pub(super) fn start() -> Result<Recording> {
+    /// `device_kernels`: collect the kernels the GPU ran for each launch (CUPTI).
+    pub(super) fn start(device_kernels: bool) -> Result<Recording> {
         SESSION.with(|s| {
             let mut s = s.borrow_mut();
             if s.is_some() {
                 return Err(Error::arg("profile", "this thread is already being profiled; profiles do not nest"));
             }
-            *s = Some(Session { t0: Instant::now(), events: Vec::new(), timings: Vec::new(), bases: Vec::new() });
+            *s = Some(Session { t0: Instant::now(), events: Vec::new(), timings: Vec::new(), bases: Vec::new(), cupti: if device_kernels { None } else { Some(Err(NOT_ASKED.into())) }, correlated: Vec::new() });
             Ok(())
         })?;
         ACTIVE.fetch_add(1, Ordering::Relaxed);
@@ -72,8 +80,9 @@ impl Recording {
     }
 
     /// Stops recording and returns the events with their device times, read after one
-    /// synchronisation per device that was used.
-    pub(super) fn finish(self) -> Result<(Vec<Event>, f64)> {
+    /// synchronisation per device that was used, the kernels CUPTI saw each launch run, and why
+    /// there are none where CUPTI was not used for device work.
+    pub(super) fn finish(self) -> Result<(Vec<Event>, f64, Option<String>)> {
         let s = SESSION.with(|s| s.borrow_mut().take()).expect("a recording has a session");
         let wall_us = s.now_us();
         drop(self);
@@ -89,7 +98,20 @@ impl Recording {
             events[*i].device_start_us = Some(base.host_us + offset_ms * 1e3);
             events[*i].device_us = Some(ms * 1e3);
         }
-        Ok((events, wall_us))
+        let cupti_missing = match &s.cupti {
+            Some(Ok(c)) => {
+                let ids: Vec<u64> = s.correlated.iter().map(|&(_, id)| id).collect();
+                let mut ran = c.take(&ids);
+                for (i, id) in &s.correlated {
+                    events[*i].device_kernels = ran.remove(id).unwrap_or_default();
+                }
+                None
+            }
+            // Said only where there was device work to see.
+            Some(Err(why)) if !s.timings.is_empty() => Some(why.clone()),
+            _ => None,
+        };
+        Ok((events, wall_us, cupti_missing))
     }
 }
 
@@ -109,6 +131,8 @@ struct Open {
     start: Instant,
     /// The stream and start event of device work (None on the CPU, or if the event failed).
     timing: Option<(Arc<CudaStream>, CudaEvent)>,
+    /// The kiln correlation id pushed for CUPTI while the work is launched.
+    correlation: Option<u64>,
 }
 
 impl Span {
@@ -118,7 +142,7 @@ impl Span {
         match with_session(|s| s.now_us()) {
             Some(t) => {
                 event.start_us = t;
-                Span(Some(Box::new(Open { event, start: Instant::now(), timing: None })))
+                Span(Some(Box::new(Open { event, start: Instant::now(), timing: None, correlation: None })))
             }
             None => Span::OFF,
         }
@@ -137,6 +161,13 @@ impl Span {
                 }
             }
             o.timing = stream.record_event(timed).ok().map(|e| (stream.clone(), e));
+            let collecting = with_session(|s| {
+                let now = s.now_us();
+                matches!(s.cupti.get_or_insert_with(|| cupti::start(now)), Ok(_))
+            });
+            if collecting == Some(true) {
+                o.correlation = cupti::push();
+            }
         }
         span
     }
@@ -145,7 +176,10 @@ impl Span {
 impl Drop for Span {
     fn drop(&mut self) {
         let Some(o) = self.0.take() else { return };
-        let Open { mut event, start, timing } = *o;
+        let Open { mut event, start, timing, correlation } = *o;
+        if correlation.is_some() {
+            cupti::pop();
+        }
         event.host_us = start.elapsed().as_secs_f64() * 1e6;
         if event.device == Device::Cpu && event.kind == EventKind::Kernel {
             event.device_us = Some(event.host_us); // the CPU is the device
@@ -160,13 +194,16 @@ impl Drop for Span {
             if let Some((start, end)) = end {
                 s.timings.push((s.events.len(), ordinal, start, end));
             }
+            if let Some(id) = correlation {
+                s.correlated.push((s.events.len(), id));
+            }
             s.events.push(event);
         });
     }
 }
 
 fn event(kind: EventKind, name: String, device: Device) -> Event {
-    Event { kind, name, device, start_us: 0.0, host_us: 0.0, device_us: None, device_start_us: None, grid: None, block: None, stream: None, bytes: 0, bytes_in_use: None, location: None }
+    Event { kind, name, device, start_us: 0.0, host_us: 0.0, device_us: None, device_start_us: None, grid: None, block: None, stream: None, bytes: 0, bytes_in_use: None, location: None, device_kernels: Vec::new() }
 }
 
 fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name: String, bytes: usize) -> Span {

@@ -56,6 +56,21 @@ impl KeyAverages {
         KeyAverages { rows }
     }
 
+    /// The kernels CUPTI saw the GPU run, grouped by their names (no host times).
+    pub(super) fn of_device_kernels(kernels: &[&super::DeviceKernel]) -> KeyAverages {
+        let mut rows: Vec<KernelStats> = Vec::new();
+        for k in kernels {
+            match rows.iter_mut().find(|r| r.name == k.name) {
+                Some(r) => {
+                    r.calls += 1;
+                    r.device_total_us += k.device_us;
+                }
+                None => rows.push(KernelStats { name: k.name.clone(), calls: 1, device_total_us: k.device_us, host_total_us: 0.0 }),
+            }
+        }
+        KeyAverages { rows }
+    }
+
     pub fn rows(&self) -> &[KernelStats] {
         &self.rows
     }

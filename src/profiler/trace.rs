@@ -1,10 +1,16 @@
 //! The Chrome trace format (chrome://tracing, Perfetto): "X" slices on a host track (pid 0:
 //! launches, copies, syncs, CPU kernels) and one track per CUDA stream (pid 1 + device ordinal),
-//! "C" counters for the device memory in use, "M" records naming the tracks.
+//! with, where CUPTI reported them, the kernels each launch ran on tracks of their own (a
+//! library's kernels, every kernel of a graph replay), "C" counters for the device memory in
+//! use, "M" records naming the tracks.
 
 use super::{Event, EventKind};
 use crate::Device;
 use serde_json::{json, Map, Value};
+
+/// Track keys from here up are CUPTI's stream ids; launch tracks are keyed by stream handles
+/// (user-space addresses, far below it, or 0 for the default stream).
+const CUPTI_TRACKS: u64 = 1 << 62;
 
 fn device_pid(d: Device) -> u64 {
     match d {
@@ -54,6 +60,16 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
             }) as u64;
             out.push(json!({"name": e.name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": device_pid(e.device), "tid": tid, "args": args(e)}));
         }
+        for k in &e.device_kernels {
+            // CUPTI's stream ids, on tracks after the launch tracks.
+            let key = (e.device, CUPTI_TRACKS + k.stream as u64);
+            let tid = streams.iter().position(|s| *s == key).unwrap_or_else(|| {
+                streams.push(key);
+                streams.len() - 1
+            }) as u64;
+            let a = json!({"grid": [k.grid.0, k.grid.1, k.grid.2], "block": [k.block.0, k.block.1, k.block.2], "launched by": e.name, "in a CUDA graph": k.in_graph});
+            out.push(json!({"name": k.name, "cat": "kernel", "ph": "X", "ts": k.device_start_us, "dur": k.device_us, "pid": device_pid(e.device), "tid": tid, "args": a}));
+        }
         if e.device.is_cuda() && !devices.contains(&e.device) {
             devices.push(e.device);
         }
@@ -62,7 +78,8 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
         out.push(meta("process_name", device_pid(d), 0, d.to_string()));
     }
     for (tid, (d, s)) in streams.iter().enumerate() {
-        out.push(meta("thread_name", device_pid(*d), tid as u64, format!("stream {s:#x}")));
+        let name = if *s >= CUPTI_TRACKS { format!("kernels (CUPTI), stream {}", s - CUPTI_TRACKS) } else { format!("stream {s:#x}") };
+        out.push(meta("thread_name", device_pid(*d), tid as u64, name));
     }
     json!({"traceEvents": out, "displayTimeUnit": "ms"})
 }

@@ -204,3 +204,45 @@ fn the_profile_command_rejects_an_unknown_workload_in_one_line() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.starts_with("error: profile:") && err.contains("unknown workload 'pointwise.nope'") && err.contains("pointwise.add_relu.f32.1e8"), "{err}");
 }
+
+#[test]
+fn each_launch_lists_the_kernels_the_gpu_ran_for_it() {
+    use kiln::compile::{compile_with, CompileOptions, Mode};
+    let d = dev();
+    let x = Tensor::randn(&[64, 64], DType::F32, &d).unwrap();
+    let with_kernels = profiler::ProfileOptions::new().device_kernels(true);
+    let plain = profiler::profile(|| x.relu()).unwrap();
+    assert!(plain.device_kernels().is_empty());
+    assert_eq!(plain.cupti().is_err(), d.is_cuda(), "a plain profile of device work says it has no device kernels");
+    let (_, prof) = profiler::profile_with(with_kernels, || x.relu()?.matmul(&x)).unwrap();
+    assert_eq!(prof.cupti(), Ok(()), "CUPTI collects where the GPU's libraries are installed");
+    if !d.is_cuda() {
+        assert!(prof.device_kernels().is_empty(), "no device kernels on the CPU");
+        return;
+    }
+    let ks: Vec<&kiln::profiler::Event> = prof.kernels().collect();
+    // A generated kernel is itself; a library call runs kernels of the library's own.
+    assert_eq!(ks[0].device_kernels.len(), 1, "{:?}", ks[0]);
+    assert_eq!(ks[0].device_kernels[0].name, ks[0].name);
+    assert!(ks[0].device_kernels[0].device_us > 0.0 && !ks[0].device_kernels[0].in_graph);
+    assert!(!ks[1].device_kernels.is_empty() && ks[1].device_kernels.iter().all(|k| k.name != ks[1].name), "{:?}", ks[1]);
+    assert_eq!(prof.device_kernels().len(), ks.iter().map(|k| k.device_kernels.len()).sum::<usize>());
+    let by_name = prof.device_key_averages();
+    assert_eq!(by_name.get(&ks[0].name).map(|r| r.calls), Some(1), "{}", by_name.table(SortBy::Calls, 10));
+
+    // A replayed CUDA graph: every kernel inside it, with its own device time.
+    let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), |x: &Tensor| x.exp()?.mul_scalar(2.0)?.matmul(x)?.relu());
+    for _ in 0..2 {
+        f.call(&x).unwrap();
+    }
+    let (_, prof) = profiler::profile_with(with_kernels, || f.call(&x)).unwrap();
+    let replay = prof.events().iter().find(|e| e.kind == EventKind::Graph).expect("a graph replay");
+    let inside: Vec<&str> = replay.device_kernels.iter().map(|k| k.name.as_str()).collect();
+    assert!(replay.device_kernels.iter().all(|k| k.in_graph && k.device_us > 0.0), "{:?}", replay.device_kernels);
+    for name in prof.kernel_names().iter().filter(|n| n.starts_with("fused")) {
+        assert!(inside.contains(name), "{name} ran inside the replay: {inside:?}");
+    }
+    assert!(inside.len() >= 2, "the fused kernels and the product's: {inside:?}");
+    let trace = prof.chrome_trace().to_string();
+    assert!(trace.contains("kernels (CUPTI)") && trace.contains("in a CUDA graph"), "{trace}");
+}
