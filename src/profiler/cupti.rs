@@ -30,15 +30,11 @@ pub struct DeviceKernel {
     pub in_graph: bool,
 }
 
-/// A record before it is placed on a profile's timeline (CUPTI timestamps, ns).
+/// A kernel record before it is placed on a profile's timeline (CUPTI timestamps, ns).
 struct Raw {
-    name: String,
+    kernel: DeviceKernel,
     start_ns: u64,
     end_ns: u64,
-    grid: (u32, u32, u32),
-    block: (u32, u32, u32),
-    stream: u32,
-    in_graph: bool,
 }
 
 struct State {
@@ -104,13 +100,17 @@ unsafe extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _str
                 kernels.push((
                     std::ptr::addr_of!((*k).correlationId).read_unaligned(),
                     Raw {
-                        name,
+                        kernel: DeviceKernel {
+                            name,
+                            device_start_us: 0.0,
+                            device_us: 0.0,
+                            grid: (dim(std::ptr::addr_of!((*k).gridX).read_unaligned()), dim(std::ptr::addr_of!((*k).gridY).read_unaligned()), dim(std::ptr::addr_of!((*k).gridZ).read_unaligned())),
+                            block: (dim(std::ptr::addr_of!((*k).blockX).read_unaligned()), dim(std::ptr::addr_of!((*k).blockY).read_unaligned()), dim(std::ptr::addr_of!((*k).blockZ).read_unaligned())),
+                            stream: std::ptr::addr_of!((*k).streamId).read_unaligned(),
+                            in_graph: std::ptr::addr_of!((*k).graphId).read_unaligned() != 0,
+                        },
                         start_ns: std::ptr::addr_of!((*k).start).read_unaligned(),
                         end_ns: std::ptr::addr_of!((*k).end).read_unaligned(),
-                        grid: (dim(std::ptr::addr_of!((*k).gridX).read_unaligned()), dim(std::ptr::addr_of!((*k).gridY).read_unaligned()), dim(std::ptr::addr_of!((*k).gridZ).read_unaligned())),
-                        block: (dim(std::ptr::addr_of!((*k).blockX).read_unaligned()), dim(std::ptr::addr_of!((*k).blockY).read_unaligned()), dim(std::ptr::addr_of!((*k).blockZ).read_unaligned())),
-                        stream: std::ptr::addr_of!((*k).streamId).read_unaligned(),
-                        in_graph: std::ptr::addr_of!((*k).graphId).read_unaligned() != 0,
                     },
                 ));
             } else if kind == cs::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_EXTERNAL_CORRELATION as u32 {
@@ -218,15 +218,9 @@ impl Collecting {
         let at = |ns: u64| self.t0_host_us + (ns as f64 - self.t0_ns as f64) / 1e3;
         s.kernels.retain(|(corr, raw)| {
             let Some(ext) = owner.get(corr) else { return true };
-            out.entry(*ext).or_default().push(DeviceKernel {
-                name: raw.name.clone(),
-                device_start_us: at(raw.start_ns),
-                device_us: raw.end_ns.saturating_sub(raw.start_ns) as f64 / 1e3,
-                grid: raw.grid,
-                block: raw.block,
-                stream: raw.stream,
-                in_graph: raw.in_graph,
-            });
+            let mut k = raw.kernel.clone();
+            (k.device_start_us, k.device_us) = (at(raw.start_ns), raw.end_ns.saturating_sub(raw.start_ns) as f64 / 1e3);
+            out.entry(*ext).or_default().push(k);
             false
         });
         for ks in out.values_mut() {
