@@ -34,10 +34,10 @@ pub fn run(name: &str, trace: &Path, compiled: bool) -> Result<()> {
     println!("{} kernels", prof.kernel_count());
     match prof.cupti() {
         Ok(()) => {
-            let ran = prof.device_kernels();
+            let ran = prof.device_key_averages();
             println!("\nkernels the GPU ran (CUPTI: library kernels by their own names, graph replays by their kernels):");
-            println!("{}", prof.device_key_averages().table(SortBy::DeviceTimeTotal, 20));
-            println!("{} kernels on the device", ran.len());
+            println!("{}", ran.table(SortBy::DeviceTimeTotal, 20));
+            println!("{} kernels on the device", ran.rows().iter().map(|r| r.calls).sum::<usize>());
         }
         Err(why) => println!("(no per-kernel device timeline: {why})"),
     }

@@ -39,34 +39,30 @@ pub struct KeyAverages {
 
 impl KeyAverages {
     pub(super) fn new(events: &[Event]) -> KeyAverages {
+        let work = events.iter().filter(|e| matches!(e.kind, EventKind::Kernel | EventKind::Graph | EventKind::Copy(_) | EventKind::Memset));
+        Self::grouped(work.map(|e| (e.name.as_str(), e.device_us.unwrap_or(0.0), e.host_us)))
+    }
+
+    /// The kernels CUPTI saw the GPU run, grouped by their names (no host times).
+    pub(super) fn of_device_kernels(kernels: &[&super::DeviceKernel]) -> KeyAverages {
+        Self::grouped(kernels.iter().map(|k| (k.name.as_str(), k.device_us, 0.0)))
+    }
+
+    /// (name, device µs, host µs) items summed per name, in order of first appearance.
+    fn grouped<'a>(items: impl Iterator<Item = (&'a str, f64, f64)>) -> KeyAverages {
         let mut rows: Vec<KernelStats> = Vec::new();
-        for e in events.iter().filter(|e| matches!(e.kind, EventKind::Kernel | EventKind::Graph | EventKind::Copy(_) | EventKind::Memset)) {
-            let i = match rows.iter().position(|r| r.name == e.name) {
+        for (name, device_us, host_us) in items {
+            let i = match rows.iter().position(|r| r.name == name) {
                 Some(i) => i,
                 None => {
-                    rows.push(KernelStats { name: e.name.clone(), calls: 0, device_total_us: 0.0, host_total_us: 0.0 });
+                    rows.push(KernelStats { name: name.to_string(), calls: 0, device_total_us: 0.0, host_total_us: 0.0 });
                     rows.len() - 1
                 }
             };
             let r = &mut rows[i];
             r.calls += 1;
-            r.device_total_us += e.device_us.unwrap_or(0.0);
-            r.host_total_us += e.host_us;
-        }
-        KeyAverages { rows }
-    }
-
-    /// The kernels CUPTI saw the GPU run, grouped by their names (no host times).
-    pub(super) fn of_device_kernels(kernels: &[&super::DeviceKernel]) -> KeyAverages {
-        let mut rows: Vec<KernelStats> = Vec::new();
-        for k in kernels {
-            match rows.iter_mut().find(|r| r.name == k.name) {
-                Some(r) => {
-                    r.calls += 1;
-                    r.device_total_us += k.device_us;
-                }
-                None => rows.push(KernelStats { name: k.name.clone(), calls: 1, device_total_us: k.device_us, host_total_us: 0.0 }),
-            }
+            r.device_total_us += device_us;
+            r.host_total_us += host_us;
         }
         KeyAverages { rows }
     }

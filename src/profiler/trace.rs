@@ -8,9 +8,22 @@ use super::{Event, EventKind};
 use crate::Device;
 use serde_json::{json, Map, Value};
 
-/// Track keys from here up are CUPTI's stream ids; launch tracks are keyed by stream handles
-/// (user-space addresses, far below it, or 0 for the default stream).
-const CUPTI_TRACKS: u64 = 1 << 62;
+/// A device track: launches timed by events on a stream (by its handle, 0 for the default
+/// stream), or the kernels CUPTI saw run on a stream (by CUPTI's stream id).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Track {
+    Launches(u64),
+    Kernels(u32),
+}
+
+/// The track number of `key` on its device's process, numbered in order of appearance.
+fn track(tracks: &mut Vec<(Device, Track)>, key: (Device, Track)) -> u64 {
+    let i = tracks.iter().position(|t| *t == key).unwrap_or_else(|| {
+        tracks.push(key);
+        tracks.len() - 1
+    });
+    i as u64
+}
 
 fn device_pid(d: Device) -> u64 {
     match d {
@@ -41,8 +54,8 @@ fn args(e: &Event) -> Value {
 
 pub(super) fn chrome_trace(events: &[Event]) -> Value {
     let mut out = vec![meta("process_name", 0, 0, "host".into()), meta("thread_name", 0, 0, "profiled thread".into())];
-    // Streams become small track numbers per device, in order of appearance.
-    let mut streams: Vec<(Device, u64)> = Vec::new();
+    // Tracks become small numbers per device, in order of appearance.
+    let mut tracks: Vec<(Device, Track)> = Vec::new();
     let mut devices: Vec<Device> = Vec::new();
     for e in events {
         let cat = e.kind.name();
@@ -53,20 +66,11 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
             out.push(json!({"name": e.name, "cat": cat, "ph": "X", "ts": e.start_us, "dur": e.host_us, "pid": 0, "tid": 0, "args": args(e)}));
         }
         if let (Device::Cuda(_), Some(ts), Some(dur)) = (e.device, e.device_start_us, e.device_us) {
-            let key = (e.device, e.stream.unwrap_or(0));
-            let tid = streams.iter().position(|s| *s == key).unwrap_or_else(|| {
-                streams.push(key);
-                streams.len() - 1
-            }) as u64;
+            let tid = track(&mut tracks, (e.device, Track::Launches(e.stream.unwrap_or(0))));
             out.push(json!({"name": e.name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": device_pid(e.device), "tid": tid, "args": args(e)}));
         }
         for k in &e.device_kernels {
-            // CUPTI's stream ids, on tracks after the launch tracks.
-            let key = (e.device, CUPTI_TRACKS + k.stream as u64);
-            let tid = streams.iter().position(|s| *s == key).unwrap_or_else(|| {
-                streams.push(key);
-                streams.len() - 1
-            }) as u64;
+            let tid = track(&mut tracks, (e.device, Track::Kernels(k.stream)));
             let a = json!({"grid": [k.grid.0, k.grid.1, k.grid.2], "block": [k.block.0, k.block.1, k.block.2], "launched by": e.name, "in a CUDA graph": k.in_graph});
             out.push(json!({"name": k.name, "cat": "kernel", "ph": "X", "ts": k.device_start_us, "dur": k.device_us, "pid": device_pid(e.device), "tid": tid, "args": a}));
         }
@@ -77,9 +81,40 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
     for d in devices {
         out.push(meta("process_name", device_pid(d), 0, d.to_string()));
     }
-    for (tid, (d, s)) in streams.iter().enumerate() {
-        let name = if *s >= CUPTI_TRACKS { format!("kernels (CUPTI), stream {}", s - CUPTI_TRACKS) } else { format!("stream {s:#x}") };
+    for (tid, (d, t)) in tracks.iter().enumerate() {
+        let name = match t {
+            Track::Launches(s) => format!("stream {s:#x}"),
+            Track::Kernels(s) => format!("kernels (CUPTI), stream {s}"),
+        };
         out.push(meta("thread_name", device_pid(*d), tid as u64, name));
     }
     json!({"traceEvents": out, "displayTimeUnit": "ms"})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{DeviceKernel, Event, EventKind};
+    use crate::Device;
+
+    fn launch(name: &str, stream: u64, ran: Vec<DeviceKernel>) -> Event {
+        let d = Device::Cuda(0);
+        Event { kind: EventKind::Kernel, name: name.into(), device: d, start_us: 0.0, host_us: 1.0, device_us: Some(2.0), device_start_us: Some(3.0), grid: None, block: None, stream: Some(stream), bytes: 0, bytes_in_use: None, location: None, device_kernels: ran }
+    }
+
+    fn ran(name: &str, stream: u32) -> DeviceKernel {
+        DeviceKernel { name: name.into(), device_start_us: 3.5, device_us: 1.0, grid: (1, 1, 1), block: (32, 1, 1), stream, in_graph: true }
+    }
+
+    #[test]
+    fn kernels_cupti_saw_get_tracks_apart_from_the_launch_tracks() {
+        let events = [launch("replay", 0x10, vec![ran("k1", 7), ran("k2", 7)]), launch("gemm", 0x10, vec![ran("xmma", 9)])];
+        let trace = super::chrome_trace(&events);
+        let all = trace["traceEvents"].as_array().unwrap();
+        let tid = |name: &str| all.iter().find(|e| e["name"] == name && e["pid"] == 1).map(|e| e["tid"].as_u64().unwrap());
+        // The launches share their stream's track; CUPTI's streams 7 and 9 get one each.
+        assert_eq!((tid("replay"), tid("gemm"), tid("k1"), tid("k2"), tid("xmma")), (Some(0), Some(0), Some(1), Some(1), Some(2)));
+        let names: Vec<&str> = all.iter().filter(|e| e["name"] == "thread_name" && e["pid"] == 1).map(|e| e["args"]["name"].as_str().unwrap()).collect();
+        assert_eq!(names, ["stream 0x10", "kernels (CUPTI), stream 7", "kernels (CUPTI), stream 9"]);
+        assert!(all.iter().any(|e| e["name"] == "k1" && e["args"]["launched by"] == "replay" && e["args"]["in a CUDA graph"] == true));
+    }
 }
