@@ -28,6 +28,10 @@ enum Cmd {
         only: Option<String>,
         #[arg(long, default_value = "kiln.json")]
         out: std::path::PathBuf,
+        /// Let F32 products use TF32 tensor cores (`kiln::cuda::set_allow_tf32`), as PyTorch's
+        /// `allow_tf32`: faster, not FP32-accurate. The JSON's system field says so.
+        #[arg(long)]
+        allow_tf32: bool,
     },
     /// Runs one call of a bench workload under the profiler: prints the per-kernel table and
     /// writes a Chrome trace.
@@ -48,7 +52,7 @@ fn main() {
     let r = match args.cmd {
         None => demo(600),
         Some(Cmd::Demo { steps }) => demo(steps),
-        Some(Cmd::Bench { only, out }) => cli::bench::run(only.as_deref(), &out),
+        Some(Cmd::Bench { only, out, allow_tf32 }) => cli::bench::run(only.as_deref(), &out, allow_tf32),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
     };
     if let Err(e) = r {

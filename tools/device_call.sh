@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine, from the repository root after ../shared/tools/gpu-bundle:
 #   bash tools/device_call.sh $OUT <sections...>
-# Sections: gemm (tools/gemm harness), nvrtc (NVRTC timing on logged kernels), compile (cold
+# Sections: wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
@@ -134,5 +134,9 @@ if [[ " $* " == *" branches "* ]]; then
   done; done
   # The steps of the bs32 training step's graph and what each waits for.
   awk '/CUDA graph steps/{n++} n==3' $OUT/br1-mlp.log | grep -A30 "CUDA graph steps" | head -32
+fi
+if [[ " $* " == *" wgmma "* ]]; then
+  # The wgmma 3xTF32 products beside cuBLAS (config lists: V1_CONFIGS, V3_CONFIGS, V4_CONFIGS).
+  bash tools/gemm/run_wgmma.sh $OUT/gemm 2>&1 | tail -80
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi

@@ -299,11 +299,12 @@ pub const WORKLOADS: [&str; 13] = [
     "resnet50.infer.bf16amp.bs128",
 ];
 
-pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
+pub fn run(only: Option<&str>, out: &std::path::Path, allow_tf32: bool) -> Result<()> {
     let dev = Device::cuda_if_available(0);
     if dev == Device::Cpu {
         return Err(kiln::Error::DeviceUnavailable { op: "bench", device: Device::Cuda(0), msg: "the bench measures a GPU".into() });
     }
+    cuda::set_allow_tf32(allow_tf32);
     manual_seed(0);
     let x = Tensor::randn(&[100_000_000], DType::F32, &dev)?;
     let y = Tensor::zeros(&[100_000_000], DType::F32, &dev)?;
@@ -324,7 +325,8 @@ pub fn run(only: Option<&str>, out: &std::path::Path) -> Result<()> {
     }
     drop((x, y));
     let mut res = Map::new();
-    res.insert("system".into(), json!(format!("kiln-{}", env!("CARGO_PKG_VERSION"))));
+    let tf32 = if allow_tf32 { " (allow_tf32)" } else { "" };
+    res.insert("system".into(), json!(format!("kiln-{}{tf32}", env!("CARGO_PKG_VERSION"))));
     res.insert("device".into(), json!(cuda::device_name(&dev)?));
     res.insert("copy_GBps".into(), json!(8e8 / (copy_ms / 1e3) / 1e9));
     let mut rows = Map::new();

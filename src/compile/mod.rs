@@ -494,6 +494,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         if !self.state.lock().entries.is_empty() && !dynamic_respecialise {
             log(Category::Recompiles, || format!("recompiling: {reason}"));
         }
+        let started = std::time::Instant::now();
         let opts = self.opts.clone();
         let state = self.state.clone();
         let on_break: trace::BreakRunner = Arc::new(move |g: &Graph, inputs: &[Tensor]| run_segment(&opts, &state, g, inputs));
@@ -514,7 +515,11 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             log(Category::Recompiles, || format!("not cached: the call left {} new tensors alive (new state); the next call traces again", traced.effects.escaped.len()));
             return Ok(out);
         }
-        let shapes = args.iter().map(|a| a.shape().to_vec()).collect();
+        let shapes: Vec<Vec<usize>> = args.iter().map(|a| a.shape().to_vec()).collect();
+        if dynamic_respecialise {
+            // Not a recompile (no guard failed, no kernel is generated), but a cost the caller pays.
+            log(Category::Recompiles, || format!("dynamic: new sizes {shapes:?} traced, built and run in {:.2} ms (kernels shared)", started.elapsed().as_secs_f64() * 1e3));
+        }
         push_entry(&mut self.state.lock(), Entry { key, exec, captured, effects: Arc::new(traced.effects), shapes });
         Ok(out)
     }
