@@ -2,9 +2,9 @@
 //! its reference op is checked in the library's unit tests) against the same attention written
 //! with matmul and softmax: outputs and gradients, masks, causal, cross-attention lengths over
 //! several key tiles, head dims that are not multiples of 32; eager, compiled, and inside
-//! MultiheadAttention. Tolerances: F32 1e-5 relative + 1e-5 absolute (different summation
-//! order), BF16 2e-2 + 2e-2 (inputs rounded to 8 bits; the reference rounds its scores and
-//! weights to BF16 too), F64 1e-12.
+//! MultiheadAttention; in F16 and BF16 the tensor-core forward. Tolerances: F32 1e-5 relative +
+//! 1e-5 absolute (different summation order), BF16 2e-2 + 2e-2 (inputs rounded to 8 bits; the
+//! reference rounds its scores and weights to BF16 too), F16 5e-3 + 5e-3 (11 bits), F64 1e-12.
 
 use crate::common::*;
 use kiln::compile::compile;
@@ -74,6 +74,18 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// Shapes the GPU's tensor-core forward takes in F16 and BF16 (head dims a multiple of 16):
+/// several query blocks of 64 rows and key tiles of 64, partial last tiles, masks, causal.
+fn tensor_core_cases() -> Vec<Case> {
+    vec![
+        Case { shape_q: [2, 3, 37, 64], s: 45, causal: false, masked: true },
+        Case { shape_q: [1, 2, 150, 64], s: 150, causal: true, masked: false },
+        Case { shape_q: [2, 2, 130, 32], s: 200, causal: true, masked: true },
+        Case { shape_q: [1, 2, 70, 16], s: 300, causal: false, masked: true },
+        Case { shape_q: [1, 1, 65, 128], s: 129, causal: false, masked: false },
+    ]
+}
+
 #[test]
 fn fused_attention_matches_matmul_softmax_in_f32() {
     for c in cases() {
@@ -85,6 +97,27 @@ fn fused_attention_matches_matmul_softmax_in_f32() {
 fn fused_attention_matches_matmul_softmax_in_bf16() {
     for c in cases() {
         check(&c, DType::BF16, 2e-2, 2e-2);
+    }
+}
+
+#[test]
+fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
+    for c in tensor_core_cases() {
+        check(&c, DType::BF16, 2e-2, 2e-2);
+        check(&c, DType::F16, 5e-3, 5e-3);
+    }
+}
+
+#[test]
+fn half_precision_attention_runs_on_the_tensor_cores() {
+    if !dev().is_cuda() {
+        return;
+    }
+    for (dt, head_dim, kernel) in [(DType::BF16, 64, "attention_fwd_tc_bfloat16_d64"), (DType::F16, 32, "attention_fwd_tc_float16_d32"), (DType::BF16, 40, "attention_fwd_bfloat16_d40"), (DType::F32, 64, "attention_fwd_float32_d64")] {
+        let (q, k, v) = (rand_t(&[2, 4, 100, head_dim], 1, dt), rand_t(&[2, 4, 90, head_dim], 2, dt), rand_t(&[2, 4, 90, head_dim], 3, dt));
+        let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &Default::default())).unwrap();
+        let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).filter(|n| n.starts_with("attention")).collect();
+        assert_eq!(names, [kernel], "{dt:?} with a head dim of {head_dim}");
     }
 }
 

@@ -1,8 +1,10 @@
-//! Fused scaled dot-product attention (flash-attention style): one warp per query row walks the
-//! keys 32 at a time with an online softmax, so the score matrix never reaches memory. The
-//! backward recomputes the probabilities: one kernel for dq (and each row's log-sum-exp and
-//! dO·O), one for dk and dv, one warp per key row. Layouts as `Op::Attention`: q, k, v are read
-//! through their strides (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
+//! Fused scaled dot-product attention (flash-attention style), so the score matrix never
+//! reaches memory. Forward in F16 / BF16 with head dims a multiple of 16: on the tensor cores
+//! (`gen_forward_tc`, 16 query rows per warp, keys in tiles of 64); otherwise one warp per query
+//! row walks the keys 32 at a time with an online softmax. The backward recomputes the
+//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv,
+//! one warp per key row. Layouts as `Op::Attention`: q, k, v are read through their strides
+//! (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
 use super::kernels::{data_ptr, dev_of};
@@ -112,6 +114,158 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
         common = common(dtype, d)
     );
     (name, src)
+}
+
+/// Query rows per block of the tensor-core forward (16 per warp), and keys per tile.
+const TC_ROWS: usize = 64;
+
+/// Forward on the tensor cores (F16 / BF16, head dims a multiple of 16), flash-attention 2
+/// style: each warp holds 16 query rows as `mma.m16n8k16` fragments, the block walks K and V
+/// in tiles of 64 keys through shared memory; the scores stay in registers (FP32), the online
+/// softmax rescales the FP32 output, and the probabilities enter the second product rounded to
+/// the input dtype (as PyTorch's fused kernels do).
+fn gen_forward_tc(dtype: DType, d: usize) -> (String, String) {
+    let name = kernel_name("fwd_tc", dtype, d);
+    let (ty, ld) = match dtype {
+        DType::BF16 => ("bf16", "kb2f"),
+        _ => ("f16", "kh2f"),
+    };
+    let src = format!(
+        r#"{PRELUDE}
+#define D_ {d}
+#define KT 64
+#define KP (D_ + 8)
+#define FULL 0xffffffffu
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef unsigned short T;
+typedef unsigned int U;
+__device__ __forceinline__ U pack2(float lo, float hi) {{ U r; asm("cvt.rn.{ty}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }}
+__device__ __forceinline__ void mma(float* c, const U* a, U b0, U b1) {{
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
+    : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}}
+// B fragments (keys along k, head dims along n) of an 8 x 16 piece of V stored key-major.
+__device__ __forceinline__ void ldsm_trans(U& r0, U& r1, const T* p) {{
+  U s = (U)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {{%0, %1}}, [%2];" : "=r"(r0), "=r"(r1) : "r"(s));
+}}
+extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
+  const T* q = (const T*)a.w[0]; const T* k = (const T*)a.w[1]; const T* v = (const T*)a.w[2]; const T* mk = (const T*)a.w[3];
+  T* out = (T*)a.w[4];
+  long long B = a.w[5], H = a.w[6], L = a.w[7], S = a.w[8];
+  long long qsl = a.w[9], qsb = a.w[10], qsh = a.w[11], kss = a.w[12], ksb = a.w[13], ksh = a.w[14], vss = a.w[15], vsb = a.w[16], vsh = a.w[17];
+  long long msb = a.w[18], msh = a.w[19], msl = a.w[20], mss = a.w[21];
+  float scale = (float)kparam_f(a.w[22]); int causal = (int)a.w[23];
+  __shared__ __align__(16) T Ks[KT][KP];
+  __shared__ __align__(16) T Vs[KT][KP];
+  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  long long bh = blockIdx.x, b = bh / H, h = bh % H;
+  long long q0 = (long long)blockIdx.y * {TC_ROWS}, w0 = q0 + 16 * warp;
+  long long r0 = w0 + g, r1 = r0 + 8;  // this thread's two rows
+  const T* qr0 = q + r0 * qsl + b * qsb + h * qsh;
+  const T* qr1 = q + r1 * qsl + b * qsb + h * qsh;
+  U qa[D_ / 16][4];
+  for (int kk = 0; kk < D_ / 16; kk++) {{
+    qa[kk][0] = r0 < L ? *(const U*)(qr0 + 16 * kk + 2 * t) : 0u;
+    qa[kk][1] = r1 < L ? *(const U*)(qr1 + 16 * kk + 2 * t) : 0u;
+    qa[kk][2] = r0 < L ? *(const U*)(qr0 + 16 * kk + 2 * t + 8) : 0u;
+    qa[kk][3] = r1 < L ? *(const U*)(qr1 + 16 * kk + 2 * t + 8) : 0u;
+  }}
+  float o[D_ / 8][4];
+  for (int i = 0; i < D_ / 8; i++) {{ o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }}
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  bool active = w0 < L;
+  long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + {TC_ROWS}) - 1;
+  long long send = causal ? min(S, blast + 1) : S;
+  for (long long s0 = 0; s0 < send; s0 += KT) {{
+    __syncthreads();
+    for (int i = tid; i < KT * (D_ / 8); i += 128) {{
+      int j = i / (D_ / 8), c = i - j * (D_ / 8);
+      long long s = s0 + j;
+      uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = kv;
+      if (s < S) {{
+        kv = *(const uint4*)(k + s * kss + b * ksb + h * ksh + 8 * c);
+        vv = *(const uint4*)(v + s * vss + b * vsb + h * vsh + 8 * c);
+      }}
+      *(uint4*)&Ks[j][8 * c] = kv;
+      *(uint4*)&Vs[j][8 * c] = vv;
+    }}
+    __syncthreads();
+    if (!active || (causal && s0 > wlast)) continue;
+    float sc[8][4];
+    for (int nb = 0; nb < 8; nb++) {{
+      sc[nb][0] = 0.f; sc[nb][1] = 0.f; sc[nb][2] = 0.f; sc[nb][3] = 0.f;
+      for (int kk = 0; kk < D_ / 16; kk++)
+        mma(sc[nb], qa[kk], *(const U*)&Ks[8 * nb + g][16 * kk + 2 * t], *(const U*)&Ks[8 * nb + g][16 * kk + 2 * t + 8]);
+    }}
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+    for (int nb = 0; nb < 8; nb++)
+      for (int e = 0; e < 4; e++) {{
+        long long row = e < 2 ? r0 : r1, col = s0 + 8 * nb + 2 * t + (e & 1);
+        float x = sc[nb][e] * scale;
+        if (col >= S || (causal && col > row)) x = -INFINITY;
+        else if (mk && row < L) x += {ld}(mk[b * msb + h * msh + row * msl + col * mss]);
+        sc[nb][e] = x;
+        if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      }}
+    mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 1)); mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1)); mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
+    float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // Rows with every score so far masked out keep a zero output (their sum stays zero).
+    float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+    float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
+    m0 = n0; m1 = n1;
+    float ps0 = 0.f, ps1 = 0.f;
+    for (int nb = 0; nb < 8; nb++) {{
+      sc[nb][0] = expf(sc[nb][0] - base0); sc[nb][1] = expf(sc[nb][1] - base0);
+      sc[nb][2] = expf(sc[nb][2] - base1); sc[nb][3] = expf(sc[nb][3] - base1);
+      ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
+    }}
+    l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
+    for (int i = 0; i < D_ / 8; i++) {{ o[i][0] *= corr0; o[i][1] *= corr0; o[i][2] *= corr1; o[i][3] *= corr1; }}
+    for (int j = 0; j < 4; j++) {{
+      U pa[4] = {{pack2(sc[2 * j][0], sc[2 * j][1]), pack2(sc[2 * j][2], sc[2 * j][3]), pack2(sc[2 * j + 1][0], sc[2 * j + 1][1]), pack2(sc[2 * j + 1][2], sc[2 * j + 1][3])}};
+      for (int nb = 0; nb < D_ / 8; nb++) {{
+        U b0, b1;
+        ldsm_trans(b0, b1, &Vs[16 * j + (lane & 15)][8 * nb]);
+        mma(o[nb], pa, b0, b1);
+      }}
+    }}
+  }}
+  // Each row's sum is spread over the four threads of its quad.
+  l0 += __shfl_xor_sync(FULL, l0, 1); l0 += __shfl_xor_sync(FULL, l0, 2);
+  l1 += __shfl_xor_sync(FULL, l1, 1); l1 += __shfl_xor_sync(FULL, l1, 2);
+  for (int nb = 0; nb < D_ / 8; nb++) {{
+    if (r0 < L) *(U*)(out + ((r0 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][0] / l0, o[nb][1] / l0);
+    if (r1 < L) *(U*)(out + ((r1 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][2] / l1, o[nb][3] / l1);
+  }}
+}}
+"#
+    );
+    (name, src)
+}
+
+/// Whether the tensor-core forward takes these inputs: F16 or BF16, a head dim that is a
+/// multiple of 16 (at most 128), more than 32 keys, and q, k, v rows that start 16-byte aligned (K and V tiles
+/// are copied 16 bytes at a time, Q fragments 4). `KILN_ATTENTION_KERNEL=warp` turns it off (for
+/// measuring one kernel against the other).
+fn tensor_core_forward(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<bool> {
+    static WARP_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *WARP_ONLY.get_or_init(|| std::env::var("KILN_ATTENTION_KERNEL").is_ok_and(|v| v == "warp")) {
+        return Ok(false);
+    }
+    // Up to 32 keys the warp kernel's single step is faster (10 keys: 10.7 against 12.5 µs).
+    if !matches!(q.dtype(), DType::F16 | DType::BF16) || d % 16 != 0 || d > MAX_HEAD_DIM || k.shape()[0] <= 32 {
+        return Ok(false);
+    }
+    for t in [q, k, v] {
+        if data_ptr(t)? % 16 != 0 || t.strides()[..3].iter().any(|&s| s % 8 != 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Backward, per query row: the row's log-sum-exp and delta = dO·O, then
@@ -278,10 +432,16 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
-    dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
+    if tensor_core_forward(q, k, v, n.d)? {
+        let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d))?;
+        let (x, _, _) = grid(n.b * n.h, n.l)?;
+        dev.launch(kern, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+    } else {
+        let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
+        dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
+    }
     Ok(out)
 }
 
