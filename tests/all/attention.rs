@@ -119,6 +119,17 @@ fn half_precision_attention_runs_on_the_tensor_cores() {
         let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).filter(|n| n.starts_with("attention")).collect();
         assert_eq!(names, [kernel], "{dt:?} with a head dim of {head_dim}");
     }
+    // The backward too, for head dims up to 64.
+    let leaf = |shape: &[usize], seed| rand_t(shape, seed, DType::BF16).requires_grad();
+    let (q, k, v) = (leaf(&[2, 4, 100, 64], 1), leaf(&[2, 4, 90, 64], 2), leaf(&[2, 4, 90, 64], 3));
+    let y = F::scaled_dot_product_attention(&q, &k, &v, &Default::default()).unwrap();
+    let g = rand_t(&[2, 4, 100, 64], 4, DType::BF16);
+    let p = profiler::profile(|| y.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false })).unwrap();
+    let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).filter(|n| n.starts_with("attention")).collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    for want in ["attention_bwd_q_tc_bfloat16_d64", "attention_bwd_kv_tc_bfloat16_d64"] {
+        assert!(names.iter().any(|n| n == want), "{want} in {names:?}");
+    }
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! reaches memory. Forward in F16 / BF16 with head dims a multiple of 16: on the tensor cores
 //! (`gen_forward_tc`, 16 query rows per warp, keys in tiles of 64); otherwise one warp per query
 //! row walks the keys 32 at a time with an online softmax. The backward recomputes the
-//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv,
-//! one warp per key row. Layouts as `Op::Attention`: q, k, v are read through their strides
+//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv;
+//! on the tensor cores for head dims up to 64 (16 query or key rows per warp), else one warp
+//! per query or key row. Layouts as `Op::Attention`: q, k, v are read through their strides
 //! (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
@@ -116,133 +117,328 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     (name, src)
 }
 
-/// Query rows per block of the tensor-core forward (16 per warp), and keys per tile.
+/// Rows per block of the tensor-core kernels (16 per warp), and rows per shared-memory tile.
 const TC_ROWS: usize = 64;
 
-/// Forward on the tensor cores (F16 / BF16, head dims a multiple of 16), flash-attention 2
-/// style: each warp holds 16 query rows as `mma.m16n8k16` fragments, the block walks K and V
-/// in tiles of 64 keys through shared memory; the scores stay in registers (FP32), the online
-/// softmax rescales the FP32 output, and the probabilities enter the second product rounded to
-/// the input dtype (as PyTorch's fused kernels do).
-fn gen_forward_tc(dtype: DType, d: usize) -> (String, String) {
-    let name = kernel_name("fwd_tc", dtype, d);
-    let (ty, ld) = match dtype {
-        DType::BF16 => ("bf16", "kb2f"),
-        _ => ("f16", "kh2f"),
-    };
-    let src = format!(
-        r#"{PRELUDE}
-#define D_ {d}
-#define KT 64
+/// Source shared by the tensor-core kernels (F16 / BF16, head dims a multiple of 16): the
+/// `mma.m16n8k16` product and its fragments (A: 16 rows, from registers; B: a shared-memory
+/// tile of 64 rows, directly or transposed through `ldmatrix`), tile loads, masking.
+fn tc_common(dtype: DType, d: usize) -> String {
+    let ty = if dtype == DType::BF16 { "bf16" } else { "f16" };
+    format!(
+        r#"{common}
+#define KT {TC_ROWS}
 #define KP (D_ + 8)
-#define FULL 0xffffffffu
-#ifndef INFINITY
-#define INFINITY __int_as_float(0x7f800000)
-#endif
-typedef unsigned short T;
 typedef unsigned int U;
+#define TC_ARGS ARGS int tid = threadIdx.x, grp = lane >> 2, t = lane & 3; (void)msb; (void)msh; (void)msl; (void)mss;
 __device__ __forceinline__ U pack2(float lo, float hi) {{ U r; asm("cvt.rn.{ty}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }}
+__device__ __forceinline__ float quad_sum(float x) {{ x += __shfl_xor_sync(FULL, x, 1); return x + __shfl_xor_sync(FULL, x, 2); }}
+__device__ __forceinline__ float quad_max(float x) {{ x = fmaxf(x, __shfl_xor_sync(FULL, x, 1)); return fmaxf(x, __shfl_xor_sync(FULL, x, 2)); }}
 __device__ __forceinline__ void mma(float* c, const U* a, U b0, U b1) {{
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, {{%0, %1, %2, %3}};"
     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }}
-// B fragments (keys along k, head dims along n) of an 8 x 16 piece of V stored key-major.
-__device__ __forceinline__ void ldsm_trans(U& r0, U& r1, const T* p) {{
-  U s = (U)__cvta_generic_to_shared(p);
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {{%0, %1}}, [%2];" : "=r"(r0), "=r"(r1) : "r"(s));
+// A fragments of 16 rows (this thread's rows p0 and p1 = p0 + 8; zero where !ok).
+__device__ __forceinline__ void load_rows(U (&fr)[D_ / 16][4], const T* p0, const T* p1, bool ok0, bool ok1, int t) {{
+  #pragma unroll
+  for (int kk = 0; kk < D_ / 16; kk++) {{
+    fr[kk][0] = ok0 ? *(const U*)(p0 + 16 * kk + 2 * t) : 0u;
+    fr[kk][1] = ok1 ? *(const U*)(p1 + 16 * kk + 2 * t) : 0u;
+    fr[kk][2] = ok0 ? *(const U*)(p0 + 16 * kk + 2 * t + 8) : 0u;
+    fr[kk][3] = ok1 ? *(const U*)(p1 + 16 * kk + 2 * t + 8) : 0u;
+  }}
 }}
+// Rows row0 .. row0 + 63 (row r at base + r * rs + off, zero past n) into a tile, 16 bytes at a time.
+__device__ __forceinline__ void load_tile(T (*tile)[KP], const T* base, long long row0, long long n, long long rs, long long off, int tid) {{
+  for (int i = tid; i < KT * (D_ / 8); i += 128) {{
+    int j = i / (D_ / 8), c = i - j * (D_ / 8);
+    long long r = row0 + j;
+    uint4 x = make_uint4(0u, 0u, 0u, 0u);
+    if (r < n) x = *(const uint4*)(base + r * rs + off + 8 * c);
+    *(uint4*)&tile[j][8 * c] = x;
+  }}
+}}
+// sc (16 x 64) = fragments (16 x D) times the tile's rows transposed (D x 64).
+__device__ __forceinline__ void scores(float (&sc)[8][4], const U (&fr)[D_ / 16][4], const T (*tile)[KP], int grp, int t) {{
+  #pragma unroll
+  for (int nb = 0; nb < 8; nb++) {{
+    sc[nb][0] = 0.f; sc[nb][1] = 0.f; sc[nb][2] = 0.f; sc[nb][3] = 0.f;
+    #pragma unroll
+    for (int kk = 0; kk < D_ / 16; kk++)
+      mma(sc[nb], fr[kk], *(const U*)&tile[8 * nb + grp][16 * kk + 2 * t], *(const U*)&tile[8 * nb + grp][16 * kk + 2 * t + 8]);
+  }}
+}}
+// acc (16 x D) += p (16 x 64, rounded to T) times the tile (64 x D).
+__device__ __forceinline__ void product_pv(float (&acc)[D_ / 8][4], const float (&p)[8][4], const T (*tile)[KP], int lane) {{
+  #pragma unroll
+  for (int j = 0; j < 4; j++) {{
+    U pa[4] = {{pack2(p[2 * j][0], p[2 * j][1]), pack2(p[2 * j][2], p[2 * j][3]), pack2(p[2 * j + 1][0], p[2 * j + 1][1]), pack2(p[2 * j + 1][2], p[2 * j + 1][3])}};
+    #pragma unroll
+    for (int nb = 0; nb < D_ / 8; nb++) {{
+      U b0, b1, s = (U)__cvta_generic_to_shared(&tile[16 * j + (lane & 15)][8 * nb]);
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {{%0, %1}}, [%2];" : "=r"(b0), "=r"(b1) : "r"(s));
+      mma(acc[nb], pa, b0, b1);
+    }}
+  }}
+}}
+// Scores of query rows r0, r1 against keys s0 .. s0 + 63: scaled, the mask added (at moff +
+// row msl + key mss), -inf past S or above the diagonal when causal; mx0, mx1 their row maxima.
+__device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long long moff, long long msl, long long mss, long long r0, long long r1, long long s0, long long L, long long S, float scale, int causal, int t, float& mx0, float& mx1) {{
+  mx0 = -INFINITY; mx1 = -INFINITY;
+  #pragma unroll
+  for (int nb = 0; nb < 8; nb++)
+    #pragma unroll
+    for (int e = 0; e < 4; e++) {{
+      long long row = e < 2 ? r0 : r1, col = s0 + 8 * nb + 2 * t + (e & 1);
+      float x = sc[nb][e] * scale;
+      if (col >= S || (causal && col > row)) x = -INFINITY;
+      else if (mk && row < L) x += LD(mk[moff + row * msl + col * mss]);
+      sc[nb][e] = x;
+      if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+    }}
+  mx0 = quad_max(mx0); mx1 = quad_max(mx1);
+}}
+"#,
+        common = common(dtype, d)
+    )
+}
+
+/// Forward on the tensor cores, flash-attention 2 style: each warp holds 16 query rows as
+/// fragments, the block walks K and V in tiles of 64 keys; the scores stay in registers (FP32),
+/// the online softmax rescales the FP32 output, and the probabilities enter the second product
+/// rounded to the input dtype (as PyTorch's fused kernels do).
+fn gen_forward_tc(dtype: DType, d: usize) -> (String, String) {
+    let name = kernel_name("fwd_tc", dtype, d);
+    let src = format!(
+        r#"{common}
 extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
-  const T* q = (const T*)a.w[0]; const T* k = (const T*)a.w[1]; const T* v = (const T*)a.w[2]; const T* mk = (const T*)a.w[3];
+  TC_ARGS
   T* out = (T*)a.w[4];
-  long long B = a.w[5], H = a.w[6], L = a.w[7], S = a.w[8];
-  long long qsl = a.w[9], qsb = a.w[10], qsh = a.w[11], kss = a.w[12], ksb = a.w[13], ksh = a.w[14], vss = a.w[15], vsb = a.w[16], vsh = a.w[17];
-  long long msb = a.w[18], msh = a.w[19], msl = a.w[20], mss = a.w[21];
-  float scale = (float)kparam_f(a.w[22]); int causal = (int)a.w[23];
   __shared__ __align__(16) T Ks[KT][KP];
   __shared__ __align__(16) T Vs[KT][KP];
-  int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  long long bh = blockIdx.x, b = bh / H, h = bh % H;
-  long long q0 = (long long)blockIdx.y * {TC_ROWS}, w0 = q0 + 16 * warp;
-  long long r0 = w0 + g, r1 = r0 + 8;  // this thread's two rows
-  const T* qr0 = q + r0 * qsl + b * qsb + h * qsh;
-  const T* qr1 = q + r1 * qsl + b * qsb + h * qsh;
+  long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
   U qa[D_ / 16][4];
-  for (int kk = 0; kk < D_ / 16; kk++) {{
-    qa[kk][0] = r0 < L ? *(const U*)(qr0 + 16 * kk + 2 * t) : 0u;
-    qa[kk][1] = r1 < L ? *(const U*)(qr1 + 16 * kk + 2 * t) : 0u;
-    qa[kk][2] = r0 < L ? *(const U*)(qr0 + 16 * kk + 2 * t + 8) : 0u;
-    qa[kk][3] = r1 < L ? *(const U*)(qr1 + 16 * kk + 2 * t + 8) : 0u;
-  }}
+  load_rows(qa, q + r0 * qsl + b * qsb + h * qsh, q + r1 * qsl + b * qsb + h * qsh, r0 < L, r1 < L, t);
   float o[D_ / 8][4];
+  #pragma unroll
   for (int i = 0; i < D_ / 8; i++) {{ o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }}
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   bool active = w0 < L;
-  long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + {TC_ROWS}) - 1;
+  long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + KT) - 1;
   long long send = causal ? min(S, blast + 1) : S;
   for (long long s0 = 0; s0 < send; s0 += KT) {{
+    load_tile(Ks, k, s0, S, kss, b * ksb + h * ksh, tid);
+    load_tile(Vs, v, s0, S, vss, b * vsb + h * vsh, tid);
     __syncthreads();
-    for (int i = tid; i < KT * (D_ / 8); i += 128) {{
-      int j = i / (D_ / 8), c = i - j * (D_ / 8);
-      long long s = s0 + j;
-      uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = kv;
-      if (s < S) {{
-        kv = *(const uint4*)(k + s * kss + b * ksb + h * ksh + 8 * c);
-        vv = *(const uint4*)(v + s * vss + b * vsb + h * vsh + 8 * c);
+    if (active && !(causal && s0 > wlast)) {{
+      float sc[8][4], mx0, mx1;
+      scores(sc, qa, Ks, grp, t);
+      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      // Rows with every score so far masked out keep a zero output (their sum stays zero).
+      float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+      float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
+      m0 = n0; m1 = n1;
+      float ps0 = 0.f, ps1 = 0.f;
+      #pragma unroll
+      for (int nb = 0; nb < 8; nb++) {{
+        sc[nb][0] = expf(sc[nb][0] - base0); sc[nb][1] = expf(sc[nb][1] - base0);
+        sc[nb][2] = expf(sc[nb][2] - base1); sc[nb][3] = expf(sc[nb][3] - base1);
+        ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
       }}
-      *(uint4*)&Ks[j][8 * c] = kv;
-      *(uint4*)&Vs[j][8 * c] = vv;
+      l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
+      #pragma unroll
+      for (int i = 0; i < D_ / 8; i++) {{ o[i][0] *= corr0; o[i][1] *= corr0; o[i][2] *= corr1; o[i][3] *= corr1; }}
+      product_pv(o, sc, Vs, lane);
     }}
     __syncthreads();
-    if (!active || (causal && s0 > wlast)) continue;
-    float sc[8][4];
-    for (int nb = 0; nb < 8; nb++) {{
-      sc[nb][0] = 0.f; sc[nb][1] = 0.f; sc[nb][2] = 0.f; sc[nb][3] = 0.f;
-      for (int kk = 0; kk < D_ / 16; kk++)
-        mma(sc[nb], qa[kk], *(const U*)&Ks[8 * nb + g][16 * kk + 2 * t], *(const U*)&Ks[8 * nb + g][16 * kk + 2 * t + 8]);
-    }}
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-    for (int nb = 0; nb < 8; nb++)
-      for (int e = 0; e < 4; e++) {{
-        long long row = e < 2 ? r0 : r1, col = s0 + 8 * nb + 2 * t + (e & 1);
-        float x = sc[nb][e] * scale;
-        if (col >= S || (causal && col > row)) x = -INFINITY;
-        else if (mk && row < L) x += {ld}(mk[b * msb + h * msh + row * msl + col * mss]);
-        sc[nb][e] = x;
-        if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
-      }}
-    mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 1)); mx0 = fmaxf(mx0, __shfl_xor_sync(FULL, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 1)); mx1 = fmaxf(mx1, __shfl_xor_sync(FULL, mx1, 2));
-    float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // Rows with every score so far masked out keep a zero output (their sum stays zero).
-    float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-    float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
-    m0 = n0; m1 = n1;
-    float ps0 = 0.f, ps1 = 0.f;
-    for (int nb = 0; nb < 8; nb++) {{
-      sc[nb][0] = expf(sc[nb][0] - base0); sc[nb][1] = expf(sc[nb][1] - base0);
-      sc[nb][2] = expf(sc[nb][2] - base1); sc[nb][3] = expf(sc[nb][3] - base1);
-      ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
-    }}
-    l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
-    for (int i = 0; i < D_ / 8; i++) {{ o[i][0] *= corr0; o[i][1] *= corr0; o[i][2] *= corr1; o[i][3] *= corr1; }}
-    for (int j = 0; j < 4; j++) {{
-      U pa[4] = {{pack2(sc[2 * j][0], sc[2 * j][1]), pack2(sc[2 * j][2], sc[2 * j][3]), pack2(sc[2 * j + 1][0], sc[2 * j + 1][1]), pack2(sc[2 * j + 1][2], sc[2 * j + 1][3])}};
-      for (int nb = 0; nb < D_ / 8; nb++) {{
-        U b0, b1;
-        ldsm_trans(b0, b1, &Vs[16 * j + (lane & 15)][8 * nb]);
-        mma(o[nb], pa, b0, b1);
-      }}
-    }}
   }}
   // Each row's sum is spread over the four threads of its quad.
-  l0 += __shfl_xor_sync(FULL, l0, 1); l0 += __shfl_xor_sync(FULL, l0, 2);
-  l1 += __shfl_xor_sync(FULL, l1, 1); l1 += __shfl_xor_sync(FULL, l1, 2);
+  l0 = quad_sum(l0); l1 = quad_sum(l1);
+  #pragma unroll
   for (int nb = 0; nb < D_ / 8; nb++) {{
     if (r0 < L) *(U*)(out + ((r0 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][0] / l0, o[nb][1] / l0);
     if (r1 < L) *(U*)(out + ((r1 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][2] / l1, o[nb][3] / l1);
   }}
 }}
-"#
+"#,
+        common = tc_common(dtype, d)
+    );
+    (name, src)
+}
+
+/// Backward on the tensor cores, per block of 64 query rows (16 per warp): each row's
+/// log-sum-exp (a first walk over the keys, scores only) and delta = dO·O, then
+/// dq = scale sum_s p (dO·v_s - delta) k_s, with dS rounded to the input dtype for the product.
+fn gen_backward_q_tc(dtype: DType, d: usize) -> (String, String) {
+    let name = kernel_name("bwd_q_tc", dtype, d);
+    let src = format!(
+        r#"{common}
+extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
+  TC_ARGS
+  const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
+  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
+  __shared__ __align__(16) T Ks[KT][KP];
+  __shared__ __align__(16) T Vs[KT][KP];
+  long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
+  const T* gr0 = g + ((r0 * B + b) * H + h) * D_;
+  const T* gr1 = g + ((r1 * B + b) * H + h) * D_;
+  U qa[D_ / 16][4], ga[D_ / 16][4];
+  load_rows(qa, q + r0 * qsl + b * qsb + h * qsh, q + r1 * qsl + b * qsb + h * qsh, r0 < L, r1 < L, t);
+  load_rows(ga, gr0, gr1, r0 < L, r1 < L, t);
+  // delta of each row: dO·O over the head dims this thread's fragments hold, summed over its quad.
+  float dl0 = 0.f, dl1 = 0.f;
+  const T* or0 = o + ((r0 * B + b) * H + h) * D_;
+  const T* or1 = o + ((r1 * B + b) * H + h) * D_;
+  #pragma unroll
+  for (int kk = 0; kk < D_ / 16; kk++)
+    #pragma unroll
+    for (int e = 0; e < 4; e++) {{
+      int dd = 16 * kk + 2 * t + (e & 1) + 8 * (e >> 1);
+      if (r0 < L) dl0 += LD(gr0[dd]) * LD(or0[dd]);
+      if (r1 < L) dl1 += LD(gr1[dd]) * LD(or1[dd]);
+    }}
+  dl0 = quad_sum(dl0); dl1 = quad_sum(dl1);
+  bool active = w0 < L;
+  long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + KT) - 1;
+  long long send = causal ? min(S, blast + 1) : S;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+  for (long long s0 = 0; s0 < send; s0 += KT) {{
+    load_tile(Ks, k, s0, S, kss, b * ksb + h * ksh, tid);
+    __syncthreads();
+    if (active && !(causal && s0 > wlast)) {{
+      float sc[8][4];
+      scores(sc, qa, Ks, grp, t);
+      float mx0, mx1;
+      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+      float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+      float ps0 = 0.f, ps1 = 0.f;
+      #pragma unroll
+      for (int nb = 0; nb < 8; nb++) {{
+        ps0 += expf(sc[nb][0] - base0) + expf(sc[nb][1] - base0);
+        ps1 += expf(sc[nb][2] - base1) + expf(sc[nb][3] - base1);
+      }}
+      l0 = l0 * expf(m0 - base0) + ps0; l1 = l1 * expf(m1 - base1) + ps1;
+      m0 = n0; m1 = n1;
+    }}
+    __syncthreads();
+  }}
+  l0 = quad_sum(l0); l1 = quad_sum(l1);
+  float ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0), ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
+  float acc[D_ / 8][4];
+  #pragma unroll
+  for (int i = 0; i < D_ / 8; i++) {{ acc[i][0] = 0.f; acc[i][1] = 0.f; acc[i][2] = 0.f; acc[i][3] = 0.f; }}
+  for (long long s0 = 0; s0 < send; s0 += KT) {{
+    load_tile(Ks, k, s0, S, kss, b * ksb + h * ksh, tid);
+    load_tile(Vs, v, s0, S, vss, b * vsb + h * vsh, tid);
+    __syncthreads();
+    if (active && !(causal && s0 > wlast)) {{
+      float sc[8][4], dp[8][4];
+      scores(sc, qa, Ks, grp, t);
+      float mx0, mx1;
+      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      scores(dp, ga, Vs, grp, t);
+      #pragma unroll
+      for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {{
+          float ls = e < 2 ? ls0 : ls1, x = sc[nb][e];
+          float p = (x == -INFINITY || ls == -INFINITY) ? 0.f : expf(x - ls);
+          sc[nb][e] = p * (dp[nb][e] - (e < 2 ? dl0 : dl1));
+        }}
+      product_pv(acc, sc, Ks, lane);
+    }}
+    __syncthreads();
+  }}
+  #pragma unroll
+  for (int nb = 0; nb < D_ / 8; nb++)
+    #pragma unroll
+    for (int e = 0; e < 4; e++) {{
+      long long r = e < 2 ? r0 : r1;
+      if (r < L) dq[((r * B + b) * H + h) * D_ + 8 * nb + 2 * t + (e & 1)] = acc[nb][e] * scale;
+    }}
+  if (t == 0) {{
+    if (r0 < L) {{ lse[bh * L + r0] = ls0; dl[bh * L + r0] = dl0; }}
+    if (r1 < L) {{ lse[bh * L + r1] = ls1; dl[bh * L + r1] = dl1; }}
+  }}
+}}
+"#,
+        common = tc_common(dtype, d)
+    );
+    (name, src)
+}
+
+/// Backward on the tensor cores, per block of 64 key rows (16 per warp) walking the query
+/// tiles: the transposed scores K Q^T, then dv = sum_l p dO_l and
+/// dk = scale sum_l p (dO_l·v - delta_l) q_l (probabilities and dS rounded to the input dtype
+/// for the products).
+fn gen_backward_kv_tc(dtype: DType, d: usize) -> (String, String) {
+    let name = kernel_name("bwd_kv_tc", dtype, d);
+    let src = format!(
+        r#"{common}
+extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
+  TC_ARGS
+  const T* g = (const T*)a.w[25];
+  const float* lse = (const float*)a.w[27]; const float* dl = (const float*)a.w[28];
+  float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
+  __shared__ __align__(16) T Qs[KT][KP];
+  __shared__ __align__(16) T Gs[KT][KP];
+  __shared__ float Ls[KT], Ds[KT];
+  long long k0 = (long long)blockIdx.y * KT, w0 = k0 + 16 * warp, c0 = w0 + grp, c1 = c0 + 8;  // this thread's key rows
+  U ka[D_ / 16][4], va[D_ / 16][4];
+  load_rows(ka, k + c0 * kss + b * ksb + h * ksh, k + c1 * kss + b * ksb + h * ksh, c0 < S, c1 < S, t);
+  load_rows(va, v + c0 * vss + b * vsb + h * vsh, v + c1 * vss + b * vsb + h * vsh, c0 < S, c1 < S, t);
+  float gk[D_ / 8][4], gv[D_ / 8][4];
+  #pragma unroll
+  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) {{ gk[i][e] = 0.f; gv[i][e] = 0.f; }}
+  bool active = w0 < S;
+  // Causal: no query before this block's first key sees it.
+  for (long long l0 = causal ? k0 : 0; l0 < L; l0 += KT) {{
+    load_tile(Qs, q, l0, L, qsl, b * qsb + h * qsh, tid);
+    load_tile(Gs, g, l0, L, B * H * D_, (b * H + h) * D_, tid);
+    if (tid < KT) {{
+      long long l = l0 + tid;
+      Ls[tid] = l < L ? lse[bh * L + l] : -INFINITY;
+      Ds[tid] = l < L ? dl[bh * L + l] : 0.f;
+    }}
+    __syncthreads();
+    if (active && !(causal && l0 + KT - 1 < w0)) {{
+      float p[8][4], dp[8][4];
+      scores(p, ka, Qs, grp, t);
+      scores(dp, va, Gs, grp, t);
+      #pragma unroll
+      for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {{
+          long long key = e < 2 ? c0 : c1, l = l0 + 8 * nb + 2 * t + (e & 1);
+          float x = p[nb][e] * scale, pr = 0.f;
+          if (l < L && key < S && !(causal && key > l)) {{
+            if (mk) x += LD(mk[b * msb + h * msh + l * msl + key * mss]);
+            float ls = Ls[l - l0];
+            pr = (x == -INFINITY || ls == -INFINITY) ? 0.f : expf(x - ls);
+          }}
+          p[nb][e] = pr;
+          dp[nb][e] = pr * (dp[nb][e] - Ds[l < L ? l - l0 : 0]);
+        }}
+      product_pv(gv, p, Gs, lane);
+      product_pv(gk, dp, Qs, lane);
+    }}
+    __syncthreads();
+  }}
+  #pragma unroll
+  for (int nb = 0; nb < D_ / 8; nb++)
+    #pragma unroll
+    for (int e = 0; e < 4; e++) {{
+      long long key = e < 2 ? c0 : c1;
+      if (key < S) {{
+        long long r = ((key * B + b) * H + h) * D_ + 8 * nb + 2 * t + (e & 1);
+        dk[r] = gk[nb][e] * scale; dv[r] = gv[nb][e];
+      }}
+    }}
+}}
+"#,
+        common = tc_common(dtype, d)
     );
     (name, src)
 }
@@ -469,6 +665,15 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[28] = at(nq + 2 * nk + n.b * n.h * n.l);
     a.w[29] = at(nq);
     a.w[30] = at(nq + nk);
+    // The tensor-core kernels keep dk and dv (16 x D each) in registers: head dims up to 64.
+    if n.d <= 64 && tensor_core_forward(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
+        let (x, _, _) = grid(n.b * n.h, n.l.max(n.s))?;
+        let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
+        dev.launch(kq, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        let kkv = dev.kernel(KernelKey::Named(kernel_name("bwd_kv_tc", q.dtype(), n.d)), || gen_backward_kv_tc(q.dtype(), n.d))?;
+        dev.launch(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        return Ok(packed);
+    }
     let block = ((ROWS * 32) as u32, 1, 1);
     let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q", q.dtype(), n.d)), || gen_backward_q(q.dtype(), n.d))?;
     dev.launch(kq, grid(n.b * n.h, n.l)?, block, &a)?;
