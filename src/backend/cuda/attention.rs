@@ -2,9 +2,9 @@
 //! reaches memory. Forward in F16 / BF16 with head dims a multiple of 16: on the tensor cores
 //! (`gen_forward_tc`, 16 query rows per warp, keys in tiles of 64); otherwise one warp per query
 //! row walks the keys 32 at a time with an online softmax. The backward recomputes the
-//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv;
-//! on the tensor cores for head dims up to 64 (16 query or key rows per warp), else one warp
-//! per query or key row. Layouts as `Op::Attention`: q, k, v are read through their strides
+//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv
+//! (two for head dims over 64); on the tensor cores where the forward is (16 query or key rows
+//! per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read through their strides
 //! (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
@@ -185,6 +185,17 @@ __device__ __forceinline__ void product_pv(float (&acc)[D_ / 8][4], const float 
 // row msl + key mss), -inf past S or above the diagonal when causal; mx0, mx1 their row maxima.
 __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long long moff, long long msl, long long mss, long long r0, long long r1, long long s0, long long L, long long S, float scale, int causal, int t, float& mx0, float& mx1) {{
   mx0 = -INFINITY; mx1 = -INFINITY;
+  // A tile of keys all inside S and (causal) all at or before this thread's first row, with no
+  // mask: scaling is all there is to do.
+  if (!mk && s0 + KT <= S && (!causal || s0 + KT - 1 <= r0)) {{
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++) {{
+      sc[nb][0] *= scale; sc[nb][1] *= scale; sc[nb][2] *= scale; sc[nb][3] *= scale;
+      mx0 = fmaxf(mx0, fmaxf(sc[nb][0], sc[nb][1])); mx1 = fmaxf(mx1, fmaxf(sc[nb][2], sc[nb][3]));
+    }}
+    mx0 = quad_max(mx0); mx1 = quad_max(mx1);
+    return;
+  }}
   #pragma unroll
   for (int nb = 0; nb < 8; nb++)
     #pragma unroll
@@ -237,13 +248,13 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
       // Rows with every score so far masked out keep a zero output (their sum stays zero).
       float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-      float corr0 = expf(m0 - base0), corr1 = expf(m1 - base1);
+      float corr0 = __expf(m0 - base0), corr1 = __expf(m1 - base1);
       m0 = n0; m1 = n1;
       float ps0 = 0.f, ps1 = 0.f;
       #pragma unroll
       for (int nb = 0; nb < 8; nb++) {{
-        sc[nb][0] = expf(sc[nb][0] - base0); sc[nb][1] = expf(sc[nb][1] - base0);
-        sc[nb][2] = expf(sc[nb][2] - base1); sc[nb][3] = expf(sc[nb][3] - base1);
+        sc[nb][0] = __expf(sc[nb][0] - base0); sc[nb][1] = __expf(sc[nb][1] - base0);
+        sc[nb][2] = __expf(sc[nb][2] - base1); sc[nb][3] = __expf(sc[nb][3] - base1);
         ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
       }}
       l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
@@ -316,10 +327,10 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       float ps0 = 0.f, ps1 = 0.f;
       #pragma unroll
       for (int nb = 0; nb < 8; nb++) {{
-        ps0 += expf(sc[nb][0] - base0) + expf(sc[nb][1] - base0);
-        ps1 += expf(sc[nb][2] - base1) + expf(sc[nb][3] - base1);
+        ps0 += __expf(sc[nb][0] - base0) + __expf(sc[nb][1] - base0);
+        ps1 += __expf(sc[nb][2] - base1) + __expf(sc[nb][3] - base1);
       }}
-      l0 = l0 * expf(m0 - base0) + ps0; l1 = l1 * expf(m1 - base1) + ps1;
+      l0 = l0 * __expf(m0 - base0) + ps0; l1 = l1 * __expf(m1 - base1) + ps1;
       m0 = n0; m1 = n1;
     }}
     __syncthreads();
@@ -344,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
         #pragma unroll
         for (int e = 0; e < 4; e++) {{
           float ls = e < 2 ? ls0 : ls1, x = sc[nb][e];
-          float p = (x == -INFINITY || ls == -INFINITY) ? 0.f : expf(x - ls);
+          float p = (x == -INFINITY || ls == -INFINITY) ? 0.f : __expf(x - ls);
           sc[nb][e] = p * (dp[nb][e] - (e < 2 ? dl0 : dl1));
         }}
       product_pv(acc, sc, Ks, lane);
@@ -369,14 +380,32 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
     (name, src)
 }
 
+/// Which gradients a tensor-core key-row kernel computes: both (head dims up to 64), or, for
+/// wider heads, dv and dk in two kernels (both accumulators and both fragment sets would not
+/// fit in registers).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KvPart {
+    Both,
+    Dv,
+    Dk,
+}
+
 /// Backward on the tensor cores, per block of 64 key rows (16 per warp) walking the query
 /// tiles: the transposed scores K Q^T, then dv = sum_l p dO_l and
 /// dk = scale sum_l p (dO_l·v - delta_l) q_l (probabilities and dS rounded to the input dtype
 /// for the products).
-fn gen_backward_kv_tc(dtype: DType, d: usize) -> (String, String) {
-    let name = kernel_name("bwd_kv_tc", dtype, d);
+fn gen_backward_kv_tc(dtype: DType, d: usize, part: KvPart) -> (String, String) {
+    let kind = match part {
+        KvPart::Both => "bwd_kv_tc",
+        KvPart::Dv => "bwd_dv_tc",
+        KvPart::Dk => "bwd_dk_tc",
+    };
+    let name = kernel_name(kind, dtype, d);
+    let (want_dv, want_dk) = (part != KvPart::Dk, part != KvPart::Dv);
     let src = format!(
         r#"{common}
+#define WANT_DV {dv}
+#define WANT_DK {dk}
 extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   TC_ARGS
   const T* g = (const T*)a.w[25];
@@ -386,12 +415,20 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   __shared__ __align__(16) T Gs[KT][KP];
   __shared__ float Ls[KT], Ds[KT];
   long long k0 = (long long)blockIdx.y * KT, w0 = k0 + 16 * warp, c0 = w0 + grp, c1 = c0 + 8;  // this thread's key rows
-  U ka[D_ / 16][4], va[D_ / 16][4];
+  U ka[D_ / 16][4];
   load_rows(ka, k + c0 * kss + b * ksb + h * ksh, k + c1 * kss + b * ksb + h * ksh, c0 < S, c1 < S, t);
+#if WANT_DK
+  U va[D_ / 16][4];
   load_rows(va, v + c0 * vss + b * vsb + h * vsh, v + c1 * vss + b * vsb + h * vsh, c0 < S, c1 < S, t);
-  float gk[D_ / 8][4], gv[D_ / 8][4];
+  float gk[D_ / 8][4];
   #pragma unroll
-  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) {{ gk[i][e] = 0.f; gv[i][e] = 0.f; }}
+  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) gk[i][e] = 0.f;
+#endif
+#if WANT_DV
+  float gv[D_ / 8][4];
+  #pragma unroll
+  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) gv[i][e] = 0.f;
+#endif
   bool active = w0 < S;
   // Causal: no query before this block's first key sees it.
   for (long long l0 = causal ? k0 : 0; l0 < L; l0 += KT) {{
@@ -404,9 +441,12 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
     }}
     __syncthreads();
     if (active && !(causal && l0 + KT - 1 < w0)) {{
-      float p[8][4], dp[8][4];
+      float p[8][4];
       scores(p, ka, Qs, grp, t);
+#if WANT_DK
+      float dp[8][4];
       scores(dp, va, Gs, grp, t);
+#endif
       #pragma unroll
       for (int nb = 0; nb < 8; nb++)
         #pragma unroll
@@ -416,13 +456,19 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
           if (l < L && key < S && !(causal && key > l)) {{
             if (mk) x += LD(mk[b * msb + h * msh + l * msl + key * mss]);
             float ls = Ls[l - l0];
-            pr = (x == -INFINITY || ls == -INFINITY) ? 0.f : expf(x - ls);
+            pr = (x == -INFINITY || ls == -INFINITY) ? 0.f : __expf(x - ls);
           }}
           p[nb][e] = pr;
+#if WANT_DK
           dp[nb][e] = pr * (dp[nb][e] - Ds[l < L ? l - l0 : 0]);
+#endif
         }}
+#if WANT_DV
       product_pv(gv, p, Gs, lane);
+#endif
+#if WANT_DK
       product_pv(gk, dp, Qs, lane);
+#endif
     }}
     __syncthreads();
   }}
@@ -433,12 +479,19 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       long long key = e < 2 ? c0 : c1;
       if (key < S) {{
         long long r = ((key * B + b) * H + h) * D_ + 8 * nb + 2 * t + (e & 1);
-        dk[r] = gk[nb][e] * scale; dv[r] = gv[nb][e];
+#if WANT_DK
+        dk[r] = gk[nb][e] * scale;
+#endif
+#if WANT_DV
+        dv[r] = gv[nb][e];
+#endif
       }}
     }}
 }}
 "#,
-        common = tc_common(dtype, d)
+        common = tc_common(dtype, d),
+        dv = want_dv as u8,
+        dk = want_dk as u8,
     );
     (name, src)
 }
@@ -665,13 +718,15 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[28] = at(nq + 2 * nk + n.b * n.h * n.l);
     a.w[29] = at(nq);
     a.w[30] = at(nq + nk);
-    // The tensor-core kernels keep dk and dv (16 x D each) in registers: head dims up to 64.
-    if n.d <= 64 && tensor_core_forward(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
+    if tensor_core_forward(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let (x, _, _) = grid(n.b * n.h, n.l.max(n.s))?;
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
         dev.launch(kq, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
-        let kkv = dev.kernel(KernelKey::Named(kernel_name("bwd_kv_tc", q.dtype(), n.d)), || gen_backward_kv_tc(q.dtype(), n.d))?;
-        dev.launch(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        let parts: &[KvPart] = if n.d <= 64 { &[KvPart::Both] } else { &[KvPart::Dv, KvPart::Dk] };
+        for &part in parts {
+            let kkv = dev.kernel(KernelKey::Named(gen_backward_kv_tc(q.dtype(), n.d, part).0), || gen_backward_kv_tc(q.dtype(), n.d, part))?;
+            dev.launch(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        }
         return Ok(packed);
     }
     let block = ((ROWS * 32) as u32, 1, 1);
