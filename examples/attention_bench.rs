@@ -1,5 +1,6 @@
 //! Fused scaled-dot-product attention on the GPU, forward and forward + backward, in device
-//! time (median of 30 event-timed calls after 5 warm-ups) over the shapes of
+//! time (median of 30 event-timed calls after 5 warm-ups), beside the same attention written
+//! with matmul and softmax (what runs where the fused kernels do not), over the shapes of
 //! `tools/attention/shapes.txt`; `tools/attention/torch_sdpa.py` times PyTorch's backends (cuDNN,
 //! flash, memory-efficient, math) on the same shapes.
 //!
@@ -15,7 +16,7 @@ fn main() -> Result<()> {
     let text = std::fs::read_to_string(&path).map_err(|e| kiln::Error::Arg { op: "attention_bench", msg: format!("{path}: {e}") })?;
     let dev = Device::cuda_if_available(0);
     manual_seed(0);
-    println!("{:<34} {:>10} {:>12}", "shape (N H L S D dtype causal)", "fwd_us", "fwd_bwd_us");
+    println!("{:<34} {:>10} {:>12} {:>14} {:>18}", "shape (N H L S D dtype causal)", "fwd_us", "fwd_bwd_us", "unfused_fwd_us", "unfused_fwd_bwd_us");
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| f[i].parse::<usize>().map_err(|_| kiln::Error::Arg { op: "attention_bench", msg: format!("bad line '{line}'") });
@@ -33,7 +34,18 @@ fn main() -> Result<()> {
         let g = Tensor::randn(&[n, h, l, d], dtype, &dev)?;
         let fwd = no_grad(|| Event::median_ms(&dev, 5, 30, || F::scaled_dot_product_attention(&q, &k, &v, &opts)))?;
         let both = Event::median_ms(&dev, 5, 30, || F::scaled_dot_product_attention(&q, &k, &v, &opts)?.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false }))?;
-        println!("{:<34} {:>10.1} {:>12.1}", line, fwd * 1e3, both * 1e3);
+        // softmax(q k^T / sqrt(D) (+ -inf above the diagonal)) v with plain ops.
+        let above = Tensor::full(&[l, s], f64::NEG_INFINITY, dtype, &dev)?.triu(1)?;
+        let unfused = || -> Result<Tensor> {
+            let mut sc = q.mul_scalar(1.0 / (d as f64).sqrt())?.matmul(&k.transpose(2, 3)?)?;
+            if opts.is_causal {
+                sc = sc.add(&above)?;
+            }
+            F::softmax(&sc, -1)?.matmul(&v)
+        };
+        let ufwd = no_grad(|| Event::median_ms(&dev, 5, 30, unfused))?;
+        let uboth = Event::median_ms(&dev, 5, 30, || unfused()?.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false }))?;
+        println!("{:<34} {:>10.1} {:>12.1} {:>14.1} {:>18.1}", line, fwd * 1e3, both * 1e3, ufwd * 1e3, uboth * 1e3);
     }
     Ok(())
 }

@@ -223,8 +223,9 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
 
 /// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
 /// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]` (contiguous when fused).
-/// Fused (`Op::Attention`) on the GPU unless dropout is active or the kernels cannot take the
-/// shape; on the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
+/// Fused (`Op::Attention`) on the GPU unless dropout is active, the kernels cannot take the
+/// shape, or matmul and softmax are faster (long sequences the tensor cores do not take); on
+/// the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
 pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
     let d = q.shape()[3];
     let fused = dropout_p == 0.0
@@ -232,7 +233,7 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
             crate::Device::Cpu => false,
             crate::Device::Cuda(_) => {
                 let (l, b, h, s) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[0]);
-                crate::backend::cuda::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                crate::backend::cuda::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) && crate::backend::cuda::attention::fused_is_faster(q, k, v)
             }
         };
     if fused {

@@ -109,7 +109,7 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
 }
 
 #[test]
-fn half_precision_attention_runs_on_the_tensor_cores() {
+fn attention_picks_its_kernels_by_dtype_head_dim_and_length() {
     if !dev().is_cuda() {
         return;
     }
@@ -119,7 +119,11 @@ fn half_precision_attention_runs_on_the_tensor_cores() {
         let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).filter(|n| n.starts_with("attention")).collect();
         assert_eq!(names, [kernel], "{dt:?} with a head dim of {head_dim}");
     }
-    // The backward too, for head dims up to 64.
+    // F32 from 128 keys and 64 queries on: matmul and softmax, faster than the warp kernel.
+    let (q, k, v) = (rand_t(&[1, 2, 64, 64], 1, DType::F32), rand_t(&[1, 2, 128, 64], 2, DType::F32), rand_t(&[1, 2, 128, 64], 3, DType::F32));
+    let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &Default::default())).unwrap();
+    assert!(p.key_averages().rows().iter().all(|r| !r.name.starts_with("attention")), "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 10));
+    // The backward on the tensor cores too.
     let leaf = |shape: &[usize], seed| rand_t(shape, seed, DType::BF16).requires_grad();
     let (q, k, v) = (leaf(&[2, 4, 100, 64], 1), leaf(&[2, 4, 90, 64], 2), leaf(&[2, 4, 90, 64], 3));
     let y = F::scaled_dot_product_attention(&q, &k, &v, &Default::default()).unwrap();
