@@ -161,21 +161,23 @@ __device__ __forceinline__ void load_tile(T (*tile)[KP], const T* base, long lon
 }}
 __device__ __forceinline__ void cp_commit() {{ asm volatile("cp.async.commit_group;" ::: "memory"); }}
 template <int N> __device__ __forceinline__ void cp_wait() {{ asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }}
-// Tiles in flight: two (the next one loads while the body computes) where two fit in the 48 KiB
-// of static shared memory.
-#define STAGES (D_ <= 64 ? 2 : 1)
+// Tiles in flight: two, the next one loading while the body computes (in dynamic shared memory:
+// `tc_shared_bytes`).
+#define STAGES 2
+extern __shared__ __align__(16) unsigned char smem_[];
+typedef T Tile[KT][KP];
 // The tile loop: x0 walks start .. end in steps of KT, the body reads stage `cur`; the kernel
 // defines LOADS(x, st), which queues the tile at x into stage st.
 #define TILE_LOOP_BEGIN(start, end) \
   LOADS((start), 0); cp_commit(); \
   int it_ = 0; \
   for (long long x0 = (start); x0 < (end); x0 += KT, it_++) {{ \
-    const int cur = STAGES == 2 ? (it_ & 1) : 0; \
-    if (STAGES == 2) {{ if (x0 + KT < (end)) LOADS(x0 + KT, cur ^ 1); cp_commit(); cp_wait<1>(); }} else cp_wait<0>(); \
+    const int cur = it_ & 1; \
+    if (x0 + KT < (end)) LOADS(x0 + KT, cur ^ 1); \
+    cp_commit(); cp_wait<1>(); \
     __syncthreads();
-#define TILE_LOOP_END(end) \
+#define TILE_LOOP_END \
     __syncthreads(); \
-    if (STAGES == 1 && x0 + KT < (end)) {{ LOADS(x0 + KT, 0); cp_commit(); }} \
   }}
 // sc (16 x 64) = fragments (16 x D) times the tile's rows transposed (D x 64).
 __device__ __forceinline__ void scores(float (&sc)[8][4], const U (&fr)[D_ / 16][4], const T (*tile)[KP], int grp, int t) {{
@@ -244,8 +246,8 @@ fn gen_forward_tc(dtype: DType, d: usize) -> (String, String) {
 extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   TC_ARGS
   T* out = (T*)a.w[4];
-  __shared__ __align__(16) T Ks[STAGES][KT][KP];
-  __shared__ __align__(16) T Vs[STAGES][KT][KP];
+  Tile* Ks = (Tile*)smem_;
+  Tile* Vs = Ks + STAGES;
   long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
   U qa[D_ / 16][4];
   load_rows(qa, q + r0 * qsl + b * qsb + h * qsh, q + r1 * qsl + b * qsb + h * qsh, r0 < L, r1 < L, t);
@@ -280,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       for (int i = 0; i < D_ / 8; i++) {{ o[i][0] *= corr0; o[i][1] *= corr0; o[i][2] *= corr1; o[i][3] *= corr1; }}
       product_pv(o, sc, Vs[cur], lane);
     }}
-  TILE_LOOP_END(send)
+  TILE_LOOP_END
 #undef LOADS
   // Each row's sum is spread over the four threads of its quad.
   l0 = quad_sum(l0); l1 = quad_sum(l1);
@@ -307,8 +309,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   TC_ARGS
   const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
   float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
-  __shared__ __align__(16) T Ks[STAGES][KT][KP];
-  __shared__ __align__(16) T Vs[STAGES][KT][KP];
+  Tile* Ks = (Tile*)smem_;
+  Tile* Vs = Ks + STAGES;
   long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
   const T* gr0 = g + ((r0 * B + b) * H + h) * D_;
   const T* gr1 = g + ((r1 * B + b) * H + h) * D_;
@@ -352,7 +354,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       l0 = l0 * __expf(m0 - base0) + ps0; l1 = l1 * __expf(m1 - base1) + ps1;
       m0 = n0; m1 = n1;
     }}
-  TILE_LOOP_END(send)
+  TILE_LOOP_END
   }}
 #undef LOADS
   l0 = quad_sum(l0); l1 = quad_sum(l1);
@@ -380,7 +382,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
         }}
       product_pv(acc, sc, Ks[cur], lane);
     }}
-  TILE_LOOP_END(send)
+  TILE_LOOP_END
   }}
 #undef LOADS
   #pragma unroll
@@ -432,9 +434,10 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   const T* g = (const T*)a.w[25];
   const float* lse = (const float*)a.w[27]; const float* dl = (const float*)a.w[28];
   float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
-  __shared__ __align__(16) T Qs[STAGES][KT][KP];
-  __shared__ __align__(16) T Gs[STAGES][KT][KP];
-  __shared__ float Ls[STAGES][KT], Ds[STAGES][KT];
+  Tile* Qs = (Tile*)smem_;
+  Tile* Gs = Qs + STAGES;
+  float (*Ls)[KT] = (float (*)[KT])(Gs + STAGES);
+  float (*Ds)[KT] = Ls + STAGES;
   long long k0 = (long long)blockIdx.y * KT, w0 = k0 + 16 * warp, c0 = w0 + grp, c1 = c0 + 8;  // this thread's key rows
   U ka[D_ / 16][4];
   load_rows(ka, k + c0 * kss + b * ksb + h * ksh, k + c1 * kss + b * ksb + h * ksh, c0 < S, c1 < S, t);
@@ -486,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       product_pv(gk, dp, Qs[cur], lane);
 #endif
     }}
-  TILE_LOOP_END(L)
+  TILE_LOOP_END
 #undef LOADS
   #pragma unroll
   for (int nb = 0; nb < D_ / 8; nb++)
@@ -510,6 +513,13 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
         dk = want_dk as u8,
     );
     (name, src)
+}
+
+/// Dynamic shared memory of a tensor-core kernel: two stages of two tiles of 64 rows (padded
+/// by 8 elements), and for the key-row kernels each stage's log-sum-exp and delta per row.
+fn tc_shared_bytes(d: usize, key_rows: bool) -> u32 {
+    let tiles = 2 * 2 * TC_ROWS * (d + 8) * 2;
+    (tiles + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 }) as u32
 }
 
 /// Whether the fused kernels are the faster way to compute this attention (q `[L, B, H, D]`,
@@ -712,7 +722,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if tensor_core_forward(q, k, v, n.d)? {
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d))?;
         let (x, _, _) = grid(n.b * n.h, n.l)?;
-        dev.launch(kern, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        dev.launch_shared(kern, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, false), &a)?;
     } else {
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
         dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
@@ -747,11 +757,11 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     if tensor_core_forward(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let (x, _, _) = grid(n.b * n.h, n.l.max(n.s))?;
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
-        dev.launch(kq, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+        dev.launch_shared(kq, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, false), &a)?;
         let parts: &[KvPart] = if n.d <= 64 { &[KvPart::Both] } else { &[KvPart::Dv, KvPart::Dk] };
         for &part in parts {
             let kkv = dev.kernel(KernelKey::Named(gen_backward_kv_tc(q.dtype(), n.d, part).0), || gen_backward_kv_tc(q.dtype(), n.d, part))?;
-            dev.launch(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), &a)?;
+            dev.launch_shared(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, true), &a)?;
         }
         return Ok(packed);
     }

@@ -4,7 +4,7 @@
 //! `launch_count` see them).
 
 use super::kernels::{data_ptr, dev_of};
-use super::{ds, CudaDevice, CudaStorage, Kernel, KernelKey};
+use super::{CudaDevice, CudaStorage, Kernel, KernelKey};
 use crate::custom::{KernelArg, LaunchSpec};
 use crate::layout::Layout;
 use crate::storage::Storage;
@@ -61,12 +61,7 @@ pub(crate) fn launch(k: &UserKernel, inputs: &[&Tensor], out: &Tensor, spec: &La
     words.push(data_ptr(out)?);
     words.extend(spec.args.iter().map(|a| a.word()));
     check_params(&dev, kern, k, inputs.len(), &spec.args)?;
-    if spec.shared_mem > 48 * 1024 {
-        // Above 48 KiB a kernel must opt in to its dynamic shared memory.
-        let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        // SAFETY: a loaded function of this device's context (bound by `kernel_with`).
-        unsafe { ds::cuFuncSetAttribute(kern.0, attr, spec.shared_mem as i32) }.result().map_err(|e| dev.err("shared memory size", e))?;
-    }
+    dev.allow_shared(kern, spec.shared_mem)?;
     let mut params: Vec<*mut std::ffi::c_void> = words.iter_mut().map(|w| w as *mut u64 as *mut std::ffi::c_void).collect();
     // SAFETY: one word per parameter: pointers are 8 bytes, scalars sit in the low bytes of
     // their word (little-endian hosts), and `check_params` compared the sizes with the

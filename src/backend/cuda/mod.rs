@@ -355,12 +355,28 @@ impl CudaDevice {
 
     /// Launches `k` on the device's stream with the argument block `args`.
     pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &KArgs) -> Result<()> {
+        self.launch_shared(k, grid, block, 0, args)
+    }
+
+    /// `launch` with `shared` bytes of dynamic shared memory.
+    pub(crate) fn launch_shared(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &KArgs) -> Result<()> {
+        self.allow_shared(k, shared)?;
         let mut a = *args;
         let mut params = [&mut a as *mut KArgs as *mut std::ffi::c_void];
         // SAFETY: every generated kernel takes exactly one `KArgs` by value; the pointers inside
         // point to live device buffers kept alive by the tensors of the calling op, and buffers
         // are only reused in stream order.
-        unsafe { self.launch_params(k, grid, block, 0, &mut params) }
+        unsafe { self.launch_params(k, grid, block, shared, &mut params) }
+    }
+
+    /// Lets `k` use `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in.
+    pub(crate) fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
+        if bytes <= 48 * 1024 || k.0.is_null() {
+            return Ok(());
+        }
+        let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: a loaded function of this device's context.
+        unsafe { ds::cuFuncSetAttribute(k.0, attr, bytes as i32) }.result().map_err(|e| self.err("shared memory size", e))
     }
 
     /// Launches `k` with `shared` bytes of dynamic shared memory and one pointer per kernel
