@@ -40,13 +40,6 @@ __device__ __forceinline__ int slot(int n, int k) {
     return (k >> 3) * BSTEP + (n >> 3) * (NOFF / 4) + ((k >> 2) & 1) * (KOFF / 4) + (n & 7) * 4 + (k & 3);
 }
 
-__device__ __forceinline__ void cp16(float* dst, const float* src, bool ok) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 
 

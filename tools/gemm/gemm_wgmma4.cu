@@ -7,14 +7,13 @@
 //     logical column s * 8 + a + 4h of a chunk holds its column 8a + 2s + h;
 //   - the thread splits its B values into big and small TF32 parts, stored into one of three
 //     shared buffers in the K-major core-matrix layout wgmma reads; one barrier per chunk;
-//   - two accumulators take turns: chunk c's twelve products run while chunk c - 1's
-//     accumulator is added into the FP32 sum and chunk c + 1 is split;
+//   - chunk c + 1 is split while chunk c's twelve products run, then they are waited for and
+//     added into the FP32 sum (two accumulators taking turns were serialized by ptxas: NOTES.md);
 //   - K may be split over gridDim.z; the last split of a tile to finish (an atomic counter)
 //     adds the partial tiles in split order (deterministic) and applies the epilogue.
 // C[M,N] = A[M,K] B (+ bias[N]) (then ReLU); A row-major (lda), B given as [N,K] (ldb).
 // Needs K, lda, ldb multiples of 4 and 16-byte aligned A and B. One warpgroup per 64 x 64
-// tile, two CTAs per SM. Set before inclusion: KNAME, STAGES (raw chunks in flight), PINGPONG
-// (two accumulators taking turns, else one, waited for after each chunk).
+// tile, two CTAs per SM. Set before inclusion: KNAME, STAGES (raw chunks in flight).
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -39,13 +38,6 @@ __device__ __forceinline__ uint64_t smem_desc(const float* p) {
     return ((a & 0x3FFFF) >> 4) | ((uint64_t)(KOFF >> 4) << 16) | ((uint64_t)(NOFF >> 4) << 32);
 }
 
-__device__ __forceinline__ void cp16(float* dst, const float* src, bool ok) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 }  // namespace
@@ -134,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
         wg_commit();
     };
 
-    float acc[BN / 2], d[2][BN / 2];
+    float acc[BN / 2], d[BN / 2];
     uint32_t ab[2][KC / 8][4], as[2][KC / 8][4];
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.f;
@@ -145,34 +137,6 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
         split_chunk(c_lo, ab[0], as[0], split);
         issue(c_lo + STAGES);
     }
-#if PINGPONG
-    for (int i0 = 0; i0 < n_chunks; i0 += 2) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int i = i0 + h;
-            if (i >= n_chunks) break;
-            fence_async();
-            __syncthreads();  // chunk i split by all; every warp past its wait for chunk i - 2
-            mma(d[h], ab[h], as[h], split + (i % 3) * SPLIT_F);
-            if (i > 0) {
-                asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // chunk i - 1 done
-#pragma unroll
-                for (int e = 0; e < BN / 2; e++) acc[e] += d[h ^ 1][e];
-            }
-            if (i + 1 < n_chunks) {
-                cp_wait<STAGES - 1>();
-                split_chunk(c_lo + i + 1, ab[h ^ 1], as[h ^ 1], split + ((i + 1) % 3) * SPLIT_F);
-                issue(c_lo + i + 1 + STAGES);
-            }
-        }
-    }
-    if (n_chunks > 0) {
-        wg_wait();
-        const int h = (n_chunks - 1) & 1;
-#pragma unroll
-        for (int e = 0; e < BN / 2; e++) acc[e] += h ? d[1][e] : d[0][e];
-    }
-#else
     // One accumulator: chunk i + 1 is split while chunk i's products run, then they are
     // waited for and promoted (the other CTA on the SM keeps the tensor cores busy meanwhile).
     for (int i0 = 0; i0 < n_chunks; i0 += 2) {
@@ -182,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
             if (i >= n_chunks) break;
             fence_async();
             __syncthreads();  // chunk i split by all; chunk i - 1's products done in every warp
-            mma(d[0], ab[h], as[h], split + (i % 3) * SPLIT_F);
+            mma(d, ab[h], as[h], split + (i % 3) * SPLIT_F);
             if (i + 1 < n_chunks) {
                 cp_wait<STAGES - 1>();
                 split_chunk(c_lo + i + 1, ab[h ^ 1], as[h ^ 1], split + ((i + 1) % 3) * SPLIT_F);
@@ -190,10 +154,9 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
             }
             wg_wait();
 #pragma unroll
-            for (int e = 0; e < BN / 2; e++) acc[e] += d[0][e];
+            for (int e = 0; e < BN / 2; e++) acc[e] += d[e];
         }
     }
-#endif
     cp_wait<0>();
 
     // Accumulator layout: per 8 columns j, (row r, cols 2q, 2q+1) then (row r + 8, same).

@@ -38,9 +38,9 @@ EOT
   echo "extern \"C\" void launch_$name(const float*, const float*, float*, const float*, int, int, int, int, int, int, cudaStream_t);" >> $d/configs.inc
   list="$list{\"$name\", 64, $1, 1, $4, launch_$name},"; n=$((n+1))
 done
-# gemm_wgmma4.cu (V4_CONFIGS): stages,split-target,min-chunks-per-split,epi,pingpong
-for cfg in ${V4_CONFIGS-3,264,2,0,0 3,132,2,0,0 3,264,4,0,0 3,132,2,2,0 3,132,2,0,1}; do set -- ${cfg//,/ }
-  name=v4_s$1_t$2_c$3_e$4_p$5
+# gemm_wgmma4.cu (V4_CONFIGS): stages,split-target,min-chunks-per-split,epi
+for cfg in ${V4_CONFIGS-3,264,2,0 3,132,2,0 3,264,4,0 3,132,2,2}; do set -- ${cfg//,/ }
+  name=v4_s$1_t$2_c$3_e$4
   cat > $d/$name.cu <<EOT
 #define KNAME k_$name
 #define LAUNCHER launch_$name
@@ -48,7 +48,6 @@ for cfg in ${V4_CONFIGS-3,264,2,0,0 3,132,2,0,0 3,264,4,0,0 3,132,2,2,0 3,132,2,
 #define SPLIT_TARGET $2
 #define MIN_CHUNKS $3
 #define EPI $4
-#define PINGPONG $5
 #include "$here/gemm_wgmma4.cu"
 EOT
   echo "extern \"C\" void launch_$name(const float*, const float*, float*, const float*, int, int, int, int, int, int, cudaStream_t);" >> $d/configs.inc

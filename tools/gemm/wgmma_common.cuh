@@ -1,5 +1,6 @@
-// Shared by gemm_wgmma.cu and gemm_wgmma3.cu (inside their anonymous namespace): TF32
-// rounding, the warpgroup product with A from registers (64 x BN, BN 64 or 128), its fences,
+// Shared by gemm_wgmma.cu, gemm_wgmma3.cu and gemm_wgmma4.cu (inside their anonymous namespace):
+// TF32 rounding, cp.async copies, the warpgroup product with A from registers (64 x BN, BN 64 or
+// 128), its fences,
 // the store of a finished tile, and split-K (how many splits, the in-order sum of partials).
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
@@ -34,6 +35,15 @@ __device__ __forceinline__ void wgmma_rs(float* d, const uint32_t* a, uint64_t b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));
 #endif
 }
+
+// 16-byte asynchronous copies into shared memory (zeros when !ok), their groups and waits.
+__device__ __forceinline__ void cp16(float* dst, const float* src, bool ok) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
