@@ -162,8 +162,8 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
     // Accumulator layout: per 8 columns j, (row r, cols 2q, 2q+1) then (row r + 8, same).
     const int q = lane & 3, row = m0 + r0;
     const long long plane = (long long)M * N;
-    if (S > 1) {
-        float* part = ws + (long long)z * plane;
+    // Calls f(index into acc, row, column) for each of this thread's outputs inside C.
+    auto each_output = [&](auto f) {
 #pragma unroll
         for (int j = 0; j < BN / 8; j++)
 #pragma unroll
@@ -171,8 +171,12 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const int r = row + 8 * hh, n = n0 + 8 * j + 2 * q + e;
-                    if (r < M && n < N) part[(long long)r * N + n] = acc[4 * j + 2 * hh + e];
+                    if (r < M && n < N) f(4 * j + 2 * hh + e, r, n);
                 }
+    };
+    if (S > 1) {
+        float* part = ws + (long long)z * plane;
+        each_output([&](int i, int r, int n) { part[(long long)r * N + n] = acc[i]; });
         __shared__ int last;
         __threadfence();
         __syncthreads();
@@ -181,37 +185,23 @@ extern "C" __global__ void __launch_bounds__(NTH, 2) KNAME(const float* __restri
         __syncthreads();
         if (!last) return;
         __threadfence();
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-            for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-                for (int e = 0; e < 2; e++) {
-                    const int r = row + 8 * hh, n = n0 + 8 * j + 2 * q + e;
-                    float s = 0.f;
-                    if (r < M && n < N)
-                        for (int p = 0; p < S; p++) s += __ldcg(ws + p * plane + (long long)r * N + n);
-                    acc[4 * j + 2 * hh + e] = s;
-                }
+        each_output([&](int i, int r, int n) {
+            float s = 0.f;
+            for (int p = 0; p < S; p++) s += __ldcg(ws + p * plane + (long long)r * N + n);
+            acc[i] = s;
+        });
         if (tid == 0) *ctr = 0u;
     }
-#pragma unroll
-    for (int j = 0; j < BN / 8; j++)
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int r = row + 8 * hh, n = n0 + 8 * j + 2 * q + e;
-                if (r >= M || n >= N) continue;
-                float v = acc[4 * j + 2 * hh + e];
+    each_output([&](int i, int r, int n) {
+        float v = acc[i];
 #if EPI >= 1
-                v += bias[n];
+        v += bias[n];
 #endif
 #if EPI == 2
-                v = fmaxf(v, 0.f);
+        v = fmaxf(v, 0.f);
 #endif
-                C[(long long)r * ldc + n] = v;
-            }
+        C[(long long)r * ldc + n] = v;
+    });
 }
 
 #ifdef LAUNCHER
