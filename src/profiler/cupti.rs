@@ -4,11 +4,12 @@
 //!
 //! Each device launch a profile records pushes a kiln correlation id on the launching
 //! thread (CUPTI's external correlation); CUPTI links it to the kernels the launch ran.
-//! Collection is asked for per profile (`ProfileOptions::device_kernels`): once CUPTI is
-//! attached, every later launch of the process costs more host time (about 2.5x on the H200),
-//! so plain profiles, such as the bench's kernel counts, never attach it. Collection is
-//! process-wide and on only while such a profile runs. Where CUPTI cannot be loaded or
-//! enabled, profiles carry no device kernels (`Profile::cupti` says why).
+//! Collection is asked for per profile (`ProfileOptions::device_kernels`): while CUPTI is
+//! attached, every launch of the process costs more host time (about 2.5x on the H200), so
+//! plain profiles, such as the bench's kernel counts, never attach it, and the last profile
+//! collecting detaches it again (`cuptiFinalize`). Collection is process-wide and on only while
+//! such a profile runs. Where CUPTI cannot be loaded or enabled, profiles carry no device
+//! kernels (`Profile::cupti` says why).
 
 use cudarc::cupti::{result as cr, sys as cs};
 use std::collections::HashMap;
@@ -48,6 +49,9 @@ struct State {
     links: Vec<(u64, u32)>,
 }
 
+/// Held while CUPTI is attached or detached, so that a profile starting on one thread never
+/// meets the detach of another's (not `STATE`: CUPTI's buffer callback takes that one).
+static ATTACH: Mutex<()> = Mutex::new(());
 static STATE: Mutex<State> = Mutex::new(State { users: 0, broken: None, callbacks: false, kernels: Vec::new(), links: Vec::new() });
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 const BUFFER_BYTES: usize = 4 << 20;
@@ -137,6 +141,7 @@ pub(super) struct Collecting {
 
 /// Starts collecting for a profile at host time `now_us`, or says why it cannot.
 pub(super) fn start(now_us: f64) -> Result<Collecting, String> {
+    let _attach = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
     let mut s = state();
     if let Some(why) = &s.broken {
         return Err(why.clone());
@@ -170,19 +175,26 @@ pub(super) fn start(now_us: f64) -> Result<Collecting, String> {
 
 impl Drop for Collecting {
     fn drop(&mut self) {
+        let _attach = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
         let mut s = state();
         s.users -= 1;
-        if s.users == 0 {
-            for kind in KINDS {
-                let _ = cr::activity::disable(kind);
-            }
-            drop(s);
-            let _ = cr::activity::flush_all(FLUSH_FORCED);
-            let mut s = state();
-            if s.users == 0 {
-                s.kernels.clear();
-                s.links.clear();
-            }
+        if s.users > 0 {
+            return;
+        }
+        for kind in KINDS {
+            let _ = cr::activity::disable(kind);
+        }
+        drop(s);
+        let _ = cr::activity::flush_all(FLUSH_FORCED);
+        // Detach, so that later launches cost what they did before; the next profile that asks
+        // attaches again (its buffers registered anew).
+        // SAFETY: collection is off and flushed, and no profile can start meanwhile (ATTACH).
+        let detached = unsafe { cs::cuptiFinalize() }.result().is_ok();
+        let mut s = state();
+        s.kernels.clear();
+        s.links.clear();
+        if detached {
+            s.callbacks = false;
         }
     }
 }

@@ -65,8 +65,9 @@ impl ProfileOptions {
         Self::default()
     }
     /// Also list the kernels the GPU ran for each launch, with their own device times
-    /// (`Event::device_kernels`), through CUPTI. Once CUPTI is attached, launches of the whole
-    /// process cost more host time (about 2.5x on the H200), also after the profile.
+    /// (`Event::device_kernels`), through CUPTI. While CUPTI is attached, launches of the whole
+    /// process cost more host time (about 2.5x on the H200); the last profile collecting
+    /// detaches it.
     pub fn device_kernels(mut self, on: bool) -> Self {
         self.device_kernels = on;
         self

@@ -83,6 +83,9 @@ fn tensor_core_cases() -> Vec<Case> {
         Case { shape_q: [2, 2, 130, 32], s: 200, causal: true, masked: true },
         Case { shape_q: [1, 2, 70, 16], s: 300, causal: false, masked: true },
         Case { shape_q: [1, 1, 65, 128], s: 129, causal: false, masked: false },
+        // Head dims that are not powers of two; more queries than keys, causal.
+        Case { shape_q: [1, 2, 100, 48], s: 70, causal: true, masked: true },
+        Case { shape_q: [2, 1, 33, 96], s: 257, causal: false, masked: true },
     ]
 }
 

@@ -211,6 +211,17 @@ fn each_launch_lists_the_kernels_the_gpu_ran_for_it() {
     let d = dev();
     let x = Tensor::randn(&[64, 64], DType::F32, &d).unwrap();
     let with_kernels = profiler::ProfileOptions::new().device_kernels(true);
+    // Host time per eager launch, printed before CUPTI attaches and after it detaches (a test
+    // never asserts timings; `--nocapture` shows them).
+    let launch_us = || {
+        let t = std::time::Instant::now();
+        for _ in 0..500 {
+            drop(x.relu().unwrap());
+        }
+        kiln::cuda::synchronize(&d).ok();
+        t.elapsed().as_secs_f64() * 1e6 / 500.0
+    };
+    let before = launch_us();
     let plain = profiler::profile(|| x.relu()).unwrap();
     assert!(plain.device_kernels().is_empty());
     assert_eq!(plain.cupti().is_err(), d.is_cuda(), "a plain profile of device work says it has no device kernels");
@@ -245,4 +256,11 @@ fn each_launch_lists_the_kernels_the_gpu_ran_for_it() {
     assert!(inside.len() >= 2, "the fused kernels and the product's: {inside:?}");
     let trace = prof.chrome_trace().to_string();
     assert!(trace.contains("kernels (CUPTI)") && trace.contains("in a CUDA graph"), "{trace}");
+    drop(prof);
+    // Collection ended with the last profile asking for it: CUPTI is detached, and a later
+    // profile attaches it again.
+    let (_, again) = profiler::profile_with(with_kernels, || x.relu()).unwrap();
+    assert_eq!(again.device_kernels().len(), 1, "{:?}", again.events());
+    drop(again);
+    eprintln!("host time per relu: {before:.2} us before CUPTI, {:.2} us after it detached", launch_us());
 }
