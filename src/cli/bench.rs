@@ -7,12 +7,18 @@ use kiln::cuda::{self, Event};
 use kiln::nn::functional as F;
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
-/// Kernels one call launches after warm-up, as the profiler counts them (a library call is
-/// one; a CUDA graph replay counts the kernels and library calls it holds).
+/// Kernels the GPU runs for one call after warm-up, as torch's profiler counts them: every
+/// kernel a library call or a CUDA graph replay runs (CUPTI, detached again afterwards, so
+/// later rows launch at full speed); where CUPTI is missing, the launches the profiler
+/// recorded (a library call then counts one).
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
     f()?;
     cuda::synchronize(dev)?;
-    Ok(kiln::profiler::profile(f)?.kernel_count() as u64)
+    let (_, prof) = kiln::profiler::profile_with(kiln::profiler::ProfileOptions::new().device_kernels(true), f)?;
+    Ok(match prof.cupti() {
+        Ok(()) => prof.device_kernels().len(),
+        Err(_) => prof.kernel_count(),
+    } as u64)
 }
 
 /// Peak device memory one call allocates, beyond what was allocated before it.
