@@ -216,6 +216,42 @@ fn multihead_attention_fused_path_matches_the_weights_path() {
 }
 
 #[test]
+fn multihead_attention_under_bf16_autocast_takes_the_tensor_cores_through_its_projections() {
+    // Head dim 64 and more than 32 keys: on the GPU the fused path reads q, k and v as strided
+    // views of the projections' outputs, on the tensor cores; the weights path is matmul and
+    // softmax. BF16 tolerance (2e-2), as for the op itself.
+    let d = dev();
+    manual_seed(4);
+    let m = nn::MultiheadAttention::new(128, 2, &d).unwrap();
+    m.eval();
+    let x = rand_t(&[40, 3, 128], 1, DType::F32);
+    let mem = rand_t(&[50, 3, 128], 2, DType::F32);
+    let mut keep = vec![false; 3 * 50];
+    keep[7] = true;
+    keep[50 + 49] = true;
+    let kpm = Tensor::from_vec(keep, &[3, 50], &d).unwrap();
+    let run = |need_weights: bool| {
+        let q = x.detach().requires_grad();
+        let y = amp::autocast(&d, DType::BF16, || {
+            let args = AttnArgs { key_padding_mask: Some(&kpm), need_weights, ..Default::default() };
+            Ok(m.attend(&q, &mem, &mem, args)?.0)
+        })
+        .unwrap();
+        y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        (y, q.grad().unwrap())
+    };
+    let ((y1, g1), (y2, g2)) = (run(false), run(true));
+    assert_eq!(y1.dtype(), DType::BF16);
+    assert_close(&vals(&y1), &vals(&y2), 2e-2, 2e-2);
+    assert_close(&vals(&g1), &vals(&g2), 2e-2, 2e-2);
+    if d.is_cuda() {
+        let fused = AttnArgs { need_weights: false, ..Default::default() };
+        let p = profiler::profile(|| amp::autocast(&d, DType::BF16, || Ok(m.attend(&x, &mem, &mem, fused)?.0))).unwrap();
+        assert!(p.key_averages().rows().iter().any(|r| r.name == "attention_fwd_tc_bfloat16_d64"), "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 10));
+    }
+}
+
+#[test]
 fn attention_rejects_bad_shapes_and_dtypes() {
     let d = dev();
     let q = Tensor::zeros(&[1, 2, 3, 4], DType::F32, &d).unwrap();
