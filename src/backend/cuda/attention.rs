@@ -4,8 +4,8 @@
 //! row walks the keys 32 at a time with an online softmax. The backward recomputes the
 //! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv
 //! (two for head dims over 64); on the tensor cores where the forward is (16 query or key rows
-//! per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read through their strides
-//! (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
+//! per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read
+//! through their strides (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
 use super::kernels::{data_ptr, dev_of};
@@ -162,7 +162,7 @@ __device__ __forceinline__ void load_tile(T (*tile)[KP], const T* base, long lon
 __device__ __forceinline__ void cp_commit() {{ asm volatile("cp.async.commit_group;" ::: "memory"); }}
 template <int N> __device__ __forceinline__ void cp_wait() {{ asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }}
 // Tiles in flight: two, the next one loading while the body computes (in dynamic shared memory:
-// `tc_shared_bytes`).
+// `launch_tc`).
 #define STAGES 2
 extern __shared__ __align__(16) unsigned char smem_[];
 typedef T Tile[KT][KP];
@@ -413,17 +413,23 @@ enum KvPart {
     Dk,
 }
 
+impl KvPart {
+    fn kernel_name(self, dtype: DType, d: usize) -> String {
+        let kind = match self {
+            KvPart::Both => "bwd_kv_tc",
+            KvPart::Dv => "bwd_dv_tc",
+            KvPart::Dk => "bwd_dk_tc",
+        };
+        kernel_name(kind, dtype, d)
+    }
+}
+
 /// Backward on the tensor cores, per block of 64 key rows (16 per warp) walking the query
 /// tiles: the transposed scores K Q^T, then dv = sum_l p dO_l and
 /// dk = scale sum_l p (dO_l·v - delta_l) q_l (probabilities and dS rounded to the input dtype
 /// for the products).
 fn gen_backward_kv_tc(dtype: DType, d: usize, part: KvPart) -> (String, String) {
-    let kind = match part {
-        KvPart::Both => "bwd_kv_tc",
-        KvPart::Dv => "bwd_dv_tc",
-        KvPart::Dk => "bwd_dk_tc",
-    };
-    let name = kernel_name(kind, dtype, d);
+    let name = part.kernel_name(dtype, d);
     let (want_dv, want_dk) = (part != KvPart::Dk, part != KvPart::Dv);
     let src = format!(
         r#"{common}
@@ -515,11 +521,14 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
     (name, src)
 }
 
-/// Dynamic shared memory of a tensor-core kernel: two stages of two tiles of 64 rows (padded
-/// by 8 elements), and for the key-row kernels each stage's log-sum-exp and delta per row.
-fn tc_shared_bytes(d: usize, key_rows: bool) -> u32 {
-    let tiles = 2 * 2 * TC_ROWS * (d + 8) * 2;
-    (tiles + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 }) as u32
+/// Launches a tensor-core kernel over `rows` query rows (or key rows, `key_rows`) of `bh`
+/// heads: one block per head in x, one per 64 rows in y, 128 threads. Its dynamic shared memory
+/// holds two stages of two tiles of 64 rows (padded by 8 elements), and for the key-row kernels
+/// each stage's log-sum-exp and delta per row.
+fn launch_tc(dev: &super::CudaDevice, kern: super::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
+    let (x, _, _) = grid(bh, rows)?;
+    let shared = 2 * 2 * TC_ROWS * (d + 8) * 2 + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 };
+    dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), shared as u32, a)
 }
 
 /// Whether the fused kernels are the faster way to compute this attention (q `[L, B, H, D]`,
@@ -529,14 +538,14 @@ fn tc_shared_bytes(d: usize, key_rows: bool) -> u32 {
 /// would take more than 2^28 elements.
 pub(crate) fn fused_is_faster(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
-    tensor_core_forward(q, k, v, d).unwrap_or(false) || l < 64 || s < 128 || l * s * b * h > 1 << 28
+    tensor_cores_take(q, k, v, d).unwrap_or(false) || l < 64 || s < 128 || l * s * b * h > 1 << 28
 }
 
-/// Whether the tensor-core forward takes these inputs: F16 or BF16, a head dim that is a
-/// multiple of 16 (at most 128), more than 32 keys, and q, k, v rows that start 16-byte aligned (K and V tiles
-/// are copied 16 bytes at a time, Q fragments 4). `KILN_ATTENTION_KERNEL=warp` turns it off (for
+/// Whether the tensor-core kernels (forward, and backward with it) take these inputs: F16 or
+/// BF16, a head dim that is a multiple of 16 (at most 128), more than 32 keys, and q, k, v rows
+/// that start 16-byte aligned (K and V tiles are copied 16 bytes at a time, Q fragments 4). `KILN_ATTENTION_KERNEL=warp` turns it off (for
 /// measuring one kernel against the other).
-fn tensor_core_forward(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<bool> {
+fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<bool> {
     static WARP_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *WARP_ONLY.get_or_init(|| std::env::var("KILN_ATTENTION_KERNEL").is_ok_and(|v| v == "warp")) {
         return Ok(false);
@@ -719,10 +728,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
-    if tensor_core_forward(q, k, v, n.d)? {
+    if tensor_cores_take(q, k, v, n.d)? {
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d))?;
-        let (x, _, _) = grid(n.b * n.h, n.l)?;
-        dev.launch_shared(kern, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, false), &a)?;
+        launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
     } else {
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
         dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
@@ -754,14 +762,13 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[28] = at(nq + 2 * nk + n.b * n.h * n.l);
     a.w[29] = at(nq);
     a.w[30] = at(nq + nk);
-    if tensor_core_forward(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
-        let (x, _, _) = grid(n.b * n.h, n.l.max(n.s))?;
+    if tensor_cores_take(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
-        dev.launch_shared(kq, (x, n.l.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, false), &a)?;
+        launch_tc(&dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
         let parts: &[KvPart] = if n.d <= 64 { &[KvPart::Both] } else { &[KvPart::Dv, KvPart::Dk] };
         for &part in parts {
-            let kkv = dev.kernel(KernelKey::Named(gen_backward_kv_tc(q.dtype(), n.d, part).0), || gen_backward_kv_tc(q.dtype(), n.d, part))?;
-            dev.launch_shared(kkv, (x, n.s.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared_bytes(n.d, true), &a)?;
+            let kkv = dev.kernel(KernelKey::Named(part.kernel_name(q.dtype(), n.d)), || gen_backward_kv_tc(q.dtype(), n.d, part))?;
+            launch_tc(&dev, kkv, n.b * n.h, n.s, true, n.d, &a)?;
         }
         return Ok(packed);
     }
