@@ -6,6 +6,11 @@
 //!
 //!   cargo run --release --example reduction_bench            # default settings, then variants
 //!   cargo run --release --example reduction_bench -- --once  # default settings only
+//!   cargo run --release --example reduction_bench -- --latency  # the same calls on tiny inputs
+//!
+//! `--latency` times each call on 4 x 256 inputs, where the kernel is a few microseconds: what
+//! is left is what a call costs before its kernel starts (the host's work up to the launch, and
+//! the launch seen from an idle device), which an event-timed row of the bench pays once.
 //!
 //! Variants rerun this program with one tuning variable set (each process reads them once):
 //! KILN_ROWS_THREADS (threads per row of the row kernels, eager and compiled) and
@@ -40,9 +45,8 @@ struct Workload {
     compiled: Call,
 }
 
-fn workloads(dev: &Device) -> Result<Vec<Workload>> {
+fn workloads(dev: &Device, n: usize) -> Result<Vec<Workload>> {
     let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
-    let n = 8192;
     let mut v = vec![];
     {
         let x = r(&[n, n])?;
@@ -57,19 +61,19 @@ fn workloads(dev: &Device) -> Result<Vec<Workload>> {
     {
         let (x, w, b) = (r(&[n, n])?, r(&[n])?, r(&[n])?);
         let (cx, cw, cb) = (x.clone(), w.clone(), b.clone());
-        let f = compile(move |x: &Tensor| F::layer_norm(x, &[8192], Some(&cw), Some(&cb), 1e-5));
+        let f = compile(move |x: &Tensor| F::layer_norm(x, &[n], Some(&cw), Some(&cb), 1e-5));
         v.push(Workload {
             name: "layer_norm(w,b) 8192x8192",
             bytes: 8 * n * n,
-            eager: Box::new(move || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5)),
+            eager: Box::new(move || F::layer_norm(&x, &[n], Some(&w), Some(&b), 1e-5)),
             compiled: Box::new(move || f.call(&cx)),
         });
     }
     {
         // Short rows: many rows per SM, where launch shape and occupancy matter most.
-        let x = r(&[65536, 1024])?;
+        let x = r(&[8 * n, n / 8])?;
         let (cx, f) = (x.clone(), compile(|x: &Tensor| x.softmax(-1)));
-        v.push(Workload { name: "softmax 65536x1024", bytes: 8 * 65536 * 1024, eager: Box::new(move || x.softmax(-1)), compiled: Box::new(move || f.call(&cx)) });
+        v.push(Workload { name: "softmax 65536x1024", bytes: 8 * n * n, eager: Box::new(move || x.softmax(-1)), compiled: Box::new(move || f.call(&cx)) });
     }
     {
         // Column reduction: the compiled program runs it as an eager step.
@@ -94,7 +98,7 @@ fn run(label: &str) -> Result<()> {
     println!("== {label}");
     println!("copy-like x*2 8192x8192: {copy_ms:.4} ms, {copy:.0} GB/s ({:.1}% of the {ROOFLINE_GBPS:.0} GB/s roofline)", 100.0 * copy / ROOFLINE_GBPS);
     println!("{:<28} {:>9} {:>7} {:>6} {:>6} | {:>9} {:>7} {:>6} {:>6} | {:>8}", "workload", "eager ms", "GB/s", "%copy", "%roof", "comp. ms", "GB/s", "%copy", "%roof", "cold s");
-    for mut w in workloads(&dev)? {
+    for mut w in workloads(&dev, 8192)? {
         // The compiled call first, so its cold time includes compiling every kernel it uses.
         let cold = first_call_s(&dev, &mut w.compiled)?;
         let e = event_ms(&dev, &mut w.eager)?;
@@ -112,6 +116,25 @@ fn run(label: &str) -> Result<()> {
     Ok(())
 }
 
+/// Device time of each call on tiny inputs (see the header), beside an eager x * 2 and a copy.
+fn latency() -> Result<()> {
+    let dev = Device::Cuda(0);
+    let x = Tensor::randn(&[4, 256], DType::F32, &dev)?;
+    let y = Tensor::zeros(&[4, 256], DType::F32, &dev)?;
+    println!("== latency: event-timed calls on tiny inputs (µs)");
+    println!("eager x*2 4x256: {:.2}", 1e3 * event_ms(&dev, &mut || x.mul_scalar(2.0))?);
+    println!("copy_ 4x256: {:.2}", 1e3 * event_ms(&dev, &mut || y.copy_(&x))?);
+    // The workloads' names say their full size; here their rows are short (the row kernels'
+    // shapes for n = 256).
+    for mut w in workloads(&dev, 256)? {
+        let _ = first_call_s(&dev, &mut w.compiled)?;
+        let e = event_ms(&dev, &mut w.eager)?;
+        let c = event_ms(&dev, &mut w.compiled)?;
+        println!("{:<28} eager {:>6.2}  compiled {:>6.2}", w.name.split(' ').next().unwrap_or(w.name), 1e3 * e, 1e3 * c);
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     // An empty kernel cache, set before any kernel is built, so first calls compile cold.
     let cache = std::env::temp_dir().join(format!("kiln-reduction-bench-{}", std::process::id()));
@@ -119,6 +142,9 @@ fn main() -> Result<()> {
     if !Device::cuda_if_available(0).is_cuda() {
         println!("reduction_bench needs a CUDA device");
         return Ok(());
+    }
+    if std::env::args().any(|a| a == "--latency") {
+        return latency();
     }
     let label = std::env::var("KILN_BENCH_VARIANT").unwrap_or_else(|_| "default settings".into());
     let result = run(&label);

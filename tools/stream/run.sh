@@ -3,4 +3,4 @@
 set -e
 cd "$(dirname "$0")"; export PATH=/usr/local/cuda/bin:$PATH
 d=$(mktemp -d)
-nvcc -O3 -arch=sm_90 harness.cu -o $d/h && $d/h
+nvcc -O3 -arch=sm_90 harness.cu -o $d/h && $d/h "$@"

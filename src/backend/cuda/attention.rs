@@ -230,6 +230,29 @@ __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long
     }}
   mx0 = quad_max(mx0); mx1 = quad_max(mx1);
 }}
+// Zeroes an FP32 accumulator of N fragments.
+template <int N> __device__ __forceinline__ void zero(float (&acc)[N][4]) {{
+  #pragma unroll
+  for (int i = 0; i < N; i++) {{ acc[i][0] = 0.f; acc[i][1] = 0.f; acc[i][2] = 0.f; acc[i][3] = 0.f; }}
+}}
+// One tile of the online softmax for rows r0, r1 (tile maxima mx0, mx1): the running maxima m
+// and sums l (per thread; summed over the quad at the end) take the tile in, sc becomes
+// exp(score - new maximum), and corr0, corr1 rescale what was accumulated before. Rows with
+// every score so far masked out use 0 as their maximum, so their sums and outputs stay zero.
+__device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, float mx1, float& m0, float& m1, float& l0, float& l1, float& corr0, float& corr1) {{
+  float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+  float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
+  corr0 = __expf(m0 - base0); corr1 = __expf(m1 - base1);
+  m0 = n0; m1 = n1;
+  float ps0 = 0.f, ps1 = 0.f;
+  #pragma unroll
+  for (int nb = 0; nb < 8; nb++) {{
+    sc[nb][0] = __expf(sc[nb][0] - base0); sc[nb][1] = __expf(sc[nb][1] - base0);
+    sc[nb][2] = __expf(sc[nb][2] - base1); sc[nb][3] = __expf(sc[nb][3] - base1);
+    ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
+  }}
+  l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
+}}
 "#,
         common = common(dtype, d)
     )
@@ -252,8 +275,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   U qa[D_ / 16][4];
   load_rows(qa, q + r0 * qsl + b * qsb + h * qsh, q + r1 * qsl + b * qsb + h * qsh, r0 < L, r1 < L, t);
   float o[D_ / 8][4];
-  #pragma unroll
-  for (int i = 0; i < D_ / 8; i++) {{ o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }}
+  zero(o);
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
   bool active = w0 < L;
   long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + KT) - 1;
@@ -265,19 +287,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       float sc[8][4], mx0, mx1;
       scores(sc, qa, Ks[cur], grp, t);
       mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
-      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      // Rows with every score so far masked out keep a zero output (their sum stays zero).
-      float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-      float corr0 = __expf(m0 - base0), corr1 = __expf(m1 - base1);
-      m0 = n0; m1 = n1;
-      float ps0 = 0.f, ps1 = 0.f;
-      #pragma unroll
-      for (int nb = 0; nb < 8; nb++) {{
-        sc[nb][0] = __expf(sc[nb][0] - base0); sc[nb][1] = __expf(sc[nb][1] - base0);
-        sc[nb][2] = __expf(sc[nb][2] - base1); sc[nb][3] = __expf(sc[nb][3] - base1);
-        ps0 += sc[nb][0] + sc[nb][1]; ps1 += sc[nb][2] + sc[nb][3];
-      }}
-      l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
+      float corr0, corr1;
+      online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
       #pragma unroll
       for (int i = 0; i < D_ / 8; i++) {{ o[i][0] *= corr0; o[i][1] *= corr0; o[i][2] *= corr1; o[i][3] *= corr1; }}
       product_pv(o, sc, Vs[cur], lane);
@@ -343,16 +354,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       scores(sc, qa, Ks[cur], grp, t);
       float mx0, mx1;
       mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
-      float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-      float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-      float ps0 = 0.f, ps1 = 0.f;
-      #pragma unroll
-      for (int nb = 0; nb < 8; nb++) {{
-        ps0 += __expf(sc[nb][0] - base0) + __expf(sc[nb][1] - base0);
-        ps1 += __expf(sc[nb][2] - base1) + __expf(sc[nb][3] - base1);
-      }}
-      l0 = l0 * __expf(m0 - base0) + ps0; l1 = l1 * __expf(m1 - base1) + ps1;
-      m0 = n0; m1 = n1;
+      float corr0, corr1;
+      online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
     }}
   TILE_LOOP_END
   }}
@@ -360,8 +363,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   l0 = quad_sum(l0); l1 = quad_sum(l1);
   float ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0), ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
   float acc[D_ / 8][4];
-  #pragma unroll
-  for (int i = 0; i < D_ / 8; i++) {{ acc[i][0] = 0.f; acc[i][1] = 0.f; acc[i][2] = 0.f; acc[i][3] = 0.f; }}
+  zero(acc);
 #define LOADS(x, st) {{ load_tile(Ks[st], k, x, S, kss, b * ksb + h * ksh, tid); load_tile(Vs[st], v, x, S, vss, b * vsb + h * vsh, tid); }}
   {{
   TILE_LOOP_BEGIN(0, send)
@@ -451,13 +453,11 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   U va[D_ / 16][4];
   load_rows(va, v + c0 * vss + b * vsb + h * vsh, v + c1 * vss + b * vsb + h * vsh, c0 < S, c1 < S, t);
   float gk[D_ / 8][4];
-  #pragma unroll
-  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) gk[i][e] = 0.f;
+  zero(gk);
 #endif
 #if WANT_DV
   float gv[D_ / 8][4];
-  #pragma unroll
-  for (int i = 0; i < D_ / 8; i++) for (int e = 0; e < 4; e++) gv[i][e] = 0.f;
+  zero(gv);
 #endif
   bool active = w0 < S;
   // Causal: no query before this block's first key sees it.
