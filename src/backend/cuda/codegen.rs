@@ -500,6 +500,11 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
             let sidx = if arg { "  __shared__ long long si[8][32 * VEC];\n" } else { "" };
             let keep_i = if arg { "si[threadIdx.y][threadIdx.x * VEC + e] = ai[e]; " } else { "" };
             let read_i = |r: &str| if arg { format!("si[{r}][l]") } else { "0".into() };
+            if s.acc == CType::Bool {
+                // (Before the kernel: __ldcg has no bool overload.)
+                let at = c.rfind("extern \"C\"").expect("the kernel's signature");
+                c.insert_str(at, "__device__ __forceinline__ bool kldcg_bool(const bool* p) { return __ldcg((const unsigned char*)p) != 0; }\n");
+            }
             let _ = writeln!(c, r#"  __shared__ {t} sa[8][32 * VEC];
 {sidx}  const IDX c0 = ((IDX)blockIdx.x * 32 + threadIdx.x) * VEC, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
@@ -524,22 +529,34 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   }}
   // Split columns: each chunk leaves its partial; the last block of a column group to finish
   // folds them, so one launch does the whole reduction. Its counter is reset for the next use.
+  // One thread per block counts, with release and acquire semantics after the block's barrier
+  // (covering every thread's partial), instead of a fence by every thread; the last block
+  // reads the partials through L2, four loads in flight at a time (1-2% of the call on the
+  // H200 over 8192 x 8192: tools/stream).
   {t}* part = ({t}*)a.w[5];
   unsigned int* count = (unsigned int*)a.w[6];
   if (mine) part[ch * M + col] = r;
-  __threadfence();
   __syncthreads();
   __shared__ bool last;
-  if (l == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
+  if (l == 0) {{
+    unsigned int before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&count[blockIdx.x]) : "memory");
+    last = before == gridDim.y - 1;
+  }}
   __syncthreads();
   if (!last) return;
   if (mine) {{
-    r = ((volatile {t}*)part)[col];
-    for (IDX c2 = 1; c2 < C; c2++) kcomb(r, ri, ((volatile {t}*)part)[c2 * M + col], 0);
+    r = {ld}(part + col);
+    IDX c2 = 1;
+    for (; c2 + 4 <= C; c2 += 4) {{
+      const {t} v0 = {ld}(part + c2 * M + col), v1 = {ld}(part + (c2 + 1) * M + col), v2 = {ld}(part + (c2 + 2) * M + col), v3 = {ld}(part + (c2 + 3) * M + col);
+      kcomb(r, ri, v0, 0); kcomb(r, ri, v1, 0); kcomb(r, ri, v2, 0); kcomb(r, ri, v3, 0);
+    }}
+    for (; c2 < C; c2++) kcomb(r, ri, {ld}(part + c2 * M + col), 0);
     out[col] = {finish};
   }}
   if (l == 0) count[blockIdx.x] = 0;
-}}"#, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
+}}"#, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
         }
     }
     c
