@@ -473,8 +473,10 @@ fn large_few_long_rows_split_across_threads() {
 fn column_reductions_across_vector_widths_splits_and_alignment() {
     // Leading-dim reductions of contiguous inputs read several adjacent columns per load:
     // widths that are and are not a multiple of the vector, tall inputs split into chunks,
-    // ties between the threads of a column (the first index wins), and NaN columns.
-    for &(r, c) in &[(5, 8), (300, 130), (257, 132), (4096, 64), (2000, 1)] {
+    // ties between the threads of a column (the first index wins), and NaN columns. On a GPU,
+    // the last two have a column block for every SM, so they reduce unsplit in tall blocks (two
+    // columns per load in the first, one in the second, with a partial last block).
+    for &(r, c) in &[(5, 8), (300, 130), (257, 132), (4096, 64), (2000, 1), (257, 8256), (260, 4001)] {
         for dt in [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I32, DType::U8, DType::Bool] {
             let f = |v: f64| match dt {
                 DType::Bool => (v > 0.0) as u8 as f64,

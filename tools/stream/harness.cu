@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float red[32];
@@ -293,6 +294,38 @@ __global__ void cs_relacq(const float* x, float* out, float* part, unsigned* cou
   if (l == 0) count[blockIdx.x] = 0;
 }
 
+// Column sums without a split: a block of 32 x TY threads owns 32 * V adjacent columns over
+// every row (thread y reads rows y, y + TY, ...; V floats per load), U loads in flight per
+// thread; the TY partial rows are folded in shared memory. No partials in global memory, no
+// counters: M / (32 V) blocks in all.
+template <int TY, int U, int V>
+__global__ void cs_nosplit(const float* x, float* out, int M, int K) {
+  typedef typename std::conditional<V == 1, float, typename std::conditional<V == 2, float2, float4>::type>::type VT;
+  __shared__ float sa[TY][32 * V];
+  const int c0 = (blockIdx.x * 32 + threadIdx.x) * V;
+  float acc[V];
+#pragma unroll
+  for (int e = 0; e < V; e++) acc[e] = 0.f;
+  int k = threadIdx.y;
+  for (; k + TY * (U - 1) < K; k += TY * U) {
+    VT q[U];
+#pragma unroll
+    for (int u = 0; u < U; u++) q[u] = *(const VT*)(x + (long long)(k + TY * u) * M + c0);
+#pragma unroll
+    for (int u = 0; u < U; u++) { const float* f = (const float*)&q[u];
+#pragma unroll
+      for (int e = 0; e < V; e++) acc[e] += f[e]; }
+  }
+  for (; k < K; k += TY) { VT q = *(const VT*)(x + (long long)k * M + c0); const float* f = (const float*)&q;
+#pragma unroll
+    for (int e = 0; e < V; e++) acc[e] += f[e]; }
+#pragma unroll
+  for (int e = 0; e < V; e++) sa[threadIdx.y][threadIdx.x * V + e] = acc[e];
+  __syncthreads();
+  const int l = threadIdx.y * 32 + threadIdx.x;
+  if (l < 32 * V) { float r = sa[0][l]; for (int y = 1; y < TY; y++) r += sa[y][l]; out[blockIdx.x * 32 * V + l] = r; }
+}
+
 __global__ void empty_kernel() {}
 
 template <class F> void timeit(const char* what, double bytes, F launch, double* keep = nullptr) {
@@ -340,7 +373,13 @@ int main(int argc, char** argv) {
         snprintf(l, 80, "cs_hint U=4 C=%d no fold", C); timeit(l, (double)n * 4, [&] { cs_hint<4, 0, false, false><<<dim3(64, C), dim3(32, 8)>>>(x, out2, part, cnt, K, R); });
       }
       timeit("cs_relacq U=4 C=8", (double)n * 4, [&] { cs_relacq<4><<<dim3(64, 8), dim3(32, 8)>>>(x, out2, part, cnt, K, R); }); check("cs_relacq C=8");
-      timeit("cs_relacq U=4 C=12", (double)n * 4, [&] { cs_relacq<4><<<dim3(64, 12), dim3(32, 8)>>>(x, out2, part, cnt, K, R); }); check("cs_relacq C=12");
+      timeit("cs_nosplit 32 x 16, U=8, V=1", (double)n * 4, [&] { cs_nosplit<16, 8, 1><<<K / 32, dim3(32, 16)>>>(x, out2, K, R); }); check("nosplit 16 8 1");
+      timeit("cs_nosplit 32 x 16, U=16, V=1", (double)n * 4, [&] { cs_nosplit<16, 16, 1><<<K / 32, dim3(32, 16)>>>(x, out2, K, R); }); check("nosplit 16 16 1");
+      timeit("cs_nosplit 32 x 32, U=8, V=1", (double)n * 4, [&] { cs_nosplit<32, 8, 1><<<K / 32, dim3(32, 32)>>>(x, out2, K, R); }); check("nosplit 32 8 1");
+      timeit("cs_nosplit 32 x 8, U=16, V=1", (double)n * 4, [&] { cs_nosplit<8, 16, 1><<<K / 32, dim3(32, 8)>>>(x, out2, K, R); }); check("nosplit 8 16 1");
+      timeit("cs_nosplit 32 x 16, U=8, V=2", (double)n * 4, [&] { cs_nosplit<16, 8, 2><<<K / 64, dim3(32, 16)>>>(x, out2, K, R); }); check("nosplit 16 8 2");
+      timeit("cs_nosplit 32 x 32, U=8, V=2", (double)n * 4, [&] { cs_nosplit<32, 8, 2><<<K / 64, dim3(32, 32)>>>(x, out2, K, R); }); check("nosplit 32 8 2");
+      timeit("cs_nosplit 32 x 32, U=4, V=4", (double)n * 4, [&] { cs_nosplit<32, 4, 4><<<K / 128, dim3(32, 32)>>>(x, out2, K, R); }); check("nosplit 32 4 4");
     }
     return 0;
   }

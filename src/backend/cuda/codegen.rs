@@ -362,12 +362,15 @@ pub(crate) struct ReduceSpec {
     pub idx64: bool,
     /// Adjacent columns a thread reads with one load (`Cols` only; 1 for `Rows`).
     pub vec: usize,
+    /// Rows a `Cols` block reads at once (threads in y: 8, or 32 for an unsplit reduction that
+    /// has a block for every SM; 1 for `Rows`).
+    pub ty: usize,
 }
 
 impl ReduceSpec {
     pub(crate) fn kernel_name(&self) -> String {
         let l = if self.layout == ReduceLayout::Rows { "rows" } else { "cols" };
-        format!("{}_{}_{}_{}{}", self.op.name(), short(self.input), short(self.out), l, self.vec)
+        format!("{}_{}_{}_{}{}{}", self.op.name(), short(self.input), short(self.out), l, self.vec, if self.ty > 8 { format!("_y{}", self.ty) } else { String::new() })
     }
 }
 
@@ -457,7 +460,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let arg = matches!(s.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
     let t = s.acc.name();
     let finish = if arg { store(s.out, CType::I64, "ai") } else { store(s.out, s.acc, "acc") };
-    let _ = writeln!(c, "typedef {idx} IDX;\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define TY {}\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.ty, s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
     // Folds the partial (v, k) of another thread into (acc, ai).
     let _ = writeln!(c, "__device__ __forceinline__ void kcomb({t}& acc, long long& ai, {t} v, long long k) {{ {combine} }}");
     let it = storage_type(s.input);
@@ -491,13 +494,13 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
 }}"#, lv = lv.replace("x[X]", "x[row * K + k]"));
         }
         ReduceLayout::Cols => {
-            // A block is 32 x 8 threads over 32 * VEC columns: each thread reads VEC adjacent
-            // columns of every 8th row of its chunk (one 16-byte load for f32), folding them
-            // into VEC accumulators; then the 8 partial rows are folded through shared memory,
-            // one column per thread. (Wider blocks, reading up to 4 KB of a row at once, were
-            // measured slower on the H200 over 8192 x 8192: 64 x 4 threads 92%, 128 x 2 89%,
-            // 256 x 1 77% of the copy rate, against 92-94% here.)
-            let sidx = if arg { "  __shared__ long long si[8][32 * VEC];\n" } else { "" };
+            // A block is 32 x TY threads over 32 * VEC columns: each thread reads VEC adjacent
+            // columns of every TY-th row of its chunk (one 16-byte load for f32 at VEC 4),
+            // folding them into VEC accumulators; then the TY partial rows are folded through
+            // shared memory, one column per thread. (Wider blocks, reading up to 4 KB of a row
+            // at once, were measured slower on the H200 over 8192 x 8192: 64 x 4 threads 92%,
+            // 128 x 2 89%, 256 x 1 77% of the copy rate, against 92-94% for 32 x 8.)
+            let sidx = if arg { "  __shared__ long long si[TY][32 * VEC];\n" } else { "" };
             let keep_i = if arg { "si[threadIdx.y][threadIdx.x * VEC + e] = ai[e]; " } else { "" };
             let read_i = |r: &str| if arg { format!("si[{r}][l]") } else { "0".into() };
             if s.acc == CType::Bool {
@@ -505,13 +508,13 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
                 let at = c.rfind("extern \"C\"").expect("the kernel's signature");
                 c.insert_str(at, "__device__ __forceinline__ bool kldcg_bool(const bool* p) { return __ldcg((const unsigned char*)p) != 0; }\n");
             }
-            let _ = writeln!(c, r#"  __shared__ {t} sa[8][32 * VEC];
+            let _ = writeln!(c, r#"  __shared__ {t} sa[TY][32 * VEC];
 {sidx}  const IDX c0 = ((IDX)blockIdx.x * 32 + threadIdx.x) * VEC, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   {t} acc[VEC]; long long ai[VEC];
   _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ acc[e] = {init}; ai[e] = 9223372036854775807ll; }}
   if (c0 < M) {{
-    _Pragma("unroll 4") for (IDX k = lo + threadIdx.y; k < hi; k += 8) {{
+    _Pragma("unroll {unroll}") for (IDX k = lo + threadIdx.y; k < hi; k += TY) {{
       const VX q = *(const VX*)(x + k * M + c0);
       _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc[e], ai[e], v, k); }}
     }}
@@ -522,7 +525,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX col = (IDX)blockIdx.x * (32 * VEC) + l;
   const bool mine = l < 32 * VEC && col < M;
   {t} r = {init}; long long ri = 9223372036854775807ll;
-  if (mine) {{ r = sa[0][l]; ri = {i0}; for (int y = 1; y < 8; y++) kcomb(r, ri, sa[y][l], {iy}); }}
+  if (mine) {{ r = sa[0][l]; ri = {i0}; for (int y = 1; y < TY; y++) kcomb(r, ri, sa[y][l], {iy}); }}
   if (C == 1) {{
     if (mine) out[col] = {finish};
     return;
@@ -556,7 +559,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     out[col] = {finish};
   }}
   if (l == 0) count[blockIdx.x] = 0;
-}}"#, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
+}}"#, unroll = if s.ty > 8 { 8 } else { 4 }, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
         }
     }
     c
