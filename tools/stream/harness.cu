@@ -4,8 +4,13 @@
 //   ln_regs:   one block of 512 threads per row, the row loaded into registers (as generated today)
 //   ln_bulk:   persistent blocks; each row is fetched into shared memory by the copy engine
 //              (cp.async.bulk), STAGES rows ahead, while the threads normalise the current row
-//   cs_tile:   column sums, 32 x 8 threads over 128 columns, rows split into C chunks (today)
+//   cs_tile:   column sums, 32 x 8 threads over 128 columns, rows split into C chunks, the last
+//              block of a column group folding them (cs_hint<4, 0> below)
 //   cs_wide:   column sums, TPB threads over 4 * TPB adjacent columns, rows split into C chunks
+// With the argument `read` (NOTES.md, second part) it times only: rd_all (the read ceiling),
+// cs_hint (cache hints, interleaved chunks, no fold), cs_cluster (folds through distributed
+// shared memory), cs_relacq (the fold kiln generates) and cs_nosplit (what kiln generates for
+// 8192 columns: tall blocks, no split).
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <vector>
@@ -95,31 +100,6 @@ __global__ void ln_bulk(const float* x, float* y, const float* w, const float* b
   }
 }
 
-// Column sums with partials per chunk, the last block of a column group folding them.
-template <int UNROLL>
-__global__ void cs_tile(const float* x, float* out, float* part, unsigned* count, int M, int K) {
-  __shared__ float sa[8][128];
-  const int C = gridDim.y, ch = blockIdx.y;
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * 4;
-  const int lo = (long long)K * ch / C, hi = (long long)K * (ch + 1) / C;
-  float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll UNROLL
-  for (int k = lo + threadIdx.y; k < hi; k += 8) { float4 q = *(const float4*)(x + (long long)k * M + c0); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
-  sa[threadIdx.y][threadIdx.x * 4] = acc.x; sa[threadIdx.y][threadIdx.x * 4 + 1] = acc.y; sa[threadIdx.y][threadIdx.x * 4 + 2] = acc.z; sa[threadIdx.y][threadIdx.x * 4 + 3] = acc.w;
-  __syncthreads();
-  const int l = threadIdx.y * 32 + threadIdx.x; const int col = blockIdx.x * 128 + l;
-  const bool mine = l < 128;
-  float r = 0; if (mine) for (int yy = 0; yy < 8; yy++) r += sa[yy][l];
-  if (mine) part[ch * M + col] = r;
-  __threadfence(); __syncthreads();
-  __shared__ bool last;
-  if (l == 0) last = atomicAdd(&count[blockIdx.x], 1u) == gridDim.y - 1;
-  __syncthreads();
-  if (!last) return;
-  if (mine) { r = ((volatile float*)part)[col]; for (int c = 1; c < C; c++) r += ((volatile float*)part)[c * M + col]; out[col] = r; }
-  if (l == 0) count[blockIdx.x] = 0;
-}
-
 template <int UNROLL>
 __global__ void cs_wide(const float* x, float* out, float* part, unsigned* count, int M, int K) {
   const int C = gridDim.y, ch = blockIdx.y;
@@ -166,16 +146,10 @@ __global__ void rd_all(const float* x, float* part, long long n4) {
   if (threadIdx.x == 0) part[blockIdx.x] = acc;
 }
 
-// cs_tile with the loads of ld4<HINT> and U rows in flight per thread. INTER: chunk ch reads
-// rows ch * 8 + y + i * 8C (all blocks inside one window of 8C rows at a time) instead of a
-// contiguous range. FOLD false: the partials are left unfolded (what the fold costs).
-template <int U, int HINT, bool INTER = false, bool FOLD = true>
-__global__ void cs_hint(const float* x, float* out, float* part, unsigned* count, int M, int K) {
-  __shared__ float sa[8][128];
-  const int C = gridDim.y, ch = blockIdx.y;
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * 4;
-  const int lo = INTER ? ch * 8 : (long long)K * ch / C, hi = INTER ? K : (long long)K * (ch + 1) / C;
-  const int st = INTER ? 8 * C : 8;
+// This thread's sums of the 4 columns from c0 over rows lo + threadIdx.y, + st, ... below hi (U
+// loads in flight, by ld4<HINT>), left in the block's row threadIdx.y of sa.
+template <int U, int HINT>
+__device__ __forceinline__ void col_partial(const float* x, int M, int lo, int hi, int st, int c0, float (&sa)[8][128]) {
   float4 acc = make_float4(0, 0, 0, 0);
   int k = lo + threadIdx.y;
   for (; k + st * (U - 1) < hi; k += st * U) {
@@ -187,10 +161,30 @@ __global__ void cs_hint(const float* x, float* out, float* part, unsigned* count
   }
   for (; k < hi; k += st) { float4 q = ld4<HINT>(x + (long long)k * M + c0); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
   sa[threadIdx.y][threadIdx.x * 4] = acc.x; sa[threadIdx.y][threadIdx.x * 4 + 1] = acc.y; sa[threadIdx.y][threadIdx.x * 4 + 2] = acc.z; sa[threadIdx.y][threadIdx.x * 4 + 3] = acc.w;
+}
+
+// The block's sums of its 128 columns over rows lo + y, + st, ... below hi: thread l < 128
+// (mine) gets column col's, its 8 row partials added in order.
+template <int U, int HINT>
+__device__ __forceinline__ float chunk_sums(const float* x, int M, int lo, int hi, int st, int& col, bool& mine) {
+  __shared__ float sa[8][128];
+  col_partial<U, HINT>(x, M, lo, hi, st, (blockIdx.x * 32 + threadIdx.x) * 4, sa);
   __syncthreads();
-  const int l = threadIdx.y * 32 + threadIdx.x; const int col = blockIdx.x * 128 + l;
-  const bool mine = l < 128;
+  const int l = threadIdx.y * 32 + threadIdx.x;
+  col = blockIdx.x * 128 + l; mine = l < 128;
   float r = 0; if (mine) for (int yy = 0; yy < 8; yy++) r += sa[yy][l];
+  return r;
+}
+
+// cs_tile with the loads of ld4<HINT> and U rows in flight per thread. INTER: chunk ch reads
+// rows ch * 8 + y + i * 8C (all blocks inside one window of 8C rows at a time) instead of a
+// contiguous range. FOLD false: the partials are left unfolded (what the fold costs).
+template <int U, int HINT, bool INTER = false, bool FOLD = true>
+__global__ void cs_hint(const float* x, float* out, float* part, unsigned* count, int M, int K) {
+  const int C = gridDim.y, ch = blockIdx.y, l = threadIdx.y * 32 + threadIdx.x;
+  const int lo = INTER ? ch * 8 : (long long)K * ch / C, hi = INTER ? K : (long long)K * (ch + 1) / C;
+  int col; bool mine;
+  float r = chunk_sums<U, HINT>(x, M, lo, hi, INTER ? 8 * C : 8, col, mine);
   if (mine) part[ch * M + col] = r;
   if (!FOLD) return;
   __threadfence(); __syncthreads();
@@ -215,26 +209,11 @@ __device__ __forceinline__ float ld_cluster(const float* p, unsigned rank) {
 }
 template <int U, int CL>
 __global__ void __cluster_dims__(1, CL, 1) cs_cluster(const float* x, float* out, int M, int K) {
-  __shared__ float sa[8][128];
   __shared__ float red[128];
-  const int C = gridDim.y, ch = blockIdx.y;
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * 4;
-  const int lo = (long long)K * ch / C, hi = (long long)K * (ch + 1) / C;
-  float4 acc = make_float4(0, 0, 0, 0);
-  int k = lo + threadIdx.y;
-  for (; k + 8 * (U - 1) < hi; k += 8 * U) {
-    float4 q[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) q[u] = *(const float4*)(x + (long long)(k + 8 * u) * M + c0);
-#pragma unroll
-    for (int u = 0; u < U; u++) { acc.x += q[u].x; acc.y += q[u].y; acc.z += q[u].z; acc.w += q[u].w; }
-  }
-  for (; k < hi; k += 8) { float4 q = *(const float4*)(x + (long long)k * M + c0); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
-  sa[threadIdx.y][threadIdx.x * 4] = acc.x; sa[threadIdx.y][threadIdx.x * 4 + 1] = acc.y; sa[threadIdx.y][threadIdx.x * 4 + 2] = acc.z; sa[threadIdx.y][threadIdx.x * 4 + 3] = acc.w;
-  __syncthreads();
-  const int l = threadIdx.y * 32 + threadIdx.x; const int col = blockIdx.x * 128 + l;
-  const bool mine = l < 128;
-  if (mine) { float r = 0; for (int yy = 0; yy < 8; yy++) r += sa[yy][l]; red[l] = r; }
+  const int C = gridDim.y, ch = blockIdx.y, l = threadIdx.y * 32 + threadIdx.x;
+  int col; bool mine;
+  const float sum = chunk_sums<U, 0>(x, M, (long long)K * ch / C, (long long)K * (ch + 1) / C, 8, col, mine);
+  if (mine) red[l] = sum;
   cluster_sync();
   if (ch % CL == 0 && mine) {
     float r = ld_cluster(&red[l], 0);
@@ -250,25 +229,9 @@ __global__ void __cluster_dims__(1, CL, 1) cs_cluster(const float* x, float* out
 // together.
 template <int U>
 __global__ void cs_relacq(const float* x, float* out, float* part, unsigned* count, int M, int K) {
-  __shared__ float sa[8][128];
-  const int C = gridDim.y, ch = blockIdx.y;
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * 4;
-  const int lo = (long long)K * ch / C, hi = (long long)K * (ch + 1) / C;
-  float4 acc = make_float4(0, 0, 0, 0);
-  int k = lo + threadIdx.y;
-  for (; k + 8 * (U - 1) < hi; k += 8 * U) {
-    float4 q[U];
-#pragma unroll
-    for (int u = 0; u < U; u++) q[u] = *(const float4*)(x + (long long)(k + 8 * u) * M + c0);
-#pragma unroll
-    for (int u = 0; u < U; u++) { acc.x += q[u].x; acc.y += q[u].y; acc.z += q[u].z; acc.w += q[u].w; }
-  }
-  for (; k < hi; k += 8) { float4 q = *(const float4*)(x + (long long)k * M + c0); acc.x += q.x; acc.y += q.y; acc.z += q.z; acc.w += q.w; }
-  sa[threadIdx.y][threadIdx.x * 4] = acc.x; sa[threadIdx.y][threadIdx.x * 4 + 1] = acc.y; sa[threadIdx.y][threadIdx.x * 4 + 2] = acc.z; sa[threadIdx.y][threadIdx.x * 4 + 3] = acc.w;
-  __syncthreads();
-  const int l = threadIdx.y * 32 + threadIdx.x; const int col = blockIdx.x * 128 + l;
-  const bool mine = l < 128;
-  float r = 0; if (mine) for (int yy = 0; yy < 8; yy++) r += sa[yy][l];
+  const int C = gridDim.y, ch = blockIdx.y, l = threadIdx.y * 32 + threadIdx.x;
+  int col; bool mine;
+  float r = chunk_sums<U, 0>(x, M, (long long)K * ch / C, (long long)K * (ch + 1) / C, 8, col, mine);
   if (mine) part[ch * M + col] = r;
   __syncthreads();
   __shared__ bool last;
@@ -360,7 +323,7 @@ int main(int argc, char** argv) {
       timeit("empty kernel (launch from idle)", 0, [&] { empty_kernel<<<1, 32>>>(); });
       timeit("memcpy 400 MB (bench copy)", 8e8, [&] { cudaMemcpyAsync(big2, big, 4e8, cudaMemcpyDeviceToDevice); });
       timeit("memcpy 128 MB (256 MB moved)", (double)n * 4, [&] { cudaMemcpyAsync(y2, x, n * 4 / 2, cudaMemcpyDeviceToDevice); });
-      timeit("cs_tile C=8 (today)", (double)n * 4, [&] { cs_tile<4><<<dim3(64, 8), dim3(32, 8)>>>(x, out, part, cnt, K, R); }, &ref_ms);
+      timeit("cs_tile C=8 (today)", (double)n * 4, [&] { cs_hint<4, 0><<<dim3(64, 8), dim3(32, 8)>>>(x, out, part, cnt, K, R); }, &ref_ms);
       std::vector<float> ref(K); cudaMemcpy(ref.data(), out, K * 4, cudaMemcpyDeviceToHost);
       auto check = [&](const char* name) { std::vector<float> o(K); cudaMemcpy(o.data(), out2, K * 4, cudaMemcpyDeviceToHost); double md = 0; for (int i = 0; i < K; i++) md = std::max(md, (double)fabsf(o[i] - ref[i])); printf("   max |cs_tile - %s| = %g\n", name, md); };
       for (int per : {4, 8}) {
@@ -405,10 +368,10 @@ int main(int argc, char** argv) {
     bulk(ln_bulk<8, 2>, 1024, 2, "ln_bulk 1024 x 8, 2 stages");
     timeit("memcpy 128 MB (256 MB moved)", (double)n * 4, [&] { cudaMemcpyAsync(y2, x, n * 4 / 2, cudaMemcpyDeviceToDevice); });
     double ref_ms;
-    timeit("cs_tile C=8 (today)", (double)n * 4, [&] { cs_tile<4><<<dim3(64, 8), dim3(32, 8)>>>(x, out, part, cnt, K, R); }, &ref_ms);
+    timeit("cs_tile C=8 (today)", (double)n * 4, [&] { cs_hint<4, 0><<<dim3(64, 8), dim3(32, 8)>>>(x, out, part, cnt, K, R); }, &ref_ms);
     std::vector<float> ref(K); cudaMemcpy(ref.data(), out, K * 4, cudaMemcpyDeviceToHost);
     auto check = [&](const char* name) { std::vector<float> o(K); cudaMemcpy(o.data(), out2, K * 4, cudaMemcpyDeviceToHost); double md = 0; for (int i = 0; i < K; i++) md = std::max(md, (double)fabsf(o[i] - ref[i])); printf("   max |cs_tile - %s| = %g\n", name, md); };
-    for (int C : {16, 32}) { char l[64]; snprintf(l, 64, "cs_tile C=%d", C); timeit(l, (double)n * 4, [&] { cs_tile<4><<<dim3(64, C), dim3(32, 8)>>>(x, out2, part, cnt, K, R); }); check(l); }
+    for (int C : {16, 32}) { char l[64]; snprintf(l, 64, "cs_tile C=%d", C); timeit(l, (double)n * 4, [&] { cs_hint<4, 0><<<dim3(64, C), dim3(32, 8)>>>(x, out2, part, cnt, K, R); }); check(l); }
     for (int tpb : {128, 256}) for (int C : {16, 32, 64, 128}) {
       char l[64]; snprintf(l, 64, "cs_wide %d threads C=%d", tpb, C);
       timeit(l, (double)n * 4, [&] { cs_wide<8><<<dim3(K / (4 * tpb), C), tpb>>>(x, out2, part, cnt, K, R); }); check(l);
