@@ -463,6 +463,10 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let _ = writeln!(c, "typedef {idx} IDX;\n#define TY {}\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.ty, s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
     // Folds the partial (v, k) of another thread into (acc, ai).
     let _ = writeln!(c, "__device__ __forceinline__ void kcomb({t}& acc, long long& ai, {t} v, long long k) {{ {combine} }}");
+    if s.layout == ReduceLayout::Cols && s.acc == CType::Bool {
+        // The split column fold reads partials with __ldcg, which has no bool overload.
+        let _ = writeln!(c, "__device__ __forceinline__ bool kldcg_bool(const bool* p) {{ return __ldcg((const unsigned char*)p) != 0; }}");
+    }
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();
@@ -503,11 +507,6 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
             let sidx = if arg { "  __shared__ long long si[TY][32 * VEC];\n" } else { "" };
             let keep_i = if arg { "si[threadIdx.y][threadIdx.x * VEC + e] = ai[e]; " } else { "" };
             let read_i = |r: &str| if arg { format!("si[{r}][l]") } else { "0".into() };
-            if s.acc == CType::Bool {
-                // (Before the kernel: __ldcg has no bool overload.)
-                let at = c.rfind("extern \"C\"").expect("the kernel's signature");
-                c.insert_str(at, "__device__ __forceinline__ bool kldcg_bool(const bool* p) { return __ldcg((const unsigned char*)p) != 0; }\n");
-            }
             let _ = writeln!(c, r#"  __shared__ {t} sa[TY][32 * VEC];
 {sidx}  const IDX c0 = ((IDX)blockIdx.x * 32 + threadIdx.x) * VEC, ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);

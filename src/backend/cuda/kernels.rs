@@ -360,7 +360,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
     // for 32 x 8 threads in 8 chunks folded by the last block: tools/stream). At most 2 columns
     // per load: 4 would leave half the SMs without a block there.
     let tall = match layout {
-        ReduceLayout::Cols if cols_chunks().is_none() && k >= 256 => [vec.min(2), 1].into_iter().find(|&v| vec % v == 0 && 16 * m.div_ceil(32 * v) >= 15 * dev.sm_count),
+        ReduceLayout::Cols if cols_chunks().is_none() && k >= 256 => [vec.min(2), 1].into_iter().find(|&v| 16 * m.div_ceil(32 * v) >= 15 * dev.sm_count),
         _ => None,
     };
     let (vec, ty) = match tall {
