@@ -4,7 +4,7 @@
 # Sections: wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
-# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), final
+# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables of one layernorm and one bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
@@ -59,6 +59,11 @@ if [[ " $* " == *" launch "* ]]; then
 fi
 if [[ " $* " == *" emu "* ]]; then
   d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/gemm/emulation.cu -o $d/emu -lcublas && $d/emu
+fi
+if [[ " $* " == *" lnrows "* ]]; then
+  # The compiled layer norm beside the eager one, and two variants of it (tools/rows/NOTES.md).
+  KILN_LOG=kernels KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only reduction.layernorm --out /tmp/l.json 2> /tmp/ln.log > /dev/null
+  (cd tools/rows && rm -rf build && python3 make_variants.py /tmp/ln.log rows && cd build && (ls *_*.cu | xargs -P 4 -I{} nvcc -O3 -arch=sm_90 -diag-suppress 177 -c {} -o {}.o) && nvcc -O3 -arch=sm_90 -diag-suppress 177,550 harness.cu *.o -o v && ./v)
 fi
 if [[ " $* " == *" rows "* ]]; then
   cat $OUT/kernels-*.log > /tmp/k.log; cd tools/rows && python3 make_variants.py /tmp/k.log && cd build && (ls *_*.cu | grep -v harness | xargs -P 12 -I{} nvcc -O3 -arch=sm_90 -c {} -o {}.o) && nvcc -O3 -arch=sm_90 harness.cu *.o -o v && ./v; cd ../../..

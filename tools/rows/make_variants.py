@@ -2,7 +2,9 @@
 from a `KILN_LOG=kernels` log of `kiln bench --only reduction` and `--only pointwise.bias_gelu`)
 as is, with streaming loads of its row-varying inputs (ld.global.cs), streaming stores
 (st.global.cs), and both, in one harness timing them against cudaMemcpy. Usage on the
-GPU machine: python3 make_variants.py kernels.log, then build/ with nvcc (see NOTES.md)."""
+GPU machine: python3 make_variants.py kernels.log, then build/ with nvcc (see NOTES.md).
+With a second argument `rows` it builds only the layer norms: compiled (as generated, with
+rsqrtf, without __restrict__, both) beside the eager kernel, from `--only reduction.layernorm`."""
 import re, sys
 HELP = r'''
 template <class T> __device__ __forceinline__ T ldcs_(const T* p) { T v; const uint4* s = (const uint4*)p; uint4* d = (uint4*)&v;
@@ -32,19 +34,29 @@ def sources(path):
     return {k: "\n".join(v) + "\n" for k, v in out.items()}
 
 logged = sources(sys.argv[1])
-kernels = {  # file: (kernel name, streamed input pointer names, reused (broadcast) input pointer names)
-    'layernorm.cu': ('fused_sum_div_sub_mul_sum_div_0_r512x16x4_vvv', ['r0'], ['r1', 'r2']),
-    'softmax.cu': ('fused_amax_sub_exp_sum_div_0_r512x16x4_v', ['r0'], []),
-    'bias_gelu.cu': ('fused_add_gelu_0_f32_v8', ['p0'], ['p1']),
+def named(pattern):
+    """The first logged kernel whose name matches `pattern` (names carry hashes and launch shapes)."""
+    found = [k for k in logged if re.match(pattern, k)]
+    if not found:
+        sys.exit(f"no kernel matching {pattern} in the log: {sorted(logged)}")
+    return found[0]
+# `rows`: only the layer norms, as generated (eager and compiled) and the compiled one with
+# `1 / sqrtf` computed by `rsqrtf`, as the eager kernel does, without `__restrict__`, and both.
+ONLY_ROWS = len(sys.argv) > 2 and sys.argv[2] == 'rows'
+kernels = {  # file: (kernel name, streamed input pointer names, reused (broadcast) input pointer names, variants)
+    'layernorm.cu': (named(r'fused_sum_div_sub_mul_sum\w*_r512x16x4'), ['r0'], ['r1', 'r2'], ['base', 'rsqrt', 'norestrict', 'both2'] if ONLY_ROWS else ['base', 'ld', 'st', 'both', 'last', 'nc']),
+    'lneager.cu': (named(r'layer_norm_f32_rows512x16x4'), [], [], ['base']),
 }
-TAGS = ['base', 'ld', 'st', 'both', 'last', 'nc']
+if not ONLY_ROWS:
+    kernels['softmax.cu'] = (named(r'fused_amax_sub_exp_sum_div\w*_r512x16x4'), ['r0'], [], ['base', 'ld', 'st', 'both', 'last', 'nc'])
+    kernels['bias_gelu.cu'] = (named(r'fused_add_gelu\w*_f32_v8'), ['p0'], ['p1'], ['base', 'ld', 'st', 'both', 'last', 'nc'])
 import os
 os.makedirs('build', exist_ok=True)
 decls = []
-for f, (name, streamed, reused) in kernels.items():
+for f, (name, streamed, reused, tags) in kernels.items():
     src = logged[name]
     short = f.split('.')[0]
-    for tag in TAGS:
+    for tag in tags:
         s = src.replace('struct __align__', HELP + 'struct __align__', 1)
         if tag in ('ld', 'both'):
             for p in streamed:
@@ -54,6 +66,10 @@ for f, (name, streamed, reused) in kernels.items():
         if tag in ('last', 'nc'):
             for p in reused:
                 s = re.sub(r'\*\(const (V\w+)\*\)\((' + p + r' \+ \w+)\)', ('ldlast_' if tag == 'last' else 'ldnc_') + r'((const \1*)(\2))', s)
+        if tag in ('rsqrt', 'both2'):
+            s = re.sub(r'\(\(float\)1 / sqrtf\((\(\w+\))\)\)', r'rsqrtf(\1)', s)
+        if tag in ('norestrict', 'both2'):
+            s = s.replace(' __restrict__', '')
         s = s.replace(name, f'{short}_{tag}')
         # Helpers of the shared prelude stay private to each file.
         s = 'namespace {\n' + s + '\n}\n'
@@ -64,6 +80,7 @@ harness = r'''
 #include <cstdio>
 #include <vector>
 #include <algorithm>
+#include <cstring>
 template <class F> float med(F f) {
   cudaEvent_t s, e; cudaEventCreate(&s); cudaEventCreate(&e); std::vector<float> t;
   for (int i = 0; i < 5; i++) f();
@@ -86,6 +103,7 @@ int main() {
   float tci = alone([&] { cudaMemcpyAsync(y, x, M * K * 4, cudaMemcpyDeviceToDevice); });
   printf("memcpy back to back %8.1f us, one call %8.1f us\n", tc, tci);
   KArgs ln = {}; ln.w[0] = M; ln.w[1] = K; ln.w[2] = (u64)y; ln.w[3] = (u64)x; ln.w[4] = K; ln.w[5] = 1; ln.w[6] = (u64)w; ln.w[7] = 0; ln.w[8] = 1; ln.w[9] = (u64)b; ln.w[10] = 0; ln.w[11] = 1;
+  KArgs le = {}; le.w[0] = (u64)x; le.w[1] = (u64)y; le.w[2] = (u64)w; le.w[3] = (u64)b; le.w[4] = M; le.w[5] = K; double eps = 1e-5; memcpy(&le.w[6], &eps, 8);
   KArgs sm = {}; sm.w[0] = M; sm.w[1] = K; sm.w[2] = (u64)y; sm.w[3] = (u64)x; sm.w[4] = K; sm.w[5] = 1;
   KArgs bg = {}; bg.w[0] = M * K; bg.w[1] = (u64)y; bg.w[2] = (u64)x; bg.w[3] = (u64)b; bg.w[4] = 8192; bg.w[5] = 8192; bg.w[6] = 0; bg.w[7] = 1;
   struct V { const char* n; void (*k)(const void*, unsigned, unsigned); KArgs* a; unsigned grid, block; } vs[] = {
@@ -95,14 +113,14 @@ int main() {
     float t = med([&] { v.k(v.a, v.grid, v.block); });
     float ti = alone([&] { v.k(v.a, v.grid, v.block); });
     cudaError_t e = cudaGetLastError(); if (e != cudaSuccess) { printf("%s: %s\n", v.n, cudaGetErrorString(e)); return 1; }
-    printf("%-20s back to back %8.1f us (%.1f%% of memcpy)   one call %8.1f us (%.1f%% of memcpy)\n", v.n, t, 100 * tc / t, ti, 100 * tci / ti);
+    printf("%-24s back to back %8.1f us (%.1f%% of memcpy)   one call %8.1f us (%.1f%% of memcpy)\n", v.n, t, 100 * tc / t, ti, 100 * tci / ti);
   }
 }
 '''
 vs = []
-for f, (name, _, _) in kernels.items():
+for f, (name, _, _, tags) in kernels.items():
     short = f.split('.')[0]
-    args, grid, block = {'layernorm': ('&ln', 8192, 512), 'softmax': ('&sm', 8192, 512), 'bias_gelu': ('&bg', 32768, 256)}[short]
-    vs += [f'    {{"{short} {tag}", launch_{short}_{tag}, {args}, {grid}, {block}}},' for tag in TAGS]
+    args, grid, block = {'layernorm': ('&ln', 8192, 512), 'lneager': ('&le', 8192, 512), 'softmax': ('&sm', 8192, 512), 'bias_gelu': ('&bg', 32768, 256)}[short]
+    vs += [f'    {{"{short} {tag}", launch_{short}_{tag}, {args}, {grid}, {block}}},' for tag in tags]
 harness = harness.replace("@VS@", '\n'.join(vs))
 open('build/harness.cu', 'w').write('typedef unsigned long long u64;\nstruct KArgs { u64 w[64]; };\n' + '\n'.join(decls) + harness)
