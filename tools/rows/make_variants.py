@@ -3,8 +3,9 @@ from a `KILN_LOG=kernels` log of `kiln bench --only reduction` and `--only point
 as is, with streaming loads of its row-varying inputs (ld.global.cs), streaming stores
 (st.global.cs), and both, in one harness timing them against cudaMemcpy. Usage on the
 GPU machine: python3 make_variants.py kernels.log, then build/ with nvcc (see NOTES.md).
-With a second argument `rows` it builds only the layer norms: compiled (as generated, with
-rsqrtf, without __restrict__, both) beside the eager kernel, from `--only reduction.layernorm`."""
+With a second argument `rows` it builds only the layer norms, compiled and eager, as generated
+and with `__launch_bounds__(512, 1)` or `(512, 2)` (which change ptxas's register budget and so
+the blocks per SM), and the compiled one with rsqrtf, from `--only reduction.layernorm`."""
 import re, sys
 HELP = r'''
 template <class T> __device__ __forceinline__ T ldcs_(const T* p) { T v; const uint4* s = (const uint4*)p; uint4* d = (uint4*)&v;
@@ -44,8 +45,8 @@ def named(pattern):
 # `1 / sqrtf` computed by `rsqrtf`, as the eager kernel does, without `__restrict__`, and both.
 ONLY_ROWS = len(sys.argv) > 2 and sys.argv[2] == 'rows'
 kernels = {  # file: (kernel name, streamed input pointer names, reused (broadcast) input pointer names, variants)
-    'layernorm.cu': (named(r'fused_sum_div_sub_mul_sum\w*_r512x16x4'), ['r0'], ['r1', 'r2'], ['base', 'rsqrt', 'norestrict', 'both2'] if ONLY_ROWS else ['base', 'ld', 'st', 'both', 'last', 'nc']),
-    'lneager.cu': (named(r'layer_norm_f32_rows512x16x4'), [], [], ['base']),
+    'layernorm.cu': (named(r'fused_sum_div_sub_mul_sum\w*_r512x16x4'), ['r0'], ['r1', 'r2'], ['base', 'lb1', 'lb2', 'rsqrt'] if ONLY_ROWS else ['base', 'ld', 'st', 'both', 'last', 'nc']),
+    'lneager.cu': (named(r'layer_norm_f32_rows512x16x4'), [], [], ['base', 'lb1', 'lb2']),
 }
 if not ONLY_ROWS:
     kernels['softmax.cu'] = (named(r'fused_amax_sub_exp_sum_div\w*_r512x16x4'), ['r0'], [], ['base', 'ld', 'st', 'both', 'last', 'nc'])
@@ -68,6 +69,8 @@ for f, (name, streamed, reused, tags) in kernels.items():
                 s = re.sub(r'\*\(const (V\w+)\*\)\((' + p + r' \+ \w+)\)', ('ldlast_' if tag == 'last' else 'ldnc_') + r'((const \1*)(\2))', s)
         if tag in ('rsqrt', 'both2'):
             s = re.sub(r'\(\(float\)1 / sqrtf\((\(\w+\))\)\)', r'rsqrtf(\1)', s)
+        if tag in ('lb1', 'lb2'):
+            s = s.replace('__launch_bounds__(512)', f'__launch_bounds__(512, {tag[2]})')
         if tag in ('norestrict', 'both2'):
             s = s.replace(' __restrict__', '')
         s = s.replace(name, f'{short}_{tag}')

@@ -7,6 +7,8 @@
 //   cs_tile:   column sums, 32 x 8 threads over 128 columns, rows split into C chunks, the last
 //              block of a column group folding them (cs_hint<4, 0> below)
 //   cs_wide:   column sums, TPB threads over 4 * TPB adjacent columns, rows split into C chunks
+// With the argument `ln` it times layer-norm structures (ln_var below: barriers, a one-pass
+// Chan reduction, thread counts, persistent blocks loading the next row ahead).
 // With the argument `read` (NOTES.md, second part) it times only: rd_all (the read ceiling),
 // cs_hint (cache hints, interleaved chunks, no fold), cs_cluster (folds through distributed
 // shared memory), cs_relacq (the fold kiln generates) and cs_nosplit (what kiln generates for
@@ -97,6 +99,83 @@ __global__ void ln_bulk(const float* x, float* y, const float* w, const float* b
     }
     float* yr = y + row * K;
     ln_row<VPT>(v, yr, w, b, K, eps);
+  }
+}
+
+
+// Layer-norm structure variants (mode `ln`). RED 0: two block sums sharing one array, a
+// barrier before each write (as generated); RED 1: each sum its own array, no leading
+// barrier; RED 2: one block reduction of (sum, sum of squared deviations) pairs, merged by
+// Chan's rule (equal counts on both sides of every step). PREF: persistent blocks that load
+// the next row while the current one is reduced and stored.
+template <int SLOT>
+__device__ __forceinline__ float block_sum_slot(float v, bool lead) {
+  __shared__ float red[32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lead) __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < (int)(blockDim.x >> 5) ? red[lane] : 0.0f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ void chan_step(float& s, float& q, float n, int o) {
+  const float s2 = __shfl_xor_sync(0xffffffffu, s, o), q2 = __shfl_xor_sync(0xffffffffu, q, o);
+  const float d = s2 - s;
+  q = q + q2 + d * d * (0.5f / n); s = s + s2;
+}
+template <int THREADS>
+__device__ __forceinline__ void block_chan(float& s, float& q, float n) {
+  __shared__ float rs[32], rq[32];
+  for (int o = 16; o > 0; o >>= 1, n *= 2) chan_step(s, q, n, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) { rs[warp] = s; rq[warp] = q; }
+  __syncthreads();
+  constexpr int W = THREADS / 32;
+  s = rs[lane % W]; q = rq[lane % W];
+  for (int o = W / 2; o > 0; o >>= 1, n *= 2) chan_step(s, q, n, o);
+}
+template <int THREADS, int VPT>
+__device__ __forceinline__ void ln_load(float (&v)[VPT], const float* xr) {
+#pragma unroll
+  for (int g = 0; g < VPT / 4; g++) { float4 q = *(const float4*)(xr + (g * THREADS + threadIdx.x) * 4); v[4*g] = q.x; v[4*g+1] = q.y; v[4*g+2] = q.z; v[4*g+3] = q.w; }
+}
+template <int THREADS, int VPT, int RED, bool PREF, int MINB = 1>
+__global__ void __launch_bounds__(THREADS, MINB) ln_var(const float* x, float* y, const float* w, const float* b, long long M, int K, float eps) {
+  float v[VPT];
+  if (PREF && blockIdx.x < M) ln_load<THREADS, VPT>(v, x + (long long)blockIdx.x * K);
+  for (long long row = blockIdx.x; row < M; row += gridDim.x) {
+    if (!PREF) ln_load<THREADS, VPT>(v, x + row * K);
+    float nx[VPT];
+    if (PREF && row + gridDim.x < M) ln_load<THREADS, VPT>(nx, x + (row + gridDim.x) * K);
+    float mean, rstd;
+    if (RED == 2) {
+      float s = 0; for (int j = 0; j < VPT; j++) s += v[j];
+      const float lm = s * (1.0f / VPT);
+      float q = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - lm; q += d * d; }
+      if (RED == 2 && PREF) __syncthreads();  // the previous row's readers of the shared pairs
+      block_chan<THREADS>(s, q, (float)VPT);
+      mean = s / K; rstd = rsqrtf(q / K + eps);
+    } else {
+      float ls = 0; for (int j = 0; j < VPT; j++) ls += v[j];
+      mean = (RED == 0 ? block_sum_slot<0>(ls, true) : block_sum_slot<1>(ls, false)) / K;
+      float lq = 0; for (int j = 0; j < VPT; j++) { float d = v[j] - mean; lq += d * d; }
+      rstd = rsqrtf((RED == 0 ? block_sum_slot<0>(lq, true) : block_sum_slot<2>(lq, false)) / K + eps);
+    }
+    float* yr = y + row * K;
+#pragma unroll
+    for (int g = 0; g < VPT / 4; g++) {
+      const int k0 = (g * THREADS + threadIdx.x) * 4;
+      float4 wq = *(const float4*)(w + k0), bq = *(const float4*)(b + k0), o;
+      o.x = (v[4*g] - mean) * rstd * wq.x + bq.x; o.y = (v[4*g+1] - mean) * rstd * wq.y + bq.y;
+      o.z = (v[4*g+2] - mean) * rstd * wq.z + bq.z; o.w = (v[4*g+3] - mean) * rstd * wq.w + bq.w;
+      *(float4*)(yr + k0) = o;
+    }
+    if (PREF) {
+#pragma unroll
+      for (int j = 0; j < VPT; j++) v[j] = nx[j];
+    }
   }
 }
 
@@ -316,6 +395,43 @@ int main(int argc, char** argv) {
   cudaMemcpy(x, h.data(), n * 4, cudaMemcpyHostToDevice);
   std::vector<float> hw(K, 1.5f), hb(K, 0.25f); cudaMemcpy(w, hw.data(), K * 4, cudaMemcpyHostToDevice); cudaMemcpy(b, hb.data(), K * 4, cudaMemcpyHostToDevice);
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  if (argc > 1 && std::string(argv[1]) == "ln") {
+    // Layer-norm structure variants against ln_var<512, 16, 0, false> (the generated structure).
+    std::vector<float> ref(n), o(n);
+    for (int round = 0; round < 3; round++) {
+      printf("== ln round %d\n", round);
+      timeit("memcpy 256 MB (layer norm bytes)", 2.0 * n * 4, [&] { cudaMemcpyAsync(y2, x, n * 4, cudaMemcpyDeviceToDevice); });
+      timeit("ln 512x16 R0 (generated)", 2.0 * n * 4, [&] { ln_var<512, 16, 0, false><<<R, 512>>>(x, y, w, b, R, K, 1e-5f); });
+      cudaMemcpy(ref.data(), y, n * 4, cudaMemcpyDeviceToHost);
+      // smem: unused dynamic shared memory per block (caps blocks per SM); grid: 0 = one block
+      // per row (or, with pref, every resident block), else that many blocks walking the rows.
+      auto var = [&](auto kern, int threads, bool pref, const char* name, int smem = 0, int grid = 0) {
+        if (smem > 48 * 1024) cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        int per = 0; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kern, threads, smem);
+        cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, kern);
+        if (grid == 0) grid = pref ? sms * per : R;
+        char l[96]; snprintf(l, 96, "%s (%d/SM, %d regs, grid %d)", name, per, fa.numRegs, grid);
+        timeit(l, 2.0 * n * 4, [&] { kern<<<grid, threads, smem>>>(x, y2, w, b, R, K, 1e-5f); });
+        cudaMemcpy(o.data(), y2, n * 4, cudaMemcpyDeviceToHost);
+        double md = 0; for (size_t i = 0; i < n; i++) md = std::max(md, (double)fabsf(o[i] - ref[i]));
+        if (md > 1e-5) printf("   max |generated - %s| = %g\n", name, md);
+      };
+      var(ln_var<512, 16, 0, false>, 512, false, "ln 512x16 R0 again");
+      var(ln_var<512, 16, 0, false, 3>, 512, false, "ln 512x16 min 3");
+      var(ln_var<512, 16, 0, false, 3>, 512, false, "ln 512x16 min 3, pad to 2/SM", 100 * 1024);
+      var(ln_var<512, 16, 0, false, 3>, 512, false, "ln 512x16 min 3, pad to 1/SM", 150 * 1024);
+      var(ln_var<512, 16, 0, false, 3>, 512, false, "ln 512x16 min 3, grid 2/SM", 0, 2 * sms);
+      var(ln_var<512, 16, 0, false, 3>, 512, false, "ln 512x16 min 3, grid 3/SM", 0, 3 * sms);
+      var(ln_var<512, 16, 0, false>, 512, false, "ln 512x16 R0, grid 2/SM", 0, 2 * sms);
+      var(ln_var<256, 32, 0, false>, 256, false, "ln 256x32");
+      var(ln_var<256, 32, 0, false>, 256, false, "ln 256x32 pad to 3/SM", 70 * 1024);
+      var(ln_var<256, 32, 0, false>, 256, false, "ln 256x32 pad to 2/SM", 100 * 1024);
+      var(ln_var<1024, 8, 0, false>, 1024, false, "ln 1024x8 pad to 1/SM", 150 * 1024);
+      var(ln_var<512, 16, 2, false>, 512, false, "ln 512x16 R2");
+      var(ln_var<512, 16, 2, false, 3>, 512, false, "ln 512x16 R2 min 3");
+    }
+    return 0;
+  }
   if (read_only) {
     double ref_ms;
     for (int round = 0; round < 2; round++) {
