@@ -45,8 +45,8 @@ def named(pattern):
 # `1 / sqrtf` computed by `rsqrtf`, as the eager kernel does, without `__restrict__`, and both.
 ONLY_ROWS = len(sys.argv) > 2 and sys.argv[2] == 'rows'
 kernels = {  # file: (kernel name, streamed input pointer names, reused (broadcast) input pointer names, variants)
-    'layernorm.cu': (named(r'fused_sum_div_sub_mul_sum\w*_r512x16x4'), ['r0'], ['r1', 'r2'], ['base', 'lb1', 'lb2', 'rsqrt'] if ONLY_ROWS else ['base', 'ld', 'st', 'both', 'last', 'nc']),
-    'lneager.cu': (named(r'layer_norm_f32_rows512x16x4'), [], [], ['base', 'lb1', 'lb2']),
+    'layernorm.cu': (named(r'fused_sum_div_sub_mul_sum\w*_r512x16x4'), ['r0'], ['r1', 'r2'], ['base', 'lb2', 'rowptr', 'bcast', 'rowptr_bcast', 'all3'] if ONLY_ROWS else ['base', 'ld', 'st', 'both', 'last', 'nc']),
+    'lneager.cu': (named(r'layer_norm_f32_rows512x16x4'), [], [], ['base']),
 }
 if not ONLY_ROWS:
     kernels['softmax.cu'] = (named(r'fused_amax_sub_exp_sum_div\w*_r512x16x4'), ['r0'], [], ['base', 'ld', 'st', 'both', 'last', 'nc'])
@@ -71,6 +71,15 @@ for f, (name, streamed, reused, tags) in kernels.items():
             s = re.sub(r'\(\(float\)1 / sqrtf\((\(\w+\))\)\)', r'rsqrtf(\1)', s)
         if tag in ('lb1', 'lb2'):
             s = s.replace('__launch_bounds__(512)', f'__launch_bounds__(512, {tag[2]})')
+        if tag in ('rowptr', 'rowptr_bcast', 'all3'):
+            # The output row's address once per row, as the eager kernel has it.
+            s = s.replace('    float ax0[VPT];', '    float ax0[VPT];\n    float* __restrict__ yo0 = out0 + row * (long long)K;', 1)
+            s = s.replace('*(VO0*)(out0 + row * (long long)K + k0) = o0;', '*(VO0*)(yo0 + k0) = o0;')
+        if tag in ('bcast', 'rowptr_bcast', 'all3'):
+            # Weight and bias (row stride 0 here) read without a row offset.
+            s = s.replace('p1 + row * rs1', 'p1').replace('p2 + row * rs2', 'p2')
+        if tag == 'all3':
+            s = s.replace(' __restrict__', '')
         if tag in ('norestrict', 'both2'):
             s = s.replace(' __restrict__', '')
         s = s.replace(name, f'{short}_{tag}')
