@@ -31,18 +31,22 @@ fn kernel_name(kind: &str, dtype: DType, d: usize) -> String {
     format!("attention_{kind}_{}_d{d}", dtype.torch_name())
 }
 
-/// Source shared by the three kernels: types, loads, warp reductions, the argument block.
-fn common(dtype: DType, d: usize) -> String {
+/// Source shared by the three kernels: types, loads, warp reductions, the argument block;
+/// `rows` warps (query or key rows) per block, key and value rows loaded `vw` elements at a
+/// time (`vw` divides the head dim, the rows' strides and alignment; see `key_vector`).
+fn common(dtype: DType, d: usize, rows: usize, vw: usize) -> String {
     format!(
         r#"{PRELUDE}
 #define D_ {d}
 #define PER ((D_ + 31) / 32)
-#define ROWS {ROWS}
+#define ROWS {rows}
+#define VW {vw}
 #define FULL 0xffffffffu
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 typedef {t} T;
+struct __align__({align}) VT {{ T v[VW]; }};
 #define LD(e) ({ld})
 #define ST(e) ({st})
 __device__ __forceinline__ float wmax(float x) {{ for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, o)); return x; }}
@@ -64,10 +68,12 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
 // The tile of keys from s0 (all 32 but in the last: short sequences load and sum no padding)
 // into Ks, with their values into Vs when WITH_V; the whole block loads, then syncs.
 #define LOAD_KEYS(s0, nk, WITH_V) const int nk = (int)min(32ll, send - (s0)); __syncthreads(); \
-  for (int i_ = threadIdx.x; i_ < nk * D_; i_ += ROWS * 32) {{ \
-    int j_ = i_ / D_, d_ = i_ - j_ * D_; long long s_ = (s0) + j_; \
-    Ks[j_][d_] = LD(k[s_ * kss + b * ksb + h * ksh + d_]); \
-    if (WITH_V) Vs[j_][d_] = LD(v[s_ * vss + b * vsb + h * vsh + d_]); }} \
+  for (int i_ = threadIdx.x; i_ < nk * (D_ / VW); i_ += ROWS * 32) {{ \
+    int j_ = i_ / (D_ / VW), d_ = (i_ - j_ * (D_ / VW)) * VW; long long s_ = (s0) + j_; \
+    const VT kq_ = *(const VT*)(k + s_ * kss + b * ksb + h * ksh + d_); \
+    for (int e_ = 0; e_ < VW; e_++) Ks[j_][d_ + e_] = LD(kq_.v[e_]); \
+    if (WITH_V) {{ const VT vq_ = *(const VT*)(v + s_ * vss + b * vsb + h * vsh + d_); \
+      for (int e_ = 0; e_ < VW; e_++) Vs[j_][d_ + e_] = LD(vq_.v[e_]); }} }} \
   __syncthreads();
 // This lane's score against key s0 + lane (-inf where masked out by causality or past S),
 // the row's running max m updated into mn and this lane's exp(score - mn) into p.
@@ -76,14 +82,34 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
   float mn = fmaxf(m, wmax(sc)); float p = sc == -INFINITY ? 0.f : expf(sc - mn);
 "#,
         t = codegen::storage_type(dtype),
+        align = vw * dtype.size_in_bytes(),
         ld = codegen::load(dtype, CType::F32, "(e)"),
         st = codegen::store(dtype, CType::F32, "(e)"),
     )
 }
 
-/// Forward: out[l] = softmax(scale q[l] k^T + mask) v.
-fn gen_forward(dtype: DType, d: usize) -> (String, String) {
-    let name = kernel_name("fwd", dtype, d);
+/// Query rows per block of the warp forward: up to 16, so that a short sequence's rows share
+/// one block and its keys and values are loaded once per head instead of once per 4 rows.
+fn forward_rows(l: usize) -> usize {
+    l.next_power_of_two().clamp(ROWS, 16)
+}
+
+/// Elements per load of key and value rows: 16 bytes where the head dim, every row stride and
+/// both base addresses allow it, else one.
+fn key_vector(k: &Tensor, v: &Tensor, d: usize) -> Result<usize> {
+    let vw = 16 / k.dtype().size_in_bytes();
+    let fits = |t: &Tensor| -> Result<bool> { Ok(t.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(t)? % 16 == 0) };
+    Ok(if d % vw == 0 && fits(k)? && fits(v)? { vw } else { 1 })
+}
+
+/// The warp forward's kernel name: `rows` query rows per block, keys loaded `vw` at a time.
+fn forward_name(dtype: DType, d: usize, rows: usize, vw: usize) -> String {
+    format!("{}_r{rows}_v{vw}", kernel_name("fwd", dtype, d))
+}
+
+/// Forward: out[l] = softmax(scale q[l] k^T + mask) v, `rows` query rows per block.
+fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
+    let name = forward_name(dtype, d, rows, vw);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -112,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   if (ok) for (int i = 0; i < PER; i++) {{ int d = lane + 32 * i; if (d < D_) out[((l * B + b) * H + h) * D_ + d] = ST(acc[i] / den); }}
 }}
 "#,
-        common = common(dtype, d)
+        common = common(dtype, d, rows, vw)
     );
     (name, src)
 }
@@ -254,7 +280,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, flo
   l0 = l0 * corr0 + ps0; l1 = l1 * corr1 + ps1;
 }}
 "#,
-        common = common(dtype, d)
+        common = common(dtype, d, ROWS, 1)
     )
 }
 
@@ -526,7 +552,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
 /// holds two stages of two tiles of 64 rows (padded by 8 elements), and for the key-row kernels
 /// each stage's log-sum-exp and delta per row.
 fn launch_tc(dev: &super::CudaDevice, kern: super::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
-    let (x, _, _) = grid(bh, rows)?;
+    let (x, _, _) = grid(bh, rows, ROWS)?;
     let shared = 2 * 2 * TC_ROWS * (d + 8) * 2 + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 };
     dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), shared as u32, a)
 }
@@ -617,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
 }}
 "#,
-        common = common(dtype, d)
+        common = common(dtype, d, ROWS, 1)
     );
     (name, src)
 }
@@ -680,7 +706,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
 }}
 "#,
-        common = common(dtype, d)
+        common = common(dtype, d, ROWS, 1)
     );
     (name, src)
 }
@@ -710,12 +736,12 @@ fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &At
     Ok(a)
 }
 
-/// Blocks: one per (batch, head) in x, one per ROWS rows in y (at most 65535).
-fn grid(bh: usize, rows: usize) -> Result<(u32, u32, u32)> {
+/// Blocks: one per (batch, head) in x, one per `per` rows in y (at most 65535).
+fn grid(bh: usize, rows: usize, per: usize) -> Result<(u32, u32, u32)> {
     if rows > MAX_ROWS || bh > i32::MAX as usize {
         return Err(crate::Error::arg("attention", format!("{rows} rows per head (at most {MAX_ROWS}) or {bh} heads in all (at most 2^31 - 1) exceed one launch")));
     }
-    Ok((bh as u32, rows.div_ceil(ROWS) as u32, 1))
+    Ok((bh as u32, rows.div_ceil(per) as u32, 1))
 }
 
 /// The attention output `[L, B, H, D]` in q's dtype. Inputs have a contiguous head dim.
@@ -732,8 +758,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d))?;
         launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
     } else {
-        let kern = dev.kernel(KernelKey::Named(kernel_name("fwd", q.dtype(), n.d)), || gen_forward(q.dtype(), n.d))?;
-        dev.launch(kern, grid(n.b * n.h, n.l)?, ((ROWS * 32) as u32, 1, 1), &a)?;
+        let (rows, vw) = (forward_rows(n.l), key_vector(k, v, n.d)?);
+        let kern = dev.kernel(KernelKey::Named(forward_name(q.dtype(), n.d, rows, vw)), || gen_forward(q.dtype(), n.d, rows, vw))?;
+        dev.launch(kern, grid(n.b * n.h, n.l, rows)?, ((rows * 32) as u32, 1, 1), &a)?;
     }
     Ok(out)
 }
@@ -774,8 +801,8 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     }
     let block = ((ROWS * 32) as u32, 1, 1);
     let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q", q.dtype(), n.d)), || gen_backward_q(q.dtype(), n.d))?;
-    dev.launch(kq, grid(n.b * n.h, n.l)?, block, &a)?;
+    dev.launch(kq, grid(n.b * n.h, n.l, ROWS)?, block, &a)?;
     let kkv = dev.kernel(KernelKey::Named(kernel_name("bwd_kv", q.dtype(), n.d)), || gen_backward_kv(q.dtype(), n.d))?;
-    dev.launch(kkv, grid(n.b * n.h, n.s)?, block, &a)?;
+    dev.launch(kkv, grid(n.b * n.h, n.s, ROWS)?, block, &a)?;
     Ok(packed)
 }
