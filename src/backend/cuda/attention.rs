@@ -13,7 +13,8 @@ use super::{CudaStorage, KArgs, KernelKey};
 use crate::ops::AttnDims;
 use crate::{DType, Result, Tensor};
 
-/// Warps (query or key rows) per block.
+/// Warps per block of the tensor-core kernels, and the fewest query (or key) rows per block of
+/// the warp kernels (`forward_rows`, `backward_rows`).
 const ROWS: usize = 4;
 /// Largest head dim the kernels take (their tiles live in 48 KiB of shared memory).
 const MAX_HEAD_DIM: usize = 128;
@@ -102,14 +103,28 @@ fn key_vector(k: &Tensor, v: &Tensor, d: usize) -> Result<usize> {
     Ok(if d % vw == 0 && fits(k)? && fits(v)? { vw } else { 1 })
 }
 
-/// The warp forward's kernel name: `rows` query rows per block, keys loaded `vw` at a time.
-fn forward_name(dtype: DType, d: usize, rows: usize, vw: usize) -> String {
-    format!("{}_r{rows}_v{vw}", kernel_name("fwd", dtype, d))
+/// A warp kernel's name: `rows` query (or key) rows per block, rows loaded `vw` at a time.
+fn warp_name(kind: &str, dtype: DType, d: usize, rows: usize, vw: usize) -> String {
+    format!("{}_r{rows}_v{vw}", kernel_name(kind, dtype, d))
+}
+
+/// Rows per block of the warp backward kernels: as the forward's, but at most 8 for head dims
+/// over 64, where 16 would take the tiles past 48 KiB of shared memory.
+fn backward_rows(n: usize, d: usize) -> usize {
+    forward_rows(n).min(if d > 64 { 8 } else { 16 })
+}
+
+/// The backward's load width: the keys' and values' (`key_vector`), where the queries' strides
+/// and address and the output gradient's address allow it too.
+fn backward_vector(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, d: usize) -> Result<usize> {
+    let vw = key_vector(k, v, d)?;
+    let q_fits = q.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(q)? % 16 == 0;
+    Ok(if q_fits && data_ptr(g)? % 16 == 0 { vw } else { 1 })
 }
 
 /// Forward: out[l] = softmax(scale q[l] k^T + mask) v, `rows` query rows per block.
 fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
-    let name = forward_name(dtype, d, rows, vw);
+    let name = warp_name("fwd", dtype, d, rows, vw);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -590,8 +605,8 @@ fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<boo
 
 /// Backward, per query row: the row's log-sum-exp and delta = dO·O, then
 /// dq = scale sum_s p (dO·v_s - delta) k_s.
-fn gen_backward_q(dtype: DType, d: usize) -> (String, String) {
-    let name = kernel_name("bwd_q", dtype, d);
+fn gen_backward_q(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
+    let name = warp_name("bwd_q", dtype, d, rows, vw);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -643,14 +658,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
 }}
 "#,
-        common = common(dtype, d, ROWS, 1)
+        common = common(dtype, d, rows, vw)
     );
     (name, src)
 }
 
 /// Backward, per key row: dv = sum_l p dO_l and dk = scale sum_l p (dO_l·v - delta_l) q_l.
-fn gen_backward_kv(dtype: DType, d: usize) -> (String, String) {
-    let name = kernel_name("bwd_kv", dtype, d);
+fn gen_backward_kv(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
+    let name = warp_name("bwd_kv", dtype, d, rows, vw);
     let src = format!(
         r#"{common}
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
@@ -673,10 +688,10 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   for (long long l0 = start; l0 < L; l0 += 32) {{
     const int nl = (int)min(32ll, L - l0);
     __syncthreads();
-    for (int i = threadIdx.x; i < nl * D_; i += ROWS * 32) {{
-      int j = i / D_, d = i - j * D_; long long l = l0 + j;
-      Qt[j][d] = LD(q[l * qsl + b * qsb + h * qsh + d]) * scale;
-      Gt[j][d] = LD(g[((l * B + b) * H + h) * D_ + d]);
+    for (int i = threadIdx.x; i < nl * (D_ / VW); i += ROWS * 32) {{
+      int j = i / (D_ / VW), d = (i - j * (D_ / VW)) * VW; long long l = l0 + j;
+      const VT qv = *(const VT*)(q + l * qsl + b * qsb + h * qsh + d), gv = *(const VT*)(g + ((l * B + b) * H + h) * D_ + d);
+      for (int e = 0; e < VW; e++) {{ Qt[j][d + e] = LD(qv.v[e]) * scale; Gt[j][d + e] = LD(gv.v[e]); }}
     }}
     if (threadIdx.x < 32) {{
       long long l = l0 + threadIdx.x;
@@ -706,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
 }}
 "#,
-        common = common(dtype, d, ROWS, 1)
+        common = common(dtype, d, rows, vw)
     );
     (name, src)
 }
@@ -759,7 +774,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
         launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
     } else {
         let (rows, vw) = (forward_rows(n.l), key_vector(k, v, n.d)?);
-        let kern = dev.kernel(KernelKey::Named(forward_name(q.dtype(), n.d, rows, vw)), || gen_forward(q.dtype(), n.d, rows, vw))?;
+        let kern = dev.kernel(KernelKey::Named(warp_name("fwd", q.dtype(), n.d, rows, vw)), || gen_forward(q.dtype(), n.d, rows, vw))?;
         dev.launch(kern, grid(n.b * n.h, n.l, rows)?, ((rows * 32) as u32, 1, 1), &a)?;
     }
     Ok(out)
@@ -799,10 +814,11 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
         }
         return Ok(packed);
     }
-    let block = ((ROWS * 32) as u32, 1, 1);
-    let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q", q.dtype(), n.d)), || gen_backward_q(q.dtype(), n.d))?;
-    dev.launch(kq, grid(n.b * n.h, n.l, ROWS)?, block, &a)?;
-    let kkv = dev.kernel(KernelKey::Named(kernel_name("bwd_kv", q.dtype(), n.d)), || gen_backward_kv(q.dtype(), n.d))?;
-    dev.launch(kkv, grid(n.b * n.h, n.s, ROWS)?, block, &a)?;
+    let vw = backward_vector(q, k, v, g, n.d)?;
+    let (rq, rk) = (backward_rows(n.l, n.d), backward_rows(n.s, n.d));
+    let kq = dev.kernel(KernelKey::Named(warp_name("bwd_q", q.dtype(), n.d, rq, vw)), || gen_backward_q(q.dtype(), n.d, rq, vw))?;
+    dev.launch(kq, grid(n.b * n.h, n.l, rq)?, ((rq * 32) as u32, 1, 1), &a)?;
+    let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;
+    dev.launch(kkv, grid(n.b * n.h, n.s, rk)?, ((rk * 32) as u32, 1, 1), &a)?;
     Ok(packed)
 }
