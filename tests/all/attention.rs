@@ -73,6 +73,9 @@ fn cases() -> Vec<Case> {
         Case { shape_q: [1, 1, 1, 128], s: 1, causal: false, masked: false },
         // A head dim of 36: four F32 values per key load, but single BF16 loads (not 8 | 36).
         Case { shape_q: [2, 2, 9, 36], s: 11, causal: true, masked: false },
+        // A head dim over 64 on the warp kernels (13 keys: BF16 too): the backward's blocks of
+        // 8 rows, several per head.
+        Case { shape_q: [1, 2, 20, 96], s: 13, causal: true, masked: true },
     ]
 }
 
