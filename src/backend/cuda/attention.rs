@@ -95,12 +95,17 @@ fn forward_rows(l: usize) -> usize {
     l.next_power_of_two().clamp(ROWS, 16)
 }
 
+/// Whether every row of `t` (`[rows, B, H, D]` through its strides) starts on a 16-byte
+/// boundary, `vw` elements being 16 bytes.
+fn rows_aligned(t: &Tensor, vw: usize) -> Result<bool> {
+    Ok(t.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(t)? % 16 == 0)
+}
+
 /// Elements per load of key and value rows: 16 bytes where the head dim, every row stride and
 /// both base addresses allow it, else one.
 fn key_vector(k: &Tensor, v: &Tensor, d: usize) -> Result<usize> {
     let vw = 16 / k.dtype().size_in_bytes();
-    let fits = |t: &Tensor| -> Result<bool> { Ok(t.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(t)? % 16 == 0) };
-    Ok(if d % vw == 0 && fits(k)? && fits(v)? { vw } else { 1 })
+    Ok(if d % vw == 0 && rows_aligned(k, vw)? && rows_aligned(v, vw)? { vw } else { 1 })
 }
 
 /// A warp kernel's name: `rows` query (or key) rows per block, rows loaded `vw` at a time.
@@ -118,8 +123,7 @@ fn backward_rows(n: usize, d: usize) -> usize {
 /// and address and the output gradient's address allow it too.
 fn backward_vector(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, d: usize) -> Result<usize> {
     let vw = key_vector(k, v, d)?;
-    let q_fits = q.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(q)? % 16 == 0;
-    Ok(if q_fits && data_ptr(g)? % 16 == 0 { vw } else { 1 })
+    Ok(if rows_aligned(q, vw)? && data_ptr(g)? % 16 == 0 { vw } else { 1 })
 }
 
 /// Forward: out[l] = softmax(scale q[l] k^T + mask) v, `rows` query rows per block.
