@@ -162,6 +162,14 @@ impl Target {
     }
 }
 
+/// Where an op's value lives during `eval_chunk`: its own buffer, or (a view or broadcast,
+/// which computes nothing) the input or op it passes through.
+#[derive(Clone, Copy)]
+enum Slot {
+    In(usize),
+    Op(usize),
+}
+
 /// Elements `start..end` of every op (row `row` of a row kernel); returns the stored ones.
 fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row: usize) -> Vec<Val> {
     let n = end - start;
@@ -172,14 +180,29 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         .map(|(inp, t)| if inp.row { load(t, row, row + 1, CType::of(inp.dtype)) } else { load(t, start, end, CType::of(inp.dtype)) })
         .collect();
     let mut vals: Vec<Val> = Vec::with_capacity(k.ops.len());
-    for op in &k.ops {
-        let args: Vec<&Val> = op.args.iter().map(|a| match a {
-            KArg::In(j) => &ins[*j],
-            KArg::Op(j) => &vals[*j],
-        }).collect();
-        let len = if op.row { 1 } else { n };
-        let v = eval(op, &args, len);
+    let mut slots: Vec<Slot> = Vec::with_capacity(k.ops.len());
+    let slot_of = |a: &KArg, slots: &[Slot]| match a {
+        KArg::In(j) => Slot::In(*j),
+        KArg::Op(j) => slots[*j],
+    };
+    for (i, op) in k.ops.iter().enumerate() {
+        let arg_val = |s: Slot| match s {
+            Slot::In(j) => &ins[j],
+            Slot::Op(j) => &vals[j],
+        };
+        // A view or broadcast of a value already of its type is that value: no copy.
+        if let KKind::Same | KKind::Broadcast = op.kind {
+            let s = slot_of(&op.args[0], &slots);
+            if arg_val(s).ctype() == CType::of(op.dtype) {
+                slots.push(s);
+                vals.push(Val::F32(Vec::new()));
+                continue;
+            }
+        }
+        let args: Vec<&Val> = op.args.iter().map(|a| arg_val(slot_of(a, &slots))).collect();
+        let v = eval(op, &args, if op.row { 1 } else { n });
         vals.push(v);
+        slots.push(Slot::Op(i));
     }
     // A full output whose value is one element (a broadcast row value, a constant) is spread,
     // unless the output itself is one element.
@@ -187,7 +210,10 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         .iter()
         .zip(&k.single)
         .map(|((o, _), &single)| {
-            let v = &vals[*o];
+            let v = match slots[*o] {
+                Slot::In(j) => &ins[j],
+                Slot::Op(j) => &vals[j],
+            };
             let len = with_val!(v, x => x.len());
             if single {
                 // (Ops compute over the chunk whatever their operands' lengths.)
@@ -313,10 +339,8 @@ fn reduce(r: ReduceOp, v: &Val) -> Val {
     }
     match v {
         // f32 sums and products accumulate in f64, as the eager reductions do.
-        Val::F32(x) if matches!(r, ReduceOp::Sum | ReduceOp::Prod) => {
-            let w: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            Val::F32(vec![fold(r, &w, 0.0, 1.0) as f32])
-        }
+        Val::F32(x) if r == ReduceOp::Sum => Val::F32(vec![x.iter().fold(0.0f64, |a, &b| a + b as f64) as f32]),
+        Val::F32(x) if r == ReduceOp::Prod => Val::F32(vec![x.iter().fold(1.0f64, |a, &b| a * b as f64) as f32]),
         Val::F32(x) => Val::F32(vec![fold(r, x, 0.0, 1.0)]),
         Val::F64(x) => Val::F64(vec![fold(r, x, 0.0, 1.0)]),
         Val::I64(x) => Val::I64(vec![match r {
