@@ -881,6 +881,26 @@ fn compiled_row_kernel_with_row_and_full_outputs() -> Result<()> {
 }
 
 #[test]
+fn a_reduction_of_a_broadcast_row_value_counts_every_column() -> Result<()> {
+    // sum(expand(max)) over c columns is c * max, alone or added to each element first.
+    let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let x = &xs[0];
+        let m = x.amax(&[-1], true)?.expand(&[6, x.shape()[1] as i64])?;
+        Ok(vec![m.sum(&[-1], false)?, x.add(&m)?.sum(&[-1], false)?])
+    };
+    for c in [5usize, 64, 1000] {
+        let x = randn(&[6, c], 45).mul_scalar(0.01)?.add_scalar(1.0)?;
+        let got = compile(f).call(&[x.clone()])?;
+        let want = kiln::no_grad(|| f(&[x.clone()]))?;
+        for (a, b) in got.iter().zip(&want) {
+            assert_eq!(a.shape(), b.shape());
+            assert_close(&vals(a), &vals(b), 1e-5, 1e-6);
+        }
+    }
+    Ok(())
+}
+
+#[test]
 fn work_on_parameters_alone_runs_once_until_a_parameter_changes() -> Result<()> {
     // x @ (2 w)^T + exp(b): `2 w` and `exp(b)` depend on captured tensors only.
     let (x, w, b) = (randn(&[8, 16], 1), randn(&[12, 16], 2), randn(&[12], 3));

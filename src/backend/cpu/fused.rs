@@ -200,7 +200,10 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
             }
         }
         let args: Vec<&Val> = op.args.iter().map(|a| arg_val(slot_of(a, &slots))).collect();
-        let v = eval(op, &args, if op.row { 1 } else { n });
+        // A reduction folds the chunk's n elements into one (its operand may be one element
+        // standing for all n: a broadcast row value).
+        let len = if op.row && !matches!(op.kind, KKind::Reduce(_)) { 1 } else { n };
+        let v = eval(op, &args, len);
         vals.push(v);
         slots.push(Slot::Op(i));
     }
@@ -316,7 +319,16 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
         }
         KKind::Const(c) => Val::from_vec(vec![*c], out),
         KKind::Same | KKind::Broadcast => args[0].clone(),
-        KKind::Reduce(r) => reduce(*r, &args[0].to(out)),
+        KKind::Reduce(r) => {
+            let a = args[0].to(out);
+            // One element standing for the whole chunk is reduced as n copies of itself.
+            let len = with_val!(a.as_ref(), x => x.len());
+            if len == 1 && n > 1 {
+                reduce(*r, &with_val!(a.as_ref(), x => Val::from_vec(vec![x[0]; n], out)))
+            } else {
+                reduce(*r, &a)
+            }
+        }
     };
     v.into_type(out)
 }
