@@ -425,10 +425,12 @@ fn fuzz_op(op: usize, a: &Tensor, b: &Tensor, w1: &Tensor, w2: &Tensor) -> Resul
         9 => a.abs()?.add_scalar(1.0)?.log(),
         10 => a.sin()?.mul(&a.cos()?),
         11 => a.matmul(w1)?.add(&a.matmul(w2)?.tanh()?),
+        // A row statistic broadcast back bare: a reduction after it folds one value per column.
+        12 => a.amax(&[-1], true)?.broadcast_to(a.shape()),
         _ => a.reshape(&[-1])?.reshape(&[1, -1])?.reshape(a.shape().iter().map(|&d| d as i64).collect::<Vec<_>>().as_slice())?.add(b),
     }
 }
-const FUZZ_OPS: usize = 13;
+const FUZZ_OPS: usize = 14;
 
 /// Weights a fuzz case's function captures (scaled so that products stay of order one).
 fn fuzz_weights(case: usize, c: usize) -> Result<(Tensor, Tensor)> {
@@ -476,9 +478,9 @@ fn largest(values: &[Tensor]) -> f64 {
     values.iter().flat_map(vals).fold(0.0, |m, v| m.max(v.abs()))
 }
 
-/// Random graphs of pointwise ops, broadcasts, row and column reductions, a sine and cosine of
-/// one value, products of one value by two weights (merged into one product) and reshape
-/// chains: compiled equals eager.
+/// Random graphs of pointwise ops, broadcasts (of row statistics too, reduced again), row and
+/// column reductions, a sine and cosine of one value, products of one value by two weights
+/// (merged into one product) and reshape chains: compiled equals eager.
 #[test]
 fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
     let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40);
