@@ -307,11 +307,9 @@ __device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, flo
 /// fragments, the block walks K and V in tiles of 64 keys; the scores stay in registers (FP32),
 /// the online softmax rescales the FP32 output, and the probabilities enter the second product
 /// rounded to the input dtype (as PyTorch's fused kernels do).
-fn gen_forward_tc(dtype: DType, d: usize) -> (String, String) {
-    // Over 64 features ptxas would take 181 registers (2 blocks per SM); held to 3 blocks, it
-    // takes 168 and the 2048-key forward at D = 128 runs 22% faster (865 -> 674 us, ncu). At
-    // 64 and below the default (127 registers, 4 blocks) is the fastest.
-    let minb = if d > 64 { ", 3" } else { "" };
+/// `three_blocks`: registers held for 3 blocks per SM (see `forward_tc_three_blocks`).
+fn gen_forward_tc(dtype: DType, d: usize, three_blocks: bool) -> (String, String) {
+    let minb = if three_blocks { ", 3" } else { "" };
     let name = kernel_name("fwd_tc", dtype, d);
     let src = format!(
         r#"{common}
@@ -576,8 +574,23 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
 /// each stage's log-sum-exp and delta per row.
 fn launch_tc(dev: &super::CudaDevice, kern: super::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
     let (x, _, _) = grid(bh, rows, ROWS)?;
-    let shared = 2 * 2 * TC_ROWS * (d + 8) * 2 + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 };
-    dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), shared as u32, a)
+    dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared(d, key_rows) as u32, a)
+}
+
+/// Dynamic shared memory of a tensor-core kernel (see `launch_tc`), in bytes.
+fn tc_shared(d: usize, key_rows: bool) -> usize {
+    2 * 2 * TC_ROWS * (d + 8) * 2 + if key_rows { 2 * 2 * TC_ROWS * 4 } else { 0 }
+}
+
+/// Whether the tensor-core forward asks ptxas for registers that leave room for 3 blocks per SM:
+/// over 64 features it would take 181 (2 blocks); held to 3 blocks it takes 168, and on the
+/// H200 the 2048-key forward at D = 128 runs 22% faster (865 -> 677 us, ncu). Only where 3
+/// blocks' shared memory fits (228 KiB per SM on Hopper; an A100's 164 KiB holds 3 only below
+/// D = 112): elsewhere the cap would cost registers for nothing. At 64 features and below the
+/// default (127 registers, 4 blocks) is the fastest.
+fn forward_tc_three_blocks(shared_per_sm: usize, d: usize) -> bool {
+    // (The driver reserves 1 KiB of shared memory per block.)
+    d > 64 && 3 * (tc_shared(d, false) + 1024) <= shared_per_sm
 }
 
 /// Whether the fused kernels are the faster way to compute this attention (q `[L, B, H, D]`,
@@ -778,7 +791,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
     if tensor_cores_take(q, k, v, n.d)? {
-        let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d))?;
+        let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d, forward_tc_three_blocks(dev.shared_per_sm, n.d)))?;
         launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
     } else {
         let (rows, vw) = (forward_rows(n.l), key_vector(k, v, n.d)?);
@@ -829,4 +842,20 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;
     dev.launch(kkv, grid(n.b * n.h, n.s, rk)?, ((rk * 32) as u32, 1, 1), &a)?;
     Ok(packed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forward_tc_three_blocks;
+
+    #[test]
+    fn the_forward_asks_for_three_blocks_only_where_their_shared_memory_fits() {
+        // Shared memory per SM: Hopper 228 KiB, A100 164 KiB, Ada / Ampere consumer 100 KiB.
+        let (hopper, a100, ada) = (233_472, 167_936, 102_400);
+        assert!([80, 96, 112, 128].iter().all(|&d| forward_tc_three_blocks(hopper, d)));
+        assert!(!forward_tc_three_blocks(hopper, 64), "64 features keep the default");
+        assert!(forward_tc_three_blocks(a100, 96) && !forward_tc_three_blocks(a100, 112));
+        assert!(!forward_tc_three_blocks(ada, 80));
+        assert!(!forward_tc_three_blocks(0, 128), "an unknown size takes no cap");
+    }
 }

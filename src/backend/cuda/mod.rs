@@ -110,6 +110,8 @@ pub(crate) struct CudaDevice {
     pub(crate) graph_blocks: Mutex<std::collections::HashSet<u64>>,
     pub(crate) arch: String,
     pub(crate) sm_count: usize,
+    /// Shared memory per SM in bytes (0 where the driver does not say).
+    pub(crate) shared_per_sm: usize,
     driver: i32,
     /// The product name ("NVIDIA H200").
     name: String,
@@ -160,6 +162,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
     let ctx = CudaContext::new(n).map_err(|e| cuda_err("context", dev, e))?;
     let (major, minor) = ctx.compute_capability().map_err(|e| cuda_err("context", dev, e))?;
     let sm_count = ctx.attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| cuda_err("context", dev, e))? as usize;
+    let shared_per_sm = ctx.attribute(ds::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_or(0, |v| v.max(0) as usize);
     let mut driver = 0;
     // SAFETY: plain out-parameter.
     unsafe { ds::cuDriverGetVersion(&mut driver) };
@@ -186,6 +189,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         graph_blocks: Mutex::new(Default::default()),
         arch: format!("sm_{major}{minor}"),
         sm_count,
+        shared_per_sm,
         driver,
         name,
         tune_ident,
