@@ -40,8 +40,17 @@ struct Case {
 
 /// Output and d(q, k, v) of the fused op and the reference, compared.
 fn check(c: &Case, dt: DType, rtol: f64, atol: f64) {
+    check_padded(c, dt, rtol, atol, 0);
+}
+
+/// `check` with q, k and v narrowed from rows `pad` elements longer than the head dim (their
+/// rows then start wherever that stride puts them).
+fn check_padded(c: &Case, dt: DType, rtol: f64, atol: f64, pad: usize) {
     let [n, h, l, d] = c.shape_q;
-    let mk = |shape: &[usize], seed| rand_t(shape, seed, dt).requires_grad();
+    let mk = |shape: &[usize], seed| {
+        let wide = [shape[0], shape[1], shape[2], shape[3] + pad];
+        rand_t(&wide, seed, dt).narrow(3, 0, shape[3]).unwrap().requires_grad()
+    };
     let (q, k, v) = (mk(&[n, h, l, d], 1), mk(&[n, h, c.s, d], 2), mk(&[n, h, c.s, d], 3));
     let mask = c.masked.then(|| rand_t(&[1, h, l, c.s], 4, dt));
     let go = rand_t(&[n, h, l, d], 5, dt);
@@ -105,6 +114,16 @@ fn fused_attention_matches_matmul_softmax_in_f32() {
 fn fused_attention_matches_matmul_softmax_in_bf16() {
     for c in cases() {
         check(&c, DType::BF16, 2e-2, 2e-2);
+    }
+}
+
+#[test]
+fn fused_attention_reads_rows_that_do_not_start_on_16_bytes() {
+    // Rows of D + 1 elements narrowed to D: 16-byte loads would be misaligned, so the warp
+    // kernels load one element at a time (and the tensor-core ones take no such rows).
+    for c in [Case { shape_q: [2, 2, 9, 36], s: 11, causal: true, masked: false }, Case { shape_q: [1, 2, 20, 64], s: 13, causal: false, masked: true }] {
+        check_padded(&c, DType::F32, 1e-5, 1e-5, 1);
+        check_padded(&c, DType::BF16, 2e-2, 2e-2, 1);
     }
 }
 

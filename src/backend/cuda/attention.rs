@@ -616,8 +616,9 @@ fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<boo
     if !matches!(q.dtype(), DType::F16 | DType::BF16) || d % 16 != 0 || d > MAX_HEAD_DIM || k.shape()[0] <= 32 {
         return Ok(false);
     }
+    // (Its tiles load 16 bytes, 8 elements, at a time.)
     for t in [q, k, v] {
-        if data_ptr(t)? % 16 != 0 || t.strides()[..3].iter().any(|&s| s % 8 != 0) {
+        if !rows_aligned(t, 8)? {
             return Ok(false);
         }
     }
