@@ -3,9 +3,12 @@ from a `KILN_LOG=kernels` log of `kiln bench --only reduction` and `--only point
 as is, with streaming loads of its row-varying inputs (ld.global.cs), streaming stores
 (st.global.cs), and both, in one harness timing them against cudaMemcpy. Usage on the
 GPU machine: python3 make_variants.py kernels.log, then build/ with nvcc (see NOTES.md).
-With a second argument `rows` it builds only the layer norms, compiled and eager, as generated
-and with `__launch_bounds__(512, 1)` or `(512, 2)` (which change ptxas's register budget and so
-the blocks per SM), and the compiled one with rsqrtf, from `--only reduction.layernorm`."""
+With a second argument `rows` it builds only the layer norms (from `--only reduction.layernorm`):
+the eager one as generated, and the compiled one as generated, with `__launch_bounds__(512, 2)`
+(ptxas's register budget, so the blocks per SM), with the output row's address computed once per
+row (rowptr), with weight and bias read without a row offset (bcast), both, and both without
+`__restrict__` (all3). The `lb1`, `rsqrt`, `norestrict` and `both2` tags of earlier runs
+(tools/rows/NOTES.md) are still understood: edit the tag lists below to build them."""
 import re, sys
 HELP = r'''
 template <class T> __device__ __forceinline__ T ldcs_(const T* p) { T v; const uint4* s = (const uint4*)p; uint4* d = (uint4*)&v;
