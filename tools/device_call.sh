@@ -7,7 +7,7 @@
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables of one layernorm and one bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -109,8 +109,14 @@ if [[ " $* " == *" tfprof "* ]]; then
   done
 fi
 if [[ " $* " == *" rowprof "* ]]; then
-  for w in reduction.layernorm.f32.8192x8192 pointwise.bias_gelu.f32.8192x8192; do for c in "" --compiled; do
+  # Per call: the profiler's tables, then the trace's first events. `ts` counts µs from the
+  # profiler's start, just before the call, so the first launch's `ts` is about the host's work
+  # before it (the compiled layer norm spends about 2 µs more host time per call than eager).
+  for w in reduction.layernorm.f32.8192x8192 reduction.softmax.f32.8192x8192 pointwise.bias_gelu.f32.8192x8192; do for c in "" --compiled; do
     timeout 100 .gpu/bin/kiln profile $w $c --trace /tmp/t.json 2>&1 | head -6
+    python3 -c "
+import json; d = json.load(open('/tmp/t.json')); ev = d['traceEvents'] if isinstance(d, dict) else d
+for e in sorted((e for e in ev if e.get('ph') == 'X'), key=lambda e: e['ts'])[:6]: print('   ', e.get('cat'), e['name'][:50], 'ts %.2f us' % e['ts'], 'dur %.2f us' % e.get('dur', 0), e.get('args', {}))"
   done; done
 fi
 if [[ " $* " == *" nvrtc "* ]]; then
