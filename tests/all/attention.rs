@@ -211,6 +211,21 @@ fn fused_attention_is_one_kernel_and_compiles_with_its_gradient() {
     }
 }
 
+/// `m.attend(x, k, k)` without weights (the fused path) and with them (matmul and softmax),
+/// under autocast to `cast` if given: each output and the gradient of its sum with respect to x.
+fn fused_and_weights_paths(m: &nn::MultiheadAttention, x: &Tensor, k: &Tensor, kpm: Option<&Tensor>, cast: Option<DType>) -> [(Tensor, Tensor); 2] {
+    [false, true].map(|need_weights| {
+        let q = x.detach().requires_grad();
+        let args = AttnArgs { key_padding_mask: kpm, need_weights, ..Default::default() };
+        let y = match cast {
+            Some(dt) => amp::autocast(&dev(), dt, || Ok(m.attend(&q, k, k, args)?.0)).unwrap(),
+            None => m.attend(&q, k, k, args).unwrap().0,
+        };
+        y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        (y, q.grad().unwrap())
+    })
+}
+
 #[test]
 fn multihead_attention_fused_path_matches_the_weights_path() {
     let d = dev();
@@ -221,14 +236,7 @@ fn multihead_attention_fused_path_matches_the_weights_path() {
     let mem = rand_t(&[9, 3, 64], 2, DType::F32);
     let kpm = Tensor::from_vec(vec![false, false, true, false, false, false, false, false, true, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false, true], &[3, 9], &d).unwrap();
     for (k, kpm) in [(&x, None), (&mem, Some(&kpm))] {
-        let run = |need_weights: bool| {
-            let q = x.detach().requires_grad();
-            let args = AttnArgs { key_padding_mask: kpm, need_weights, ..Default::default() };
-            let (y, _) = m.attend(&q, k, k, args).unwrap();
-            y.sum_all().unwrap().backward().unwrap();
-            (y, q.grad().unwrap())
-        };
-        let ((y1, g1), (y2, g2)) = (run(false), run(true));
+        let [(y1, g1), (y2, g2)] = fused_and_weights_paths(&m, &x, k, kpm, None);
         assert_close(&vals(&y1), &vals(&y2), 1e-5, 1e-5);
         assert_close(&vals(&g1), &vals(&g2), 1e-5, 1e-5);
     }
@@ -256,17 +264,7 @@ fn multihead_attention_under_bf16_autocast_takes_the_tensor_cores_through_its_pr
     keep[7] = true;
     keep[50 + 49] = true;
     let kpm = Tensor::from_vec(keep, &[3, 50], &d).unwrap();
-    let run = |need_weights: bool| {
-        let q = x.detach().requires_grad();
-        let y = amp::autocast(&d, DType::BF16, || {
-            let args = AttnArgs { key_padding_mask: Some(&kpm), need_weights, ..Default::default() };
-            Ok(m.attend(&q, &mem, &mem, args)?.0)
-        })
-        .unwrap();
-        y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
-        (y, q.grad().unwrap())
-    };
-    let ((y1, g1), (y2, g2)) = (run(false), run(true));
+    let [(y1, g1), (y2, g2)] = fused_and_weights_paths(&m, &x, &mem, Some(&kpm), Some(DType::BF16));
     assert_eq!(y1.dtype(), DType::BF16);
     assert_close(&vals(&y1), &vals(&y2), 2e-2, 2e-2);
     assert_close(&vals(&g1), &vals(&g2), 2e-2, 2e-2);

@@ -170,6 +170,15 @@ enum Slot {
     Op(usize),
 }
 
+impl Slot {
+    fn val<'a>(self, ins: &'a [Val], vals: &'a [Val]) -> &'a Val {
+        match self {
+            Slot::In(j) => &ins[j],
+            Slot::Op(j) => &vals[j],
+        }
+    }
+}
+
 /// Elements `start..end` of every op (row `row` of a row kernel); returns the stored ones.
 fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row: usize) -> Vec<Val> {
     let n = end - start;
@@ -186,20 +195,16 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         KArg::Op(j) => slots[*j],
     };
     for (i, op) in k.ops.iter().enumerate() {
-        let arg_val = |s: Slot| match s {
-            Slot::In(j) => &ins[j],
-            Slot::Op(j) => &vals[j],
-        };
         // A view or broadcast of a value already of its type is that value: no copy.
         if let KKind::Same | KKind::Broadcast = op.kind {
             let s = slot_of(&op.args[0], &slots);
-            if arg_val(s).ctype() == CType::of(op.dtype) {
+            if s.val(&ins, &vals).ctype() == CType::of(op.dtype) {
                 slots.push(s);
                 vals.push(Val::F32(Vec::new()));
                 continue;
             }
         }
-        let args: Vec<&Val> = op.args.iter().map(|a| arg_val(slot_of(a, &slots))).collect();
+        let args: Vec<&Val> = op.args.iter().map(|a| slot_of(a, &slots).val(&ins, &vals)).collect();
         // A reduction folds the chunk's n elements into one (its operand may be one element
         // standing for all n: a broadcast row value).
         let len = if op.row && !matches!(op.kind, KKind::Reduce(_)) { 1 } else { n };
@@ -213,10 +218,7 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         .iter()
         .zip(&k.single)
         .map(|((o, _), &single)| {
-            let v = match slots[*o] {
-                Slot::In(j) => &ins[j],
-                Slot::Op(j) => &vals[j],
-            };
+            let v = slots[*o].val(&ins, &vals);
             let len = with_val!(v, x => x.len());
             if single {
                 // (Ops compute over the chunk whatever their operands' lengths.)
