@@ -6,8 +6,8 @@
 //! thread (CUPTI's external correlation); CUPTI links it to the kernels the launch ran.
 //! Collection is asked for per profile (`ProfileOptions::device_kernels`): while CUPTI is
 //! attached, every launch of the process costs more host time (about 2.5x on the H200), so
-//! plain profiles, such as the bench's kernel counts, never attach it, and the last profile
-//! collecting detaches it again (`cuptiFinalize`). Collection is process-wide and on only while
+//! plain profiles never attach it, and the last profile collecting (the bench's kernel counts,
+//! for one) detaches it again (`cuptiFinalize`). Collection is process-wide and on only while
 //! such a profile runs. Where CUPTI cannot be loaded or enabled, profiles carry no device
 //! kernels (`Profile::cupti` says why).
 
