@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -118,6 +118,13 @@ if [[ " $* " == *" rowprof "* ]]; then
 import json; d = json.load(open('/tmp/t.json')); ev = d['traceEvents'] if isinstance(d, dict) else d
 for e in sorted((e for e in ev if e.get('ph') == 'X'), key=lambda e: e['ts'])[:6]: print('   ', e.get('cat'), e['name'][:50], 'ts %.2f us' % e['ts'], 'dur %.2f us' % e.get('dur', 0), e.get('args', {}))"
   done; done
+fi
+if [[ " $* " == *" sdpa "* ]]; then
+  # cuDNN's fused attention (default) against kiln's kernels (KILN_CUDNN_ATTENTION=0) and
+  # PyTorch's backends, on the unmasked shapes it may take (tools/attention/NOTES.md).
+  echo "== kiln, cuDNN allowed"; KILN_LOG=kernels .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt 2> $OUT/sdpa.log; grep -i "cudnn" $OUT/sdpa.log | head
+  echo "== kiln, cuDNN off"; KILN_CUDNN_ATTENTION=0 .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt
+  echo "== torch"; python3 tools/attention/torch_sdpa.py tools/attention/cudnn_shapes.txt
 fi
 if [[ " $* " == *" nvrtc "* ]]; then
   for w in pointwise.exp_sin reduction.layernorm pointwise.bias_gelu; do

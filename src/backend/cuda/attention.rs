@@ -97,7 +97,7 @@ fn forward_rows(l: usize) -> usize {
 
 /// Whether every row of `t` (`[rows, B, H, D]` through its strides) starts on a 16-byte
 /// boundary, `vw` elements being 16 bytes.
-fn rows_aligned(t: &Tensor, vw: usize) -> Result<bool> {
+pub(super) fn rows_aligned(t: &Tensor, vw: usize) -> Result<bool> {
     Ok(t.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(t)? % 16 == 0)
 }
 
@@ -789,6 +789,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
+    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr(), None)? {
+        return Ok(out);
+    }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
     if tensor_cores_take(q, k, v, n.d)? {
@@ -814,6 +817,9 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     if n.l == 0 || n.s == 0 || n.d == 0 {
         super::kernels::zero_fill(&dev, &packed)?;
+        return Ok(packed);
+    }
+    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::backward(&dev, q, k, v, g, &n, scale, &packed)? {
         return Ok(packed);
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;

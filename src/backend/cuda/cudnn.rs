@@ -11,7 +11,7 @@ use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::{result as cr, sys as cs};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// The entry points used here, checked once: a library lacking one is reported, not called.
 const SYMBOLS: [&str; 23] = [
@@ -110,8 +110,10 @@ struct Choice {
 
 /// A device's cuDNN handle and the algorithms chosen so far.
 pub(crate) struct State {
-    handle: cs::cudnnHandle_t,
+    pub(crate) handle: cs::cudnnHandle_t,
     chosen: HashMap<Key, Choice>,
+    /// Attention plans by geometry (None: cuDNN offered no engine for it).
+    pub(crate) sdpa: HashMap<super::sdpa::Key, Option<super::sdpa::Plan>>,
 }
 // SAFETY: the handle is used under the device's mutex only.
 unsafe impl Send for State {}
@@ -330,17 +332,30 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
     let key = Key { pass, dtype, tf32, x, w, args: *args };
     let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op: "conv2d", device: dev.kiln_device(), msg: format!("{call} failed ({e:?}) for {}", describe()) };
 
+    session(&dev, "conv2d", |st| run_conv(&dev, st, pass, dtype, &key, &shapes, &ptrs, &fail, &describe))?;
+    Ok(out)
+}
+
+/// Runs `f` with the device's cuDNN state (its handle created on first use), the handle bound
+/// to the thread's work stream (the capture stream while a CUDA graph is captured here).
+pub(crate) fn session<R>(dev: &Arc<super::CudaDevice>, op: &'static str, f: impl FnOnce(&mut State) -> Result<R>) -> Result<R> {
+    let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op, device: dev.kiln_device(), msg: format!("{call} failed ({e:?})") };
     dev.bind()?;
     let mut guard = dev.cudnn.lock();
     if guard.is_none() {
         let handle = cr::create_handle().map_err(|e| fail("cudnnCreate", &e))?;
-        *guard = Some(State { handle, chosen: HashMap::new() });
+        *guard = Some(State { handle, chosen: HashMap::new(), sdpa: HashMap::new() });
     }
     let st = guard.as_mut().expect("created above");
+    // SAFETY: a live handle; the stream outlives it.
+    unsafe { cr::set_stream(st.handle, dev.work_stream().cu_stream() as cs::cudaStream_t) }.map_err(|e| fail("cudnnSetStream", &e))?;
+    f(st)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_conv(dev: &Arc<super::CudaDevice>, st: &mut State, pass: Pass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
+    let (args, tf32, shapes, ptrs) = (&key.args, key.tf32, *shapes, *ptrs);
     let h = st.handle;
-    // SAFETY: a live handle; the stream outlives it. (The capture stream while a graph is
-    // captured on this thread.)
-    unsafe { cr::set_stream(h, dev.work_stream().cu_stream() as cs::cudaStream_t) }.map_err(|e| fail("cudnnSetStream", &e))?;
     let descs = Descs::new(dtype, args, shapes, base_math(dtype, tf32)).map_err(|e| fail("creating descriptors", &e))?;
 
     // Runs one algorithm with a workspace from the caching allocator.
@@ -359,9 +374,8 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
         r.map_err(|e| fail(&format!("{:?}", c.algo), &e))
     };
 
-    if let Some(c) = st.chosen.get(&key).copied() {
-        attempt(c)?;
-        return Ok(out);
+    if let Some(c) = st.chosen.get(key).copied() {
+        return attempt(c);
     }
     // SAFETY: a live handle and descriptors.
     let cands = unsafe { candidates(h, pass, &descs) }.map_err(|e| fail("the algorithm heuristics", &e))?;
@@ -386,8 +400,8 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
         match attempt(c) {
             Ok(()) => {
                 crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn {}: {c:?} for {}", pass_name(pass), describe()));
-                st.chosen.insert(key, c);
-                return Ok(out);
+                st.chosen.insert(key.clone(), c);
+                return Ok(());
             }
             Err(e) => last = Some(e),
         }

@@ -16,12 +16,14 @@ pub(crate) mod graph;
 pub(crate) mod kernels;
 mod nvrtc;
 pub(crate) mod rehearsal;
+pub(crate) mod sdpa;
 
 pub use alloc::MemoryStats;
 pub use autotune::{autotune_counts, AutotuneCounts};
 pub use nvrtc::{kernel_cache_counts, KernelSource};
 pub(crate) use nvrtc::fnv64;
 pub use rehearsal::kernels_built_ahead;
+pub use sdpa::with_cudnn_attention;
 
 use crate::{DType, Device, Error, Result};
 use alloc::{Block, CachingAllocator, RawAlloc};
