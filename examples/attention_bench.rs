@@ -16,6 +16,8 @@ fn main() -> Result<()> {
     let text = std::fs::read_to_string(&path).map_err(|e| kiln::Error::Arg { op: "attention_bench", msg: format!("{path}: {e}") })?;
     let dev = Device::cuda_if_available(0);
     manual_seed(0);
+    // (cuDNN's fused attention, which takes unmasked F16/BF16 rows over 128 keys, needs 9.13.)
+    println!("cuDNN: {:?}", kiln::cuda::cudnn_version());
     println!("{:<34} {:>10} {:>12} {:>14} {:>18}", "shape (N H L S D dtype causal)", "fwd_us", "fwd_bwd_us", "unfused_fwd_us", "unfused_fwd_bwd_us");
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
         let f: Vec<&str> = line.split_whitespace().collect();

@@ -122,7 +122,12 @@ fi
 if [[ " $* " == *" sdpa "* ]]; then
   # cuDNN's fused attention (default) against kiln's kernels (KILN_CUDNN_ATTENTION=0) and
   # PyTorch's backends, on the unmasked shapes it may take (tools/attention/NOTES.md).
+  # The machine's cuDNN, then the one PyTorch ships (cuDNN is loaded as libcudnn.so, which a
+  # directory ahead on LD_LIBRARY_PATH points at the other library).
+  pipdnn=$(python3 -c 'import nvidia, os; print(os.path.join(os.path.dirname(nvidia.__path__[0] + "/x"), "cudnn", "lib"))')
+  mkdir -p /tmp/dnn && ln -sf $pipdnn/libcudnn.so.9 /tmp/dnn/libcudnn.so
   echo "== kiln, cuDNN allowed"; KILN_LOG=kernels .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt 2> $OUT/sdpa.log; grep -i "cudnn" $OUT/sdpa.log | head
+  echo "== kiln, PyTorch's cuDNN"; LD_LIBRARY_PATH=/tmp/dnn:$LD_LIBRARY_PATH KILN_LOG=kernels .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt 2> $OUT/sdpa-pip.log; grep -i "cudnn" $OUT/sdpa-pip.log | head
   echo "== kiln, cuDNN off"; KILN_CUDNN_ATTENTION=0 .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt
   echo "== torch"; python3 tools/attention/torch_sdpa.py tools/attention/cudnn_shapes.txt
 fi

@@ -129,33 +129,30 @@ fn fused_attention_reads_rows_that_do_not_start_on_16_bytes() {
 
 #[test]
 fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
-    // With cuDNN's attention off, then allowed (it takes the unmasked cases over 128 keys).
-    for allowed in [false, true] {
-        kiln::cuda::with_cudnn_attention(allowed, || {
-            for c in tensor_core_cases() {
-                check(&c, DType::BF16, 2e-2, 2e-2);
-                check(&c, DType::F16, 5e-3, 5e-3);
-            }
-        });
+    for c in tensor_core_cases() {
+        check(&c, DType::BF16, 2e-2, 2e-2);
+        check(&c, DType::F16, 5e-3, 5e-3);
     }
 }
 
 #[test]
-fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
+fn cudnn_attention_takes_the_forward_of_long_unmasked_sequences() {
     let cases = [
         Case { shape_q: [2, 4, 200, 64], s: 256, causal: false, masked: false },
         Case { shape_q: [1, 2, 130, 128], s: 300, causal: false, masked: false },
-        Case { shape_q: [2, 2, 64, 40], s: 128, causal: false, masked: false },
+        Case { shape_q: [2, 2, 64, 40], s: 260, causal: false, masked: false },
     ];
     for c in &cases {
         check(c, DType::BF16, 2e-2, 2e-2);
         check(c, DType::F16, 5e-3, 5e-3);
     }
-    if !dev().is_cuda() || !kiln::cuda::cudnn_version().is_ok_and(|v| v >= 91700) {
+    let version = kiln::cuda::cudnn_version();
+    if !dev().is_cuda() || !version.as_ref().is_ok_and(|v| *v >= 91300) {
+        eprintln!("cuDNN's fused attention not checked: {version:?} (its forward operation needs 9.13)");
         return;
     }
-    // Which kernels ran: cuDNN's forward, and its backward after a forward with statistics;
-    // causal, masked or short attention stays on kiln's kernels.
+    // Which kernels ran: cuDNN's forward, then kiln's backward kernels on its output; causal,
+    // masked or short attention stays on kiln's kernels.
     let leaf = |shape: &[usize], seed| rand_t(shape, seed, DType::BF16).requires_grad();
     let (q, k, v) = (leaf(&[2, 4, 200, 64], 1), leaf(&[2, 4, 256, 64], 2), leaf(&[2, 4, 256, 64], 3));
     let names = |p: &profiler::Profile| p.key_averages().rows().iter().map(|r| r.name.clone()).collect::<Vec<_>>();
@@ -165,15 +162,23 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
     let g = rand_t(&[2, 4, 200, 64], 4, DType::BF16);
     let p = profiler::profile(|| y.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false })).unwrap();
     let bwd = names(&p);
-    for want in ["cudnn_sdpa_fwd_bfloat16", "cudnn_sdpa_bwd_bfloat16"] {
-        assert!(bwd.iter().any(|n| n == want), "{want} in {bwd:?}");
-    }
-    assert!(bwd.iter().all(|n| !n.starts_with("attention")), "{bwd:?}");
+    assert!(bwd.iter().any(|n| n.starts_with("attention_bwd_q_tc")) && bwd.iter().all(|n| !n.starts_with("cudnn")), "{bwd:?}");
+    let short = rand_t(&[2, 4, 128, 64], 5, DType::BF16);
+    let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &short, &short, &Default::default())).unwrap();
+    assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "128 keys: {:?}", names(&p));
     let causal = F::SdpaOptions { is_causal: true, ..Default::default() };
     let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &causal)).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "{:?}", names(&p));
     let p = kiln::cuda::with_cudnn_attention(false, || profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &Default::default()))).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "{:?}", names(&p));
+    // Captured in a CUDA graph and replayed (reduce-overhead): the same values as eager.
+    let (q, k, v) = (q.detach(), k.detach(), v.detach());
+    let eager = vals(&F::scaled_dot_product_attention(&q, &k, &v, &Default::default()).unwrap());
+    let (kc, vc) = (k.clone(), v.clone());
+    let f = kiln::compile::compile_with(kiln::compile::CompileOptions::new().mode(kiln::compile::Mode::ReduceOverhead), move |q: &Tensor| F::scaled_dot_product_attention(q, &kc, &vc, &Default::default()));
+    for _ in 0..3 {
+        assert_close(&vals(&f.call(&q).unwrap()), &eager, 0.0, 0.0);
+    }
 }
 
 #[test]

@@ -597,7 +597,8 @@ fn forward_tc_three_blocks(shared_per_sm: usize, d: usize) -> bool {
 /// k and v `[S, B, H, D]`): always on the tensor cores; the warp kernels only for short
 /// sequences, since matmul and softmax beat them from 128 keys and 64 queries on (H200, F32,
 /// D 64: 57 against 114 µs at 128 x 128, 365 against 1616 at 512 x 512), unless the scores
-/// would take more than 2^28 elements.
+/// would take more than 2^28 elements. While a function is traced its tensors have no address
+/// yet: their rows count as aligned (the kernel is chosen again when the graph runs).
 pub(crate) fn fused_is_faster(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
     let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
     tensor_cores_take(q, k, v, d).unwrap_or(false) || l < 64 || s < 128 || l * s * b * h > 1 << 28
@@ -618,7 +619,7 @@ fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<boo
     }
     // (Its tiles load 16 bytes, 8 elements, at a time.)
     for t in [q, k, v] {
-        if !rows_aligned(t, 8)? {
+        if t.storage().traced_ref().is_none() && !rows_aligned(t, 8)? {
             return Ok(false);
         }
     }
@@ -789,7 +790,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr(), None)? {
+    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr())? {
         return Ok(out);
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
@@ -817,9 +818,6 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     if n.l == 0 || n.s == 0 || n.d == 0 {
         super::kernels::zero_fill(&dev, &packed)?;
-        return Ok(packed);
-    }
-    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::backward(&dev, q, k, v, g, &n, scale, &packed)? {
         return Ok(packed);
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;

@@ -1,20 +1,19 @@
-//! Attention through cuDNN's fused scaled-dot-product operations (the graph API's
-//! `OPERATION_SDPA_FWD` and `OPERATION_SDPA_BWD`, cuDNN 9.17 on), for F16 / BF16 attention
-//! without a mask over many keys, where its kernels beat kiln's own (`sdpa_bench` rows in
+//! Attention forward through cuDNN's fused scaled-dot-product operation (the graph API's
+//! `OPERATION_SDPA_FWD`, cuDNN 9.13 on) for F16 / BF16 attention without a mask over many keys,
+//! where its kernel beats kiln's own (`bash tools/device_call.sh $OUT sdpa`, figures in
 //! `tools/attention/NOTES.md`). Everything else, and any geometry cuDNN offers no engine for,
-//! runs on the kernels of `attention.rs`, which this module only ever replaces whole (forward or
-//! backward). Masks and causal attention stay there too: the loaded cuDNN's operations take them
-//! only through a band-mask sub-graph that arrived after 9.19.
+//! runs on the kernels of `attention.rs`. So does every backward: kiln's backward kernels take
+//! the output from here as they take their own (they recompute the probabilities), and cuDNN's
+//! backward operation has engines on Blackwell only. Masks and causal attention stay on kiln's
+//! kernels too: the operation takes them only through a band-mask sub-graph from cuDNN 9.20.
 //!
 //! One plan per geometry (dtype, sizes, q / k / v strides), built on first use and kept in the
 //! device's cuDNN state; each call queues it on the thread's work stream with a workspace from
-//! the caching allocator. The backward needs each row's log-sum-exp, which kiln's forward output
-//! does not carry: it reruns cuDNN's forward with statistics first (a forward costs a fraction
-//! of the backward's five products).
+//! the caching allocator.
 
 use super::cudnn::{self, State};
 use super::kernels::data_ptr;
-use super::{CudaDevice, CudaStorage};
+use super::CudaDevice;
 use crate::ops::AttnDims;
 use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::sys as cs;
@@ -23,11 +22,11 @@ use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Fewest keys for which cuDNN's attention is taken (H200, BF16, 64 features: see
-/// `tools/attention/NOTES.md`; below it kiln's kernels are as fast and launch less).
-const MIN_KEYS: usize = 128;
-/// The first cuDNN with both operations (the backward arrived in 9.17).
-const MIN_VERSION: usize = 91700;
+/// Fewest keys for which cuDNN's attention is taken (H200: at 128 keys kiln's tensor-core
+/// kernel is as fast or faster, from 256 on cuDNN's is faster; `tools/attention/NOTES.md`).
+const MIN_KEYS: usize = 256;
+/// The first cuDNN with the operation.
+const SINCE: usize = 91300;
 /// Largest head dim sent to cuDNN (what kiln's own kernels take too).
 const MAX_HEAD_DIM: usize = 128;
 
@@ -58,12 +57,12 @@ fn allowed() -> bool {
 
 /// Whether cuDNN is asked for this attention: F16 / BF16, no mask, not causal, a head dim that
 /// is a multiple of 8 (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned,
-/// and a cuDNN with both operations loaded.
+/// and a cuDNN with the operation loaded.
 pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, causal: bool, n: &AttnDims) -> Result<bool> {
     if masked || causal || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
         return Ok(false);
     }
-    if !cudnn::library().is_ok_and(|v| v >= MIN_VERSION) {
+    if !cudnn::library().is_ok_and(|v| v >= SINCE) {
         return Ok(false);
     }
     for t in [q, k, v] {
@@ -79,28 +78,21 @@ const Q: i64 = 1;
 const K: i64 = 2;
 const V: i64 = 3;
 const O: i64 = 4;
-const STATS: i64 = 5;
-const SCALE: i64 = 6;
-const DO: i64 = 7;
-const DQ: i64 = 8;
-const DK: i64 = 9;
-const DV: i64 = 10;
+const SCALE: i64 = 5;
 
-/// What a plan depends on: the pass, whether the forward writes statistics, the dtype, the
-/// sizes (B, H, L, S, D) and q, k, v's strides along L, B and H.
+/// What a plan depends on: the dtype, the sizes (B, H, L, S, D) and q, k, v's strides along L,
+/// B and H.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
-    backward: bool,
-    stats: bool,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
 }
 
 impl Key {
-    fn new(backward: bool, stats: bool, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
+    fn new(q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
         let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
-        Key { backward, stats, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
+        Key { dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
     }
 }
 
@@ -176,61 +168,30 @@ pub(crate) struct Plan {
     plan: Desc,
     _parts: Vec<Desc>,
     workspace: usize,
-    /// The backward writes F32 gradients straight into kiln's packed result (else gradients in
-    /// the inputs' dtype, converted after).
-    grads_f32: bool,
 }
 
-/// Builds the plan of `key` (its backward with gradients in F32 when `grads_f32`): the single
-/// SDPA operation as a graph, the heuristics' engine configurations in their order, the first
-/// that finalizes.
-fn build(h: cs::cudnnHandle_t, key: &Key, grads_f32: bool) -> std::result::Result<Plan, String> {
-    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+/// Builds the plan of `key`: the single SDPA operation as a graph, the heuristics' engine
+/// configurations in their order, the first that finalizes.
+fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     let dt = data_type(key.dtype);
     let [b, heads, l, s, d] = key.n;
-    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D].
+    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; the output contiguous.
     let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], [st[1], st[2], st[0], 1], false);
-    let packed = |uid, seq, ty| tensor(uid, ty, [b, heads, seq, d], [heads * d, d, b * heads * d, 1], false);
-    let mut parts = vec![strided(Q, l, key.strides[0])?, strided(K, s, key.strides[1])?, strided(V, s, key.strides[2])?, packed(O, l, dt)?];
-    parts.push(tensor(SCALE, float, [1; 4], [1; 4], true)?);
-    parts.push(tensor(STATS, float, [b, heads, l, 1], [heads * l, l, 1, 1], false)?);
-    let op = if key.backward {
-        let g = if grads_f32 { float } else { dt };
-        parts.extend([packed(DO, l, dt)?, packed(DQ, l, g)?, packed(DK, s, g)?, packed(DV, s, g)?]);
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_BWD_DESCRIPTOR)?;
-        let names = [
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_QDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_KDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_VDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_ODESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_SCALEDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_STATSDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_DODDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_DQDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_DKDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_BWD_DVDESC,
-        ];
-        for (name, t) in names.into_iter().zip(&parts) {
-            op.set_desc(name, t)?;
-        }
-        op.finalize()?
-    } else {
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
-        let names = [
-            A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC,
-            A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC,
-        ];
-        for (name, t) in names.into_iter().zip(&parts) {
-            op.set_desc(name, t)?;
-        }
-        if key.stats {
-            op.set_desc(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, &parts[5])?;
-        }
-        op.finalize()?
-    };
+    let mut parts = vec![strided(Q, l, key.strides[0])?, strided(K, s, key.strides[1])?, strided(V, s, key.strides[2])?];
+    parts.push(tensor(O, dt, [b, heads, l, d], [heads * d, d, b * heads * d, 1], false)?);
+    parts.push(tensor(SCALE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT, [1; 4], [1; 4], true)?);
+    let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
+    let names = [
+        A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC,
+        A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC,
+        A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC,
+        A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC,
+        A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC,
+    ];
+    for (name, t) in names.into_iter().zip(&parts) {
+        op.set_desc(name, t)?;
+    }
+    let op = op.finalize()?;
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
     graph.set_desc(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &op)?;
@@ -260,7 +221,7 @@ fn build(h: cs::cudnnHandle_t, key: &Key, grads_f32: bool) -> std::result::Resul
                 check(unsafe { cs::cudnnBackendGetAttribute(plan.0, A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, 1, &mut n, &mut bytes as *mut i64 as *mut c_void) }, "the workspace size")?;
                 parts.extend([op, graph, heur]);
                 parts.extend(configs);
-                return Ok(Plan { plan, _parts: parts, workspace: bytes.max(0) as usize, grads_f32 });
+                return Ok(Plan { plan, _parts: parts, workspace: bytes.max(0) as usize });
             }
             Err(e) => why = e,
         }
@@ -268,13 +229,11 @@ fn build(h: cs::cudnnHandle_t, key: &Key, grads_f32: bool) -> std::result::Resul
     Err(why)
 }
 
-/// The plan of `key` from the device's cache, built on first use (a backward tries F32
-/// gradients first). None: cuDNN has no engine for it (said once, under `KILN_LOG=kernels`).
+/// The plan of `key` from the device's cache, built on first use. None: cuDNN has no engine for
+/// it (said once, under `KILN_LOG=kernels`).
 fn plan<'a>(st: &'a mut State, key: &Key) -> Option<&'a Plan> {
     if !st.sdpa.contains_key(key) {
-        let h = st.handle;
-        let built = if key.backward { build(h, key, true).or_else(|first| build(h, key, false).map_err(|e| format!("{first}; with gradients in the inputs' dtype: {e}"))) } else { build(h, key, false) };
-        let plan = match built {
+        let plan = match build(st.handle, key) {
             Ok(p) => Some(p),
             Err(why) => {
                 crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why}); kiln's kernels run it"));
@@ -314,12 +273,10 @@ fn ptr(p: u64) -> *mut c_void {
     p as *mut c_void
 }
 
-/// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype), and each row's
-/// log-sum-exp of its scaled scores into `stats` (F32 `[B, H, L]`) when given. Ok(false): cuDNN
+/// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype). Ok(false): cuDNN
 /// has no plan for it, nothing was queued.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, out: u64, stats: Option<u64>) -> Result<bool> {
-    let key = Key::new(false, stats.is_some(), q, k, v, n);
+pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, out: u64) -> Result<bool> {
+    let key = Key::new(q, k, v, n);
     let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
     let scale = scale as f32;
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
@@ -328,69 +285,9 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor,
         if super::rehearsal::active() {
             return Ok(true);
         }
-        let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
-        ptrs.extend(stats.map(|s| (STATS, ptr(s))));
+        let ptrs = [(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
         let _rec = crate::profiler::cudnn(dev, "sdpa_fwd", q.dtype());
         execute(dev, h, plan, &ptrs)?;
         Ok(true)
     })
-}
-
-/// The packed F32 gradients `[dq | dk | dv | lse | ...]` of `Op::AttentionBackward` into
-/// `packed` (`out` is not read: the forward rerun here gives the output its statistics belong
-/// to). Ok(false): cuDNN has no plan for it, and `packed` is untouched.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, n: &AttnDims, scale: f64, packed: &CudaStorage) -> Result<bool> {
-    if data_ptr(g)? % 16 != 0 {
-        return Ok(false);
-    }
-    let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
-    let at = |elems: usize| packed.ptr() + 4 * elems as u64;
-    let out = CudaStorage::new(dev, q.dtype(), nq)?;
-    if !forward(dev, q, k, v, n, scale, out.ptr(), Some(at(nq + 2 * nk)))? {
-        return Ok(false);
-    }
-    let key = Key::new(true, true, q, k, v, n);
-    let (qp, kp, vp, gp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?, data_ptr(g)?);
-    let scale = scale as f32;
-    let dtype = q.dtype();
-    let scratch = cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let h = st.handle;
-        let Some(plan) = plan(st, &key) else { return Ok(None) };
-        // Gradients in the inputs' dtype go through scratch buffers, converted below.
-        let scratch = if plan.grads_f32 { None } else { Some([CudaStorage::new(dev, dtype, nq)?, CudaStorage::new(dev, dtype, nk)?, CudaStorage::new(dev, dtype, nk)?]) };
-        if super::rehearsal::active() {
-            return Ok(Some(scratch));
-        }
-        let [dq, dk, dv] = match &scratch {
-            Some(s) => [s[0].ptr(), s[1].ptr(), s[2].ptr()],
-            None => [at(0), at(nq), at(nq + nk)],
-        };
-        let ptrs = [
-            (Q, ptr(qp)),
-            (K, ptr(kp)),
-            (V, ptr(vp)),
-            (O, ptr(out.ptr())),
-            (SCALE, &scale as *const f32 as *mut c_void),
-            (STATS, ptr(at(nq + 2 * nk))),
-            (DO, ptr(gp)),
-            (DQ, ptr(dq)),
-            (DK, ptr(dk)),
-            (DV, ptr(dv)),
-        ];
-        let _rec = crate::profiler::cudnn(dev, "sdpa_bwd", dtype);
-        execute(dev, h, plan, &ptrs)?;
-        Ok(Some(scratch))
-    })?;
-    let Some(scratch) = scratch else {
-        // (The forward's statistics landed in `packed`, which kiln's kernels rewrite whole.)
-        return Ok(false);
-    };
-    if let Some([dq, dk, dv]) = scratch {
-        for (s, (offset, len)) in [dq, dk, dv].into_iter().zip([(0, nq), (nq, nk), (nq + nk, nk)]) {
-            let t = Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), &[len]);
-            super::kernels::cast_into(at(offset), &t, DType::F32)?;
-        }
-    }
-    Ok(true)
 }
