@@ -521,22 +521,38 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
       float dp[8][4];
       scores(dp, va, Gs[cur], grp, t);
 #endif
-      #pragma unroll
-      for (int nb = 0; nb < 8; nb++)
+      // A tile of queries all inside L and (causal) none before this warp's last key, with no
+      // mask and all of the warp's keys inside S: every probability is live, no checks.
+      if (!mk && l0 + KT <= L && w0 + 16 <= S && (!causal || l0 >= w0 + 15)) {{
         #pragma unroll
-        for (int e = 0; e < 4; e++) {{
-          long long key = e < 2 ? c0 : c1, l = l0 + 8 * nb + 2 * t + (e & 1);
-          float x = p[nb][e] * scale, pr = 0.f;
-          if (l < L && key < S && !(causal && key > l)) {{
-            if (mk) x += LD(mk[b * msb + h * msh + l * msl + key * mss]);
-            float ls = Ls[cur][l - l0];
-            pr = (x == -INFINITY || ls == -INFINITY) ? 0.f : __expf(x - ls);
-          }}
-          p[nb][e] = pr;
+        for (int nb = 0; nb < 8; nb++)
+          #pragma unroll
+          for (int e = 0; e < 4; e++) {{
+            int li = 8 * nb + 2 * t + (e & 1);
+            float pr = __expf(p[nb][e] * scale - Ls[cur][li]);
+            p[nb][e] = pr;
 #if WANT_DK
-          dp[nb][e] = pr * (dp[nb][e] - Ds[cur][l < L ? l - l0 : 0]);
+            dp[nb][e] = pr * (dp[nb][e] - Ds[cur][li]);
 #endif
-        }}
+          }}
+      }} else {{
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+          #pragma unroll
+          for (int e = 0; e < 4; e++) {{
+            long long key = e < 2 ? c0 : c1, l = l0 + 8 * nb + 2 * t + (e & 1);
+            float x = p[nb][e] * scale, pr = 0.f;
+            if (l < L && key < S && !(causal && key > l)) {{
+              if (mk) x += LD(mk[b * msb + h * msh + l * msl + key * mss]);
+              float ls = Ls[cur][l - l0];
+              pr = (x == -INFINITY || ls == -INFINITY) ? 0.f : __expf(x - ls);
+            }}
+            p[nb][e] = pr;
+#if WANT_DK
+            dp[nb][e] = pr * (dp[nb][e] - Ds[cur][l < L ? l - l0 : 0]);
+#endif
+          }}
+      }}
 #if WANT_DV
       product_pv(gv, p, Gs[cur], lane);
 #endif
