@@ -1,10 +1,11 @@
 //! Fused scaled dot-product attention (flash-attention style), so the score matrix never
 //! reaches memory. Forward in F16 / BF16 with head dims a multiple of 16: on the tensor cores
 //! (`gen_forward_tc`, 16 query rows per warp, keys in tiles of 64); otherwise one warp per query
-//! row walks the keys 32 at a time with an online softmax. The backward recomputes the
-//! probabilities: one kernel for dq (and each row's log-sum-exp and dO·O), one for dk and dv
-//! (two for head dims over 64); on the tensor cores where the forward is (16 query or key rows
-//! per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read
+//! row walks the keys 32 at a time with an online softmax. The tensor-core forward keeps each
+//! row's log-sum-exp beside its output (`CudaStorage::aux`). The backward recomputes the
+//! probabilities: one kernel for dq (and each row's dO·O, and its log-sum-exp unless the forward
+//! kept it), one for dk and dv (two for head dims over 64); on the tensor cores where the
+//! forward is (16 query or key rows per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read
 //! through their strides (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
@@ -349,6 +350,12 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
     if (r0 < L) *(U*)(out + ((r0 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][0] / l0, o[nb][1] / l0);
     if (r1 < L) *(U*)(out + ((r1 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][2] / l1, o[nb][3] / l1);
   }}
+  // Each row's log-sum-exp of its scaled scores, kept for the backward.
+  float* lse = (float*)a.w[24];
+  if (t == 0) {{
+    if (r0 < L) lse[bh * L + r0] = m0 == -INFINITY ? -INFINITY : m0 + logf(l0);
+    if (r1 < L) lse[bh * L + r1] = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
+  }}
 }}
 "#,
         common = tc_common(dtype, d)
@@ -357,7 +364,8 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
 }
 
 /// Backward on the tensor cores, per block of 64 query rows (16 per warp): each row's
-/// log-sum-exp (a first walk over the keys, scores only) and delta = dO·O, then
+/// log-sum-exp (the forward's, else a first walk over the keys, scores only) and delta = dO·O,
+/// then
 /// dq = scale sum_s p (dO·v_s - delta) k_s, with dS rounded to the input dtype for the product.
 fn gen_backward_q_tc(dtype: DType, d: usize) -> (String, String) {
     let name = kernel_name("bwd_q_tc", dtype, d);
@@ -391,6 +399,14 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   bool active = w0 < L;
   long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + KT) - 1;
   long long send = causal ? min(S, blast + 1) : S;
+  // Each row's log-sum-exp: the forward's where it kept them (a.w[31]), else from a first walk
+  // over the keys.
+  const float* lse_in = (const float*)a.w[31];
+  float ls0, ls1;
+  if (lse_in) {{
+    ls0 = r0 < L ? lse_in[bh * L + r0] : -INFINITY;
+    ls1 = r1 < L ? lse_in[bh * L + r1] : -INFINITY;
+  }} else {{
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 #define LOADS(x, st) load_tile(Ks[st], k, x, S, kss, b * ksb + h * ksh, tid)
   {{
@@ -408,7 +424,8 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
   }}
 #undef LOADS
   l0 = quad_sum(l0); l1 = quad_sum(l1);
-  float ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0), ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
+  ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0); ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
+  }}
   float acc[D_ / 8][4];
   zero(acc);
 #define LOADS(x, st) {{ load_tile(Ks[st], k, x, S, kss, b * ksb + h * ksh, tid); load_tile(Vs[st], v, x, S, vss, b * vsb + h * vsh, tid); }}
@@ -812,18 +829,25 @@ fn grid(bh: usize, rows: usize, per: usize) -> Result<(u32, u32, u32)> {
 pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Result<CudaStorage> {
     let dev = dev_of(q)?;
     let n = AttnDims::of(q.shape(), k.shape());
-    let out = CudaStorage::new(&dev, q.dtype(), n.l * n.b * n.h * n.d)?;
+    let mut out = CudaStorage::new(&dev, q.dtype(), n.l * n.b * n.h * n.d)?;
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? && super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr())? {
-        return Ok(out);
+    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? {
+        if let Some(lse) = super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr())? {
+            out.aux = lse.map(Box::new);
+            return Ok(out);
+        }
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.w[4] = out.ptr();
     if tensor_cores_take(q, k, v, n.d)? {
+        // Each row's log-sum-exp goes beside the output, for the backward (`CudaStorage::aux`).
+        let lse = CudaStorage::new(&dev, DType::F32, n.b * n.h * n.l)?;
+        a.w[24] = lse.ptr();
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d, forward_tc_three_blocks(dev.shared_per_sm, n.d)))?;
         launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
+        out.aux = Some(Box::new(lse));
     } else {
         let (rows, vw) = (forward_rows(n.l), key_vector(k, v, n.d)?);
         let kern = dev.kernel(KernelKey::Named(warp_name("fwd", q.dtype(), n.d, rows, vw)), || gen_forward(q.dtype(), n.d, rows, vw))?;
@@ -856,6 +880,9 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[28] = at(nq + 2 * nk + n.b * n.h * n.l);
     a.w[29] = at(nq);
     a.w[30] = at(nq + nk);
+    // The forward's per-row log-sum-exp, where it kept them (the tensor-core and cuDNN
+    // forwards do): the dq kernel then skips its walk over the keys.
+    a.w[31] = super::kernels::aux_ptr(out).unwrap_or(0);
     if tensor_cores_take(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
         launch_tc(&dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
@@ -888,6 +915,37 @@ mod tests {
         assert!(forward_tc_three_blocks(a100, 96) && !forward_tc_three_blocks(a100, 112));
         assert!(!forward_tc_three_blocks(ada, 80));
         assert!(!forward_tc_three_blocks(0, 128), "an unknown size takes no cap");
+    }
+
+    /// On a GPU (`KILN_TEST_DEVICE=cuda`): the tensor-core backward gives the same gradients
+    /// whether it reads the forward's log-sum-exp beside the output or walks the keys for them
+    /// (an output copied elsewhere has none).
+    #[test]
+    fn the_backward_reads_the_forwards_log_sum_exp_or_computes_it_alike() {
+        use crate::ops::{apply, Op};
+        use crate::{DType, Device, Tensor};
+        if !std::env::var("KILN_TEST_DEVICE").is_ok_and(|d| d.starts_with("cuda")) {
+            return;
+        }
+        let dev = Device::Cuda(0);
+        crate::manual_seed(3);
+        let (l, s, b, h, d) = (150, 200, 2, 3, 64);
+        let r = |shape: &[usize]| Tensor::randn(shape, DType::BF16, &dev).unwrap();
+        let (q, k, v, g) = (r(&[l, b, h, d]), r(&[s, b, h, d]), r(&[s, b, h, d]), r(&[l, b, h, d]));
+        for causal in [false, true] {
+            let op = Op::Attention { scale: 0.125, causal };
+            let y = crate::cuda::with_cudnn_attention(false, || apply(op, &[&q, &k, &v])).unwrap();
+            let copy = y.copy_contiguous().unwrap();
+            assert!(super::super::kernels::aux_ptr(&y).is_some() && super::super::kernels::aux_ptr(&copy).is_none());
+            let back = Op::AttentionBackward { scale: 0.125, causal };
+            let kept = apply(back.clone(), &[&q, &k, &v, &y, &g]).unwrap().to_vec::<f32>().unwrap();
+            let walked = apply(back, &[&q, &k, &v, &copy, &g]).unwrap().to_vec::<f32>().unwrap();
+            // dq, dk, dv (the packed result's first part); BF16 probabilities may round apart.
+            let n = (l + 2 * s) * b * h * d;
+            for (i, (x, y)) in kept[..n].iter().zip(&walked[..n]).enumerate() {
+                assert!((x - y).abs() <= 2e-2 + 2e-2 * y.abs(), "causal {causal}, element {i}: {x} against {y}");
+            }
+        }
     }
 
     #[test]

@@ -31,6 +31,14 @@ pub(crate) fn data_ptr(t: &Tensor) -> Result<u64> {
     }
 }
 
+/// The address of what the op that wrote `t`'s storage kept beside it (`CudaStorage::aux`).
+pub(crate) fn aux_ptr(t: &Tensor) -> Option<u64> {
+    match &*t.storage().data.read_recursive() {
+        BackendStorage::Cuda(s) => s.aux.as_ref().map(|a| a.ptr()),
+        _ => None,
+    }
+}
+
 /// The device bytes `[start, end)` of `t`'s storage (None off the GPU): what work reading or
 /// writing any view of it touches.
 pub(crate) fn storage_range(t: &Tensor) -> Option<(u64, u64)> {

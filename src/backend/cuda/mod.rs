@@ -455,12 +455,16 @@ pub(crate) struct CudaStorage {
     pub(crate) block: Block,
     pub(crate) dtype: DType,
     pub(crate) len: usize,
+    /// What the op that wrote this storage kept beside it for its backward, living and dying
+    /// with it: an attention output's per-row log-sum-exp (F32 `[B, H, L]`), so that its
+    /// backward need not recompute it.
+    pub(crate) aux: Option<Box<CudaStorage>>,
 }
 
 impl CudaStorage {
     pub(crate) fn new(dev: &Arc<CudaDevice>, dtype: DType, len: usize) -> Result<CudaStorage> {
         let block = dev.alloc(len * dtype.size_in_bytes())?;
-        Ok(CudaStorage { dev: dev.clone(), block, dtype, len })
+        Ok(CudaStorage { dev: dev.clone(), block, dtype, len, aux: None })
     }
     pub(crate) fn ptr(&self) -> u64 {
         self.block.ptr

@@ -3,8 +3,8 @@
 //! where its kernel beats kiln's own (`bash tools/device_call.sh $OUT sdpa`, figures in
 //! `tools/attention/NOTES.md`). Everything else, and any geometry cuDNN offers no engine for,
 //! runs on the kernels of `attention.rs`. So does every backward: kiln's backward kernels take
-//! the output from here as they take their own (they recompute the probabilities), and cuDNN's
-//! backward operation has engines on Blackwell only. Masks and causal attention stay on kiln's
+//! the output from here, with each row's log-sum-exp where the plan writes them, as they take
+//! their own forward's; cuDNN's backward operation has engines on Blackwell only. Masks and causal attention stay on kiln's
 //! kernels too: the operation takes them only through a band-mask sub-graph from cuDNN 9.20.
 //!
 //! One plan per geometry (dtype, sizes, q / k / v strides), built on first use and kept in the
@@ -13,7 +13,7 @@
 
 use super::cudnn::{self, State};
 use super::kernels::data_ptr;
-use super::CudaDevice;
+use super::{CudaDevice, CudaStorage};
 use crate::ops::AttnDims;
 use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::sys as cs;
@@ -79,20 +79,22 @@ const K: i64 = 2;
 const V: i64 = 3;
 const O: i64 = 4;
 const SCALE: i64 = 5;
+const STATS: i64 = 6;
 
-/// What a plan depends on: the dtype, the sizes (B, H, L, S, D) and q, k, v's strides along L,
-/// B and H.
+/// What a plan depends on: whether it writes each row's log-sum-exp, the dtype, the sizes (B,
+/// H, L, S, D) and q, k, v's strides along L, B and H.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
+    stats: bool,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
 }
 
 impl Key {
-    fn new(q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
+    fn new(stats: bool, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
         let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
-        Key { dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
+        Key { stats, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
     }
 }
 
@@ -180,6 +182,7 @@ fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     let mut parts = vec![strided(Q, l, key.strides[0])?, strided(K, s, key.strides[1])?, strided(V, s, key.strides[2])?];
     parts.push(tensor(O, dt, [b, heads, l, d], [heads * d, d, b * heads * d, 1], false)?);
     parts.push(tensor(SCALE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT, [1; 4], [1; 4], true)?);
+    parts.push(tensor(STATS, cs::cudnnDataType_t::CUDNN_DATA_FLOAT, [b, heads, l, 1], [heads * l, l, 1, 1], false)?);
     let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
     let names = [
         A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC,
@@ -190,6 +193,9 @@ fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     ];
     for (name, t) in names.into_iter().zip(&parts) {
         op.set_desc(name, t)?;
+    }
+    if key.stats {
+        op.set_desc(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, &parts[5])?;
     }
     let op = op.finalize()?;
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
@@ -273,21 +279,25 @@ fn ptr(p: u64) -> *mut c_void {
     p as *mut c_void
 }
 
-/// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype). Ok(false): cuDNN
-/// has no plan for it, nothing was queued.
-pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, out: u64) -> Result<bool> {
-    let key = Key::new(q, k, v, n);
+/// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype), with each row's
+/// log-sum-exp of its scaled scores (F32 `[B, H, L]`, returned for the backward) where cuDNN
+/// has a plan that writes them. None: cuDNN has no plan for it, nothing was queued.
+pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, out: u64) -> Result<Option<Option<CudaStorage>>> {
     let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
     let scale = scale as f32;
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
         let h = st.handle;
-        let Some(plan) = plan(st, &key) else { return Ok(false) };
+        let with_stats = Key::new(true, q, k, v, n);
+        let key = if plan(st, &with_stats).is_some() { with_stats } else { Key::new(false, q, k, v, n) };
+        let Some(plan) = plan(st, &key) else { return Ok(None) };
+        let stats = if key.stats { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
         if super::rehearsal::active() {
-            return Ok(true);
+            return Ok(Some(stats));
         }
-        let ptrs = [(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
+        let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
+        ptrs.extend(stats.as_ref().map(|s| (STATS, ptr(s.ptr()))));
         let _rec = crate::profiler::cudnn(dev, "sdpa_fwd", q.dtype());
         execute(dev, h, plan, &ptrs)?;
-        Ok(true)
+        Ok(Some(stats))
     })
 }
