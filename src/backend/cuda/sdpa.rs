@@ -4,8 +4,9 @@
 //! `tools/attention/NOTES.md`). Everything else, and any geometry cuDNN offers no engine for,
 //! runs on the kernels of `attention.rs`. So does every backward: kiln's backward kernels take
 //! the output from here, with each row's log-sum-exp where the plan writes them, as they take
-//! their own forward's; cuDNN's backward operation has engines on Blackwell only. Masks and causal attention stay on kiln's
-//! kernels too: the operation takes them only through a band-mask sub-graph from cuDNN 9.20.
+//! their own forward's; cuDNN's backward operation has engines on Blackwell only. Masks and
+//! causal attention stay on kiln's kernels too: the operation takes them only through a
+//! band-mask sub-graph from cuDNN 9.20.
 //!
 //! One plan per geometry (dtype, sizes, q / k / v strides), built on first use and kept in the
 //! device's cuDNN state; each call queues it on the thread's work stream with a workspace from
@@ -242,7 +243,7 @@ fn plan<'a>(st: &'a mut State, key: &Key) -> Option<&'a Plan> {
         let plan = match build(st.handle, key) {
             Ok(p) => Some(p),
             Err(why) => {
-                crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why}); kiln's kernels run it"));
+                crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why}); the next choice (the forward without statistics, else kiln's kernels) runs it"));
                 None
             }
         };
