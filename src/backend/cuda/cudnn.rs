@@ -363,7 +363,7 @@ fn run_conv(dev: &Arc<super::CudaDevice>, st: &mut State, pass: Pass, dtype: DTy
         // SAFETY: a live descriptor.
         unsafe { cr::set_convolution_math_type(descs.conv.0, c.math) }.map_err(|e| fail("cudnnSetConvolutionMathType", &e))?;
         let ws = if c.workspace > 0 { Some(dev.alloc(c.workspace)?) } else { None };
-        let _rec = crate::profiler::cudnn(&dev, pass_name(pass), dtype);
+        let _rec = crate::profiler::cudnn(dev, pass_name(pass), dtype);
         // SAFETY: operands and output are live device buffers of the described shapes (kept
         // until this returns; later reuse of their blocks is in stream order), as is `ws`.
         let r = unsafe { execute(h, c.algo, &descs, ptrs, ws.map_or(0, |b| b.ptr), c.workspace) };
