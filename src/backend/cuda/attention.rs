@@ -250,6 +250,8 @@ __device__ __forceinline__ void product_pv(float (&acc)[D_ / 8][4], const float 
 }}
 // Scores of query rows r0, r1 against keys s0 .. s0 + 63: scaled, the mask added (at moff +
 // row msl + key mss), -inf past S or above the diagonal when causal; mx0, mx1 their row maxima.
+// (MAX: also each row's maximum over the tile, in mx0 / mx1.)
+template <bool MAX>
 __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long long moff, long long msl, long long mss, long long r0, long long r1, long long s0, long long L, long long S, float scale, int causal, int t, float& mx0, float& mx1) {{
   mx0 = -INFINITY; mx1 = -INFINITY;
   // A tile of keys all inside S and (causal) all at or before this thread's first row, with no
@@ -258,9 +260,9 @@ __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long
     #pragma unroll
     for (int nb = 0; nb < 8; nb++) {{
       sc[nb][0] *= scale; sc[nb][1] *= scale; sc[nb][2] *= scale; sc[nb][3] *= scale;
-      mx0 = fmaxf(mx0, fmaxf(sc[nb][0], sc[nb][1])); mx1 = fmaxf(mx1, fmaxf(sc[nb][2], sc[nb][3]));
+      if (MAX) {{ mx0 = fmaxf(mx0, fmaxf(sc[nb][0], sc[nb][1])); mx1 = fmaxf(mx1, fmaxf(sc[nb][2], sc[nb][3])); }}
     }}
-    mx0 = quad_max(mx0); mx1 = quad_max(mx1);
+    if (MAX) {{ mx0 = quad_max(mx0); mx1 = quad_max(mx1); }}
     return;
   }}
   #pragma unroll
@@ -272,9 +274,9 @@ __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long
       if (col >= S || (causal && col > row)) x = -INFINITY;
       else if (mk && row < L) x += LD(mk[moff + row * msl + col * mss]);
       sc[nb][e] = x;
-      if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x);
+      if (MAX) {{ if (e < 2) mx0 = fmaxf(mx0, x); else mx1 = fmaxf(mx1, x); }}
     }}
-  mx0 = quad_max(mx0); mx1 = quad_max(mx1);
+  if (MAX) {{ mx0 = quad_max(mx0); mx1 = quad_max(mx1); }}
 }}
 // Zeroes an FP32 accumulator of N fragments.
 template <int N> __device__ __forceinline__ void zero(float (&acc)[N][4]) {{
@@ -334,7 +336,7 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
     if (active && !(causal && s0 > wlast)) {{
       float sc[8][4], mx0, mx1;
       scores(sc, qa, Ks[cur], grp, t);
-      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      mask_scores<true>(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
       float corr0, corr1;
       online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
       #pragma unroll
@@ -416,7 +418,7 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       float sc[8][4];
       scores(sc, qa, Ks[cur], grp, t);
       float mx0, mx1;
-      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      mask_scores<true>(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
       float corr0, corr1;
       online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
     }}
@@ -436,14 +438,17 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
       float sc[8][4], dp[8][4];
       scores(sc, qa, Ks[cur], grp, t);
       float mx0, mx1;
-      mask_scores(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+      mask_scores<false>(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
       scores(dp, ga, Vs[cur], grp, t);
+      // A tile of keys inside S, (causal) none after this warp's first row, no mask, and the
+      // warp's rows inside L: every score and log-sum-exp is finite.
+      const bool interior = !mk && s0 + KT <= S && w0 + 16 <= L && (!causal || s0 + KT - 1 <= w0);
       #pragma unroll
       for (int nb = 0; nb < 8; nb++)
         #pragma unroll
         for (int e = 0; e < 4; e++) {{
           float ls = e < 2 ? ls0 : ls1, x = sc[nb][e];
-          float p = (x == -INFINITY || ls == -INFINITY) ? 0.f : __expf(x - ls);
+          float p = (!interior && (x == -INFINITY || ls == -INFINITY)) ? 0.f : __expf(x - ls);
           sc[nb][e] = p * (dp[nb][e] - (e < 2 ? dl0 : dl1));
         }}
       product_pv(acc, sc, Ks[cur], lane);
