@@ -249,8 +249,8 @@ __device__ __forceinline__ void product_pv(float (&acc)[D_ / 8][4], const float 
   }}
 }}
 // Scores of query rows r0, r1 against keys s0 .. s0 + 63: scaled, the mask added (at moff +
-// row msl + key mss), -inf past S or above the diagonal when causal; mx0, mx1 their row maxima.
-// (MAX: also each row's maximum over the tile, in mx0 / mx1.)
+// row msl + key mss), -inf past S or above the diagonal when causal; with MAX, mx0 and mx1
+// their row maxima over the tile.
 template <bool MAX>
 __device__ __forceinline__ void mask_scores(float (&sc)[8][4], const T* mk, long long moff, long long msl, long long mss, long long r0, long long r1, long long s0, long long L, long long S, float scale, int causal, int t, float& mx0, float& mx1) {{
   mx0 = -INFINITY; mx1 = -INFINITY;
