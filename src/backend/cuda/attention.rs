@@ -5,8 +5,9 @@
 //! row's log-sum-exp beside its output (`CudaStorage::aux`). The backward recomputes the
 //! probabilities: one kernel for dq (and each row's dO·O, and its log-sum-exp unless the forward
 //! kept it), one for dk and dv (two for head dims over 64); on the tensor cores where the
-//! forward is (16 query or key rows per warp), else one warp per query or key row. Layouts as `Op::Attention`: q, k, v are read
-//! through their strides (the head dim contiguous), the output is contiguous `[L, B, H, D]`.
+//! forward is (16 query or key rows per warp), else one warp per query or key row. Layouts as
+//! `Op::Attention`: q, k, v are read through their strides (the head dim contiguous), the
+//! output is contiguous `[L, B, H, D]`.
 
 use super::codegen::{self, CType, PRELUDE};
 use super::kernels::{data_ptr, dev_of};
@@ -366,9 +367,9 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
 }
 
 /// Backward on the tensor cores, per block of 64 query rows (16 per warp): each row's
-/// log-sum-exp (the forward's, else a first walk over the keys, scores only) and delta = dO·O,
-/// then
-/// dq = scale sum_s p (dO·v_s - delta) k_s, with dS rounded to the input dtype for the product.
+/// log-sum-exp (the forward's, else a first walk over the keys, scores only) and
+/// delta = dO·O, then dq = scale sum_s p (dO·v_s - delta) k_s, with dS rounded to the input
+/// dtype for the product.
 fn gen_backward_q_tc(dtype: DType, d: usize) -> (String, String) {
     let name = kernel_name("bwd_q_tc", dtype, d);
     let src = format!(
@@ -409,24 +410,24 @@ extern "C" __global__ void __launch_bounds__(128) {name}(KArgs a) {{
     ls0 = r0 < L ? lse_in[bh * L + r0] : -INFINITY;
     ls1 = r1 < L ? lse_in[bh * L + r1] : -INFINITY;
   }} else {{
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
 #define LOADS(x, st) load_tile(Ks[st], k, x, S, kss, b * ksb + h * ksh, tid)
-  {{
-  TILE_LOOP_BEGIN(0, send)
-    const long long s0 = x0;
-    if (active && !(causal && s0 > wlast)) {{
-      float sc[8][4];
-      scores(sc, qa, Ks[cur], grp, t);
-      float mx0, mx1;
-      mask_scores<true>(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
-      float corr0, corr1;
-      online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
+    {{
+    TILE_LOOP_BEGIN(0, send)
+      const long long s0 = x0;
+      if (active && !(causal && s0 > wlast)) {{
+        float sc[8][4];
+        scores(sc, qa, Ks[cur], grp, t);
+        float mx0, mx1;
+        mask_scores<true>(sc, mk, b * msb + h * msh, msl, mss, r0, r1, s0, L, S, scale, causal, t, mx0, mx1);
+        float corr0, corr1;
+        online_softmax(sc, mx0, mx1, m0, m1, l0, l1, corr0, corr1);
+      }}
+    TILE_LOOP_END
     }}
-  TILE_LOOP_END
-  }}
 #undef LOADS
-  l0 = quad_sum(l0); l1 = quad_sum(l1);
-  ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0); ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
+    l0 = quad_sum(l0); l1 = quad_sum(l1);
+    ls0 = m0 == -INFINITY ? -INFINITY : m0 + logf(l0); ls1 = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
   }}
   float acc[D_ / 8][4];
   zero(acc);
