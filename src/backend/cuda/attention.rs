@@ -630,8 +630,13 @@ fn tc_shared(d: usize, key_rows: bool) -> usize {
 /// D = 112): elsewhere the cap would cost registers for nothing. At 64 features and below the
 /// default (127 registers, 4 blocks) is the fastest.
 fn forward_tc_three_blocks(shared_per_sm: usize, d: usize) -> bool {
-    // (The driver reserves 1 KiB of shared memory per block.)
-    d > 64 && 3 * (tc_shared(d, false) + 1024) <= shared_per_sm
+    d > 64 && three_blocks_fit(shared_per_sm, d, false)
+}
+
+/// Whether 3 blocks of a tensor-core kernel fit an SM's shared memory (the driver reserves
+/// 1 KiB per block).
+fn three_blocks_fit(shared_per_sm: usize, d: usize, key_rows: bool) -> bool {
+    3 * (tc_shared(d, key_rows) + 1024) <= shared_per_sm
 }
 
 /// Whether the tensor-core backward's dv-only kernel (head dims over 64) asks for registers that
@@ -639,7 +644,7 @@ fn forward_tc_three_blocks(shared_per_sm: usize, d: usize) -> bool {
 /// takes 168 registers instead of 178 and runs 18% faster (2048 keys: 1444 -> 1182 us, ncu).
 /// The dk and dq kernels get slower under the same cap (1599 -> 1741, 1630 -> 1828 us).
 fn dv_tc_three_blocks(shared_per_sm: usize, d: usize, part: KvPart) -> bool {
-    part == KvPart::Dv && 3 * (tc_shared(d, true) + 1024) <= shared_per_sm
+    part == KvPart::Dv && three_blocks_fit(shared_per_sm, d, true)
 }
 
 /// Whether the fused kernels are the faster way to compute this attention (q `[L, B, H, D]`,

@@ -148,7 +148,8 @@ struct Descs {
     conv: ConvDesc,
 }
 
-fn data_type(dtype: DType) -> cs::cudnnDataType_t {
+/// cuDNN's name for a tensor dtype (F16, BF16; F32 for the rest, which callers convert).
+pub(crate) fn data_type(dtype: DType) -> cs::cudnnDataType_t {
     match dtype {
         DType::F16 => cs::cudnnDataType_t::CUDNN_DATA_HALF,
         DType::BF16 => cs::cudnnDataType_t::CUDNN_DATA_BFLOAT16,

@@ -158,14 +158,6 @@ fn tensor(uid: i64, dtype: cs::cudnnDataType_t, dims: [usize; 4], strides: [usiz
     t.finalize()
 }
 
-fn data_type(dtype: DType) -> cs::cudnnDataType_t {
-    match dtype {
-        DType::F16 => cs::cudnnDataType_t::CUDNN_DATA_HALF,
-        DType::BF16 => cs::cudnnDataType_t::CUDNN_DATA_BFLOAT16,
-        _ => cs::cudnnDataType_t::CUDNN_DATA_FLOAT,
-    }
-}
-
 /// An execution plan and the descriptors it was built from.
 pub(crate) struct Plan {
     plan: Desc,
@@ -176,7 +168,7 @@ pub(crate) struct Plan {
 /// Builds the plan of `key`: the single SDPA operation as a graph, the heuristics' engine
 /// configurations in their order, the first that finalizes.
 fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
-    let dt = data_type(key.dtype);
+    let dt = cudnn::data_type(key.dtype);
     let [b, heads, l, s, d] = key.n;
     // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; the output contiguous.
     let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], [st[1], st[2], st[0], 1], false);
