@@ -61,8 +61,9 @@ pub enum Op {
     /// when `causal`; the output is contiguous `[L, B, H, D]`, so `[L, B, E]` is a view of it.
     Attention { scale: f64, causal: bool },
     /// The gradients of [`Op::Attention`] from inputs (q, k, v, out, d(out)[, mask]), packed as
-    /// one F32 (F64 for F64 inputs) vector `[dq | dk | dv | lse | delta]` (the last two per query row, `[B, H, L]`:
-    /// the scores' log-sum-exp and d(out)·out).
+    /// one vector of q's dtype `[dq | dk | dv | lse | delta]` (the last two per query row,
+    /// `[B, H, L]`: the scores' log-sum-exp and d(out)·out, where the backend computed them;
+    /// nothing reads them). Every backend computes in F32 or wider and rounds once at the end.
     AttentionBackward { scale: f64, causal: bool },
 }
 
@@ -79,11 +80,6 @@ pub(crate) struct AttnDims {
 impl AttnDims {
     pub(crate) fn of(q: &[usize], k: &[usize]) -> AttnDims {
         AttnDims { l: q[0], s: k[0], b: q[1], h: q[2], d: q[3] }
-    }
-    /// The dtype of [`Op::AttentionBackward`]'s packed result for inputs of `q`: F64 stays F64,
-    /// everything else is computed and returned in F32.
-    pub(crate) fn grad_dtype(q: DType) -> DType {
-        if q == DType::F64 { DType::F64 } else { DType::F32 }
     }
     /// Elements of [`Op::AttentionBackward`]'s packed result.
     pub(crate) fn packed_len(&self) -> usize {
@@ -198,7 +194,7 @@ impl Op {
             Op::ScatterAdd(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
             Op::Attention { .. } => (shape.to_vec(), dt),
-            Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], AttnDims::grad_dtype(dt)),
+            Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], dt),
             Op::Conv2d(a) => (conv::out_shape(a, shape, xs[1].0)?, dt),
             Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
             Op::Conv2dGradWeight(a, k) => (vec![xs[1].0[1], shape[1] / a.groups.max(1), k.0, k.1], dt),

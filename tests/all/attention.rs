@@ -136,11 +136,15 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
 }
 
 #[test]
-fn cudnn_attention_takes_the_forward_of_long_unmasked_sequences() {
+fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
     let cases = [
         Case { shape_q: [2, 4, 200, 64], s: 256, causal: false, masked: false },
         Case { shape_q: [1, 2, 130, 128], s: 300, causal: false, masked: false },
         Case { shape_q: [2, 2, 64, 40], s: 260, causal: false, masked: false },
+        Case { shape_q: [1, 3, 300, 128], s: 384, causal: false, masked: false },
+        // Causal, fewer queries than keys and more.
+        Case { shape_q: [2, 4, 200, 64], s: 256, causal: true, masked: false },
+        Case { shape_q: [1, 2, 300, 128], s: 256, causal: true, masked: false },
     ];
     for c in &cases {
         check(c, DType::BF16, 2e-2, 2e-2);
@@ -151,25 +155,43 @@ fn cudnn_attention_takes_the_forward_of_long_unmasked_sequences() {
         eprintln!("cuDNN's fused attention not checked: {version:?} (its forward operation needs 9.13)");
         return;
     }
-    // Which kernels ran: cuDNN's forward, then kiln's backward kernels on its output; causal,
-    // masked or short attention stays on kiln's kernels.
+    // Which kernels ran: cuDNN's forward and backward, causal or not; masked or short attention
+    // on kiln's kernels.
     let leaf = |shape: &[usize], seed| rand_t(shape, seed, DType::BF16).requires_grad();
     let (q, k, v) = (leaf(&[2, 4, 200, 64], 1), leaf(&[2, 4, 256, 64], 2), leaf(&[2, 4, 256, 64], 3));
     let names = |p: &profiler::Profile| p.key_averages().rows().iter().map(|r| r.name.clone()).collect::<Vec<_>>();
-    let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &Default::default())).unwrap();
-    assert_eq!(names(&p), ["cudnn_sdpa_fwd_bfloat16"], "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 10));
-    let y = F::scaled_dot_product_attention(&q, &k, &v, &Default::default()).unwrap();
+    let causal = F::SdpaOptions { is_causal: true, ..Default::default() };
+    for opts in [&Default::default(), &causal] {
+        let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, opts)).unwrap();
+        assert_eq!(names(&p), ["cudnn_sdpa_fwd_bfloat16"], "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 10));
+    }
     let g = rand_t(&[2, 4, 200, 64], 4, DType::BF16);
-    let p = profiler::profile(|| y.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false })).unwrap();
-    let bwd = names(&p);
+    let backward_kernels = |y: &Tensor| names(&profiler::profile(|| y.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false })).unwrap());
+    let y = F::scaled_dot_product_attention(&q, &k, &v, &Default::default()).unwrap();
+    let bwd = backward_kernels(&y);
+    assert!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16") && bwd.iter().all(|n| !n.starts_with("attention")), "{bwd:?}");
+    // cuDNN's backward after kiln's tensor-core forward, which keeps the log-sum-exps it needs:
+    // the gradients of a cuDNN forward and backward, to BF16's precision.
+    let want: Vec<Vec<f64>> = [&q, &k, &v].iter().map(|t| vals(&t.grad().unwrap())).collect();
+    let fresh = || (q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad());
+    let (q2, k2, v2) = fresh();
+    let y = kiln::cuda::with_cudnn_attention(false, || F::scaled_dot_product_attention(&q2, &k2, &v2, &Default::default())).unwrap();
+    let bwd = backward_kernels(&y);
+    assert!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16"), "{bwd:?}");
+    for (t, w) in [&q2, &k2, &v2].iter().zip(&want) {
+        assert_close(&vals(&t.grad().unwrap()), w, 2e-2, 2e-2);
+    }
+    // Turned off for the backward too: kiln's kernels.
+    let (q3, k3, v3) = fresh();
+    let y = F::scaled_dot_product_attention(&q3, &k3, &v3, &Default::default()).unwrap();
+    let bwd = kiln::cuda::with_cudnn_attention(false, || backward_kernels(&y));
     assert!(bwd.iter().any(|n| n.starts_with("attention_bwd_q_tc")) && bwd.iter().all(|n| !n.starts_with("cudnn")), "{bwd:?}");
+    let bwd = backward_kernels(&F::scaled_dot_product_attention(&q, &k, &v, &causal).unwrap());
+    assert!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16") && bwd.iter().all(|n| !n.starts_with("attention")), "causal: {bwd:?}");
     let short = rand_t(&[2, 4, 128, 64], 5, DType::BF16);
     let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &short, &short, &Default::default())).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "128 keys: {:?}", names(&p));
-    let causal = F::SdpaOptions { is_causal: true, ..Default::default() };
-    let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &causal)).unwrap();
-    assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "{:?}", names(&p));
-    let p = kiln::cuda::with_cudnn_attention(false, || profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &Default::default()))).unwrap();
+    let p = kiln::cuda::with_cudnn_attention(false, || profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &causal))).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "{:?}", names(&p));
     // Captured in a CUDA graph and replayed (reduce-overhead): the same values as eager.
     let (q, k, v) = (q.detach(), k.detach(), v.detach());
@@ -178,6 +200,20 @@ fn cudnn_attention_takes_the_forward_of_long_unmasked_sequences() {
     let f = kiln::compile::compile_with(kiln::compile::CompileOptions::new().mode(kiln::compile::Mode::ReduceOverhead), move |q: &Tensor| F::scaled_dot_product_attention(q, &kc, &vc, &Default::default()));
     for _ in 0..3 {
         assert_close(&vals(&f.call(&q).unwrap()), &eager, 0.0, 0.0);
+    }
+    // A compiled function's gradient: its backward program runs cuDNN's backward too (cuDNN
+    // adds dq's parts in any order: BF16's tolerance).
+    let loss = move |xs: &[Tensor], g: &Tensor| F::scaled_dot_product_attention(&xs[0], &xs[1], &xs[2], &Default::default())?.mul(g)?.to_dtype(DType::F32)?.sum_all();
+    let gc = g.clone();
+    let f = compile(move |xs: &[Tensor]| Ok(vec![loss(xs, &gc)?]));
+    let leaves = || [q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad()];
+    let (a, b) = (leaves(), leaves());
+    let y = f.call(&a).unwrap().remove(0);
+    let bwd = names(&profiler::profile(|| y.backward()).unwrap());
+    assert!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16"), "{bwd:?}");
+    loss(&b, &g).unwrap().backward().unwrap();
+    for (x, e) in a.iter().zip(&b) {
+        assert_close(&vals(&x.grad().unwrap()), &vals(&e.grad().unwrap()), 2e-2, 2e-2);
     }
 }
 

@@ -143,12 +143,21 @@ fn max_autotune_matches_eager_and_does_not_time_twice() -> Result<()> {
     let f = compile_with(CompileOptions::new().mode(Mode::MaxAutotune), tuned_fn(w.clone(), b.clone(), w2.clone()));
     assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-4, 1e-6);
     assert_close(&vals(&f.call(&x)?), &vals(&want), 1e-4, 1e-6);
-    let first = kiln::cuda::autotune_counts();
+    let mut first = kiln::cuda::autotune_counts();
     if dev().is_cuda() {
         // Two products and one row kernel: each timed here or found (another process, or a
-        // test before, may have decided them).
-        let decided = (first.timed + first.disk_hits + first.memory_hits) - (before.timed + before.disk_hits + before.memory_hits);
-        assert!(decided >= 3, "{before:?} -> {first:?}");
+        // test before, may have decided them). Timing waits while another thread captures a
+        // CUDA graph on the device (tests run side by side): a later call times what is left.
+        let decided = |now: &kiln::cuda::AutotuneCounts| (now.timed + now.disk_hits + now.memory_hits) - (before.timed + before.disk_hits + before.memory_hits);
+        for _ in 0..100 {
+            if decided(&first) >= 3 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            f.call(&x)?;
+            first = kiln::cuda::autotune_counts();
+        }
+        assert!(decided(&first) >= 3, "{before:?} -> {first:?}");
     } else {
         assert_eq!(first, before, "autotuning is a no-op on the CPU");
     }

@@ -124,7 +124,7 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor,
             }
         }
     }
-    CpuStorage::from_vec_as(out, AttnDims::grad_dtype(q.dtype()))
+    CpuStorage::from_vec_as(out, q.dtype())
 }
 
 #[cfg(test)]

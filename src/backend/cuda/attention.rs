@@ -844,8 +844,8 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask.is_some(), causal, &n)? {
-        if let Some(lse) = super::sdpa::forward(&dev, q, k, v, &n, scale, out.ptr())? {
+    if super::sdpa::takes(q, k, v, mask.is_some(), &n)? {
+        if let Some(lse) = super::sdpa::forward(&dev, q, k, v, &n, scale, causal, out.ptr())? {
             out.aux = lse.map(Box::new);
             return Ok(out);
         }
@@ -867,20 +867,39 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     Ok(out)
 }
 
-/// The packed F32 gradients `[dq | dk | dv | lse | delta]` (see `Op::AttentionBackward`).
-/// `out` and `g` are contiguous `[L, B, H, D]`.
+/// The packed gradients `[dq | dk | dv | lse | delta]` in q's dtype (see
+/// `Op::AttentionBackward`). `out` and `g` are contiguous `[L, B, H, D]`.
 pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Result<CudaStorage> {
     let dev = dev_of(q)?;
     let n = AttnDims::of(q.shape(), k.shape());
-    let packed = CudaStorage::new(&dev, DType::F32, n.packed_len())?;
+    let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
     if packed.len == 0 {
         return Ok(packed);
     }
-    let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     if n.l == 0 || n.s == 0 || n.d == 0 {
         super::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
+    if super::sdpa::takes(q, k, v, mask.is_some(), &n)? && super::sdpa::backward(&dev, q, k, v, out, g, &n, scale, causal, &packed)? {
+        return Ok(packed);
+    }
+    if q.dtype() == DType::F32 {
+        backward_kernels(&dev, q, k, v, out, g, mask, scale, causal, &packed)?;
+        return Ok(packed);
+    }
+    // kiln's kernels write F32: into a scratch of the same layout, rounded by one kernel after.
+    let wide = CudaStorage::new(&dev, DType::F32, n.packed_len())?;
+    backward_kernels(&dev, q, k, v, out, g, mask, scale, causal, &wide)?;
+    let wide = Tensor::from_backend(crate::storage::BackendStorage::Cuda(wide), &[n.packed_len()]);
+    super::kernels::cast_into(packed.ptr(), &wide, q.dtype())?;
+    Ok(packed)
+}
+
+/// kiln's backward kernels, writing `[dq | dk | dv | lse | delta]` in F32 into `packed`.
+#[allow(clippy::too_many_arguments)]
+fn backward_kernels(dev: &std::sync::Arc<super::CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, packed: &CudaStorage) -> Result<()> {
+    let n = AttnDims::of(q.shape(), k.shape());
+    let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     let base = packed.ptr();
     let at = |elems: usize| base + 4 * elems as u64;
@@ -896,21 +915,20 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     a.w[31] = super::kernels::aux_ptr(out).unwrap_or(0);
     if tensor_cores_take(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
-        launch_tc(&dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
+        launch_tc(dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
         let parts: &[KvPart] = if n.d <= 64 { &[KvPart::Both] } else { &[KvPart::Dv, KvPart::Dk] };
         for &part in parts {
             let kkv = dev.kernel(KernelKey::Named(part.kernel_name(q.dtype(), n.d)), || gen_backward_kv_tc(q.dtype(), n.d, part, dv_tc_three_blocks(dev.shared_per_sm, n.d, part)))?;
-            launch_tc(&dev, kkv, n.b * n.h, n.s, true, n.d, &a)?;
+            launch_tc(dev, kkv, n.b * n.h, n.s, true, n.d, &a)?;
         }
-        return Ok(packed);
+        return Ok(());
     }
     let vw = backward_vector(q, k, v, g, n.d)?;
     let (rq, rk) = (backward_rows(n.l, n.d), backward_rows(n.s, n.d));
     let kq = dev.kernel(KernelKey::Named(warp_name("bwd_q", q.dtype(), n.d, rq, vw)), || gen_backward_q(q.dtype(), n.d, rq, vw))?;
     dev.launch(kq, grid(n.b * n.h, n.l, rq)?, ((rq * 32) as u32, 1, 1), &a)?;
     let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;
-    dev.launch(kkv, grid(n.b * n.h, n.s, rk)?, ((rk * 32) as u32, 1, 1), &a)?;
-    Ok(packed)
+    dev.launch(kkv, grid(n.b * n.h, n.s, rk)?, ((rk * 32) as u32, 1, 1), &a)
 }
 
 #[cfg(test)]
@@ -949,8 +967,8 @@ mod tests {
             let copy = y.copy_contiguous().unwrap();
             assert!(super::super::kernels::aux_ptr(&y).is_some() && super::super::kernels::aux_ptr(&copy).is_none());
             let back = Op::AttentionBackward { scale: 0.125, causal };
-            let kept = apply(back.clone(), &[&q, &k, &v, &y, &g]).unwrap().to_vec::<f32>().unwrap();
-            let walked = apply(back, &[&q, &k, &v, &copy, &g]).unwrap().to_vec::<f32>().unwrap();
+            let kept = apply(back.clone(), &[&q, &k, &v, &y, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+            let walked = apply(back, &[&q, &k, &v, &copy, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
             // dq, dk, dv (the packed result's first part); BF16 probabilities may round apart.
             let n = (l + 2 * s) * b * h * d;
             for (i, (x, y)) in kept[..n].iter().zip(&walked[..n]).enumerate() {

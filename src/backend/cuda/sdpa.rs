@@ -1,16 +1,23 @@
-//! Attention forward through cuDNN's fused scaled-dot-product operation (the graph API's
-//! `OPERATION_SDPA_FWD`, cuDNN 9.13 on) for F16 / BF16 attention without a mask over many keys,
-//! where its kernel beats kiln's own (`bash tools/device_call.sh $OUT sdpa`, figures in
-//! `tools/attention/NOTES.md`). Everything else, and any geometry cuDNN offers no engine for,
-//! runs on the kernels of `attention.rs`. So does every backward: kiln's backward kernels take
-//! the output from here, with each row's log-sum-exp where the plan writes them, as they take
-//! their own forward's; cuDNN's backward operation has engines on Blackwell only. Masks and
-//! causal attention stay on kiln's kernels too: the operation takes them only through a
-//! band-mask sub-graph from cuDNN 9.20.
+//! Attention through cuDNN's fused scaled-dot-product attention for F16 / BF16 attention
+//! without a mask over many keys, where its kernels beat kiln's own (`bash tools/device_call.sh
+//! $OUT sdpa`, figures in `tools/attention/NOTES.md`):
+//! - the forward is the graph API's single `OPERATION_SDPA_FWD` (cuDNN 9.13 on), which also
+//!   writes each row's log-sum-exp beside the output (`CudaStorage::aux`). Causal attention
+//!   takes the graph of matmul, pointwise and reduction operations cuDNN's engine fuses
+//!   instead: the single operation takes a causal mask only through a band-mask sub-graph
+//!   (cuDNN 9.20);
+//! - the backward is the graph of matmul, pointwise, reduction and reshape operations that the
+//!   engine recognises (the single `OPERATION_SDPA_BWD` has engines on Blackwell only). It
+//!   needs those log-sum-exps, so it follows a forward that kept them (cuDNN's or kiln's
+//!   tensor-core one).
 //!
-//! One plan per geometry (dtype, sizes, q / k / v strides), built on first use and kept in the
-//! device's cuDNN state; each call queues it on the thread's work stream with a workspace from
-//! the caching allocator.
+//! The graphs are the ones cudnn-frontend builds (read from its logs on the H200 with
+//! `bash tools/device_call.sh $OUT cudnnlog`). Everything else, masked attention included, and
+//! any geometry cuDNN offers no engine for, runs on the kernels of `attention.rs`.
+//!
+//! One plan per pass and geometry (dtype, sizes, q / k / v strides), built on first use and
+//! kept in the device's cuDNN state; each call queues it on the thread's work stream with a
+//! workspace from the caching allocator.
 
 use super::cudnn::{self, State};
 use super::kernels::data_ptr;
@@ -28,6 +35,8 @@ use std::sync::Arc;
 const MIN_KEYS: usize = 256;
 /// The first cuDNN with the operation.
 const SINCE: usize = 91300;
+/// The first cuDNN whose attention backward takes key counts off a multiple of 128 unpadded.
+const BACKWARD_UNPADDED_SINCE: usize = 91501;
 /// Largest head dim sent to cuDNN (what kiln's own kernels take too).
 const MAX_HEAD_DIM: usize = 128;
 
@@ -56,11 +65,11 @@ fn allowed() -> bool {
     ENABLED.with(|e| e.get()) && !*OFF.get_or_init(|| std::env::var("KILN_CUDNN_ATTENTION").is_ok_and(|v| v == "0"))
 }
 
-/// Whether cuDNN is asked for this attention: F16 / BF16, no mask, not causal, a head dim that
-/// is a multiple of 8 (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned,
-/// and a cuDNN with the operation loaded.
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, causal: bool, n: &AttnDims) -> Result<bool> {
-    if masked || causal || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
+/// Whether cuDNN is asked for this attention: F16 / BF16, no mask, a head dim that is a
+/// multiple of 8 (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned, and
+/// a cuDNN with the forward operation loaded.
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, n: &AttnDims) -> Result<bool> {
+    if masked || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
         return Ok(false);
     }
     if !cudnn::library().is_ok_and(|v| v >= SINCE) {
@@ -74,28 +83,56 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, causal: bo
     Ok(true)
 }
 
-/// The tensors' ids in a plan's variant pack.
+/// The tensors' ids in a plan's variant pack (and, from `VIRTUAL` on, the backward's
+/// intermediate values, which live only inside cuDNN's kernel).
 const Q: i64 = 1;
 const K: i64 = 2;
 const V: i64 = 3;
 const O: i64 = 4;
 const SCALE: i64 = 5;
 const STATS: i64 = 6;
+const DO: i64 = 7;
+const DQ: i64 = 8;
+const DK: i64 = 9;
+const DV: i64 = 10;
+/// Each row's sum of dO * O (the backward's `delta`), F32 `[B, H, L]`.
+const DELTA: i64 = 11;
+/// dq accumulated in F32 over the key tiles, `[B, H, L, D]`.
+const DQ_SUM: i64 = 12;
+/// A host scalar 1: the graph's dropout scale, which the engine's pattern includes.
+const ONE: i64 = 13;
+/// A host scalar -inf: the causal mask's masked scores.
+const MINUS_INF: i64 = 14;
+const VIRTUAL: i64 = 100;
 
-/// What a plan depends on: whether it writes each row's log-sum-exp, the dtype, the sizes (B,
-/// H, L, S, D) and q, k, v's strides along L, B and H.
+/// What a plan computes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Pass {
+    /// The forward; `stats`: also each row's log-sum-exp.
+    Forward { stats: bool },
+    /// The causal forward (keys after the query masked out), with each row's log-sum-exp.
+    CausalForward,
+    /// The backward (`causal`: keys after the query masked out), its gradients in the inputs'
+    /// dtype. (cuDNN 9.14 builds a plan with F32 gradients too, but its values are wrong:
+    /// checked on the H200.)
+    Backward { causal: bool },
+}
+
+/// What a plan depends on: its pass, the dtype, the sizes (B, H, L, S, D) and q, k, v's
+/// strides along L, B and H (outputs, output gradients and gradients are contiguous
+/// `[L, B, H, D]`).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
-    stats: bool,
+    pass: Pass,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
 }
 
 impl Key {
-    fn new(stats: bool, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
+    fn new(pass: Pass, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
         let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
-        Key { stats, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
+        Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
     }
 }
 
@@ -137,6 +174,9 @@ impl Desc {
     fn set_desc(&self, name: A, d: &Desc) -> std::result::Result<(), String> {
         self.set(name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &[d.0])
     }
+    fn set_type(&self, name: A, t: cs::cudnnDataType_t) -> std::result::Result<(), String> {
+        self.set(name, T::CUDNN_TYPE_DATA_TYPE, &[t])
+    }
     fn finalize(self) -> std::result::Result<Desc, String> {
         // SAFETY: a live descriptor.
         check(unsafe { cs::cudnnBackendFinalize(self.0) }, "finalizing a descriptor")?;
@@ -144,18 +184,152 @@ impl Desc {
     }
 }
 
-/// A tensor of dims `dims` and strides `strides` (elements); `by_value` for a host scalar.
-fn tensor(uid: i64, dtype: cs::cudnnDataType_t, dims: [usize; 4], strides: [usize; 4], by_value: bool) -> std::result::Result<Desc, String> {
+/// Where a tensor of a graph lives.
+#[derive(Clone, Copy, PartialEq)]
+enum Lives {
+    /// In device memory, passed in the variant pack.
+    Memory,
+    /// On the host, passed by value (a scalar).
+    ByValue,
+    /// Nowhere: an intermediate value inside the fused kernel.
+    Virtual,
+}
+
+/// A tensor of dims `dims` and strides `strides` (elements).
+fn tensor(uid: i64, dtype: cs::cudnnDataType_t, dims: [usize; 4], strides: [usize; 4], lives: Lives) -> std::result::Result<Desc, String> {
     let t = Desc::new(DT::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
     t.set(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, T::CUDNN_TYPE_INT64, &[uid])?;
-    t.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, T::CUDNN_TYPE_DATA_TYPE, &[dtype])?;
+    t.set_type(A::CUDNN_ATTR_TENSOR_DATA_TYPE, dtype)?;
     t.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, T::CUDNN_TYPE_INT64, &dims.map(|x| x as i64))?;
     t.set(A::CUDNN_ATTR_TENSOR_STRIDES, T::CUDNN_TYPE_INT64, &strides.map(|x| x as i64))?;
-    t.set(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, T::CUDNN_TYPE_INT64, &[if by_value { 4i64 } else { 16 }])?;
-    if by_value {
-        t.set(A::CUDNN_ATTR_TENSOR_IS_BY_VALUE, T::CUDNN_TYPE_BOOLEAN, &[true])?;
+    t.set(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, T::CUDNN_TYPE_INT64, &[if lives == Lives::ByValue { 4i64 } else { 16 }])?;
+    match lives {
+        Lives::ByValue => t.set(A::CUDNN_ATTR_TENSOR_IS_BY_VALUE, T::CUDNN_TYPE_BOOLEAN, &[true])?,
+        Lives::Virtual => t.set(A::CUDNN_ATTR_TENSOR_IS_VIRTUAL, T::CUDNN_TYPE_BOOLEAN, &[true])?,
+        Lives::Memory => {}
     }
     t.finalize()
+}
+
+/// One pointwise operation: y = mode(x[, b][, t]), computed in `precision`, along `axis` for
+/// an index generator.
+struct Pointwise {
+    mode: cs::cudnnPointwiseMode_t,
+    x: usize,
+    b: Option<usize>,
+    t: Option<usize>,
+    y: usize,
+    precision: cs::cudnnDataType_t,
+    axis: Option<i64>,
+}
+
+impl Default for Pointwise {
+    fn default() -> Self {
+        let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+        Pointwise { mode: cs::cudnnPointwiseMode_t::CUDNN_POINTWISE_IDENTITY, x: 0, b: None, t: None, y: 0, precision: float, axis: None }
+    }
+}
+
+/// A graph under construction: its operations, and every descriptor they refer to (kept alive
+/// with the plan).
+#[derive(Default)]
+struct Ops {
+    ops: Vec<Desc>,
+    parts: Vec<Desc>,
+    next_virtual: i64,
+}
+
+impl Ops {
+    /// Keeps `d` alive with the graph; the index to find it again.
+    fn keep(&mut self, d: Desc) -> usize {
+        self.parts.push(d);
+        self.parts.len() - 1
+    }
+    /// A virtual F32 (or `dtype`) tensor of `dims` and `strides`.
+    fn virtual_tensor(&mut self, dtype: cs::cudnnDataType_t, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
+        self.next_virtual += 1;
+        let t = tensor(VIRTUAL + self.next_virtual, dtype, dims, strides, Lives::Virtual)?;
+        Ok(self.keep(t))
+    }
+    /// y = mode(x) or mode(x, b), computed in F32.
+    fn pointwise(&mut self, mode: cs::cudnnPointwiseMode_t, x: usize, b: Option<usize>, y: usize) -> std::result::Result<(), String> {
+        self.pointwise_op(Pointwise { mode, x, b, y, ..Default::default() })
+    }
+    fn pointwise_op(&mut self, p: Pointwise) -> std::result::Result<(), String> {
+        let pw = Desc::new(DT::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
+        pw.set(A::CUDNN_ATTR_POINTWISE_MODE, T::CUDNN_TYPE_POINTWISE_MODE, &[p.mode])?;
+        pw.set_type(A::CUDNN_ATTR_POINTWISE_MATH_PREC, p.precision)?;
+        if let Some(axis) = p.axis {
+            pw.set(A::CUDNN_ATTR_POINTWISE_AXIS, T::CUDNN_TYPE_INT64, &[axis])?;
+        }
+        let pw = pw.finalize()?;
+        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &pw)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &self.parts[p.x])?;
+        for (name, t) in [(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, p.b), (A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, p.t)] {
+            if let Some(t) = t {
+                op.set_desc(name, &self.parts[t])?;
+            }
+        }
+        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &self.parts[p.y])?;
+        self.ops.push(op.finalize()?);
+        self.keep(pw);
+        Ok(())
+    }
+    /// `x` (F32 `[B, H, L, S]`) with -inf where the key comes after the query (top-left
+    /// aligned, as PyTorch's `is_causal`).
+    fn causal_mask(&mut self, x: usize, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
+        use cs::cudnnDataType_t as D;
+        use cs::cudnnPointwiseMode_t as M;
+        let index = |g: &mut Ops, axis| -> std::result::Result<usize, String> {
+            let i = g.virtual_tensor(D::CUDNN_DATA_INT32, dims, strides)?;
+            g.pointwise_op(Pointwise { mode: M::CUDNN_POINTWISE_GEN_INDEX, x, y: i, axis: Some(axis), ..Default::default() })?;
+            Ok(i)
+        };
+        let (row, col) = (index(self, 2)?, index(self, 3)?);
+        let keep = self.virtual_tensor(D::CUDNN_DATA_BOOLEAN, dims, strides)?;
+        self.pointwise_op(Pointwise { mode: M::CUDNN_POINTWISE_CMP_GE, x: row, b: Some(col), y: keep, precision: D::CUDNN_DATA_BOOLEAN, ..Default::default() })?;
+        let minus_inf = self.keep(tensor(MINUS_INF, D::CUDNN_DATA_FLOAT, [1; 4], [1; 4], Lives::ByValue)?);
+        let masked = self.virtual_tensor(D::CUDNN_DATA_FLOAT, dims, strides)?;
+        self.pointwise_op(Pointwise { mode: M::CUDNN_POINTWISE_BINARY_SELECT, x, b: Some(minus_inf), t: Some(keep), y: masked, ..Default::default() })?;
+        Ok(masked)
+    }
+    /// c = a @ b over the two leading (batch) dims, accumulated in F32.
+    fn matmul(&mut self, a: usize, b: usize, c: usize) -> std::result::Result<(), String> {
+        let mm = Desc::new(DT::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
+        mm.set_type(A::CUDNN_ATTR_MATMUL_COMP_TYPE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT)?;
+        let mm = mm.finalize()?;
+        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &self.parts[a])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &self.parts[b])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &self.parts[c])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &mm)?;
+        self.ops.push(op.finalize()?);
+        self.keep(mm);
+        Ok(())
+    }
+    /// y = the reduction `op` of x over the dims where y has size 1.
+    fn reduce(&mut self, op: cs::cudnnReduceTensorOp_t, x: usize, y: usize) -> std::result::Result<(), String> {
+        let r = Desc::new(DT::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
+        r.set(A::CUDNN_ATTR_REDUCTION_OPERATOR, T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &[op])?;
+        r.set_type(A::CUDNN_ATTR_REDUCTION_COMP_TYPE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT)?;
+        let r = r.finalize()?;
+        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &self.parts[x])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &self.parts[y])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &r)?;
+        self.ops.push(op.finalize()?);
+        self.keep(r);
+        Ok(())
+    }
+    /// y = x seen with y's dims, strides and dtype (a transpose, a conversion).
+    fn reshape(&mut self, x: usize, y: usize) -> std::result::Result<(), String> {
+        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &self.parts[x])?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &self.parts[y])?;
+        self.ops.push(op.finalize()?);
+        Ok(())
+    }
 }
 
 /// An execution plan and the descriptors it was built from.
@@ -165,35 +339,160 @@ pub(crate) struct Plan {
     workspace: usize,
 }
 
-/// Builds the plan of `key`: the single SDPA operation as a graph, the heuristics' engine
-/// configurations in their order, the first that finalizes.
-fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
+/// The forward as a graph: the single SDPA operation, with each row's log-sum-exp when asked.
+fn forward_graph(key: &Key, stats: bool) -> std::result::Result<Ops, String> {
     let dt = cudnn::data_type(key.dtype);
+    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
     let [b, heads, l, s, d] = key.n;
     // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; the output contiguous.
-    let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], [st[1], st[2], st[0], 1], false);
-    let mut parts = vec![strided(Q, l, key.strides[0])?, strided(K, s, key.strides[1])?, strided(V, s, key.strides[2])?];
-    parts.push(tensor(O, dt, [b, heads, l, d], [heads * d, d, b * heads * d, 1], false)?);
-    parts.push(tensor(SCALE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT, [1; 4], [1; 4], true)?);
-    parts.push(tensor(STATS, cs::cudnnDataType_t::CUDNN_DATA_FLOAT, [b, heads, l, 1], [heads * l, l, 1, 1], false)?);
+    let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], [st[1], st[2], st[0], 1], Lives::Memory);
+    let mut g = Ops::default();
     let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
-    let names = [
-        A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC,
-        A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC,
-        A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC,
-        A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC,
-        A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC,
+    let tensors = [
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, strided(Q, l, key.strides[0])?),
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, strided(K, s, key.strides[1])?),
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC, strided(V, s, key.strides[2])?),
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, tensor(O, dt, [b, heads, l, d], [heads * d, d, b * heads * d, 1], Lives::Memory)?),
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?),
     ];
-    for (name, t) in names.into_iter().zip(&parts) {
-        op.set_desc(name, t)?;
+    for (name, t) in tensors {
+        op.set_desc(name, &t)?;
+        g.keep(t);
     }
-    if key.stats {
-        op.set_desc(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, &parts[5])?;
+    if stats {
+        let t = tensor(STATS, float, [b, heads, l, 1], [heads * l, l, 1, 1], Lives::Memory)?;
+        op.set_desc(A::CUDNN_ATTR_OPERATION_SDPA_FWD_STATSDESC, &t)?;
+        g.keep(t);
     }
-    let op = op.finalize()?;
+    g.ops.push(op.finalize()?);
+    Ok(g)
+}
+
+/// The causal forward as the graph cuDNN's fused attention engine recognises (the one
+/// cudnn-frontend builds: the single operation takes a causal mask only from cuDNN 9.20): the
+/// scores Q Kᵀ scale with -inf after each query, their softmax by its maximum and sum (each
+/// row's log-sum-exp written out), then P V.
+fn causal_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
+    use cs::cudnnPointwiseMode_t as M;
+    use cs::cudnnReduceTensorOp_t as R;
+    let dt = cudnn::data_type(key.dtype);
+    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+    let [b, h, l, s, d] = key.n;
+    let mut g = Ops::default();
+    let mem = |uid, ty, dims, strides| tensor(uid, ty, dims, strides, Lives::Memory);
+    let [sq, sk, sv] = key.strides;
+    let q = g.keep(mem(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1])?);
+    let kt = g.keep(mem(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]])?);
+    let v = g.keep(mem(V, dt, [b, h, s, d], [sv[1], sv[2], sv[0], 1])?);
+    let o = g.keep(mem(O, dt, [b, h, l, d], [h * d, d, b * h * d, 1])?);
+    let stats = g.keep(mem(STATS, float, [b, h, l, 1], [h * l, l, 1, 1])?);
+    let scale = g.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
+    let (rows, scores, row) = ([b, h, l, s], [h * l * s, l * s, s, 1], ([b, h, l, 1], [h * l, l, 1, 1]));
+    let raw = g.virtual_tensor(float, rows, scores)?;
+    g.matmul(q, kt, raw)?;
+    let scaled = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
+    let masked = g.causal_mask(scaled, rows, scores)?;
+    let max = g.virtual_tensor(float, row.0, row.1)?;
+    g.reduce(R::CUDNN_REDUCE_TENSOR_MAX, masked, max)?;
+    let shifted = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_SUB, masked, Some(max), shifted)?;
+    let e = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_EXP, shifted, None, e)?;
+    let sum = g.virtual_tensor(float, row.0, row.1)?;
+    g.reduce(R::CUDNN_REDUCE_TENSOR_ADD, e, sum)?;
+    let log_sum = g.virtual_tensor(float, row.0, row.1)?;
+    g.pointwise(M::CUDNN_POINTWISE_LOG, sum, None, log_sum)?;
+    g.pointwise(M::CUDNN_POINTWISE_ADD, max, Some(log_sum), stats)?;
+    let p = g.virtual_tensor(dt, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_DIV, e, Some(sum), p)?;
+    g.matmul(p, v, o)?;
+    Ok(g)
+}
+
+/// The backward as the graph cuDNN's fused attention engine recognises (the one cudnn-frontend
+/// builds): the probabilities recomputed from the scores and each row's log-sum-exp, then
+/// dV = Pᵀ dO, dS = P (dO Vᵀ - delta) scale, dK = dSᵀ Q and dQ = dS K (accumulated in F32),
+/// with delta = rowsum(dO * O). `causal`: the scores of keys after their query are -inf (an
+/// index comparison and a select, which the engine fuses).
+fn backward_graph(key: &Key, causal: bool) -> std::result::Result<Ops, String> {
+    use cs::cudnnPointwiseMode_t as M;
+    let dt = cudnn::data_type(key.dtype);
+    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+    let [b, h, l, s, d] = key.n;
+    let mut g = Ops::default();
+    let mem = |uid, ty, dims, strides| tensor(uid, ty, dims, strides, Lives::Memory);
+    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; K and V enter transposed.
+    let [sq, sk, sv] = key.strides;
+    let packed = [h * d, d, b * h * d, 1];
+    let q = g.keep(mem(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1])?);
+    let kt = g.keep(mem(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]])?);
+    let vt = g.keep(mem(V, dt, [b, h, d, s], [sv[1], sv[2], 1, sv[0]])?);
+    let o = g.keep(mem(O, dt, [b, h, l, d], packed)?);
+    let d_o = g.keep(mem(DO, dt, [b, h, l, d], packed)?);
+    let stats = g.keep(mem(STATS, float, [b, h, l, 1], [h * l, l, 1, 1])?);
+    let delta = g.keep(mem(DELTA, float, [b, h, l, 1], [h * l, l, 1, 1])?);
+    let dq_sum = g.keep(mem(DQ_SUM, float, [b, h, l, d], [h * l * d, l * d, d, 1])?);
+    let dq = g.keep(mem(DQ, dt, [b, h, l, d], packed)?);
+    let dk = g.keep(mem(DK, dt, [b, h, s, d], packed)?);
+    let dv = g.keep(mem(DV, dt, [b, h, s, d], packed)?);
+    let scale = g.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
+    let one = g.keep(tensor(ONE, float, [1; 4], [1; 4], Lives::ByValue)?);
+    let (rows, rows_t) = ([b, h, l, s], [b, h, s, l]);
+    let (scores, scores_t) = ([h * l * s, l * s, s, 1], [h * l * s, l * s, 1, s]);
+    // delta = rowsum(dO * O) (times the dropout scale, 1).
+    let prod = g.virtual_tensor(float, [b, h, l, d], [h * l * d, l * d, d, 1])?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, d_o, Some(o), prod)?;
+    let sum = g.virtual_tensor(float, [b, h, l, 1], [h * l, l, 1, 1])?;
+    g.reduce(cs::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD, prod, sum)?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, sum, Some(one), delta)?;
+    // P = exp(Q Kᵀ scale - lse).
+    let raw = g.virtual_tensor(float, rows, scores)?;
+    g.matmul(q, kt, raw)?;
+    let scaled = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
+    let shifted = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_SUB, scaled, Some(stats), shifted)?;
+    let shifted = if causal { g.causal_mask(shifted, rows, scores)? } else { shifted };
+    let p = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_EXP, shifted, None, p)?;
+    // dV = Pᵀ dO.
+    let p_t = g.virtual_tensor(dt, rows_t, scores_t)?;
+    g.reshape(p, p_t)?;
+    g.matmul(p_t, d_o, dv)?;
+    // dS = P (dO Vᵀ - delta) scale.
+    let dp = g.virtual_tensor(float, rows, scores)?;
+    g.matmul(d_o, vt, dp)?;
+    let centred = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_SUB, dp, Some(delta), centred)?;
+    let ds_raw = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, centred, Some(p), ds_raw)?;
+    let ds = g.virtual_tensor(float, rows, scores)?;
+    g.pointwise(M::CUDNN_POINTWISE_MUL, ds_raw, Some(scale), ds)?;
+    // dK = dSᵀ Q.
+    let ds_t = g.virtual_tensor(dt, rows_t, scores_t)?;
+    g.reshape(ds, ds_t)?;
+    g.matmul(ds_t, q, dk)?;
+    // dQ = dS K, accumulated in F32, then written out.
+    let k = g.virtual_tensor(float, [b, h, s, d], [h * s * d, s * d, d, 1])?;
+    g.reshape(kt, k)?;
+    g.matmul(ds, k, dq_sum)?;
+    g.pointwise(M::CUDNN_POINTWISE_IDENTITY, dq_sum, None, dq)?;
+    Ok(g)
+}
+
+/// Builds the plan of `key`: its graph, the heuristics' engine configurations in their order,
+/// the first that finalizes.
+fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
+    let Ops { ops, mut parts, .. } = match key.pass {
+        Pass::Forward { stats } => forward_graph(key, stats)?,
+        Pass::CausalForward => causal_forward_graph(key)?,
+        Pass::Backward { causal } => backward_graph(key, causal)?,
+    };
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
-    graph.set_desc(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &op)?;
+    let raw_ops: Vec<cs::cudnnBackendDescriptor_t> = ops.iter().map(|o| o.0).collect();
+    graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw_ops)?;
     let graph = graph.finalize()?;
     let heur = Desc::new(DT::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set_desc(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &graph)?;
@@ -218,7 +517,8 @@ fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
                 let (mut n, mut bytes) = (0i64, 0i64);
                 // SAFETY: one INT64 into `bytes`.
                 check(unsafe { cs::cudnnBackendGetAttribute(plan.0, A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, 1, &mut n, &mut bytes as *mut i64 as *mut c_void) }, "the workspace size")?;
-                parts.extend([op, graph, heur]);
+                parts.extend(ops);
+                parts.extend([graph, heur]);
                 parts.extend(configs);
                 return Ok(Plan { plan, _parts: parts, workspace: bytes.max(0) as usize });
             }
@@ -228,20 +528,20 @@ fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     Err(why)
 }
 
-/// The plan of `key` from the device's cache, built on first use. None: cuDNN has no engine for
-/// it (said once, under `KILN_LOG=kernels`).
-fn plan<'a>(st: &'a mut State, key: &Key) -> Option<&'a Plan> {
-    if !st.sdpa.contains_key(key) {
-        let plan = match build(st.handle, key) {
-            Ok(p) => Some(p),
-            Err(why) => {
-                crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why}); the next choice (the forward without statistics, else kiln's kernels) runs it"));
-                None
-            }
-        };
-        st.sdpa.insert(key.clone(), plan);
+/// The first of `keys` cuDNN has a plan for (built on first use and kept in the device's
+/// cache, as is the absence of one, said once under `KILN_LOG=kernels`).
+fn first_plan<const N: usize>(st: &mut State, keys: [Key; N]) -> Option<Key> {
+    for key in keys {
+        if !st.sdpa.contains_key(&key) {
+            let plan = build(st.handle, &key).map_err(|why| crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why})"))).ok();
+            st.sdpa.insert(key.clone(), plan);
+        }
+        if st.sdpa[&key].is_some() {
+            return Some(key);
+        }
     }
-    st.sdpa.get(key).and_then(|p| p.as_ref())
+    crate::logging::log(crate::logging::Category::Kernels, || "cudnn attention: kiln's kernels run it".into());
+    None
 }
 
 /// Queues `plan` with the tensors `ptrs` (by id) and a workspace from the caching allocator.
@@ -274,23 +574,81 @@ fn ptr(p: u64) -> *mut c_void {
 
 /// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype), with each row's
 /// log-sum-exp of its scaled scores (F32 `[B, H, L]`, returned for the backward) where cuDNN
-/// has a plan that writes them. None: cuDNN has no plan for it, nothing was queued.
-pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, out: u64) -> Result<Option<Option<CudaStorage>>> {
+/// has a plan that writes them (causal attention: always). None: cuDNN has no plan for it,
+/// nothing was queued.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, causal: bool, out: u64) -> Result<Option<Option<CudaStorage>>> {
     let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
-    let scale = scale as f32;
+    let (scale, minus_inf) = (scale as f32, f32::NEG_INFINITY);
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let h = st.handle;
-        let with_stats = Key::new(true, q, k, v, n);
-        let key = if plan(st, &with_stats).is_some() { with_stats } else { Key::new(false, q, k, v, n) };
-        let Some(plan) = plan(st, &key) else { return Ok(None) };
-        let stats = if key.stats { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
+        let key = |pass| Key::new(pass, q, k, v, n);
+        let found = if causal { first_plan(st, [key(Pass::CausalForward)]) } else { first_plan(st, [key(Pass::Forward { stats: true }), key(Pass::Forward { stats: false })]) };
+        let Some(key) = found else { return Ok(None) };
+        let stats = if key.pass != (Pass::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
         if super::rehearsal::active() {
             return Ok(Some(stats));
         }
         let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
         ptrs.extend(stats.as_ref().map(|s| (STATS, ptr(s.ptr()))));
+        if causal {
+            ptrs.push((MINUS_INF, &minus_inf as *const f32 as *mut c_void));
+        }
         let _rec = crate::profiler::cudnn(dev, "sdpa_fwd", q.dtype());
-        execute(dev, h, plan, &ptrs)?;
+        let plan = st.sdpa[&key].as_ref().expect("found above");
+        execute(dev, st.handle, plan, &ptrs)?;
         Ok(Some(stats))
+    })
+}
+
+/// The gradients of the attention of q, k, v whose output is `out` and output gradient `g`
+/// (both contiguous `[L, B, H, D]`), in q's dtype into `packed` (`[dq | dk | dv | lse |
+/// delta]`, see `Op::AttentionBackward`; `lse` and `delta` are left as they are). `out` must
+/// carry its rows' log-sum-exps (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or
+/// `out` has no log-sum-exps), nothing was queued.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, n: &AttnDims, scale: f64, causal: bool, packed: &CudaStorage) -> Result<bool> {
+    let (Some(lse), op, gp) = (super::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
+    // Before 9.15.1 the backward of key counts off a multiple of 128 needs a padding mask in
+    // the graph (what cudnn-frontend adds); those run on kiln's kernels there.
+    let padded = n.s % 128 != 0 && cudnn::library().map_or(true, |v| v < BACKWARD_UNPADDED_SINCE);
+    if op % 16 != 0 || gp % 16 != 0 || padded {
+        return Ok(false);
+    }
+    let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
+    let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
+    let at = |elems: usize| packed.ptr() + (elems * packed.dtype.size_in_bytes()) as u64;
+    let (scale, one, minus_inf) = (scale as f32, 1f32, f32::NEG_INFINITY);
+    let dtype = q.dtype();
+    cudnn::session(dev, "scaled_dot_product_attention", |st| {
+        let Some(key) = first_plan(st, [Key::new(Pass::Backward { causal }, q, k, v, n)]) else { return Ok(false) };
+        // Each row's delta, and dq's F32 sums (cuDNN adds each key tile's part into them; from
+        // cuDNN 9.6 on it clears them itself).
+        let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;
+        let dq_sum = CudaStorage::new(dev, DType::F32, nq)?;
+        if super::rehearsal::active() {
+            return Ok(true);
+        }
+        let mut ptrs = vec![
+            (Q, ptr(qp)),
+            (K, ptr(kp)),
+            (V, ptr(vp)),
+            (O, ptr(op)),
+            (DO, ptr(gp)),
+            (STATS, ptr(lse)),
+            (SCALE, &scale as *const f32 as *mut c_void),
+            (ONE, &one as *const f32 as *mut c_void),
+            (DELTA, ptr(delta.ptr())),
+            (DQ_SUM, ptr(dq_sum.ptr())),
+            (DQ, ptr(at(0))),
+            (DK, ptr(at(nq))),
+            (DV, ptr(at(nq + nk))),
+        ];
+        if causal {
+            ptrs.push((MINUS_INF, &minus_inf as *const f32 as *mut c_void));
+        }
+        let _rec = crate::profiler::cudnn(dev, "sdpa_bwd", dtype);
+        let plan = st.sdpa[&key].as_ref().expect("found above");
+        execute(dev, st.handle, plan, &ptrs)?;
+        Ok(true)
     })
 }
