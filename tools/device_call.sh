@@ -165,7 +165,7 @@ fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then
   # How PyTorch's cudnn-frontend builds cuDNN's attention backward graph here (its logs).
-  for kind in full causal; do
+  for kind in ${CUDNN_LOG_KINDS:-full causal mask}; do
     CUDNN_LOGLEVEL_DBG=3 CUDNN_LOGDEST_DBG=$OUT/cudnn-$kind.log CUDNN_FRONTEND_LOG_INFO=1 CUDNN_FRONTEND_LOG_FILE=$OUT/fe-$kind.log python3 tools/attention/cudnn_bwd_log.py $kind
   done
   gzip $OUT/cudnn-*.log

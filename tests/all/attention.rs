@@ -2,9 +2,10 @@
 //! its reference op is checked in the library's unit tests) against the same attention written
 //! with matmul and softmax: outputs and gradients, masks, causal, cross-attention lengths over
 //! several key tiles, head dims that are not multiples of 32; eager, compiled, and inside
-//! MultiheadAttention; in F16 and BF16 the tensor-core forward. Tolerances: F32 1e-5 relative +
-//! 1e-5 absolute (different summation order), BF16 2e-2 + 2e-2 (inputs rounded to 8 bits; the
-//! reference rounds its scores and weights to BF16 too), F16 5e-3 + 5e-3 (11 bits), F64 1e-12.
+//! MultiheadAttention; in F16 and BF16 the tensor-core kernels and cuDNN's. On the GPU the
+//! reference computes in F32 from the same rounded inputs. Tolerances: F32 1e-5 relative +
+//! 1e-5 absolute (different summation order), BF16 2e-2 + 2e-2 (probabilities and outputs
+//! rounded to 8 bits), F16 5e-3 + 5e-3 (11 bits), F64 1e-12.
 
 use crate::common::*;
 use kiln::compile::compile;
@@ -55,14 +56,20 @@ fn check_padded(c: &Case, dt: DType, rtol: f64, atol: f64, pad: usize) {
     let mask = c.masked.then(|| rand_t(&[1, h, l, c.s], 4, dt));
     let go = rand_t(&[n, h, l, d], 5, dt);
     let opts = F::SdpaOptions { attn_mask: mask.as_ref(), is_causal: c.causal, ..Default::default() };
+    // On the GPU the reference computes in F32 from the same (rounded) inputs: what it leaves
+    // is the fused kernels' own rounding, not the reference's (a BF16 reference rounds its
+    // scores too, and with a mask and long rows that alone came to 0.03). The CPU runs this
+    // same composite for attention, so there it is its own reference, in its own dtype.
+    let wide = |t: &Tensor| if dt == DType::F64 || !dev().is_cuda() { t.detach() } else { t.detach().to_dtype(DType::F32).unwrap() };
     let run = |fused: bool| {
-        let (q, k, v) = (q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad());
-        let y = if fused {
-            F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap()
+        let leaf = |t: &Tensor| if fused { t.detach().requires_grad() } else { wide(t).requires_grad() };
+        let (q, k, v) = (leaf(&q), leaf(&k), leaf(&v));
+        let (y, go) = if fused {
+            (F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap(), go.clone())
         } else {
-            reference(&q, &k, &v, mask.as_ref(), c.causal, 1.0 / (d as f64).sqrt())
+            (reference(&q, &k, &v, mask.as_ref().map(wide).as_ref(), c.causal, 1.0 / (d as f64).sqrt()), wide(&go))
         };
-        y.backward_with(BackwardOptions { gradient: Some(go.clone()), retain_graph: false }).unwrap();
+        y.backward_with(BackwardOptions { gradient: Some(go), retain_graph: false }).unwrap();
         [y, q.grad().unwrap(), k.grad().unwrap(), v.grad().unwrap()]
     };
     let (got, want) = (run(true), run(false));
@@ -142,9 +149,12 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
         Case { shape_q: [1, 2, 130, 128], s: 300, causal: false, masked: false },
         Case { shape_q: [2, 2, 64, 40], s: 260, causal: false, masked: false },
         Case { shape_q: [1, 3, 300, 128], s: 384, causal: false, masked: false },
-        // Causal, fewer queries than keys and more.
+        // Causal, fewer queries than keys and more; an additive mask broadcast over the batch.
         Case { shape_q: [2, 4, 200, 64], s: 256, causal: true, masked: false },
         Case { shape_q: [1, 2, 300, 128], s: 256, causal: true, masked: false },
+        Case { shape_q: [2, 4, 200, 64], s: 256, causal: false, masked: true },
+        // Both: kiln's kernels (cuDNN's plan for both is not taken: see `sdpa::takes`).
+        Case { shape_q: [2, 2, 300, 64], s: 256, causal: true, masked: true },
     ];
     for c in &cases {
         check(c, DType::BF16, 2e-2, 2e-2);
@@ -155,8 +165,8 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
         eprintln!("cuDNN's fused attention not checked: {version:?} (its forward operation needs 9.13)");
         return;
     }
-    // Which kernels ran: cuDNN's forward and backward, causal or not; masked or short attention
-    // on kiln's kernels.
+    // Which kernels ran: cuDNN's forward and backward, causal, masked or neither; short
+    // attention on kiln's kernels.
     let leaf = |shape: &[usize], seed| rand_t(shape, seed, DType::BF16).requires_grad();
     let (q, k, v) = (leaf(&[2, 4, 200, 64], 1), leaf(&[2, 4, 256, 64], 2), leaf(&[2, 4, 256, 64], 3));
     let names = |p: &profiler::Profile| p.key_averages().rows().iter().map(|r| r.name.clone()).collect::<Vec<_>>();
@@ -188,6 +198,17 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
     assert!(bwd.iter().any(|n| n.starts_with("attention_bwd_q_tc")) && bwd.iter().all(|n| !n.starts_with("cudnn")), "{bwd:?}");
     let bwd = backward_kernels(&F::scaled_dot_product_attention(&q, &k, &v, &causal).unwrap());
     assert!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16") && bwd.iter().all(|n| !n.starts_with("attention")), "causal: {bwd:?}");
+    // A padding mask (bool, per batch and key, broadcast over heads and queries): cuDNN's
+    // kernels where it takes the mask as it is, the values of matmul and softmax either way.
+    let keep: Vec<f64> = (0..2 * 256).map(|i| if i % 256 < 200 + 40 * (i / 256) { 1.0 } else { 0.0 }).collect();
+    let keep = t(&keep, &[2, 1, 1, 256], DType::F32).to_dtype(DType::Bool).unwrap();
+    let padded = F::SdpaOptions { attn_mask: Some(&keep), ..Default::default() };
+    let additive = Tensor::zeros(&[2, 1, 1, 256], DType::BF16, &dev()).unwrap().masked_fill(&keep.logical_not().unwrap(), f64::NEG_INFINITY).unwrap();
+    let fused = |q: &Tensor| F::scaled_dot_product_attention(q, &k, &v, &padded);
+    let (got, want) = (fused(&q).unwrap(), reference(&q, &k, &v, Some(&additive), false, 0.125));
+    assert_close(&vals(&got), &vals(&want), 2e-2, 2e-2);
+    let p = profiler::profile(|| fused(&q)).unwrap();
+    eprintln!("a padding mask broadcast over queries runs {:?}", names(&p));
     let short = rand_t(&[2, 4, 128, 64], 5, DType::BF16);
     let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &short, &short, &Default::default())).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "128 keys: {:?}", names(&p));

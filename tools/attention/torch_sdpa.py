@@ -24,12 +24,13 @@ for line in open(sys.argv[1] if len(sys.argv) > 1 else "tools/attention/shapes.t
     k = torch.randn(n, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(n, h, s, d, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn(n, h, l, d, device="cuda", dtype=dtype)
+    mask = torch.randn(n, 1, l, s, device="cuda", dtype=dtype) if causal == "mask" else None
     cells = []
     for name, b in backends:
         try:
             with sdpa_kernel(b):
-                with torch.no_grad(): fwd = event_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal == "causal"))
-                both = event_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal == "causal").backward(g))
+                with torch.no_grad(): fwd = event_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal == "causal"))
+                both = event_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal == "causal").backward(g))
             cells.append(f"{fwd:>10.1f}/{both:<11.1f}")
         except Exception as ex:
             cells.append(f"{'n/a':>22}")

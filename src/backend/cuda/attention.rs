@@ -844,8 +844,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask.is_some(), &n)? {
-        if let Some(lse) = super::sdpa::forward(&dev, q, k, v, &n, scale, causal, out.ptr())? {
+    if super::sdpa::takes(q, k, v, mask, causal, &n)? {
+        let a = super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
+        if let Some(lse) = super::sdpa::forward(&dev, &a, out.ptr())? {
             out.aux = lse.map(Box::new);
             return Ok(out);
         }
@@ -880,7 +881,7 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
         super::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
-    if super::sdpa::takes(q, k, v, mask.is_some(), &n)? && super::sdpa::backward(&dev, q, k, v, out, g, &n, scale, causal, &packed)? {
+    if super::sdpa::takes(q, k, v, mask, causal, &n)? && super::sdpa::backward(&dev, &super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
         return Ok(packed);
     }
     if q.dtype() == DType::F32 {

@@ -65,11 +65,14 @@ fn allowed() -> bool {
     ENABLED.with(|e| e.get()) && !*OFF.get_or_init(|| std::env::var("KILN_CUDNN_ATTENTION").is_ok_and(|v| v == "0"))
 }
 
-/// Whether cuDNN is asked for this attention: F16 / BF16, no mask, a head dim that is a
-/// multiple of 8 (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned, and
-/// a cuDNN with the forward operation loaded.
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, n: &AttnDims) -> Result<bool> {
-    if masked || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
+/// Whether cuDNN is asked for this attention: F16 / BF16, a head dim that is a multiple of 8
+/// (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned, a cuDNN with the
+/// forward operation loaded, and a causal mask or an additive one (whose keys are contiguous),
+/// not both: PyTorch takes only one, so cudnn-frontend shows no graph for both, and the one
+/// kiln built for them is not verified (its first check failed against a BF16 reference whose
+/// own rounding was the larger error there, found after).
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, n: &AttnDims) -> Result<bool> {
+    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
         return Ok(false);
     }
     if !cudnn::library().is_ok_and(|v| v >= SINCE) {
@@ -80,7 +83,22 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, masked: bool, n: &AttnDi
             return Ok(false);
         }
     }
-    Ok(true)
+    match mask {
+        Some(m) => Ok(bias_layout(m).is_some() && super::attention::rows_aligned(m, 8)?),
+        None => Ok(true),
+    }
+}
+
+/// An additive mask `[B, H, L, S]` as cuDNN's bias: (dims, strides) in cuDNN's order, a
+/// broadcast dim (stride 0) of size 1. None: its keys are not contiguous.
+fn bias_layout(m: &Tensor) -> Option<[[usize; 4]; 2]> {
+    let (shape, strides) = (m.shape(), m.strides());
+    if strides[3] != 1 && shape[3] != 1 {
+        return None;
+    }
+    let dims: [usize; 4] = std::array::from_fn(|i| if strides[i] == 0 { 1 } else { shape[i] });
+    let strides: [usize; 4] = std::array::from_fn(|i| if strides[i] == 0 { dims[i + 1..].iter().product() } else { strides[i] });
+    Some([dims, strides])
 }
 
 /// The tensors' ids in a plan's variant pack (and, from `VIRTUAL` on, the backward's
@@ -103,6 +121,8 @@ const DQ_SUM: i64 = 12;
 const ONE: i64 = 13;
 /// A host scalar -inf: the causal mask's masked scores.
 const MINUS_INF: i64 = 14;
+/// An additive mask, in the inputs' dtype, `[B | 1, H | 1, L | 1, S]`.
+const BIAS: i64 = 15;
 const VIRTUAL: i64 = 100;
 
 /// What a plan computes.
@@ -110,30 +130,44 @@ const VIRTUAL: i64 = 100;
 enum Pass {
     /// The forward; `stats`: also each row's log-sum-exp.
     Forward { stats: bool },
-    /// The causal forward (keys after the query masked out), with each row's log-sum-exp.
-    CausalForward,
-    /// The backward (`causal`: keys after the query masked out), its gradients in the inputs'
-    /// dtype. (cuDNN 9.14 builds a plan with F32 gradients too, but its values are wrong:
-    /// checked on the H200.)
-    Backward { causal: bool },
+    /// The forward as a graph of operations (the single operation takes neither a causal nor
+    /// an additive mask here), with each row's log-sum-exp.
+    MaskedForward,
+    /// The backward, its gradients in the inputs' dtype. (cuDNN 9.14 builds a plan with F32
+    /// gradients too, but its values are wrong: checked on the H200.)
+    Backward,
 }
 
-/// What a plan depends on: its pass, the dtype, the sizes (B, H, L, S, D) and q, k, v's
-/// strides along L, B and H (outputs, output gradients and gradients are contiguous
-/// `[L, B, H, D]`).
+/// What a plan depends on: its pass, the dtype, the sizes (B, H, L, S, D), q, k, v's strides
+/// along L, B and H (outputs, output gradients and gradients are contiguous `[L, B, H, D]`),
+/// whether it is causal, and the additive mask's layout (`bias_layout`).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
     pass: Pass,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
+    causal: bool,
+    bias: Option<[[usize; 4]; 2]>,
 }
 
 impl Key {
-    fn new(pass: Pass, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims) -> Key {
+    fn new(pass: Pass, a: &Attn) -> Key {
         let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
-        Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)] }
+        let (q, k, v, n) = (a.q, a.k, a.v, a.n);
+        Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)], causal: a.causal, bias: a.mask.and_then(bias_layout) }
     }
+}
+
+/// One attention's operands, as `attention.rs` has them.
+pub(crate) struct Attn<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub mask: Option<&'a Tensor>,
+    pub n: &'a AttnDims,
+    pub scale: f64,
+    pub causal: bool,
 }
 
 /// A backend descriptor, destroyed with its owner.
@@ -276,6 +310,14 @@ impl Ops {
         self.keep(pw);
         Ok(())
     }
+    /// `x` (F32 `[B, H, L, S]`) plus the additive mask of `key`, where it has one.
+    fn add_bias(&mut self, key: &Key, x: usize, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
+        let Some([bias_dims, bias_strides]) = key.bias else { return Ok(x) };
+        let bias = self.keep(tensor(BIAS, cudnn::data_type(key.dtype), bias_dims, bias_strides, Lives::Memory)?);
+        let y = self.virtual_tensor(cs::cudnnDataType_t::CUDNN_DATA_FLOAT, dims, strides)?;
+        self.pointwise(cs::cudnnPointwiseMode_t::CUDNN_POINTWISE_ADD, x, Some(bias), y)?;
+        Ok(y)
+    }
     /// `x` (F32 `[B, H, L, S]`) with -inf where the key comes after the query (top-left
     /// aligned, as PyTorch's `is_causal`).
     fn causal_mask(&mut self, x: usize, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
@@ -368,11 +410,11 @@ fn forward_graph(key: &Key, stats: bool) -> std::result::Result<Ops, String> {
     Ok(g)
 }
 
-/// The causal forward as the graph cuDNN's fused attention engine recognises (the one
-/// cudnn-frontend builds: the single operation takes a causal mask only from cuDNN 9.20): the
-/// scores Q Kᵀ scale with -inf after each query, their softmax by its maximum and sum (each
-/// row's log-sum-exp written out), then P V.
-fn causal_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
+/// The forward with a causal or additive mask as the graph cuDNN's fused attention engine
+/// recognises (the one cudnn-frontend builds: the single operation takes masks only from
+/// cuDNN 9.20): the scores Q Kᵀ scale plus the mask, -inf after each query where causal, their
+/// softmax by its maximum and sum (each row's log-sum-exp written out), then P V.
+fn masked_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
     use cs::cudnnPointwiseMode_t as M;
     use cs::cudnnReduceTensorOp_t as R;
     let dt = cudnn::data_type(key.dtype);
@@ -392,7 +434,8 @@ fn causal_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
     g.matmul(q, kt, raw)?;
     let scaled = g.virtual_tensor(float, rows, scores)?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
-    let masked = g.causal_mask(scaled, rows, scores)?;
+    let biased = g.add_bias(key, scaled, rows, scores)?;
+    let masked = if key.causal { g.causal_mask(biased, rows, scores)? } else { biased };
     let max = g.virtual_tensor(float, row.0, row.1)?;
     g.reduce(R::CUDNN_REDUCE_TENSOR_MAX, masked, max)?;
     let shifted = g.virtual_tensor(float, rows, scores)?;
@@ -415,7 +458,7 @@ fn causal_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
 /// dV = Pᵀ dO, dS = P (dO Vᵀ - delta) scale, dK = dSᵀ Q and dQ = dS K (accumulated in F32),
 /// with delta = rowsum(dO * O). `causal`: the scores of keys after their query are -inf (an
 /// index comparison and a select, which the engine fuses).
-fn backward_graph(key: &Key, causal: bool) -> std::result::Result<Ops, String> {
+fn backward_graph(key: &Key) -> std::result::Result<Ops, String> {
     use cs::cudnnPointwiseMode_t as M;
     let dt = cudnn::data_type(key.dtype);
     let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
@@ -451,9 +494,10 @@ fn backward_graph(key: &Key, causal: bool) -> std::result::Result<Ops, String> {
     g.matmul(q, kt, raw)?;
     let scaled = g.virtual_tensor(float, rows, scores)?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
+    let biased = g.add_bias(key, scaled, rows, scores)?;
     let shifted = g.virtual_tensor(float, rows, scores)?;
-    g.pointwise(M::CUDNN_POINTWISE_SUB, scaled, Some(stats), shifted)?;
-    let shifted = if causal { g.causal_mask(shifted, rows, scores)? } else { shifted };
+    g.pointwise(M::CUDNN_POINTWISE_SUB, biased, Some(stats), shifted)?;
+    let shifted = if key.causal { g.causal_mask(shifted, rows, scores)? } else { shifted };
     let p = g.virtual_tensor(float, rows, scores)?;
     g.pointwise(M::CUDNN_POINTWISE_EXP, shifted, None, p)?;
     // dV = Pᵀ dO.
@@ -486,8 +530,8 @@ fn backward_graph(key: &Key, causal: bool) -> std::result::Result<Ops, String> {
 fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     let Ops { ops, mut parts, .. } = match key.pass {
         Pass::Forward { stats } => forward_graph(key, stats)?,
-        Pass::CausalForward => causal_forward_graph(key)?,
-        Pass::Backward { causal } => backward_graph(key, causal)?,
+        Pass::MaskedForward => masked_forward_graph(key)?,
+        Pass::Backward => backward_graph(key)?,
     };
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
@@ -533,7 +577,18 @@ fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
 fn first_plan<const N: usize>(st: &mut State, keys: [Key; N]) -> Option<Key> {
     for key in keys {
         if !st.sdpa.contains_key(&key) {
-            let plan = build(st.handle, &key).map_err(|why| crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why})"))).ok();
+            // cuDNN compiles the plan's kernel at run time: a first call per geometry pays it.
+            let started = std::time::Instant::now();
+            let plan = match build(st.handle, &key) {
+                Ok(p) => {
+                    crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: plan for {key:?} built in {:.1} ms", started.elapsed().as_secs_f64() * 1e3));
+                    Some(p)
+                }
+                Err(why) => {
+                    crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why})"));
+                    None
+                }
+            };
             st.sdpa.insert(key.clone(), plan);
         }
         if st.sdpa[&key].is_some() {
@@ -572,17 +627,17 @@ fn ptr(p: u64) -> *mut c_void {
     p as *mut c_void
 }
 
-/// The attention of q, k, v into `out` (contiguous `[L, B, H, D]`, q's dtype), with each row's
+/// The attention `a` into `out` (contiguous `[L, B, H, D]`, q's dtype), with each row's
 /// log-sum-exp of its scaled scores (F32 `[B, H, L]`, returned for the backward) where cuDNN
-/// has a plan that writes them (causal attention: always). None: cuDNN has no plan for it,
-/// nothing was queued.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, n: &AttnDims, scale: f64, causal: bool, out: u64) -> Result<Option<Option<CudaStorage>>> {
-    let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
-    let (scale, minus_inf) = (scale as f32, f32::NEG_INFINITY);
+/// has a plan that writes them (with a mask: always). None: cuDNN has no plan for it, nothing
+/// was queued.
+pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Option<Option<CudaStorage>>> {
+    let (qp, kp, vp, mp) = (data_ptr(a.q)?, data_ptr(a.k)?, data_ptr(a.v)?, a.mask.map(data_ptr).transpose()?);
+    let (scale, minus_inf) = (a.scale as f32, f32::NEG_INFINITY);
+    let n = a.n;
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let key = |pass| Key::new(pass, q, k, v, n);
-        let found = if causal { first_plan(st, [key(Pass::CausalForward)]) } else { first_plan(st, [key(Pass::Forward { stats: true }), key(Pass::Forward { stats: false })]) };
+        let key = |pass| Key::new(pass, a);
+        let found = if a.causal || a.mask.is_some() { first_plan(st, [key(Pass::MaskedForward)]) } else { first_plan(st, [key(Pass::Forward { stats: true }), key(Pass::Forward { stats: false })]) };
         let Some(key) = found else { return Ok(None) };
         let stats = if key.pass != (Pass::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
         if super::rehearsal::active() {
@@ -590,37 +645,36 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor,
         }
         let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
         ptrs.extend(stats.as_ref().map(|s| (STATS, ptr(s.ptr()))));
-        if causal {
-            ptrs.push((MINUS_INF, &minus_inf as *const f32 as *mut c_void));
-        }
-        let _rec = crate::profiler::cudnn(dev, "sdpa_fwd", q.dtype());
+        ptrs.extend(a.causal.then_some((MINUS_INF, &minus_inf as *const f32 as *mut c_void)));
+        ptrs.extend(mp.map(|m| (BIAS, ptr(m))));
+        let _rec = crate::profiler::cudnn(dev, "sdpa_fwd", a.q.dtype());
         let plan = st.sdpa[&key].as_ref().expect("found above");
         execute(dev, st.handle, plan, &ptrs)?;
         Ok(Some(stats))
     })
 }
 
-/// The gradients of the attention of q, k, v whose output is `out` and output gradient `g`
-/// (both contiguous `[L, B, H, D]`), in q's dtype into `packed` (`[dq | dk | dv | lse |
-/// delta]`, see `Op::AttentionBackward`; `lse` and `delta` are left as they are). `out` must
-/// carry its rows' log-sum-exps (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or
-/// `out` has no log-sum-exps), nothing was queued.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, n: &AttnDims, scale: f64, causal: bool, packed: &CudaStorage) -> Result<bool> {
+/// The gradients of the attention `a` whose output is `out` and output gradient `g` (both
+/// contiguous `[L, B, H, D]`), in q's dtype into `packed` (`[dq | dk | dv | lse | delta]`, see
+/// `Op::AttentionBackward`; `lse` and `delta` are left as they are). `out` must carry its
+/// rows' log-sum-exps (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or `out` has
+/// no log-sum-exps), nothing was queued.
+pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor, packed: &CudaStorage) -> Result<bool> {
     let (Some(lse), op, gp) = (super::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
+    let n = a.n;
     // Before 9.15.1 the backward of key counts off a multiple of 128 needs a padding mask in
     // the graph (what cudnn-frontend adds); those run on kiln's kernels there.
     let padded = n.s % 128 != 0 && cudnn::library().map_or(true, |v| v < BACKWARD_UNPADDED_SINCE);
     if op % 16 != 0 || gp % 16 != 0 || padded {
         return Ok(false);
     }
-    let (qp, kp, vp) = (data_ptr(q)?, data_ptr(k)?, data_ptr(v)?);
+    let (qp, kp, vp, mp) = (data_ptr(a.q)?, data_ptr(a.k)?, data_ptr(a.v)?, a.mask.map(data_ptr).transpose()?);
     let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     let at = |elems: usize| packed.ptr() + (elems * packed.dtype.size_in_bytes()) as u64;
-    let (scale, one, minus_inf) = (scale as f32, 1f32, f32::NEG_INFINITY);
-    let dtype = q.dtype();
+    let (scale, one, minus_inf) = (a.scale as f32, 1f32, f32::NEG_INFINITY);
+    let dtype = a.q.dtype();
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let Some(key) = first_plan(st, [Key::new(Pass::Backward { causal }, q, k, v, n)]) else { return Ok(false) };
+        let Some(key) = first_plan(st, [Key::new(Pass::Backward, a)]) else { return Ok(false) };
         // Each row's delta, and dq's F32 sums (cuDNN adds each key tile's part into them; from
         // cuDNN 9.6 on it clears them itself).
         let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;
@@ -643,9 +697,8 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor
             (DK, ptr(at(nq))),
             (DV, ptr(at(nq + nk))),
         ];
-        if causal {
-            ptrs.push((MINUS_INF, &minus_inf as *const f32 as *mut c_void));
-        }
+        ptrs.extend(a.causal.then_some((MINUS_INF, &minus_inf as *const f32 as *mut c_void)));
+        ptrs.extend(mp.map(|m| (BIAS, ptr(m))));
         let _rec = crate::profiler::cudnn(dev, "sdpa_bwd", dtype);
         let plan = st.sdpa[&key].as_ref().expect("found above");
         execute(dev, st.handle, plan, &ptrs)?;
