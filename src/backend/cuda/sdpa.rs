@@ -264,6 +264,18 @@ impl Default for Pointwise {
     }
 }
 
+/// What `Ops::scores` made: the ids of Q, Kᵀ, the log-sum-exps, the scale and the scores, and
+/// the scores' dims and strides.
+struct Scores {
+    q: usize,
+    kt: usize,
+    stats: usize,
+    scale: usize,
+    scores: usize,
+    dims: [usize; 4],
+    strides: [usize; 4],
+}
+
 /// A graph under construction: its operations, and every descriptor they refer to (kept alive
 /// with the plan).
 #[derive(Default)]
@@ -309,6 +321,26 @@ impl Ops {
         self.ops.push(op.finalize()?);
         self.keep(pw);
         Ok(())
+    }
+    /// The inputs every graph of `key` but the single forward operation starts from (Q, Kᵀ,
+    /// the rows' log-sum-exps, the scale) and the scores Q Kᵀ scale, plus the additive mask
+    /// where there is one, in F32 `[B, H, L, S]`.
+    fn scores(&mut self, key: &Key) -> std::result::Result<Scores, String> {
+        let (dt, float) = (cudnn::data_type(key.dtype), cs::cudnnDataType_t::CUDNN_DATA_FLOAT);
+        let [b, h, l, s, d] = key.n;
+        let [sq, sk, _] = key.strides;
+        // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; K enters transposed.
+        let q = self.keep(tensor(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1], Lives::Memory)?);
+        let kt = self.keep(tensor(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]], Lives::Memory)?);
+        let stats = self.keep(tensor(STATS, float, [b, h, l, 1], [h * l, l, 1, 1], Lives::Memory)?);
+        let scale = self.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
+        let (dims, strides) = ([b, h, l, s], [h * l * s, l * s, s, 1]);
+        let raw = self.virtual_tensor(float, dims, strides)?;
+        self.matmul(q, kt, raw)?;
+        let scaled = self.virtual_tensor(float, dims, strides)?;
+        self.pointwise(cs::cudnnPointwiseMode_t::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
+        let scores = self.add_bias(key, scaled, dims, strides)?;
+        Ok(Scores { q, kt, stats, scale, scores, dims, strides })
     }
     /// `x` (F32 `[B, H, L, S]`) plus the additive mask of `key`, where it has one.
     fn add_bias(&mut self, key: &Key, x: usize, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
@@ -417,37 +449,27 @@ fn forward_graph(key: &Key, stats: bool) -> std::result::Result<Ops, String> {
 fn masked_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
     use cs::cudnnPointwiseMode_t as M;
     use cs::cudnnReduceTensorOp_t as R;
-    let dt = cudnn::data_type(key.dtype);
-    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+    let (dt, float) = (cudnn::data_type(key.dtype), cs::cudnnDataType_t::CUDNN_DATA_FLOAT);
     let [b, h, l, s, d] = key.n;
     let mut g = Ops::default();
-    let mem = |uid, ty, dims, strides| tensor(uid, ty, dims, strides, Lives::Memory);
-    let [sq, sk, sv] = key.strides;
-    let q = g.keep(mem(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1])?);
-    let kt = g.keep(mem(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]])?);
-    let v = g.keep(mem(V, dt, [b, h, s, d], [sv[1], sv[2], sv[0], 1])?);
-    let o = g.keep(mem(O, dt, [b, h, l, d], [h * d, d, b * h * d, 1])?);
-    let stats = g.keep(mem(STATS, float, [b, h, l, 1], [h * l, l, 1, 1])?);
-    let scale = g.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
-    let (rows, scores, row) = ([b, h, l, s], [h * l * s, l * s, s, 1], ([b, h, l, 1], [h * l, l, 1, 1]));
-    let raw = g.virtual_tensor(float, rows, scores)?;
-    g.matmul(q, kt, raw)?;
-    let scaled = g.virtual_tensor(float, rows, scores)?;
-    g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
-    let biased = g.add_bias(key, scaled, rows, scores)?;
-    let masked = if key.causal { g.causal_mask(biased, rows, scores)? } else { biased };
+    let Scores { stats, scores, dims, strides, .. } = g.scores(key)?;
+    let sv = key.strides[2];
+    let v = g.keep(tensor(V, dt, [b, h, s, d], [sv[1], sv[2], sv[0], 1], Lives::Memory)?);
+    let o = g.keep(tensor(O, dt, [b, h, l, d], [h * d, d, b * h * d, 1], Lives::Memory)?);
+    let row = ([b, h, l, 1], [h * l, l, 1, 1]);
+    let masked = if key.causal { g.causal_mask(scores, dims, strides)? } else { scores };
     let max = g.virtual_tensor(float, row.0, row.1)?;
     g.reduce(R::CUDNN_REDUCE_TENSOR_MAX, masked, max)?;
-    let shifted = g.virtual_tensor(float, rows, scores)?;
+    let shifted = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_SUB, masked, Some(max), shifted)?;
-    let e = g.virtual_tensor(float, rows, scores)?;
+    let e = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_EXP, shifted, None, e)?;
     let sum = g.virtual_tensor(float, row.0, row.1)?;
     g.reduce(R::CUDNN_REDUCE_TENSOR_ADD, e, sum)?;
     let log_sum = g.virtual_tensor(float, row.0, row.1)?;
     g.pointwise(M::CUDNN_POINTWISE_LOG, sum, None, log_sum)?;
     g.pointwise(M::CUDNN_POINTWISE_ADD, max, Some(log_sum), stats)?;
-    let p = g.virtual_tensor(dt, rows, scores)?;
+    let p = g.virtual_tensor(dt, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_DIV, e, Some(sum), p)?;
     g.matmul(p, v, o)?;
     Ok(g)
@@ -460,61 +482,52 @@ fn masked_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
 /// index comparison and a select, which the engine fuses).
 fn backward_graph(key: &Key) -> std::result::Result<Ops, String> {
     use cs::cudnnPointwiseMode_t as M;
-    let dt = cudnn::data_type(key.dtype);
-    let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
+    let (dt, float) = (cudnn::data_type(key.dtype), cs::cudnnDataType_t::CUDNN_DATA_FLOAT);
     let [b, h, l, s, d] = key.n;
     let mut g = Ops::default();
+    let Scores { q, kt, stats, scale, scores, dims, strides } = g.scores(key)?;
     let mem = |uid, ty, dims, strides| tensor(uid, ty, dims, strides, Lives::Memory);
-    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; K and V enter transposed.
-    let [sq, sk, sv] = key.strides;
+    // V enters transposed; outputs, their gradients and the gradients are contiguous
+    // [L, B, H, D].
+    let sv = key.strides[2];
     let packed = [h * d, d, b * h * d, 1];
-    let q = g.keep(mem(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1])?);
-    let kt = g.keep(mem(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]])?);
     let vt = g.keep(mem(V, dt, [b, h, d, s], [sv[1], sv[2], 1, sv[0]])?);
     let o = g.keep(mem(O, dt, [b, h, l, d], packed)?);
     let d_o = g.keep(mem(DO, dt, [b, h, l, d], packed)?);
-    let stats = g.keep(mem(STATS, float, [b, h, l, 1], [h * l, l, 1, 1])?);
     let delta = g.keep(mem(DELTA, float, [b, h, l, 1], [h * l, l, 1, 1])?);
     let dq_sum = g.keep(mem(DQ_SUM, float, [b, h, l, d], [h * l * d, l * d, d, 1])?);
     let dq = g.keep(mem(DQ, dt, [b, h, l, d], packed)?);
     let dk = g.keep(mem(DK, dt, [b, h, s, d], packed)?);
     let dv = g.keep(mem(DV, dt, [b, h, s, d], packed)?);
-    let scale = g.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
     let one = g.keep(tensor(ONE, float, [1; 4], [1; 4], Lives::ByValue)?);
-    let (rows, rows_t) = ([b, h, l, s], [b, h, s, l]);
-    let (scores, scores_t) = ([h * l * s, l * s, s, 1], [h * l * s, l * s, 1, s]);
+    let (dims_t, strides_t) = ([b, h, s, l], [h * l * s, l * s, 1, s]);
     // delta = rowsum(dO * O) (times the dropout scale, 1).
     let prod = g.virtual_tensor(float, [b, h, l, d], [h * l * d, l * d, d, 1])?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, d_o, Some(o), prod)?;
     let sum = g.virtual_tensor(float, [b, h, l, 1], [h * l, l, 1, 1])?;
     g.reduce(cs::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD, prod, sum)?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, sum, Some(one), delta)?;
-    // P = exp(Q Kᵀ scale - lse).
-    let raw = g.virtual_tensor(float, rows, scores)?;
-    g.matmul(q, kt, raw)?;
-    let scaled = g.virtual_tensor(float, rows, scores)?;
-    g.pointwise(M::CUDNN_POINTWISE_MUL, raw, Some(scale), scaled)?;
-    let biased = g.add_bias(key, scaled, rows, scores)?;
-    let shifted = g.virtual_tensor(float, rows, scores)?;
-    g.pointwise(M::CUDNN_POINTWISE_SUB, biased, Some(stats), shifted)?;
-    let shifted = if key.causal { g.causal_mask(shifted, rows, scores)? } else { shifted };
-    let p = g.virtual_tensor(float, rows, scores)?;
+    // P = exp(scores - lse).
+    let shifted = g.virtual_tensor(float, dims, strides)?;
+    g.pointwise(M::CUDNN_POINTWISE_SUB, scores, Some(stats), shifted)?;
+    let shifted = if key.causal { g.causal_mask(shifted, dims, strides)? } else { shifted };
+    let p = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_EXP, shifted, None, p)?;
     // dV = Pᵀ dO.
-    let p_t = g.virtual_tensor(dt, rows_t, scores_t)?;
+    let p_t = g.virtual_tensor(dt, dims_t, strides_t)?;
     g.reshape(p, p_t)?;
     g.matmul(p_t, d_o, dv)?;
     // dS = P (dO Vᵀ - delta) scale.
-    let dp = g.virtual_tensor(float, rows, scores)?;
+    let dp = g.virtual_tensor(float, dims, strides)?;
     g.matmul(d_o, vt, dp)?;
-    let centred = g.virtual_tensor(float, rows, scores)?;
+    let centred = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_SUB, dp, Some(delta), centred)?;
-    let ds_raw = g.virtual_tensor(float, rows, scores)?;
+    let ds_raw = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, centred, Some(p), ds_raw)?;
-    let ds = g.virtual_tensor(float, rows, scores)?;
+    let ds = g.virtual_tensor(float, dims, strides)?;
     g.pointwise(M::CUDNN_POINTWISE_MUL, ds_raw, Some(scale), ds)?;
     // dK = dSᵀ Q.
-    let ds_t = g.virtual_tensor(dt, rows_t, scores_t)?;
+    let ds_t = g.virtual_tensor(dt, dims_t, strides_t)?;
     g.reshape(ds, ds_t)?;
     g.matmul(ds_t, q, dk)?;
     // dQ = dS K, accumulated in F32, then written out.
