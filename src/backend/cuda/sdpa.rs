@@ -1,19 +1,20 @@
-//! Attention through cuDNN's fused scaled-dot-product attention for F16 / BF16 attention
-//! without a mask over many keys, where its kernels beat kiln's own (`bash tools/device_call.sh
-//! $OUT sdpa`, figures in `tools/attention/NOTES.md`):
+//! Attention through cuDNN's fused scaled-dot-product attention for F16 / BF16 attention over
+//! many keys, where its kernels beat kiln's own (`bash tools/device_call.sh $OUT sdpa`, figures
+//! in `tools/attention/NOTES.md`):
 //! - the forward is the graph API's single `OPERATION_SDPA_FWD` (cuDNN 9.13 on), which also
-//!   writes each row's log-sum-exp beside the output (`CudaStorage::aux`). Causal attention
-//!   takes the graph of matmul, pointwise and reduction operations cuDNN's engine fuses
-//!   instead: the single operation takes a causal mask only through a band-mask sub-graph
-//!   (cuDNN 9.20);
+//!   writes each row's log-sum-exp beside the output (`CudaStorage::aux`). Causal attention,
+//!   and attention with an additive mask, take the graph of matmul, pointwise and reduction
+//!   operations cuDNN's engine fuses instead: the single operation takes masks only through a
+//!   band-mask sub-graph (cuDNN 9.20);
 //! - the backward is the graph of matmul, pointwise, reduction and reshape operations that the
 //!   engine recognises (the single `OPERATION_SDPA_BWD` has engines on Blackwell only). It
 //!   needs those log-sum-exps, so it follows a forward that kept them (cuDNN's or kiln's
 //!   tensor-core one).
 //!
 //! The graphs are the ones cudnn-frontend builds (read from its logs on the H200 with
-//! `bash tools/device_call.sh $OUT cudnnlog`). Everything else, masked attention included, and
-//! any geometry cuDNN offers no engine for, runs on the kernels of `attention.rs`.
+//! `bash tools/device_call.sh $OUT cudnnlog`). Everything else (a causal and an additive mask
+//! together, a mask whose keys are not contiguous) and any geometry cuDNN offers no engine for
+//! runs on the kernels of `attention.rs`.
 //!
 //! One plan per pass and geometry (dtype, sizes, q / k / v strides), built on first use and
 //! kept in the device's cuDNN state; each call queues it on the thread's work stream with a
