@@ -415,3 +415,42 @@ fn attention_rejects_bad_shapes_and_dtypes() {
     let e = F::scaled_dot_product_attention(&q, &k.to_dtype(DType::F64).unwrap(), &k, &Default::default()).unwrap_err().to_string();
     assert!(e.contains("share a dtype"), "{e}");
 }
+
+/// A compiled training step around cuDNN's attention (BF16, 256 keys: its forward and
+/// backward), replayed as a CUDA graph under reduce-overhead: the same parameters as eager
+/// after three SGD steps, to BF16's precision (cuDNN adds dq's parts in any order).
+#[test]
+fn a_reduce_overhead_step_replays_cudnn_attention_and_its_backward() -> Result<()> {
+    let x = rand_t(&[2, 4, 256, 64], 1, DType::BF16);
+    let r = rand_t(&[2, 4, 256, 64], 2, DType::BF16);
+    let w0 = rand_t(&[64, 64], 3, DType::BF16).mul_scalar(0.1)?;
+    let run = |compiled: bool| -> Result<Tensor> {
+        let w = w0.detach().copy_contiguous()?.requires_grad();
+        let sgd = std::sync::Mutex::new(kiln::optim::Sgd::new(vec![w.clone()], 1e-4));
+        let (xc, rc, wc) = (x.clone(), r.clone(), w.clone());
+        let mut step = move |x: &Tensor| -> Result<Tensor> {
+            let q = x.matmul(&wc)?;
+            let loss = F::scaled_dot_product_attention(&q, x, x, &Default::default())?.mul(&rc)?.to_dtype(DType::F32)?.sum_all()?;
+            loss.backward()?;
+            let mut o = sgd.lock().unwrap();
+            kiln::optim::Optimizer::step(&mut *o)?;
+            kiln::optim::Optimizer::zero_grad(&mut *o);
+            Ok(loss)
+        };
+        if compiled {
+            let f = kiln::compile::compile_with(kiln::compile::CompileOptions::new().mode(kiln::compile::Mode::ReduceOverhead), step);
+            for _ in 0..3 {
+                f.call(&xc)?;
+            }
+        } else {
+            for _ in 0..3 {
+                step(&xc)?;
+            }
+        }
+        Ok(w.detach())
+    };
+    let (eager, replayed) = (run(false)?, run(true)?);
+    assert_close(&vals(&replayed), &vals(&eager), 2e-2, 2e-2);
+    assert!(vals(&eager).iter().zip(vals(&w0)).any(|(a, b)| a != &b), "the steps moved the weights");
+    Ok(())
+}
