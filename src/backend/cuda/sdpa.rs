@@ -719,3 +719,24 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
         Ok(true)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::bias_layout;
+    use crate::{DType, Device, Tensor};
+
+    #[test]
+    fn a_mask_becomes_a_bias_with_its_broadcast_dims_of_size_one() {
+        let m = |shape: &[usize]| Tensor::zeros(shape, DType::BF16, &Device::Cpu).unwrap();
+        // A padding mask per batch and key, broadcast over heads and queries.
+        let padding = m(&[2, 1, 1, 256]).expand(&[2, 4, 200, 256]).unwrap();
+        assert_eq!(bias_layout(&padding), Some([[2, 1, 1, 256], [256, 256, 256, 1]]));
+        // A full mask keeps its dims and strides; one shared by the batch has a batch of 1.
+        assert_eq!(bias_layout(&m(&[2, 4, 200, 256])), Some([[2, 4, 200, 256], [204800, 51200, 256, 1]]));
+        let shared = m(&[1, 4, 200, 256]).expand(&[3, 4, 200, 256]).unwrap();
+        assert_eq!(bias_layout(&shared), Some([[1, 4, 200, 256], [204800, 51200, 256, 1]]));
+        // Keys that are not contiguous are not a bias cuDNN takes.
+        let transposed = m(&[2, 4, 256, 200]).transpose(2, 3).unwrap();
+        assert_eq!(bias_layout(&transposed), None);
+    }
+}
