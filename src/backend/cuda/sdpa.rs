@@ -102,7 +102,7 @@ fn bias_layout(m: &Tensor) -> Option<[[usize; 4]; 2]> {
     Some([dims, strides])
 }
 
-/// The tensors' ids in a plan's variant pack (and, from `VIRTUAL` on, the backward's
+/// The tensors' ids in a plan's variant pack (and, from `VIRTUAL` on, the graphs'
 /// intermediate values, which live only inside cuDNN's kernel).
 const Q: i64 = 1;
 const K: i64 = 2;
@@ -292,7 +292,7 @@ impl Ops {
         self.parts.push(d);
         self.parts.len() - 1
     }
-    /// A virtual F32 (or `dtype`) tensor of `dims` and `strides`.
+    /// A virtual tensor of `dtype`, `dims` and `strides`.
     fn virtual_tensor(&mut self, dtype: cs::cudnnDataType_t, dims: [usize; 4], strides: [usize; 4]) -> std::result::Result<usize, String> {
         self.next_virtual += 1;
         let t = tensor(VIRTUAL + self.next_virtual, dtype, dims, strides, Lives::Virtual)?;
