@@ -115,6 +115,8 @@ pub(crate) struct KernelMemo {
     pub flat_code: std::sync::OnceLock<crate::backend::cuda::fused::FlatCode>,
     /// A row kernel's loaded CUDA functions by launch shape.
     pub row_launches: crate::backend::cuda::fused::RowLaunches,
+    /// A flat kernel's loaded CUDA functions by how its operands are walked.
+    pub flat_launches: crate::backend::cuda::kernels::MapLaunches,
 }
 
 impl FusedKernel {

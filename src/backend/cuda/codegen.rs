@@ -189,7 +189,7 @@ impl MapSpec {
         let cls = if self.vec > 1 { format!("v{}", self.vec) } else if self.ndim > 0 { format!("s{}", self.ndim) } else { "c".into() };
         format!("{}_{}_{}", self.name, short(self.outs[0].0), cls)
     }
-    pub(crate) fn ptr_word(&self, operand: usize) -> usize {
+    pub(crate) fn ptr_word(operand: usize) -> usize {
         1 + operand
     }
     pub(crate) fn words(&self) -> MapWords {
@@ -250,10 +250,10 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__(256) {name}(const KArgs a) {{");
     let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];");
     for (m, (d, ..)) in s.outs.iter().enumerate() {
-        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", s.ptr_word(m), t = storage_type(*d));
+        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", MapSpec::ptr_word(m), t = storage_type(*d));
     }
     for (k, (d, _, _)) in s.inputs.iter().enumerate() {
-        let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", s.ptr_word(nout + k), t = storage_type(*d));
+        let _ = writeln!(c, "  const {t}* __restrict__ p{k} = (const {t}*)a.w[{}];", MapSpec::ptr_word(nout + k), t = storage_type(*d));
     }
     let _ = writeln!(c, "  const IDX tid = (IDX)blockIdx.x * blockDim.x + threadIdx.x, step = (IDX)gridDim.x * blockDim.x;");
     // Storage offsets o0 (the strided output), o1.. (inputs) of linear index `i`.

@@ -187,10 +187,10 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     }
     let mut specs = Vec::with_capacity(outs.len());
     for (m, ((o, _), t)) in k.outputs.iter().zip(&outs).enumerate() {
-        specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: vals[*o].1.clone(), once: k.single[m] });
+        specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: &vals[*o].1, once: k.single[m] });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
-    map_launch(dev, name, &ins, specs, &Layout::contiguous(shape), body.clone(), params)?;
+    map_launch(dev, name, &ins, &specs, &Layout::contiguous(shape), body, params, Some(&k.memo.flat_launches))?;
     Ok(outs)
 }
 
