@@ -873,27 +873,25 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
 pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Result<CudaStorage> {
     let dev = dev_of(q)?;
     let n = AttnDims::of(q.shape(), k.shape());
-    let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
-    if packed.len == 0 {
-        return Ok(packed);
-    }
-    if n.l == 0 || n.s == 0 || n.d == 0 {
+    if n.packed_len() == 0 || n.l == 0 || n.s == 0 || n.d == 0 {
+        let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
         super::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
-    if super::sdpa::takes(q, k, v, mask, causal, &n)? && super::sdpa::backward(&dev, &super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
-        return Ok(packed);
+    if super::sdpa::takes(q, k, v, mask, causal, &n)? {
+        // cuDNN writes the gradients in q's dtype, in place.
+        let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
+        if super::sdpa::backward(&dev, &super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
+            return Ok(packed);
+        }
     }
-    if q.dtype() == DType::F32 {
-        backward_kernels(&dev, q, k, v, out, g, mask, scale, causal, &packed)?;
-        return Ok(packed);
-    }
-    // kiln's kernels write F32: into a scratch of the same layout, rounded by one kernel after.
+    // kiln's kernels write F32; in F16/BF16 one kernel rounds them after.
     let wide = CudaStorage::new(&dev, DType::F32, n.packed_len())?;
     backward_kernels(&dev, q, k, v, out, g, mask, scale, causal, &wide)?;
-    let wide = Tensor::from_backend(crate::storage::BackendStorage::Cuda(wide), &[n.packed_len()]);
-    super::kernels::cast_into(packed.ptr(), &wide, q.dtype())?;
-    Ok(packed)
+    if q.dtype() == DType::F32 {
+        return Ok(wide);
+    }
+    super::kernels::cast(&Tensor::from_backend(crate::storage::BackendStorage::Cuda(wide), &[n.packed_len()]), q.dtype())
 }
 
 /// kiln's backward kernels, writing `[dq | dk | dv | lse | delta]` in F32 into `packed`.

@@ -303,13 +303,6 @@ pub(crate) fn cast(x: &Tensor, dtype: DType) -> Result<CudaStorage> {
     map_new(&dev, name, &[(x, t)], x.shape(), dtype, t, "v0".into(), &[])
 }
 
-/// Writes contiguous `src` converted to `dtype` at device address `dst` (contiguous).
-pub(crate) fn cast_into(dst: u64, src: &Tensor, dtype: DType) -> Result<()> {
-    let dev = dev_of(src)?;
-    let t = CType::of(src.dtype());
-    map_into(&dev, "to", &[(src, t)], dst, dtype, &Layout::contiguous(src.shape()), t, "v0".into(), &[])
-}
-
 /// Writes `src` (of `dst`'s shape, any dtype) into `dst`'s strided elements.
 pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     let dev = dev_of(dst)?;

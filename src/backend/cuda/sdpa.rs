@@ -309,18 +309,26 @@ impl Ops {
         if let Some(axis) = p.axis {
             pw.set(A::CUDNN_ATTR_POINTWISE_AXIS, T::CUDNN_TYPE_INT64, &[axis])?;
         }
-        let pw = pw.finalize()?;
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &pw)?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, &self.parts[p.x])?;
-        for (name, t) in [(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, p.b), (A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, p.t)] {
-            if let Some(t) = t {
-                op.set_desc(name, &self.parts[t])?;
-            }
+        let mut tensors = vec![(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, p.x)];
+        tensors.extend(p.b.map(|b| (A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b)));
+        tensors.extend(p.t.map(|t| (A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t)));
+        tensors.push((A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, p.y));
+        self.push_op(DT::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, Some((A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw.finalize()?)), &tensors)
+    }
+    /// Adds an operation of `kind`: its own descriptor (a matmul's, a reduction's; kept alive
+    /// with the graph) and its tensors, by index into `parts`.
+    fn push_op(&mut self, kind: DT, own: Option<(A, Desc)>, tensors: &[(A, usize)]) -> std::result::Result<(), String> {
+        let op = Desc::new(kind)?;
+        if let Some((name, d)) = &own {
+            op.set_desc(*name, d)?;
         }
-        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &self.parts[p.y])?;
+        for &(name, t) in tensors {
+            op.set_desc(name, &self.parts[t])?;
+        }
         self.ops.push(op.finalize()?);
-        self.keep(pw);
+        if let Some((_, d)) = own {
+            self.keep(d);
+        }
         Ok(())
     }
     /// The inputs every graph of `key` but the single forward operation starts from (Q, Kᵀ,
@@ -373,37 +381,20 @@ impl Ops {
     fn matmul(&mut self, a: usize, b: usize, c: usize) -> std::result::Result<(), String> {
         let mm = Desc::new(DT::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
         mm.set_type(A::CUDNN_ATTR_MATMUL_COMP_TYPE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT)?;
-        let mm = mm.finalize()?;
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &self.parts[a])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &self.parts[b])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &self.parts[c])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &mm)?;
-        self.ops.push(op.finalize()?);
-        self.keep(mm);
-        Ok(())
+        let tensors = [(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, a), (A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, b), (A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, c)];
+        self.push_op(DT::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR, Some((A::CUDNN_ATTR_OPERATION_MATMUL_DESC, mm.finalize()?)), &tensors)
     }
     /// y = the reduction `op` of x over the dims where y has size 1.
     fn reduce(&mut self, op: cs::cudnnReduceTensorOp_t, x: usize, y: usize) -> std::result::Result<(), String> {
         let r = Desc::new(DT::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
         r.set(A::CUDNN_ATTR_REDUCTION_OPERATOR, T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, &[op])?;
         r.set_type(A::CUDNN_ATTR_REDUCTION_COMP_TYPE, cs::cudnnDataType_t::CUDNN_DATA_FLOAT)?;
-        let r = r.finalize()?;
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &self.parts[x])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &self.parts[y])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &r)?;
-        self.ops.push(op.finalize()?);
-        self.keep(r);
-        Ok(())
+        let tensors = [(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x), (A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y)];
+        self.push_op(DT::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR, Some((A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, r.finalize()?)), &tensors)
     }
     /// y = x seen with y's dims, strides and dtype (a transpose, a conversion).
     fn reshape(&mut self, x: usize, y: usize) -> std::result::Result<(), String> {
-        let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &self.parts[x])?;
-        op.set_desc(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &self.parts[y])?;
-        self.ops.push(op.finalize()?);
-        Ok(())
+        self.push_op(DT::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR, None, &[(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x), (A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y)])
     }
 }
 
