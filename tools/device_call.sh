@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine, from the repository root after ../shared/tools/gpu-bundle:
 #   bash tools/device_call.sh $OUT <sections...>
-# Sections: nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
+# Sections: cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
@@ -51,6 +51,13 @@ if [[ " $* " == *" nvrtcclock "* ]]; then
     compile_s /tmp/nc.json
     python3 tools/nvrtc/wall_vs_cpu.py 3 0.1
   done
+fi
+if [[ " $* " == *" cpus "* ]]; then
+  # Whether some of the machine's CPUs are slower than others: the same NVRTC compiles pinned
+  # to each CPU in turn, twice (the second pass some seconds later).
+  for pass in 1 2; do for c in $(seq 0 $(($(nproc) - 1))); do
+    echo "pass $pass cpu $c: $(taskset -c $c python3 tools/nvrtc/wall_vs_cpu.py 3 0 | sed 's/; machine.*//' | awk '{printf "%s %s | ", $5, $8}')"
+  done; done
 fi
 if [[ " $* " == *" compile "* ]]; then
   for pass in 1 2; do for w in ${COMPILE_WORKLOADS:-pointwise reduction transformer.fwd.f32}; do
@@ -105,16 +112,21 @@ if [[ " $* " == *" final "* ]]; then
   # A fresh machine runs slowly for its first half minute or more: processes page the CUDA
   # libraries in and memory the machine has not used yet is slow to touch, so NVRTC's compiles
   # take 5-30x their CPU time (tools/nvrtc/wall_vs_cpu.py shows it). Measured runs start once a
-  # fresh process compiles add_relu in under 20 ms, as on a machine in use.
-  for i in 1 2 3 4 5 6 7 8; do
-    KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
-    c=$(python3 -c "import json; print(json.load(open('/tmp/warm.json'))['workloads']['pointwise.add_relu.f32.1e8']['compiled_compile_s'])")
-    echo "warm-up $i at $(cut -d' ' -f1 /proc/uptime) s after boot: add_relu compiled in $c s"
+  # fresh process compiles each pointwise row in under 20 ms, as on a machine in use (one row
+  # alone was not enough: a later process still compiled slowly).
+  for i in 1 2 3 4 5 6; do
+    KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise --out /tmp/warm.json > /dev/null 2>&1
+    c=$(python3 -c "import json; print(max(v['compiled_compile_s'] for v in json.load(open('/tmp/warm.json'))['workloads'].values()))")
+    echo "warm-up $i at $(cut -d' ' -f1 /proc/uptime) s after boot: slowest pointwise row compiled in $c s"
     python3 -c "import sys; sys.exit(0 if $c < 0.02 else 1)" && break
   done
+  # Both sides keep off CPU 0: in a fresh machine's first half minute, work pinned there ran
+  # NVRTC 6x slower than on any other CPU (`cpus` section). It does not remove the spread of
+  # host time between processes (tools/nvrtc/NOTES.md). PIN= runs unpinned.
+  pin=${PIN-taskset -c 1-$(($(nproc) - 1))}
   for w in $WORKLOADS; do
-    KILN_CACHE_DIR=$(mktemp -d) timeout 250 .gpu/bin/kiln bench --only $w --out $OUT/k-$w.json > /dev/null 2>&1
-    timeout 300 python3 .gpu/bench/torch_reference.py --only $w --out $OUT/t-$w.json > /dev/null 2>&1
+    KILN_CACHE_DIR=$(mktemp -d) timeout 250 $pin .gpu/bin/kiln bench --only $w --out $OUT/k-$w.json > /dev/null 2>&1
+    timeout 300 $pin python3 .gpu/bench/torch_reference.py --only $w --out $OUT/t-$w.json > /dev/null 2>&1
   done
   python3 - $OUT <<'PY'
 import json, sys, glob
