@@ -194,26 +194,12 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
     Ok(outs)
 }
 
-/// A row kernel's loaded functions by launch shape, so that a launch after the first formats
-/// and hashes nothing. A clone starts empty.
-#[derive(Default)]
-pub(crate) struct RowLaunches(pub(crate) parking_lot::Mutex<Vec<(RowShape, super::Kernel)>>);
+/// A row kernel's loaded functions by launch shape.
+pub(crate) type RowLaunches = super::Loaded<(RowShape, super::Kernel)>;
 
 /// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
 /// the threads' values cover the row exactly).
-type RowShape = (usize, usize, usize, u64, bool);
-
-impl Clone for RowLaunches {
-    fn clone(&self) -> Self {
-        RowLaunches::default()
-    }
-}
-
-impl std::fmt::Debug for RowLaunches {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} loaded", self.0.lock().len())
-    }
-}
+pub(crate) type RowShape = (usize, usize, usize, u64, bool);
 
 /// Per op: (sine, cosine) when it is one of a sine and a cosine of the same floating-point
 /// value, which one `sincos` call computes (one argument reduction instead of two).

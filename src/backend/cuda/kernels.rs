@@ -124,7 +124,7 @@ pub(crate) struct MapOut<'a> {
 /// How a map kernel walks its operands: with its code (name, body, expressions, dtypes), this
 /// is all its source depends on.
 #[derive(PartialEq)]
-struct MapWalk {
+pub(crate) struct MapWalk {
     out_class: Class,
     inputs: Vec<Class>,
     ndim: usize,
@@ -132,23 +132,9 @@ struct MapWalk {
     idx64: bool,
 }
 
-/// A compiled kernel's loaded map functions by operand walk: its code never changes, so a call
-/// after the first builds, clones and hashes no kernel description (a few microseconds of host
-/// time per call, which an idle device waits for). A clone starts empty.
-#[derive(Default)]
-pub(crate) struct MapLaunches(parking_lot::Mutex<Vec<(MapWalk, super::Kernel, codegen::MapWords)>>);
-
-impl Clone for MapLaunches {
-    fn clone(&self) -> Self {
-        MapLaunches::default()
-    }
-}
-
-impl std::fmt::Debug for MapLaunches {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} loaded", self.0.lock().len())
-    }
-}
+/// A compiled kernel's loaded map functions by operand walk (its code never changes), with
+/// where their arguments sit.
+pub(crate) type MapLaunches = super::Loaded<(MapWalk, super::Kernel, codegen::MapWords)>;
 
 /// `memo`: where the caller keeps the functions of a kernel whose code is always the same (a
 /// compiled program's fused kernel); eager ops pass none.

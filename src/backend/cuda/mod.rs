@@ -33,6 +33,30 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+/// The functions one compiled kernel has loaded, each with what selects it (a launch shape, an
+/// operand walk): a call after the first finds its function here without generating,
+/// formatting or hashing a kernel description (host time that an idle device waits for). A
+/// clone starts empty.
+pub(crate) struct Loaded<T>(pub(crate) parking_lot::Mutex<Vec<T>>);
+
+impl<T> Default for Loaded<T> {
+    fn default() -> Self {
+        Loaded(parking_lot::Mutex::new(Vec::new()))
+    }
+}
+
+impl<T> Clone for Loaded<T> {
+    fn clone(&self) -> Self {
+        Loaded::default()
+    }
+}
+
+impl<T> std::fmt::Debug for Loaded<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} loaded", self.0.lock().len())
+    }
+}
+
 /// A loaded kernel and its name. CUfunction handles are plain pointers valid for the
 /// context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
 #[derive(Clone, Copy)]
