@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -183,6 +183,13 @@ if [[ " $* " == *" sdpa "* ]]; then
   echo "== kiln, PyTorch's cuDNN"; LD_LIBRARY_PATH=/tmp/dnn:$LD_LIBRARY_PATH KILN_LOG=kernels .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt 2> $OUT/sdpa-pip.log; grep -i "cudnn" $OUT/sdpa-pip.log | head
   echo "== kiln, cuDNN off"; KILN_CUDNN_ATTENTION=0 .gpu/bin/attention_bench tools/attention/cudnn_shapes.txt
   echo "== torch"; python3 tools/attention/torch_sdpa.py tools/attention/cudnn_shapes.txt
+fi
+if [[ " $* " == *" sdpashort "* ]]; then
+  # Short sequences: cuDNN's fused attention forced (KILN_CUDNN_MIN_KEYS=1) against the default
+  # (kiln's kernels below sdpa.rs's MIN_KEYS), and PyTorch's backends.
+  echo "== kiln, default"; .gpu/bin/attention_bench tools/attention/short_shapes.txt
+  echo "== kiln, cuDNN from 1 key"; KILN_CUDNN_MIN_KEYS=1 KILN_LOG=kernels .gpu/bin/attention_bench tools/attention/short_shapes.txt 2> $OUT/sdpashort.log; grep -i "cudnn" $OUT/sdpashort.log | cut -c1-160 | head -20
+  echo "== torch"; python3 tools/attention/torch_sdpa.py tools/attention/short_shapes.txt
 fi
 if [[ " $* " == *" nvrtc "* ]]; then
   for w in pointwise.exp_sin reduction.layernorm pointwise.bias_gelu; do

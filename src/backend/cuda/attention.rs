@@ -844,7 +844,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask, causal, &n)? {
+    if super::sdpa::takes(q, k, v, mask, causal, &n, false)? {
         let a = super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
         if let Some(lse) = super::sdpa::forward(&dev, &a, out.ptr())? {
             out.aux = lse.map(Box::new);
@@ -878,7 +878,7 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
         super::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
-    if super::sdpa::takes(q, k, v, mask, causal, &n)? {
+    if super::sdpa::takes(q, k, v, mask, causal, &n, true)? {
         // cuDNN writes the gradients in q's dtype, in place.
         let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
         if super::sdpa::backward(&dev, &super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {

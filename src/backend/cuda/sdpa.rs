@@ -31,9 +31,20 @@ use std::cell::Cell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Fewest keys for which cuDNN's attention is taken (H200: at 128 keys kiln's tensor-core
-/// kernel is as fast or faster, from 256 on cuDNN's is faster; `tools/attention/NOTES.md`).
+/// Fewest keys for which cuDNN's attention forward is taken (H200: at 128 keys kiln's
+/// tensor-core kernel is as fast or faster, from 256 on cuDNN's is faster;
+/// `tools/attention/NOTES.md`).
 const MIN_KEYS: usize = 256;
+/// The same for the backward.
+const MIN_KEYS_BACKWARD: usize = 256;
+
+/// `MIN_KEYS` or `MIN_KEYS_BACKWARD`, unless `KILN_CUDNN_MIN_KEYS` sets both (to time cuDNN
+/// against kiln's kernels on short sequences).
+fn min_keys(backward: bool) -> usize {
+    static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let set = *SET.get_or_init(|| std::env::var("KILN_CUDNN_MIN_KEYS").ok().and_then(|v| v.parse().ok()));
+    set.unwrap_or(if backward { MIN_KEYS_BACKWARD } else { MIN_KEYS })
+}
 /// The first cuDNN with the operation.
 const SINCE: usize = 91300;
 /// The first cuDNN whose attention backward takes key counts off a multiple of 128 unpadded.
@@ -67,13 +78,14 @@ fn allowed() -> bool {
 }
 
 /// Whether cuDNN is asked for this attention: F16 / BF16, a head dim that is a multiple of 8
-/// (at most 128), at least `MIN_KEYS` keys, q, k and v rows 16-byte aligned, a cuDNN with the
+/// (at most 128), at least `min_keys` keys, q, k and v rows 16-byte aligned, a cuDNN with the
 /// forward operation loaded, and a causal mask or an additive one (whose keys are contiguous),
 /// not both: PyTorch takes only one, so cudnn-frontend shows no graph for both, and the one
 /// kiln built for them is not verified (its first check failed against a BF16 reference whose
 /// own rounding was the larger error there, found after).
-pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, n: &AttnDims) -> Result<bool> {
-    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < MIN_KEYS || n.l == 0 {
+/// `backward`: asked for the backward pass.
+pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, n: &AttnDims, backward: bool) -> Result<bool> {
+    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < min_keys(backward) || n.l == 0 {
         return Ok(false);
     }
     if !cudnn::library().is_ok_and(|v| v >= SINCE) {
