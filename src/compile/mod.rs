@@ -309,8 +309,13 @@ impl Graphed {
             inputs.extend(captured.iter().cloned());
             // The first call runs normally (it also compiles every kernel), then the same launch
             // list is captured; capturing runs nothing.
+            let deferred = crate::backend::cuda::autotune::deferred();
             let outs = self.program.run(&inputs)?;
             let Device::Cuda(n) = args.first().map(|a| a.device()).unwrap_or(Device::Cpu) else { return Ok(outs) };
+            if crate::backend::cuda::autotune::deferred() != deferred {
+                log(Category::Recompiles, || "max-autotune: a choice could not be timed while another thread captured a CUDA graph; this call ran uncaptured and the next one tries again".into());
+                return Ok(outs);
+            }
             let dev = crate::backend::cuda::device(n)?;
             let statics = crate::no_grad(|| args.iter().map(|a| a.copy_contiguous()).collect::<Result<Vec<_>>>())?;
             let mut sin = statics.clone();

@@ -212,6 +212,18 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
     let short = rand_t(&[2, 4, 128, 64], 5, DType::BF16);
     let p = profiler::profile(|| F::scaled_dot_product_attention(&q, &short, &short, &Default::default())).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "128 keys: {:?}", names(&p));
+    // Its backward is cuDNN's from 128 keys (after kiln's forward, which keeps the log-sum-exps
+    // cuDNN needs): the gradients of kiln's own backward kernels, to BF16's precision.
+    let short_grads = |cudnn: bool| {
+        let (q, ks, vs) = (q.detach().requires_grad(), short.detach().requires_grad(), short.detach().requires_grad());
+        let y = F::scaled_dot_product_attention(&q, &ks, &vs, &Default::default()).unwrap();
+        let bwd = kiln::cuda::with_cudnn_attention(cudnn, || backward_kernels(&y));
+        assert_eq!(bwd.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16"), cudnn, "128 keys, cuDNN allowed: {cudnn}: {bwd:?}");
+        [q, ks, vs].iter().map(|t| vals(&t.grad().unwrap())).collect::<Vec<_>>()
+    };
+    for (got, want) in short_grads(true).iter().zip(&short_grads(false)) {
+        assert_close(got, want, 2e-2, 2e-2);
+    }
     let p = kiln::cuda::with_cudnn_attention(false, || profiler::profile(|| F::scaled_dot_product_attention(&q, &k, &v, &causal))).unwrap();
     assert!(names(&p).iter().all(|n| n.starts_with("attention_fwd_tc")), "{:?}", names(&p));
     // Captured in a CUDA graph and replayed (reduce-overhead): the same values as eager.

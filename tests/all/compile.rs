@@ -147,7 +147,8 @@ fn max_autotune_matches_eager_and_does_not_time_twice() -> Result<()> {
     if dev().is_cuda() {
         // Two products and one row kernel: each timed here or found (another process, or a
         // test before, may have decided them). Timing waits while another thread captures a
-        // CUDA graph on the device (tests run side by side): a later call times what is left.
+        // CUDA graph on the device (tests run side by side): the call then runs uncaptured, and
+        // a later call times what is left before the graph is captured.
         let decided = |now: &kiln::cuda::AutotuneCounts| (now.timed + now.disk_hits + now.memory_hits) - (before.timed + before.disk_hits + before.memory_hits);
         for _ in 0..100 {
             if decided(&first) >= 3 {

@@ -58,9 +58,25 @@ fn file_of(key: &str) -> Option<PathBuf> {
 }
 
 /// Whether timing may run on `dev` now: not while this thread captures a graph, nor while
-/// another thread does on the same device.
+/// another thread does on the same device. A choice wanted outside a rehearsal but not timed
+/// is counted (`deferred`).
 pub(crate) fn allowed(dev: &CudaDevice) -> bool {
-    super::graph::capturing().is_none() && dev.capture.lock().is_none() && !super::rehearsal::active()
+    let ok = super::graph::capturing().is_none() && dev.capture.lock().is_none() && !super::rehearsal::active();
+    if !ok && !super::rehearsal::active() {
+        DEFERRED.with(|d| d.set(d.get() + 1));
+    }
+    ok
+}
+
+thread_local! {
+    static DEFERRED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many choices this thread wanted timed but could not (a CUDA graph was being captured):
+/// a max-autotune program that ran into one is not captured yet, or the graph would keep the
+/// untimed default for good.
+pub(crate) fn deferred() -> u64 {
+    DEFERRED.with(|d| d.get())
 }
 
 /// The remembered winner for `key`: from memory, else from disk (then remembered). Counted.

@@ -5,7 +5,7 @@
 
 pub(crate) mod alloc;
 pub(crate) mod attention;
-mod autotune;
+pub(crate) mod autotune;
 pub(crate) mod blas;
 pub(crate) mod codegen;
 pub(crate) mod cudnn;

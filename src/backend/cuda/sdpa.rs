@@ -35,8 +35,10 @@ use std::sync::Arc;
 /// tensor-core kernel is as fast or faster, from 256 on cuDNN's is faster;
 /// `tools/attention/NOTES.md`).
 const MIN_KEYS: usize = 256;
-/// The same for the backward.
-const MIN_KEYS_BACKWARD: usize = 256;
+/// The same for the backward (H200, after kiln's tensor-core forward: at 128 keys cuDNN's
+/// backward is as fast as kiln's kernels at D = 64 and 1.1-1.8x faster with more heads, D = 128,
+/// causal or masked attention; `tools/attention/NOTES.md`).
+const MIN_KEYS_BACKWARD: usize = 128;
 
 /// `MIN_KEYS` or `MIN_KEYS_BACKWARD`, unless `KILN_CUDNN_MIN_KEYS` sets both (to time cuDNN
 /// against kiln's kernels on short sequences).
