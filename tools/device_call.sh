@@ -7,7 +7,7 @@
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda),
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), stress (the compile tests twelve times),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -221,6 +221,14 @@ fi
 if [[ " $* " == *" wgmma "* ]]; then
   # The wgmma 3xTF32 products beside cuBLAS (config lists: V1_CONFIGS, V3_CONFIGS, V4_CONFIGS).
   bash tools/gemm/run_wgmma.sh $OUT/gemm 2>&1 | tail -80
+fi
+if [[ " $* " == *" stress "* ]]; then
+  # The compile tests alone, twelve times: many threads capturing and replaying CUDA graphs at
+  # once (on the H200 3 runs in 12 aborted on a block the caching allocator saw freed twice,
+  # and replay tests failed in others; the same with the build of 87265ac).
+  for i in $(seq 1 12); do bash .gpu/run.sh /tmp/s$i ${STRESS_FILTER:-compile::} > /dev/null 2>&1
+    echo "run $i: $(grep -E '^test result' /tmp/s$i/gpu-tests.log | head -1 | cut -c1-50) $(grep -E '^test .* FAILED' /tmp/s$i/gpu-tests.log | cut -c1-90 | tr '\n' ' ')"
+    grep -h "freed twice" /tmp/s$i/gpu-tests.log | head -1; done
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then
