@@ -52,8 +52,9 @@ use crate::logging::log;
 /// row, keeping the fastest — in memory and on disk beside the kernel cache, so another process
 /// does not time again (`KILN_LOG=kernels` shows each decision; `kiln::cuda::autotune_counts`
 /// counts them). Nothing is timed while any thread captures a CUDA graph on the device; a call
-/// that could not time a choice runs uncaptured, and the graph is captured after one that did. Tuning picks between algorithms that compute the same values up to
-/// floating-point reassociation; on the CPU it does nothing.
+/// that could not time a choice runs uncaptured, and the graph is captured after one that did.
+/// Tuning picks between algorithms that compute the same values up to floating-point
+/// reassociation; on the CPU it does nothing.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
     #[default]

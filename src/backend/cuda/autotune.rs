@@ -61,8 +61,11 @@ fn file_of(key: &str) -> Option<PathBuf> {
 /// another thread does on the same device. A choice wanted outside a rehearsal but not timed
 /// is counted (`deferred`).
 pub(crate) fn allowed(dev: &CudaDevice) -> bool {
-    let ok = super::graph::capturing().is_none() && dev.capture.lock().is_none() && !super::rehearsal::active();
-    if !ok && !super::rehearsal::active() {
+    if super::rehearsal::active() {
+        return false;
+    }
+    let ok = super::graph::capturing().is_none() && dev.capture.lock().is_none();
+    if !ok {
         DEFERRED.with(|d| d.set(d.get() + 1));
     }
     ok

@@ -118,12 +118,8 @@ pub(crate) struct MapOut<'a> {
     pub once: bool,
 }
 
-/// Runs a map kernel over `inputs` (each already of the iteration shape `out_layout.shape`):
-/// `body` then each output's expression, per element. Outputs are laid out by `out_layout`
-/// (contiguous unless a single output is written in place).
 /// How a map kernel walks its operands: with its code (name, body, expressions, dtypes), this
 /// is all its source depends on.
-#[derive(PartialEq)]
 pub(crate) struct MapWalk {
     out_class: Class,
     inputs: Vec<Class>,
@@ -132,12 +128,21 @@ pub(crate) struct MapWalk {
     idx64: bool,
 }
 
+impl MapWalk {
+    fn is(&self, out_class: Class, inputs: &[Class], ndim: usize, vec: usize, idx64: bool) -> bool {
+        self.out_class == out_class && self.inputs == inputs && self.ndim == ndim && self.vec == vec && self.idx64 == idx64
+    }
+}
+
 /// A compiled kernel's loaded map functions by operand walk (its code never changes), with
 /// where their arguments sit.
 pub(crate) type MapLaunches = super::Loaded<(MapWalk, super::Kernel, codegen::MapWords)>;
 
-/// `memo`: where the caller keeps the functions of a kernel whose code is always the same (a
-/// compiled program's fused kernel); eager ops pass none.
+/// Runs a map kernel over `inputs` (each already of the iteration shape `out_layout.shape`):
+/// `body` then each output's expression, per element. Outputs are laid out by `out_layout`
+/// (contiguous unless a single output is written in place). `memo`: where the caller keeps the
+/// functions of a kernel whose code is always the same (a compiled program's fused kernel);
+/// eager ops pass none.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], outs: &[MapOut], out_layout: &Layout, body: &str, params: &[u64], memo: Option<&MapLaunches>) -> Result<()> {
     let shape = out_layout.shape.clone();
@@ -179,7 +184,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
         let bytes = if n >= LARGE_MAP { map_vector_bytes() } else { 16 };
         [bytes / widest, 16 / widest].into_iter().map(|v| v.clamp(1, 32)).find(|&v| v > 1 && fits(v)).unwrap_or(1)
     };
-    let walk = MapWalk { out_class, inputs: classes[nout..].to_vec(), ndim: if strided { cshape.len() } else { 0 }, vec, idx64 };
+    let ndim = if strided { cshape.len() } else { 0 };
     let fill = |words: &codegen::MapWords| {
         let mut a = KArgs::default();
         a.w[0] = n as u64;
@@ -205,18 +210,18 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     };
     let grid = grid_for(n / vec);
     if let Some(m) = memo {
-        let found = m.0.lock().iter().find(|(w, _, _)| *w == walk).map(|(_, k, words)| (*k, fill(words)));
+        let found = m.0.lock().iter().find(|(w, _, _)| w.is(out_class, &classes[nout..], ndim, vec, idx64)).map(|(_, k, words)| (*k, fill(words)));
         if let Some((k, a)) = found {
             return dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a);
         }
     }
     let spec = MapSpec {
         name: name.to_string(),
-        inputs: inputs.iter().zip(&walk.inputs).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
+        inputs: inputs.iter().zip(&classes[nout..]).map(|((t, ct), c)| (t.dtype(), *ct, *c)).collect(),
         outs: outs.iter().map(|o| (o.dtype, o.result, o.expr.to_string(), o.once)).collect(),
         out_class,
         body: body.to_string(),
-        ndim: walk.ndim,
+        ndim,
         vec,
         idx64,
     };
@@ -229,7 +234,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
     // (A rehearsal's function is a placeholder: the real one is loaded on the first run.)
     if let Some(m) = memo.filter(|_| !super::rehearsal::active()) {
-        m.0.lock().push((walk, k, words));
+        m.0.lock().push((MapWalk { out_class, inputs: classes[nout..].to_vec(), ndim, vec, idx64 }, k, words));
     }
     dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a)
 }
