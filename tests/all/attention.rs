@@ -440,7 +440,7 @@ fn a_reduce_overhead_step_replays_cudnn_attention_and_its_backward() -> Result<(
         let w = w0.detach().copy_contiguous()?.requires_grad();
         let sgd = std::sync::Mutex::new(kiln::optim::Sgd::new(vec![w.clone()], 1e-4));
         let (xc, rc, wc) = (x.clone(), r.clone(), w.clone());
-        let mut step = move |x: &Tensor| -> Result<Tensor> {
+        let step = move |x: &Tensor| -> Result<Tensor> {
             let q = x.matmul(&wc)?;
             let loss = F::scaled_dot_product_attention(&q, x, x, &Default::default())?.mul(&rc)?.to_dtype(DType::F32)?.sum_all()?;
             loss.backward()?;

@@ -546,6 +546,59 @@ fn fuzz_random_graphs_with_state_replayed_equal_eager() -> Result<()> {
     Ok(())
 }
 
+/// Threads that compile, replay and drop CUDA-graph functions at once (captures take turns on
+/// the device; a graph dropped on one thread must not disturb another's capture): every value
+/// any of them returned equals eager's, checked after all of them finished.
+#[test]
+fn concurrent_captures_replays_and_drops_keep_every_value() -> Result<()> {
+    let shared_w = randn(&[48, 24], 900);
+    let shared = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), {
+        let w = shared_w.clone();
+        move |x: &Tensor| x.matmul(&w)?.relu()
+    });
+    let results: Vec<Vec<(Tensor, Tensor)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..4u64)
+            .map(|thread| {
+                let shared = &shared;
+                let shared_w = &shared_w;
+                s.spawn(move || -> Result<Vec<(Tensor, Tensor)>> {
+                    let mut got = vec![];
+                    for round in 0..6u64 {
+                        let seed = 1000 * thread + 10 * round;
+                        let (rows, cols) = (8 + 8 * thread as usize, 40 + 24 * round as usize);
+                        let (w, b) = (randn(&[cols, 16], seed), randn(&[16], seed + 1));
+                        let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), {
+                            let (w, b) = (w.clone(), b.clone());
+                            move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+                                let x = &xs[0];
+                                Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(&w)?.add(&b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
+                            }
+                        });
+                        for call in 0..4u64 {
+                            let x = randn(&[rows, cols], seed + 2 + call);
+                            let eager = kiln::no_grad(|| -> Result<Vec<Tensor>> {
+                                Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(&w)?.add(&b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
+                            })?;
+                            for (o, e) in f.call(&[x.clone()])?.into_iter().zip(eager) {
+                                got.push((o, e));
+                            }
+                            let xs = randn(&[rows, 48], seed + 7 + call);
+                            got.push((shared.call(&xs)?, kiln::no_grad(|| xs.matmul(shared_w)?.relu())?));
+                        }
+                        // `f` and its graph are dropped here, while other threads capture and replay.
+                    }
+                    Ok(got)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().expect("a worker panicked")).collect::<Result<Vec<_>>>()
+    })?;
+    for (o, e) in results.iter().flatten() {
+        assert_close(&vals(o), &vals(e), 1e-4, 1e-5);
+    }
+    Ok(())
+}
+
 #[test]
 fn compiled_on_the_cpu_and_tensors_of_another_device_error_clearly() {
     let f = compile(|x: &Tensor| x.add(&Tensor::ones(&[2], DType::F32, &Device::Cpu)?));

@@ -219,16 +219,16 @@ pub(crate) struct Graph {
 unsafe impl Send for Graph {}
 unsafe impl Sync for Graph {}
 
-/// Captures what `f` launches on `dev`'s stream (nothing runs) into a graph.
+/// Captures what `f` launches on `dev`'s stream (nothing runs) into a graph. A capture
+/// another thread has in progress on `dev` is waited for: captures take turns.
 #[track_caller]
 pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -> Result<(Graph, T)> {
-    dev.synchronize("graph capture")?;
-    let mut slot = dev.capture.lock();
-    if slot.is_some() {
-        return Err(Error::Compile("another thread is capturing a CUDA graph on this device".into()));
+    if capturing().is_some() {
+        return Err(Error::Compile("this thread is already capturing a CUDA graph".into()));
     }
-    *slot = Some(CapturePool::default());
-    drop(slot);
+    let _turn = dev.capture_turn.lock();
+    dev.synchronize("graph capture")?;
+    *dev.capture.lock() = Some(CapturePool::default());
     let launches = super::launch_count();
     let cs = &dev.capture_stream;
     let begun = cs.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
@@ -244,26 +244,26 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let ended = end_capture(dev, steps, r.is_ok());
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = super::launch_count() - launches;
-    let fail = |e: Error| {
-        // Nothing captured ran: the blocks go back.
-        let mut owned = dev.graph_blocks.lock();
-        for b in &pool.blocks {
-            owned.remove(&b.ptr);
+    let e = match (r, ended) {
+        (Ok(value), Ok((graph, exec))) => return Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
+        (Err(e), _) => e,
+        // The value's tensors go first: dropped while their blocks still belong to the graph,
+        // they give nothing back (the blocks go back once, below).
+        (Ok(value), Err(e)) => {
+            drop(value);
+            e
         }
-        drop(owned);
-        for b in &pool.blocks {
-            dev.release(*b);
-        }
-        Err(e)
     };
-    let value = match r {
-        Ok(v) => v,
-        Err(e) => return fail(e),
-    };
-    match ended {
-        Ok((graph, exec)) => Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
-        Err(e) => fail(e),
+    // Nothing captured ran: the blocks go back.
+    let mut owned = dev.graph_blocks.lock();
+    for b in &pool.blocks {
+        owned.remove(&b.ptr);
     }
+    drop(owned);
+    for b in &pool.blocks {
+        dev.release(*b);
+    }
+    Err(e)
 }
 
 /// Ends the capture on `dev`'s capture stream, lets its steps run side by side where they do
@@ -376,9 +376,10 @@ impl Graph {
 
 impl Drop for Graph {
     fn drop(&mut self) {
-        // Its kernels may still run: wait, then give its memory back.
+        // Its kernels may still run (replays run on `stream`): wait, then give its memory back.
+        // Not the capture stream: waiting on a stream another thread is capturing on would
+        // break that capture.
         let _ = self.dev.stream.synchronize();
-        let _ = self.dev.capture_stream.synchronize();
         // SAFETY: made by `end_capture`, destroyed once, after its last replay finished.
         unsafe {
             cudarc::driver::result::graph::exec_destroy(self.exec).ok();

@@ -122,13 +122,16 @@ pub(crate) struct CudaDevice {
     pending: Mutex<Vec<(cudarc::driver::CudaEvent, Box<dyn Send>)>>,
     alloc: Mutex<CachingAllocator<DriverAlloc>>,
     kernels: Mutex<HashMap<KernelKey, Kernel>>,
-    /// Zeroed u32 counters for one-launch split reductions (each kernel resets what it used).
-    counters: Mutex<Option<(Block, usize)>>,
+    /// Zeroed u32 counters for one-launch split reductions (each kernel resets what it used):
+    /// the newest last, every older set kept too (queued kernels and captured graphs use them).
+    counters: Mutex<Vec<(Block, usize)>>,
     /// Modules stay loaded for the context's lifetime (their functions are cached above).
     modules: Mutex<Vec<usize>>,
     pub(crate) blas: Mutex<Option<blas::Handle>>,
     /// The cuDNN handle and the convolution algorithms chosen per geometry.
     pub(crate) cudnn: Mutex<Option<cudnn::State>>,
+    /// Held for the whole of a CUDA graph's capture: captures on one device take turns.
+    pub(crate) capture_turn: Mutex<()>,
     /// While a CUDA graph is being captured: the blocks it allocates (they belong to the graph).
     pub(crate) capture: Mutex<Option<graph::CapturePool>>,
     /// Blocks owned by live graphs: the graph still reads and writes them at each replay, so a
@@ -207,10 +210,11 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         ctx,
         stream,
         kernels: Mutex::new(HashMap::new()),
-        counters: Mutex::new(None),
+        counters: Mutex::new(Vec::new()),
         modules: Mutex::new(Vec::new()),
         blas: Mutex::new(None),
         cudnn: Mutex::new(None),
+        capture_turn: Mutex::new(()),
         capture: Mutex::new(None),
         graph_blocks: Mutex::new(Default::default()),
         arch: format!("sm_{major}{minor}"),
@@ -297,21 +301,26 @@ impl CudaDevice {
 
     /// At least `n` zeroed u32 counters, kept for the device's lifetime (shared by every
     /// column reduction: a captured graph keeps those in order).
+    ///
+    /// They never come from a capture's pool, and a larger set does not free the older one:
+    /// graphs captured before may replay with it at any time.
     pub(crate) fn reduce_counters(self: &Arc<Self>, n: usize) -> Result<u64> {
         graph::note_shared_scratch();
         let mut c = self.counters.lock();
-        if let Some((b, len)) = *c {
+        if let Some(&(b, len)) = c.last() {
             if len >= n {
                 return Ok(b.ptr);
             }
-            // Queued kernels may still use the old counters: freed in stream order.
-            self.free(b);
         }
-        let len = n.max(1 << 14);
-        let b = self.alloc(len * 4)?;
-        // SAFETY: a fresh block of len * 4 bytes; ordered on the device's stream.
-        unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.work_stream().cu_stream()) }.map_err(|e| self.err("memset", e))?;
-        *c = Some((b, len));
+        let len = n.max(1 << 14).next_power_of_two();
+        let b = self.alloc_block(len * 4)?;
+        // Zeroed for real before any kernel can use them (a capture in progress on this thread
+        // must not take the memset into its graph): on the copy stream, waited for. Rare.
+        self.bind()?;
+        // SAFETY: a fresh block of len * 4 bytes.
+        unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.copy_stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
+        self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
+        c.push((b, len));
         Ok(b.ptr)
     }
 
@@ -434,7 +443,8 @@ impl CudaDevice {
         self.bind()?;
         self.stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
-        self.pending.lock().clear();
+        // Not `clear`: another thread may have queued a copy since the waits above.
+        self.pending.lock().retain(|(e, _)| !e.is_complete());
         ERROR_WORDS.with(|w| w.borrow().get(&self.ordinal).map_or(Ok(()), |w| w.take()))
     }
 
