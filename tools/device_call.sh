@@ -224,11 +224,12 @@ if [[ " $* " == *" wgmma "* ]]; then
 fi
 if [[ " $* " == *" stress "* ]]; then
   # The compile tests alone, twelve times: many threads capturing and replaying CUDA graphs at
-  # once (on the H200 3 runs in 12 aborted on a block the caching allocator saw freed twice,
-  # and replay tests failed in others; the same with the build of 87265ac).
+  # once (before captures took turns, 1-3 runs in 12 aborted on a block the caching allocator
+  # saw freed twice, and replay tests failed in others).
   for i in $(seq 1 12); do bash .gpu/run.sh /tmp/s$i ${STRESS_FILTER:-compile::} > /dev/null 2>&1
     echo "run $i: $(grep -E '^test result' /tmp/s$i/gpu-tests.log | head -1 | cut -c1-50) $(grep -E '^test .* FAILED' /tmp/s$i/gpu-tests.log | cut -c1-90 | tr '\n' ' ')"
-    grep -h "freed twice" /tmp/s$i/gpu-tests.log | head -1; done
+    grep -h "freed twice" /tmp/s$i/gpu-tests.log | head -1
+    grep -h -A3 "panicked at" /tmp/s$i/gpu-tests.log | cut -c1-300 | head -12; done
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then

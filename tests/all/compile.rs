@@ -546,46 +546,52 @@ fn fuzz_random_graphs_with_state_replayed_equal_eager() -> Result<()> {
     Ok(())
 }
 
-/// Threads that compile, replay and drop CUDA-graph functions at once (captures take turns on
-/// the device; a graph dropped on one thread must not disturb another's capture): every value
-/// any of them returned equals eager's, checked after all of them finished.
-#[test]
-fn concurrent_captures_replays_and_drops_keep_every_value() -> Result<()> {
+/// Four threads at once, each making and dropping functions of `mode` (None: eager code alone),
+/// calling them and one function they share: every value any of them got equals the eager
+/// value computed beside it, checked after all of them finished (so a value overwritten later
+/// is caught too).
+fn concurrent_calls_keep_every_value(mode: Option<Mode>) -> Result<()> {
+    fn three(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Vec<Tensor>> {
+        Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(w)?.add(b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
+    }
     let shared_w = randn(&[48, 24], 900);
-    let shared = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), {
+    let shared = mode.map(|mode| {
         let w = shared_w.clone();
-        move |x: &Tensor| x.matmul(&w)?.relu()
+        compile_with(CompileOptions::new().mode(mode), move |x: &Tensor| x.matmul(&w)?.relu())
     });
-    let results: Vec<Vec<(Tensor, Tensor)>> = std::thread::scope(|s| {
+    type Got = Vec<(String, Tensor, Tensor)>;
+    let results: Vec<Got> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..4u64)
             .map(|thread| {
-                let shared = &shared;
-                let shared_w = &shared_w;
-                s.spawn(move || -> Result<Vec<(Tensor, Tensor)>> {
+                let (shared, shared_w) = (&shared, &shared_w);
+                s.spawn(move || -> Result<Got> {
                     let mut got = vec![];
                     for round in 0..6u64 {
                         let seed = 1000 * thread + 10 * round;
                         let (rows, cols) = (8 + 8 * thread as usize, 40 + 24 * round as usize);
                         let (w, b) = (randn(&[cols, 16], seed), randn(&[16], seed + 1));
-                        let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), {
+                        let f = mode.map(|mode| {
                             let (w, b) = (w.clone(), b.clone());
-                            move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-                                let x = &xs[0];
-                                Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(&w)?.add(&b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
-                            }
+                            compile_with(CompileOptions::new().mode(mode), move |xs: &[Tensor]| three(&xs[0], &w, &b))
                         });
                         for call in 0..4u64 {
                             let x = randn(&[rows, cols], seed + 2 + call);
-                            let eager = kiln::no_grad(|| -> Result<Vec<Tensor>> {
-                                Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(&w)?.add(&b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
-                            })?;
-                            for (o, e) in f.call(&[x.clone()])?.into_iter().zip(eager) {
-                                got.push((o, e));
+                            let eager = kiln::no_grad(|| three(&x, &w, &b))?;
+                            let outs = match &f {
+                                Some(f) => f.call(&[x.clone()])?,
+                                None => three(&x, &w, &b)?,
+                            };
+                            for (i, (o, e)) in outs.into_iter().zip(eager).enumerate() {
+                                got.push((format!("thread {thread} round {round} call {call} output {i}"), o, e));
                             }
                             let xs = randn(&[rows, 48], seed + 7 + call);
-                            got.push((shared.call(&xs)?, kiln::no_grad(|| xs.matmul(shared_w)?.relu())?));
+                            let o = match shared {
+                                Some(g) => g.call(&xs)?,
+                                None => xs.matmul(shared_w)?.relu()?,
+                            };
+                            got.push((format!("thread {thread} round {round} call {call} shared"), o, kiln::no_grad(|| xs.matmul(shared_w)?.relu())?));
                         }
-                        // `f` and its graph are dropped here, while other threads capture and replay.
+                        // `f` (and its graphs) are dropped here, while other threads run theirs.
                     }
                     Ok(got)
                 })
@@ -593,10 +599,32 @@ fn concurrent_captures_replays_and_drops_keep_every_value() -> Result<()> {
             .collect();
         workers.into_iter().map(|w| w.join().expect("a worker panicked")).collect::<Result<Vec<_>>>()
     })?;
-    for (o, e) in results.iter().flatten() {
-        assert_close(&vals(o), &vals(e), 1e-4, 1e-5);
+    let mut wrong = vec![];
+    for (what, o, e) in results.iter().flatten() {
+        let (o, e) = (vals(o), vals(e));
+        if let Some(i) = (0..o.len()).find(|&i| (o[i] - e[i]).abs() > 1e-5 + 1e-4 * e[i].abs()) {
+            wrong.push(format!("{what}: element {i} of {} is {}, eager {}", o.len(), o[i], e[i]));
+        }
     }
+    assert!(wrong.is_empty(), "{} of {} values differ:\n{}", wrong.len(), results.iter().flatten().count(), wrong[..wrong.len().min(12)].join("\n"));
     Ok(())
+}
+
+#[test]
+fn concurrent_eager_calls_keep_every_value() -> Result<()> {
+    concurrent_calls_keep_every_value(None)
+}
+
+#[test]
+fn concurrent_compiled_calls_keep_every_value() -> Result<()> {
+    concurrent_calls_keep_every_value(Some(Mode::Default))
+}
+
+/// Captures take turns on the device; a graph dropped on one thread must not disturb another's
+/// capture.
+#[test]
+fn concurrent_captures_replays_and_drops_keep_every_value() -> Result<()> {
+    concurrent_calls_keep_every_value(Some(Mode::ReduceOverhead))
 }
 
 #[test]
