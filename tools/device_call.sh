@@ -7,7 +7,7 @@
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), stress (the compile tests twelve times),
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -230,6 +230,19 @@ if [[ " $* " == *" stress "* ]]; then
     echo "run $i: $(grep -E '^test result' /tmp/s$i/gpu-tests.log | head -1 | cut -c1-50) $(grep -E '^test .* FAILED' /tmp/s$i/gpu-tests.log | cut -c1-90 | tr '\n' ' ')"
     grep -h "freed twice" /tmp/s$i/gpu-tests.log | head -1
     grep -h -A3 "panicked at" /tmp/s$i/gpu-tests.log | cut -c1-300 | head -12; done
+fi
+if [[ " $* " == *" concurrency "* ]]; then
+  # The concurrency tests of compile:: alone, each a few times (four threads inside each), the
+  # graph ones also with captured order kept; then all of them side by side.
+  bin=$(ls .gpu/tests/all-* | head -1)
+  one() { out=$(KILN_TEST_DEVICE=cuda RUST_BACKTRACE=0 "$@" 2>&1); echo "  $(echo "$out" | grep -E '^test result' | cut -c1-40)"; echo "$out" | grep -E 'values differ|^thread .* (eager|compiled|captures|replays)|panicked' -A7 | grep -v "^note:" | cut -c1-200 | head -9; }
+  for name in concurrent_eager concurrent_compiled; do echo "$name"; one $bin compile::$name --test-threads=1; done
+  for knob in NONE=1 KILN_TEST_WORKERS=1 KILN_TEST_WORKERS=2 KILN_GRAPH_BRANCHES=0 KILN_BLAS_DEBUG=private-ws KILN_BLAS_DEBUG=no-lt CUDA_MODULE_LOADING=EAGER; do
+    for i in 1 2 3; do echo "concurrent_captures $knob $i"; one env $knob $bin compile::concurrent_captures; done
+  done
+  KILN_TEST_DEVICE=cuda KILN_LOG=recompiles $bin compile::concurrent_captures > $OUT/captures-log.txt 2>&1
+  grep -oE "no CUDA graph.*|copied around.*|captured a CUDA graph of [0-9]+ kernels" $OUT/captures-log.txt | cut -c1-150 | sort | uniq -c | sort -rn | head
+  for i in 1 2; do echo "all concurrent_ $i"; one $bin concurrent_; done
 fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then

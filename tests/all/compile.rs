@@ -549,7 +549,7 @@ fn fuzz_random_graphs_with_state_replayed_equal_eager() -> Result<()> {
 /// Four threads at once, each making and dropping functions of `mode` (None: eager code alone),
 /// calling them and one function they share: every value any of them got equals the eager
 /// value computed beside it, checked after all of them finished (so a value overwritten later
-/// is caught too).
+/// is caught too). `KILN_TEST_WORKERS` sets another number of threads.
 fn concurrent_calls_keep_every_value(mode: Option<Mode>) -> Result<()> {
     fn three(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Vec<Tensor>> {
         Ok(vec![F::softmax(&x.exp()?, -1)?, x.matmul(w)?.add(b)?.relu()?, x.mul_scalar(3.0)?.sum(&[0], false)?])
@@ -561,7 +561,8 @@ fn concurrent_calls_keep_every_value(mode: Option<Mode>) -> Result<()> {
     });
     type Got = Vec<(String, Tensor, Tensor)>;
     let results: Vec<Got> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..4u64)
+        let n: u64 = std::env::var("KILN_TEST_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
+        let workers: Vec<_> = (0..n)
             .map(|thread| {
                 let (shared, shared_w) = (&shared, &shared_w);
                 s.spawn(move || -> Result<Got> {

@@ -239,7 +239,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         *guard = Some(Handle::new(dev)?);
     }
     let h = guard.as_mut().expect("created above");
-    let call = Call { pa, pb, out: out.ptr(), ws: h.ws, stream: dev.work_stream().cu_stream() as ls::cudaStream_t, f64: dtype == DType::F64 };
+    let call = Call { pa, pb, out: out.ptr(), ws: h.ws, ws_bytes: WORKSPACE, stream: dev.work_stream().cu_stream() as ls::cudaStream_t, f64: dtype == DType::F64 };
     let _rec = crate::profiler::blas(dev, dtype, epilogue.suffix());
     if let Some(lt) = h.lt {
         let planned = match h.problems.entry(p.clone()) {
@@ -275,12 +275,20 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
             }
         };
         if let Some(algo) = algo {
-            // A captured call whose algorithm uses the shared workspace stays in order with the
-            // graph's other library calls; one without may run beside them.
+            // A captured call takes the workspace its algorithm needs from the graph's own
+            // memory, never the device's shared one: captured products that shared it with other
+            // threads' products and graphs computed wrong values (four threads capturing,
+            // replaying and calling at once; gone with a workspace per call).
             // SAFETY: live handle and descriptors.
-            if super::graph::capturing().is_some() && unsafe { workspace_of(lt, &planned.descs, &algo) } != Some(0) {
-                super::graph::note_shared_scratch();
-            }
+            // (All of it when cuBLASLt does not say how much.)
+            let own_ws = match super::graph::capturing().map(|_| unsafe { workspace_of(lt, &planned.descs, &algo) }.unwrap_or(WORKSPACE)) {
+                Some(bytes) if bytes > 0 => Some(CudaStorage::new(dev, DType::U8, bytes)?),
+                _ => None,
+            };
+            let call = match &own_ws {
+                Some(w) => Call { ws: w.ptr(), ws_bytes: w.len, ..call },
+                None => call,
+            };
             // SAFETY: pointers and layouts describe live buffers of these shapes; the workspace
             // and the stream outlive the call.
             match unsafe { lt_run(lt, &planned.descs, &algo, &call) } {
@@ -303,11 +311,13 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
 }
 
 /// The addresses and stream of one product.
+#[derive(Clone, Copy)]
 struct Call {
     pa: u64,
     pb: u64,
     out: u64,
     ws: u64,
+    ws_bytes: usize,
     stream: ls::cudaStream_t,
     f64: bool,
 }
@@ -581,7 +591,7 @@ unsafe fn lt_run(lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo, c: &Call) -> 
             d.c,
             algo,
             c.ws as *mut c_void,
-            WORKSPACE,
+            c.ws_bytes,
             c.stream,
         )
     })

@@ -402,9 +402,8 @@ impl Drop for Graph {
 pub(crate) struct Footprint {
     pub(crate) reads: Vec<(u64, u64)>,
     pub(crate) writes: Vec<(u64, u64)>,
-    /// Uses scratch memory shared across calls (cuBLAS's workspace, a cuBLASLt algorithm
-    /// that needs it, the column reductions' counters): such steps stay in order among
-    /// themselves.
+    /// Uses scratch memory shared across calls (cuBLAS's workspace, the column reductions'
+    /// counters): such steps stay in order among themselves.
     pub(crate) shared: bool,
     /// Waits for every earlier step, and every later step waits for it: for work whose memory
     /// is not known (an eager op, a copy with addresses set at each replay).
