@@ -180,6 +180,28 @@ fn index_out_of_range() {
     assert!(matches!(e, Error::Index { op: "one_hot", index: -1, .. }), "{e:?}");
 }
 
+/// A bad index a thread never read about (it ended first) does not surface in another thread
+/// (on a GPU the ended thread's error word goes to the next thread that needs one).
+#[test]
+fn an_unread_index_error_does_not_reach_another_thread() {
+    let x = t(&[1.0, 2.0, 3.0], &[3], DType::F32);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let bad = Tensor::from_vec(vec![7i64], &[1], &dev()).unwrap();
+            let _ = x.index_select(0, &bad);
+        });
+    });
+    let got = std::thread::scope(|s| {
+        s.spawn(|| {
+            let ok = Tensor::from_vec(vec![2i64, 0], &[2], &dev()).unwrap();
+            x.index_select(0, &ok).and_then(|y| y.to_device(&Device::Cpu))
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(vals(&got.expect("no error of the ended thread")), vec![3.0, 1.0]);
+}
+
 // ---------------------------------------------------------------- arguments
 
 #[test]

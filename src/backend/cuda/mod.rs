@@ -445,7 +445,7 @@ impl CudaDevice {
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         // Not `clear`: another thread may have queued a copy since the waits above.
         self.pending.lock().retain(|(e, _)| !e.is_complete());
-        ERROR_WORDS.with(|w| w.borrow().get(&self.ordinal).map_or(Ok(()), |w| w.take()))
+        ERROR_WORDS.with(|w| w.borrow().0.get(&self.ordinal).map_or(Ok(()), |w| w.take()))
     }
 
     /// The device address where this thread's kernels report bad indices: each thread has its
@@ -453,13 +453,27 @@ impl CudaDevice {
     pub(crate) fn error_word(&self) -> Result<u64> {
         ERROR_WORDS.with(|w| {
             let mut w = w.borrow_mut();
-            if let Some(e) = w.get(&self.ordinal) {
+            if let Some(e) = w.0.get(&self.ordinal) {
                 return Ok(e.dev_ptr);
             }
-            self.bind()?;
-            let e = ErrorWord::new().map_err(|e| self.err("error word", e))?;
+            // One whose thread's kernels have all run (none can still write into it).
+            let spare = {
+                let mut spare = SPARE_WORDS.lock();
+                let done = |(d, _, after): &(usize, ErrorWord, Option<cudarc::driver::CudaEvent>)| *d == self.ordinal && after.as_ref().is_some_and(|e| e.is_complete());
+                spare.iter().position(done).map(|i| spare.swap_remove(i).1)
+            };
+            let e = match spare {
+                Some(e) => {
+                    e.clear();
+                    e
+                }
+                None => {
+                    self.bind()?;
+                    ErrorWord::new().map_err(|e| self.err("error word", e))?
+                }
+            };
             let p = e.dev_ptr;
-            w.insert(self.ordinal, e);
+            w.0.insert(self.ordinal, e);
             Ok(p)
         })
     }
@@ -599,6 +613,7 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
 
 /// Three i64 words of mapped host memory that kernels set on an out-of-range index:
 /// [which op (an `INDEX_OPS` position + 1), the index, the size]. Only the first error is kept.
+/// Allocated once and kept for the process's lifetime (see `ThreadWords`).
 struct ErrorWord {
     host: *mut i64,
     dev_ptr: u64,
@@ -607,15 +622,30 @@ struct ErrorWord {
 unsafe impl Send for ErrorWord {}
 unsafe impl Sync for ErrorWord {}
 
-impl Drop for ErrorWord {
+/// A thread's error words, by device. When the thread ends they go to `SPARE_WORDS` for the
+/// next thread, never back to the driver: a CUDA graph the thread captured keeps their
+/// addresses and may be replayed after it ended (so an error there reaches whichever thread
+/// holds the word next, rather than freed memory), and freeing page-locked memory would wait
+/// for the device.
+struct ThreadWords(HashMap<usize, ErrorWord>);
+
+impl Drop for ThreadWords {
     fn drop(&mut self) {
-        // SAFETY: allocated by malloc_host in `new`.
-        let _ = unsafe { dr::free_host(self.host as *mut std::ffi::c_void) };
+        // Each with an event after the thread's last kernels, which may still report into it.
+        let words = self.0.drain().map(|(d, w)| {
+            let after = DEVICES.get().and_then(|m| m.lock().get(&d).cloned()).and_then(|dev| dev.stream.record_event(None).ok());
+            (d, w, after)
+        });
+        SPARE_WORDS.lock().extend(words.collect::<Vec<_>>());
     }
 }
 
+/// Error words of threads that ended, each with an event its last kernels came before (None
+/// where it could not be recorded: never handed out again).
+static SPARE_WORDS: Mutex<Vec<(usize, ErrorWord, Option<cudarc::driver::CudaEvent>)>> = Mutex::new(Vec::new());
+
 thread_local! {
-    static ERROR_WORDS: std::cell::RefCell<HashMap<usize, ErrorWord>> = std::cell::RefCell::new(HashMap::new());
+    static ERROR_WORDS: std::cell::RefCell<ThreadWords> = std::cell::RefCell::new(ThreadWords(HashMap::new()));
 }
 
 /// Ops whose kernels report bad indices, by code.
@@ -631,6 +661,11 @@ impl ErrorWord {
             ds::cuMemHostGetDevicePointer_v2(&mut dev_ptr, host as *mut _, 0).result().map_err(|e| e.0)?;
             Ok(ErrorWord { host, dev_ptr })
         }
+    }
+    /// Forgets an error a thread that ended never read.
+    fn clear(&self) {
+        // SAFETY: three live words; volatile, as the device writes them behind the compiler's back.
+        unsafe { (0..3).for_each(|i| std::ptr::write_volatile(self.host.add(i), 0)) }
     }
     fn take(&self) -> Result<()> {
         // SAFETY: the device finished writing (the caller synchronised); volatile, as the device
