@@ -97,8 +97,8 @@ unsafe impl Send for Handle {}
 
 impl Handle {
     fn new(dev: &Arc<CudaDevice>) -> Result<Handle> {
-        // A workspace of our own, taken outside any capture pool: the libraries then allocate
-        // nothing while a CUDA graph is captured, and a graph never owns it.
+        // The workspace of uncaptured cuBLASLt products (and max-autotune's timing), outside
+        // any capture pool; a captured product takes its own from the graph's memory.
         let ws = dev.alloc_block(WORKSPACE)?;
         // SAFETY: probing and creating a handle; the library is loaded only when present.
         let lt = if unsafe { ls::is_culib_present() } {
@@ -118,12 +118,10 @@ impl Handle {
         if let Some(h) = self.blas {
             return Ok(h);
         }
+        // cuBLAS keeps a workspace per stream itself (`cublasSetStream`, called before each
+        // product, would undo a workspace set here): the capture stream's is shared by every
+        // graph, so captured cuBLAS products stay in order among themselves.
         let handle = br::create_handle().map_err(|e| dev.err("cublasCreate", e))?;
-        // SAFETY: `ws` holds WORKSPACE bytes and is never freed while the handle lives.
-        let st = unsafe { bs::cublasSetWorkspace_v2(handle, self.ws as *mut c_void, WORKSPACE) };
-        if st != bs::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-            return Err(dev.err("cublasSetWorkspace", st));
-        }
         self.blas = Some(handle);
         Ok(handle)
     }
