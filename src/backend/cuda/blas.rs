@@ -76,7 +76,7 @@ struct Problem {
 pub(crate) struct Handle {
     lt: Option<ls::cublasLtHandle_t>,
     blas: Option<bs::cublasHandle_t>,
-    /// The workspace both libraries use (kept for the device's lifetime).
+    /// cuBLASLt's workspace outside graph captures (kept for the device's lifetime).
     ws: u64,
     /// What cuBLASLt needs per problem, made on its first call.
     problems: HashMap<Problem, Planned>,
