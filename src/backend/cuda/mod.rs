@@ -315,8 +315,11 @@ impl CudaDevice {
         let len = n.max(1 << 14).next_power_of_two();
         let b = self.alloc_block(len * 4)?;
         // Zeroed for real before any kernel can use them (a capture in progress on this thread
-        // must not take the memset into its graph): on the copy stream, waited for. Rare.
+        // must not take the memset into its graph): on the copy stream, waited for. Rare. The
+        // copy stream first waits for work queued on the device's stream, which may still
+        // write the block's last owner's data (the allocator reuses blocks in that order).
         self.bind()?;
+        self.copy_stream.join(&self.stream).map_err(|e| self.err("stream wait", e))?;
         // SAFETY: a fresh block of len * 4 bytes.
         unsafe { dr::memset_d8_async(b.ptr, 0, len * 4, self.copy_stream.cu_stream()) }.map_err(|e| self.err("memset", e))?;
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
