@@ -202,6 +202,25 @@ fn an_unread_index_error_does_not_reach_another_thread() {
     assert_eq!(vals(&got.expect("no error of the ended thread")), vec![3.0, 1.0]);
 }
 
+/// A bad index inside a replayed CUDA graph (a reduce-overhead function) reaches the thread
+/// that replayed it, not the thread that captured the graph.
+#[test]
+fn a_bad_index_in_a_replay_reaches_the_replaying_thread() {
+    use kiln::compile::{compile_with, CompileOptions, Mode};
+    let x = t(&[1.0, 2.0, 3.0], &[3], DType::F32);
+    let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |i: &Tensor| x.index_select(0, i));
+    let idx = |v: Vec<i64>| Tensor::from_vec(v, &[2], &dev()).unwrap();
+    let read = |r: kiln::Result<Tensor>| r.and_then(|y| y.to_device(&Device::Cpu));
+    // The first call compiles, the second captures the graph, here.
+    for _ in 0..2 {
+        assert_eq!(vals(&read(f.call(&idx(vec![2, 0]))).unwrap()), vec![3.0, 1.0]);
+    }
+    let got = std::thread::scope(|s| s.spawn(|| read(f.call(&idx(vec![1, 7])))).join().unwrap());
+    let e = got.expect_err("the replaying thread gets the error");
+    assert!(matches!(e, Error::Index { op: "index_select", index: 7, size: 3 }), "{e:?}");
+    assert_eq!(vals(&read(f.call(&idx(vec![0, 1]))).expect("no error for the capturing thread")), vec![1.0, 2.0]);
+}
+
 // ---------------------------------------------------------------- arguments
 
 #[test]

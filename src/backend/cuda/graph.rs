@@ -9,7 +9,7 @@
 //! product, the updates of different parameters — run side by side at each replay.
 
 use super::alloc::Block;
-use super::CudaDevice;
+use super::{CudaDevice, ErrorWord};
 use crate::{Error, Result};
 use cudarc::driver::sys as ds;
 use std::sync::Arc;
@@ -21,6 +21,8 @@ thread_local! {
     static CAPTURED: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
     /// The steps captured so far: the nodes each ended on, and what it touched.
     static STEPS: std::cell::RefCell<Steps> = std::cell::RefCell::new(Steps::default());
+    /// The error word of the graph being captured (its kernels report bad indices there).
+    static CAPTURE_WORD: std::cell::RefCell<Option<Arc<ErrorWord>>> = const { std::cell::RefCell::new(None) };
 }
 
 /// The steps of the capture in progress.
@@ -182,6 +184,14 @@ pub(crate) fn capturing() -> Option<usize> {
     CAPTURING.with(|c| c.get())
 }
 
+/// The device address of the error word of the graph this thread is capturing on `ordinal`.
+pub(crate) fn capture_error_word(ordinal: usize) -> Option<u64> {
+    if capturing() != Some(ordinal) {
+        return None;
+    }
+    CAPTURE_WORD.with(|w| w.borrow().as_ref().map(|w| w.dev_ptr))
+}
+
 /// The blocks a capture allocated, and those of them free again for later steps of the capture.
 #[derive(Default)]
 pub(crate) struct CapturePool {
@@ -212,6 +222,9 @@ pub(crate) struct Graph {
     pub(crate) kernels: u64,
     /// What the profiler shows for each replay: the captured kernels and library calls.
     work: Vec<String>,
+    /// Where its kernels report bad indices; a replaying thread reads it at its next
+    /// synchronisation.
+    word: Arc<ErrorWord>,
 }
 
 // SAFETY: the graph handles are used under the caller's lock, from any thread that binds the
@@ -228,6 +241,8 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     }
     let _turn = dev.capture_turn.lock();
     dev.synchronize("graph capture")?;
+    let word = dev.new_error_word()?;
+    CAPTURE_WORD.with(|w| *w.borrow_mut() = Some(word.clone()));
     *dev.capture.lock() = Some(CapturePool::default());
     let launches = super::launch_count();
     let cs = &dev.capture_stream;
@@ -239,13 +254,14 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     // Whatever was captured after the last step the program marked comes last.
     end_step(|| Footprint::barrier("the call's end"));
     CAPTURING.with(|c| c.set(None));
+    CAPTURE_WORD.with(|w| w.borrow_mut().take());
     let work = CAPTURED.with(|c| std::mem::take(&mut *c.borrow_mut()));
     let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let ended = end_capture(dev, steps, r.is_ok());
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = super::launch_count() - launches;
     let e = match (r, ended) {
-        (Ok(value), Ok((graph, exec))) => return Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work }, value)),
+        (Ok(value), Ok((graph, exec))) => return Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value)),
         (Err(e), _) => e,
         // The value's tensors go first: dropped while their blocks still belong to the graph,
         // they give nothing back (the blocks go back once, below).
@@ -254,7 +270,8 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
             e
         }
     };
-    // Nothing captured ran: the blocks go back.
+    // Nothing captured ran: the blocks and the word go back.
+    dev.retire_error_word(word);
     let mut owned = dev.graph_blocks.lock();
     for b in &pool.blocks {
         owned.remove(&b.ptr);
@@ -369,6 +386,7 @@ impl Graph {
         // SAFETY: a live instantiated graph; its buffers belong to it or to tensors it keeps.
         unsafe { cudarc::driver::result::graph::launch(self.exec, self.dev.stream.cu_stream()) }
             .map_err(|e| self.dev.err("graph launch", e))?;
+        super::note_replayed_word(self.dev.ordinal, &self.word);
         super::count_launches(self.kernels);
         Ok(())
     }
@@ -393,6 +411,8 @@ impl Drop for Graph {
         for b in &self.blocks {
             self.dev.release(*b);
         }
+        // Reused once no thread that replayed the graph still means to read it.
+        self.dev.retire_error_word(self.word.clone());
     }
 }
 

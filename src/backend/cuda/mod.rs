@@ -448,37 +448,63 @@ impl CudaDevice {
         self.copy_stream.synchronize().map_err(|e| self.err("synchronize", e))?;
         // Not `clear`: another thread may have queued a copy since the waits above.
         self.pending.lock().retain(|(e, _)| !e.is_complete());
-        ERROR_WORDS.with(|w| w.borrow().0.get(&self.ordinal).map_or(Ok(()), |w| w.take()))
+        let own = ERROR_WORDS.with(|w| w.borrow().0.get(&self.ordinal).map_or(Ok(()), |w| w.take()));
+        // Then the words of the graphs this thread replayed since its last synchronisation.
+        let replayed = REPLAYED.with(|r| {
+            let mut r = r.borrow_mut();
+            let mine = r.iter().filter(|(d, _)| *d == self.ordinal).map(|(_, w)| w.take()).collect::<Vec<_>>();
+            r.retain(|(d, _)| *d != self.ordinal);
+            mine
+        });
+        replayed.into_iter().fold(own, |first, r| first.and(r))
     }
 
     /// The device address where this thread's kernels report bad indices: each thread has its
     /// own, so an error reaches the thread that launched the op, at its next synchronisation.
+    /// While the thread captures a CUDA graph, the graph's own word instead: an error in a
+    /// replay reaches the thread that replayed it.
     pub(crate) fn error_word(&self) -> Result<u64> {
+        if let Some(p) = graph::capture_error_word(self.ordinal) {
+            return Ok(p);
+        }
         ERROR_WORDS.with(|w| {
             let mut w = w.borrow_mut();
             if let Some(e) = w.0.get(&self.ordinal) {
                 return Ok(e.dev_ptr);
             }
-            // One whose thread's kernels have all run (none can still write into it).
-            let spare = {
-                let mut spare = SPARE_WORDS.lock();
-                let done = |(d, _, after): &(usize, ErrorWord, Option<cudarc::driver::CudaEvent>)| *d == self.ordinal && after.as_ref().is_some_and(|e| e.is_complete());
-                spare.iter().position(done).map(|i| spare.swap_remove(i).1)
-            };
-            let e = match spare {
-                Some(e) => {
-                    e.clear();
-                    e
-                }
-                None => {
-                    self.bind()?;
-                    ErrorWord::new().map_err(|e| self.err("error word", e))?
-                }
-            };
+            let e = self.new_error_word()?;
             let p = e.dev_ptr;
             w.0.insert(self.ordinal, e);
             Ok(p)
         })
+    }
+
+    /// A cleared error word: a spare one no kernel can still write into (its last user's
+    /// kernels have all run, and no thread still means to read it), else a new one.
+    pub(crate) fn new_error_word(&self) -> Result<Arc<ErrorWord>> {
+        let spare = {
+            let mut spare = SPARE_WORDS.lock();
+            let done = |(d, w, after): &(usize, Arc<ErrorWord>, Option<cudarc::driver::CudaEvent>)| {
+                *d == self.ordinal && Arc::strong_count(w) == 1 && after.as_ref().is_some_and(|e| e.is_complete())
+            };
+            spare.iter().position(done).map(|i| spare.swap_remove(i).1)
+        };
+        match spare {
+            Some(e) => {
+                e.clear();
+                Ok(e)
+            }
+            None => {
+                self.bind()?;
+                Ok(Arc::new(ErrorWord::new().map_err(|e| self.err("error word", e))?))
+            }
+        }
+    }
+
+    /// Gives an error word back for later reuse, once the work queued so far has run.
+    pub(crate) fn retire_error_word(&self, w: Arc<ErrorWord>) {
+        let after = self.stream.record_event(None).ok();
+        SPARE_WORDS.lock().push((self.ordinal, w, after));
     }
 
     /// Copies `bytes` from host memory at `src` (pinned, and kept alive by `keep` until the copy
@@ -617,7 +643,7 @@ pub fn kernel_cache_dir() -> Option<std::path::PathBuf> {
 /// Three i64 words of mapped host memory that kernels set on an out-of-range index:
 /// [which op (an `INDEX_OPS` position + 1), the index, the size]. Only the first error is kept.
 /// Allocated once and kept for the process's lifetime (see `ThreadWords`).
-struct ErrorWord {
+pub(crate) struct ErrorWord {
     host: *mut i64,
     dev_ptr: u64,
 }
@@ -626,11 +652,9 @@ unsafe impl Send for ErrorWord {}
 unsafe impl Sync for ErrorWord {}
 
 /// A thread's error words, by device. When the thread ends they go to `SPARE_WORDS` for the
-/// next thread, never back to the driver: a CUDA graph the thread captured keeps their
-/// addresses and may be replayed after it ended (so an error there reaches whichever thread
-/// holds the word next, rather than freed memory), and freeing page-locked memory would wait
-/// for the device.
-struct ThreadWords(HashMap<usize, ErrorWord>);
+/// next thread, never back to the driver: freeing page-locked memory would wait for the whole
+/// device, which breaks a capture another thread has in progress.
+struct ThreadWords(HashMap<usize, Arc<ErrorWord>>);
 
 impl Drop for ThreadWords {
     fn drop(&mut self) {
@@ -643,12 +667,25 @@ impl Drop for ThreadWords {
     }
 }
 
-/// Error words of threads that ended, each with an event its last kernels came before (None
-/// where it could not be recorded: never handed out again).
-static SPARE_WORDS: Mutex<Vec<(usize, ErrorWord, Option<cudarc::driver::CudaEvent>)>> = Mutex::new(Vec::new());
+/// Error words of threads that ended and of graphs dropped, each with an event its last
+/// kernels came before (None where it could not be recorded: never handed out again).
+static SPARE_WORDS: Mutex<Vec<(usize, Arc<ErrorWord>, Option<cudarc::driver::CudaEvent>)>> = Mutex::new(Vec::new());
 
 thread_local! {
     static ERROR_WORDS: std::cell::RefCell<ThreadWords> = std::cell::RefCell::new(ThreadWords(HashMap::new()));
+    /// The error words of the graphs this thread replayed since its last synchronisation, by
+    /// device: read there beside its own.
+    static REPLAYED: std::cell::RefCell<Vec<(usize, Arc<ErrorWord>)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Notes that this thread replayed a graph whose kernels report into `w`.
+pub(crate) fn note_replayed_word(ordinal: usize, w: &Arc<ErrorWord>) {
+    REPLAYED.with(|r| {
+        let mut r = r.borrow_mut();
+        if !r.iter().any(|(d, x)| *d == ordinal && Arc::ptr_eq(x, w)) {
+            r.push((ordinal, w.clone()));
+        }
+    });
 }
 
 /// Ops whose kernels report bad indices, by code.
