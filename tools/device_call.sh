@@ -4,7 +4,7 @@
 # Sections: cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
-# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), final
+# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
@@ -141,6 +141,28 @@ PY
   rm -f $OUT/k-*.json $OUT/t-*.json  # (merged above; fewer files come back)
   python3 .gpu/bench/compare.py $OUT/torch.json $OUT/kiln.json | tee $OUT/compare.txt
   python3 -c "import json; d=json.load(open('$OUT/kiln.json')); cp=d['copy_GBps']; [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_us'))}, ('%.1f%% of copy' % (100*v['bytes']/(v['compiled_ms']/1e3)/1e9/cp)) if 'bytes' in v else '') for k,v in d['workloads'].items()]"
+fi
+if [[ " $* " == *" repeat "* ]]; then
+  # The pointwise and reduction rows in $REPEAT fresh kiln processes (default 5), each row as %
+  # of its own process's copy rate, then the median per row: the spread between processes
+  # (host work per call moves between them, tools/nvrtc/NOTES.md) against the 95% bar.
+  pin=${PIN-taskset -c 1-$(($(nproc) - 1))}
+  mkdir -p $OUT/repeat
+  for i in $(seq 1 ${REPEAT:-5}); do for w in pointwise reduction; do
+    KILN_CACHE_DIR=$(mktemp -d) timeout 250 $pin .gpu/bin/kiln bench --only $w --out $OUT/repeat/$w-$i.json > /dev/null 2>&1
+  done; done
+  python3 - $OUT/repeat <<'PY'
+import json, sys, glob, statistics
+rows = {}
+for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
+    d = json.load(open(f))
+    for k, v in d["workloads"].items():
+        rows.setdefault(k, []).append((100 * v["bytes"] / (v["compiled_ms"] / 1e3) / 1e9 / d["copy_GBps"], d["copy_GBps"], v["compiled_ms"], v["compiled_host_us"]))
+for k, rs in rows.items():
+    pct = [r[0] for r in rs]
+    print(f"{k:36s} median {statistics.median(pct):5.1f}% of copy | runs " + " ".join(f"{p:5.1f}" for p in pct)
+          + " | copy GB/s " + " ".join(f"{r[1]:.0f}" for r in rs) + " | ms " + " ".join(f"{r[2]:.4f}" for r in rs) + " | host us " + " ".join(f"{r[3]:.1f}" for r in rs))
+PY
 fi
 if [[ " $* " == *" bf16log "* ]]; then
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
