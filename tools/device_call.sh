@@ -157,11 +157,11 @@ rows = {}
 for f in sorted(glob.glob(sys.argv[1] + "/*.json")):
     d = json.load(open(f))
     for k, v in d["workloads"].items():
-        rows.setdefault(k, []).append((100 * v["bytes"] / (v["compiled_ms"] / 1e3) / 1e9 / d["copy_GBps"], d["copy_GBps"], v["compiled_ms"], v["compiled_host_us"]))
+        rows.setdefault(k, []).append((100 * v["bytes"] / (v["compiled_ms"] / 1e3) / 1e9 / d["copy_GBps"], d["copy_GBps"], v["compiled_ms"], v["compiled_host_us"], v["compiled_compile_s"]))
 for k, rs in rows.items():
     pct = [r[0] for r in rs]
     print(f"{k:36s} median {statistics.median(pct):5.1f}% of copy | runs " + " ".join(f"{p:5.1f}" for p in pct)
-          + " | copy GB/s " + " ".join(f"{r[1]:.0f}" for r in rs) + " | ms " + " ".join(f"{r[2]:.4f}" for r in rs) + " | host us " + " ".join(f"{r[3]:.1f}" for r in rs))
+          + " | copy GB/s " + " ".join(f"{r[1]:.0f}" for r in rs) + " | ms " + " ".join(f"{r[2]:.4f}" for r in rs) + " | host us " + " ".join(f"{r[3]:.1f}" for r in rs) + " | compile s " + " ".join(f"{r[4]:.3f}" for r in rs))
 PY
 fi
 if [[ " $* " == *" bf16log "* ]]; then
