@@ -24,6 +24,7 @@ pub use backend::cuda;
 mod device;
 mod dtype;
 mod error;
+mod files;
 pub(crate) mod layout;
 pub mod logging;
 pub mod nn;

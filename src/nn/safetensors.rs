@@ -54,12 +54,7 @@ pub fn save(sd: &[(String, Tensor)], path: &str) -> Result<()> {
         .map(|(n, t)| Ok((n.clone(), Bytes(st_dtype(t.dtype()), t.shape().to_vec(), host_bytes(t)?))))
         .collect::<Result<_>>()?;
     let bytes = safetensors::serialize(items.iter().map(|(n, b)| (n.as_str(), b)), None).map_err(|e| io(path, e))?;
-    let tmp = format!("{path}.tmp-{}", std::process::id());
-    std::fs::write(&tmp, bytes).map_err(|e| io(path, e))?;
-    std::fs::rename(&tmp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        io(path, e)
-    })
+    crate::files::write_atomically(std::path::Path::new(path), &bytes).map_err(|e| io(path, e))
 }
 
 fn typed<T: HostElem>(data: &[u8]) -> Vec<T> {

@@ -115,12 +115,7 @@ pub(crate) fn store(key: &str, value: &str) {
     let Some(path) = file_of(key) else { return };
     let Some(d) = path.parent() else { return };
     let _ = std::fs::create_dir_all(d);
-    // Unique per writer: two threads may store the same key at once.
-    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tmp = path.with_extension(format!("{}.{}.tmp", std::process::id(), WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    if std::fs::write(&tmp, format!("{key}\n{value}\n")).is_ok() {
-        let _ = std::fs::rename(&tmp, &path);
-    }
+    let _ = crate::files::write_atomically(&path, format!("{key}\n{value}\n").as_bytes());
 }
 
 /// Median device time (ms) of `f` on `dev` over a few runs after one warm-up. `None` when a run

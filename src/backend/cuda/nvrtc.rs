@@ -69,7 +69,7 @@ pub(crate) fn cubin(src: &str, options: &[String], ours: bool, arch: &str, drive
     let path = cache_dir().map(|d| d.join(format!("{key}.cubin")));
     if let Some(p) = &path {
         if let Ok(bytes) = std::fs::read(p) {
-            if !bytes.is_empty() {
+            if complete_elf(&bytes) {
                 DISK_HITS.fetch_add(1, Ordering::Relaxed);
                 return Ok((bytes, KernelSource::DiskCache));
             }
@@ -78,16 +78,42 @@ pub(crate) fn cubin(src: &str, options: &[String], ours: bool, arch: &str, drive
     let bytes = compile(src, options, ours, arch, device)?;
     COMPILED.fetch_add(1, Ordering::Relaxed);
     if let Some(p) = &path {
-        // Written to a temporary name and renamed, so a concurrent reader never sees half a file.
         if let Some(dir) = p.parent() {
             let _ = std::fs::create_dir_all(dir);
-            let tmp = dir.join(format!("{key}.{}.tmp", std::process::id()));
-            if std::fs::write(&tmp, &bytes).is_ok() {
-                let _ = std::fs::rename(&tmp, p);
-            }
+            // Whole or not at all: other threads and processes read the cache meanwhile.
+            let _ = crate::files::write_atomically(p, &bytes);
         }
     }
     Ok((bytes, KernelSource::Compiled))
+}
+
+/// Whether `bytes` hold a whole 64-bit little-endian ELF image (as NVRTC's cubins are): its
+/// headers and every section with contents lie inside. A cache file cut short (a full disk, a
+/// crashed writer) is compiled again rather than handed to the driver.
+fn complete_elf(bytes: &[u8]) -> bool {
+    let word = |at: u64, n: u64| {
+        let (at, n) = (usize::try_from(at).ok()?, n as usize);
+        bytes.get(at..at.checked_add(n)?).map(|b| b.iter().rev().fold(0u64, |v, &x| (v << 8) | x as u64))
+    };
+    let within = |off: u64, len: u64| off.checked_add(len).is_some_and(|end| end <= bytes.len() as u64);
+    if bytes.len() < 64 || &bytes[..4] != b"\x7fELF" || bytes[4] != 2 || bytes[5] != 1 {
+        return false;
+    }
+    let (Some(phoff), Some(shoff), Some(phsize), Some(phnum), Some(shsize), Some(shnum)) = (word(0x20, 8), word(0x28, 8), word(0x36, 2), word(0x38, 2), word(0x3a, 2), word(0x3c, 2)) else {
+        return false;
+    };
+    if !within(phoff, phsize * phnum) || !within(shoff, shsize * shnum) || (shnum > 0 && shsize < 0x28) {
+        return false;
+    }
+    // Section headers: type at 4, file offset at 0x18, size at 0x20; NOBITS (8) takes no space.
+    (0..shnum).all(|i| {
+        let h = shoff + i * shsize;
+        match (word(h + 4, 4), word(h + 0x18, 8), word(h + 0x20, 8)) {
+            (Some(8), _, _) => true,
+            (Some(_), Some(off), Some(size)) => within(off, size),
+            _ => false,
+        }
+    })
 }
 
 fn compile(src: &str, options: &[String], ours: bool, arch: &str, device: Device) -> Result<Vec<u8>> {
@@ -147,6 +173,26 @@ pub(crate) fn offending_lines(log: &str, src: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_cut_short_cache_file_is_not_an_image() {
+        // A minimal ELF64 image: header, one section of 16 bytes at 64, its header at 80.
+        let mut img = vec![0u8; 80 + 2 * 64];
+        img[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        img[0x28..0x30].copy_from_slice(&80u64.to_le_bytes());
+        img[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        img[0x3c..0x3e].copy_from_slice(&2u16.to_le_bytes());
+        let sec = 80 + 64;
+        img[sec + 4..sec + 8].copy_from_slice(&1u32.to_le_bytes());
+        img[sec + 0x18..sec + 0x20].copy_from_slice(&64u64.to_le_bytes());
+        img[sec + 0x20..sec + 0x28].copy_from_slice(&16u64.to_le_bytes());
+        assert!(super::complete_elf(&img));
+        assert!(!super::complete_elf(&img[..img.len() - 1]), "header table cut");
+        img[sec + 0x20..sec + 0x28].copy_from_slice(&1000u64.to_le_bytes());
+        assert!(!super::complete_elf(&img), "section past the end");
+        assert!(!super::complete_elf(b"// PTX"));
+        assert!(!super::complete_elf(&[]));
+    }
+
     #[test]
     fn offending_lines_quote_the_source_nvrtc_points_at() {
         let src = "extern \"C\" __global__ void k(float* y) {\n  y[0] = 1.0f\n}\n";
