@@ -4,7 +4,7 @@
 # Sections: cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
-# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), final
+# emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
@@ -163,6 +163,10 @@ for k, rs in rows.items():
     print(f"{k:36s} median {statistics.median(pct):5.1f}% of copy | runs " + " ".join(f"{p:5.1f}" for p in pct)
           + " | copy GB/s " + " ".join(f"{r[1]:.0f}" for r in rs) + " | ms " + " ".join(f"{r[2]:.4f}" for r in rs) + " | host us " + " ".join(f"{r[3]:.1f}" for r in rs) + " | compile s " + " ".join(f"{r[4]:.3f}" for r in rs))
 PY
+fi
+if [[ " $* " == *" maps "* ]]; then
+  # The compiled bias + GELU map kernel against variants (tools/maps/bias_gelu.cu).
+  d=$(mktemp -d); nvcc -O3 -arch=sm_90 tools/maps/bias_gelu.cu -o $d/bg && $d/bg
 fi
 if [[ " $* " == *" bf16log "* ]]; then
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise.add_relu --out /tmp/warm.json > /dev/null 2>&1
