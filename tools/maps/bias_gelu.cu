@@ -11,9 +11,9 @@ struct KArgs { u64 w[64]; };
 typedef int IDX;
 template <int V> struct __align__(4 * V) Vec { float v[V]; };
 
-// GELU: 0 none (bias add only), 1 exact (erff, as generated).
-template <int V, int GELU, int MINB, bool STRIDE>
-__global__ void __launch_bounds__(256, MINB) bias_gelu(const KArgs a) {
+// GELU: 0 none (bias add only), 1 exact (erff, as generated), 2 a plain copy of x (no bias).
+template <int V, int GELU, int MINB, bool STRIDE, int T = 256>
+__global__ void __launch_bounds__(T, MINB) bias_gelu(const KArgs a) {
   const IDX n = (IDX)a.w[0];
   float* __restrict__ out0 = (float*)a.w[1];
   const float* __restrict__ p0 = (const float*)a.w[2];
@@ -28,12 +28,13 @@ __global__ void __launch_bounds__(256, MINB) bias_gelu(const KArgs a) {
     { const unsigned int sz = (unsigned int)a.w[4], qq = (__umulhi((unsigned int)rem, (unsigned int)(a.w[4] >> 32)) + (unsigned int)rem) >> (32 - __clz(sz - 1)); const IDX q = rem - (IDX)(qq * sz); rem = (IDX)qq;
       o2 += q * (IDX)a.w[6]; }
     const Vec<V> x0 = *(const Vec<V>*)(p0 + base);
-    const Vec<V> x1 = *(const Vec<V>*)(p1 + o2);
+    Vec<V> x1;
+    if (GELU != 2) x1 = *(const Vec<V>*)(p1 + o2);
     Vec<V> r0;
 #pragma unroll
     for (int j = 0; j < V; j++) {
-      const float t0 = x0.v[j] + x1.v[j];
-      r0.v[j] = GELU ? 0.5f * t0 * (1.0f + erff(t0 * 0.7071067811865476f)) : t0;
+      const float t0 = GELU == 2 ? 0.0f : x0.v[j] + x1.v[j];
+      r0.v[j] = GELU == 2 ? x0.v[j] : GELU ? 0.5f * t0 * (1.0f + erff(t0 * 0.7071067811865476f)) : t0;
     }
     *(Vec<V>*)(out0 + base) = r0;
   }
@@ -55,7 +56,7 @@ int main() {
   KArgs a = {}; a.w[0] = n; a.w[1] = (u64)y; a.w[2] = (u64)x; a.w[3] = (u64)b; a.w[4] = size_word(R); a.w[5] = size_word(C); a.w[6] = 0; a.w[7] = 1;
   int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
   cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  struct Var { const char* name; void (*k)(KArgs); int vec; bool stride; };
+  struct Var { const char* name; void (*k)(KArgs); int vec; bool stride; int threads = 256; };
   Var vars[] = {
     {"as generated (vec 8)", bias_gelu<8, 1, 1, false>, 8, false},
     {"bias add only (vec 8)", bias_gelu<8, 0, 1, false>, 8, false},
@@ -65,10 +66,15 @@ int main() {
     {"vec 8, min 8 blocks/SM", bias_gelu<8, 1, 8, false>, 8, false},
     {"vec 8, grid 8/SM striding", bias_gelu<8, 1, 1, true>, 8, true},
     {"vec 4, grid 8/SM striding", bias_gelu<4, 1, 1, true>, 4, true},
+    {"plain copy, vec 8 (kiln's copy_ form)", bias_gelu<8, 2, 1, false>, 8, false},
+    {"vec 8, 128 threads", bias_gelu<8, 1, 1, false, 128>, 8, false, 128},
+    {"vec 8, 512 threads", bias_gelu<8, 1, 1, false, 512>, 8, false, 512},
+    {"vec 8, 1024 threads", bias_gelu<8, 1, 1, false, 1024>, 8, false, 1024},
+    {"vec 8, 64 threads", bias_gelu<8, 1, 1, false, 64>, 8, false, 64},
   };
-  auto grid_of = [&](const Var& v) { return v.stride ? (unsigned)(sms * 8) : (unsigned)((n / v.vec + 255) / 256); };
+  auto grid_of = [&](const Var& v) { return v.stride ? (unsigned)(sms * 8) : (unsigned)((n / v.vec + v.threads - 1) / v.threads); };
   // reference: the generated kernel
-  a.w[1] = (u64)ref; vars[0].k<<<grid_of(vars[0]), 256>>>(a); a.w[1] = (u64)y; cudaDeviceSynchronize();
+  a.w[1] = (u64)ref; vars[0].k<<<grid_of(vars[0]), vars[0].threads>>>(a); a.w[1] = (u64)y; cudaDeviceSynchronize();
   auto time = [&](auto launch, double* b2b, double* one) {
     for (int i = 0; i < 3; i++) launch();
     cudaEventRecord(e0); for (int i = 0; i < 20; i++) launch(); cudaEventRecord(e1); cudaEventSynchronize(e1);
@@ -84,7 +90,7 @@ int main() {
     for (auto& v : vars) {
       cudaFuncAttributes fa; cudaFuncGetAttributes(&fa, v.k);
       cudaMemset(y, 0xff, n * 4);
-      time([&] { v.k<<<grid_of(v), 256>>>(a); }, &bb, &one);
+      time([&] { v.k<<<grid_of(v), v.threads>>>(a); }, &bb, &one);
       // compare with the reference (the bias-only variant differs by design)
       std::vector<float> got(4096), want(4096);
       cudaMemcpy(got.data(), y + n - 4096, 4096 * 4, cudaMemcpyDeviceToHost); cudaMemcpy(want.data(), ref + n - 4096, 4096 * 4, cudaMemcpyDeviceToHost);

@@ -50,8 +50,8 @@ pub(crate) fn storage_range(t: &Tensor) -> Option<(u64, u64)> {
 
 /// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
 /// kernels launch), capped where the grid-stride loops take over.
-fn grid_for(work: usize) -> u32 {
-    (work.div_ceil(THREADS as usize)).clamp(1, 1 << 24) as u32
+fn grid_for(work: usize, threads: u32) -> u32 {
+    (work.div_ceil(threads as usize)).clamp(1, 1 << 24) as u32
 }
 
 /// Elements from which a map kernel is large enough for wider vectors per thread.
@@ -208,11 +208,11 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
         }
         a
     };
-    let grid = grid_for(n / vec);
+    let grid = grid_for(n / vec, codegen::MAP_THREADS);
     if let Some(m) = memo {
         let found = m.0.lock().iter().find(|(w, _, _)| w.is(out_class, &classes[nout..], ndim, vec, idx64)).map(|(_, k, words)| (*k, fill(words)));
         if let Some((k, a)) = found {
-            return dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a);
+            return dev.launch(k, (grid, 1, 1), (codegen::MAP_THREADS, 1, 1), &a);
         }
     }
     let spec = MapSpec {
@@ -236,7 +236,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     if let Some(m) = memo.filter(|_| !super::rehearsal::active()) {
         m.0.lock().push((MapWalk { out_class, inputs: classes[nout..].to_vec(), ndim, vec, idx64 }, k, words));
     }
-    dev.launch(k, (grid, 1, 1), (THREADS, 1, 1), &a)
+    dev.launch(k, (grid, 1, 1), (codegen::MAP_THREADS, 1, 1), &a)
 }
 
 /// One eager op's map kernel: `expr` into the buffer at `out_ptr`, laid out by `out_layout`.
@@ -500,7 +500,7 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     if nd == 0 {
         a.w[8] = 1;
     }
-    dev.launch(kern, (grid_for(out.len), 1, 1), (THREADS, 1, 1), &a)?;
+    dev.launch(kern, (grid_for(out.len, THREADS), 1, 1), (THREADS, 1, 1), &a)?;
     Ok(out)
 }
 
@@ -539,7 +539,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
         if nd == 0 {
             a.w[8] = 1;
         }
-        dev.launch(kern, (grid_for(index.numel()), 1, 1), (THREADS, 1, 1), &a)?;
+        dev.launch(kern, (grid_for(index.numel(), THREADS), 1, 1), (THREADS, 1, 1), &a)?;
     }
     if t.dtype() == base.dtype() {
         return Ok(acc);
@@ -600,7 +600,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     w.w[..7].copy_from_slice(&[out.ptr(), data_ptr(a)?, data_ptr(b)?, bs as u64, m as u64, n as u64, k as u64]);
     w.w[8..11].copy_from_slice(&[a.strides()[0] as u64, a.strides()[1] as u64, a.strides()[2] as u64]);
     w.w[11..14].copy_from_slice(&[b.strides()[0] as u64, b.strides()[1] as u64, b.strides()[2] as u64]);
-    dev.launch(kern, (grid_for(out.len), 1, 1), (THREADS, 1, 1), &w)?;
+    dev.launch(kern, (grid_for(out.len, THREADS), 1, 1), (THREADS, 1, 1), &w)?;
     Ok(out)
 }
 
