@@ -658,12 +658,13 @@ struct ThreadWords(HashMap<usize, Arc<ErrorWord>>);
 
 impl Drop for ThreadWords {
     fn drop(&mut self) {
-        // Each with an event after the thread's last kernels, which may still report into it.
-        let words = self.0.drain().map(|(d, w)| {
-            let after = DEVICES.get().and_then(|m| m.lock().get(&d).cloned()).and_then(|dev| dev.stream.record_event(None).ok());
-            (d, w, after)
-        });
-        SPARE_WORDS.lock().extend(words.collect::<Vec<_>>());
+        // The thread's last kernels may still report into them: retired behind them.
+        for (d, w) in self.0.drain() {
+            match DEVICES.get().and_then(|m| m.lock().get(&d).cloned()) {
+                Some(dev) => dev.retire_error_word(w),
+                None => SPARE_WORDS.lock().push((d, w, None)),
+            }
+        }
     }
 }
 
@@ -702,7 +703,7 @@ impl ErrorWord {
             Ok(ErrorWord { host, dev_ptr })
         }
     }
-    /// Forgets an error a thread that ended never read.
+    /// Forgets an error its last user (an ended thread, a dropped graph) never read.
     fn clear(&self) {
         // SAFETY: three live words; volatile, as the device writes them behind the compiler's back.
         unsafe { (0..3).for_each(|i| std::ptr::write_volatile(self.host.add(i), 0)) }
