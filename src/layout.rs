@@ -14,6 +14,20 @@ pub fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// The element count of `shape`, or an error naming `op` when it overflows: the product with
+/// zero sizes counted as one (the largest stride) times `elem_bytes` must fit in an `isize`, as
+/// PyTorch requires of a storage size.
+pub fn checked_numel(op: &'static str, shape: &[usize], elem_bytes: usize) -> Result<usize> {
+    let bytes = shape.iter().try_fold(elem_bytes.max(1), |n, &d| n.checked_mul(d.max(1)));
+    match bytes {
+        Some(b) if b <= isize::MAX as usize => Ok(numel(shape)),
+        _ => Err(Error::shape(op, format!("shape {shape:?} is too large: its element count overflows"))),
+    }
+}
+
+/// The widest element any dtype has: shapes of views are checked as if they held it.
+pub const MAX_ELEM_BYTES: usize = 8;
+
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
     let mut strides = vec![1; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
@@ -51,6 +65,7 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
             }
         };
     }
+    checked_numel(op, &out, MAX_ELEM_BYTES)?;
     Ok(out)
 }
 

@@ -39,7 +39,7 @@ pub use autograd::{enable_grad, gradcheck, inference_mode, is_grad_enabled, no_g
 pub use device::Device;
 pub use dtype::{promote_types, result_type, Category, DType, Tier, WithDType};
 pub use error::{Error, Result};
-pub use ops::elementwise::{where_, Scalar};
+pub use ops::elementwise::{where_, RoundingMode, Scalar};
 pub use ops::movement::{cat, stack};
 pub use profiler::{set_sync_debug_mode, with_sync_debug_mode, SyncDebug};
 pub use tensor::{manual_seed, Tensor};

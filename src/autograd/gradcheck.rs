@@ -39,7 +39,7 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], opt
             let mut onehot = vec![0.0f64; n_out];
             onehot[j] = 1.0;
             for x in &xs {
-                x.set_grad(None);
+                x.clear_grad();
             }
             out.backward_with(BackwardOptions {
                 gradient: Some(Tensor::from_vec(onehot, out.shape(), &out.device())?),

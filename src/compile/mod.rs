@@ -475,7 +475,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
                 if let Some(e) = st.entries.iter().find(|e| e.key.matches(args, self.opts.dynamic) && (!self.opts.dynamic || same_shapes(&e.shapes, args)) && e.grads_match()) {
                     let (exec, captured, effects) = (e.exec.clone(), e.captured.clone(), e.effects.clone());
                     drop(st);
-                    return finish(run_exec(&exec, args, &captured)?, &captured, &effects);
+                    return finish(run_exec(&exec, args, &captured)?, args, &captured, &effects);
                 }
             }
         }
@@ -512,10 +512,10 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         if !traced.breaks.is_empty() || self.state.lock().segmented {
             self.state.lock().segmented = true;
             let outs = run_segment(&self.opts, &self.state, &traced.graph, &traced.inputs)?;
-            return finish(outs, &captured, &traced.effects);
+            return finish(outs, args, &captured, &traced.effects);
         }
         let exec = build(&self.opts, &traced.graph, &traced.inputs, &traced.effects)?;
-        let out = finish(run_exec(&exec, args, &captured)?, &captured, &traced.effects)?;
+        let out = finish(run_exec(&exec, args, &captured)?, args, &captured, &traced.effects)?;
         if !traced.effects.escaped.is_empty() {
             // The call made state (an optimiser's first momentum buffer): the next call reads it,
             // so it traces again instead of replaying this graph.
@@ -548,16 +548,21 @@ impl Entry {
     }
 }
 
-/// Applies what a call did besides its return values: gradients it left in captured tensors
-/// (written into an existing `.grad` in place, else set), and the values of state it created.
-fn finish(mut outs: Vec<Tensor>, captured: &[Tensor], effects: &trace::Effects) -> Result<Vec<Tensor>> {
-    let rest = outs.split_off(effects.n_returned.min(outs.len()));
+/// Applies what a call did besides its return values: the new values of arguments it wrote in
+/// place, gradients it left in captured tensors (written into an existing `.grad` in place,
+/// else set), and the values of state it created.
+fn finish(mut outs: Vec<Tensor>, args: &[Tensor], captured: &[Tensor], effects: &trace::Effects) -> Result<Vec<Tensor>> {
+    let mut written = outs.split_off(effects.n_returned.min(outs.len()));
+    let rest = written.split_off(effects.arg_writes.len().min(written.len()));
+    for (&k, v) in effects.arg_writes.iter().zip(&written) {
+        crate::no_grad(|| args[k].copy_(v))?;
+    }
     let (grads, escaped) = rest.split_at(effects.grads.len().min(rest.len()));
     for (&k, g) in effects.grads.iter().zip(grads) {
         let p = &captured[k];
         match p.grad() {
             Some(old) if old.storage().traced_ref().is_none() => crate::no_grad(|| old.copy_(g))?,
-            _ => p.set_grad(Some(g.clone())),
+            _ => p.set_grad(Some(g.clone()))?,
         }
     }
     trace::fill_escaped(&effects.escaped, escaped.to_vec())?;

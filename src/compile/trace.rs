@@ -58,6 +58,10 @@ pub(crate) struct Tracer {
     ran_backward: bool,
     /// Reasons of the breaks taken, with their call sites.
     pub breaks: Vec<String>,
+    /// The symbolic storage of each argument, to recognise writes into it.
+    arg_storages: Vec<Weak<Storage>>,
+    /// Arguments written in place: (argument, node of its new value), the latest write last.
+    arg_writes: Vec<(usize, NodeId)>,
 }
 
 /// The result of a finished trace.
@@ -75,6 +79,9 @@ pub(crate) struct Traced {
 #[derive(Clone, Default)]
 pub(crate) struct Effects {
     pub n_returned: usize,
+    /// Arguments the call wrote in place: one output each (after the returned values), copied
+    /// into the argument after the call, as eager code would have written it.
+    pub arg_writes: Vec<usize>,
     /// Captured tensors (by captured index) whose `.grad` the call set: one output each.
     pub grads: Vec<usize>,
     /// Whether each captured tensor had no `.grad` when it was captured (a guard: backward
@@ -119,6 +126,8 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
         grad_none: vec![],
         ran_backward: false,
         breaks: vec![],
+        arg_storages: vec![],
+        arg_writes: vec![],
     };
     let sym: Vec<Tensor> = args
         .iter()
@@ -127,6 +136,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
             let id = tr.graph.push(NodeOp::Arg(k), vec![], a.shape().to_vec(), a.dtype(), a.device());
             tr.inputs.push(a.clone());
             let s = tr.symbolic_tensor(id, false);
+            tr.arg_storages.push(Arc::downgrade(s.storage()));
             if a.is_requires_grad() {
                 let _ = s.set_requires_grad(true);
             }
@@ -135,9 +145,11 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
         .collect();
     TRACER.with(|t| *t.borrow_mut() = Some(tr));
     ACTIVE.with(|a| a.set(true));
+    // Uninstalls the tracer however `f` ends, a panic included: the thread stays usable.
+    let installed = Installed;
     let out = f(&sym);
-    ACTIVE.with(|a| a.set(false));
     let mut tr = TRACER.with(|t| t.borrow_mut().take()).expect("the tracer is installed");
+    drop(installed);
     drop(sym);
     let outs = out?;
     let mut ids = Vec::with_capacity(outs.len());
@@ -149,6 +161,17 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     // that what stays alive is what the call left behind.
     drop(outs);
     let mut effects = Effects { n_returned: ids.len(), returns_grad, grad_none: std::mem::take(&mut tr.grad_none), ran_backward: tr.ran_backward, ..Default::default() };
+    let mut written_args: Vec<(usize, NodeId)> = vec![];
+    for &(k, v) in &tr.arg_writes {
+        match written_args.iter_mut().find(|w| w.0 == k) {
+            Some(w) => w.1 = v,
+            None => written_args.push((k, v)),
+        }
+    }
+    for (k, v) in written_args {
+        effects.arg_writes.push(k);
+        ids.push(v);
+    }
     let mut grad_storages = vec![];
     for (k, t) in tr.inputs[tr.graph.n_args..].iter().enumerate() {
         if let Some(g) = t.grad() {
@@ -172,6 +195,19 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     tr.graph.outputs = ids;
     tr.finish_writes();
     Ok(Traced { graph: tr.graph, inputs: tr.inputs, breaks: tr.breaks, effects })
+}
+
+/// Resets the thread's tracing state when dropped, also while unwinding from a panic.
+struct Installed;
+impl Drop for Installed {
+    fn drop(&mut self) {
+        ACTIVE.with(|a| a.set(false));
+        TRACER.with(|t| {
+            if let Ok(mut t) = t.try_borrow_mut() {
+                t.take();
+            }
+        });
+    }
 }
 
 /// Gives the storages a call left alive their real values (the graph's trailing outputs).
@@ -255,9 +291,15 @@ pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
                 }
                 // Every tensor sharing the storage sees the new value.
                 *dst.storage().data.write() = BackendStorage::Traced(TraceRef { trace: tr.id, node: v });
+                if let Some(k) = tr.arg_of(dst) {
+                    tr.arg_writes.push((k, v));
+                }
                 Ok(())
             }
             Some(_) => Err(escaped()),
+            None if tr.arg_of(dst).is_some() => Err(Error::Compile(
+                "an in-place write into an argument after a graph break is not supported; write before the host read or compile with fullgraph".into(),
+            )),
             None => {
                 tr.value_of(dst)?; // captures it, checking aliasing
                 tr.written.insert(dst.id(), (dst.clone(), v));
@@ -298,6 +340,11 @@ fn escaped() -> Error {
 /// Runs the graph so far and swaps real data into every symbolic storage still alive.
 fn graph_break(reason: String) -> Result<()> {
     let (mut graph, inputs, live, runner) = with(|tr| {
+        if !tr.arg_writes.is_empty() {
+            return Err(Error::Compile(format!(
+                "an argument was written in place before a graph break ({reason}), which is not supported; move the host read before the write"
+            )));
+        }
         tr.breaks.push(reason);
         let mut live: Vec<(NodeId, Arc<Storage>)> = vec![];
         for w in &tr.symbolic {
@@ -317,10 +364,10 @@ fn graph_break(reason: String) -> Result<()> {
         Ok((graph, inputs, live, tr.on_break.clone()))
     })?;
     graph.outputs = live.iter().map(|l| l.0).collect();
-    ACTIVE.with(|a| a.set(false));
-    let values = runner(&graph, &inputs);
-    ACTIVE.with(|a| a.set(true));
-    let values = values?;
+    let values = {
+        let _off = Suspend::new();
+        runner(&graph, &inputs)?
+    };
     // Each live storage takes a private contiguous copy of its value.
     fill_escaped(&live.into_iter().map(|l| l.1).collect::<Vec<_>>(), values)
 }
@@ -339,6 +386,11 @@ impl Drop for Suspend {
 }
 
 impl Tracer {
+    /// Which argument's symbolic storage `t` is, if any.
+    fn arg_of(&self, t: &Tensor) -> Option<usize> {
+        self.arg_storages.iter().position(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(t.storage())))
+    }
+
     fn symbolic_tensor(&mut self, node: NodeId, is_view: bool) -> Tensor {
         let n = &self.graph.nodes[node];
         let st = Arc::new(Storage::traced(n.device, TraceRef { trace: self.id, node }));

@@ -70,43 +70,187 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     }
 }
 
-/// Max over `kernel` windows (`F.max_pool2d`, floor mode); padding counts as `-inf`. The
-/// gradient goes to the first maximum of each window, as PyTorch's.
-pub fn max_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> Result<Tensor> {
-    let op = "max_pool2d";
-    let (x, unbatched) = batched(op, x)?;
-    check_positive(op, "kernel size", kernel)?;
-    check_positive(op, "stride", stride)?;
-    if 2 * padding.0 > kernel.0 || 2 * padding.1 > kernel.1 {
-        return Err(Error::arg(op, format!("padding {padding:?} must be at most half the kernel size {kernel:?}")));
+/// Options of 2-D max pooling, PyTorch's names; `MaxPool2dArgs::new(kernel, stride, padding)`
+/// has no dilation and floor mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaxPool2dArgs {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub dilation: (usize, usize),
+    /// Rounds the output size up, so a last window may start in the padding's right half.
+    pub ceil_mode: bool,
+}
+
+impl MaxPool2dArgs {
+    pub fn new(kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> MaxPool2dArgs {
+        MaxPool2dArgs { kernel, stride, padding, dilation: (1, 1), ceil_mode: false }
+    }
+}
+
+/// Output length of a pooling window over `size` (PyTorch's `pooling_output_shape`): in ceil
+/// mode a last window must start inside the input or its left padding.
+fn pool_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize, ceil: bool) -> Result<usize> {
+    let floor = out_len(op, size, k, stride, pad, dil)?;
+    let span = dil * (k - 1) + 1;
+    if !ceil || (size + 2 * pad - span) % stride == 0 {
+        return Ok(floor);
+    }
+    // One more window, unless it would start past the input and its left padding.
+    Ok(if floor * stride >= size + pad { floor } else { floor + 1 })
+}
+
+/// `x` padded with `value` by `pad` before each spatial dim, and after it as far as the last
+/// window of `out` windows reaches (beyond `pad` in ceil mode, less where the last window stops short).
+fn pad_for_windows(x: &Tensor, pad: (usize, usize), span: (usize, usize), stride: (usize, usize), out: (usize, usize), value: f64) -> Result<Tensor> {
+    let (h, w) = (x.shape()[2], x.shape()[3]);
+    let after = |o: usize, s: usize, sp: usize, n: usize, p: usize| ((o - 1) * s + sp) as i64 - (n + p) as i64;
+    let (ah, aw) = (after(out.0, stride.0, span.0, h, pad.0), after(out.1, stride.1, span.1, w, pad.1));
+    if pad == (0, 0) && ah <= 0 && aw <= 0 {
+        return Ok(x.clone());
+    }
+    x.pad(&[pad.1 as i64, aw.max(0), pad.0 as i64, ah.max(0)], value)
+}
+
+/// Checks pooling options; the output size.
+fn pool_geometry(op: &'static str, x: &Tensor, a: &MaxPool2dArgs) -> Result<(usize, usize)> {
+    check_positive(op, "kernel size", a.kernel)?;
+    check_positive(op, "stride", a.stride)?;
+    check_positive(op, "dilation", a.dilation)?;
+    if a.padding.0 > a.kernel.0 / 2 || a.padding.1 > a.kernel.1 / 2 {
+        return Err(Error::arg(op, format!("padding {:?} must be at most half the kernel size {:?}", a.padding, a.kernel)));
     }
     if !x.dtype().is_float() {
         return Err(Error::dtype(op, x.dtype(), "needs a floating-point input"));
     }
-    let (oh, ow) = (out_len(op, x.shape()[2], kernel.0, stride.0, padding.0, 1)?, out_len(op, x.shape()[3], kernel.1, stride.1, padding.1, 1)?);
-    let p = padding;
-    let padded = if p == (0, 0) { x.clone() } else { x.pad(&[p.1 as i64, p.1 as i64, p.0 as i64, p.0 as i64], f64::NEG_INFINITY)? };
-    let y = if crate::is_grad_enabled() && x.is_requires_grad() {
+    let len = |d: usize, i: usize| {
+        let pick = |p: (usize, usize)| if i == 0 { p.0 } else { p.1 };
+        pool_len(op, x.shape()[d], pick(a.kernel), pick(a.stride), pick(a.padding), pick(a.dilation), a.ceil_mode)
+    };
+    Ok((len(2, 0)?, len(3, 1)?))
+}
+
+/// Max over `kernel` windows (`F.max_pool2d`, floor mode, no dilation); padding counts as
+/// `-inf`. The gradient goes to the first maximum of each window, as PyTorch's.
+pub fn max_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> Result<Tensor> {
+    max_pool2d_with(x, &MaxPool2dArgs::new(kernel, stride, padding))
+}
+
+/// `F.max_pool2d` with every option: dilation and ceil mode.
+pub fn max_pool2d_with(x: &Tensor, args: &MaxPool2dArgs) -> Result<Tensor> {
+    Ok(max_pool2d_impl(x, args, false)?.0)
+}
+
+/// `F.max_pool2d(..., return_indices=True)`: the values and, for each, the flat position
+/// `h * W + w` of its maximum in the input's spatial plane (I64), as `max_unpool2d` reads them.
+pub fn max_pool2d_with_indices(x: &Tensor, args: &MaxPool2dArgs) -> Result<(Tensor, Tensor)> {
+    let (y, idx) = max_pool2d_impl(x, args, true)?;
+    Ok((y, idx.expect("indices asked for")))
+}
+
+fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(Tensor, Option<Tensor>)> {
+    let op = "max_pool2d";
+    let (x, unbatched) = batched(op, x)?;
+    let (oh, ow) = pool_geometry(op, &x, args)?;
+    let (k, s, d) = (args.kernel, args.stride, args.dilation);
+    let span = (d.0 * (k.0 - 1) + 1, d.1 * (k.1 - 1) + 1);
+    let padded = pad_for_windows(&x, args.padding, span, s, (oh, ow), f64::NEG_INFINITY)?;
+    let (y, idx) = if indices || (crate::is_grad_enabled() && x.is_requires_grad()) {
         // Windows, then the first maximum of each: its position is where PyTorch sends the
-        // gradient.
-        let ws = unfold(&padded, kernel, stride, (1, 1), (oh, ow))?;
+        // gradient, and the index it returns.
+        let ws = unfold(&padded, k, s, d, (oh, ow))?;
         let first_max = crate::no_grad(|| ws.argmax(2, true))?;
-        to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?
+        let y = to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?;
+        let idx = if indices { Some(window_positions(&x, args, (oh, ow), &first_max)?) } else { None };
+        (y, idx)
     } else {
         // Values only: the maximum of the window's kh * kw strided views of the input, each
         // pass reading the input in place (no window copy, no index search).
         let mut m: Option<Tensor> = None;
-        for i in 0..kernel.0 {
-            for j in 0..kernel.1 {
-                let v = padded.slice(2, i as i64, (i + stride.0 * (oh - 1) + 1) as i64, stride.0)?.slice(3, j as i64, (j + stride.1 * (ow - 1) + 1) as i64, stride.1)?;
+        for i in 0..k.0 {
+            for j in 0..k.1 {
+                let v = strided_window(&padded, (i * d.0, j * d.1), s, (oh, ow))?;
                 m = Some(match m {
                     None => v,
                     Some(m) => m.maximum(&v)?,
                 });
             }
         }
-        m.expect("a kernel of at least one element").contiguous()?
+        (m.expect("a kernel of at least one element").contiguous()?, None)
     };
+    if unbatched {
+        Ok((y.squeeze(0)?, idx.map(|i| i.squeeze(0)).transpose()?))
+    } else {
+        Ok((y, idx))
+    }
+}
+
+/// The `out` window elements at offset `at` of every window: a strided view of `padded`.
+fn strided_window(padded: &Tensor, at: (usize, usize), s: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+    padded
+        .slice(2, at.0 as i64, (at.0 + s.0 * (out.0 - 1) + 1) as i64, s.0)?
+        .slice(3, at.1 as i64, (at.1 + s.1 * (out.1 - 1) + 1) as i64, s.1)
+}
+
+/// Flat input positions `h * W + w` of the window elements `which` (`[N, OH * OW, 1, C]`, each
+/// an index into its window's kh * kw elements) picked, as `[N, C, OH, OW]` I64.
+fn window_positions(x: &Tensor, a: &MaxPool2dArgs, out: (usize, usize), which: &Tensor) -> Result<Tensor> {
+    let w = x.shape()[3] as i64;
+    let (k, s, d, p) = (a.kernel, a.stride, a.dilation, a.padding);
+    let mut table = Vec::with_capacity(out.0 * out.1 * k.0 * k.1);
+    for oh in 0..out.0 {
+        for ow in 0..out.1 {
+            for i in 0..k.0 {
+                for j in 0..k.1 {
+                    let h = (oh * s.0 + i * d.0) as i64 - p.0 as i64;
+                    let c = (ow * s.1 + j * d.1) as i64 - p.1 as i64;
+                    table.push(h * w + c);
+                }
+            }
+        }
+    }
+    let table = Tensor::from_vec(table, &[1, out.0 * out.1, k.0 * k.1, 1], &Device::Cpu)?.to_device(&x.device())?;
+    let table = table.broadcast_to(&[which.shape()[0], out.0 * out.1, k.0 * k.1, which.shape()[3]])?;
+    to_nchw(&table.gather(2, which)?.squeeze(2)?, out)?.contiguous()
+}
+
+/// Mean over `kernel` windows (`F.avg_pool2d`): zero padding, `ceil_mode` as max pooling's;
+/// each window's divisor is its size clipped to the padded input (`count_include_pad`) or the
+/// number of input elements it covers.
+pub fn avg_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize), ceil_mode: bool, count_include_pad: bool) -> Result<Tensor> {
+    let op = "avg_pool2d";
+    let (x, unbatched) = batched(op, x)?;
+    let args = MaxPool2dArgs { kernel, stride, padding, dilation: (1, 1), ceil_mode };
+    let (oh, ow) = pool_geometry(op, &x, &args)?;
+    let padded = pad_for_windows(&x, padding, kernel, stride, (oh, ow), 0.0)?;
+    let mut sum: Option<Tensor> = None;
+    for i in 0..kernel.0 {
+        for j in 0..kernel.1 {
+            let v = strided_window(&padded, (i, j), stride, (oh, ow))?;
+            sum = Some(match sum {
+                None => v,
+                Some(t) => t.add(&v)?,
+            });
+        }
+    }
+    // Divisors depend on the geometry alone: one small host table.
+    let counts = |o: usize, k: usize, s: usize, p: usize, n: usize| -> Vec<(usize, usize)> {
+        (0..o)
+            .map(|i| {
+                let start = (i * s) as i64 - p as i64;
+                let end = (start + k as i64).min((n + p) as i64);
+                let covered = end.min(n as i64) - start.max(0);
+                ((end - start) as usize, covered.max(0) as usize)
+            })
+            .collect()
+    };
+    let (ch, cw) = (counts(oh, kernel.0, stride.0, padding.0, x.shape()[2]), counts(ow, kernel.1, stride.1, padding.1, x.shape()[3]));
+    let div: Vec<f64> = ch
+        .iter()
+        .flat_map(|h| cw.iter().map(move |w| if count_include_pad { (h.0 * w.0) as f64 } else { (h.1 * w.1) as f64 }))
+        .collect();
+    let div = Tensor::from_vec(div, &[oh, ow], &Device::Cpu)?.to_dtype(x.dtype())?.to_device(&x.device())?;
+    let y = sum.expect("a kernel of at least one element").div(&div)?;
     if unbatched {
         y.squeeze(0)
     } else {
@@ -197,24 +341,44 @@ impl Module for Conv2d {
     }
 }
 
-/// `nn.MaxPool2d` (floor mode, no dilation).
+/// `nn.MaxPool2d`.
 #[derive(Clone, Copy, Debug)]
-pub struct MaxPool2d {
-    pub kernel: (usize, usize),
-    pub stride: (usize, usize),
-    pub padding: (usize, usize),
-}
+pub struct MaxPool2d(pub MaxPool2dArgs);
 
 impl MaxPool2d {
-    /// Square kernel; the stride defaults to the kernel size in PyTorch: pass it explicitly.
+    /// Square kernel, floor mode, no dilation; the stride defaults to the kernel size in
+    /// PyTorch: pass it explicitly.
     pub fn new(kernel: usize, stride: usize, padding: usize) -> MaxPool2d {
-        MaxPool2d { kernel: (kernel, kernel), stride: (stride, stride), padding: (padding, padding) }
+        MaxPool2d(MaxPool2dArgs::new((kernel, kernel), (stride, stride), (padding, padding)))
     }
 }
 
 impl Module for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        max_pool2d(x, self.kernel, self.stride, self.padding)
+        max_pool2d_with(x, &self.0)
+    }
+}
+
+/// `nn.AvgPool2d`.
+#[derive(Clone, Copy, Debug)]
+pub struct AvgPool2d {
+    pub kernel: (usize, usize),
+    pub stride: (usize, usize),
+    pub padding: (usize, usize),
+    pub ceil_mode: bool,
+    pub count_include_pad: bool,
+}
+
+impl AvgPool2d {
+    /// Square kernel, floor mode, padding counted (PyTorch's defaults but the stride).
+    pub fn new(kernel: usize, stride: usize, padding: usize) -> AvgPool2d {
+        AvgPool2d { kernel: (kernel, kernel), stride: (stride, stride), padding: (padding, padding), ceil_mode: false, count_include_pad: true }
+    }
+}
+
+impl Module for AvgPool2d {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        avg_pool2d(x, self.kernel, self.stride, self.padding, self.ceil_mode, self.count_include_pad)
     }
 }
 

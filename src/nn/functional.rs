@@ -90,6 +90,7 @@ impl RowKind {
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
+    crate::layout::norm_dim("softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
     if let Some(y) = fused_rows(x, dim, RowKind::Softmax, None, None, 0.0)? {
         return Ok(y);
@@ -104,6 +105,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// `x - max - log(sum(exp(x - max)))` along `dim`.
 pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
+    crate::layout::norm_dim("log_softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
     if let Some(y) = fused_rows(x, dim, RowKind::LogSoftmax, None, None, 0.0)? {
         return Ok(y);
@@ -185,12 +187,18 @@ pub struct SdpaOptions<'a> {
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Tensor> {
     let op = "scaled_dot_product_attention";
     same_device(op, q, &[Some(k), Some(v), opts.attn_mask])?;
+    if q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 {
+        // `[N, L, D]`: one head. A mask of 3 dims or more gets the head dim too.
+        let mask = opts.attn_mask.map(|m| if m.ndim() >= 3 { m.unsqueeze(-3) } else { Ok(m.clone()) }).transpose()?;
+        let heads = SdpaOptions { attn_mask: mask.as_ref(), ..*opts };
+        return scaled_dot_product_attention(&q.unsqueeze(1)?, &k.unsqueeze(1)?, &v.unsqueeze(1)?, &heads)?.squeeze(1);
+    }
     for t in [q, k, v] {
         float_input(op, t)?;
     }
     let (n, h, l, d) = match q.shape() {
         &[n, h, l, d] => (n, h, l, d),
-        s => return Err(Error::shape(op, format!("query must be [N, H, L, D], got {s:?}"))),
+        s => return Err(Error::shape(op, format!("query must be [N, H, L, D] or [N, L, D], got {s:?}"))),
     };
     let s = k.shape().get(2).copied().unwrap_or(0);
     if k.shape() != [n, h, s, d] || v.shape() != k.shape() {
@@ -228,7 +236,10 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
 /// the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
 pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
     let d = q.shape()[3];
+    // The fused kernels give no gradient for the mask: a mask that needs one takes matmul and softmax.
+    let mask_needs_grad = mask.is_some_and(|m| crate::is_grad_enabled() && m.is_requires_grad());
     let fused = dropout_p == 0.0
+        && !mask_needs_grad
         && match q.device() {
             crate::Device::Cpu => false,
             crate::Device::Cuda(_) => {
@@ -384,8 +395,9 @@ fn softplus_exact(x: &Tensor) -> Result<Tensor> {
 
 /// Binary cross-entropy of logits `input` against targets in [0, 1]
 /// (`F.binary_cross_entropy_with_logits`): `softplus(x) - x y`, computed without overflow;
-/// `pos_weight` scales the positive term: `(1 - y) x + (1 + (pw - 1) y) softplus(-x)`.
-pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
+/// `pos_weight` scales the positive term: `(1 - y) x + (1 + (pw - 1) y) softplus(-x)`;
+/// `weight` (broadcast to the input) scales each element's loss before the reduction.
+pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, weight: Option<&Tensor>, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
     float_input("binary_cross_entropy_with_logits", input)?;
     let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
     if input.shape() != target.shape() {
@@ -397,6 +409,16 @@ pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, pos_wei
             let lw = pw.sub_scalar(1.0)?.mul(target)?.add_scalar(1.0)?;
             target.rsub_scalar(1.0)?.mul(input)?.add(&lw.mul(&softplus_exact(&input.neg()?)?)?)?
         }
+    };
+    let loss = match weight {
+        Some(w) => {
+            let b = crate::layout::broadcast_shapes("binary_cross_entropy_with_logits", w.shape(), input.shape()).ok();
+            if b.as_deref() != Some(input.shape()) {
+                return Err(Error::shape("binary_cross_entropy_with_logits", format!("weight of shape {:?} does not broadcast to the input's shape {:?}", w.shape(), input.shape())));
+            }
+            loss.mul(&crate::amp::fp32(w)?)?
+        }
+        None => loss,
     };
     match reduction {
         Reduction::None => Ok(loss),
@@ -430,4 +452,4 @@ impl Tensor {
 }
 
 pub use super::batchnorm::batch_norm;
-pub use super::conv::{adaptive_avg_pool2d, conv2d, max_pool2d, Conv2dArgs};
+pub use super::conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, max_pool2d_with, max_pool2d_with_indices, Conv2dArgs, MaxPool2dArgs};

@@ -37,11 +37,13 @@ pub(crate) enum Pass {
 
 /// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
 pub(crate) fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
-    let span = dil * (k.max(1) - 1) + 1;
-    if size + 2 * pad < span {
+    let too_large = || Error::shape(op, format!("input size {size} with padding {pad}, kernel {k} and dilation {dil} is too large"));
+    let span = dil.checked_mul(k.max(1) - 1).and_then(|s| s.checked_add(1)).ok_or_else(too_large)?;
+    let padded = pad.checked_mul(2).and_then(|p| p.checked_add(size)).ok_or_else(too_large)?;
+    if padded < span {
         return Err(Error::shape(op, format!("input size {size} with padding {pad} is smaller than the (dilated) kernel {span}")));
     }
-    Ok((size + 2 * pad - span) / stride.max(1) + 1)
+    Ok((padded - span) / stride.max(1) + 1)
 }
 
 pub(crate) fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()> {

@@ -98,6 +98,22 @@ unary_methods! {
     /// GELU with the tanh approximation (`approximate='tanh'`).
     gelu_tanh => GeluTanh,
     silu => Silu, sqrt => Sqrt, rsqrt => Rsqrt, erf => Erf, logical_not => LogicalNot,
+    /// `exp(x) - 1`, exact near 0.
+    expm1 => Expm1, tan => Tan,
+    /// Rounds down; integers stay as they are (and keep their dtype), as in PyTorch; so do
+    /// `ceil`, `round` and `trunc`. Their gradient is zero.
+    floor => Floor, ceil => Ceil,
+    /// Rounds half to even (`torch.round`).
+    round => Round, trunc => Trunc,
+}
+
+/// How `div_mode` rounds its quotient (`torch.div`'s `rounding_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RoundingMode {
+    /// Toward zero, as C's integer division.
+    Trunc,
+    /// Down, as Python's `//`.
+    Floor,
 }
 
 macro_rules! binary_methods {
@@ -119,12 +135,40 @@ binary_methods! {
     gt, gt_scalar => Gt, ge, ge_scalar => Ge,
     logical_and, logical_and_scalar => LogicalAnd, logical_or, logical_or_scalar => LogicalOr,
     logical_xor, logical_xor_scalar => LogicalXor,
+    remainder, remainder_scalar => Remainder, fmod, fmod_scalar => Fmod,
 }
 
 impl Tensor {
     pub(crate) fn unary(&self, op: UnaryOp) -> Result<Tensor> {
+        if op == UnaryOp::Sign && self.dtype() == DType::Bool {
+            // The sign of a bool is itself (PyTorch returns a bool tensor).
+            return self.copy_contiguous();
+        }
         op.out_dtype(self.dtype())?;
         apply(Op::Unary(op), &[self])
+    }
+
+    /// Rounds half to even at `decimals` digits after the point (before it when negative), as
+    /// `torch.round(x, decimals=d)`: `round(x * 10^d) / 10^d`.
+    pub fn round_decimals(&self, decimals: i64) -> Result<Tensor> {
+        if decimals == 0 || !self.dtype().is_float() {
+            return self.round();
+        }
+        let scale = 10f64.powi(decimals.unsigned_abs().min(400) as i32);
+        if decimals > 0 {
+            self.mul_scalar(scale)?.round()?.div_scalar(scale)
+        } else {
+            self.div_scalar(scale)?.round()?.mul_scalar(scale)
+        }
+    }
+
+    /// The quotient rounded as `mode` says (`torch.div(a, b, rounding_mode=...)`); integer
+    /// operands give integers, and an integer division by zero is an error on the CPU.
+    pub fn div_mode(&self, other: &Tensor, mode: RoundingMode) -> Result<Tensor> {
+        self.binary(rounding_op(mode), other)
+    }
+    pub fn div_mode_scalar(&self, other: impl Into<Scalar>, mode: RoundingMode) -> Result<Tensor> {
+        self.binary_scalar(rounding_op(mode), other.into(), false)
     }
 
     fn binary(&self, op: BinaryOp, other: &Tensor) -> Result<Tensor> {
@@ -183,6 +227,23 @@ impl Tensor {
         Ok(r)
     }
 
+    /// `clamp` with tensor bounds (either optional), broadcast together with the input
+    /// (`torch.clamp(x, min_tensor, max_tensor)`): `min(max(x, lo), hi)`, a NaN bound gives NaN.
+    /// The gradient goes to the input within the bounds (inclusive), else to the bound that won.
+    pub fn clamp_tensor(&self, min: Option<&Tensor>, max: Option<&Tensor>) -> Result<Tensor> {
+        if min.is_none() && max.is_none() {
+            return Err(Error::arg("clamp", "at least one of min and max must be given"));
+        }
+        let mut r = self.clone();
+        if let Some(lo) = min {
+            r = self.lt(lo)?.logical_or(&lo.ne(lo)?)?.where_(lo, &r)?;
+        }
+        if let Some(hi) = max {
+            r = r.gt(hi)?.logical_or(&hi.ne(hi)?)?.where_(hi, &r)?;
+        }
+        Ok(r)
+    }
+
     /// A broadcastable 0-dim tensor of `v` in this tensor's dtype and device.
     fn full_scalar_like(&self, v: f64) -> Result<Tensor> {
         Tensor::scalar(v, self.dtype(), &self.device())
@@ -200,16 +261,16 @@ impl Tensor {
         apply(Op::Where(dt), &[&c, &a, &b])
     }
 
-    /// `value` where `mask` is true (`masked_fill`); the mask broadcasts to this tensor's shape.
+    /// `value` where `mask` is true (`masked_fill`); the tensor and the mask broadcast together,
+    /// and the result takes their broadcast shape. A value the dtype cannot hold is an error.
     pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
         if mask.dtype() != DType::Bool {
             return Err(Error::dtype("masked_fill", mask.dtype(), "the mask must be a Bool tensor"));
         }
-        let shape = broadcast_shapes("masked_fill", self.shape(), mask.shape())?;
-        if shape != self.shape() {
-            return Err(Error::shape("masked_fill", format!("mask of shape {:?} does not broadcast to the tensor's shape {:?}", mask.shape(), self.shape())));
-        }
-        mask.where_(&value.into().to_tensor(self.dtype(), &self.device())?, self)
+        broadcast_shapes("masked_fill", self.shape(), mask.shape())?;
+        let value = value.into();
+        check_fits("masked_fill", value, self.dtype())?;
+        mask.where_(&value.to_tensor(self.dtype(), &self.device())?, self)
     }
 
     /// Converts to `dtype` (no copy when it already is).
@@ -247,11 +308,45 @@ impl Tensor {
     }
 }
 
+/// An error when `value` is outside the range of the integer dtype `dtype` (PyTorch: "value
+/// cannot be converted to type uint8_t without overflow"); floats are truncated toward zero first.
+pub(crate) fn check_fits(op: &'static str, value: Scalar, dtype: DType) -> Result<()> {
+    let (lo, hi) = match dtype {
+        DType::U8 => (0.0, 255.0),
+        DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+        DType::I64 => (i64::MIN as f64, i64::MAX as f64),
+        _ => return Ok(()),
+    };
+    let fits = match value {
+        Scalar::Int(i) => dtype == DType::I64 || (i as f64 >= lo && i as f64 <= hi),
+        Scalar::Float(f) => f.is_finite() && f.trunc() >= lo && f.trunc() <= hi,
+        Scalar::Bool(_) => true,
+    };
+    if !fits {
+        return Err(Error::arg(op, format!("value {} cannot be converted to {dtype:?} without overflow", value.to_f64())));
+    }
+    Ok(())
+}
+
+fn rounding_op(mode: RoundingMode) -> BinaryOp {
+    match mode {
+        RoundingMode::Trunc => BinaryOp::DivTrunc,
+        RoundingMode::Floor => BinaryOp::DivFloor,
+    }
+}
+
 /// Broadcasts `a` and `b` and runs `op` with arithmetic in the dtype `promoted` implies.
 fn binary_promoted(op: BinaryOp, a: &Tensor, b: &Tensor, promoted: DType) -> Result<Tensor> {
     let compute = op.compute_dtype(promoted)?;
     if a.device() != b.device() {
         return Err(Error::DeviceMismatch { op: op.name(), a: a.device(), b: b.device() });
+    }
+    if op.divides() && !compute.is_float() && b.device() == crate::Device::Cpu && !crate::compile::trace::active() {
+        // PyTorch's "ZeroDivisionError" on the CPU; the values are on the host already.
+        let zero = crate::no_grad(|| b.eq_scalar(0)?.to_vec::<bool>())?.contains(&true);
+        if zero {
+            return Err(Error::arg(op.name(), "integer division by zero"));
+        }
     }
     let shape = broadcast_shapes(op.name(), a.shape(), b.shape())?;
     // Comparisons in a half type compare half values, as PyTorch does: the other operand (a

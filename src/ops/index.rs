@@ -21,7 +21,11 @@ impl Tensor {
             return Err(Error::shape("index_select", format!("index must be 0-D or 1-D, got shape {:?}", index.shape())));
         }
         if self.ndim() == 0 {
-            return Err(Error::shape("index_select", "cannot index a 0-dim tensor"));
+            // A 0-dim tensor is indexed as one element, and stays 0-dim (as in PyTorch).
+            if index.numel() != 1 {
+                return Err(Error::shape("index_select", format!("indexing a 0-dim tensor takes one index, got {}", index.numel())));
+            }
+            return self.reshape_usize(&[1])?.index_select(0, &index)?.reshape_usize(&[]);
         }
         apply(Op::IndexSelect(d), &[self, &index.reshape_usize(&[index.numel()])?])
     }
@@ -31,7 +35,17 @@ impl Tensor {
     pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
         let d = norm_dim("gather", dim, self.ndim())?;
         let index = check_index_dtype("gather", index)?;
-        check_index_shape("gather", self.shape(), index.shape(), d, &[])?;
+        if self.ndim() == 0 && index.ndim() <= 1 {
+            // A 0-dim tensor gathers as one element: the result has the index's shape.
+            let flat = index.reshape_usize(&[index.numel()])?;
+            return self.reshape_usize(&[1])?.gather(0, &flat)?.reshape_usize(index.shape());
+        }
+        // An empty index gathers nothing whatever its rank (PyTorch skips its shape checks).
+        if index.numel() > 0 {
+            check_index_shape("gather", self.shape(), index.shape(), d, &[])?;
+        } else if index.ndim() != self.ndim() {
+            return Tensor::zeros(index.shape(), self.dtype(), &self.device());
+        }
         apply(Op::Gather(d), &[self, &index])
     }
 
@@ -40,10 +54,19 @@ impl Tensor {
     pub fn scatter_add(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
         let d = norm_dim("scatter_add", dim, self.ndim())?;
         let index = check_index_dtype("scatter_add", index)?;
-        check_index_shape("scatter_add", self.shape(), index.shape(), d, src.shape())?;
         if src.dtype() != self.dtype() {
             return Err(Error::dtype("scatter_add", src.dtype(), format!("src must have the tensor's dtype {:?}", self.dtype())));
         }
+        if self.ndim() == 0 && index.ndim() <= 1 && src.ndim() <= 1 {
+            // A 0-dim tensor takes its one element's sums, and stays 0-dim.
+            let (i, s) = (index.reshape_usize(&[index.numel()])?, src.reshape_usize(&[src.numel()])?);
+            return self.reshape_usize(&[1])?.scatter_add(0, &i, &s)?.reshape_usize(&[]);
+        }
+        if index.numel() == 0 {
+            // Nothing is added (PyTorch skips its shape checks): a copy, as always.
+            return self.copy_contiguous();
+        }
+        check_index_shape("scatter_add", self.shape(), index.shape(), d, src.shape())?;
         apply(Op::ScatterAdd(d), &[self, &index, src])
     }
 

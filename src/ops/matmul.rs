@@ -54,4 +54,39 @@ impl Tensor {
         }
         out.reshape_usize(&shape)
     }
+
+    /// The product of two matrices (`torch.mm`): both must be 2-D.
+    pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
+        if self.ndim() != 2 || other.ndim() != 2 {
+            return Err(Error::shape("mm", format!("both arguments must be 2-D matrices, got {:?} and {:?}", self.shape(), other.shape())));
+        }
+        self.matmul(other)
+    }
+
+    /// Batched products of 3-D tensors with one batch size (`torch.bmm`; no broadcasting).
+    pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
+        if self.ndim() != 3 || other.ndim() != 3 || self.shape()[0] != other.shape()[0] {
+            return Err(Error::shape("bmm", format!("both arguments must be 3-D with the same batch size, got {:?} and {:?}", self.shape(), other.shape())));
+        }
+        self.matmul(other)
+    }
+
+    /// `beta * self + alpha * (m1 @ m2)` (`torch.addmm`): `self` broadcasts to the product's
+    /// shape; with `beta == 0` it is not read (its NaNs do not propagate), as in PyTorch.
+    pub fn addmm(&self, m1: &Tensor, m2: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
+        let p = m1.mm(m2).map_err(|e| match e {
+            Error::Shape { msg, .. } => Error::shape("addmm", msg),
+            e => e,
+        })?;
+        let b = broadcast_shapes("addmm", self.shape(), p.shape())?;
+        if b != p.shape() {
+            return Err(Error::shape("addmm", format!("input of shape {:?} does not broadcast to the product's shape {:?}", self.shape(), p.shape())));
+        }
+        let p = if alpha == 1.0 { p } else { p.mul_scalar(alpha)? };
+        match beta {
+            0.0 => Ok(p),
+            1.0 => self.add(&p),
+            _ => self.mul_scalar(beta)?.add(&p),
+        }
+    }
 }

@@ -181,10 +181,13 @@ impl Op {
             }
             Op::Cat(dim) => {
                 let mut s = shape.to_vec();
-                s[*dim] = xs.iter().map(|x| x.0[*dim]).sum();
+                s[*dim] = xs.iter().try_fold(0usize, |n, x| n.checked_add(x.0[*dim])).ok_or_else(|| too_large("cat"))?;
                 (s, dt)
             }
-            Op::Pad(pads, _) => (shape.iter().zip(pads).map(|(d, p)| d + p.0 + p.1).collect(), dt),
+            Op::Pad(pads, _) => {
+                let s = shape.iter().zip(pads).map(|(d, p)| d.checked_add(p.0)?.checked_add(p.1)).collect::<Option<Vec<_>>>();
+                (s.ok_or_else(|| too_large("pad"))?, dt)
+            }
             Op::IndexSelect(dim) => {
                 let mut s = shape.to_vec();
                 s[*dim] = crate::layout::numel(xs[1].0);
@@ -253,6 +256,10 @@ impl Op {
         check_device(self.name(), device)?;
         let metas: Vec<(&[usize], DType)> = xs.iter().map(|t| (t.shape(), t.dtype())).collect();
         let (shape, dtype) = self.out_meta(&metas)?;
+        let n = crate::layout::checked_numel(self.name(), &shape, dtype.size_in_bytes())?;
+        if !device.is_cuda() {
+            cpu::ensure_host_memory(self.name(), n * dtype.size_in_bytes())?;
+        }
         if self.is_conv() {
             return conv::run(self, xs, &shape);
         }
@@ -418,6 +425,10 @@ impl Op {
             }
         }
     }
+}
+
+fn too_large(op: &'static str) -> Error {
+    Error::shape(op, "the result's size overflows")
 }
 
 /// `t` (`[len, B, H, D]`) with its head dim contiguous, as the attention kernels read it.

@@ -29,7 +29,7 @@ impl Tensor {
         if shape == self.shape() {
             return Ok(self.clone());
         }
-        if numel(shape) != self.numel() {
+        if crate::layout::checked_numel("reshape", shape, crate::layout::MAX_ELEM_BYTES)? != self.numel() {
             return Err(Error::shape("reshape", format!("shape {shape:?} is invalid for a tensor of shape {:?} ({} elements)", self.shape(), self.numel())));
         }
         apply(Op::Reshape(shape.to_vec()), &[self])
@@ -209,6 +209,38 @@ impl Tensor {
         (0..n.max(1)).step_by(size).map(|s| self.narrow(d as i64, s, size.min(n - s))).collect()
     }
 
+    /// Splits into pieces of the given `sizes` along `dim`, which must add up to its size
+    /// (`torch.split` with a list). Views.
+    pub fn split_sizes(&self, sizes: &[usize], dim: i64) -> Result<Vec<Tensor>> {
+        let d = norm_dim("split", dim, self.ndim())?;
+        let n = self.shape().get(d).copied().unwrap_or(1);
+        if sizes.iter().try_fold(0usize, |a, &b| a.checked_add(b)) != Some(n) {
+            return Err(Error::shape("split", format!("split sizes {sizes:?} do not add up to the size {n} of dim {d} (shape {:?})", self.shape())));
+        }
+        let mut at = 0;
+        sizes
+            .iter()
+            .map(|&len| {
+                let part = self.narrow(d as i64, at, len);
+                at += len;
+                part
+            })
+            .collect()
+    }
+
+    /// Removes each of `dims` that has size 1 (`torch.squeeze(x, dims)`); others stay.
+    pub fn squeeze_dims(&self, dims: &[i64]) -> Result<Tensor> {
+        let mut drop = vec![false; self.ndim()];
+        for &dim in dims {
+            let d = norm_dim("squeeze", dim, self.ndim())?;
+            if self.ndim() > 0 && self.shape()[d] == 1 {
+                drop[d] = true;
+            }
+        }
+        let s: Vec<usize> = self.shape().iter().zip(&drop).filter(|(_, &x)| !x).map(|(&n, _)| n).collect();
+        self.reshape_usize(&s)
+    }
+
     /// Splits into `chunks` nearly equal pieces along `dim` (`torch.chunk`). Views.
     pub fn chunk(&self, chunks: usize, dim: i64) -> Result<Vec<Tensor>> {
         let d = norm_dim("chunk", dim, self.ndim())?;
@@ -228,8 +260,9 @@ impl Tensor {
         let mut amounts = vec![(0usize, 0usize); self.ndim()];
         for (i, pair) in pads.chunks(2).enumerate() {
             let d = self.ndim() - 1 - i;
-            let (before, after) = (pair[0], pair[1]);
-            let size = x.shape()[d] as i64;
+            // In i128: amounts near i64::MIN or i64::MAX neither wrap nor overflow.
+            let (before, after) = (pair[0] as i128, pair[1] as i128);
+            let size = x.shape()[d] as i128;
             let (crop_b, crop_a) = ((-before).max(0), (-after).max(0));
             if crop_b + crop_a > size {
                 return Err(Error::shape("pad", format!("padding {pads:?} crops more than the size {size} of dim {d}")));
@@ -237,7 +270,8 @@ impl Tensor {
             if crop_b > 0 || crop_a > 0 {
                 x = x.narrow(d as i64, crop_b as usize, (size - crop_b - crop_a) as usize)?;
             }
-            amounts[d] = (before.max(0) as usize, after.max(0) as usize);
+            let grow = |p: i128| usize::try_from(p.max(0)).map_err(|_| Error::shape("pad", format!("padding {pads:?} is too large for dim {d}")));
+            amounts[d] = (grow(before)?, grow(after)?);
         }
         if amounts.iter().all(|p| *p == (0, 0)) {
             // Only cropping (or nothing): still a copy, as PyTorch's constant_pad_nd clones.

@@ -24,6 +24,13 @@ pub enum UnaryOp {
     Sqrt,
     Rsqrt,
     Erf,
+    Expm1,
+    Tan,
+    Floor,
+    Ceil,
+    /// Half to even, as `torch.round`.
+    Round,
+    Trunc,
     LogicalNot,
 }
 
@@ -61,13 +68,20 @@ impl UnaryOp {
             Sqrt => "sqrt",
             Rsqrt => "rsqrt",
             Erf => "erf",
+            Expm1 => "expm1",
+            Tan => "tan",
+            Floor => "floor",
+            Ceil => "ceil",
+            Round => "round",
+            Trunc => "trunc",
             LogicalNot => "logical_not",
         }
     }
 
     /// Ops that keep integer inputs integer; the rest compute in floating point.
     fn keeps_ints(self) -> bool {
-        matches!(self, UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Relu)
+        use UnaryOp::*;
+        matches!(self, Neg | Abs | Sign | Relu | Floor | Ceil | Round | Trunc)
     }
 
     pub(crate) fn out_dtype(self, x: DType) -> Result<DType> {
@@ -84,8 +98,8 @@ impl UnaryOp {
     pub(crate) fn saves(self) -> (bool, bool) {
         use UnaryOp::*;
         match self {
-            Neg | Sign | LogicalNot => (false, false),
-            Exp | Tanh | Sigmoid | Relu | Sqrt | Rsqrt => (false, true),
+            Neg | Sign | LogicalNot | Floor | Ceil | Round | Trunc => (false, false),
+            Exp | Expm1 | Tan | Tanh | Sigmoid | Relu | Sqrt | Rsqrt => (false, true),
             _ => (true, false),
         }
     }
@@ -119,6 +133,12 @@ impl UnaryOp {
             Sqrt => m.run(|x| x.sqrt()),
             Rsqrt => m.run(|x| c(1.0) / x.sqrt()),
             Erf => m.run(|x| x.erf()),
+            Expm1 => m.run(|x| x.exp_m1()),
+            Tan => m.run(|x| x.tan()),
+            Floor => m.run(|x| x.floor()),
+            Ceil => m.run(|x| x.ceil()),
+            Round => m.run(|x| x.round_ties_even()),
+            Trunc => m.run(|x| x.trunc()),
             LogicalNot => unreachable!("logical_not is evaluated by `logical`"),
         }
     }
@@ -130,6 +150,7 @@ impl UnaryOp {
             UnaryOp::Abs => m.run(|x| x.wrapping_abs()),
             UnaryOp::Sign => m.run(|x| x.signum()),
             UnaryOp::Relu => m.run(|x| x.max(0)),
+            UnaryOp::Floor | UnaryOp::Ceil | UnaryOp::Round | UnaryOp::Trunc => m.run(|x| x),
             _ => unreachable!("{} computes in floating point", self.name()),
         }
     }
@@ -155,7 +176,8 @@ impl UnaryOp {
             Cos => g.mul(&x().sin()?)?.neg(),
             Tanh => g.mul(&y().mul(y())?.rsub_scalar(1.0)?),
             Sigmoid => g.mul(&y().mul(&y().rsub_scalar(1.0)?)?),
-            Relu => g.mul(&y().gt_scalar(0.0)?),
+            // Where the output is not above zero; NaN passes its gradient, as in PyTorch.
+            Relu => g.masked_fill(&y().le_scalar(0.0)?, 0.0),
             GeluErf => {
                 // Φ(x) + x φ(x)
                 let x = x();
@@ -181,6 +203,10 @@ impl UnaryOp {
             Sqrt => g.div(&y().mul_scalar(2.0)?),
             Rsqrt => g.mul(&y().mul(y())?.mul(y())?.mul_scalar(-0.5)?),
             Erf => g.mul(&x().mul(x())?.neg()?.exp()?.mul_scalar(FRAC_2_SQRT_PI)?),
+            Expm1 => g.mul(&y().add_scalar(1.0)?),
+            Tan => g.mul(&y().mul(y())?.add_scalar(1.0)?),
+            // Piecewise constant: a zero gradient, as PyTorch defines it.
+            Floor | Ceil | Round | Trunc => Tensor::zeros(g.shape(), g.dtype(), &g.device()),
             Sign | LogicalNot => unreachable!("not differentiable"),
         }
     }
@@ -195,6 +221,14 @@ pub enum BinaryOp {
     Pow,
     Maximum,
     Minimum,
+    /// Division rounded toward zero (`div(rounding_mode="trunc")`).
+    DivTrunc,
+    /// Division rounded down (`div(rounding_mode="floor")`, `//`).
+    DivFloor,
+    /// The remainder of a floor division: the divisor's sign (`torch.remainder`, Python's `%`).
+    Remainder,
+    /// The remainder of a truncating division: the dividend's sign (`torch.fmod`, C's `fmod`).
+    Fmod,
     Eq,
     Ne,
     Lt,
@@ -217,6 +251,10 @@ impl BinaryOp {
             Pow => "pow",
             Maximum => "maximum",
             Minimum => "minimum",
+            DivTrunc => "div_trunc",
+            DivFloor => "div_floor",
+            Remainder => "remainder",
+            Fmod => "fmod",
             Eq => "eq",
             Ne => "ne",
             Lt => "lt",
@@ -237,6 +275,11 @@ impl BinaryOp {
     }
     pub(crate) fn differentiable(self) -> bool {
         !self.is_comparison() && !self.is_logical()
+    }
+    /// Integer ops whose divisor must not be zero.
+    pub(crate) fn divides(self) -> bool {
+        use BinaryOp::*;
+        matches!(self, DivTrunc | DivFloor | Remainder | Fmod)
     }
 
     /// The dtype the arithmetic runs in, from the operands' promoted dtype.
@@ -262,7 +305,7 @@ impl BinaryOp {
     pub(crate) fn saves(self) -> (bool, bool) {
         use BinaryOp::*;
         match self {
-            Add | Sub => (false, false),
+            Add | Sub | DivTrunc | DivFloor => (false, false),
             Pow => (true, true),
             _ => (true, false),
         }
@@ -278,6 +321,13 @@ impl BinaryOp {
             Pow => m.run(|a, b| a.powf(b)),
             Maximum => m.run(|a, b| if a > b || a.is_nan() { a } else { b }),
             Minimum => m.run(|a, b| if a < b || a.is_nan() { a } else { b }),
+            DivTrunc => m.run(|a, b| (a / b).trunc()),
+            DivFloor => m.run(floor_div),
+            Remainder => m.run(|a, b| {
+                let r = a % b;
+                if r != F::c(0.0) && ((b < F::c(0.0)) != (r < F::c(0.0))) { r + b } else { r }
+            }),
+            Fmod => m.run(|a, b| a % b),
             _ => unreachable!("{} does not produce numbers", self.name()),
         }
     }
@@ -302,6 +352,23 @@ impl BinaryOp {
             }),
             Maximum => m.run(|a, b| a.max(b)),
             Minimum => m.run(|a, b| a.min(b)),
+            // A zero divisor gives 0 here; eager CPU calls report it first (`divides`).
+            DivTrunc => m.run(|a, b| if b == 0 { 0 } else { a.wrapping_div(b) }),
+            DivFloor => m.run(|a, b| {
+                if b == 0 {
+                    return 0;
+                }
+                let (q, r) = (a.wrapping_div(b), a.wrapping_rem(b));
+                if r != 0 && ((r < 0) != (b < 0)) { q.wrapping_sub(1) } else { q }
+            }),
+            Remainder => m.run(|a, b| {
+                if b == 0 {
+                    return 0;
+                }
+                let r = a.wrapping_rem(b);
+                if r != 0 && ((r < 0) != (b < 0)) { r.wrapping_add(b) } else { r }
+            }),
+            Fmod => m.run(|a, b| if b == 0 { 0 } else { a.wrapping_rem(b) }),
             _ => unreachable!("{} does not produce integers", self.name()),
         }
     }
@@ -380,9 +447,40 @@ impl BinaryOp {
                     if want[1] { Some(half.masked_fill(&b_loses, 0.0)?) } else { None },
                 )
             }
+            // Piecewise constant in both operands, as PyTorch defines them.
+            DivTrunc | DivFloor => {
+                let zeros = || Tensor::zeros(g.shape(), g.dtype(), &g.device());
+                (if want[0] { Some(zeros()?) } else { None }, if want[1] { Some(zeros()?) } else { None })
+            }
+            // a - q b with q piecewise constant: d/da = 1, d/db = -q.
+            Remainder | Fmod => {
+                let q = if self == Remainder { a().div_mode(b(), crate::RoundingMode::Floor)? } else { a().div_mode(b(), crate::RoundingMode::Trunc)? };
+                (Some(g.clone()), if want[1] { Some(g.mul(&q)?.neg()?) } else { None })
+            }
             _ => unreachable!("{} is not differentiable", self.name()),
         };
         Ok([ga.filter(|_| want[0]), gb])
+    }
+}
+
+/// Floor division of floats as PyTorch computes it (`div_floor_floating`): from `fmod`, so that
+/// `a == b * floor_div(a, b) + remainder(a, b)` holds where it can, and the quotient is exact
+/// where `floor(a / b)` would round up.
+fn floor_div<F: Real>(a: F, b: F) -> F {
+    let zero = F::c(0.0);
+    if b == zero {
+        return a / b;
+    }
+    let m = a % b;
+    let mut div = (a - m) / b;
+    if m != zero && ((b < zero) != (m < zero)) {
+        div = div - F::c(1.0);
+    }
+    if div != zero {
+        let f = div.floor();
+        if div - f > F::c(0.5) { f + F::c(1.0) } else { f }
+    } else {
+        (a / b).copysign0()
     }
 }
 
@@ -408,13 +506,14 @@ mod cuda {
                     Abs => format!("({x} < 0 ? (long long)(0ull - (unsigned long long){x}) : {x})"),
                     Sign => format!("(long long)(({x} > 0) - ({x} < 0))"),
                     Relu => format!("({x} > 0 ? {x} : 0ll)"),
+                    Floor | Ceil | Round | Trunc => x.to_string(),
                     _ => unreachable!("{} computes in floating point", self.name()),
                 };
             }
             match self {
                 Neg => format!("(-{x})"),
                 Abs => format!("{}({x})", m("fabs", t)),
-                Sign => format!("({x} > ({ty})0 ? ({ty})1 : ({x} < ({ty})0 ? ({ty})-1 : {x}))"),
+                Sign => format!("({x} > ({ty})0 ? ({ty})1 : ({x} < ({ty})0 ? ({ty})-1 : ({ty})0))"),
                 Exp => format!("{}({x})", m("exp", t)),
                 Log => format!("{}({x})", m("log", t)),
                 Log1p => format!("{}({x})", m("log1p", t)),
@@ -432,6 +531,12 @@ mod cuda {
                 Sqrt => format!("{}({x})", m("sqrt", t)),
                 Rsqrt => format!("(({ty})1 / {}({x}))", m("sqrt", t)),
                 Erf => format!("{}({x})", m("erf", t)),
+                Expm1 => format!("{}({x})", m("expm1", t)),
+                Tan => format!("{}({x})", m("tan", t)),
+                Floor => format!("{}({x})", m("floor", t)),
+                Ceil => format!("{}({x})", m("ceil", t)),
+                Round => format!("{}({x})", m("rint", t)),
+                Trunc => format!("{}({x})", m("trunc", t)),
                 LogicalNot => format!("(!{x})"),
             }
         }
@@ -446,6 +551,11 @@ mod cuda {
                 Sub if t == CType::I64 => wrap("-"),
                 Mul if t == CType::I64 => wrap("*"),
                 Pow if t == CType::I64 => format!("kipow({a}, {b})"),
+                // Overloaded by type in the prelude.
+                DivTrunc => format!("kdivtrunc({a}, {b})"),
+                DivFloor => format!("kdivfloor({a}, {b})"),
+                Remainder => format!("kremainder({a}, {b})"),
+                Fmod => format!("kfmod({a}, {b})"),
                 Add => format!("({a} + {b})"),
                 Sub => format!("({a} - {b})"),
                 Mul => format!("({a} * {b})"),

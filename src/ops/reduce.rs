@@ -106,7 +106,9 @@ fn norm_dims(op: &'static str, dims: &[i64], ndim: usize) -> Result<Vec<usize>> 
 }
 
 impl Tensor {
-    fn reduce(&self, op: ReduceOp, dims: Vec<usize>, keepdim: bool) -> Result<Tensor> {
+    fn reduce(&self, op: ReduceOp, mut dims: Vec<usize>, keepdim: bool) -> Result<Tensor> {
+        // A 0-dim tensor accepts dim 0 (or -1) and reduces over nothing, as in PyTorch.
+        dims.retain(|&d| d < self.ndim());
         if matches!(op, ReduceOp::Max | ReduceOp::Min | ReduceOp::ArgMax | ReduceOp::ArgMin)
             && dims.iter().any(|&d| self.shape()[d] == 0)
         {
@@ -198,6 +200,37 @@ impl Tensor {
     pub fn argmin_all(&self) -> Result<Tensor> {
         self.flatten(0, -1)?.argmin(0, false)
     }
+    /// Running sums along `dim` (`torch.cumsum`); integer and bool inputs sum to I64.
+    pub fn cumsum(&self, dim: i64) -> Result<Tensor> {
+        self.scan("cumsum", dim, false)
+    }
+    /// Running products along `dim` (`torch.cumprod`); integer and bool inputs multiply in I64.
+    pub fn cumprod(&self, dim: i64) -> Result<Tensor> {
+        self.scan("cumprod", dim, true)
+    }
+    /// An inclusive scan as a decomposition (Hillis-Steele: log2(n) steps, each combining the
+    /// running values with themselves shifted by 1, 2, 4, ... along `dim`), so autograd and the
+    /// compiler see only pads, slices and pointwise ops, and zeros in a product need no care.
+    fn scan(&self, op: &'static str, dim: i64, product: bool) -> Result<Tensor> {
+        let d = norm_dim(op, dim, self.ndim())?;
+        let x = if self.dtype().is_float() { self.copy_contiguous()? } else { self.to_dtype(DType::I64)? };
+        if self.ndim() == 0 {
+            return Ok(x);
+        }
+        let n = x.shape()[d];
+        let identity = if product { 1.0 } else { 0.0 };
+        let mut y = x;
+        let mut k = 1;
+        while k < n {
+            let mut pads = vec![(0, 0); y.ndim()];
+            pads[d] = (k, 0);
+            let shifted = apply(Op::Pad(pads, identity), &[&y.narrow(d as i64, 0, n - k)?])?;
+            y = if product { y.mul(&shifted)? } else { y.add(&shifted)? };
+            k *= 2;
+        }
+        Ok(y)
+    }
+
     /// Variance over `dims` (all when empty) with `correction` (1 = unbiased, as PyTorch's default).
     pub fn var(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
         if !self.dtype().is_float() {
@@ -216,6 +249,10 @@ impl Tensor {
     }
     pub fn std(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
         let dt = self.dtype();
+        if !dt.is_float() {
+            return Err(Error::dtype("std", dt, "std needs a floating-point input"));
+        }
+        norm_dims("std", dims, self.ndim())?;
         if dt.is_float() && dt.compute_dtype() != dt {
             return self.to_dtype(dt.compute_dtype())?.std(dims, correction, keepdim)?.to_dtype(dt);
         }

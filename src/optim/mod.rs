@@ -31,7 +31,7 @@ pub trait Optimizer {
 
 fn clear(params: &[Tensor]) {
     for p in params {
-        p.set_grad(None);
+        p.clear_grad();
     }
 }
 
@@ -83,8 +83,42 @@ impl Sgd {
     }
 }
 
+/// An error naming `op` and `what` unless `v` is a number and `ok(v)`: NaN never passes.
+fn check_hyper(op: &'static str, what: &str, v: f64, rule: &str, ok: impl Fn(f64) -> bool) -> Result<()> {
+    if v.is_nan() || !ok(v) {
+        return Err(crate::Error::arg(op, format!("invalid {what} {v}: it must be {rule}")));
+    }
+    Ok(())
+}
+
+impl Sgd {
+    /// PyTorch's checks of SGD's settings (a `ValueError` there); `step` runs them first.
+    pub fn validate(&self) -> Result<()> {
+        check_hyper("sgd", "learning rate", self.lr, ">= 0", |v| v >= 0.0)?;
+        check_hyper("sgd", "momentum", self.momentum, ">= 0", |v| v >= 0.0)?;
+        check_hyper("sgd", "dampening", self.dampening, "finite", f64::is_finite)?;
+        check_hyper("sgd", "weight_decay", self.weight_decay, ">= 0", |v| v >= 0.0)?;
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(crate::Error::arg("sgd", format!("Nesterov momentum requires a momentum and zero dampening (momentum {}, dampening {})", self.momentum, self.dampening)));
+        }
+        Ok(())
+    }
+}
+
+impl AdamConfig {
+    /// PyTorch's checks of Adam's and AdamW's settings; `step` runs them first.
+    pub fn validate(&self, op: &'static str) -> Result<()> {
+        check_hyper(op, "learning rate", self.lr, ">= 0", |v| v >= 0.0)?;
+        check_hyper(op, "epsilon value", self.eps, ">= 0", |v| v >= 0.0)?;
+        check_hyper(op, "beta parameter at index 0", self.beta1, "in [0, 1)", |v| (0.0..1.0).contains(&v))?;
+        check_hyper(op, "beta parameter at index 1", self.beta2, "in [0, 1)", |v| (0.0..1.0).contains(&v))?;
+        check_hyper(op, "weight_decay value", self.weight_decay, ">= 0", |v| v >= 0.0)
+    }
+}
+
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
+        self.validate()?;
         no_grad(|| {
             let done = foreach::sgd(self)?;
             for ((p, buf), done) in self.params.iter().zip(self.momentum_buffers.iter_mut()).zip(done) {
@@ -203,6 +237,7 @@ impl AdamCore {
 
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
+        c.validate(if self.decoupled { "adamw" } else { "adam" })?;
         no_grad(|| {
             let done = foreach::adam(self)?;
             for ((p, st), done) in self.params.iter().zip(self.state.iter_mut()).zip(done) {

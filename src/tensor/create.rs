@@ -22,6 +22,7 @@ impl Tensor {
         if let Device::Cuda(d) = device {
             return Ok(Tensor::from_backend(BackendStorage::Cuda(cuda::full(*d, shape, value, dtype)?), shape));
         }
+        host_numel("full", shape, dtype)?;
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
@@ -29,7 +30,7 @@ impl Tensor {
         if device.is_cuda() || crate::compile::trace::active() {
             return Tensor::full(shape, 0.0, dtype, device);
         }
-        Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, checked_numel("zeros", shape, dtype)?), shape))
+        Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, host_numel("zeros", shape, dtype)?), shape))
     }
     pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype, device)
@@ -58,7 +59,7 @@ impl Tensor {
             return Err(Error::arg("arange", format!("upper bound and step sign are inconsistent (start {start}, end {end}, step {step})")));
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
-        checked_numel("arange", &[n], dtype)?;
+        host_numel("arange", &[n], dtype)?;
         Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
             &[n],
@@ -69,7 +70,7 @@ impl Tensor {
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("linspace", *device)?;
-        checked_numel("linspace", &[steps], dtype)?;
+        host_numel("linspace", &[steps], dtype)?;
         let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
         // Like PyTorch, the second half counts back from `end` so both ends are exact.
         let half = if steps == 1 { 1 } else { steps / 2 };
@@ -85,7 +86,7 @@ impl Tensor {
     /// The n×n identity.
     pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("eye", *device)?;
-        checked_numel("eye", &[n, n], dtype)?;
+        host_numel("eye", &[n, n], dtype)?;
         Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
             &[n, n],
@@ -140,7 +141,7 @@ impl Tensor {
             return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
         }
         check_device("randint", *device)?;
-        let n = checked_numel("randint", shape, DType::I64)?;
+        checked_numel("randint", shape, DType::I64)?;
         let span = high.wrapping_sub(low) as u64;
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Int { low, high }, shape, DType::I64, *device);
@@ -148,6 +149,7 @@ impl Tensor {
         if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, cuda::Dist::Int { low, span })? {
             return Ok(t);
         }
+        let n = host_numel("randint", shape, DType::I64)?;
         let (seed, first) = reserve(n as u64);
         let v: Vec<i64> = fill_new(n, |start, out| {
             for (k, o) in out.iter_mut().enumerate() {
@@ -171,15 +173,17 @@ impl Tensor {
     }
 }
 
-/// The element count of `shape`, or an error when it, its strides or its size in bytes overflow
-/// (torch: "Storage size calculation overflowed").
+/// The element count of a host tensor of `shape`, or an error when its size overflows (torch:
+/// "Storage size calculation overflowed") or the host cannot allocate it.
+fn host_numel(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
+    let n = checked_numel(op, shape, dtype)?;
+    crate::backend::cpu::ensure_host_memory(op, n * dtype.size_in_bytes())?;
+    Ok(n)
+}
+
+/// The element count of `shape`, or an error when it, its strides or its size in bytes overflow.
 fn checked_numel(op: &'static str, shape: &[usize], dtype: DType) -> Result<usize> {
-    // Strides multiply the sizes with zeros counted as ones, so that product must fit too.
-    let bytes = shape.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d.max(1)));
-    match bytes {
-        Some(b) if b <= isize::MAX as usize => Ok(numel(shape)),
-        _ => Err(Error::arg(op, format!("shape {shape:?} of {dtype:?} is too large: its size overflows"))),
-    }
+    crate::layout::checked_numel(op, shape, dtype.size_in_bytes())
 }
 
 /// Draws on the GPU when `device` is one: the same stream, element for element, as the host.
@@ -202,7 +206,7 @@ fn float_only(op: &'static str, dtype: DType) -> Result<()> {
 /// does not depend on how the work is split across threads.
 fn random_values(op: &'static str, shape: &[usize], dtype: DType, device: &Device, f: impl Fn([u32; 4]) -> f64 + Sync) -> Result<Tensor> {
     check_device(op, *device)?;
-    let n = checked_numel(op, shape, dtype)?;
+    let n = host_numel(op, shape, dtype)?;
     let (seed, first) = reserve(n as u64);
     let s = with_dtype!(dtype, T => T::wrap(fill_new(n, |start, out| {
         for (k, o) in out.iter_mut().enumerate() {

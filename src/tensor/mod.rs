@@ -220,7 +220,9 @@ impl Tensor {
         if T::DTYPE != self.dtype() {
             return Err(Error::dtype(op, self.dtype(), format!("the tensor holds {:?}, asked for {:?}; convert with to_dtype first", self.dtype(), T::DTYPE)));
         }
-        crate::backend::check_device(op, self.device())
+        crate::backend::check_device(op, self.device())?;
+        // A broadcast view may stand for more elements than the host can hold.
+        cpu::ensure_host_memory(op, self.numel() * self.dtype().size_in_bytes())
     }
 
     /// Moves the tensor to `device` (a no-op when it is already there). Synchronous.
@@ -273,8 +275,26 @@ impl Tensor {
     }
 
     /// Replaces (or clears, with `None`) the accumulated gradient.
-    pub fn set_grad(&self, grad: Option<Tensor>) {
+    /// Sets (or clears) the accumulated gradient. It must match the tensor's shape, dtype and
+    /// device, as in PyTorch ("assigned grad has data of a different size").
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        if let Some(g) = &grad {
+            if g.shape() != self.shape() {
+                return Err(Error::shape("set_grad", format!("assigned grad has shape {:?}, the tensor has shape {:?}", g.shape(), self.shape())));
+            }
+            if g.dtype() != self.dtype() {
+                return Err(Error::dtype("set_grad", g.dtype(), format!("assigned grad must have the tensor's dtype {:?}", self.dtype())));
+            }
+            if g.device() != self.device() {
+                return Err(Error::DeviceMismatch { op: "set_grad", a: self.device(), b: g.device() });
+            }
+        }
         self.0.meta.lock().grad = grad;
+        Ok(())
+    }
+    /// Clears the accumulated gradient.
+    pub fn clear_grad(&self) {
+        self.0.meta.lock().grad = None;
     }
 
     /// The name of the node that made this tensor (`MulBackward`, ...), if it was recorded.

@@ -888,7 +888,7 @@ fn leaf_gradients_accumulate_across_backward_calls() {
     assert_eq!(grad_of(&x), vec![2.0, 4.0, 6.0]);
     x.mul_scalar(3.0).unwrap().sum_all().unwrap().backward().unwrap();
     assert_eq!(grad_of(&x), vec![5.0, 7.0, 9.0]);
-    x.set_grad(None);
+    x.clear_grad();
     x.sum_all().unwrap().backward().unwrap();
     assert_eq!(grad_of(&x), vec![1.0, 1.0, 1.0]);
 }
@@ -1296,7 +1296,7 @@ fn custom_function_edge_cases() {
     assert_eq!(y.grad_fn_name().as_deref(), Some("TwiceBackward"));
     y.sum_all().unwrap().backward().unwrap();
     assert_eq!(grad_of(&xl), vec![3.0, 0.0]);
-    xl.set_grad(None);
+    xl.clear_grad();
     // A backward that returns the wrong number of gradients is an error.
     struct TooMany;
     impl Function for TooMany {

@@ -215,7 +215,7 @@ fn gradients_flow_through_compiled_functions() -> Result<()> {
     eager.backward()?;
     let grads: Vec<Vec<f64>> = [&w1, &b1, &w2].iter().map(|p| vals(&p.grad().unwrap())).collect();
     for p in [&w1, &b1, &w2] {
-        p.set_grad(None);
+        p.clear_grad();
     }
     let (a, b, c) = (w1.clone(), b1.clone(), w2.clone());
     let f = compile(move |x: &Tensor, y: &Tensor| loss_of(x, y, &a, &b, &c));
@@ -249,7 +249,7 @@ fn a_compiled_conv_relu_matches_eager_with_gradients() -> Result<()> {
         let f = compile_with(CompileOptions::new().mode(mode), move |x: &Tensor| loss_of(x, &wc, &bc, &rc));
         for call in 0..3 {
             for p in [&x, &w, &b] {
-                p.set_grad(None);
+                p.clear_grad();
             }
             let loss = f.call(&x)?;
             assert_close(&vals(&loss), &vals(&eager), 1e-5, 1e-5);

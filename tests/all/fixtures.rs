@@ -263,7 +263,7 @@ fn optim_steps(name: &str, mut make: impl FnMut(Vec<Tensor>) -> Box<dyn Optimize
     let p = fx.get("p0", DType::F64).requires_grad();
     let mut opt = make(vec![p.clone()]);
     for i in 0..3 {
-        p.set_grad(Some(fx.get(&format!("g{i}"), DType::F64)));
+        p.set_grad(Some(fx.get(&format!("g{i}"), DType::F64))).unwrap();
         opt.step().unwrap();
         assert_close(&vals(&p), &vals(fx.raw(&format!("p{}", i + 1))), 1e-12, 1e-14);
     }

@@ -384,7 +384,7 @@ fn optimiser_state_round_trips_through_a_file_and_resumes_bit_exactly() {
     let grads = |i: usize| rand_t(&[3, 2], 100 + i as u64, DType::F32);
     let run = |opt: &mut dyn Optimizer, p: &Tensor, from: usize, to: usize| {
         for i in from..to {
-            p.set_grad(Some(grads(i)));
+            p.set_grad(Some(grads(i))).unwrap();
             opt.step().unwrap();
         }
     };

@@ -67,7 +67,7 @@ fn sgd_momentum_nesterov_and_weight_decay_follow_pytorch() {
     let (mut pv, mut buf): (Vec<f64>, Option<Vec<f64>>) = (vec![1.0, -2.0], None);
     for step in 0..3 {
         let g = [0.5 + step as f64, -0.25];
-        p.set_grad(Some(t(&g, &[2], DType::F64)));
+        p.set_grad(Some(t(&g, &[2], DType::F64))).unwrap();
         opt.step().unwrap();
         let gd: Vec<f64> = (0..2).map(|i| g[i] + 0.01 * pv[i]).collect();
         let b: Vec<f64> = match &buf {
@@ -81,7 +81,7 @@ fn sgd_momentum_nesterov_and_weight_decay_follow_pytorch() {
     // Nesterov: the step uses g + momentum * buf.
     let q = t(&[0.0], &[1], DType::F64).requires_grad();
     let mut nes = Sgd::new(vec![q.clone()], 1.0).momentum(0.5).nesterov(true);
-    q.set_grad(Some(t(&[2.0], &[1], DType::F64)));
+    q.set_grad(Some(t(&[2.0], &[1], DType::F64))).unwrap();
     nes.step().unwrap();
     assert_eq!(vals(&q), vec![-(2.0 + 0.5 * 2.0)]);
     let _ = d;
@@ -96,7 +96,7 @@ fn adam_and_adamw_follow_pytorch() {
         let (mut pv, mut m, mut v) = (vec![1.0, -0.5], vec![0.0; 2], vec![0.0; 2]);
         for step in 1..=3 {
             let g = [0.3 * step as f64, -0.7];
-            p.set_grad(Some(t(&g, &[2], DType::F64)));
+            p.set_grad(Some(t(&g, &[2], DType::F64))).unwrap();
             opt.step().unwrap();
             for i in 0..2 {
                 let mut gi = g[i];
@@ -248,7 +248,7 @@ fn nll_and_bce_with_logits_match_their_formulas() {
     let z = [3.0, -2.0, 0.0, 50.0, -50.0];
     let tg = [1.0, 0.0, 0.5, 0.0, 1.0];
     let (zt, tt) = (t(&z, &[5], DType::F64), t(&tg, &[5], DType::F64));
-    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, None, F::Reduction::None).unwrap());
+    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, None, None, F::Reduction::None).unwrap());
     let want: Vec<f64> = z.iter().zip(&tg).map(|(&v, &y)| {
         // log-sigmoid written stably: large |v| must not overflow.
         let ls = |u: f64| if u >= 0.0 { -(1.0 + (-u).exp()).ln() } else { u - (1.0 + u.exp()).ln() };
@@ -256,15 +256,15 @@ fn nll_and_bce_with_logits_match_their_formulas() {
     }).collect();
     assert_close(&got, &want, 1e-12, 1e-12);
     let pw = t(&[2.0; 5], &[5], DType::F64);
-    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, Some(&pw), F::Reduction::Sum).unwrap());
+    let got = vals(&F::binary_cross_entropy_with_logits(&zt, &tt, None, Some(&pw), F::Reduction::Sum).unwrap());
     let want: f64 = z.iter().zip(&tg).map(|(&v, &y)| {
         let ls = |u: f64| if u >= 0.0 { -(1.0 + (-u).exp()).ln() } else { u - (1.0 + u.exp()).ln() };
         -(2.0 * y * ls(v) + (1.0 - y) * ls(-v))
     }).sum();
     assert_close(&got, &[want], 1e-12, 1e-12);
     // Including logits exactly 0, where the gradient is sigmoid(0) - y.
-    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], None, F::Reduction::Mean), &[zt.clone(), tt.clone()], Default::default()).unwrap();
-    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], Some(&xs[2]), F::Reduction::Sum), &[zt, tt, pw], Default::default()).unwrap();
+    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], None, None, F::Reduction::Mean), &[zt.clone(), tt.clone()], Default::default()).unwrap();
+    kiln::gradcheck(|xs| F::binary_cross_entropy_with_logits(&xs[0], &xs[1], None, Some(&xs[2]), F::Reduction::Sum), &[zt, tt, pw], Default::default()).unwrap();
 }
 
 #[test]

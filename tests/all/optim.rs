@@ -49,7 +49,7 @@ fn run(kind: Kind, params: &dyn Fn() -> Vec<Tensor>, foreach: bool, steps: usize
     let mut launches = vec![];
     for step in 0..steps {
         for (k, p) in ps.iter().enumerate() {
-            p.set_grad(grad(step, k, p));
+            p.set_grad(grad(step, k, p)).unwrap();
         }
         let before = kiln::cuda::launch_count();
         opt.step().unwrap();
@@ -162,7 +162,7 @@ fn optim_foreach_step_bumps_versions_so_saved_tensors_are_checked() {
     // The state is updated in place too.
     let p = leaf(&[50], DType::F32, 9);
     let mut opt = Adam::new(vec![p.clone()], AdamConfig::default());
-    p.set_grad(Some(grad_like(&p, 1)));
+    p.set_grad(Some(grad_like(&p, 1))).unwrap();
     opt.step().unwrap();
     let m = opt.state()[0].as_ref().unwrap().exp_avg.clone();
     let v = m.version();

@@ -48,15 +48,16 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
     })
 }
 
+/// An index in `[0, size)`; negative ones are out of range, as in PyTorch's index_select,
+/// gather, scatter and embedding.
 fn check_index(op: &'static str, i: i64, size: usize) -> Result<usize> {
-    let j = if i < 0 { i + size as i64 } else { i };
-    if j < 0 || j >= size as i64 {
+    if i < 0 || i >= size as i64 {
         return Err(Error::Index { op, index: i, size });
     }
-    Ok(j as usize)
+    Ok(i as usize)
 }
 
-/// `x` indexed along `dim` by the 1-D `index` (negative indices count from the end).
+/// `x` indexed along `dim` by the 1-D `index`.
 pub(crate) fn index_select(x: &Tensor, dim: usize, index: &Tensor) -> Result<CpuStorage> {
     let idx = to_vec_as::<i64>(index);
     let size = x.shape()[dim];

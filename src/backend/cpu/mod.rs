@@ -128,6 +128,22 @@ pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync
 
 /// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
 /// Every element must be written by `fill`.
+/// Host allocations from this size up are tried first, so that a size the machine cannot give
+/// is `Error::OutOfMemory` instead of an abort (Rust's allocation failure handler).
+const PROBE_BYTES: usize = 1 << 30;
+
+/// Checks that the host can allocate `bytes` (for a result of `op`) before a loop does.
+pub(crate) fn ensure_host_memory(op: &'static str, bytes: usize) -> crate::Result<()> {
+    if bytes < PROBE_BYTES {
+        return Ok(());
+    }
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(bytes).map_err(|_| crate::Error::OutOfMemory {
+        device: crate::Device::Cpu,
+        msg: format!("{op}: the host cannot allocate {bytes} bytes ({:.1} GiB)", bytes as f64 / (1u64 << 30) as f64),
+    })
+}
+
 pub(crate) fn fill_new<T: Send + Sync>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(n);
     {
@@ -238,6 +254,7 @@ fn scatter_run<T: Elem, S: Elem>(dst: &mut [T], layout: &Layout, src: &[S]) {
 /// Floating-point compute types (f32, f64): the scalar functions pointwise ops are written in.
 pub(crate) trait Real: HostElem + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self>
     + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self>
+    + std::ops::Rem<Output = Self>
 {
     fn c(v: f64) -> Self;
     fn exp(self) -> Self;
@@ -252,6 +269,14 @@ pub(crate) trait Real: HostElem + std::ops::Add<Output = Self> + std::ops::Sub<O
     fn powf(self, e: Self) -> Self;
     fn is_nan(self) -> bool;
     fn signum0(self) -> Self;
+    fn exp_m1(self) -> Self;
+    fn tan(self) -> Self;
+    fn floor(self) -> Self;
+    fn ceil(self) -> Self;
+    fn round_ties_even(self) -> Self;
+    fn trunc(self) -> Self;
+    /// Zero with this value's sign.
+    fn copysign0(self) -> Self;
 }
 macro_rules! real {
     ($t:ty, $erf:path) => {
@@ -268,9 +293,17 @@ macro_rules! real {
             #[inline(always)] fn erf(self) -> Self { $erf(self) }
             #[inline(always)] fn powf(self, e: Self) -> Self { <$t>::powf(self, e) }
             #[inline(always)] fn is_nan(self) -> bool { <$t>::is_nan(self) }
+            // NaN and both zeros give 0, as PyTorch's sign.
             #[inline(always)] fn signum0(self) -> Self {
-                if self > 0.0 { 1.0 } else if self < 0.0 { -1.0 } else { self }
+                if self > 0.0 { 1.0 } else if self < 0.0 { -1.0 } else { 0.0 }
             }
+            #[inline(always)] fn exp_m1(self) -> Self { <$t>::exp_m1(self) }
+            #[inline(always)] fn tan(self) -> Self { <$t>::tan(self) }
+            #[inline(always)] fn floor(self) -> Self { <$t>::floor(self) }
+            #[inline(always)] fn ceil(self) -> Self { <$t>::ceil(self) }
+            #[inline(always)] fn round_ties_even(self) -> Self { <$t>::round_ties_even(self) }
+            #[inline(always)] fn trunc(self) -> Self { <$t>::trunc(self) }
+            #[inline(always)] fn copysign0(self) -> Self { <$t>::copysign(0.0, self) }
         }
     };
 }

@@ -120,6 +120,32 @@ __device__ long long kipow(long long a, long long b) {
   while (b) { if (b & 1) r *= x; x *= x; b >>= 1; }
   return (long long)r;
 }
+// Rounded divisions and remainders, as the CPU computes them (a zero integer divisor gives 0).
+__device__ __forceinline__ float kdivtrunc(float a, float b) { return truncf(a / b); }
+__device__ __forceinline__ double kdivtrunc(double a, double b) { return trunc(a / b); }
+__device__ __forceinline__ long long kdivtrunc(long long a, long long b) { return b == 0 ? 0 : (b == -1 ? (long long)(0ull - (u64)a) : a / b); }
+template <typename T> __device__ __forceinline__ T kdivfloor_f(T a, T b) {
+  if (b == (T)0) return a / b;
+  T m = fmod(a, b), d = (a - m) / b;
+  if (m != (T)0 && ((b < (T)0) != (m < (T)0))) d -= (T)1;
+  if (d != (T)0) { T f = floor(d); return d - f > (T)0.5 ? f + (T)1 : f; }
+  return copysign((T)0, a / b);
+}
+__device__ __forceinline__ float kdivfloor(float a, float b) { return kdivfloor_f<float>(a, b); }
+__device__ __forceinline__ double kdivfloor(double a, double b) { return kdivfloor_f<double>(a, b); }
+__device__ __forceinline__ long long kdivfloor(long long a, long long b) {
+  if (b == 0) return 0;
+  if (b == -1) return (long long)(0ull - (u64)a);
+  long long q = a / b, r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ float kfmod(float a, float b) { return fmodf(a, b); }
+__device__ __forceinline__ double kfmod(double a, double b) { return fmod(a, b); }
+__device__ __forceinline__ long long kfmod(long long a, long long b) { return (b == 0 || b == -1) ? 0 : a % b; }
+template <typename T> __device__ __forceinline__ T kremainder(T a, T b) {
+  T r = kfmod(a, b);
+  return (r != (T)0 && ((b < (T)0) != (r < (T)0))) ? r + b : r;
+}
 // Reports an out-of-range index to the host (mapped memory at `word`): the first one wins.
 __device__ void kbad_index(u64 word, u64 op, long long index, u64 size) {
   long long* e = (long long*)word;
@@ -587,7 +613,7 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
             let _ = writeln!(c, "    ox += q * (long long)a.w[{}];", 24 + d);
         }
     }
-    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
     (name, c)
 }
 
@@ -610,7 +636,7 @@ pub(crate) fn gen_scatter_add(src: DType, t: CType, ndim: usize, dim: usize) -> 
     }
     let v = load(src, t, "src[os]");
     let add = if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") };
-    let _ = writeln!(c, "    long long j = idx[oi]; if (j < 0) j += (long long)a.w[4];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
     (name, c)
 }
 
