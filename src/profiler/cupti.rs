@@ -7,12 +7,15 @@
 //! Collection is asked for per profile (`ProfileOptions::device_kernels`): while CUPTI is
 //! attached, every launch of the process costs more host time (about 2.5x on the H200), so
 //! plain profiles never attach it, and the last profile collecting (the bench's kernel counts,
-//! for one) detaches it again (`cuptiFinalize`). Collection is process-wide and on only while
-//! such a profile runs. Where CUPTI cannot be loaded or enabled, profiles carry no device
-//! kernels (`Profile::cupti` says why).
+//! for one) detaches it again (`cuptiFinalize`, at the exit of a driver call of its own, the
+//! one place CUPTI allows it while other threads launch). Collection is process-wide and on
+//! only while such a profile runs: other threads' kernels come too, and are dropped unclaimed.
+//! Where CUPTI cannot be loaded or enabled, profiles carry no device kernels (`Profile::cupti`
+//! says why).
 
 use cudarc::cupti::{result as cr, sys as cs};
-use std::collections::HashMap;
+use std::cell::Cell;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -38,23 +41,58 @@ struct Raw {
     end_ns: u64,
 }
 
-struct State {
+/// Whether CUPTI is attached, and for how many profiles. No CUPTI callback takes this lock, so
+/// CUPTI is called with it held: a profile starting waits for another's detach to end.
+struct Control {
     /// Profiles collecting now.
     users: usize,
     /// Why CUPTI is not used, once it failed to load or enable (checked once per process).
     broken: Option<String>,
     callbacks: bool,
-    kernels: Vec<(u32, Raw)>,
-    /// kiln correlation id → CUPTI correlation ids.
-    links: Vec<(u64, u32)>,
 }
 
-/// Held while CUPTI is attached or detached, so that a profile starting on one thread never
-/// meets the detach of another's (not `STATE`: CUPTI's buffer callback takes that one).
-static ATTACH: Mutex<()> = Mutex::new(());
-static STATE: Mutex<State> = Mutex::new(State { users: 0, broken: None, callbacks: false, kernels: Vec::new(), links: Vec::new() });
+/// What CUPTI's completed buffers held. The buffer callback takes this lock, on CUPTI's own
+/// thread or inside any thread's flush or detach, so it is never held across a CUPTI call
+/// (CUPTI may wait for that callback meanwhile: a deadlock).
+struct Records {
+    /// CUPTI correlation id, the kernel, and whether a prune already found it unclaimed.
+    kernels: Vec<(u32, Raw, bool)>,
+    /// kiln correlation id → CUPTI correlation ids.
+    links: Vec<(u64, u32)>,
+    /// How many kernels are held when the next prune runs.
+    prune_at: usize,
+}
+
+impl Records {
+    fn add(&mut self, kernels: Vec<(u32, Raw)>, links: Vec<(u64, u32)>) {
+        self.links.extend(links);
+        self.kernels.extend(kernels.into_iter().map(|(c, k)| (c, k, false)));
+        if self.kernels.len() < self.prune_at {
+            return;
+        }
+        // Collection is process-wide: other threads' kernels come too and would pile up for as
+        // long as any profile collects. A kernel still unclaimed at a second prune is theirs: a
+        // profiled launch's link is written when its driver call returns, long before that.
+        let linked: HashSet<u32> = self.links.iter().map(|&(_, c)| c).collect();
+        self.kernels.retain_mut(|(c, _, seen)| linked.contains(c) || !std::mem::replace(seen, true));
+        self.prune_at = (2 * self.kernels.len()).max(PRUNE_AT);
+    }
+
+    fn clear(&mut self) {
+        (self.kernels, self.links, self.prune_at) = (Vec::new(), Vec::new(), PRUNE_AT);
+    }
+}
+
+static CONTROL: Mutex<Control> = Mutex::new(Control { users: 0, broken: None, callbacks: false });
+static RECORDS: Mutex<Records> = Mutex::new(Records { kernels: Vec::new(), links: Vec::new(), prune_at: PRUNE_AT });
+/// Counts detaches. Each buffer carries the count it was handed out under: one completed after
+/// a detach holds records of the CUPTI that is gone, whose correlation ids the next one reuses.
+static EPOCH: AtomicU64 = AtomicU64::new(0);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 const BUFFER_BYTES: usize = 4 << 20;
+/// The epoch in front of each buffer (8 bytes keep the records 8-aligned, as CUPTI needs).
+const HEADER: usize = 8;
+const PRUNE_AT: usize = 1 << 16;
 /// The records collected: kernels, and the links from kiln's ids to CUPTI's, which CUPTI writes
 /// beside the records of the driver and runtime calls made under an id (so those are on too:
 /// kiln launches through the driver, the libraries through the runtime).
@@ -66,19 +104,29 @@ const KINDS: [cs::CUpti_ActivityKind; 4] = [
 ];
 const FLUSH_FORCED: u32 = 1;
 
-fn state() -> std::sync::MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|p| p.into_inner())
+fn control() -> std::sync::MutexGuard<'static, Control> {
+    CONTROL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn records() -> std::sync::MutexGuard<'static, Records> {
+    RECORDS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn buffer_layout() -> std::alloc::Layout {
-    std::alloc::Layout::from_size_align(BUFFER_BYTES, 8).expect("a valid layout")
+    std::alloc::Layout::from_size_align(HEADER + BUFFER_BYTES, 8).expect("a valid layout")
 }
 
 unsafe extern "C" fn buffer_requested(buffer: *mut *mut u8, size: *mut usize, max_records: *mut usize) {
-    // SAFETY: CUPTI passes valid out-pointers; the buffer is freed in `buffer_completed`.
+    // SAFETY: CUPTI passes valid out-pointers; the allocation holds the header and the buffer,
+    // and is freed in `buffer_completed`.
     unsafe {
-        *buffer = std::alloc::alloc(buffer_layout());
-        *size = if (*buffer).is_null() { 0 } else { BUFFER_BYTES };
+        let base = std::alloc::alloc(buffer_layout());
+        if base.is_null() {
+            (*buffer, *size) = (std::ptr::null_mut(), 0);
+        } else {
+            (base as *mut u64).write(EPOCH.load(Ordering::Acquire));
+            (*buffer, *size) = (base.add(HEADER), BUFFER_BYTES);
+        }
         *max_records = 0;
     }
 }
@@ -89,12 +137,15 @@ unsafe extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _str
     }
     let (mut kernels, mut links) = (vec![], vec![]);
     let mut record: *mut cs::CUpti_Activity = std::ptr::null_mut();
-    // SAFETY: `buffer` holds `valid` bytes of records CUPTI wrote; each record starts with its
+    // SAFETY: `buffer` is the one `buffer_requested` handed out, HEADER bytes into its
+    // allocation, and holds `valid` bytes of records CUPTI wrote; each record starts with its
     // kind (read as a plain u32: a kind this build does not know is skipped, not transmuted),
     // and the kinds read here have the layouts of this CUDA version's headers, whose leading
     // fields are the same in every version of them.
     unsafe {
-        while cr::activity::get_next_record(buffer, valid, &mut record).is_ok() {
+        let base = buffer.sub(HEADER);
+        let current = (base as *const u64).read() == EPOCH.load(Ordering::Acquire);
+        while current && cr::activity::get_next_record(buffer, valid, &mut record).is_ok() {
             let kind = *(record as *const u32);
             if kind == cs::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL as u32 || kind == cs::CUpti_ActivityKind::CUPTI_ACTIVITY_KIND_KERNEL as u32 {
                 let k = record as *const cs::CUpti_ActivityKernel10;
@@ -125,11 +176,11 @@ unsafe extern "C" fn buffer_completed(_ctx: cudarc::driver::sys::CUcontext, _str
                 }
             }
         }
-        std::alloc::dealloc(buffer, buffer_layout());
+        std::alloc::dealloc(base, buffer_layout());
     }
-    let mut s = state();
-    s.kernels.extend(kernels);
-    s.links.extend(links);
+    if !kernels.is_empty() || !links.is_empty() {
+        records().add(kernels, links);
+    }
 }
 
 /// Collection held for one profile; collection stops when the last one is dropped.
@@ -141,62 +192,125 @@ pub(super) struct Collecting {
 
 /// Starts collecting for a profile at host time `now_us`, or says why it cannot.
 pub(super) fn start(now_us: f64) -> Result<Collecting, String> {
-    let _attach = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
-    let mut s = state();
-    if let Some(why) = &s.broken {
+    let mut c = control();
+    if let Some(why) = &c.broken {
         return Err(why.clone());
     }
-    if s.users == 0 {
-        let enable = |s: &mut State| -> Result<(), String> {
-            // SAFETY: only checks whether the library can be loaded.
-            if !unsafe { cs::is_culib_present() } {
-                return Err("the CUPTI library (libcupti) was not found".into());
-            }
-            if !s.callbacks {
-                cr::activity::register_callbacks(Some(buffer_requested), Some(buffer_completed)).map_err(|e| format!("registering CUPTI's buffers: {e:?}"))?;
-                s.callbacks = true;
-            }
-            for kind in KINDS {
-                cr::activity::enable(kind).map_err(|e| format!("enabling CUPTI activity {kind:?}: {e:?}"))?;
-            }
-            Ok(())
-        };
-        if let Err(why) = enable(&mut s) {
-            s.broken = Some(why.clone());
+    if c.users == 0 {
+        if let Err(why) = attach(&mut c) {
+            c.broken = Some(why.clone());
             return Err(why);
         }
     }
-    s.users += 1;
+    c.users += 1;
     let mut t0_ns = 0u64;
     // SAFETY: a plain out-parameter.
     let _ = unsafe { cs::cuptiGetTimestamp(&mut t0_ns) };
     Ok(Collecting { t0_ns, t0_host_us: now_us })
 }
 
+/// Turns collection on for the first profile that asks.
+fn attach(c: &mut Control) -> Result<(), String> {
+    // SAFETY: only checks whether the library can be loaded.
+    if !unsafe { cs::is_culib_present() } {
+        return Err("the CUPTI library (libcupti) was not found".into());
+    }
+    if !c.callbacks {
+        cr::activity::register_callbacks(Some(buffer_requested), Some(buffer_completed)).map_err(|e| format!("registering CUPTI's buffers: {e:?}"))?;
+        c.callbacks = true;
+    }
+    for (i, kind) in KINDS.into_iter().enumerate() {
+        if let Err(e) = cr::activity::enable(kind) {
+            // Nothing is left half on: every launch of the process would pay for it.
+            for on in &KINDS[..i] {
+                let _ = cr::activity::disable(*on);
+            }
+            return Err(format!("enabling CUPTI activity {kind:?}: {e:?}"));
+        }
+    }
+    Ok(())
+}
+
 impl Drop for Collecting {
     fn drop(&mut self) {
-        let _attach = ATTACH.lock().unwrap_or_else(|p| p.into_inner());
-        let mut s = state();
-        s.users -= 1;
-        if s.users > 0 {
+        let mut c = control();
+        c.users -= 1;
+        if c.users > 0 {
             return;
         }
         for kind in KINDS {
             let _ = cr::activity::disable(kind);
         }
-        drop(s);
         let _ = cr::activity::flush_all(FLUSH_FORCED);
         // Detach, so that later launches cost what they did before; the next profile that asks
-        // attaches again (its buffers registered anew).
-        // SAFETY: collection is off and flushed, and no profile can start meanwhile (ATTACH).
-        let detached = unsafe { cs::cuptiFinalize() }.result().is_ok();
-        let mut s = state();
-        s.kernels.clear();
-        s.links.clear();
-        if detached {
-            s.callbacks = false;
+        // attaches again (its buffers registered anew). Where CUPTI cannot be detached safely,
+        // it stays attached, collecting nothing.
+        if detach() {
+            c.callbacks = false;
+            EPOCH.fetch_add(1, Ordering::AcqRel);
         }
+        records().clear();
     }
+}
+
+/// Where the detaching thread is in `detach`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Detach {
+    Idle,
+    /// Making the driver call at whose exit CUPTI is detached.
+    Armed,
+    Done,
+    Failed,
+}
+
+thread_local! {
+    static DETACH: Cell<Detach> = const { Cell::new(Detach::Idle) };
+}
+
+const EXIT_CALL: cs::CUpti_CallbackId = cs::CUpti_driver_api_trace_cbid::CUPTI_DRIVER_TRACE_CBID_cuCtxGetCurrent as u32;
+
+/// Detaches CUPTI (`cuptiFinalize`) at the exit of a driver call this thread makes, the one
+/// place CUPTI documents it as safe while other threads may be inside the driver: called
+/// anywhere else it races their launches, which crashed or hung processes profiling one thread
+/// while others worked on the GPU. False where it could not be done.
+fn detach() -> bool {
+    let mut sub: cs::CUpti_SubscriberHandle = std::ptr::null_mut();
+    // SAFETY: a plain out-parameter; the callback is a plain function without user data.
+    if unsafe { cs::cuptiSubscribe(&mut sub, Some(at_driver_call), std::ptr::null_mut()) }.result().is_err() {
+        return false;
+    }
+    // SAFETY: `sub` was just subscribed; only this one driver call calls back.
+    let armed = unsafe { cs::cuptiEnableCallback(1, sub, cs::CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API, EXIT_CALL) }.result().is_ok();
+    let mut done = false;
+    if armed {
+        DETACH.with(|d| d.set(Detach::Armed));
+        let mut ctx: cudarc::driver::sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a plain out-parameter; the call is made for its exit callback.
+        let _ = unsafe { cudarc::driver::sys::cuCtxGetCurrent(&mut ctx) };
+        done = DETACH.with(|d| d.replace(Detach::Idle)) == Detach::Done;
+    }
+    if !done {
+        // SAFETY: CUPTI was not finalized, so `sub` is still subscribed.
+        let _ = unsafe { cs::cuptiUnsubscribe(sub) };
+    }
+    done
+}
+
+unsafe extern "C" fn at_driver_call(_user: *mut std::ffi::c_void, domain: cs::CUpti_CallbackDomain, cbid: cs::CUpti_CallbackId, data: *const std::ffi::c_void) {
+    if domain != cs::CUpti_CallbackDomain::CUPTI_CB_DOMAIN_DRIVER_API || cbid != EXIT_CALL || data.is_null() {
+        return;
+    }
+    // SAFETY: a driver API callback's data is a CUpti_CallbackData, whose first field is the
+    // call site (read as a plain u32).
+    let site = unsafe { *(data as *const u32) };
+    // Other threads' calls of it go on untouched.
+    if site != cs::CUpti_ApiCallbackSite::CUPTI_API_EXIT as u32 || !DETACH.try_with(|d| d.get()).is_ok_and(|d| d == Detach::Armed) {
+        return;
+    }
+    // SAFETY: at a driver call's exit, as CUPTI asks; collection is off and flushed, and no
+    // profile can start meanwhile (the detaching thread holds CONTROL).
+    let ok = unsafe { cs::cuptiFinalize() }.result().is_ok();
+    let _ = DETACH.try_with(|d| d.set(if ok { Detach::Done } else { Detach::Failed }));
 }
 
 /// A fresh kiln correlation id, pushed for the launches this thread makes until `pop`.
@@ -215,11 +329,12 @@ impl Collecting {
     /// The kernels run for each of `ids` (in the order they started), once the device has
     /// finished the work they were launched for.
     pub(super) fn take(&self, ids: &[u64]) -> HashMap<u64, Vec<DeviceKernel>> {
+        // Not with RECORDS held: the flush hands buffers to the callback, which takes it.
         let _ = cr::activity::flush_all(FLUSH_FORCED);
-        let mut s = state();
-        let wanted: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        let mut r = records();
+        let wanted: HashSet<u64> = ids.iter().copied().collect();
         let mut owner: HashMap<u32, u64> = HashMap::new();
-        s.links.retain(|&(ext, corr)| {
+        r.links.retain(|&(ext, corr)| {
             let mine = wanted.contains(&ext);
             if mine {
                 owner.insert(corr, ext);
@@ -228,7 +343,7 @@ impl Collecting {
         });
         let mut out: HashMap<u64, Vec<DeviceKernel>> = HashMap::new();
         let at = |ns: u64| self.t0_host_us + (ns as f64 - self.t0_ns as f64) / 1e3;
-        s.kernels.retain(|(corr, raw)| {
+        r.kernels.retain(|(corr, raw, _)| {
             let Some(ext) = owner.get(corr) else { return true };
             let mut k = raw.kernel.clone();
             (k.device_start_us, k.device_us) = (at(raw.start_ns), raw.end_ns.saturating_sub(raw.start_ns) as f64 / 1e3);

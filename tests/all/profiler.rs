@@ -264,3 +264,136 @@ fn each_launch_lists_the_kernels_the_gpu_ran_for_it() {
     drop(again);
     eprintln!("host time per relu: {before:.2} us before CUPTI, {:.2} us after it detached", launch_us());
 }
+
+/// GPU work a thread keeps doing until `stop`, each result checked against the same computation
+/// run eagerly once: eager ops with a product (`kind` 0), a compiled function made anew now and
+/// then (1), reduce-overhead functions, CUDA graphs captured anew now and then (2), host copies
+/// and reads (3). `ready` counts the threads past their first checked call. Returns the calls.
+fn keep_busy(kind: usize, stop: &std::sync::atomic::AtomicBool, ready: &std::sync::atomic::AtomicUsize) -> std::result::Result<usize, String> {
+    use kiln::compile::{compile, compile_with, CompileOptions, Mode};
+    use std::sync::atomic::Ordering;
+    let d = dev();
+    let x = Tensor::randn(&[64, 64], DType::F32, &d).map_err(|e| e.to_string())?;
+    let eager = |x: &Tensor| -> Result<Tensor> {
+        match kind {
+            0 => x.sin()?.mul_scalar(2.0)?.matmul(x),
+            1 => x.tanh()?.add_scalar(1.0)?.exp(),
+            2 => x.tanh()?.mul_scalar(0.5)?.matmul(x)?.relu(),
+            _ => Tensor::from_vec(x.to_vec::<f32>()?, &[64, 64], &Device::Cpu)?.to_device(&d)?.cos()?.sum_all(),
+        }
+    };
+    let make_compiled = || compile(|x: &Tensor| x.tanh()?.add_scalar(1.0)?.exp());
+    let make_graphed = || compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), |x: &Tensor| x.tanh()?.mul_scalar(0.5)?.matmul(x)?.relu());
+    let (mut compiled, mut graphed) = (make_compiled(), make_graphed());
+    let want = eager(&x).map_err(|e| e.to_string())?;
+    let mut calls = 0;
+    while calls == 0 || !stop.load(Ordering::Relaxed) {
+        let got = match kind {
+            1 => {
+                if calls % 50 == 49 {
+                    compiled = make_compiled();
+                }
+                compiled.call(&x)
+            }
+            2 => {
+                if calls % 25 == 24 {
+                    graphed = make_graphed();
+                }
+                graphed.call(&x)
+            }
+            _ => eager(&x),
+        };
+        let got = got.map_err(|e| format!("worker {kind}, call {calls}: {e}"))?;
+        if !got.allclose(&want, 1e-4, 1e-3).map_err(|e| e.to_string())? {
+            return Err(format!("worker {kind}, call {calls}: {got} should be {want}"));
+        }
+        if calls == 0 {
+            ready.fetch_add(1, Ordering::Relaxed);
+        }
+        calls += 1;
+    }
+    Ok(calls)
+}
+
+#[test]
+fn a_profile_holds_only_its_threads_work_while_other_threads_use_the_gpu() {
+    use kiln::profiler::{Profile, ProfileOptions};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let d = dev();
+    if !d.is_cuda() {
+        return;
+    }
+    let n = 1 << 18;
+    let values: Vec<f32> = (0..n).map(|i| (i % 17) as f32 - 8.0).collect();
+    let host = Tensor::from_vec(values.clone(), &[n], &Device::Cpu).unwrap();
+    let want: Vec<f32> = values.iter().map(|&v| ((-v).abs().sqrt() + v).max(0.0)).collect();
+    // Five kernels, two copies, one read back, allocations and frees: all on this thread.
+    let work = || {
+        let x = host.to_device(&d)?;
+        let y = x.neg()?.abs()?.sqrt()?;
+        (&y + &x)?.relu()?.to_device(&Device::Cpu)
+    };
+    // What a profile holds, less the block sizes the allocator picks.
+    let shape = |p: &Profile| -> Vec<(EventKind, String, usize)> {
+        p.events().iter().map(|e| (e.kind, e.name.clone(), if matches!(e.kind, EventKind::Alloc | EventKind::Free) { 0 } else { e.bytes })).collect()
+    };
+    for _ in 0..2 {
+        work().unwrap();
+    }
+    let alone = shape(&profiler::profile(work).unwrap());
+    assert_eq!(alone.iter().filter(|e| e.0 == EventKind::Kernel).count(), 5, "{alone:?}");
+
+    let (stop, ready) = (AtomicBool::new(false), AtomicUsize::new(0));
+    // Stops the workers however this thread leaves the scope (a failed assertion too).
+    struct Stop<'a>(&'a AtomicBool);
+    impl Drop for Stop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    std::thread::scope(|s| {
+        let _stop = Stop(&stop);
+        let workers: Vec<_> = (0..4).map(|kind| (kind, s.spawn({
+            let (stop, ready) = (&stop, &ready);
+            move || keep_busy(kind, stop, ready)
+        }))).collect();
+        let started = std::time::Instant::now();
+        while ready.load(Ordering::Relaxed) < workers.len() && !workers.iter().any(|(_, w)| w.is_finished()) {
+            assert!(started.elapsed().as_secs() < 300, "the workers did not start");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if ready.load(Ordering::Relaxed) < workers.len() {
+            stop.store(true, Ordering::Relaxed);
+            let how: Vec<String> = workers.into_iter().map(|(kind, w)| format!("worker {kind}: {:?}", w.join())).collect();
+            panic!("a worker stopped before profiling began: {how:?}");
+        }
+        // Collecting device kernels or not, attaching and detaching CUPTI each time, while every
+        // worker keeps launching.
+        for round in 0..8 {
+            let device_kernels = round % 2 == 0;
+            let launches = kiln::cuda::launch_count();
+            let (y, prof) = profiler::profile_with(ProfileOptions::new().device_kernels(device_kernels), work).unwrap();
+            assert_eq!(kiln::cuda::launch_count() - launches, 5, "round {round}");
+            let y = y.to_vec::<f32>().unwrap();
+            assert!(y.iter().zip(&want).all(|(a, b)| (a - b).abs() <= 1e-5 * b.abs().max(1.0)), "round {round}: wrong values");
+            assert_eq!(shape(&prof), alone, "round {round}: only this thread's events, as when it ran alone");
+            assert!(prof.events().iter().all(|e| e.device == d), "round {round}");
+            assert_eq!(prof.syncs().count(), 1, "round {round}");
+            if device_kernels {
+                assert_eq!(prof.cupti(), Ok(()), "round {round}");
+                for k in prof.kernels() {
+                    let ran: Vec<(&str, bool)> = k.device_kernels.iter().map(|r| (r.name.as_str(), r.in_graph)).collect();
+                    assert_eq!(ran, [(k.name.as_str(), false)], "round {round}: {} ran itself and nothing else", k.name);
+                }
+                assert_eq!(prof.device_kernels().len(), 5, "round {round}: no other thread's kernels");
+            } else {
+                assert!(prof.device_kernels().is_empty() && prof.cupti().is_err(), "round {round}");
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        for (kind, w) in workers {
+            let calls = w.join().expect("a worker panicked").unwrap_or_else(|e| panic!("{e}"));
+            assert!(calls > 0, "worker {kind}");
+        }
+    });
+}
