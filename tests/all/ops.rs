@@ -450,12 +450,13 @@ fn broadcasting_three_way_where_and_masked_fill() {
     let (ec, ea, eb) = (bcast(&cv, &[2, 1, 4], &out), bcast(&av, &[3, 1], &out), bcast(&bv, &[4], &out));
     let want: Vec<f64> = (0..24).map(|i| if ec[i] > 0.0 { ea[i] } else { eb[i] }).collect();
     check("where 3-way", &c.where_(&a, &b).unwrap(), &out, F64, &want, 0.0, 0.0);
-    // masked_fill: the mask broadcasts to the tensor, never the other way
+    // masked_fill: the tensor and the mask broadcast together, as in torch
     let (x, xv) = inputs(&[2, 3, 4], 4, F32, |x| x);
     let m = t(&[1.0, 0.0, 0.0, 1.0], &[4], Bool);
     let want: Vec<f64> = xv.iter().enumerate().map(|(i, &v)| if i % 4 == 0 || i % 4 == 3 { -7.5 } else { v }).collect();
     check("masked_fill", &x.masked_fill(&m, -7.5).unwrap(), &out, F32, &want, 0.0, 0.0);
     let big = t(&[1.0; 48], &[2, 2, 3, 4], Bool);
-    assert!(x.masked_fill(&big, 0.0).is_err());
+    let filled = x.masked_fill(&big, 0.0).unwrap();
+    assert_eq!((filled.shape().to_vec(), vals(&filled)), (vec![2, 2, 3, 4], vec![0.0; 48]));
     assert!(x.masked_fill(&t(&[1.0, 0.0, 1.0], &[3], Bool), 0.0).is_err());
 }
