@@ -277,7 +277,7 @@ if [[ " $* " == *" profconc "* ]]; then
   for i in $(seq $n); do
     out=$(KILN_TEST_DEVICE=cuda RUST_BACKTRACE=1 timeout 120 $bin fixtures profiler 2>&1); rc=$?
     if [ $rc = 0 ]; then pass=$((pass+1)); else echo "pair run $i: rc $rc"; echo "$out" | grep -E "panicked|FAILED|error|Segmentation" -A5 | head -12; fi
-    KILN_TEST_DEVICE=cuda timeout 120 $bin a_profile_holds_only > $OUT/profconc-last.txt 2>&1 && pass2=$((pass2+1)) || { echo "profile-beside-work run $i failed"; grep -E "panicked|FAILED" -A5 $OUT/profconc-last.txt | head -10; }
+    KILN_TEST_DEVICE=cuda timeout 120 $bin holds_only_its_threads_work > $OUT/profconc-last.txt 2>&1 && pass2=$((pass2+1)) || { echo "profile-beside-work run $i failed"; grep -E "panicked|FAILED" -A5 $OUT/profconc-last.txt | head -10; }
   done
   echo "fixtures+profiler together: $pass of $n passed; profile beside concurrent work: $pass2 of $n passed"
 fi

@@ -245,12 +245,19 @@ impl Drop for Collecting {
         // Detach, so that later launches cost what they did before; the next profile that asks
         // attaches again (its buffers registered anew). Where CUPTI cannot be detached safely,
         // it stays attached, collecting nothing.
-        if detach() {
+        if detach_allowed() && detach() {
             c.callbacks = false;
             EPOCH.fetch_add(1, Ordering::AcqRel);
         }
         records().clear();
     }
+}
+
+/// Whether the last collecting profile detaches CUPTI (`KILN_CUPTI_DETACH=0` keeps it attached
+/// with collection off, to tell the detach's effects from collection's).
+fn detach_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("KILN_CUPTI_DETACH").map_or(true, |v| v != "0"))
 }
 
 /// Where the detaching thread is in `detach`.

@@ -317,6 +317,17 @@ fn keep_busy(kind: usize, stop: &std::sync::atomic::AtomicBool, ready: &std::syn
 
 #[test]
 fn a_profile_holds_only_its_threads_work_while_other_threads_use_the_gpu() {
+    profile_beside_busy_threads(|_| false);
+}
+
+#[test]
+fn a_profile_with_device_kernels_holds_only_its_threads_work_while_other_threads_use_the_gpu() {
+    profile_beside_busy_threads(|round| round % 2 == 0);
+}
+
+/// Eight profiles of this thread's work while four threads keep the GPU busy; `collect(round)`
+/// says which also collect device kernels (attaching and detaching CUPTI each time).
+fn profile_beside_busy_threads(collect: fn(usize) -> bool) {
     use kiln::profiler::{Profile, ProfileOptions};
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let d = dev();
@@ -370,7 +381,7 @@ fn a_profile_holds_only_its_threads_work_while_other_threads_use_the_gpu() {
         // Collecting device kernels or not, attaching and detaching CUPTI each time, while every
         // worker keeps launching.
         for round in 0..8 {
-            let device_kernels = round % 2 == 0;
+            let device_kernels = collect(round);
             let launches = kiln::cuda::launch_count();
             let (y, prof) = profiler::profile_with(ProfileOptions::new().device_kernels(device_kernels), work).unwrap();
             assert_eq!(kiln::cuda::launch_count() - launches, 5, "round {round}");

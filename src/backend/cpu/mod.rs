@@ -132,15 +132,34 @@ pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync
 /// is `Error::OutOfMemory` instead of an abort (Rust's allocation failure handler).
 const PROBE_BYTES: usize = 1 << 30;
 
-/// Checks that the host can allocate `bytes` (for a result of `op`) before a loop does.
+/// Checks that the host can allocate `bytes` (for a result of `op`) before a loop does: more
+/// than the machine's memory and swap together is refused outright (where the kernel
+/// overcommits, an allocation that large succeeds and the process is killed when it touches it),
+/// the rest must be reservable.
 pub(crate) fn ensure_host_memory(op: &'static str, bytes: usize) -> crate::Result<()> {
     if bytes < PROBE_BYTES {
         return Ok(());
     }
-    let mut probe: Vec<u8> = Vec::new();
-    probe.try_reserve_exact(bytes).map_err(|_| crate::Error::OutOfMemory {
+    let oom = |why: String| crate::Error::OutOfMemory {
         device: crate::Device::Cpu,
-        msg: format!("{op}: the host cannot allocate {bytes} bytes ({:.1} GiB)", bytes as f64 / (1u64 << 30) as f64),
+        msg: format!("{op}: the host cannot allocate {bytes} bytes ({:.1} GiB){why}", bytes as f64 / (1u64 << 30) as f64),
+    };
+    if let Some(total) = host_memory_bytes() {
+        if bytes as u64 > total {
+            return Err(oom(format!(": the machine has {:.1} GiB of memory and swap", total as f64 / (1u64 << 30) as f64)));
+        }
+    }
+    let mut probe: Vec<u8> = Vec::new();
+    probe.try_reserve_exact(bytes).map_err(|_| oom(String::new()))
+}
+
+/// Physical memory plus swap, where the system says (`/proc/meminfo`); read once.
+fn host_memory_bytes() -> Option<u64> {
+    static TOTAL: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *TOTAL.get_or_init(|| {
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kib = |key: &str| info.lines().find_map(|l| l.strip_prefix(key)?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok());
+        Some((kib("MemTotal:")? + kib("SwapTotal:").unwrap_or(0)) * 1024)
     })
 }
 
