@@ -17,7 +17,6 @@ fn main() -> Result<()> {
     let tr = nn::Transformer::new(nn::TransformerConfig { d_model: 512, nhead: 8, num_encoder_layers: 2,
                                                           num_decoder_layers: 2, ..Default::default() }, &dev)?;
     let path = std::env::temp_dir().join("mlp.safetensors");
-    let path = path.to_string_lossy();
     model.save_safetensors(&path)?;  model.load_safetensors(&path)?;
 
     let loader = DataLoader::new(SyntheticClassification::mnist_like(32 * 50, 0)?, 32)?.shuffle(0).pin_memory(dev.is_cuda());

@@ -305,7 +305,8 @@ pub const WORKLOADS: [&str; 13] = [
     "resnet50.infer.bf16amp.bs128",
 ];
 
-pub fn run(only: Option<&str>, out: &std::path::Path, allow_tf32: bool) -> Result<()> {
+pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: bool) -> Result<()> {
+    let out = out.as_ref();
     let dev = Device::cuda_if_available(0);
     if dev == Device::Cpu {
         return Err(kiln::Error::DeviceUnavailable { op: "bench", device: Device::Cuda(0), msg: "the bench measures a GPU".into() });

@@ -6,7 +6,8 @@ use kiln::prelude::*;
 use kiln::Error;
 use std::path::Path;
 
-pub fn run(name: &str, trace: &Path, compiled: bool) -> Result<()> {
+pub fn run(name: &str, trace: impl AsRef<Path>, compiled: bool) -> Result<()> {
+    let trace = trace.as_ref();
     if !WORKLOADS.contains(&name) {
         return Err(Error::Arg { op: "profile", msg: format!("unknown workload '{name}'; one of: {}", WORKLOADS.join(", ")) });
     }

@@ -79,16 +79,25 @@ pub trait Module: Send + Sync {
     }
 
     /// Copies `sd` into this module's parameters and buffers. Names, shapes and dtypes must
-    /// match exactly; every mismatch is listed in one error and nothing is written then.
+    /// match exactly and each name may occur once; every mismatch is listed in one error and
+    /// nothing is written then. Each value is first copied to its slot's device, so that a
+    /// failed transfer (out of memory, say) also leaves the module as it was.
     fn load_state_dict(&self, sd: &[(String, Tensor)]) -> Result<()> {
         let mine = self.state_dict();
         let mut problems = Vec::new();
+        let mut seen = std::collections::HashSet::with_capacity(sd.len());
+        for (name, _) in sd {
+            if !seen.insert(name.as_str()) {
+                problems.push(format!("duplicate {name} in the state dict"));
+            }
+        }
+        let mut pairs = Vec::with_capacity(mine.len());
         for (name, t) in &mine {
             match sd.iter().find(|(n, _)| n == name) {
                 None => problems.push(format!("missing {name}")),
                 Some((_, s)) if s.shape() != t.shape() => problems.push(format!("{name}: shape {:?} in the state dict, {:?} in the module", s.shape(), t.shape())),
                 Some((_, s)) if s.dtype() != t.dtype() => problems.push(format!("{name}: dtype {:?} in the state dict, {:?} in the module", s.dtype(), t.dtype())),
-                Some(_) => {}
+                Some((_, s)) => pairs.push((t, s)),
             }
         }
         for (name, _) in sd {
@@ -100,24 +109,49 @@ pub trait Module: Send + Sync {
             return Err(Error::arg("load_state_dict", problems.join("; ")));
         }
         no_grad(|| {
-            for (name, t) in &mine {
-                let (_, s) = sd.iter().find(|(n, _)| n == name).expect("checked above");
-                t.copy_(&s.to_device(&t.device())?)?;
+            // Every fallible step but the writes themselves happens before the first write. A
+            // value that shares storage with a slot (this module's own tensors, reordered) is
+            // copied first, so no write reads what an earlier one changed.
+            let stage = |t: &Tensor, s: &Tensor| {
+                let v = s.to_device(&t.device())?;
+                if mine.iter().any(|(_, m)| m.shares_storage_with(&v)) { v.copy_contiguous() } else { Ok(v) }
+            };
+            let staged = pairs.iter().map(|(t, s)| Ok((*t, stage(t, s)?))).collect::<Result<Vec<_>>>()?;
+            for (t, s) in &staged {
+                t.copy_(s)?;
             }
             Ok(())
         })
     }
 
     /// Writes the state dict to a safetensors file, atomically (temporary file, then rename).
-    fn save_safetensors(&self, path: &str) -> Result<()> {
+    /// Any path type is taken, so a trait object (whose methods cannot be generic) saves with
+    /// `nn::safetensors::save(&m.state_dict(), path)` instead.
+    fn save_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()>
+    where
+        Self: Sized,
+    {
         crate::nn::safetensors::save(&self.state_dict(), path)
     }
 
-    /// Loads a safetensors state dict written by kiln or exported from PyTorch.
-    fn load_safetensors(&self, path: &str) -> Result<()> {
-        let sd = crate::nn::safetensors::load(path, &crate::Device::Cpu)?;
-        self.load_state_dict(&sd)
+    /// Loads a safetensors state dict written by kiln or exported from PyTorch. A file that fails
+    /// to read or does not fit this module changes nothing. A trait object loads with
+    /// `m.load_state_dict(&nn::safetensors::load(path, &Device::Cpu)?)`.
+    fn load_safetensors(&self, path: impl AsRef<std::path::Path>) -> Result<()>
+    where
+        Self: Sized,
+    {
+        load_file(self, path.as_ref())
     }
+}
+
+/// `load_safetensors`: a file that does not fit the module is an error naming the file too.
+fn load_file(m: &dyn Module, path: &std::path::Path) -> Result<()> {
+    let sd = crate::nn::safetensors::load(path, &crate::Device::Cpu)?;
+    m.load_state_dict(&sd).map_err(|e| match e {
+        Error::Arg { msg, .. } => Error::Arg { op: "load_safetensors", msg: format!("{} does not fit the module: {msg}", path.display()) },
+        e => e,
+    })
 }
 
 /// Replaces a parameter slot with `f(value)`, keeping it a leaf that requires grad if it was.

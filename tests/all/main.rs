@@ -5,6 +5,7 @@ mod attention;
 mod autograd;
 mod common;
 mod compile;
+mod corpus_files;
 mod corpus_ops;
 mod cuda;
 mod custom;
