@@ -15,6 +15,7 @@ mod errors;
 mod fixtures;
 mod models;
 mod nn;
+mod opinfo;
 mod ops;
 mod ops_index;
 mod ops_matmul;
