@@ -112,16 +112,16 @@ fn pad_for_windows(x: &Tensor, pad: (usize, usize), span: (usize, usize), stride
     x.pad(&[pad.1 as i64, aw.max(0), pad.0 as i64, ah.max(0)], value)
 }
 
-/// Checks pooling options; the output size.
-fn pool_geometry(op: &'static str, x: &Tensor, a: &MaxPool2dArgs) -> Result<(usize, usize)> {
+/// Checks pooling options; the output size. Integer inputs only where `ints` allows them.
+fn pool_geometry(op: &'static str, x: &Tensor, a: &MaxPool2dArgs, ints: bool) -> Result<(usize, usize)> {
     check_positive(op, "kernel size", a.kernel)?;
     check_positive(op, "stride", a.stride)?;
     check_positive(op, "dilation", a.dilation)?;
     if a.padding.0 > a.kernel.0 / 2 || a.padding.1 > a.kernel.1 / 2 {
         return Err(Error::arg(op, format!("padding {:?} must be at most half the kernel size {:?}", a.padding, a.kernel)));
     }
-    if !x.dtype().is_float() {
-        return Err(Error::dtype(op, x.dtype(), "needs a floating-point input"));
+    if !x.dtype().is_float() && !(ints && x.dtype().is_int()) {
+        return Err(Error::dtype(op, x.dtype(), if ints { "needs a floating-point or integer input" } else { "needs a floating-point input" }));
     }
     let len = |d: usize, i: usize| {
         let pick = |p: (usize, usize)| if i == 0 { p.0 } else { p.1 };
@@ -151,7 +151,7 @@ pub fn max_pool2d_with_indices(x: &Tensor, args: &MaxPool2dArgs) -> Result<(Tens
 fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(Tensor, Option<Tensor>)> {
     let op = "max_pool2d";
     let (x, unbatched) = batched(op, x)?;
-    let (oh, ow) = pool_geometry(op, &x, args)?;
+    let (oh, ow) = pool_geometry(op, &x, args, false)?;
     let (k, s, d) = (args.kernel, args.stride, args.dilation);
     let span = (d.0 * (k.0 - 1) + 1, d.1 * (k.1 - 1) + 1);
     let padded = pad_for_windows(&x, args.padding, span, s, (oh, ow), f64::NEG_INFINITY)?;
@@ -216,12 +216,15 @@ fn window_positions(x: &Tensor, a: &MaxPool2dArgs, out: (usize, usize), which: &
 
 /// Mean over `kernel` windows (`F.avg_pool2d`): zero padding, `ceil_mode` as max pooling's;
 /// each window's divisor is its size clipped to the padded input (`count_include_pad`) or the
-/// number of input elements it covers.
+/// number of input elements it covers. Integers sum in I64 and divide rounding toward zero, as
+/// PyTorch's CPU kernel does.
 pub fn avg_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize), ceil_mode: bool, count_include_pad: bool) -> Result<Tensor> {
     let op = "avg_pool2d";
     let (x, unbatched) = batched(op, x)?;
     let args = MaxPool2dArgs { kernel, stride, padding, dilation: (1, 1), ceil_mode };
-    let (oh, ow) = pool_geometry(op, &x, &args)?;
+    let (oh, ow) = pool_geometry(op, &x, &args, true)?;
+    let dtype = x.dtype();
+    let x = if dtype.is_float() { x } else { x.to_dtype(DType::I64)? };
     let padded = pad_for_windows(&x, padding, kernel, stride, (oh, ow), 0.0)?;
     let mut sum: Option<Tensor> = None;
     for i in 0..kernel.0 {
@@ -250,7 +253,8 @@ pub fn avg_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), pa
         .flat_map(|h| cw.iter().map(move |w| if count_include_pad { (h.0 * w.0) as f64 } else { (h.1 * w.1) as f64 }))
         .collect();
     let div = Tensor::from_vec(div, &[oh, ow], &Device::Cpu)?.to_dtype(x.dtype())?.to_device(&x.device())?;
-    let y = sum.expect("a kernel of at least one element").div(&div)?;
+    let sum = sum.expect("a kernel of at least one element");
+    let y = if dtype.is_float() { sum.div(&div)? } else { sum.div_mode(&div, crate::RoundingMode::Trunc)?.to_dtype(dtype)? };
     if unbatched {
         y.squeeze(0)
     } else {

@@ -252,6 +252,14 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
         inputs.extend(mask);
         return crate::ops::apply(crate::ops::Op::Attention { scale, causal }, &inputs);
     }
+    if q.device() == crate::Device::Cpu && q.dtype() == DType::F32 {
+        // Scores of long, large-valued rows lose digits in F32 sums, and softmax magnifies the
+        // loss: on the host the whole attention runs in F64 (PyTorch's CPU kernel comes close
+        // to F64 there; kiln in F32 did not), rounded once at the end.
+        let up = |t: &Tensor| t.to_dtype(DType::F64);
+        let mask = mask.map(up).transpose()?;
+        return attention_lbhd(&up(q)?, &up(k)?, &up(v)?, mask.as_ref(), scale, causal, dropout_p)?.to_dtype(DType::F32);
+    }
     // softmax(q k^T) v with matmuls over [B, H, ., D].
     let bhld = |t: &Tensor| t.permute(&[1, 2, 0, 3]);
     let (l, s) = (q.shape()[0], k.shape()[0]);

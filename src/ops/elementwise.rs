@@ -200,7 +200,11 @@ impl Tensor {
     pub fn reciprocal(&self) -> Result<Tensor> {
         self.rdiv_scalar(1.0)
     }
+    /// `self * self`; bools square in I64, as in PyTorch.
     pub fn square(&self) -> Result<Tensor> {
+        if self.dtype() == DType::Bool {
+            return self.to_dtype(DType::I64)?.square();
+        }
         self.mul(self)
     }
 
@@ -224,7 +228,7 @@ impl Tensor {
             // Compares the lower-clamped value: min(max(x, lo), hi), so lo > hi gives hi everywhere.
             r = r.gt_scalar(hi)?.where_(&self.full_scalar_like(hi)?, &r)?;
         }
-        Ok(r)
+        nan_without_gradient(r)
     }
 
     /// `clamp` with tensor bounds (either optional), broadcast together with the input
@@ -234,14 +238,51 @@ impl Tensor {
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
         }
-        let mut r = self.clone();
-        if let Some(lo) = min {
-            r = self.lt(lo)?.logical_or(&lo.ne(lo)?)?.where_(lo, &r)?;
+        let value = |x: &Tensor| -> Result<Tensor> {
+            let mut r = x.clone();
+            if let Some(lo) = min {
+                r = x.lt(lo)?.logical_or(&lo.ne(lo)?)?.where_(lo, &r)?;
+            }
+            if let Some(hi) = max {
+                r = r.gt(hi)?.logical_or(&hi.ne(hi)?)?.where_(hi, &r)?;
+            }
+            Ok(r)
+        };
+        let tracked = crate::is_grad_enabled() && [Some(self), min, max].iter().flatten().any(|t| t.is_requires_grad());
+        if !tracked {
+            return value(self);
         }
+        // PyTorch's gradients, whatever the value (a NaN bound's included): to the input where
+        // lo <= x <= hi; to lo where x < lo (and lo < hi, given hi); to hi where x > hi (or
+        // lo > hi, given lo). Where one of them gets it, it is the value; where the value is NaN
+        // (a NaN input or bound), the NaN is added to it without history.
+        let v = crate::no_grad(|| value(self))?;
+        let inside = match (min, max) {
+            (Some(lo), Some(hi)) => self.ge(lo)?.logical_and(&self.le(hi)?)?,
+            (Some(lo), None) => self.ge(lo)?,
+            (None, Some(hi)) => self.le(hi)?,
+            (None, None) => unreachable!("a bound was checked for"),
+        };
+        let mut r = v.clone();
         if let Some(hi) = max {
-            r = r.gt(hi)?.logical_or(&hi.ne(hi)?)?.where_(hi, &r)?;
+            let wins = match min {
+                Some(lo) => self.gt(hi)?.logical_or(&lo.gt(hi)?)?,
+                None => self.gt(hi)?,
+            };
+            r = wins.where_(hi, &r)?;
         }
-        Ok(r)
+        if let Some(lo) = min {
+            let wins = match max {
+                Some(hi) => self.lt(lo)?.logical_and(&lo.lt(hi)?)?,
+                None => self.lt(lo)?,
+            };
+            r = wins.where_(lo, &r)?;
+        }
+        let r = inside.where_(self, &r)?;
+        if !r.dtype().is_float() {
+            return Ok(r);
+        }
+        r.add(&v.ne(&v)?.where_(&v, &v.zeros_like()?)?)
     }
 
     /// A broadcastable 0-dim tensor of `v` in this tensor's dtype and device.
@@ -306,6 +347,16 @@ impl Tensor {
             x == y || (x - y).abs() <= atol + rtol * y.abs()
         }))
     }
+}
+
+/// `clamped` with its NaNs (from a NaN input or bound) taking no gradient: PyTorch's clamp
+/// sends the gradient to the input where `lo <= x <= hi` and to a bound where it won, and no
+/// comparison with a NaN holds.
+fn nan_without_gradient(clamped: Tensor) -> Result<Tensor> {
+    if !clamped.dtype().is_float() || !(crate::is_grad_enabled() && clamped.is_requires_grad()) {
+        return Ok(clamped);
+    }
+    clamped.ne(&clamped)?.where_(&clamped.detach(), &clamped)
 }
 
 /// An error when `value` is outside the range of the integer dtype `dtype` (PyTorch: "value

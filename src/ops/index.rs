@@ -44,7 +44,8 @@ impl Tensor {
         if index.numel() > 0 {
             check_index_shape("gather", self.shape(), index.shape(), d, &[])?;
         } else if index.ndim() != self.ndim() {
-            return Tensor::zeros(index.shape(), self.dtype(), &self.device());
+            // No element of the input, as a view of it: the (empty) gradient still reaches it.
+            return self.flatten(0, -1)?.narrow(0, 0, 0)?.reshape_usize(index.shape());
         }
         apply(Op::Gather(d), &[self, &index])
     }

@@ -82,11 +82,13 @@ impl Tensor {
         if b != p.shape() {
             return Err(Error::shape("addmm", format!("input of shape {:?} does not broadcast to the product's shape {:?}", self.shape(), p.shape())));
         }
-        let p = if alpha == 1.0 { p } else { p.mul_scalar(alpha)? };
+        // Integral factors stay integers, so integer products stay integer (as PyTorch's).
+        let factor = |v: f64| if v.fract() == 0.0 && v.abs() < 9e15 { crate::Scalar::Int(v as i64) } else { crate::Scalar::Float(v) };
+        let p = if alpha == 1.0 { p } else { p.mul_scalar(factor(alpha))? };
         match beta {
             0.0 => Ok(p),
             1.0 => self.add(&p),
-            _ => self.mul_scalar(beta)?.add(&p),
+            _ => self.mul_scalar(factor(beta))?.add(&p),
         }
     }
 }

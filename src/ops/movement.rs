@@ -331,6 +331,16 @@ fn infer_shape(op: &'static str, t: &Tensor, shape: &[i64]) -> Result<Vec<usize>
 
 /// Concatenates along `dim`; dtypes promote, other dims must match (`torch.cat`).
 pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
+    // 1-D tensors of size 0 join any others (PyTorch's legacy rule): each takes the shape of the
+    // first other tensor with nothing along `dim`, so it still gets its (empty) gradient.
+    let legacy_empty = |t: &&Tensor| t.shape() == [0];
+    if let Some(other) = ts.iter().find(|t| !legacy_empty(t)).filter(|_| ts.iter().any(legacy_empty)) {
+        let d = norm_dim("cat", dim, other.ndim())?;
+        let mut empty = other.shape().to_vec();
+        empty[d] = 0;
+        let all: Vec<Tensor> = ts.iter().map(|t| if legacy_empty(t) { t.reshape_usize(&empty) } else { Ok((*t).clone()) }).collect::<Result<_>>()?;
+        return cat(&all.iter().collect::<Vec<_>>(), dim);
+    }
     let first = ts.first().ok_or_else(|| Error::arg("cat", "needs at least one tensor"))?;
     let d = norm_dim("cat", dim, first.ndim())?;
     if first.ndim() == 0 {

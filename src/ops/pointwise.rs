@@ -105,7 +105,7 @@ impl UnaryOp {
     }
 
     pub(crate) fn differentiable(self) -> bool {
-        !matches!(self, UnaryOp::Sign | UnaryOp::LogicalNot)
+        self != UnaryOp::LogicalNot
     }
 
     /// The scalar function in floating point.
@@ -206,8 +206,8 @@ impl UnaryOp {
             Expm1 => g.mul(&y().add_scalar(1.0)?),
             Tan => g.mul(&y().mul(y())?.add_scalar(1.0)?),
             // Piecewise constant: a zero gradient, as PyTorch defines it.
-            Floor | Ceil | Round | Trunc => Tensor::zeros(g.shape(), g.dtype(), &g.device()),
-            Sign | LogicalNot => unreachable!("not differentiable"),
+            Sign | Floor | Ceil | Round | Trunc => Tensor::zeros(g.shape(), g.dtype(), &g.device()),
+            LogicalNot => unreachable!("not differentiable"),
         }
     }
 }
