@@ -1,7 +1,6 @@
 #!/bin/bash
 # Profiling beside other threads' GPU work, taken apart: plain profiles, profiles collecting
-# device kernels (CUPTI attached and detached each time, or kept attached with
-# KILN_CUPTI_DETACH=0), and a backtrace of the first crash of the fixtures and profiler groups.
+# device kernels (CUPTI attached once and kept, collecting only while a profile asks), and a backtrace of the first crash of the fixtures and profiler groups.
 #   bash tools/cupti_diag.sh $OUT [runs]
 OUT=$1; n=${2:-3}
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -17,9 +16,7 @@ count() { # label, then the command; prints passes of n and the first failure's 
 }
 count plain $bin profiler::a_profile_holds_only_its_threads_work --exact
 count cupti $bin profiler::a_profile_with_device_kernels_holds_only_its_threads_work_while_other_threads_use_the_gpu --exact
-count cupti-attached env KILN_CUPTI_DETACH=0 $bin profiler::a_profile_with_device_kernels_holds_only_its_threads_work_while_other_threads_use_the_gpu --exact
 count pair $bin fixtures profiler
-count pair-attached env KILN_CUPTI_DETACH=0 $bin fixtures profiler
 count pair-without-cupti-tests $bin fixtures profiler --skip device_kernels --skip each_launch_lists
 if command -v gdb > /dev/null; then
   timeout 150 gdb -q -batch -ex run -ex "info threads" -ex "thread apply all bt 12" --args $bin fixtures profiler > $OUT/diag-gdb.txt 2>&1

@@ -12,6 +12,8 @@ use serde_json::{json, Map, Value};
 /// later rows launch at full speed); where CUPTI is missing, the launches the profiler
 /// recorded (a library call then counts one).
 fn kernels(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<u64> {
+    // The bench runs on one thread, where detaching is safe.
+    kiln::profiler::set_cupti_detach(true);
     f()?;
     cuda::synchronize(dev)?;
     let (_, prof) = kiln::profiler::profile_with(kiln::profiler::ProfileOptions::new().device_kernels(true), f)?;

@@ -5,11 +5,13 @@
 //! Each device launch a profile records pushes a kiln correlation id on the launching
 //! thread (CUPTI's external correlation); CUPTI links it to the kernels the launch ran.
 //! Collection is asked for per profile (`ProfileOptions::device_kernels`): while CUPTI is
-//! attached, every launch of the process costs more host time (about 2.5x on the H200), so
-//! plain profiles never attach it, and the last profile collecting (the bench's kernel counts,
-//! for one) detaches it again (`cuptiFinalize`, at the exit of a driver call of its own, the
-//! one place CUPTI allows it while other threads launch). Collection is process-wide and on
-//! only while such a profile runs: other threads' kernels come too, and are dropped unclaimed.
+//! attached, every launch of the process costs more host time, so plain profiles never attach
+//! it. Collection is process-wide and on only while such a profile runs: other threads' kernels
+//! come too, and are dropped unclaimed. Afterwards CUPTI stays attached, collecting nothing,
+//! unless `profiler::set_cupti_detach(true)` asked the last collecting profile to detach it
+//! (`cuptiFinalize`, at the exit of a driver call of its own): detaching while other threads
+//! worked on the GPU made their kernels fail on the H200, so only single-threaded programs
+//! (`kiln bench`) ask for it.
 //! Where CUPTI cannot be loaded or enabled, profiles carry no device kernels (`Profile::cupti`
 //! says why).
 
@@ -253,11 +255,15 @@ impl Drop for Collecting {
     }
 }
 
-/// Whether the last collecting profile detaches CUPTI (`KILN_CUPTI_DETACH=0` keeps it attached
-/// with collection off, to tell the detach's effects from collection's).
+/// Whether the last collecting profile detaches CUPTI: see [`crate::profiler::set_cupti_detach`].
+static DETACH_ALLOWED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+pub(super) fn set_detach(on: bool) {
+    DETACH_ALLOWED.store(on, Ordering::Relaxed);
+}
+
 fn detach_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("KILN_CUPTI_DETACH").map_or(true, |v| v != "0"))
+    DETACH_ALLOWED.load(Ordering::Relaxed)
 }
 
 /// Where the detaching thread is in `detach`.

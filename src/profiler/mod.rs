@@ -65,13 +65,22 @@ impl ProfileOptions {
         Self::default()
     }
     /// Also list the kernels the GPU ran for each launch, with their own device times
-    /// (`Event::device_kernels`), through CUPTI. While CUPTI is attached, launches of the whole
-    /// process cost more host time (about 2.5x on the H200); the last profile collecting
-    /// detaches it.
+    /// (`Event::device_kernels`), through CUPTI. Collection is on only while such a profile
+    /// runs, but CUPTI stays attached to the process afterwards (see [`set_cupti_detach`]).
     pub fn device_kernels(mut self, on: bool) -> Self {
         self.device_kernels = on;
         self
     }
+}
+
+/// Whether the last profile collecting device kernels also detaches CUPTI (`cuptiFinalize`),
+/// so that later launches cost what they did before it attached (an attached CUPTI, collecting
+/// or not, adds host time to every launch of the process). Off by default: detaching while
+/// other threads work on the GPU made their kernels fail (illegal addresses, launch failures)
+/// on the H200. Turn it on only where no other thread uses the GPU meanwhile, as `kiln bench`
+/// does between its rows.
+pub fn set_cupti_detach(on: bool) {
+    cupti::set_detach(on);
 }
 
 /// [`profile_value`] with options.

@@ -1071,9 +1071,13 @@ fn grad_fn_names() {
     }
     assert!(x.grad_fn_name().is_none() && x.is_leaf());
     // Ops whose output is not differentiable record nothing.
-    for y in [x.gt_scalar(1.0).unwrap(), x.argmax(1, false).unwrap(), x.sign().unwrap()] {
+    for y in [x.gt_scalar(1.0).unwrap(), x.argmax(1, false).unwrap()] {
         assert!(!y.is_requires_grad() && y.grad_fn_name().is_none(), "{y:?}");
     }
+    // sign is piecewise constant: recorded, with a zero gradient, as in PyTorch.
+    let s = x.sign().unwrap();
+    s.sum_all().unwrap().backward().unwrap();
+    assert!(vals(&x.grad().unwrap()).iter().all(|&g| g == 0.0));
     // Nor does anything whose inputs do not require grad.
     let c = t(&[1.0], &[1], DType::F64);
     assert!(c.exp().unwrap().grad_fn_name().is_none());
