@@ -286,7 +286,7 @@ if [[ " $* " == *" sanitize "* ]]; then
   # each tool limited to $SANITIZE_S seconds; the summary line of each.
   bin=$(ls .gpu/tests/all-* | head -1)
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-240} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $bin --test-threads=4 $SANITIZE_FILTER > $OUT/sanitize-$tool.txt 2>&1; echo "$tool rc $?"
+    KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-240} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $bin --test-threads=4 $SANITIZE_FILTER > $OUT/sanitize-$tool.txt 2>&1; echo "$tool rc $?"
     grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result|tests? .*FAILED" $OUT/sanitize-$tool.txt | tail -4
     echo "  tests finished under $tool: $(grep -cE '^test .* (ok|FAILED)$' $OUT/sanitize-$tool.txt)"; grep -E "^=========" $OUT/sanitize-$tool.txt | grep -vE "SUMMARY|COMPUTE-SANITIZER" | head -8
   done
