@@ -32,14 +32,15 @@ fn main() -> Result<()> {
     for n in [1_000_000usize, 10_000_000] {
         let a = Tensor::randn(&[n], DType::F32, &dev)?;
         let b = Tensor::randn(&[n], DType::F32, &dev)?;
-        let rows: [(&str, usize, Box<dyn Fn() -> Result<Tensor>>); 4] = [
+        type Row<'a> = (&'a str, usize, Box<dyn Fn() -> Result<Tensor> + 'a>);
+        let rows: [Row; 4] = [
             ("add.f32", 3, Box::new(|| a.add(&b))),
             ("mul_scalar.f32", 2, Box::new(|| a.mul_scalar(2.0))),
             ("exp.f32", 2, Box::new(|| a.exp())),
             ("sum_all.f32", 1, Box::new(|| a.sum_all())),
         ];
         for (name, arrays, f) in rows {
-            let s = median_secs(|| f())?;
+            let s = median_secs(f)?;
             let gbps = (arrays * n * 4) as f64 / s / 1e9;
             println!("{:<34} {:>10.3} {:>8.2} GB/s", format!("{name}.{n:.0e}"), s * 1e3, gbps);
         }

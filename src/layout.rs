@@ -161,9 +161,7 @@ impl Layout {
         let mut pos = start;
         while pos < end {
             let mut off = self.offset;
-            for d in 0..nd {
-                off += idx[d] * self.strides[d];
-            }
+            off += idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>();
             let len = (inner - idx[nd - 1]).min(end - pos);
             f(pos, off, inner_stride, len);
             pos += len;

@@ -6,7 +6,7 @@
 //! category is enabled and the application installed no logger, kiln installs a minimal one that
 //! prints `[kiln <category>] message` to stderr, so `KILN_LOG=kernels cargo run` needs no setup.
 //!
-//! Code in kiln logs with [`log`] (or the [`kiln_log!`](crate::kiln_log) macro), which builds
+//! Code in kiln logs with [`log()`] (or the [`kiln_log!`](crate::kiln_log) macro), which builds
 //! the message only when the category is enabled:
 //!
 //! ```
@@ -116,7 +116,7 @@ pub fn log(category: Category, msg: impl FnOnce() -> String) {
     }
 }
 
-/// `kiln_log!(Category::Graph, "format {}", args)`: [`log`] with a format string.
+/// `kiln_log!(Category::Graph, "format {}", args)`: [`log()`] with a format string.
 #[macro_export]
 macro_rules! kiln_log {
     ($cat:expr, $($arg:tt)+) => {

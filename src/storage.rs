@@ -51,7 +51,7 @@ impl Storage {
     }
     /// Host storage page-locked in place (its Vec never reallocates).
     pub(crate) fn cpu_pinned(s: CpuStorage) -> crate::Result<Self> {
-        let (ptr, bytes) = crate::backend::cpu::with_storage!(&s, v => (v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())));
+        let (ptr, bytes) = crate::backend::cpu::with_storage!(&s, v => (v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice())));
         if bytes > 0 {
             crate::backend::cuda::pin(ptr, bytes)?;
         }

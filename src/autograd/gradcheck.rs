@@ -69,7 +69,9 @@ pub fn gradcheck(f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[Tensor], opt
             for j in 0..n_out {
                 let numeric = (plus[j] - minus[j]) / (2.0 * opts.eps);
                 let a = analytic[i][j][k];
-                if !((a - numeric).abs() <= opts.atol + opts.rtol * numeric.abs()) {
+                // Written so that a NaN on either side fails.
+                let close = (a - numeric).abs() <= opts.atol + opts.rtol * numeric.abs();
+                if !close {
                     return Err(Error::Autograd(format!(
                         "gradcheck: Jacobian mismatch for output {j} with respect to input {i} element {k}: \
                          analytic {a:.10}, numeric {numeric:.10}"

@@ -28,7 +28,7 @@ pub fn run(name: &str, trace: impl AsRef<Path>, compiled: bool) -> Result<()> {
     drop(call()?); // kernels compiled, allocator cache warm
     drop(call()?);
     kiln::cuda::synchronize(&dev)?;
-    let (_, prof) = profiler::profile_with(profiler::ProfileOptions::new().device_kernels(true), || call())?;
+    let (_, prof) = profiler::profile_with(profiler::ProfileOptions::new().device_kernels(true), call)?;
     let form = if compiled { "compiled" } else { "eager" };
     println!("{name} ({form}) on {dev}: one call after warm-up, {:.3} ms on the host", prof.wall_us() / 1e3);
     println!("{}", prof.key_averages().table(SortBy::DeviceTimeTotal, 20));

@@ -329,7 +329,7 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
         NodeOp::Full(_) => Kind::Pointwise,
         NodeOp::Prim(Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_)) => Kind::Pointwise,
         NodeOp::Prim(Op::Reshape(_)) => Kind::Reshape,
-        NodeOp::Prim(Op::Reduce(r, dims, _)) if matches!(r, ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min) => {
+        NodeOp::Prim(Op::Reduce(ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min, dims, _)) => {
             let x = &g.nodes[n.args[0]].shape;
             let first = x.len() - dims.len();
             let trailing = dims.iter().enumerate().all(|(k, &d)| d == first + k);
@@ -828,9 +828,11 @@ mod tests {
         assert!(gm.bias.is_some() && !gm.relu, "{gm:?}");
     }
 
+    type MakeGraph = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
+
     #[test]
     fn epilogues_are_refused_where_dtypes_or_shapes_do_not_allow() {
-        let cases: Vec<(&str, Vec<Tensor>, Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>)> = vec![
+        let cases: Vec<(&str, Vec<Tensor>, MakeGraph)> = vec![
             // An f16 product plus an f32 bias adds in f32.
             ("computes in float32", vec![r(&[4, 16], DType::F16), r(&[16, 8], DType::F16), r(&[8], DType::F32)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),
             ("float64 products", vec![r(&[4, 16], DType::F64), r(&[16, 8], DType::F64), r(&[8], DType::F64)], Box::new(|xs| Ok(vec![(xs[0].matmul(&xs[1])? + &xs[2])?]))),

@@ -200,7 +200,10 @@ impl fmt::Display for Graph {
 /// Runs a compiled graph on real inputs (arguments, then captured tensors) and returns its
 /// outputs. A custom backend returns one of these.
 #[derive(Clone)]
-pub struct Runner(pub(crate) Arc<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync>);
+pub struct Runner(pub(crate) Arc<RunFn>);
+
+/// What a `Runner` calls.
+type RunFn = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync;
 
 impl Runner {
     pub fn new(f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static) -> Runner {

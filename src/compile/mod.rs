@@ -161,11 +161,14 @@ pub fn compile_with<A, F: TraceFn<A>>(opts: CompileOptions, f: F) -> Compiled<F,
     Compiled { f: Mutex::new(f), opts, state: Arc::new(Mutex::new(State::default())), _args: PhantomData }
 }
 
+/// One argument's guard: shape, strides, dtype, device, requires_grad.
+type ArgGuard = (Vec<usize>, Vec<usize>, crate::DType, crate::Device, bool);
+
 /// What the guards of a compiled graph check: each argument's shape (rank when dynamic),
 /// strides, dtype, device and requires_grad, and the grad mode.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct GuardKey {
-    args: Vec<(Vec<usize>, Vec<usize>, crate::DType, crate::Device, bool)>,
+    args: Vec<ArgGuard>,
     grad: bool,
 }
 

@@ -93,7 +93,7 @@ impl MaxPool2dArgs {
 fn pool_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize, ceil: bool) -> Result<usize> {
     let floor = out_len(op, size, k, stride, pad, dil)?;
     let span = dil * (k - 1) + 1;
-    if !ceil || (size + 2 * pad - span) % stride == 0 {
+    if !ceil || (size + 2 * pad - span).is_multiple_of(stride) {
         return Ok(floor);
     }
     // One more window, unless it would start past the input and its left padding.
@@ -120,7 +120,7 @@ fn pool_geometry(op: &'static str, x: &Tensor, a: &MaxPool2dArgs, ints: bool) ->
     if a.padding.0 > a.kernel.0 / 2 || a.padding.1 > a.kernel.1 / 2 {
         return Err(Error::arg(op, format!("padding {:?} must be at most half the kernel size {:?}", a.padding, a.kernel)));
     }
-    if !x.dtype().is_float() && !(ints && x.dtype().is_int()) {
+    if !(x.dtype().is_float() || ints && x.dtype().is_int()) {
         return Err(Error::dtype(op, x.dtype(), if ints { "needs a floating-point or integer input" } else { "needs a floating-point input" }));
     }
     let len = |d: usize, i: usize| {

@@ -29,7 +29,7 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let s = crate::backend::cpu::cast(&host, t.dtype());
     Ok(with_storage!(&s, v => {
         // SAFETY: plain old data of the element type, viewed as bytes.
-        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v.as_slice())) }.to_vec()
+        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice())) }.to_vec()
     }))
 }
 

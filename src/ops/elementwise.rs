@@ -353,7 +353,7 @@ impl Tensor {
 /// sends the gradient to the input where `lo <= x <= hi` and to a bound where it won, and no
 /// comparison with a NaN holds.
 fn nan_without_gradient(clamped: Tensor) -> Result<Tensor> {
-    if !clamped.dtype().is_float() || !(crate::is_grad_enabled() && clamped.is_requires_grad()) {
+    if !(clamped.dtype().is_float() && crate::is_grad_enabled() && clamped.is_requires_grad()) {
         return Ok(clamped);
     }
     clamped.ne(&clamped)?.where_(&clamped.detach(), &clamped)

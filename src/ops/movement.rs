@@ -253,7 +253,7 @@ impl Tensor {
     /// Constant padding, PyTorch's `F.pad` order: `(last_before, last_after, prev_before, ...)`.
     /// Negative amounts crop.
     pub fn pad(&self, pads: &[i64], value: f64) -> Result<Tensor> {
-        if pads.len() % 2 != 0 || pads.len() / 2 > self.ndim() {
+        if !pads.len().is_multiple_of(2) || pads.len() / 2 > self.ndim() {
             return Err(Error::arg("pad", format!("{} padding values for a tensor of {} dims: give pairs, at most two per dim", pads.len(), self.ndim())));
         }
         let mut x = self.clone();
@@ -318,7 +318,7 @@ fn infer_shape(op: &'static str, t: &Tensor, shape: &[i64]) -> Result<Vec<usize>
     }
     let mut out: Vec<usize> = shape.iter().map(|&s| s.max(0) as usize).collect();
     if let Some(i) = infer {
-        if known == 0 || t.numel() % known != 0 {
+        if known == 0 || !t.numel().is_multiple_of(known) {
             return Err(Error::shape(op, format!("shape {shape:?} is invalid for a tensor of shape {:?} ({} elements)", t.shape(), t.numel())));
         }
         out[i] = t.numel() / known;

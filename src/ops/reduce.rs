@@ -114,11 +114,10 @@ impl Tensor {
         {
             return Err(Error::shape(op.name(), format!("cannot reduce over an empty dimension (shape {:?}, dims {dims:?})", self.shape())));
         }
-        if op == ReduceOp::Sum || op == ReduceOp::Prod {
-            if self.dtype() == DType::Bool {
+        if (op == ReduceOp::Sum || op == ReduceOp::Prod)
+            && self.dtype() == DType::Bool {
                 return self.to_dtype(DType::I64)?.reduce(op, dims, keepdim);
             }
-        }
         apply(Op::Reduce(op, dims, keepdim), &[self])
     }
 

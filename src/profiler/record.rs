@@ -163,7 +163,7 @@ impl Span {
             o.timing = stream.record_event(timed).ok().map(|e| (stream.clone(), e));
             let collecting = with_session(|s| {
                 let now = s.now_us();
-                matches!(s.cupti.get_or_insert_with(|| cupti::start(now)), Ok(_))
+                s.cupti.get_or_insert_with(|| cupti::start(now)).is_ok()
             });
             if collecting == Some(true) {
                 o.correlation = cupti::push();

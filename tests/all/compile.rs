@@ -579,7 +579,7 @@ fn concurrent_calls_keep_every_value(mode: Option<Mode>) -> Result<()> {
                             let x = randn(&[rows, cols], seed + 2 + call);
                             let eager = kiln::no_grad(|| three(&x, &w, &b))?;
                             let outs = match &f {
-                                Some(f) => f.call(&[x.clone()])?,
+                                Some(f) => f.call(std::slice::from_ref(&x))?,
                                 None => three(&x, &w, &b)?,
                             };
                             for (i, (o, e)) in outs.into_iter().zip(eager).enumerate() {
@@ -963,8 +963,8 @@ fn compiled_row_kernel_with_row_and_full_outputs() -> Result<()> {
     for c in [5usize, 64, 1000] {
         let x = randn(&[6, c], 44);
         let g = compile(f);
-        let got = g.call(&[x.clone()])?;
-        let want = kiln::no_grad(|| f(&[x.clone()]))?;
+        let got = g.call(std::slice::from_ref(&x))?;
+        let want = kiln::no_grad(|| f(std::slice::from_ref(&x)))?;
         assert_eq!(got.len(), want.len());
         for (a, b) in got.iter().zip(&want) {
             assert_eq!(a.shape(), b.shape());
@@ -984,8 +984,8 @@ fn a_reduction_of_a_broadcast_row_value_counts_every_column() -> Result<()> {
     };
     for c in [5usize, 64, 1000] {
         let x = randn(&[6, c], 45).mul_scalar(0.01)?.add_scalar(1.0)?;
-        let got = compile(f).call(&[x.clone()])?;
-        let want = kiln::no_grad(|| f(&[x.clone()]))?;
+        let got = compile(f).call(std::slice::from_ref(&x))?;
+        let want = kiln::no_grad(|| f(std::slice::from_ref(&x)))?;
         for (a, b) in got.iter().zip(&want) {
             assert_eq!(a.shape(), b.shape());
             assert_close(&vals(a), &vals(b), 1e-5, 1e-6);

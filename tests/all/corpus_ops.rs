@@ -11,7 +11,10 @@ use kiln::{DType, Device, Error, Result, Tensor};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs every case; each must fail with a message containing its word. Reports all failures.
-fn run_corpus(cases: Vec<(&str, &str, Box<dyn FnOnce() -> Result<()> + '_>)>) {
+/// A case: its name, a word its error must contain, and the call.
+type Case<'a> = (&'a str, &'a str, Box<dyn FnOnce() -> Result<()> + 'a>);
+
+fn run_corpus(cases: Vec<Case<'_>>) {
     let mut problems = vec![];
     let n = cases.len();
     for (name, word, case) in cases {

@@ -81,6 +81,8 @@ fn rounded(v: &[f64], dt: DType) -> Vec<f64> {
 }
 
 /// y, dL/dx and dL/dw of conv2d on `d` in `dt`, for L = sum(y * dy).
+// A convolution's inputs with their shapes, its arguments and the output gradient.
+#[allow(clippy::too_many_arguments)]
 fn conv_with_grads(d: &Device, dt: DType, x: &[f64], xs: [usize; 4], w: &[f64], ws: [usize; 4], a: F::Conv2dArgs, dy: &[f64]) -> [Vec<f64>; 3] {
     let on = |v: &[f64], s: &[usize]| Tensor::from_slice(v, s, &Device::Cpu).unwrap().to_dtype(dt).unwrap().to_device(d).unwrap();
     let (xt, wt) = (on(x, &xs).requires_grad(), on(w, &ws).requires_grad());

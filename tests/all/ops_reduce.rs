@@ -78,7 +78,7 @@ fn ref_argmin(g: &[f64]) -> f64 {
 fn ref_lse(g: &[f64]) -> f64 {
     let m = ref_max(g);
     if m.is_infinite() {
-        return if g.iter().any(|&x| x == f64::INFINITY) { f64::INFINITY } else { f64::NEG_INFINITY };
+        return if g.contains(&f64::INFINITY) { f64::INFINITY } else { f64::NEG_INFINITY };
     }
     m + g.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
 }

@@ -341,7 +341,7 @@ fn reduce(r: ReduceOp, v: &Val) -> Val {
             // NaN wins, as in PyTorch's max/min.
             #[allow(clippy::eq_op)]
             let nan = |v: T| v != v;
-            if nan(a) { a } else if nan(b) { b } else if (max && b > a) || (!max && b < a) { b } else { a }
+            if !nan(a) && (nan(b) || (max && b > a) || (!max && b < a)) { b } else { a }
         };
         match r {
             ReduceOp::Sum => x.iter().fold(zero, |a, &b| a + b),

@@ -246,7 +246,7 @@ pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> Vec<C> {
 pub(crate) fn host_ptr(t: &Tensor) -> *const u8 {
     let guard = t.storage().data.read_recursive();
     let BackendStorage::Cpu(s) = &*guard else { unreachable!("host_ptr of a CUDA tensor") };
-    let base = with_storage!(s, v => v.as_ptr() as *const u8);
+    let base = with_storage!(s, v => v.as_ptr().cast::<u8>());
     // SAFETY: the offset is within the storage the layout describes.
     unsafe { base.add(t.layout().offset * t.dtype().size_in_bytes()) }
 }

@@ -690,6 +690,8 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 "#;
 
 /// The name of a `gen_rows` kernel, which says everything its source depends on.
+// Every part of the name is a parameter the source depends on.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
     format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}{}", kind.name(), short(dtype), if full { "_full" } else { "" }, if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
 }

@@ -526,7 +526,7 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
     }
     let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
     let v = (16 / widest).max(1);
-    let vec = if cols % v == 0 { v } else { 1 };
+    let vec = if cols.is_multiple_of(v) { v } else { 1 };
     let mut vector = vec![];
     for (inp, t) in k.inputs.iter().zip(&views) {
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
@@ -629,7 +629,7 @@ mod tests {
     /// The row kernels the compiler schedules for `f` (traced on the CPU; the plan and the
     /// source do not depend on the device).
     fn row_kernels(x: &Tensor, mut f: impl FnMut(&Tensor) -> Result<Tensor> + Send + 'static) -> Vec<FusedKernel> {
-        fused_kernels(&[x.clone()], move |xs| Ok(vec![f(&xs[0])?])).into_iter().filter(|k| matches!(k.space, Space::Rows { .. })).collect()
+        fused_kernels(std::slice::from_ref(x), move |xs| Ok(vec![f(&xs[0])?])).into_iter().filter(|k| matches!(k.space, Space::Rows { .. })).collect()
     }
 
     /// Every fused kernel the schedule makes of `f`'s graph.

@@ -159,7 +159,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let cshape = coalesce(&shape, &mut strides);
     let classes: Vec<Class> = strides.iter().map(|s| classify(&cshape, s)).collect();
     let out_class = if classes[0] == Class::Contig { Class::Contig } else { Class::Strided };
-    let strided = out_class == Class::Strided || classes[nout..].iter().any(|&c| c == Class::Strided);
+    let strided = out_class == Class::Strided || classes[nout..].contains(&Class::Strided);
     if strided && cshape.len() > MAX_DIMS {
         return Err(Error::arg("cuda kernel", format!("{} dims after merging; at most {MAX_DIMS} are supported", cshape.len())));
     }
@@ -175,7 +175,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
             n >= v
                 && walked.iter().all(|(o, st)| {
                     let aligned = o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0;
-                    let runs = !strided || (st.last() == Some(&1) && inner % v == 0 && st[..st.len() - 1].iter().all(|&x| x % v == 0));
+                    let runs = !strided || (st.last() == Some(&1) && inner.is_multiple_of(v) && st[..st.len() - 1].iter().all(|&x| x % v == 0));
                     aligned && runs
                 })
         };
@@ -246,6 +246,8 @@ fn map_into(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], out_
 }
 
 /// `map_into` a fresh contiguous buffer.
+// `map_into`'s arguments, less the destination.
+#[allow(clippy::too_many_arguments)]
 fn map_new(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], shape: &[usize], out: DType, result: CType, expr: String, params: &[u64]) -> Result<CudaStorage> {
     let s = CudaStorage::new(dev, out, numel(shape))?;
     map_into(dev, name, inputs, s.ptr(), out, &Layout::contiguous(shape), result, expr, params)?;
@@ -396,7 +398,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         ReduceLayout::Cols => {
             let size = input.dtype().size_in_bytes();
             let v = (16 / size).min(4);
-            if m % v == 0 && ptr % (v * size) as u64 == 0 { v } else { 1 }
+            if m.is_multiple_of(v) && ptr % (v * size) as u64 == 0 { v } else { 1 }
         }
         ReduceLayout::Rows => 1,
     };
@@ -530,11 +532,11 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
         a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
         (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add")?;
         let acc_strides = contiguous_strides(base.shape());
-        for d in 0..nd {
+        for (d, &acc) in acc_strides.iter().enumerate().take(nd) {
             a.w[8 + d] = index.shape()[d] as u64;
             a.w[16 + d] = index.strides()[d] as u64;
             a.w[24 + d] = src.strides()[d] as u64;
-            a.w[32 + d] = acc_strides[d] as u64;
+            a.w[32 + d] = acc as u64;
         }
         if nd == 0 {
             a.w[8] = 1;
@@ -637,7 +639,7 @@ pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
         with_dtype!(x.dtype(), T => {
             let host = crate::backend::cpu::to_vec_as::<T>(x);
             // SAFETY: `stage` holds `bytes` = host.len() * size_of::<T>() bytes.
-            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr() as *const u8, stage.ptr, bytes) };
+            unsafe { std::ptr::copy_nonoverlapping(host.as_ptr().cast::<u8>(), stage.ptr, bytes) };
         });
         let src = stage.ptr as *const u8;
         dev.upload_async(out.ptr(), src, bytes, Box::new(stage))?;
@@ -715,7 +717,7 @@ pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&
     let ptrs = [Some(data_ptr(x)?), w.map(data_ptr).transpose()?, b.map(data_ptr).transpose()?];
     // 16-byte loads when every row starts aligned.
     let v = 16 / size;
-    let vec = if k % v == 0 && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
+    let vec = if k.is_multiple_of(v) && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
     let (threads, vpt) = row_shape(k, vec);
     // The source is generated only the first time (the name says all it depends on).
     let full = codegen::row_full(k, threads, vpt);

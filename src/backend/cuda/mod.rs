@@ -670,7 +670,8 @@ impl Drop for ThreadWords {
 
 /// Error words of threads that ended and of graphs dropped, each with an event its last
 /// kernels came before (None where it could not be recorded: never handed out again).
-static SPARE_WORDS: Mutex<Vec<(usize, Arc<ErrorWord>, Option<cudarc::driver::CudaEvent>)>> = Mutex::new(Vec::new());
+type SpareWord = (usize, Arc<ErrorWord>, Option<cudarc::driver::CudaEvent>);
+static SPARE_WORDS: Mutex<Vec<SpareWord>> = Mutex::new(Vec::new());
 
 thread_local! {
     static ERROR_WORDS: std::cell::RefCell<ThreadWords> = std::cell::RefCell::new(ThreadWords(HashMap::new()));

@@ -87,7 +87,7 @@ fn allowed() -> bool {
 /// own rounding was the larger error there, found after).
 /// `backward`: asked for the backward pass.
 pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, n: &AttnDims, backward: bool) -> Result<bool> {
-    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || n.d % 8 != 0 || n.d > MAX_HEAD_DIM || n.s < min_keys(backward) || n.l == 0 {
+    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || !n.d.is_multiple_of(8) || n.d > MAX_HEAD_DIM || n.s < min_keys(backward) || n.l == 0 {
         return Ok(false);
     }
     if !cudnn::library().is_ok_and(|v| v >= SINCE) {
@@ -683,7 +683,7 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
     let n = a.n;
     // Before 9.15.1 the backward of key counts off a multiple of 128 needs a padding mask in
     // the graph (what cudnn-frontend adds); those run on kiln's kernels there.
-    let padded = n.s % 128 != 0 && cudnn::library().map_or(true, |v| v < BACKWARD_UNPADDED_SINCE);
+    let padded = !n.s.is_multiple_of(128) && cudnn::library().map_or(true, |v| v < BACKWARD_UNPADDED_SINCE);
     if op % 16 != 0 || gp % 16 != 0 || padded {
         return Ok(false);
     }
