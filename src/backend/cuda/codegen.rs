@@ -124,20 +124,14 @@ __device__ long long kipow(long long a, long long b) {
 __device__ __forceinline__ float kdivtrunc(float a, float b) { return truncf(a / b); }
 __device__ __forceinline__ double kdivtrunc(double a, double b) { return trunc(a / b); }
 __device__ __forceinline__ long long kdivtrunc(long long a, long long b) { return b == 0 ? 0 : (b == -1 ? (long long)(0ull - (u64)a) : a / b); }
-__device__ __forceinline__ float kdivfloor(float a, float b) {
-  if (b == 0.0f) return a / b;
-  float m = fmodf(a, b), d = (a - m) / b;
-  if (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) d -= 1.0f;
-  if (d != 0.0f) { float f = floorf(d); return d - f > 0.5f ? f + 1.0f : f; }
-  return copysignf(0.0f, a / b);
-}
-__device__ __forceinline__ double kdivfloor(double a, double b) {
-  if (b == 0.0) return a / b;
-  double m = fmod(a, b), d = (a - m) / b;
-  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) d -= 1.0;
-  if (d != 0.0) { double f = floor(d); return d - f > 0.5 ? f + 1.0 : f; }
-  return copysign(0.0, a / b);
-}
+#define KDIVFLOOR(T, FMOD, FLOOR, COPYSIGN) __device__ __forceinline__ T kdivfloor(T a, T b) { \
+  if (b == (T)0) return a / b; \
+  T m = FMOD(a, b), d = (a - m) / b; \
+  if (m != (T)0 && ((b < (T)0) != (m < (T)0))) d -= (T)1; \
+  if (d != (T)0) { T f = FLOOR(d); return d - f > (T)0.5 ? f + (T)1 : f; } \
+  return COPYSIGN((T)0, a / b); }
+KDIVFLOOR(float, fmodf, floorf, copysignf)
+KDIVFLOOR(double, fmod, floor, copysign)
 __device__ __forceinline__ long long kdivfloor(long long a, long long b) {
   if (b == 0) return 0;
   if (b == -1) return (long long)(0ull - (u64)a);
