@@ -62,9 +62,10 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
   float scale = (float)kparam_f(a.w[22]); int causal = (int)a.w[23]; \
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31; \
   long long bh = blockIdx.x, b = bh / H, h = bh % H; (void)B; (void)L; (void)S;
-// Score of query row l (scaled, in Qrow) against key row s (in Krow), mask added.
+// Score of query row l (in Qrow) against key row s (in Krow), scaled after the product (one
+// rounding fewer than scaling the query first: large scores keep their digits), mask added.
 #define SCORE(Qrow, Krow, l, s, out) {{ float dot_ = 0.f; for (int d_ = 0; d_ < D_; d_++) dot_ += (Qrow)[d_] * (Krow)[d_]; \
-  if (mk) dot_ += LD(mk[b * msb + h * msh + (l) * msl + (s) * mss]); out = dot_; }}
+  dot_ *= scale; if (mk) dot_ += LD(mk[b * msb + h * msh + (l) * msl + (s) * mss]); out = dot_; }}
 // The keys the block's query rows see: all S, or up to its last row when causal.
 #define KEY_END long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1; \
   long long send = causal ? min(S, last + 1) : S;
@@ -139,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
-  if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]) * scale;
+  if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
   float m = -INFINITY, den = 0.f, acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   KEY_END
@@ -696,7 +697,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   long long row = ((l * B + b) * H + h) * D_;
   float delta = 0.f;
   if (ok) for (int d = lane; d < D_; d += 32) {{
-    Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]) * scale;
+    Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
     float gd = LD(g[row + d]); Gs[warp][d] = gd; delta += gd * LD(o[row + d]);
   }}
   delta = wsum(delta);
@@ -768,7 +769,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     for (int i = threadIdx.x; i < nl * (D_ / VW); i += ROWS * 32) {{
       int j = i / (D_ / VW), d = (i - j * (D_ / VW)) * VW; long long l = l0 + j;
       const VT qv = *(const VT*)(q + l * qsl + b * qsb + h * qsh + d), gv = *(const VT*)(g + ((l * B + b) * H + h) * D_ + d);
-      for (int e = 0; e < VW; e++) {{ Qt[j][d + e] = LD(qv.v[e]) * scale; Gt[j][d + e] = LD(gv.v[e]); }}
+      for (int e = 0; e < VW; e++) {{ Qt[j][d + e] = LD(qv.v[e]); Gt[j][d + e] = LD(gv.v[e]); }}
     }}
     if (threadIdx.x < 32) {{
       long long l = l0 + threadIdx.x;
@@ -794,7 +795,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
   if (ok) for (int i = 0; i < PER; i++) {{
     int d = lane + 32 * i;
-    if (d < D_) {{ long long r = ((s * B + b) * H + h) * D_ + d; dk[r] = ak[i]; dv[r] = av[i]; }}
+    if (d < D_) {{ long long r = ((s * B + b) * H + h) * D_ + d; dk[r] = ak[i] * scale; dv[r] = av[i]; }}
   }}
 }}
 "#,
