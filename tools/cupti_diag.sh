@@ -14,7 +14,7 @@ count() { # label, then the command; prints passes of n and the first failure's 
   done
   echo "$label: $pass of $n passed"; [ -f $OUT/diag-$label.txt ] && grep -E "panicked at|Segmentation|CUDA_ERROR|rc [0-9]" -A2 $OUT/diag-$label.txt | head -6
 }
-count plain $bin profiler::a_profile_holds_only_its_threads_work --exact
+count plain $bin profiler::a_profile_holds_only_its_threads_work_while_other_threads_use_the_gpu --exact
 count cupti $bin profiler::a_profile_with_device_kernels_holds_only_its_threads_work_while_other_threads_use_the_gpu --exact
 count pair $bin fixtures profiler
 count pair-without-cupti-tests $bin fixtures profiler --skip device_kernels --skip each_launch_lists
