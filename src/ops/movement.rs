@@ -205,6 +205,9 @@ impl Tensor {
         if size == 0 {
             return Err(Error::arg("split", "split size must be positive"));
         }
+        if self.ndim() == 0 {
+            return Err(Error::shape("split", "split expects at least a 1-dimensional tensor"));
+        }
         let n = self.shape()[d];
         (0..n.max(1)).step_by(size).map(|s| self.narrow(d as i64, s, size.min(n - s))).collect()
     }
@@ -213,7 +216,10 @@ impl Tensor {
     /// (`torch.split` with a list). Views.
     pub fn split_sizes(&self, sizes: &[usize], dim: i64) -> Result<Vec<Tensor>> {
         let d = norm_dim("split", dim, self.ndim())?;
-        let n = self.shape().get(d).copied().unwrap_or(1);
+        if self.ndim() == 0 {
+            return Err(Error::shape("split", "split expects at least a 1-dimensional tensor"));
+        }
+        let n = self.shape()[d];
         if sizes.iter().try_fold(0usize, |a, &b| a.checked_add(b)) != Some(n) {
             return Err(Error::shape("split", format!("split sizes {sizes:?} do not add up to the size {n} of dim {d} (shape {:?})", self.shape())));
         }
@@ -246,6 +252,9 @@ impl Tensor {
         let d = norm_dim("chunk", dim, self.ndim())?;
         if chunks == 0 {
             return Err(Error::arg("chunk", "number of chunks must be positive"));
+        }
+        if self.ndim() == 0 {
+            return Err(Error::shape("chunk", "chunk expects at least a 1-dimensional tensor"));
         }
         self.split(self.shape()[d].div_ceil(chunks).max(1), dim)
     }

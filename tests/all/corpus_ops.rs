@@ -141,6 +141,9 @@ fn dtype_and_autograd_misuse_are_errors() {
         case!("mm of vectors", "mm", x.mm(&x)),
         case!("bmm batch mismatch", "bmm", f32s(&[2, 2, 3]).bmm(&f32s(&[3, 3, 2]))),
         case!("split sizes short", "split", x.split_sizes(&[1], 0)),
+        case!("split of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).split(1, 0)),
+        case!("split_sizes of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).split_sizes(&[1], 0)),
+        case!("chunk of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).chunk(1, -1)),
         case!("softmax dim 5", "softmax", F::softmax(&x, 5)),
         case!("sdpa 2-D query", "scaled_dot_product_attention", F::scaled_dot_product_attention(&x, &x, &x, &Default::default())),
         case!("bce weight that does not broadcast", "weight", F::binary_cross_entropy_with_logits(&x, &x, Some(&f32s(&[3])), None, F::Reduction::Mean)),
@@ -181,4 +184,58 @@ fn optimiser_hyperparameters_are_checked() {
     // Valid settings still step.
     Sgd::new(vec![q.clone()], 0.5).momentum(0.9).nesterov(true).step().unwrap();
     assert_close(&vals(&q), &[1.0 - 0.5 * 1.9, 2.0 - 0.5 * 1.9], 1e-6, 1e-6);
+}
+
+/// Every method that takes a dim, on a 0-dim and an empty tensor with dims in and out of range:
+/// a value or an error, never a panic.
+#[test]
+fn dim_methods_never_panic_on_0_dim_or_empty_tensors() {
+    let mut panics = vec![];
+    for shape in [&[][..], &[0][..], &[2, 0][..]] {
+        let x = Tensor::zeros(shape, DType::F32, &dev()).unwrap();
+        let idx = Tensor::zeros(shape, DType::I64, &dev()).unwrap();
+        for d in [-3i64, -2, -1, 0, 1, 2] {
+            type Call<'a> = (&'a str, Box<dyn Fn() -> Result<Tensor> + 'a>);
+            let calls: Vec<Call> = vec![
+                ("sum", Box::new(|| x.sum(&[d], false))),
+                ("mean", Box::new(|| x.mean(&[d], true))),
+                ("prod", Box::new(|| x.prod(d, false))),
+                ("amax", Box::new(|| x.amax(&[d], false))),
+                ("argmax", Box::new(|| x.argmax(d, false))),
+                ("argmin", Box::new(|| x.argmin(d, true))),
+                ("max", Box::new(|| x.max(d, false).map(|r| r.0))),
+                ("var", Box::new(|| x.var(&[d], 1.0, false))),
+                ("std", Box::new(|| x.std(&[d], 0.0, false))),
+                ("logsumexp", Box::new(|| x.logsumexp(&[d], false))),
+                ("cumsum", Box::new(|| x.cumsum(d))),
+                ("cumprod", Box::new(|| x.cumprod(d))),
+                ("softmax", Box::new(|| F::softmax(&x, d))),
+                ("log_softmax", Box::new(|| F::log_softmax(&x, d))),
+                ("squeeze", Box::new(|| x.squeeze(d))),
+                ("squeeze_dims", Box::new(|| x.squeeze_dims(&[d]))),
+                ("unsqueeze", Box::new(|| x.unsqueeze(d))),
+                ("transpose", Box::new(|| x.transpose(d, 0))),
+                ("flatten", Box::new(|| x.flatten(d, -1))),
+                ("narrow", Box::new(|| x.narrow(d, 0, 0))),
+                ("slice", Box::new(|| x.slice(d, 0, 1, 1))),
+                ("split", Box::new(|| x.split(1, d).map(|v| v.into_iter().next().unwrap_or_else(|| x.clone())))),
+                ("chunk", Box::new(|| x.chunk(2, d).map(|v| v.into_iter().next().unwrap_or_else(|| x.clone())))),
+                ("cat", Box::new(|| kiln::cat(&[&x, &x], d))),
+                ("stack", Box::new(|| kiln::stack(&[&x, &x], d))),
+                ("index_select", Box::new(|| x.index_select(d, &Tensor::zeros(&[0], DType::I64, &dev()).unwrap()))),
+                ("gather", Box::new(|| x.gather(d, &idx))),
+                ("scatter_add", Box::new(|| x.scatter_add(d, &idx, &x))),
+            ];
+            for (name, call) in calls {
+                if catch_unwind(AssertUnwindSafe(|| {
+                    let _ = call().and_then(|y| y.to_dtype(DType::F64)?.to_device(&Device::Cpu)?.to_vec::<f64>());
+                }))
+                .is_err()
+                {
+                    panics.push(format!("{name} of shape {shape:?} along dim {d}"));
+                }
+            }
+        }
+    }
+    assert!(panics.is_empty(), "panicked: {panics:?}");
 }
