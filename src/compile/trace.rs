@@ -60,7 +60,7 @@ pub(crate) struct Tracer {
     pub breaks: Vec<String>,
     /// The symbolic storage of each argument, to recognise writes into it.
     arg_storages: Vec<Weak<Storage>>,
-    /// Arguments written in place: (argument, node of its new value), the latest write last.
+    /// Arguments written in place: (argument, node of its latest value), one entry each.
     arg_writes: Vec<(usize, NodeId)>,
 }
 
@@ -161,14 +161,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
     // that what stays alive is what the call left behind.
     drop(outs);
     let mut effects = Effects { n_returned: ids.len(), returns_grad, grad_none: std::mem::take(&mut tr.grad_none), ran_backward: tr.ran_backward, ..Default::default() };
-    let mut written_args: Vec<(usize, NodeId)> = vec![];
     for &(k, v) in &tr.arg_writes {
-        match written_args.iter_mut().find(|w| w.0 == k) {
-            Some(w) => w.1 = v,
-            None => written_args.push((k, v)),
-        }
-    }
-    for (k, v) in written_args {
         effects.arg_writes.push(k);
         ids.push(v);
     }
@@ -292,7 +285,10 @@ pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
                 // Every tensor sharing the storage sees the new value.
                 *dst.storage().data.write() = BackendStorage::Traced(TraceRef { trace: tr.id, node: v });
                 if let Some(k) = tr.arg_of(dst) {
-                    tr.arg_writes.push((k, v));
+                    match tr.arg_writes.iter_mut().find(|w| w.0 == k) {
+                        Some(w) => w.1 = v,
+                        None => tr.arg_writes.push((k, v)),
+                    }
                 }
                 Ok(())
             }

@@ -88,18 +88,6 @@ impl MaxPool2dArgs {
     }
 }
 
-/// Output length of a pooling window over `size` (PyTorch's `pooling_output_shape`): in ceil
-/// mode a last window must start inside the input or its left padding.
-fn pool_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize, ceil: bool) -> Result<usize> {
-    let floor = out_len(op, size, k, stride, pad, dil)?;
-    let span = dil * (k - 1) + 1;
-    if !ceil || (size + 2 * pad - span).is_multiple_of(stride) {
-        return Ok(floor);
-    }
-    // One more window, unless it would start past the input and its left padding.
-    Ok(if floor * stride >= size + pad { floor } else { floor + 1 })
-}
-
 /// `x` padded with `value` by `pad` before each spatial dim, and after it as far as the last
 /// window of `out` windows reaches (beyond `pad` in ceil mode, less where the last window stops short).
 fn pad_for_windows(x: &Tensor, pad: (usize, usize), span: (usize, usize), stride: (usize, usize), out: (usize, usize), value: f64) -> Result<Tensor> {
@@ -125,7 +113,7 @@ fn pool_geometry(op: &'static str, x: &Tensor, a: &MaxPool2dArgs, ints: bool) ->
     }
     let len = |d: usize, i: usize| {
         let pick = |p: (usize, usize)| if i == 0 { p.0 } else { p.1 };
-        pool_len(op, x.shape()[d], pick(a.kernel), pick(a.stride), pick(a.padding), pick(a.dilation), a.ceil_mode)
+        out_len(op, x.shape()[d], pick(a.kernel), pick(a.stride), pick(a.padding), pick(a.dilation), a.ceil_mode)
     };
     Ok((len(2, 0)?, len(3, 1)?))
 }

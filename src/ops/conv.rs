@@ -35,15 +35,22 @@ pub(crate) enum Pass {
     GradWeight,
 }
 
-/// Output length of a window sliding over `size` (PyTorch's floor formula), or an error.
-pub(crate) fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Result<usize> {
+/// Output length of a window sliding over `size` (PyTorch's formula: rounded down, or up with
+/// `ceil` as pooling's ceil mode, where a last window must still start inside the input or its
+/// left padding), or an error.
+pub(crate) fn out_len(op: &'static str, size: usize, k: usize, stride: usize, pad: usize, dil: usize, ceil: bool) -> Result<usize> {
     let too_large = || Error::shape(op, format!("input size {size} with padding {pad}, kernel {k} and dilation {dil} is too large"));
     let span = dil.checked_mul(k.max(1) - 1).and_then(|s| s.checked_add(1)).ok_or_else(too_large)?;
     let padded = pad.checked_mul(2).and_then(|p| p.checked_add(size)).ok_or_else(too_large)?;
     if padded < span {
         return Err(Error::shape(op, format!("input size {size} with padding {pad} is smaller than the (dilated) kernel {span}")));
     }
-    Ok((padded - span) / stride.max(1) + 1)
+    let stride = stride.max(1);
+    let floor = (padded - span) / stride + 1;
+    if !ceil || (padded - span).is_multiple_of(stride) {
+        return Ok(floor);
+    }
+    Ok(if floor * stride >= size + pad { floor } else { floor + 1 })
 }
 
 pub(crate) fn check_positive(op: &'static str, what: &str, v: (usize, usize)) -> Result<()> {
@@ -55,8 +62,8 @@ pub(crate) fn check_positive(op: &'static str, what: &str, v: (usize, usize)) ->
 
 /// `[N, O, OH, OW]`: the output shape of `x` `[N, C, H, W]` convolved with `w` `[O, C / g, KH, KW]`.
 pub(crate) fn out_shape(a: &Conv2dArgs, x: &[usize], w: &[usize]) -> Result<Vec<usize>> {
-    let oh = out_len("conv2d", x[2], w[2], a.stride.0, a.padding.0, a.dilation.0)?;
-    let ow = out_len("conv2d", x[3], w[3], a.stride.1, a.padding.1, a.dilation.1)?;
+    let oh = out_len("conv2d", x[2], w[2], a.stride.0, a.padding.0, a.dilation.0, false)?;
+    let ow = out_len("conv2d", x[3], w[3], a.stride.1, a.padding.1, a.dilation.1, false)?;
     Ok(vec![x[0], w[0], oh, ow])
 }
 

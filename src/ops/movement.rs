@@ -343,7 +343,7 @@ pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
     // 1-D tensors of size 0 join any others (PyTorch's legacy rule): each takes the shape of the
     // first other tensor with nothing along `dim`, so it still gets its (empty) gradient.
     let legacy_empty = |t: &&Tensor| t.shape() == [0];
-    if let Some(other) = ts.iter().find(|t| !legacy_empty(t)).filter(|_| ts.iter().any(legacy_empty)) {
+    if let Some(other) = ts.iter().find(|t| !legacy_empty(t)).filter(|o| o.ndim() > 0 && ts.iter().any(legacy_empty)) {
         let d = norm_dim("cat", dim, other.ndim())?;
         let mut empty = other.shape().to_vec();
         empty[d] = 0;

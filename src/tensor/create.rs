@@ -22,7 +22,7 @@ impl Tensor {
         if let Device::Cuda(d) = device {
             return Ok(Tensor::from_backend(BackendStorage::Cuda(cuda::full(*d, shape, value, dtype)?), shape));
         }
-        host_numel("full", shape, dtype)?;
+        crate::backend::cpu::ensure_host_memory("full", n * dtype.size_in_bytes())?;
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
     }
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
@@ -141,7 +141,7 @@ impl Tensor {
             return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
         }
         check_device("randint", *device)?;
-        checked_numel("randint", shape, DType::I64)?;
+        let n = checked_numel("randint", shape, DType::I64)?;
         let span = high.wrapping_sub(low) as u64;
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Int { low, high }, shape, DType::I64, *device);
@@ -149,7 +149,7 @@ impl Tensor {
         if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, cuda::Dist::Int { low, span })? {
             return Ok(t);
         }
-        let n = host_numel("randint", shape, DType::I64)?;
+        crate::backend::cpu::ensure_host_memory("randint", n * DType::I64.size_in_bytes())?;
         let (seed, first) = reserve(n as u64);
         let v: Vec<i64> = fill_new(n, |start, out| {
             for (k, o) in out.iter_mut().enumerate() {

@@ -144,6 +144,7 @@ fn dtype_and_autograd_misuse_are_errors() {
         case!("split of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).split(1, 0)),
         case!("split_sizes of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).split_sizes(&[1], 0)),
         case!("chunk of a 0-dim tensor", "1-dimensional", t(&[1.0], &[], DType::F32).chunk(1, -1)),
+        case!("cat of an empty 1-D and a 0-dim tensor", "does not match", kiln::cat(&[&f32s(&[0]), &t(&[1.0], &[], DType::F32)], 0)),
         case!("softmax dim 5", "softmax", F::softmax(&x, 5)),
         case!("sdpa 2-D query", "scaled_dot_product_attention", F::scaled_dot_product_attention(&x, &x, &x, &Default::default())),
         case!("bce weight that does not broadcast", "weight", F::binary_cross_entropy_with_logits(&x, &x, Some(&f32s(&[3])), None, F::Reduction::Mean)),

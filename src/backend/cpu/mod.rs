@@ -126,8 +126,6 @@ pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync
     })
 }
 
-/// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
-/// Every element must be written by `fill`.
 /// Host allocations from this size up are tried first, so that a size the machine cannot give
 /// is `Error::OutOfMemory` instead of an abort (Rust's allocation failure handler).
 const PROBE_BYTES: usize = 1 << 30;
@@ -163,6 +161,8 @@ fn host_memory_bytes() -> Option<u64> {
     })
 }
 
+/// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
+/// Every element must be written by `fill`.
 pub(crate) fn fill_new<T: Send + Sync>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(n);
     {
