@@ -49,23 +49,27 @@ fn common(dtype: DType, d: usize, rows: usize, vw: usize) -> String {
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 typedef {t} T;
+// The type scores and log-sum-exps are kept in: double for F32 inputs, where a float score
+// past ~64 loses the digits exp() amplifies (F32 results then stay within F32's tolerance of
+// the exact ones); float for F16 and BF16.
+typedef {sc} SC;
 struct __align__({align}) VT {{ T v[VW]; }};
 #define LD(e) ({ld})
 #define ST(e) ({st})
-__device__ __forceinline__ float wmax(float x) {{ for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, o)); return x; }}
+__device__ __forceinline__ SC wmax(SC x) {{ for (int o = 16; o; o >>= 1) x = fmax(x, __shfl_xor_sync(FULL, x, o)); return x; }}
 __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(FULL, x, o); return x; }}
 #define ARGS \
   const T* q = (const T*)a.w[0]; const T* k = (const T*)a.w[1]; const T* v = (const T*)a.w[2]; const T* mk = (const T*)a.w[3]; \
   long long B = a.w[5], H = a.w[6], L = a.w[7], S = a.w[8]; \
   long long qsl = a.w[9], qsb = a.w[10], qsh = a.w[11], kss = a.w[12], ksb = a.w[13], ksh = a.w[14], vss = a.w[15], vsb = a.w[16], vsh = a.w[17]; \
   long long msb = a.w[18], msh = a.w[19], msl = a.w[20], mss = a.w[21]; \
-  float scale = (float)kparam_f(a.w[22]); int causal = (int)a.w[23]; \
+  float scale = (float)kparam_f(a.w[22]); SC sscale = (SC)kparam_f(a.w[22]); int causal = (int)a.w[23]; \
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31; \
   long long bh = blockIdx.x, b = bh / H, h = bh % H; (void)B; (void)L; (void)S;
 // Score of query row l (in Qrow) against key row s (in Krow), scaled after the product (one
 // rounding fewer than scaling the query first: large scores keep their digits), mask added.
-#define SCORE(Qrow, Krow, l, s, out) {{ float dot_ = 0.f; for (int d_ = 0; d_ < D_; d_++) dot_ += (Qrow)[d_] * (Krow)[d_]; \
-  dot_ *= scale; if (mk) dot_ += LD(mk[b * msb + h * msh + (l) * msl + (s) * mss]); out = dot_; }}
+#define SCORE(Qrow, Krow, l, s, out) {{ SC dot_ = 0; for (int d_ = 0; d_ < D_; d_++) dot_ += (SC)(Qrow)[d_] * (SC)(Krow)[d_]; \
+  dot_ *= sscale; if (mk) dot_ += (SC)LD(mk[b * msb + h * msh + (l) * msl + (s) * mss]); out = dot_; }}
 // The keys the block's query rows see: all S, or up to its last row when causal.
 #define KEY_END long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1; \
   long long send = causal ? min(S, last + 1) : S;
@@ -81,11 +85,12 @@ __device__ __forceinline__ float wsum(float x) {{ for (int o = 16; o; o >>= 1) x
   __syncthreads();
 // This lane's score against key s0 + lane (-inf where masked out by causality or past S),
 // the row's running max m updated into mn and this lane's exp(score - mn) into p.
-#define ONLINE_STEP(s0, sc, mn, p) long long s = (s0) + lane; float sc = -INFINITY; \
+#define ONLINE_STEP(s0, sc, mn, p) long long s = (s0) + lane; SC sc = -INFINITY; \
   if (s < S && !(causal && s > l)) SCORE(Qs[warp], Ks[lane], l, s, sc); \
-  float mn = fmaxf(m, wmax(sc)); float p = sc == -INFINITY ? 0.f : expf(sc - mn);
+  SC mn = fmax(m, wmax(sc)); float p = sc == -INFINITY ? 0.f : expf((float)(sc - mn));
 "#,
         t = codegen::storage_type(dtype),
+        sc = if dtype == DType::F32 { "double" } else { "float" },
         align = vw * dtype.size_in_bytes(),
         ld = codegen::load(dtype, CType::F32, "(e)"),
         st = codegen::store(dtype, CType::F32, "(e)"),
@@ -141,14 +146,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
   if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
-  float m = -INFINITY, den = 0.f, acc[PER];
+  SC m = -INFINITY; float den = 0.f, acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   KEY_END
   for (long long s0 = 0; s0 < send; s0 += 32) {{
     LOAD_KEYS(s0, nk, true)
     if (!ok) continue;
     ONLINE_STEP(s0, sc, mn, p)
-    float corr = m == -INFINITY ? 0.f : expf(m - mn);
+    float corr = m == -INFINITY ? 0.f : expf((float)(m - mn));
     den = den * corr + wsum(p);
     for (int i = 0; i < PER; i++) acc[i] *= corr;
     for (int j = 0; j < nk; j++) {{
@@ -690,7 +695,7 @@ fn gen_backward_q(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, St
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   ARGS
   const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
-  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
+  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28]; SC* lse_sc = (SC*)a.w[32];
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_ + 1]; __shared__ float Qs[ROWS][D_]; __shared__ float Gs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
@@ -702,15 +707,15 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
   delta = wsum(delta);
   KEY_END
-  float m = -INFINITY, den = 0.f;
+  SC m = -INFINITY; float den = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
     LOAD_KEYS(s0, nk, false)
     if (!ok) continue;
     ONLINE_STEP(s0, sc, mn, p)
-    den = den * (m == -INFINITY ? 0.f : expf(m - mn)) + wsum(p);
+    den = den * (m == -INFINITY ? 0.f : expf((float)(m - mn))) + wsum(p);
     m = mn;
   }}
-  float ls = m == -INFINITY ? -INFINITY : m + logf(den);
+  SC ls = m == -INFINITY ? (SC)-INFINITY : m + log((SC)den);
   float acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {{
@@ -719,8 +724,8 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     long long s = s0 + lane;
     float ds = 0.f;
     if (s < S && !(causal && s > l)) {{
-      float sc; SCORE(Qs[warp], Ks[lane], l, s, sc);
-      float p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf(sc - ls);
+      SC sc; SCORE(Qs[warp], Ks[lane], l, s, sc);
+      float p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
       float dp = 0.f;
       for (int d = 0; d < D_; d++) dp += Gs[warp][d] * Vs[lane][d];
       ds = p * (dp - delta);
@@ -732,7 +737,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   }}
   if (ok) {{
     for (int i = 0; i < PER; i++) {{ int d = lane + 32 * i; if (d < D_) dq[row + d] = acc[i] * scale; }}
-    if (lane == 0) {{ lse[bh * L + l] = ls; dl[bh * L + l] = delta; }}
+    if (lane == 0) {{ lse[bh * L + l] = (float)ls; lse_sc[bh * L + l] = ls; dl[bh * L + l] = delta; }}
   }}
 }}
 "#,
@@ -749,10 +754,10 @@ fn gen_backward_kv(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, S
 extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
   ARGS
   const T* g = (const T*)a.w[25];
-  const float* lse = (const float*)a.w[27]; const float* dl = (const float*)a.w[28];
+  const SC* lse = (const SC*)a.w[32]; const float* dl = (const float*)a.w[28];
   float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
   __shared__ float Qt[32][D_ + 1]; __shared__ float Gt[32][D_ + 1]; __shared__ float Kw[ROWS][D_]; __shared__ float Vw[ROWS][D_];
-  __shared__ float Lt[32]; __shared__ float Dt[32];
+  __shared__ SC Lt[32]; __shared__ float Dt[32];
   long long s = (long long)blockIdx.y * ROWS + warp;
   bool ok = s < S;
   if (ok) for (int d = lane; d < D_; d += 32) {{
@@ -773,7 +778,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     }}
     if (threadIdx.x < 32) {{
       long long l = l0 + threadIdx.x;
-      Lt[threadIdx.x] = l < L ? lse[bh * L + l] : 0.f;
+      Lt[threadIdx.x] = l < L ? lse[bh * L + l] : (SC)0;
       Dt[threadIdx.x] = l < L ? dl[bh * L + l] : 0.f;
     }}
     __syncthreads();
@@ -781,9 +786,9 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) {name}(KArgs a) {{
     long long l = l0 + lane;
     float p = 0.f, ds = 0.f;
     if (l < L && !(causal && s > l)) {{
-      float sc; SCORE(Qt[lane], Kw[warp], l, s, sc);
-      float ls = Lt[lane];
-      p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf(sc - ls);
+      SC sc; SCORE(Qt[lane], Kw[warp], l, s, sc);
+      SC ls = Lt[lane];
+      p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
       float dp = 0.f;
       for (int d = 0; d < D_; d++) dp += Gt[lane][d] * Vw[warp][d];
       ds = p * (dp - Dt[lane]);
@@ -927,6 +932,9 @@ fn backward_kernels(dev: &std::sync::Arc<super::CudaDevice>, q: &Tensor, k: &Ten
     }
     let vw = backward_vector(q, k, v, g, n.d)?;
     let (rq, rk) = (backward_rows(n.l, n.d), backward_rows(n.s, n.d));
+    // F32 scores keep their log-sum-exps in double between the two kernels (`SC`).
+    let lse_sc = if q.dtype() == DType::F32 { Some(CudaStorage::new(dev, DType::F64, n.b * n.h * n.l)?) } else { None };
+    a.w[32] = lse_sc.as_ref().map_or(a.w[27], |s| s.ptr());
     let kq = dev.kernel(KernelKey::Named(warp_name("bwd_q", q.dtype(), n.d, rq, vw)), || gen_backward_q(q.dtype(), n.d, rq, vw))?;
     dev.launch(kq, grid(n.b * n.h, n.l, rq)?, ((rq * 32) as u32, 1, 1), &a)?;
     let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;
