@@ -20,7 +20,7 @@ fn main() -> Result<()> {
     model.save_safetensors(&path)?;  model.load_safetensors(&path)?;
 
     let loader = DataLoader::new(SyntheticClassification::mnist_like(32 * 50, 0)?, 32)?.shuffle(0).pin_memory(dev.is_cuda());
-    let mut scaler = amp::GradScaler::new();
+    let mut scaler = optim::GradScaler::new();
     for batch in loader.iter() {                                       // data::DataLoader, pinned + prefetched
         let (x, y) = batch?;
         let (x, y) = (x.to_device_async(&dev)?, y.to_device_async(&dev)?);

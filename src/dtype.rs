@@ -314,3 +314,42 @@ mod tests {
         assert_eq!(result_type(&[(F16, Tier::Dim), (F32, Tier::Dim)]), F32);
     }
 }
+
+/// The type arithmetic runs in inside a kernel, on either backend: half types compute in f32,
+/// integers in i64. `name` is its C spelling, for the CUDA generators.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum CType {
+    F32,
+    F64,
+    I64,
+    Bool,
+}
+
+impl CType {
+    /// Half types compute in f32, integers in i64, as on the CPU.
+    pub(crate) fn of(d: DType) -> CType {
+        match d {
+            DType::F32 | DType::F16 | DType::BF16 => CType::F32,
+            DType::F64 => CType::F64,
+            DType::I64 | DType::I32 | DType::U8 => CType::I64,
+            DType::Bool => CType::Bool,
+        }
+    }
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CType::F32 => "float",
+            CType::F64 => "double",
+            CType::I64 => "long long",
+            CType::Bool => "bool",
+        }
+    }
+    /// The storage dtype that holds values of this type exactly.
+    pub(crate) fn dtype(self) -> DType {
+        match self {
+            CType::F32 => DType::F32,
+            CType::F64 => DType::F64,
+            CType::I64 => DType::I64,
+            CType::Bool => DType::Bool,
+        }
+    }
+}

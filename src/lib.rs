@@ -25,6 +25,8 @@ mod device;
 mod dtype;
 mod error;
 mod files;
+mod hash;
+pub(crate) mod kir;
 pub(crate) mod layout;
 pub mod logging;
 pub mod nn;

@@ -20,3 +20,32 @@ pub(crate) fn check_device(op: &'static str, device: Device) -> Result<()> {
         }),
     }
 }
+
+/// A row op over the last dim of a contiguous `x` on its device, one kernel
+/// (`ops::rows::fused` says when).
+pub(crate) fn rows(kind: crate::ops::rows::RowKind, x: &crate::Tensor, w: Option<&crate::Tensor>, b: Option<&crate::Tensor>, eps: f64) -> Result<crate::Tensor> {
+    let s = cuda::kernels::rows(kind, x, w, b, eps)?;
+    Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), x.shape()))
+}
+
+/// Writes `value` (of `dst`'s shape, dtype and device) into `dst`'s elements.
+pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<()> {
+    if dst.device().is_cuda() {
+        // A value that aliases `dst` is copied first: one kernel must not read what it writes.
+        let value = if value.shares_storage_with(dst) { value.copy_contiguous()? } else { value.clone() };
+        cuda::kernels::write_into(dst, &value)
+    } else {
+        cpu::write_into(dst, &cpu::cast(value, dst.dtype()));
+        Ok(())
+    }
+}
+
+/// A convolution pass by the device's library (cuDNN) where it takes it, else None (the
+/// caller computes it as im2col and a product). `shapes`: input, weight, output.
+pub(crate) fn conv_library(pass: crate::ops::conv::Pass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize]) -> Result<Option<crate::Tensor>> {
+    if !a.device().is_cuda() || !cuda::cudnn::usable(a.dtype()) {
+        return Ok(None);
+    }
+    let s = cuda::cudnn::conv(pass, args, shapes, a, b)?;
+    Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out)))
+}

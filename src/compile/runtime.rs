@@ -583,7 +583,7 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     let mut out = std::collections::HashMap::new();
     for &(k, v) in &g.mutations {
         let (Some(&(at, j)), Some(&c)) = (made_by.get(&v), captured.get(&k)) else { continue };
-        let flat = matches!(s.kernels[j].space, super::fuse::Space::Flat { numel } if numel == g.nodes[v].numel());
+        let flat = matches!(s.kernels[j].space, crate::kir::Space::Flat { numel } if numel == g.nodes[v].numel());
         let same = g.nodes[v].shape == g.nodes[c].shape && g.nodes[v].dtype == g.nodes[c].dtype;
         let once = g.mutations.iter().filter(|m| m.0 == k).count() == 1;
         let returned = g.outputs.contains(&c) || g.outputs.contains(&v);
@@ -629,7 +629,7 @@ mod tests {
         let s = crate::compile::fuse::schedule(&g);
         let counted = g.mutations.iter().find(|(_, v)| g.nodes[*v].numel() == 1).expect("the count is written back").1;
         let kernel = s.kernels.iter().find(|k| k.outputs.iter().any(|(_, n)| *n == counted)).expect("computed in a kernel");
-        assert!(matches!(kernel.space, crate::compile::fuse::Space::Flat { numel: 640 }), "the case this checks: {}", kernel.describe());
+        assert!(matches!(kernel.space, crate::kir::Space::Flat { numel: 640 }), "the case this checks: {}", kernel.describe());
         let in_place = super::plan_in_place(&g, &s);
         assert!(!in_place.contains_key(&counted), "{in_place:?}");
         assert_eq!(in_place.len(), 1, "the vector is still written in place: {in_place:?}");

@@ -47,52 +47,14 @@ fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
     x.amax(&[dim], true)
 }
 
-/// One-kernel eager forms of the row ops on the GPU, used when nothing needs their history
-/// (inference, `no_grad`): the decompositions below remain the definition, and what autograd
-/// and the compiler see.
-fn fused_rows(x: &Tensor, dim: i64, kind: RowKind, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<Option<Tensor>> {
-    let tracked = crate::is_grad_enabled() && [Some(x), w, b].iter().flatten().any(|t| t.is_requires_grad());
-    // F64 keeps its own precision through the decomposition; the kernel's statistics are f32.
-    if !x.device().is_cuda() || tracked || crate::compile::trace::active() || x.ndim() == 0 || x.dtype() == DType::F64 {
-        return Ok(None);
-    }
-    if crate::layout::norm_dim(kind.name(), dim, x.ndim())? != x.ndim() - 1 {
-        return Ok(None);
-    }
-    let k = x.shape()[x.ndim() - 1];
-    if k == 0 || k > crate::backend::cuda::kernels::MAX_FUSED_ROW || [w, b].iter().flatten().any(|p| p.dtype() != x.dtype() || p.device() != x.device()) {
-        return Ok(None);
-    }
-    let x = x.contiguous()?;
-    let (w, b) = (w.map(|t| t.contiguous()).transpose()?, b.map(|t| t.contiguous()).transpose()?);
-    let s = crate::backend::cuda::kernels::rows(kind, &x, w.as_ref(), b.as_ref(), eps)?;
-    Ok(Some(Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), x.shape())))
-}
-
-/// The row ops with a fused eager kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum RowKind {
-    Softmax,
-    LogSoftmax,
-    LayerNorm,
-}
-
-impl RowKind {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            RowKind::Softmax => "softmax",
-            RowKind::LogSoftmax => "log_softmax",
-            RowKind::LayerNorm => "layer_norm",
-        }
-    }
-}
+use crate::ops::rows::RowKind;
 
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
     crate::layout::norm_dim("softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
-    if let Some(y) = fused_rows(x, dim, RowKind::Softmax, None, None, 0.0)? {
+    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::Softmax, None, None, 0.0)? {
         return Ok(y);
     }
     in_opmath(x, |x| {
@@ -107,7 +69,7 @@ pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
     crate::layout::norm_dim("log_softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
-    if let Some(y) = fused_rows(x, dim, RowKind::LogSoftmax, None, None, 0.0)? {
+    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::LogSoftmax, None, None, 0.0)? {
         return Ok(y);
     }
     in_opmath(x, |x| {
@@ -134,7 +96,7 @@ pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor
         }
     }
     if k == 1 {
-        if let Some(y) = fused_rows(x, -1, RowKind::LayerNorm, weight, bias, eps)? {
+        if let Some(y) = crate::ops::rows::fused(x, -1, RowKind::LayerNorm, weight, bias, eps)? {
             return Ok(y);
         }
     }

@@ -6,7 +6,6 @@
 //! transposed, plus one scatter-add (col2im) for the input.
 
 use super::Op;
-use crate::storage::BackendStorage;
 use crate::{Device, Error, Result, Tensor};
 
 /// Options of a 2-D convolution: `(height, width)` pairs and groups, PyTorch's defaults.
@@ -155,10 +154,8 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
         Op::Conv2dGradWeight(args, _) => (Pass::GradWeight, args, a.shape(), out, b.shape()),
         _ => unreachable!("{} is not a convolution", op.name()),
     };
-    if a.device().is_cuda() && crate::backend::cuda::cudnn::usable(a.dtype()) {
-        let shapes = [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]);
-        let s = crate::backend::cuda::cudnn::conv(pass, args, shapes, a, b)?;
-        return Ok(Tensor::from_backend(BackendStorage::Cuda(s), out));
+    if let Some(t) = crate::backend::conv_library(pass, args, [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]), a, b, out)? {
+        return Ok(t);
     }
     let geo = Geom::new(x, w, y, args.groups);
     // The definition below is written with tensor ops: none of them is recorded (for autograd or

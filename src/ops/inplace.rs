@@ -2,7 +2,6 @@
 //! storage and bumps the version counter, so that backward can detect a saved tensor that
 //! changed. With autograd recording, the tensor takes over the result's history.
 
-use crate::backend::cpu;
 use crate::ops::elementwise::Scalar;
 use crate::{is_grad_enabled, Error, Result, Tensor};
 
@@ -33,13 +32,8 @@ impl Tensor {
         }
         if crate::compile::trace::active() {
             crate::compile::trace::assign(self, &value)?;
-        } else if self.device().is_cuda() {
-            // A value that aliases this tensor is copied first: one kernel must not read what it writes.
-            let value = if value.shares_storage_with(self) { value.copy_contiguous()? } else { value.clone() };
-            crate::backend::cuda::kernels::write_into(self, &value)?;
         } else {
-            let data = cpu::cast(&value, self.dtype());
-            cpu::write_into(self, &data);
+            crate::backend::write_into(self, &value)?;
         }
         self.storage().bump_version();
         if recording {

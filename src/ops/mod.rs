@@ -10,6 +10,7 @@ pub(crate) mod matmul;
 pub(crate) mod movement;
 pub mod pointwise;
 pub(crate) mod reduce;
+pub(crate) mod rows;
 
 pub use conv::Conv2dArgs;
 pub use pointwise::{BinaryOp, UnaryOp};

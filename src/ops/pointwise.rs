@@ -1,7 +1,6 @@
 //! Pointwise primitives, each defined once: name, dtype rule, scalar semantics (the closures the
 //! backends' loops are instantiated with) and gradient (written with other ops).
 
-use crate::backend::cpu::Real;
 use crate::dtype::DEFAULT_FLOAT;
 use crate::{DType, Error, Result, Tensor};
 
@@ -42,6 +41,65 @@ pub(crate) trait MapUnary<A, B> {
 pub(crate) trait MapBinary<A, B> {
     fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B>;
 }
+
+/// Floating-point compute types (f32, f64): the scalar functions pointwise ops are written in.
+pub(crate) trait Real: Copy + PartialOrd + Send + Sync + 'static + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self>
+    + std::ops::Rem<Output = Self>
+{
+    fn c(v: f64) -> Self;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn ln_1p(self) -> Self;
+    fn sin(self) -> Self;
+    fn cos(self) -> Self;
+    fn tanh(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn abs(self) -> Self;
+    fn erf(self) -> Self;
+    fn powf(self, e: Self) -> Self;
+    fn is_nan(self) -> bool;
+    fn signum0(self) -> Self;
+    fn exp_m1(self) -> Self;
+    fn tan(self) -> Self;
+    fn floor(self) -> Self;
+    fn ceil(self) -> Self;
+    fn round_ties_even(self) -> Self;
+    fn trunc(self) -> Self;
+    /// Zero with this value's sign.
+    fn copysign0(self) -> Self;
+}
+macro_rules! real {
+    ($t:ty, $erf:path) => {
+        impl Real for $t {
+            #[inline(always)] fn c(v: f64) -> Self { v as $t }
+            #[inline(always)] fn exp(self) -> Self { <$t>::exp(self) }
+            #[inline(always)] fn ln(self) -> Self { <$t>::ln(self) }
+            #[inline(always)] fn ln_1p(self) -> Self { <$t>::ln_1p(self) }
+            #[inline(always)] fn sin(self) -> Self { <$t>::sin(self) }
+            #[inline(always)] fn cos(self) -> Self { <$t>::cos(self) }
+            #[inline(always)] fn tanh(self) -> Self { <$t>::tanh(self) }
+            #[inline(always)] fn sqrt(self) -> Self { <$t>::sqrt(self) }
+            #[inline(always)] fn abs(self) -> Self { <$t>::abs(self) }
+            #[inline(always)] fn erf(self) -> Self { $erf(self) }
+            #[inline(always)] fn powf(self, e: Self) -> Self { <$t>::powf(self, e) }
+            #[inline(always)] fn is_nan(self) -> bool { <$t>::is_nan(self) }
+            // NaN and both zeros give 0, as PyTorch's sign.
+            #[inline(always)] fn signum0(self) -> Self {
+                if self > 0.0 { 1.0 } else if self < 0.0 { -1.0 } else { 0.0 }
+            }
+            #[inline(always)] fn exp_m1(self) -> Self { <$t>::exp_m1(self) }
+            #[inline(always)] fn tan(self) -> Self { <$t>::tan(self) }
+            #[inline(always)] fn floor(self) -> Self { <$t>::floor(self) }
+            #[inline(always)] fn ceil(self) -> Self { <$t>::ceil(self) }
+            #[inline(always)] fn round_ties_even(self) -> Self { <$t>::round_ties_even(self) }
+            #[inline(always)] fn trunc(self) -> Self { <$t>::trunc(self) }
+            #[inline(always)] fn copysign0(self) -> Self { <$t>::copysign(0.0, self) }
+        }
+    };
+}
+real!(f32, libm::erff);
+real!(f64, libm::erf);
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
@@ -489,7 +547,8 @@ fn floor_div<F: Real>(a: F, b: F) -> F {
 /// above, so an op's semantics stay in this file.
 mod cuda {
     use super::{BinaryOp, UnaryOp};
-    use crate::backend::cuda::codegen::CType;
+    use crate::dtype::CType;
+    use crate::DType;
 
     /// `name` with the float suffix (`expf`) when computing in f32.
     fn m(name: &str, t: CType) -> String {
@@ -497,6 +556,12 @@ mod cuda {
     }
 
     impl UnaryOp {
+        /// The type the op computes in for a result of dtype `out`, on either backend's
+        /// generated code: logical not in bool, the rest in the result's compute type.
+        pub(crate) fn compute_type(self, out: DType) -> CType {
+            if self == UnaryOp::LogicalNot { CType::Bool } else { CType::of(out) }
+        }
+
         pub(crate) fn cuda(self, x: &str, t: CType) -> String {
             use UnaryOp::*;
             let ty = t.name();
@@ -543,6 +608,19 @@ mod cuda {
     }
 
     impl BinaryOp {
+        /// (operand type, result type) for operands promoted to `compute`: logical ops in
+        /// bool, arithmetic on bools in integers (as the CPU loops), comparisons give bools.
+        pub(crate) fn compute_types(self, compute: DType) -> (CType, CType) {
+            let t = if self.is_logical() {
+                CType::Bool
+            } else if !self.is_comparison() && compute == DType::Bool {
+                CType::I64
+            } else {
+                CType::of(compute)
+            };
+            (t, if self.is_comparison() || self.is_logical() { CType::Bool } else { t })
+        }
+
         pub(crate) fn cuda(self, a: &str, b: &str, t: CType) -> String {
             use BinaryOp::*;
             let wrap = |op: &str| format!("(long long)((unsigned long long){a} {op} (unsigned long long){b})");

@@ -4,9 +4,11 @@
 //! parameters (`foreach.rs`), with the same results as the per-tensor ops here.
 
 mod foreach;
+mod grad_scaler;
 mod scheduler;
 mod state;
 
+pub use grad_scaler::GradScaler;
 pub use scheduler::{CosineAnnealingLr, LinearWarmup, LrScheduler, StepLr};
 
 use crate::{no_grad, Result, Tensor};

@@ -3,7 +3,8 @@
 //! GradScaler, training runs and bad input.
 
 use crate::common::*;
-use kiln::amp::{self, GradScaler};
+use kiln::amp;
+use kiln::optim::GradScaler;
 use kiln::data::{DataLoader, SyntheticClassification};
 use kiln::nn::{self, functional as F, AttnArgs, Module};
 use kiln::optim::{Adam, AdamConfig, Optimizer, Sgd};

@@ -4,8 +4,8 @@
 
 use super::pointwise::{Map1, Map2};
 use super::{with_storage, CpuStorage, Operand};
-use crate::backend::cuda::codegen::CType;
-use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
+use crate::dtype::CType;
+use crate::kir::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::dtype::Elem;
 use crate::ops::ReduceOp;
 use crate::storage::BackendStorage;

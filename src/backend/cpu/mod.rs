@@ -270,64 +270,6 @@ fn scatter_run<T: Elem, S: Elem>(dst: &mut [T], layout: &Layout, src: &[S]) {
     });
 }
 
-/// Floating-point compute types (f32, f64): the scalar functions pointwise ops are written in.
-pub(crate) trait Real: HostElem + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self>
-    + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> + std::ops::Neg<Output = Self>
-    + std::ops::Rem<Output = Self>
-{
-    fn c(v: f64) -> Self;
-    fn exp(self) -> Self;
-    fn ln(self) -> Self;
-    fn ln_1p(self) -> Self;
-    fn sin(self) -> Self;
-    fn cos(self) -> Self;
-    fn tanh(self) -> Self;
-    fn sqrt(self) -> Self;
-    fn abs(self) -> Self;
-    fn erf(self) -> Self;
-    fn powf(self, e: Self) -> Self;
-    fn is_nan(self) -> bool;
-    fn signum0(self) -> Self;
-    fn exp_m1(self) -> Self;
-    fn tan(self) -> Self;
-    fn floor(self) -> Self;
-    fn ceil(self) -> Self;
-    fn round_ties_even(self) -> Self;
-    fn trunc(self) -> Self;
-    /// Zero with this value's sign.
-    fn copysign0(self) -> Self;
-}
-macro_rules! real {
-    ($t:ty, $erf:path) => {
-        impl Real for $t {
-            #[inline(always)] fn c(v: f64) -> Self { v as $t }
-            #[inline(always)] fn exp(self) -> Self { <$t>::exp(self) }
-            #[inline(always)] fn ln(self) -> Self { <$t>::ln(self) }
-            #[inline(always)] fn ln_1p(self) -> Self { <$t>::ln_1p(self) }
-            #[inline(always)] fn sin(self) -> Self { <$t>::sin(self) }
-            #[inline(always)] fn cos(self) -> Self { <$t>::cos(self) }
-            #[inline(always)] fn tanh(self) -> Self { <$t>::tanh(self) }
-            #[inline(always)] fn sqrt(self) -> Self { <$t>::sqrt(self) }
-            #[inline(always)] fn abs(self) -> Self { <$t>::abs(self) }
-            #[inline(always)] fn erf(self) -> Self { $erf(self) }
-            #[inline(always)] fn powf(self, e: Self) -> Self { <$t>::powf(self, e) }
-            #[inline(always)] fn is_nan(self) -> bool { <$t>::is_nan(self) }
-            // NaN and both zeros give 0, as PyTorch's sign.
-            #[inline(always)] fn signum0(self) -> Self {
-                if self > 0.0 { 1.0 } else if self < 0.0 { -1.0 } else { 0.0 }
-            }
-            #[inline(always)] fn exp_m1(self) -> Self { <$t>::exp_m1(self) }
-            #[inline(always)] fn tan(self) -> Self { <$t>::tan(self) }
-            #[inline(always)] fn floor(self) -> Self { <$t>::floor(self) }
-            #[inline(always)] fn ceil(self) -> Self { <$t>::ceil(self) }
-            #[inline(always)] fn round_ties_even(self) -> Self { <$t>::round_ties_even(self) }
-            #[inline(always)] fn trunc(self) -> Self { <$t>::trunc(self) }
-            #[inline(always)] fn copysign0(self) -> Self { <$t>::copysign(0.0, self) }
-        }
-    };
-}
-real!(f32, libm::erff);
-real!(f64, libm::erf);
 
 /// A contiguous copy of the tensor converted to `dtype`.
 pub(crate) fn cast(x: &Tensor, dtype: DType) -> CpuStorage {

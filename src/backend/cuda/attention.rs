@@ -9,7 +9,8 @@
 //! `Op::Attention`: q, k, v are read through their strides (the head dim contiguous), the
 //! output is contiguous `[L, B, H, D]`.
 
-use super::codegen::{self, CType, PRELUDE};
+use super::codegen::{self, PRELUDE};
+use crate::dtype::CType;
 use super::kernels::{data_ptr, dev_of};
 use super::{CudaStorage, KArgs, KernelKey};
 use crate::ops::AttnDims;

@@ -54,7 +54,7 @@ fn dir() -> Option<PathBuf> {
 }
 
 fn file_of(key: &str) -> Option<PathBuf> {
-    dir().map(|d| d.join(format!("{:016x}.txt", super::nvrtc::fnv64(&[key.as_bytes()]))))
+    dir().map(|d| d.join(format!("{:016x}.txt", crate::hash::fnv64(&[key.as_bytes()]))))
 }
 
 /// Whether timing may run on `dev` now: not while this thread captures a graph, nor while

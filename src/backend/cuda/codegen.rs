@@ -4,46 +4,9 @@
 //! conversions are one PTX instruction each.
 
 use crate::ops::ReduceOp;
+use crate::dtype::CType;
 use crate::DType;
 use std::fmt::Write;
-
-/// The type arithmetic runs in inside a kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum CType {
-    F32,
-    F64,
-    I64,
-    Bool,
-}
-
-impl CType {
-    /// Half types compute in f32, integers in i64, as on the CPU.
-    pub(crate) fn of(d: DType) -> CType {
-        match d {
-            DType::F32 | DType::F16 | DType::BF16 => CType::F32,
-            DType::F64 => CType::F64,
-            DType::I64 | DType::I32 | DType::U8 => CType::I64,
-            DType::Bool => CType::Bool,
-        }
-    }
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            CType::F32 => "float",
-            CType::F64 => "double",
-            CType::I64 => "long long",
-            CType::Bool => "bool",
-        }
-    }
-    /// The storage dtype that holds values of this type exactly.
-    pub(crate) fn dtype(self) -> DType {
-        match self {
-            CType::F32 => DType::F32,
-            CType::F64 => DType::F64,
-            CType::I64 => DType::I64,
-            CType::Bool => DType::Bool,
-        }
-    }
-}
 
 /// The C type elements of `d` are stored as.
 pub(crate) fn storage_type(d: DType) -> &'static str {
@@ -686,7 +649,7 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 /// The name of a `gen_rows` kernel, which says everything its source depends on.
 // Every part of the name is a parameter the source depends on.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
+pub(crate) fn rows_name(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
     format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}{}", kind.name(), short(dtype), if full { "_full" } else { "" }, if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
 }
 
@@ -695,8 +658,8 @@ pub(crate) fn rows_name(kind: crate::nn::functional::RowKind, dtype: DType, thre
 /// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
 /// as PyTorch's kernels keep them. `full`: the threads' values cover the row exactly.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gen_rows(kind: crate::nn::functional::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
-    use crate::nn::functional::RowKind;
+pub(crate) fn gen_rows(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
+    use crate::ops::rows::RowKind;
     let name = rows_name(kind, dtype, threads, vpt, vec, full, weight, bias);
     let t = storage_type(dtype);
     let ld = |e: &str| load(dtype, CType::F32, e);
@@ -810,7 +773,7 @@ mod tests {
     #[test]
     fn rows_covered_exactly_have_no_column_checks() {
         use super::{gen_rows, row_full};
-        use crate::nn::functional::RowKind;
+        use crate::ops::rows::RowKind;
         use crate::DType;
         let (_, exact) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, true, true, true);
         let (_, partial) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, false, true, true);

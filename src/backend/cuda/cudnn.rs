@@ -287,8 +287,8 @@ fn operand(t: &Tensor) -> Result<Tensor> {
     if t.is_contiguous() && kernels::data_ptr(t)? % 16 == 0 {
         return Ok(t.clone());
     }
-    // A fresh block (aligned by the allocator); no autograd or tracing at this level.
-    crate::ops::Op::Cast(t.dtype()).forward(&[t])
+    // A fresh block (aligned by the allocator), contiguous.
+    Ok(Tensor::from_backend(crate::storage::BackendStorage::Cuda(kernels::cast(t, t.dtype())?), t.shape()))
 }
 
 fn pass_name(pass: Pass) -> &'static str {

@@ -12,7 +12,8 @@
 //! values are rounded to their storage type after every op, as each eager op stores its result.
 //! The results are therefore those of the per-tensor path, bit for bit.
 
-use super::codegen::{load, short, storage_type, store, CType, PRELUDE};
+use super::codegen::{load, short, storage_type, store, PRELUDE};
+use crate::dtype::CType;
 use super::kernels::dev_of;
 use super::{CudaDevice, Kernel, KernelKey};
 use crate::{DType, Error, Result, Tensor};

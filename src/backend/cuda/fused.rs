@@ -3,10 +3,11 @@
 //! kernel is emitted here: one block per row, the row's values in registers, block reductions
 //! by warp shuffles, every intermediate computed once and never stored.
 
-use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, CType, PRELUDE, row_full, row_index};
-use super::kernels::{data_ptr, map_launch, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
+use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, PRELUDE, row_full, row_index};
+use crate::dtype::CType;
+use super::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
 use super::{autotune, device, CudaStorage, KArgs, KernelKey};
-use crate::compile::fuse::{FusedKernel, KArg, KKind, KOp, Space};
+use crate::kir::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{Device, Error, Result, Tensor};
@@ -100,6 +101,21 @@ pub(crate) struct FlatCode {
     pub name: String,
 }
 
+/// What this backend derives from a fused kernel and keeps in its memo (`KernelMemo::backend`).
+#[derive(Default)]
+struct CudaMemo {
+    /// A flat kernel's code (body, values, launch parameters).
+    flat_code: std::sync::OnceLock<FlatCode>,
+    /// A row kernel's loaded functions by launch shape.
+    row_launches: RowLaunches,
+    /// A flat kernel's loaded functions by how its operands are walked.
+    flat_launches: MapLaunches,
+}
+
+fn memo(k: &FusedKernel) -> Result<&CudaMemo> {
+    k.memo.backend::<CudaMemo>().ok_or_else(|| Error::Compile(format!("{}: the kernel memo holds another backend's code", k.name)))
+}
+
 fn flat_code(k: &FusedKernel) -> FlatCode {
     let mut body = String::new();
     let mut vals: Vec<(CType, String)> = vec![];
@@ -175,7 +191,8 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
 
 fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
-    let FlatCode { body, vals, params, name } = k.memo.flat_code.get_or_init(|| flat_code(k));
+    let memo = memo(k)?;
+    let FlatCode { body, vals, params, name } = memo.flat_code.get_or_init(|| flat_code(k));
     let mut outs: Vec<Tensor> = Vec::with_capacity(k.outputs.len());
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         outs.push(match into.get(m).cloned().flatten() {
@@ -190,12 +207,12 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
         specs.push(MapOut { ptr: data_ptr(t)?, dtype: k.ops[*o].dtype, result: vals[*o].0, expr: &vals[*o].1, once: k.single[m] });
     }
     let ins: Vec<(&Tensor, CType)> = views.iter().map(|t| (t, CType::of(t.dtype()))).collect();
-    map_launch(dev, name, &ins, &specs, &Layout::contiguous(shape), body, params, Some(&k.memo.flat_launches))?;
+    map_launch(dev, name, &ins, &specs, &Layout::contiguous(shape), body, params, Some(&memo.flat_launches))?;
     Ok(outs)
 }
 
 /// A row kernel's loaded functions by launch shape.
-pub(crate) type RowLaunches = super::Loaded<(RowShape, super::Kernel)>;
+type RowLaunches = super::Loaded<(RowShape, super::Kernel)>;
 
 /// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
 /// the threads' values cover the row exactly).
@@ -556,7 +573,8 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
         let vpt = row_vpt(cols, threads, vec);
         let full = row_full(cols, threads, vpt);
         let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
-        let cached = k.memo.row_launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
+        let launches = &memo(k)?.row_launches;
+        let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
         let kern = match cached {
             Some(f) => f,
             None => {
@@ -570,7 +588,7 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
                     (name.clone(), src)
                 })?;
                 if !super::rehearsal::active() {
-                    k.memo.row_launches.0.lock().push((shape, f));
+                    launches.0.lock().push((shape, f));
                 }
                 f
             }

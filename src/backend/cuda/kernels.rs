@@ -1,7 +1,8 @@
 //! The CUDA twins of the CPU backend's functions: each builds a spec, gets its kernel from the
 //! device cache (generating it on first use) and launches it on the device's stream.
 
-use super::codegen::{self, gen_map, gen_reduce, CType, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
+use crate::dtype::CType;
+use super::codegen::{self, gen_map, gen_reduce, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
 use super::{blas, device, CudaDevice, CudaStorage, KArgs, KernelKey};
 use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
@@ -256,21 +257,14 @@ fn map_new(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, CType)], shape
 
 pub(crate) fn unary(op: UnaryOp, x: &Tensor, out: DType) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
-    let t = if op == UnaryOp::LogicalNot { CType::Bool } else { CType::of(out) };
+    let t = op.compute_type(out);
     map_new(&dev, op.name(), &[(x, t)], x.shape(), out, t, op.cuda("v0", t), &[])
 }
 
 pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, compute: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     let out = op.out_dtype(compute);
-    let t = if op.is_logical() {
-        CType::Bool
-    } else if !op.is_comparison() && compute == DType::Bool {
-        CType::I64 // arithmetic on bools runs in integers, as on the CPU
-    } else {
-        CType::of(compute)
-    };
-    let result = if op.is_comparison() || op.is_logical() { CType::Bool } else { t };
+    let (t, result) = op.compute_types(compute);
     map_new(&dev, op.name(), &[(a, t), (b, t)], a.shape(), out, result, op.cuda("v0", "v1", t), &[])
 }
 
@@ -667,8 +661,6 @@ pub(crate) fn download(x: &Tensor) -> Result<CpuStorage> {
     }))
 }
 
-/// Longest row the fused row kernels take (512 threads × 32 values in registers).
-pub(crate) const MAX_FUSED_ROW: usize = 32 * 512;
 
 /// (threads, values per thread) of a row kernel (eager or compiled) for rows of `k` columns
 /// read `vec` at a time: up to 16 values per thread before adding threads (fewer registers,
@@ -705,7 +697,7 @@ pub(crate) fn row_thread_candidates(k: usize, vec: usize) -> Vec<usize> {
 }
 
 /// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.
-pub(crate) fn rows(kind: crate::nn::functional::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
+pub(crate) fn rows(kind: crate::ops::rows::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
     let k = x.shape()[x.ndim() - 1];
     let m = x.numel() / k;

@@ -21,7 +21,6 @@ pub(crate) mod sdpa;
 pub use alloc::MemoryStats;
 pub use autotune::{autotune_counts, AutotuneCounts};
 pub use nvrtc::{kernel_cache_counts, KernelSource};
-pub(crate) use nvrtc::fnv64;
 pub use rehearsal::kernels_built_ahead;
 pub use sdpa::with_cudnn_attention;
 

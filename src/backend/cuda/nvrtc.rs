@@ -2,25 +2,12 @@
 //! (`KILN_CACHE_DIR`, default `~/.cache/kiln/kernels`) under a hash of the source, the
 //! architecture and the driver and NVRTC versions, so a second process starts warm.
 
+use crate::hash::fnv64;
 use crate::{Device, Error, Result};
 use cudarc::nvrtc::{result as nr, sys as ns};
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// FNV-1a, 64 bits: stable across processes and Rust versions (unlike `DefaultHasher`).
-pub(crate) fn fnv64(parts: &[&[u8]]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for &b in *p {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        h ^= 0xff;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
 
 pub(crate) fn cache_dir() -> Option<PathBuf> {
     if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {

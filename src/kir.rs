@@ -1,0 +1,205 @@
+//! The kernel IR: what a fused kernel computes, between the compiler that builds it
+//! (`compile::fuse`) and the backends that generate and run code for it
+//! (`backend::cuda::fused`, `backend::cpu::fused`). Nothing here says how a backend caches
+//! its code: each keeps that in the kernel's memo slot or keyed by `FusedKernel::signature`.
+//!
+//! Values are indexed linearly: a pointwise value at element i, a row value at row i / cols.
+
+use crate::dtype::CType;
+use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+use crate::{DType, Device};
+use std::any::Any;
+use std::fmt::Write;
+use std::sync::OnceLock;
+
+/// A graph node (`compile::graph::NodeId`): where a kernel's inputs come from and its outputs go.
+pub(crate) type NodeId = usize;
+
+/// Longest row a row kernel (eager or fused) keeps in registers: 512 threads × 32 values.
+pub(crate) const MAX_ROW: usize = 32 * 512;
+
+/// How a fused kernel walks its values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Space {
+    /// Every value has `numel` elements.
+    Flat { numel: usize },
+    /// Full values have rows × cols elements, row values one per row.
+    Rows { rows: usize, cols: usize },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum KArg {
+    In(usize),
+    Op(usize),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum KKind {
+    Unary(UnaryOp),
+    Binary(BinaryOp, DType),
+    Where,
+    Cast,
+    Const(f64),
+    Reduce(ReduceOp),
+    /// A row value seen by every element of its row.
+    Broadcast,
+    /// A reshape: the same elements in the same linear order.
+    Same,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct KOp {
+    pub kind: KKind,
+    pub args: Vec<KArg>,
+    pub dtype: DType,
+    /// One value per row (in a `Rows` kernel).
+    pub row: bool,
+}
+
+impl KOp {
+    /// The type the op computes in: a unary op's rule (`UnaryOp::compute_type`), else its
+    /// dtype's.
+    pub(crate) fn unary_type(&self) -> CType {
+        match self.kind {
+            KKind::Unary(u) => u.compute_type(self.dtype),
+            _ => CType::of(self.dtype),
+        }
+    }
+    /// (operand type, result type) of a binary op (`BinaryOp::compute_types`).
+    pub(crate) fn binary_types(&self) -> (CType, CType) {
+        let KKind::Binary(b, compute) = self.kind else { unreachable!("not a binary op") };
+        b.compute_types(compute)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct KInput {
+    pub node: NodeId,
+    pub dtype: DType,
+    pub row: bool,
+}
+
+/// One generated kernel: its inputs (stored values), ops in order, and which ops it stores.
+#[derive(Clone, Debug)]
+pub(crate) struct FusedKernel {
+    pub name: String,
+    pub device: Device,
+    pub space: Space,
+    /// The iteration shape of a flat kernel (its last op's shape).
+    pub shape: Vec<usize>,
+    pub inputs: Vec<KInput>,
+    pub ops: Vec<KOp>,
+    /// (op index, graph node it produces)
+    pub outputs: Vec<(usize, NodeId)>,
+    /// Per output: one element computed beside a larger flat space (an optimiser's step count
+    /// next to a parameter's update), stored once rather than at every element.
+    pub single: Vec<bool>,
+    /// What is derived from the kernel once and reused at every launch.
+    pub memo: KernelMemo,
+}
+
+/// What is derived from a kernel once, so that later launches neither rebuild nor re-hash it
+/// (the host time of a compiled call is mostly per-launch work): its text forms, and a slot
+/// the backend that runs it fills with what it derives (code, loaded functions), opaque here.
+/// A clone starts empty.
+#[derive(Default)]
+pub(crate) struct KernelMemo {
+    describe: OnceLock<String>,
+    signature: OnceLock<String>,
+    backend: OnceLock<Box<dyn Any + Send + Sync>>,
+}
+
+impl Clone for KernelMemo {
+    fn clone(&self) -> Self {
+        KernelMemo::default()
+    }
+}
+
+impl std::fmt::Debug for KernelMemo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.backend.get().is_some() { "memo(backend)" } else { "memo" })
+    }
+}
+
+impl KernelMemo {
+    /// The backend's memo of type `T`, made on first use; None where another type holds the
+    /// slot (a kernel runs on one backend, so that is never expected).
+    pub(crate) fn backend<T: Default + Send + Sync + 'static>(&self) -> Option<&T> {
+        self.backend.get_or_init(|| Box::<T>::default()).downcast_ref()
+    }
+}
+
+impl FusedKernel {
+    /// A text form of what it computes (for `KILN_LOG=fusion` and as a cache key).
+    pub(crate) fn describe(&self) -> &str {
+        self.memo.describe.get_or_init(|| self.describe_now())
+    }
+
+    /// What a row kernel's code depends on (its constants included), graph positions and sizes
+    /// left out: kernels of one signature (the residual add and layer norm of every layer of
+    /// a transformer, in one graph or several) share one compiled kernel.
+    pub(crate) fn signature(&self) -> &str {
+        self.memo.signature.get_or_init(|| {
+            let mut s = match self.space {
+                Space::Flat { .. } => "flat:".to_string(),
+                Space::Rows { .. } => "rows:".to_string(),
+            };
+            for i in &self.inputs {
+                let _ = write!(s, " {:?}{}", i.dtype, if i.row { "(row)" } else { "" });
+            }
+            // Views (`Same`) are left out, their readers reading what they view: a reshape
+            // that sits elsewhere in the kernel (before a product's output is normalised, or
+            // after) computes the same code.
+            let mut seen: Vec<KArg> = Vec::with_capacity(self.ops.len());
+            // Whether each op written so far is a row value.
+            let mut kept_rows: Vec<bool> = vec![];
+            let arg = |a: &KArg, seen: &[KArg]| match a {
+                KArg::In(j) => KArg::In(*j),
+                KArg::Op(j) => seen[*j],
+            };
+            for o in &self.ops {
+                if o.kind == KKind::Same {
+                    let viewed = arg(&o.args[0], &seen);
+                    let row = match viewed {
+                        KArg::In(j) => self.inputs[j].row,
+                        KArg::Op(j) => kept_rows[j],
+                    };
+                    if row == o.row {
+                        seen.push(viewed);
+                        continue;
+                    }
+                }
+                let args: Vec<KArg> = o.args.iter().map(|a| arg(a, &seen)).collect();
+                let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, args, o.dtype, if o.row { "(row)" } else { "" });
+                seen.push(KArg::Op(kept_rows.len()));
+                kept_rows.push(o.row);
+            }
+            for (o, _) in &self.outputs {
+                let _ = write!(s, " | <-{:?}", seen[*o]);
+            }
+            s
+        })
+    }
+
+    /// The name its generated code goes by: `fused_<ops>_<hash of what the code depends on>`,
+    /// one name per compiled kernel however many graph positions share it.
+    pub(crate) fn code_name(&self, code: &str) -> String {
+        // `name` is `fused_<ops>_<counter>`: the counter gives way to the hash.
+        let ops = self.name.rsplit_once('_').map_or(self.name.as_str(), |(ops, _)| ops);
+        format!("{ops}_{:04x}", crate::hash::fnv64(&[code.as_bytes()]) & 0xffff)
+    }
+
+    pub(crate) fn describe_now(&self) -> String {
+        let mut s = format!("{} {:?}:", self.name, self.space);
+        for (k, i) in self.inputs.iter().enumerate() {
+            let _ = write!(s, " in{k}=%{}{}", i.node, if i.row { "(row)" } else { "" });
+        }
+        for (k, o) in self.ops.iter().enumerate() {
+            let _ = write!(s, " | t{k}={:?}{:?}:{:?}{}", o.kind, o.args, o.dtype, if o.row { "(row)" } else { "" });
+        }
+        for (o, n) in &self.outputs {
+            let _ = write!(s, " | %{n}<-t{o}");
+        }
+        s
+    }
+}
