@@ -1,6 +1,6 @@
 //! The kernel IR: what a fused kernel computes, between the compiler that builds it
 //! (`compile::fuse`) and the backends that generate and run code for it
-//! (`backend::cuda::fused`, `backend::cpu::fused`). Nothing here says how a backend caches
+//! (`backend::cuda::kernels::fused`, `backend::cpu::fused`). Nothing here says how a backend caches
 //! its code: each keeps that in the kernel's memo slot or keyed by `FusedKernel::signature`.
 //!
 //! Values are indexed linearly: a pointwise value at element i, a row value at row i / cols.

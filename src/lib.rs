@@ -20,7 +20,7 @@ pub(crate) mod backend;
 pub mod custom;
 pub mod data;
 pub mod demo;
-pub use backend::cuda;
+pub mod cuda;
 mod device;
 mod dtype;
 mod error;

@@ -5,7 +5,7 @@
 use super::fuse::{self, Schedule, Step};
 use crate::logging::Category;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
-use crate::backend::cuda::graph::Footprint;
+use crate::backend::cuda::device::graph::Footprint;
 use crate::layout::Layout;
 use crate::{Result, Tensor};
 
@@ -75,7 +75,7 @@ enum Pass {
     /// nothing).
     HoistedOnly,
     /// Every step's host side with the device left alone, nothing kept or written back: the
-    /// kernels it asks for are built before the first run (`cuda::rehearsal`).
+    /// kernels it asks for are built before the first run (`cuda::tuning::rehearsal`).
     Rehearsal,
 }
 
@@ -311,7 +311,7 @@ impl Program {
         crate::no_grad(|| {
             // The first run on a GPU: its kernels are built side by side first.
             if !self.rehearsed.swap(true, std::sync::atomic::Ordering::Relaxed) && self.graph.nodes.iter().any(|n| n.device.is_cuda()) {
-                crate::backend::cuda::rehearsal::rehearse(|| self.run_steps_of(inputs, Pass::Rehearsal).map(drop));
+                crate::backend::cuda::tuning::rehearsal::rehearse(|| self.run_steps_of(inputs, Pass::Rehearsal).map(drop));
             }
             self.run_steps(inputs)
         })
@@ -389,7 +389,7 @@ impl Program {
                                 (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
                             })
                             .collect();
-                        crate::backend::cuda::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
+                        crate::backend::cuda::kernels::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
                     } else {
                         let _rec = crate::profiler::record::cpu_kernel(&kern.name);
                         crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
@@ -406,7 +406,7 @@ impl Program {
             if pass == Pass::Full {
                 // While a CUDA graph is captured: what this step touched, so that it waits at
                 // replay only for the steps it conflicts with.
-                crate::backend::cuda::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted));
+                crate::backend::cuda::device::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted));
             }
             if hoisted_only {
                 continue;
@@ -423,7 +423,7 @@ impl Program {
             write_back(g, inputs, &env)?;
         }
         if pass == Pass::Full {
-            crate::backend::cuda::graph::end_step(|| Footprint::barrier("write-back"));
+            crate::backend::cuda::device::graph::end_step(|| Footprint::barrier("write-back"));
         }
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())
     }

@@ -361,7 +361,7 @@ impl CustomOp {
         match inputs[0].device() {
             Device::Cpu => cpu::run(self.name(), self.0.cpu.as_ref().expect("checked by meta"), &xs, &shape, dtype),
             Device::Cuda(_) => {
-                let out = crate::backend::cuda::custom::empty(xs[0], &shape, dtype)?;
+                let out = crate::backend::cuda::kernels::custom::empty(xs[0], &shape, dtype)?;
                 self.launch_cuda(&xs, &out)?;
                 Ok(out)
             }
@@ -371,8 +371,8 @@ impl CustomOp {
     fn launch_cuda(&self, xs: &[&Tensor], out: &Tensor) -> Result<()> {
         let (source, name) = self.0.cuda.as_ref().expect("checked by meta");
         let spec = (self.0.launch.as_ref().expect("checked by build"))(xs);
-        let k = crate::backend::cuda::custom::UserKernel { op: self.name(), source, name };
-        crate::backend::cuda::custom::launch(&k, xs, out, &spec)
+        let k = crate::backend::cuda::kernels::custom::UserKernel { op: self.name(), source, name };
+        crate::backend::cuda::kernels::custom::launch(&k, xs, out, &spec)
     }
 
     /// The input gradients from the user's backward, checked against the inputs (the eager

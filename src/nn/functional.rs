@@ -206,7 +206,7 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
             crate::Device::Cpu => false,
             crate::Device::Cuda(_) => {
                 let (l, b, h, s) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[0]);
-                crate::backend::cuda::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) && crate::backend::cuda::attention::fused_is_faster(q, k, v)
+                crate::backend::cuda::kernels::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) && crate::backend::cuda::kernels::attention::fused_is_faster(q, k, v)
             }
         };
     if fused {

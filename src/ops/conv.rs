@@ -1,6 +1,6 @@
 //! Convolution primitives: `Op::Conv2d` and the two products its gradient needs,
 //! `Op::Conv2dGradInput` and `Op::Conv2dGradWeight`. On CUDA (F32, F16, BF16) each is one cuDNN
-//! call (`backend::cuda::cudnn`). Everywhere else — the CPU, F64 on CUDA, a CUDA machine without
+//! call (`backend::cuda::libs::cudnn`). Everywhere else — the CPU, F64 on CUDA, a CUDA machine without
 //! cuDNN — each is defined here with other primitives: padding and one index_select gather the
 //! windows (im2col) and one matmul applies the kernel; the gradients are the same products
 //! transposed, plus one scatter-add (col2im) for the input.

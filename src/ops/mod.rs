@@ -285,13 +285,13 @@ impl Op {
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
             Op::Attention { scale, causal } => {
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
-                run!(cpu::attention::attention(x, xs[1], xs[2], xs.get(3).copied(), *scale, *causal), cuda::attention::attention(&q, &k, &v, xs.get(3).copied(), *scale, *causal))
+                run!(cpu::attention::attention(x, xs[1], xs[2], xs.get(3).copied(), *scale, *causal), cuda::kernels::attention::attention(&q, &k, &v, xs.get(3).copied(), *scale, *causal))
             }
             Op::AttentionBackward { scale, causal } => {
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
                 let (out, g) = (xs[3].contiguous()?, xs[4].contiguous()?);
                 let mask = xs.get(5).copied();
-                run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
+                run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
             Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),

@@ -543,7 +543,7 @@ fn floor_div<F: Real>(a: F, b: F) -> F {
 }
 
 /// The CUDA C expression of each op, over variables of compute type `t` (the generator in
-/// backend::cuda::codegen declares them). One table per op kind, beside the scalar functions
+/// backend::cuda::kernels::codegen declares them). One table per op kind, beside the scalar functions
 /// above, so an op's semantics stay in this file.
 mod cuda {
     use super::{BinaryOp, UnaryOp};

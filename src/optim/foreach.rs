@@ -9,7 +9,7 @@
 //! function being traced always takes the per-tensor path, which the compiler records.
 
 use super::{AdamCore, AdamState, Sgd};
-use crate::backend::cuda::foreach::{launch, supports, Rule};
+use crate::backend::cuda::kernels::foreach::{launch, supports, Rule};
 use crate::{DType, Device, Result, Tensor};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -80,7 +80,7 @@ pub(super) fn sgd(o: &mut Sgd) -> Result<Vec<bool>> {
         if first {
             for &k in &members {
                 let p = &o.params[items[k].0];
-                new_bufs.push(crate::backend::cuda::custom::empty(p, p.shape(), p.dtype())?);
+                new_bufs.push(crate::backend::cuda::kernels::custom::empty(p, p.shape(), p.dtype())?);
             }
         }
         let entries: Vec<Vec<&Tensor>> = members

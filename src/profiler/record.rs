@@ -216,7 +216,7 @@ fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name
 /// Hook: a generated kernel launched on the device's stream.
 #[inline]
 pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32), block: (u32, u32, u32)) -> Span {
-    crate::backend::cuda::graph::note_captured(|| name.to_string());
+    crate::backend::cuda::device::graph::note_captured(|| name.to_string());
     if !active() {
         return Span::OFF;
     }
@@ -232,7 +232,7 @@ pub(crate) fn kernel(dev: &CudaDevice, name: &'static str, grid: (u32, u32, u32)
 #[inline]
 pub(crate) fn blas(dev: &CudaDevice, dtype: DType, epilogue: &str) -> Span {
     let name = || format!("cublas_gemm{epilogue}_{}", dtype.torch_name());
-    crate::backend::cuda::graph::note_captured(name);
+    crate::backend::cuda::device::graph::note_captured(name);
     if !active() {
         return Span::OFF;
     }
@@ -243,7 +243,7 @@ pub(crate) fn blas(dev: &CudaDevice, dtype: DType, epilogue: &str) -> Span {
 #[inline]
 pub(crate) fn cudnn(dev: &CudaDevice, what: &str, dtype: DType) -> Span {
     let name = || format!("cudnn_{what}_{}", dtype.torch_name());
-    crate::backend::cuda::graph::note_captured(name);
+    crate::backend::cuda::device::graph::note_captured(name);
     if !active() {
         return Span::OFF;
     }

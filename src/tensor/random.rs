@@ -24,7 +24,7 @@ pub(crate) fn reserve(blocks: u64) -> (u64, u64) {
     let mut g = GENERATOR.lock();
     let start = g.offset;
     // A rehearsal draws nothing: the real run after it gets the numbers it would have had.
-    if !crate::backend::cuda::rehearsal::active() {
+    if !crate::backend::cuda::tuning::rehearsal::active() {
         g.offset += blocks;
     }
     (g.seed, start)

@@ -8,7 +8,7 @@
 //! captured; captured calls that use it stay in order in the graph, the others may run beside
 //! each other.
 
-use super::{autotune, CudaDevice, CudaStorage};
+use crate::backend::cuda::{tuning::autotune, CudaDevice, CudaStorage};
 use crate::layout::Layout;
 use crate::logging::{log, Category};
 use crate::{DType, Result, Tensor};
@@ -172,7 +172,7 @@ fn bias_vector(t: &Tensor, n: usize) -> Result<Option<Tensor>> {
     }
     let s = t.strides()[nd - 1];
     let v = t.view_as_layout(Layout { shape: vec![n], strides: vec![s], offset: t.storage_offset() });
-    if (s == 1 || n == 1) && super::kernels::data_ptr(&v)? % 16 == 0 {
+    if (s == 1 || n == 1) && crate::backend::cuda::kernels::data_ptr(&v)? % 16 == 0 {
         Ok(Some(v))
     } else {
         Ok(Some(v.copy_contiguous()?))
@@ -199,11 +199,11 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         },
     };
     let out = CudaStorage::new(dev, dtype, bsz * m * n)?;
-    if out.len == 0 || super::rehearsal::active() {
+    if out.len == 0 || crate::backend::cuda::tuning::rehearsal::active() {
         return Ok(Some(out));
     }
     if k == 0 {
-        super::kernels::zero_fill(dev, &out)?;
+        crate::backend::cuda::kernels::zero_fill(dev, &out)?;
         return Ok(Some(out));
     }
     // Operands the libraries cannot read in place are copied to contiguous first.
@@ -212,8 +212,8 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
     let b = if fit(b, k, n).is_some() { b.clone() } else { b.copy_contiguous()? };
     let (ta, lda) = fit(&a, m, k).expect("contiguous fits");
     let (tb, ldb) = fit(&b, k, n).expect("contiguous fits");
-    let (pa, pb) = (super::kernels::data_ptr(&a)?, super::kernels::data_ptr(&b)?);
-    let pbias = bias.as_ref().map(|(v, _)| super::kernels::data_ptr(v)).transpose()?.unwrap_or(0);
+    let (pa, pb) = (crate::backend::cuda::kernels::data_ptr(&a)?, crate::backend::cuda::kernels::data_ptr(&b)?);
+    let pbias = bias.as_ref().map(|(v, _)| crate::backend::cuda::kernels::data_ptr(v)).transpose()?.unwrap_or(0);
     let epilogue = match &bias {
         None => Epilogue::None,
         Some((_, false)) => Epilogue::Bias,
@@ -222,7 +222,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
     let batch_stride = |t: &Tensor| if bsz > 1 { t.strides()[0] as i64 } else { 0 };
     let p = Problem {
         dtype,
-        tf32: dtype == DType::F32 && super::allow_tf32(),
+        tf32: dtype == DType::F32 && crate::backend::cuda::allow_tf32(),
         batch: bsz,
         m,
         n,
@@ -279,7 +279,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
             // replaying and calling at once; gone with a workspace per call).
             // SAFETY: live handle and descriptors.
             // (All of it when cuBLASLt does not say how much.)
-            let own_ws = match super::graph::capturing().map(|_| unsafe { workspace_of(lt, &planned.descs, &algo) }.unwrap_or(WORKSPACE)) {
+            let own_ws = match crate::backend::cuda::device::graph::capturing().map(|_| unsafe { workspace_of(lt, &planned.descs, &algo) }.unwrap_or(WORKSPACE)) {
                 Some(bytes) if bytes > 0 => Some(CudaStorage::new(dev, DType::U8, bytes)?),
                 _ => None,
             };
@@ -302,7 +302,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
         return Ok(None);
     }
     let handle = h.blas(dev)?;
-    super::graph::note_shared_scratch();
+    crate::backend::cuda::device::graph::note_shared_scratch();
     // SAFETY: as above.
     unsafe { cublas_run(dev, handle, &p, &call)? };
     Ok(Some(out))

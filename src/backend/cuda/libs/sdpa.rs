@@ -20,9 +20,9 @@
 //! kept in the device's cuDNN state; each call queues it on the thread's work stream with a
 //! workspace from the caching allocator.
 
-use super::cudnn::{self, State};
-use super::kernels::data_ptr;
-use super::{CudaDevice, CudaStorage};
+use crate::backend::cuda::libs::cudnn::{self, State};
+use crate::backend::cuda::kernels::data_ptr;
+use crate::backend::cuda::{CudaDevice, CudaStorage};
 use crate::ops::AttnDims;
 use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::sys as cs;
@@ -94,12 +94,12 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, c
         return Ok(false);
     }
     for t in [q, k, v] {
-        if !super::attention::rows_aligned(t, 8)? {
+        if !crate::backend::cuda::kernels::attention::rows_aligned(t, 8)? {
             return Ok(false);
         }
     }
     match mask {
-        Some(m) => Ok(bias_layout(m).is_some() && super::attention::rows_aligned(m, 8)?),
+        Some(m) => Ok(bias_layout(m).is_some() && crate::backend::cuda::kernels::attention::rows_aligned(m, 8)?),
         None => Ok(true),
     }
 }
@@ -659,7 +659,7 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Optio
         let found = if a.causal || a.mask.is_some() { first_plan(st, [key(Pass::MaskedForward)]) } else { first_plan(st, [key(Pass::Forward { stats: true }), key(Pass::Forward { stats: false })]) };
         let Some(key) = found else { return Ok(None) };
         let stats = if key.pass != (Pass::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
-        if super::rehearsal::active() {
+        if crate::backend::cuda::tuning::rehearsal::active() {
             return Ok(Some(stats));
         }
         let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
@@ -679,7 +679,7 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Optio
 /// rows' log-sum-exps (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or `out` has
 /// no log-sum-exps), nothing was queued.
 pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor, packed: &CudaStorage) -> Result<bool> {
-    let (Some(lse), op, gp) = (super::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
+    let (Some(lse), op, gp) = (crate::backend::cuda::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
     let n = a.n;
     // Before 9.15.1 the backward of key counts off a multiple of 128 needs a padding mask in
     // the graph (what cudnn-frontend adds); those run on kiln's kernels there.
@@ -698,7 +698,7 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
         // cuDNN 9.6 on it clears them itself).
         let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;
         let dq_sum = CudaStorage::new(dev, DType::F32, nq)?;
-        if super::rehearsal::active() {
+        if crate::backend::cuda::tuning::rehearsal::active() {
             return Ok(true);
         }
         let mut ptrs = vec![

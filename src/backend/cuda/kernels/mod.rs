@@ -1,9 +1,17 @@
 //! The CUDA twins of the CPU backend's functions: each builds a spec, gets its kernel from the
-//! device cache (generating it on first use) and launches it on the device's stream.
+//! device cache (generating it on first use) and launches it on the device's stream. The
+//! generators: `codegen` (eager maps, reductions, rows), `fused` (the compiler's kernels),
+//! `foreach` (multi-tensor optimiser updates), `attention`, `custom` (users' kernels).
+
+pub(crate) mod attention;
+pub(crate) mod codegen;
+pub(crate) mod custom;
+pub(crate) mod foreach;
+pub(crate) mod fused;
 
 use crate::dtype::CType;
-use super::codegen::{self, gen_map, gen_reduce, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
-use super::{blas, device, CudaDevice, CudaStorage, KArgs, KernelKey};
+use codegen::{gen_map, gen_reduce, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
+use crate::backend::cuda::{libs::blas, device, CudaDevice, CudaStorage, KArgs, KernelKey};
 use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
@@ -137,7 +145,7 @@ impl MapWalk {
 
 /// A compiled kernel's loaded map functions by operand walk (its code never changes), with
 /// where their arguments sit.
-pub(crate) type MapLaunches = super::Loaded<(MapWalk, super::Kernel, codegen::MapWords)>;
+pub(crate) type MapLaunches = crate::backend::cuda::Loaded<(MapWalk, crate::backend::cuda::Kernel, codegen::MapWords)>;
 
 /// Runs a map kernel over `inputs` (each already of the iteration shape `out_layout.shape`):
 /// `body` then each output's expression, per element. Outputs are laid out by `out_layout`
@@ -234,7 +242,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let key = KernelKey::Map(spec.clone());
     let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
     // (A rehearsal's function is a placeholder: the real one is loaded on the first run.)
-    if let Some(m) = memo.filter(|_| !super::rehearsal::active()) {
+    if let Some(m) = memo.filter(|_| !crate::backend::cuda::tuning::rehearsal::active()) {
         m.0.lock().push((MapWalk { out_class, inputs: classes[nout..].to_vec(), ndim, vec, idx64 }, k, words));
     }
     dev.launch(k, (grid, 1, 1), (codegen::MAP_THREADS, 1, 1), &a)
@@ -296,7 +304,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     if dst.is_contiguous() && src.is_contiguous() && dst.dtype() == src.dtype() {
         // A plain device-to-device copy: the copy engine's roofline, no kernel.
         let bytes = dst.numel() * dst.dtype().size_in_bytes();
-        if bytes > 0 && !super::rehearsal::active() {
+        if bytes > 0 && !crate::backend::cuda::tuning::rehearsal::active() {
             let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToDevice, bytes);
             // SAFETY: both ranges hold `bytes` and do not overlap (aliasing values were copied
             // first by the caller); ordered on the device's stream.
@@ -310,7 +318,7 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
     let bytes = s.len * s.dtype.size_in_bytes();
-    if bytes == 0 || super::rehearsal::active() {
+    if bytes == 0 || crate::backend::cuda::tuning::rehearsal::active() {
         return Ok(());
     }
     let _rec = profiler::memset(dev, bytes);
@@ -319,7 +327,7 @@ pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
 }
 
 pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {
-    let dev = super::device(device)?;
+    let dev = crate::backend::cuda::device(device)?;
     if value == 0.0 {
         let s = CudaStorage::new(&dev, dtype, numel(shape))?;
         zero_fill(&dev, &s)?;
@@ -338,7 +346,7 @@ pub(crate) enum Dist {
 }
 
 pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist, seed: u64, first: u64) -> Result<CudaStorage> {
-    let dev = super::device(device)?;
+    let dev = crate::backend::cuda::device(device)?;
     let (expr, result, params) = match dist {
         Dist::Uniform { bits } => (format!("kuniform(P(0), P(1) + (u64)i, {bits})"), CType::F64, vec![seed, first]),
         Dist::Normal => ("knormal(P(0), P(1) + (u64)i)".to_string(), CType::F64, vec![seed, first]),
@@ -467,7 +475,7 @@ fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: us
 
 /// The argument words a kernel needs to report a bad index for `op`.
 fn index_error_words(dev: &CudaDevice, op: &str) -> Result<(u64, u64)> {
-    let code = super::INDEX_OPS.iter().position(|&o| o == op).expect("a known index op") as u64 + 1;
+    let code = crate::backend::cuda::INDEX_OPS.iter().position(|&o| o == op).expect("a known index op") as u64 + 1;
     Ok((dev.error_word()?, code))
 }
 
@@ -602,7 +610,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
 
 /// Host → device: a contiguous copy of the CPU tensor's elements.
 pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
-    let dev = super::device(device)?;
+    let dev = crate::backend::cuda::device(device)?;
     let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
     if out.len == 0 {
         return Ok(out);
@@ -619,7 +627,7 @@ pub(crate) fn upload(device: usize, x: &Tensor) -> Result<CudaStorage> {
 /// Host → device without waiting: from the tensor's own memory when it is pinned and
 /// contiguous, else through a pinned staging copy.
 pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
-    let dev = super::device(device)?;
+    let dev = crate::backend::cuda::device(device)?;
     let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
     let bytes = x.numel() * x.dtype().size_in_bytes();
     if bytes == 0 {
@@ -629,7 +637,7 @@ pub(crate) fn upload_async(device: usize, x: &Tensor) -> Result<CudaStorage> {
         let src = crate::backend::cpu::host_ptr(x);
         dev.upload_async(out.ptr(), src, bytes, Box::new(x.clone()))?;
     } else {
-        let stage = super::PinnedBuffer::new(&dev, bytes)?;
+        let stage = crate::backend::cuda::PinnedBuffer::new(&dev, bytes)?;
         with_dtype!(x.dtype(), T => {
             let host = crate::backend::cpu::to_vec_as::<T>(x);
             // SAFETY: `stage` holds `bytes` = host.len() * size_of::<T>() bytes.

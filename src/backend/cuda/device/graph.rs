@@ -8,8 +8,8 @@
 //! (`step_dependencies`), so independent steps — a gradient's bias sum beside the next
 //! product, the updates of different parameters — run side by side at each replay.
 
-use super::alloc::Block;
-use super::{CudaDevice, ErrorWord};
+use crate::backend::cuda::device::alloc::Block;
+use crate::backend::cuda::{CudaDevice, ErrorWord};
 use crate::{Error, Result};
 use cudarc::driver::sys as ds;
 use std::sync::Arc;
@@ -55,7 +55,7 @@ pub(crate) fn note_alloc(ptr: u64, bytes: usize) {
 /// `footprint` (built only while capturing) says what it reads and writes.
 pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
     let Some(ord) = capturing() else { return };
-    let Ok(dev) = super::device(ord) else { return };
+    let Ok(dev) = crate::backend::cuda::device(ord) else { return };
     let mut fp = footprint();
     let ends = capture_ends(&dev);
     STEPS.with(|s| {
@@ -244,7 +244,7 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let word = dev.new_error_word()?;
     CAPTURE_WORD.with(|w| *w.borrow_mut() = Some(word.clone()));
     *dev.capture.lock() = Some(CapturePool::default());
-    let launches = super::launch_count();
+    let launches = crate::backend::cuda::launch_count();
     let cs = &dev.capture_stream;
     let begun = cs.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(|e| dev.err("begin capture", e));
     CAPTURED.with(|c| c.borrow_mut().clear());
@@ -259,7 +259,7 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
     let ended = end_capture(dev, steps, r.is_ok());
     let pool = dev.capture.lock().take().unwrap_or_default();
-    let kernels = super::launch_count() - launches;
+    let kernels = crate::backend::cuda::launch_count() - launches;
     let e = match (r, ended) {
         (Ok(value), Ok((graph, exec))) => return Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value)),
         (Err(e), _) => e,
@@ -386,8 +386,8 @@ impl Graph {
         // SAFETY: a live instantiated graph; its buffers belong to it or to tensors it keeps.
         unsafe { cudarc::driver::result::graph::launch(self.exec, self.dev.stream.cu_stream()) }
             .map_err(|e| self.dev.err("graph launch", e))?;
-        super::note_replayed_word(self.dev.ordinal, &self.word);
-        super::count_launches(self.kernels);
+        crate::backend::cuda::note_replayed_word(self.dev.ordinal, &self.word);
+        crate::backend::cuda::count_launches(self.kernels);
         Ok(())
     }
 }

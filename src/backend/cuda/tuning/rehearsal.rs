@@ -7,7 +7,7 @@
 //! real run that follows finds them loaded. Sources depend only on shapes, dtypes, strides
 //! and alignments, which the rehearsal computes exactly as the real run does.
 
-use super::{nvrtc, CudaDevice, Kernel, KernelKey};
+use crate::backend::cuda::{device::nvrtc, CudaDevice, Kernel, KernelKey};
 use crate::logging::{log, Category};
 use crate::Result;
 use rayon::prelude::*;
@@ -49,7 +49,7 @@ pub(crate) fn wanted(key: &KernelKey) -> bool {
 
 /// Notes a kernel the rehearsal would load (the caller checked `wanted` first).
 pub(crate) fn want(dev: &CudaDevice, key: KernelKey, name: String, src: String, options: &[String]) -> Result<Kernel> {
-    let dev = super::device(dev.ordinal)?;
+    let dev = crate::backend::cuda::device(dev.ordinal)?;
     WANTED.with(|w| w.borrow_mut().push(Wanted { dev, key, name, src, options: options.to_vec() }));
     Ok(Kernel::REHEARSED)
 }
@@ -67,7 +67,7 @@ impl Drop for Active {
 /// happens), and so does a kernel that fails to compile (the real run compiles it again and
 /// reports the error at its launch).
 pub(crate) fn rehearse(f: impl FnOnce() -> Result<()>) {
-    if active() || super::graph::capturing().is_some() {
+    if active() || crate::backend::cuda::device::graph::capturing().is_some() {
         return;
     }
     WANTED.with(|w| w.borrow_mut().clear());

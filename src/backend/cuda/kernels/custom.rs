@@ -3,8 +3,8 @@
 //! and launched on the device's stream through `CudaDevice::launch_params` (so the profiler and
 //! `launch_count` see them).
 
-use super::kernels::{data_ptr, dev_of};
-use super::{CudaDevice, CudaStorage, Kernel, KernelKey};
+use crate::backend::cuda::kernels::{data_ptr, dev_of};
+use crate::backend::cuda::{CudaDevice, CudaStorage, Kernel, KernelKey};
 use crate::custom::{KernelArg, LaunchSpec};
 use crate::layout::Layout;
 use crate::storage::Storage;

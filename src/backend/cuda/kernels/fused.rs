@@ -3,10 +3,10 @@
 //! kernel is emitted here: one block per row, the row's values in registers, block reductions
 //! by warp shuffles, every intermediate computed once and never stored.
 
-use super::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, PRELUDE, row_full, row_index};
+use crate::backend::cuda::kernels::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, PRELUDE, row_full, row_index};
 use crate::dtype::CType;
-use super::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
-use super::{autotune, device, CudaStorage, KArgs, KernelKey};
+use crate::backend::cuda::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
+use crate::backend::cuda::{tuning::autotune, device, CudaStorage, KArgs, KernelKey};
 use crate::kir::{FusedKernel, KArg, KKind, KOp, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
@@ -28,7 +28,7 @@ fn lower(op: &KOp, args: &[(CType, String)]) -> (CType, String) {
         }
         KKind::Where => (out, format!("({} ? {} : {})", arg(0, CType::Bool), arg(1, out), arg(2, out))),
         // A cast rounds to its dtype (an f16 in the middle of a kernel holds f16 values).
-        KKind::Cast => (out, load(op.dtype, out, &super::codegen::store(op.dtype, args[0].0, &args[0].1))),
+        KKind::Cast => (out, load(op.dtype, out, &crate::backend::cuda::kernels::codegen::store(op.dtype, args[0].0, &args[0].1))),
         KKind::Const(v) => (out, literal(*v, out)),
         KKind::Same | KKind::Broadcast => args[0].clone(),
         KKind::Reduce(_) => unreachable!("reductions are emitted by the row generator"),
@@ -75,7 +75,7 @@ pub(crate) fn view_as(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
     }
 }
 
-fn new_outputs(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, numel_of: impl Fn(&KOp) -> usize) -> Result<Vec<CudaStorage>> {
+fn new_outputs(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, numel_of: impl Fn(&KOp) -> usize) -> Result<Vec<CudaStorage>> {
     k.outputs.iter().map(|(o, _)| CudaStorage::new(dev, k.ops[*o].dtype, numel_of(&k.ops[*o]))).collect()
 }
 
@@ -189,7 +189,7 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
     FlatCode { body, vals, params, name }
 }
 
-fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+fn run_flat(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let views = inputs.iter().map(|t| view_as(t, shape)).collect::<Result<Vec<_>>>()?;
     let memo = memo(k)?;
     let FlatCode { body, vals, params, name } = memo.flat_code.get_or_init(|| flat_code(k));
@@ -212,7 +212,7 @@ fn run_flat(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, shape: &[u
 }
 
 /// A row kernel's loaded functions by launch shape.
-type RowLaunches = super::Loaded<(RowShape, super::Kernel)>;
+type RowLaunches = crate::backend::cuda::Loaded<(RowShape, crate::backend::cuda::Kernel)>;
 
 /// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
 /// the threads' values cover the row exactly).
@@ -512,7 +512,7 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
             let o = k.outputs[m].0;
             let v = &vals[o];
             let _ = write!(pro, "\n        VO{m} o{m};");
-            let _ = writeln!(each, "          o{m}.v[e] = {};", super::codegen::store(k.ops[o].dtype, v.0, &v.1));
+            let _ = writeln!(each, "          o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
             let _ = writeln!(stores, "        *(VO{m}*)(out{m} + row * (long long)K + k0) = o{m};");
         }
         pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
@@ -520,7 +520,7 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if k.ops[*o].row {
             let v = &vals[*o];
-            let _ = writeln!(c, "    if (threadIdx.x == 0) out{m}[row] = {};", super::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+            let _ = writeln!(c, "    if (threadIdx.x == 0) out{m}[row] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
         }
     }
     c.push_str("  }\n}\n");
@@ -535,7 +535,7 @@ fn arg_val(a: &KArg, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CTyp
     }
 }
 
-fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
+fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
     // Full inputs as [rows, cols], row inputs as [rows]: (row stride, col stride) each.
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
@@ -587,7 +587,7 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
                     let src = gen_rows(k, &name, threads, vpt, vec, &vector, full);
                     (name.clone(), src)
                 })?;
-                if !super::rehearsal::active() {
+                if !crate::backend::cuda::tuning::rehearsal::active() {
                     launches.0.lock().push((shape, f));
                 }
                 f
@@ -603,7 +603,7 @@ fn run_rows(dev: &std::sync::Arc<super::CudaDevice>, k: &FusedKernel, rows: usiz
 /// Max-autotune for a row kernel: the remembered thread count for this kernel, rows and layout,
 /// else the fastest candidate timed on the device (remembered). None: use the default shape
 /// (`KILN_ROWS_THREADS` set, a single candidate, or timing not allowed now).
-fn tuned_threads(dev: &super::CudaDevice, k: &FusedKernel, rows: usize, cols: usize, vec: usize, layout: &str, launch: &dyn Fn(usize) -> Result<()>) -> Option<usize> {
+fn tuned_threads(dev: &crate::backend::cuda::CudaDevice, k: &FusedKernel, rows: usize, cols: usize, vec: usize, layout: &str, launch: &dyn Fn(usize) -> Result<()>) -> Option<usize> {
     if rows_threads_forced().is_some() {
         return None;
     }
@@ -618,7 +618,7 @@ fn tuned_threads(dev: &super::CudaDevice, k: &FusedKernel, rows: usize, cols: us
             _ => autotune::forget(&key),
         }
     }
-    if super::rehearsal::active() {
+    if crate::backend::cuda::tuning::rehearsal::active() {
         // A rehearsal asks for every candidate's kernel, so that all are built side by side
         // before the real run times them.
         for &t in &cands {

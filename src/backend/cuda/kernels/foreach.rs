@@ -12,10 +12,10 @@
 //! values are rounded to their storage type after every op, as each eager op stores its result.
 //! The results are therefore those of the per-tensor path, bit for bit.
 
-use super::codegen::{load, short, storage_type, store, PRELUDE};
+use crate::backend::cuda::kernels::codegen::{load, short, storage_type, store, PRELUDE};
 use crate::dtype::CType;
-use super::kernels::dev_of;
-use super::{CudaDevice, Kernel, KernelKey};
+use crate::backend::cuda::kernels::dev_of;
+use crate::backend::cuda::{CudaDevice, Kernel, KernelKey};
 use crate::{DType, Error, Result, Tensor};
 use std::fmt::Write;
 
@@ -228,7 +228,7 @@ pub(crate) fn launch(rule: Rule, dtype: DType, entries: &[Vec<&Tensor>], scalars
     if cfg!(debug_assertions) {
         check_params(&dev, kern, rule)?;
     }
-    let list = entries.iter().map(|slots| Ok((slots.iter().map(|t| super::kernels::data_ptr(t)).collect::<Result<Vec<u64>>>()?, slots[0].numel()))).collect::<Result<Vec<_>>>()?;
+    let list = entries.iter().map(|slots| Ok((slots.iter().map(|t| crate::backend::cuda::kernels::data_ptr(t)).collect::<Result<Vec<u64>>>()?, slots[0].numel()))).collect::<Result<Vec<_>>>()?;
     for (mut words, blocks) in tables(rule.depth(), &list) {
         let grid =
             u32::try_from(blocks).ok().filter(|&b| b <= i32::MAX as u32).ok_or_else(|| Error::arg("optimizer step", format!("{blocks} blocks of {CHUNK} elements: more than a launch holds")))?;

@@ -5,7 +5,7 @@
 //! per geometry on the device; each call's workspace comes from the caching allocator (from the
 //! graph's pool while a CUDA graph is captured), and calls run on the thread's work stream.
 
-use super::{kernels, CudaStorage};
+use crate::backend::cuda::{kernels, CudaStorage};
 use crate::ops::conv::{Conv2dArgs, Pass};
 use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::{result as cr, sys as cs};
@@ -113,7 +113,7 @@ pub(crate) struct State {
     pub(crate) handle: cs::cudnnHandle_t,
     chosen: HashMap<Key, Choice>,
     /// Attention plans by geometry (None: cuDNN offered no engine for it).
-    pub(crate) sdpa: HashMap<super::sdpa::Key, Option<super::sdpa::Plan>>,
+    pub(crate) sdpa: HashMap<crate::backend::cuda::libs::sdpa::Key, Option<crate::backend::cuda::libs::sdpa::Plan>>,
 }
 // SAFETY: the handle is used under the device's mutex only.
 unsafe impl Send for State {}
@@ -313,7 +313,7 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
         Pass::GradWeight => w,
     };
     let out = CudaStorage::new(&dev, dtype, out_shape.iter().product())?;
-    if out.len == 0 || super::rehearsal::active() {
+    if out.len == 0 || crate::backend::cuda::tuning::rehearsal::active() {
         return Ok(out);
     }
     // A sum over nothing (no input channels, no batch, an empty image): zeros. cuDNN refuses
@@ -329,7 +329,7 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
     }
     let (a, b) = (operand(a)?, operand(b)?);
     let ptrs = Ptrs { a: kernels::data_ptr(&a)?, b: kernels::data_ptr(&b)?, out: out.ptr() };
-    let tf32 = super::allow_tf32();
+    let tf32 = crate::backend::cuda::allow_tf32();
     let key = Key { pass, dtype, tf32, x, w, args: *args };
     let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op: "conv2d", device: dev.kiln_device(), msg: format!("{call} failed ({e:?}) for {}", describe()) };
 
@@ -339,7 +339,7 @@ pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &T
 
 /// Runs `f` with the device's cuDNN state (its handle created on first use), the handle bound
 /// to the thread's work stream (the capture stream while a CUDA graph is captured here).
-pub(crate) fn session<R>(dev: &Arc<super::CudaDevice>, op: &'static str, f: impl FnOnce(&mut State) -> Result<R>) -> Result<R> {
+pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'static str, f: impl FnOnce(&mut State) -> Result<R>) -> Result<R> {
     let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op, device: dev.kiln_device(), msg: format!("{call} failed ({e:?})") };
     dev.bind()?;
     let mut guard = dev.cudnn.lock();
@@ -354,7 +354,7 @@ pub(crate) fn session<R>(dev: &Arc<super::CudaDevice>, op: &'static str, f: impl
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_conv(dev: &Arc<super::CudaDevice>, st: &mut State, pass: Pass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
+fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: Pass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
     let (args, tf32, shapes, ptrs) = (&key.args, key.tf32, *shapes, *ptrs);
     let h = st.handle;
     let descs = Descs::new(dtype, args, shapes, base_math(dtype, tf32)).map_err(|e| fail("creating descriptors", &e))?;

@@ -9,10 +9,10 @@
 //! `Op::Attention`: q, k, v are read through their strides (the head dim contiguous), the
 //! output is contiguous `[L, B, H, D]`.
 
-use super::codegen::{self, PRELUDE};
+use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::dtype::CType;
-use super::kernels::{data_ptr, dev_of};
-use super::{CudaStorage, KArgs, KernelKey};
+use crate::backend::cuda::kernels::{data_ptr, dev_of};
+use crate::backend::cuda::{CudaStorage, KArgs, KernelKey};
 use crate::ops::AttnDims;
 use crate::{DType, Result, Tensor};
 
@@ -106,7 +106,7 @@ fn forward_rows(l: usize) -> usize {
 
 /// Whether every row of `t` (`[rows, B, H, D]` through its strides) starts on a 16-byte
 /// boundary, `vw` elements being 16 bytes.
-pub(super) fn rows_aligned(t: &Tensor, vw: usize) -> Result<bool> {
+pub(crate) fn rows_aligned(t: &Tensor, vw: usize) -> Result<bool> {
     Ok(t.strides()[..3].iter().all(|&s| s % vw == 0) && data_ptr(t)? % 16 == 0)
 }
 
@@ -620,7 +620,7 @@ extern "C" __global__ void __launch_bounds__(128{minb}) {name}(KArgs a) {{
 /// heads: one block per head in x, one per 64 rows in y, 128 threads. Its dynamic shared memory
 /// holds two stages of two tiles of 64 rows (padded by 8 elements), and for the key-row kernels
 /// each stage's log-sum-exp and delta per row.
-fn launch_tc(dev: &super::CudaDevice, kern: super::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
+fn launch_tc(dev: &crate::backend::cuda::CudaDevice, kern: crate::backend::cuda::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
     let (x, _, _) = grid(bh, rows, ROWS)?;
     dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared(d, key_rows) as u32, a)
 }
@@ -851,9 +851,9 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if super::sdpa::takes(q, k, v, mask, causal, &n, false)? {
-        let a = super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
-        if let Some(lse) = super::sdpa::forward(&dev, &a, out.ptr())? {
+    if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false)? {
+        let a = crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
+        if let Some(lse) = crate::backend::cuda::libs::sdpa::forward(&dev, &a, out.ptr())? {
             out.aux = lse.map(Box::new);
             return Ok(out);
         }
@@ -884,13 +884,13 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     let n = AttnDims::of(q.shape(), k.shape());
     if n.packed_len() == 0 || n.l == 0 || n.s == 0 || n.d == 0 {
         let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
-        super::kernels::zero_fill(&dev, &packed)?;
+        crate::backend::cuda::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
-    if super::sdpa::takes(q, k, v, mask, causal, &n, true)? {
+    if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, true)? {
         // cuDNN writes the gradients in q's dtype, in place.
         let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
-        if super::sdpa::backward(&dev, &super::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
+        if crate::backend::cuda::libs::sdpa::backward(&dev, &crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
             return Ok(packed);
         }
     }
@@ -900,12 +900,12 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
     if q.dtype() == DType::F32 {
         return Ok(wide);
     }
-    super::kernels::cast(&Tensor::from_backend(crate::storage::BackendStorage::Cuda(wide), &[n.packed_len()]), q.dtype())
+    crate::backend::cuda::kernels::cast(&Tensor::from_backend(crate::storage::BackendStorage::Cuda(wide), &[n.packed_len()]), q.dtype())
 }
 
 /// kiln's backward kernels, writing `[dq | dk | dv | lse | delta]` in F32 into `packed`.
 #[allow(clippy::too_many_arguments)]
-fn backward_kernels(dev: &std::sync::Arc<super::CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, packed: &CudaStorage) -> Result<()> {
+fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, packed: &CudaStorage) -> Result<()> {
     let n = AttnDims::of(q.shape(), k.shape());
     let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
@@ -920,7 +920,7 @@ fn backward_kernels(dev: &std::sync::Arc<super::CudaDevice>, q: &Tensor, k: &Ten
     a.w[30] = at(nq + nk);
     // The forward's per-row log-sum-exp, where it kept them (the tensor-core and cuDNN
     // forwards do): the dq kernel then skips its walk over the keys.
-    a.w[31] = super::kernels::aux_ptr(out).unwrap_or(0);
+    a.w[31] = crate::backend::cuda::kernels::aux_ptr(out).unwrap_or(0);
     if tensor_cores_take(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
         launch_tc(dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
@@ -976,7 +976,7 @@ mod tests {
             let op = Op::Attention { scale: 0.125, causal };
             let y = crate::cuda::with_cudnn_attention(false, || apply(op, &[&q, &k, &v])).unwrap();
             let copy = y.copy_contiguous().unwrap();
-            assert!(super::super::kernels::aux_ptr(&y).is_some() && super::super::kernels::aux_ptr(&copy).is_none());
+            assert!(crate::backend::cuda::kernels::aux_ptr(&y).is_some() && crate::backend::cuda::kernels::aux_ptr(&copy).is_none());
             let back = Op::AttentionBackward { scale: 0.125, causal };
             let kept = apply(back.clone(), &[&q, &k, &v, &y, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
             let walked = apply(back, &[&q, &k, &v, &copy, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();

@@ -8,7 +8,7 @@
 //! graph is being captured on the device, and only chooses between candidates that compute
 //! the same values (up to floating-point reassociation).
 
-use super::CudaDevice;
+use crate::backend::cuda::CudaDevice;
 use crate::logging::{log, Category};
 use crate::{Device, Result};
 use parking_lot::Mutex;
@@ -50,7 +50,7 @@ fn memory() -> &'static Mutex<HashMap<String, String>> {
 }
 
 fn dir() -> Option<PathBuf> {
-    super::nvrtc::cache_dir().map(|d| d.join("autotune"))
+    crate::backend::cuda::device::nvrtc::cache_dir().map(|d| d.join("autotune"))
 }
 
 fn file_of(key: &str) -> Option<PathBuf> {
@@ -61,10 +61,10 @@ fn file_of(key: &str) -> Option<PathBuf> {
 /// another thread does on the same device. A choice wanted outside a rehearsal but not timed
 /// is counted (`deferred`).
 pub(crate) fn allowed(dev: &CudaDevice) -> bool {
-    if super::rehearsal::active() {
+    if crate::backend::cuda::tuning::rehearsal::active() {
         return false;
     }
-    let ok = super::graph::capturing().is_none() && dev.capture.lock().is_none();
+    let ok = crate::backend::cuda::device::graph::capturing().is_none() && dev.capture.lock().is_none();
     if !ok {
         DEFERRED.with(|d| d.set(d.get() + 1));
     }

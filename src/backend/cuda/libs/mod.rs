@@ -1,0 +1,6 @@
+//! Vendor libraries: cuBLASLt for matrix products (with bias and ReLU epilogues), cuDNN for
+//! convolutions and fused attention.
+
+pub(crate) mod blas;
+pub(crate) mod cudnn;
+pub(crate) mod sdpa;
