@@ -104,116 +104,28 @@ pub(crate) fn tables(depth: usize, entries: &[(Vec<u64>, usize)]) -> Vec<(Vec<u6
         .collect()
 }
 
+/// The kernel's source, after the prelude and the `#define`s of `gen`.
+const SOURCE: &str = include_str!("foreach.cu");
+
 /// The kernel's name and CUDA C source.
 pub(crate) fn gen(rule: Rule, dtype: DType) -> (String, String) {
     let name = rule.name(dtype);
     let depth = rule.depth();
     let nt = tensors_per_launch(depth);
     let t = CType::of(dtype);
-    let (tn, st) = (t.name(), storage_type(dtype));
-    let sqrt = if t == CType::F32 { "sqrtf" } else { "sqrt" };
+    let (adam, weight_decay, decoupled, momentum, nesterov) = match rule {
+        Rule::Sgd { weight_decay, momentum, nesterov } => (false, weight_decay, false, momentum, nesterov),
+        Rule::Adam { weight_decay, decoupled } => (true, weight_decay, decoupled, false, false),
+    };
     let mut c = String::from(PRELUDE);
-    let _ = writeln!(c, "#define NT {nt}\n#define ILP {ILP}\n#define CHUNK {CHUNK}ll");
-    let _ = writeln!(c, "struct Table {{ u64 n; u64 first[NT]; u64 numel[NT]; u64 ptr[{depth}][NT]; }};");
-    let _ = writeln!(c, "typedef {tn} T;\ntypedef {st} S;");
-    // One eager op's rounding: its result is stored in the parameter's dtype.
-    let _ = writeln!(c, "__device__ __forceinline__ T kr(T x) {{ return {}; }}", load(dtype, t, &store(dtype, t, "x")));
-    let _ = writeln!(c, "__device__ __forceinline__ T kld(S x) {{ return {}; }}", load(dtype, t, "x"));
-    let _ = writeln!(c, "__device__ __forceinline__ S kst(T x) {{ return {}; }}", store(dtype, t, "x"));
-    let scalars: String = (0..rule.scalars()).map(|k| format!("const double s{k}, ")).collect();
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({THREADS}) {name}(const Table tb, {scalars}const int first) {{");
-    c.push_str(
-        r#"  const u64 b = blockIdx.x;
-  int lo = 0, hi = (int)tb.n - 1;
-  while (lo < hi) { const int mid = (lo + hi + 1) >> 1; if (tb.first[mid] <= b) lo = mid; else hi = mid - 1; }
-  const long long n = (long long)tb.numel[lo];
-  const long long begin = (long long)(b - tb.first[lo]) * CHUNK;
-  const long long end = begin + CHUNK < n ? begin + CHUNK : n;
-  const long long stride = (long long)blockDim.x;
-"#,
-    );
-    let _ = writeln!(c, "  S* __restrict__ q0 = (S*)tb.ptr[0][lo];\n  const S* __restrict__ q1 = (const S*)tb.ptr[1][lo];");
-    for s in 2..depth {
-        let _ = writeln!(c, "  S* __restrict__ q{s} = (S*)tb.ptr[{s}][lo];");
+    let _ = writeln!(c, "#define KNAME {name}\n#define NT {nt}\n#define ILP {ILP}\n#define CHUNK {CHUNK}ll\n#define THREADS {THREADS}\n#define DEPTH {depth}");
+    let _ = writeln!(c, "#define COMPUTE_T {}\n#define STORAGE_T {}", t.name(), storage_type(dtype));
+    let _ = writeln!(c, "#define LD(x) {}\n#define ST(x) {}", load(dtype, t, "x"), store(dtype, t, "x"));
+    let _ = writeln!(c, "#define SQRT {}", if t == CType::F32 { "sqrtf" } else { "sqrt" });
+    for (flag, on) in [("ADAM", adam), ("WEIGHT_DECAY", weight_decay), ("DECOUPLED", decoupled), ("MOMENTUM", momentum), ("NESTEROV", nesterov)] {
+        let _ = writeln!(c, "#define {flag} {}", on as u8);
     }
-    // Values per element: p (parameter), g (gradient), then the state; slot s is q<s>.
-    let state: &[&str] = match rule {
-        Rule::Sgd { momentum: true, .. } => &["buf"],
-        Rule::Sgd { .. } => &[],
-        Rule::Adam { .. } => &["m", "v"],
-    };
-    let update = match rule {
-        Rule::Sgd { weight_decay, momentum, nesterov } => {
-            let mut u = String::new();
-            if weight_decay {
-                u += "      g = kr(g + kr(p * wd));\n";
-            }
-            if momentum {
-                u += "      buf = first ? g : kr(kr(buf * mom) + kr(g * keep));\n";
-                u += if nesterov { "      g = kr(g + kr(buf * mom));\n" } else { "      g = buf;\n" };
-            }
-            u += "      p = kr(p - kr(g * lr));\n";
-            u
-        }
-        Rule::Adam { weight_decay, decoupled } => {
-            let mut u = String::new();
-            if weight_decay {
-                u += if decoupled { "      p = kr(p * decay);\n" } else { "      g = kr(g + kr(p * wd));\n" };
-            }
-            u += "      m = kr(kr(m * beta1) + kr(g * keep1));\n";
-            u += "      v = kr(kr(v * beta2) + kr(kr(g * g) * keep2));\n";
-            let _ = writeln!(u, "      const T denom = kr(kr(kr({sqrt}(v)) / bc2s) + eps);");
-            u += "      p = kr(p - kr(kr(m / denom) * step_size));\n";
-            u
-        }
-    };
-    // The scalars in the compute type, those the update uses (in the order of `Rule`'s doc).
-    let names: &[&str] = match rule {
-        Rule::Sgd { .. } => &["lr", "wd", "mom", "keep"],
-        Rule::Adam { .. } => &["wd", "decay", "beta1", "keep1", "beta2", "keep2", "bc2s", "eps", "step_size"],
-    };
-    let ident = |ch: char| ch.is_ascii_alphanumeric() || ch == '_';
-    let word = |n: &str| update.match_indices(n).any(|(i, _)| !update[..i].ends_with(ident) && !update[i + n.len()..].starts_with(ident));
-    let used: Vec<String> = names.iter().enumerate().filter(|(_, n)| word(n)).map(|(k, n)| format!("{n} = (T)s{k}")).collect();
-    let _ = writeln!(c, "  const T {};", used.join(", "));
-    let vals: Vec<&str> = ["p", "g"].iter().chain(state).copied().collect();
-    // A first SGD step's buffer is uninitialised memory: written, never read.
-    let load_of = |k: usize, v: &str| {
-        if v == "buf" {
-            format!("r{v}[j] = first ? (T)0 : kld(q{k}[i]);")
-        } else {
-            format!("r{v}[j] = kld(q{k}[i]);")
-        }
-    };
-    let loads: Vec<String> = vals.iter().enumerate().map(|(k, v)| load_of(k, v)).collect();
-    let regs: Vec<String> = vals.iter().map(|v| format!("r{v}[ILP]")).collect();
-    let takes: Vec<String> = vals.iter().map(|v| format!("{v} = r{v}[j]")).collect();
-    // Written back: the parameter and the state (not the gradient, slot 1).
-    let stores: Vec<String> = vals.iter().enumerate().filter(|(k, _)| *k != 1).map(|(k, v)| format!("q{k}[i] = kst({v});")).collect();
-    let _ = writeln!(
-        c,
-        r#"  for (long long base = begin + (long long)threadIdx.x; base < end; base += ILP * stride) {{
-    T {regs};
-    // Every load first, so that a thread has ILP of each in flight; then update and store.
-    #pragma unroll
-    for (int j = 0; j < ILP; j++) {{
-      const long long i = base + j * stride;
-      if (i < end) {{ {loads} }}
-    }}
-    #pragma unroll
-    for (int j = 0; j < ILP; j++) {{
-      const long long i = base + j * stride;
-      if (i >= end) continue;
-      T {takes};
-{update}      {stores}
-    }}
-  }}
-}}"#,
-        regs = regs.join(", "),
-        loads = loads.join(" "),
-        takes = takes.join(", "),
-        stores = stores.join(" "),
-    );
+    c.push_str(SOURCE);
     (name, c)
 }
 
@@ -293,10 +205,11 @@ mod tests {
     fn sources_name_their_kernels() {
         for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
             let (name, src) = gen(Rule::Adam { weight_decay: true, decoupled: false }, dt);
-            assert!(src.contains(&format!("void __launch_bounds__({THREADS}) {name}(")), "{src}");
+            assert!(src.contains(&format!("#define KNAME {name}\n")) && src.contains(&format!("#define THREADS {THREADS}\n")), "{src}");
         }
+        assert!(SOURCE.contains("void __launch_bounds__(THREADS) KNAME("));
         let (name, src) = gen(Rule::Sgd { weight_decay: false, momentum: true, nesterov: true }, DType::BF16);
         assert_eq!(name, "foreach_sgd_m_n_bf16");
-        assert!(src.contains("first ? (T)0 : kld(q2[i])"));
+        assert!(src.contains("#define MOMENTUM 1\n") && src.contains("#define ADAM 0\n") && SOURCE.contains("first ? (T)0 : kld(q2[i])"));
     }
 }

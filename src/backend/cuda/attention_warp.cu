@@ -1,0 +1,140 @@
+// The warp attention kernels: one warp per query row (forward, dq) or key row (dk, dv),
+// walking the other side 32 rows at a time. Placed after attention_common.cu; KNAME is the
+// kernel's name, and one of ATTN_FWD, ATTN_BWD_Q, ATTN_BWD_KV says which kernel to compile.
+
+#ifdef ATTN_FWD
+// Forward (attention.rs: `gen_forward`).
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+  ARGS
+  T* out = (T*)a.w[4];
+  __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
+  long long l = (long long)blockIdx.y * ROWS + warp;
+  bool ok = l < L;
+  if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
+  SC m = -INFINITY; float den = 0.f, acc[PER];
+  for (int i = 0; i < PER; i++) acc[i] = 0.f;
+  KEY_END
+  for (long long s0 = 0; s0 < send; s0 += 32) {
+    LOAD_KEYS(s0, nk, true)
+    if (!ok) continue;
+    ONLINE_STEP(s0, sc, mn, p)
+    float corr = m == -INFINITY ? 0.f : expf((float)(m - mn));
+    den = den * corr + wsum(p);
+    for (int i = 0; i < PER; i++) acc[i] *= corr;
+    for (int j = 0; j < nk; j++) {
+      float pj = __shfl_sync(FULL, p, j);
+      for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) acc[i] += pj * Vs[j][d]; }
+    }
+    m = mn;
+  }
+  if (ok) for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) out[((l * B + b) * H + h) * D_ + d] = ST(acc[i] / den); }
+}
+#endif
+
+#ifdef ATTN_BWD_Q
+// Backward per query row: log-sum-exp, delta and dq (attention.rs: `gen_backward_q`).
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+  ARGS
+  const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
+  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28]; SC* lse_sc = (SC*)a.w[32];
+  __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_ + 1]; __shared__ float Qs[ROWS][D_]; __shared__ float Gs[ROWS][D_];
+  long long l = (long long)blockIdx.y * ROWS + warp;
+  bool ok = l < L;
+  long long row = ((l * B + b) * H + h) * D_;
+  float delta = 0.f;
+  if (ok) for (int d = lane; d < D_; d += 32) {
+    Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
+    float gd = LD(g[row + d]); Gs[warp][d] = gd; delta += gd * LD(o[row + d]);
+  }
+  delta = wsum(delta);
+  KEY_END
+  SC m = -INFINITY; float den = 0.f;
+  for (long long s0 = 0; s0 < send; s0 += 32) {
+    LOAD_KEYS(s0, nk, false)
+    if (!ok) continue;
+    ONLINE_STEP(s0, sc, mn, p)
+    den = den * (m == -INFINITY ? 0.f : expf((float)(m - mn))) + wsum(p);
+    m = mn;
+  }
+  SC ls = m == -INFINITY ? (SC)-INFINITY : m + log((SC)den);
+  float acc[PER];
+  for (int i = 0; i < PER; i++) acc[i] = 0.f;
+  for (long long s0 = 0; s0 < send; s0 += 32) {
+    LOAD_KEYS(s0, nk, true)
+    if (!ok) continue;
+    long long s = s0 + lane;
+    float ds = 0.f;
+    if (s < S && !(causal && s > l)) {
+      SC sc; SCORE(Qs[warp], Ks[lane], l, s, sc);
+      float p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
+      float dp = 0.f;
+      for (int d = 0; d < D_; d++) dp += Gs[warp][d] * Vs[lane][d];
+      ds = p * (dp - delta);
+    }
+    for (int j = 0; j < nk; j++) {
+      float dsj = __shfl_sync(FULL, ds, j);
+      for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) acc[i] += dsj * Ks[j][d]; }
+    }
+  }
+  if (ok) {
+    for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) dq[row + d] = acc[i] * scale; }
+    if (lane == 0) { lse[bh * L + l] = (float)ls; lse_sc[bh * L + l] = ls; dl[bh * L + l] = delta; }
+  }
+}
+#endif
+
+#ifdef ATTN_BWD_KV
+// Backward per key row: dk and dv (attention.rs: `gen_backward_kv`).
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+  ARGS
+  const T* g = (const T*)a.w[25];
+  const SC* lse = (const SC*)a.w[32]; const float* dl = (const float*)a.w[28];
+  float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
+  __shared__ float Qt[32][D_ + 1]; __shared__ float Gt[32][D_ + 1]; __shared__ float Kw[ROWS][D_]; __shared__ float Vw[ROWS][D_];
+  __shared__ SC Lt[32]; __shared__ float Dt[32];
+  long long s = (long long)blockIdx.y * ROWS + warp;
+  bool ok = s < S;
+  if (ok) for (int d = lane; d < D_; d += 32) {
+    Kw[warp][d] = LD(k[s * kss + b * ksb + h * ksh + d]);
+    Vw[warp][d] = LD(v[s * vss + b * vsb + h * vsh + d]);
+  }
+  float ak[PER], av[PER];
+  for (int i = 0; i < PER; i++) { ak[i] = 0.f; av[i] = 0.f; }
+  // Causal: no query before this block's first key sees it.
+  long long start = causal ? (long long)blockIdx.y * ROWS : 0;
+  for (long long l0 = start; l0 < L; l0 += 32) {
+    const int nl = (int)min(32ll, L - l0);
+    __syncthreads();
+    for (int i = threadIdx.x; i < nl * (D_ / VW); i += ROWS * 32) {
+      int j = i / (D_ / VW), d = (i - j * (D_ / VW)) * VW; long long l = l0 + j;
+      const VT qv = *(const VT*)(q + l * qsl + b * qsb + h * qsh + d), gv = *(const VT*)(g + ((l * B + b) * H + h) * D_ + d);
+      for (int e = 0; e < VW; e++) { Qt[j][d + e] = LD(qv.v[e]); Gt[j][d + e] = LD(gv.v[e]); }
+    }
+    if (threadIdx.x < 32) {
+      long long l = l0 + threadIdx.x;
+      Lt[threadIdx.x] = l < L ? lse[bh * L + l] : (SC)0;
+      Dt[threadIdx.x] = l < L ? dl[bh * L + l] : 0.f;
+    }
+    __syncthreads();
+    if (!ok) continue;
+    long long l = l0 + lane;
+    float p = 0.f, ds = 0.f;
+    if (l < L && !(causal && s > l)) {
+      SC sc; SCORE(Qt[lane], Kw[warp], l, s, sc);
+      SC ls = Lt[lane];
+      p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
+      float dp = 0.f;
+      for (int d = 0; d < D_; d++) dp += Gt[lane][d] * Vw[warp][d];
+      ds = p * (dp - Dt[lane]);
+    }
+    for (int j = 0; j < nl; j++) {
+      float pj = __shfl_sync(FULL, p, j), dsj = __shfl_sync(FULL, ds, j);
+      for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) { av[i] += pj * Gt[j][d]; ak[i] += dsj * Qt[j][d]; } }
+    }
+  }
+  if (ok) for (int i = 0; i < PER; i++) {
+    int d = lane + 32 * i;
+    if (d < D_) { long long r = ((s * B + b) * H + h) * D_ + d; dk[r] = ak[i] * scale; dv[r] = av[i]; }
+  }
+}
+#endif
