@@ -28,7 +28,7 @@ pub(crate) enum Space {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum KArg {
+pub(crate) enum ValueRef {
     In(usize),
     Op(usize),
 }
@@ -50,7 +50,7 @@ pub(crate) enum KKind {
 #[derive(Clone, Debug)]
 pub(crate) struct KOp {
     pub kind: KKind,
-    pub args: Vec<KArg>,
+    pub args: Vec<ValueRef>,
     pub dtype: DType,
     /// One value per row (in a `Rows` kernel).
     pub row: bool,
@@ -150,28 +150,28 @@ impl FusedKernel {
             // Views (`Same`) are left out, their readers reading what they view: a reshape
             // that sits elsewhere in the kernel (before a product's output is normalised, or
             // after) computes the same code.
-            let mut seen: Vec<KArg> = Vec::with_capacity(self.ops.len());
+            let mut seen: Vec<ValueRef> = Vec::with_capacity(self.ops.len());
             // Whether each op written so far is a row value.
             let mut kept_rows: Vec<bool> = vec![];
-            let arg = |a: &KArg, seen: &[KArg]| match a {
-                KArg::In(j) => KArg::In(*j),
-                KArg::Op(j) => seen[*j],
+            let arg = |a: &ValueRef, seen: &[ValueRef]| match a {
+                ValueRef::In(j) => ValueRef::In(*j),
+                ValueRef::Op(j) => seen[*j],
             };
             for o in &self.ops {
                 if o.kind == KKind::Same {
                     let viewed = arg(&o.args[0], &seen);
                     let row = match viewed {
-                        KArg::In(j) => self.inputs[j].row,
-                        KArg::Op(j) => kept_rows[j],
+                        ValueRef::In(j) => self.inputs[j].row,
+                        ValueRef::Op(j) => kept_rows[j],
                     };
                     if row == o.row {
                         seen.push(viewed);
                         continue;
                     }
                 }
-                let args: Vec<KArg> = o.args.iter().map(|a| arg(a, &seen)).collect();
+                let args: Vec<ValueRef> = o.args.iter().map(|a| arg(a, &seen)).collect();
                 let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, args, o.dtype, if o.row { "(row)" } else { "" });
-                seen.push(KArg::Op(kept_rows.len()));
+                seen.push(ValueRef::Op(kept_rows.len()));
                 kept_rows.push(o.row);
             }
             for (o, _) in &self.outputs {

@@ -1,18 +1,18 @@
 //! `KILN_LOG`: what kiln tells about its own work, through the `log` facade.
 //!
 //! `KILN_LOG` is a comma-separated list of categories (`graph,kernels,recompiles,breaks,fusion,
-//! sync,alloc`, or `all`), read once. Each category logs at `info` level to the target
-//! `kiln::<category>` (`kiln::kernels`, ...), so an application's logger can filter them. When a
-//! category is enabled and the application installed no logger, kiln installs a minimal one that
-//! prints `[kiln <category>] message` to stderr, so `KILN_LOG=kernels cargo run` needs no setup.
+//! sync,alloc`, or `all`), read once. Each topic logs at `info` level to the target
+//! `kiln::<topic>` (`kiln::kernels`, ...), so an application's logger can filter them. When a
+//! topic is enabled and the application installed no logger, kiln installs a minimal one that
+//! prints `[kiln <topic>] message` to stderr, so `KILN_LOG=kernels cargo run` needs no setup.
 //!
 //! Code in kiln logs with [`log()`] (or the [`kiln_log!`](crate::kiln_log) macro), which builds
-//! the message only when the category is enabled:
+//! the message only when the topic is enabled:
 //!
 //! ```
-//! use kiln::logging::{self, Category};
-//! logging::log(Category::Graph, || format!("captured {} nodes", 3));
-//! kiln::kiln_log!(Category::Fusion, "fused {} ops into {}", 2, "fused_add_relu_0");
+//! use kiln::logging::{self, Topic};
+//! logging::log(Topic::Graph, || format!("captured {} nodes", 3));
+//! kiln::kiln_log!(Topic::Fusion, "fused {} ops into {}", 2, "fused_add_relu_0");
 //! ```
 
 use crate::{Error, Result};
@@ -20,7 +20,7 @@ use std::sync::{Once, OnceLock};
 
 /// What a log line is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Category {
+pub enum Topic {
     /// Captured graphs, as text.
     Graph,
     /// Generated kernels and their source.
@@ -37,32 +37,32 @@ pub enum Category {
     Alloc,
 }
 
-impl Category {
-    pub const ALL: [Category; 7] = [Category::Graph, Category::Kernels, Category::Recompiles, Category::Breaks, Category::Fusion, Category::Sync, Category::Alloc];
+impl Topic {
+    pub const ALL: [Topic; 7] = [Topic::Graph, Topic::Kernels, Topic::Recompiles, Topic::Breaks, Topic::Fusion, Topic::Sync, Topic::Alloc];
 
     /// The name used in `KILN_LOG`.
     pub fn name(self) -> &'static str {
         match self {
-            Category::Graph => "graph",
-            Category::Kernels => "kernels",
-            Category::Recompiles => "recompiles",
-            Category::Breaks => "breaks",
-            Category::Fusion => "fusion",
-            Category::Sync => "sync",
-            Category::Alloc => "alloc",
+            Topic::Graph => "graph",
+            Topic::Kernels => "kernels",
+            Topic::Recompiles => "recompiles",
+            Topic::Breaks => "breaks",
+            Topic::Fusion => "fusion",
+            Topic::Sync => "sync",
+            Topic::Alloc => "alloc",
         }
     }
 
     /// The `log` target: `kiln::<name>`.
     pub fn target(self) -> &'static str {
         match self {
-            Category::Graph => "kiln::graph",
-            Category::Kernels => "kiln::kernels",
-            Category::Recompiles => "kiln::recompiles",
-            Category::Breaks => "kiln::breaks",
-            Category::Fusion => "kiln::fusion",
-            Category::Sync => "kiln::sync",
-            Category::Alloc => "kiln::alloc",
+            Topic::Graph => "kiln::graph",
+            Topic::Kernels => "kiln::kernels",
+            Topic::Recompiles => "kiln::recompiles",
+            Topic::Breaks => "kiln::breaks",
+            Topic::Fusion => "kiln::fusion",
+            Topic::Sync => "kiln::sync",
+            Topic::Alloc => "kiln::alloc",
         }
     }
 
@@ -73,18 +73,18 @@ impl Category {
 
 /// The categories a `KILN_LOG` value asks for. Names are trimmed and case-insensitive; empty
 /// entries are skipped; an unknown name is an error naming it and the known ones.
-pub fn parse(spec: &str) -> Result<Vec<Category>> {
+pub fn parse(spec: &str) -> Result<Vec<Topic>> {
     let mut cats = Vec::new();
     for word in spec.split(',').map(|w| w.trim().to_ascii_lowercase()).filter(|w| !w.is_empty()) {
         if word == "all" {
-            cats.extend(Category::ALL);
+            cats.extend(Topic::ALL);
             continue;
         }
-        match Category::ALL.iter().find(|c| c.name() == word) {
+        match Topic::ALL.iter().find(|c| c.name() == word) {
             Some(c) => cats.push(*c),
             None => {
-                let known: Vec<&str> = Category::ALL.iter().map(|c| c.name()).collect();
-                return Err(Error::arg("KILN_LOG", format!("unknown category '{word}'; known: {}, all", known.join(", "))));
+                let known: Vec<&str> = Topic::ALL.iter().map(|c| c.name()).collect();
+                return Err(Error::arg("KILN_LOG", format!("unknown topic '{word}'; known: {}, all", known.join(", "))));
             }
         }
     }
@@ -103,20 +103,20 @@ fn mask() -> u32 {
     })
 }
 
-/// Whether `KILN_LOG` enables `category`.
-pub fn enabled(category: Category) -> bool {
-    mask() & category.bit() != 0
+/// Whether `KILN_LOG` enables `topic`.
+pub fn enabled(topic: Topic) -> bool {
+    mask() & topic.bit() != 0
 }
 
-/// Logs the message `msg` builds at `info` level under `category`, if `KILN_LOG` enables it.
-pub fn log(category: Category, msg: impl FnOnce() -> String) {
-    if enabled(category) {
+/// Logs the message `msg` builds at `info` level under `topic`, if `KILN_LOG` enables it.
+pub fn log(topic: Topic, msg: impl FnOnce() -> String) {
+    if enabled(topic) {
         ensure_logger();
-        log::info!(target: category.target(), "{}", msg());
+        log::info!(target: topic.target(), "{}", msg());
     }
 }
 
-/// `kiln_log!(Category::Graph, "format {}", args)`: [`log()`] with a format string.
+/// `kiln_log!(Topic::Graph, "format {}", args)`: [`log()`] with a format string.
 #[macro_export]
 macro_rules! kiln_log {
     ($cat:expr, $($arg:tt)+) => {
@@ -124,10 +124,10 @@ macro_rules! kiln_log {
     };
 }
 
-/// A warning under `category` whether or not `KILN_LOG` enables it (sync debug mode's reports).
-pub(crate) fn warn(category: Category, msg: &str) {
+/// A warning under `topic` whether or not `KILN_LOG` enables it (sync debug mode's reports).
+pub(crate) fn warn(topic: Topic, msg: &str) {
     ensure_logger();
-    log::warn!(target: category.target(), "{msg}");
+    log::warn!(target: topic.target(), "{msg}");
 }
 
 /// Installs [`StderrLogger`] unless the application has a logger; with ours, kiln's lines show.
@@ -140,7 +140,7 @@ fn ensure_logger() {
     });
 }
 
-/// Prints kiln's records (and others at warn or above) to stderr as `[kiln <category>] msg`.
+/// Prints kiln's records (and others at warn or above) to stderr as `[kiln <topic>] msg`.
 struct StderrLogger;
 
 impl log::Log for StderrLogger {
@@ -162,7 +162,7 @@ mod tests {
 
     #[test]
     fn bits_are_distinct() {
-        let all = Category::ALL.iter().fold(0, |m, c| m | c.bit());
-        assert_eq!(all.count_ones() as usize, Category::ALL.len());
+        let all = Topic::ALL.iter().fold(0, |m, c| m | c.bit());
+        assert_eq!(all.count_ones() as usize, Topic::ALL.len());
     }
 }

@@ -42,7 +42,7 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
 
 /// A convolution pass by the device's library (cuDNN) where it takes it, else None (the
 /// caller computes it as im2col and a product). `shapes`: input, weight, output.
-pub(crate) fn conv_library(pass: crate::ops::conv::Pass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize]) -> Result<Option<crate::Tensor>> {
+pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize]) -> Result<Option<crate::Tensor>> {
     if !a.device().is_cuda() || !cuda::libs::cudnn::usable(a.dtype()) {
         return Ok(None);
     }

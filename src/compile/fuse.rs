@@ -13,7 +13,7 @@
 use super::graph::{Graph, NodeId, NodeOp};
 use crate::ops::{BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::kir::MAX_ROW;
-use crate::kir::{FusedKernel, KArg, KInput, KKind, KOp, KernelMemo, Space};
+use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
 use crate::DType;
 
 /// One step of a compiled program.
@@ -449,7 +449,7 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     let is_row = |numel: usize| matches!(space, Space::Rows { rows, cols } if numel == rows && numel != rows * cols);
     let mut inputs: Vec<KInput> = vec![];
     let mut ops: Vec<KOp> = vec![];
-    let mut val: std::collections::HashMap<NodeId, KArg> = Default::default();
+    let mut val: std::collections::HashMap<NodeId, ValueRef> = Default::default();
     let mut names: Vec<String> = vec![];
     for &m in &grp.members {
         let node = &g.nodes[m];
@@ -460,7 +460,7 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
                 None => {
                     let row = is_row(g.nodes[a].numel());
                     inputs.push(KInput { node: a, dtype: g.nodes[a].dtype, row });
-                    let v = KArg::In(inputs.len() - 1);
+                    let v = ValueRef::In(inputs.len() - 1);
                     val.insert(a, v);
                     v
                 }
@@ -483,13 +483,13 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
         }
         let row = is_row(node.numel());
         // A row value, possibly seen through the broadcast that spreads it over the row.
-        let row_arg = |a: &KArg, ops: &[KOp]| {
+        let row_arg = |a: &ValueRef, ops: &[KOp]| {
             let mut a = *a;
             loop {
                 match a {
-                    KArg::Op(j) if matches!(ops[j].kind, KKind::Broadcast | KKind::Same) && !ops[j].row => a = ops[j].args[0],
-                    KArg::Op(j) => return ops[j].row,
-                    KArg::In(j) => return inputs[j].row,
+                    ValueRef::Op(j) if matches!(ops[j].kind, KKind::Broadcast | KKind::Same) && !ops[j].row => a = ops[j].args[0],
+                    ValueRef::Op(j) => return ops[j].row,
+                    ValueRef::In(j) => return inputs[j].row,
                 }
             }
         };
@@ -498,23 +498,23 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
                 // Dividing a row by its per-row value: one reciprocal per row, then a multiply
                 // per element (as the eager softmax kernel does; within an ulp of dividing).
                 ops.push(KOp { kind: KKind::Const(1.0), args: vec![], dtype: c, row: true });
-                let one = KArg::Op(ops.len() - 1);
+                let one = ValueRef::Op(ops.len() - 1);
                 ops.push(KOp { kind: KKind::Binary(BinaryOp::Div, c), args: vec![one, args[1]], dtype: c, row: true });
-                let recip = KArg::Op(ops.len() - 1);
+                let recip = ValueRef::Op(ops.len() - 1);
                 ops.push(KOp { kind: KKind::Binary(BinaryOp::Mul, c), args: vec![args[0], recip], dtype: node.dtype, row });
-                val.insert(m, KArg::Op(ops.len() - 1));
+                val.insert(m, ValueRef::Op(ops.len() - 1));
                 continue;
             }
         }
         ops.push(KOp { kind, args, dtype: node.dtype, row });
-        val.insert(m, KArg::Op(ops.len() - 1));
+        val.insert(m, ValueRef::Op(ops.len() - 1));
     }
     // Stored: values read outside the group, outputs and write-backs.
     let mut outputs = vec![];
     for &m in &grp.members {
         let read_outside = users[m] > readers[m].iter().filter(|&&j| group_of[j] == me).count();
         if read_outside {
-            let KArg::Op(k) = val[&m] else { unreachable!("members are ops") };
+            let ValueRef::Op(k) = val[&m] else { unreachable!("members are ops") };
             outputs.push((k, m));
         }
     }

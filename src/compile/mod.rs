@@ -34,7 +34,7 @@ pub fn tracing() -> bool {
 }
 
 use crate::autograd::{Ctx, Function};
-use crate::logging::Category;
+use crate::logging::Topic;
 use crate::{Device, Result, Tensor};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -261,7 +261,7 @@ struct Replay {
     /// call's tensors before each replay (None: the driver did not name their nodes, and a
     /// replay copies around the graph, two more launches per call).
     io: Option<Io>,
-    graph: crate::backend::cuda::device::graph::Graph,
+    graph: crate::backend::cuda::device::graph::CudaGraph,
 }
 
 struct Io {
@@ -318,7 +318,7 @@ impl Graphed {
             let outs = self.program.run(&inputs)?;
             let Device::Cuda(n) = args.first().map(|a| a.device()).unwrap_or(Device::Cpu) else { return Ok(outs) };
             if crate::backend::cuda::tuning::autotune::deferred() != deferred {
-                log(Category::Recompiles, || "max-autotune: a choice could not be timed while another thread captured a CUDA graph; this call ran uncaptured and the next one tries again".into());
+                log(Topic::Recompiles, || "max-autotune: a choice could not be timed while another thread captured a CUDA graph; this call ran uncaptured and the next one tries again".into());
                 return Ok(outs);
             }
             let dev = crate::backend::cuda::device(n)?;
@@ -359,17 +359,17 @@ impl Graphed {
                 Some(Ok(c)) => Ok(c),
                 other => {
                     if let Some(Err(e)) = other {
-                        log(Category::Recompiles, || format!("CUDA graph: arguments and outputs are copied around it ({e})"));
+                        log(Topic::Recompiles, || format!("CUDA graph: arguments and outputs are copied around it ({e})"));
                     }
                     attempt(false)
                 }
             };
             match captured {
                 Ok((graph, (souts, io))) => {
-                    log(Category::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
+                    log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
                     *slot = Some(Replay { graph, args: statics, outs: souts, io });
                 }
-                Err(e) => log(Category::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call")),
+                Err(e) => log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call")),
             }
             Ok(outs)
         }
@@ -502,14 +502,14 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             st.traces += 1;
         }
         if !self.state.lock().entries.is_empty() && !dynamic_respecialise {
-            log(Category::Recompiles, || format!("recompiling: {reason}"));
+            log(Topic::Recompiles, || format!("recompiling: {reason}"));
         }
         let started = std::time::Instant::now();
         let opts = self.opts.clone();
         let state = self.state.clone();
         let on_break: trace::BreakRunner = Arc::new(move |g: &Graph, inputs: &[Tensor]| run_segment(&opts, &state, g, inputs));
         let traced = trace::trace(args, self.opts.fullgraph, on_break, &mut |sym| f.invoke(sym))?;
-        log(Category::Graph, || format!("{}", traced.graph));
+        log(Topic::Graph, || format!("{}", traced.graph));
         let n_args = traced.graph.n_args;
         let captured = traced.inputs[n_args..].to_vec();
         if !traced.breaks.is_empty() || self.state.lock().segmented {
@@ -522,13 +522,13 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         if !traced.effects.escaped.is_empty() {
             // The call made state (an optimiser's first momentum buffer): the next call reads it,
             // so it traces again instead of replaying this graph.
-            log(Category::Recompiles, || format!("not cached: the call left {} new tensors alive (new state); the next call traces again", traced.effects.escaped.len()));
+            log(Topic::Recompiles, || format!("not cached: the call left {} new tensors alive (new state); the next call traces again", traced.effects.escaped.len()));
             return Ok(out);
         }
         let shapes: Vec<Vec<usize>> = args.iter().map(|a| a.shape().to_vec()).collect();
         if dynamic_respecialise {
             // Not a recompile (no guard failed, no kernel is generated), but a cost the caller pays.
-            log(Category::Recompiles, || format!("dynamic: new sizes {shapes:?} traced, built and run in {:.2} ms (kernels shared)", started.elapsed().as_secs_f64() * 1e3));
+            log(Topic::Recompiles, || format!("dynamic: new sizes {shapes:?} traced, built and run in {:.2} ms (kernels shared)", started.elapsed().as_secs_f64() * 1e3));
         }
         push_entry(&mut self.state.lock(), Entry { key, exec, captured, effects: Arc::new(traced.effects), shapes });
         Ok(out)
@@ -612,20 +612,20 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
             let needs_grad = !step && effects.returns_grad && crate::is_grad_enabled() && inputs.iter().any(|t| t.is_requires_grad()) && g.outputs.iter().any(|&o| g.nodes[o].dtype.is_float());
             if needs_grad {
                 if g.outputs.len() != 1 || !g.mutations.is_empty() {
-                    log(Category::Breaks, || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());
+                    log(Topic::Breaks, || "gradients through a compiled function with several outputs or in-place writes run through the eager ops".into());
                     return Ok(Exec::Runner(g.eager_runner()));
                 }
                 let s = autodiff::split(g, inputs)?;
                 let forward = runtime::Program::new(optimise(&s.forward), tune);
                 let backward = runtime::Program::new(optimise(&s.backward), tune);
-                log(Category::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
+                log(Topic::Graph, || format!("forward:\n{}backward:\n{}", forward.graph, backward.graph));
                 return Ok(Exec::Train(Arc::new(Train { forward, backward, n_saved: s.n_saved, needs_grad: s.needs_grad })));
             }
             let program = Arc::new(runtime::Program::new(optimise(g), tune));
             if matches!(opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune) {
                 match graph_blocker(&program, &inputs[..g.n_args]) {
                     None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),
-                    Some(why) => log(Category::Recompiles, || format!("{:?}: no CUDA graph because {why}; the launch list runs each call", opts.mode)),
+                    Some(why) => log(Topic::Recompiles, || format!("{:?}: no CUDA graph because {why}; the launch list runs each call", opts.mode)),
                 }
             }
             Ok(Exec::Program(program))

@@ -3,7 +3,7 @@
 //! allocator hands their memory to the next step (the memory plan).
 
 use super::fuse::{self, Schedule, Step};
-use crate::logging::Category;
+use crate::logging::Topic;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
 use crate::backend::cuda::device::graph::Footprint;
 use crate::layout::Layout;
@@ -68,7 +68,7 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
 
 /// How much of a program `run_steps_of` runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Pass {
+enum RunScope {
     /// Every step.
     Full,
     /// The steps computed from parameters alone, and the inputs and views they read (returns
@@ -229,7 +229,7 @@ impl Hoisted {
         if kept.is_empty() {
             return Hoisted::default();
         }
-        crate::logging::log(Category::Fusion, || format!("{} step(s) computed from parameters alone run once and keep {} value(s) until a parameter changes", steps.iter().filter(|&&h| h).count(), kept.len()));
+        crate::logging::log(Topic::Fusion, || format!("{} step(s) computed from parameters alone run once and keep {} value(s) until a parameter changes", steps.iter().filter(|&&h| h).count(), kept.len()));
         Hoisted { steps, kept, sources, cache: Default::default(), pinned: Default::default() }
     }
 
@@ -255,7 +255,7 @@ impl Program {
     /// row-kernel launch shapes on the device the first time each runs (a no-op on the CPU).
     pub(crate) fn new(graph: Graph, tune: bool) -> Program {
         let schedule = fuse::schedule(&graph);
-        crate::logging::log(Category::Fusion, || {
+        crate::logging::log(Topic::Fusion, || {
             let mut s = format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
             for k in &schedule.kernels {
                 s += &format!("\n  {}", k.describe());
@@ -293,7 +293,7 @@ impl Program {
             return Ok(());
         }
         let _off = super::trace::Suspend::new();
-        crate::no_grad(|| self.run_steps_of(inputs, Pass::HoistedOnly)).map(drop)
+        crate::no_grad(|| self.run_steps_of(inputs, RunScope::HoistedOnly)).map(drop)
     }
 
     /// How many kernels one run launches on a GPU (fused kernels plus eager steps that compute),
@@ -311,25 +311,25 @@ impl Program {
         crate::no_grad(|| {
             // The first run on a GPU: its kernels are built side by side first.
             if !self.rehearsed.swap(true, std::sync::atomic::Ordering::Relaxed) && self.graph.nodes.iter().any(|n| n.device.is_cuda()) {
-                crate::backend::cuda::tuning::rehearsal::rehearse(|| self.run_steps_of(inputs, Pass::Rehearsal).map(drop));
+                crate::backend::cuda::tuning::rehearsal::rehearse(|| self.run_steps_of(inputs, RunScope::Rehearsal).map(drop));
             }
             self.run_steps(inputs)
         })
     }
 
     fn run_steps(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.run_steps_of(inputs, Pass::Full)
+        self.run_steps_of(inputs, RunScope::Full)
     }
 
-    /// Runs the schedule (`Pass` says how much of it, and whether for real).
-    fn run_steps_of(&self, inputs: &[Tensor], pass: Pass) -> Result<Vec<Tensor>> {
-        let hoisted_only = pass == Pass::HoistedOnly;
+    /// Runs the schedule (`RunScope` says how much of it, and whether for real).
+    fn run_steps_of(&self, inputs: &[Tensor], pass: RunScope) -> Result<Vec<Tensor>> {
+        let hoisted_only = pass == RunScope::HoistedOnly;
         let g = &self.graph;
         let h = &self.hoisted;
         let mut env: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         let mut cache = h.cache.lock();
         let mut views = self.views.made.lock();
-        let fresh = pass != Pass::Rehearsal && !h.kept.is_empty() && h.current(&cache, g, inputs);
+        let fresh = pass != RunScope::Rehearsal && !h.kept.is_empty() && h.current(&cache, g, inputs);
         if fresh {
             for (v, t) in h.kept.iter().zip(&cache.as_ref().expect("fresh").values) {
                 env[*v] = Some(t.clone());
@@ -400,10 +400,10 @@ impl Program {
                     }
                 }
             }
-            if hoisted && pass != Pass::Rehearsal {
+            if hoisted && pass != RunScope::Rehearsal {
                 self.keep(inputs, s, &mut env, &mut cache)?;
             }
-            if pass == Pass::Full {
+            if pass == RunScope::Full {
                 // While a CUDA graph is captured: what this step touched, so that it waits at
                 // replay only for the steps it conflicts with.
                 crate::backend::cuda::device::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted));
@@ -419,10 +419,10 @@ impl Program {
         if hoisted_only {
             return Ok(vec![]);
         }
-        if pass != Pass::Rehearsal {
+        if pass != RunScope::Rehearsal {
             write_back(g, inputs, &env)?;
         }
-        if pass == Pass::Full {
+        if pass == RunScope::Full {
             crate::backend::cuda::device::graph::end_step(|| Footprint::barrier("write-back"));
         }
         Ok(g.outputs.iter().map(|&o| env[o].clone().expect("computed")).collect())

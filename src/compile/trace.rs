@@ -6,7 +6,7 @@
 //! compiled and run, its live values get real storage, and tracing goes on.
 
 use super::graph::{Graph, NodeId, NodeOp, RandomKind};
-use crate::logging::Category;
+use crate::logging::Topic;
 use crate::layout::Layout;
 use crate::ops::Op;
 use crate::storage::{BackendStorage, Storage};
@@ -325,7 +325,7 @@ pub(crate) fn before_host_read(t: &Tensor, what: &str) -> Result<()> {
         )));
     }
     let reason = format!("{what} at {}:{}:{}", loc.file(), loc.line(), loc.column());
-    crate::logging::log(Category::Breaks, || format!("graph break: {reason}"));
+    crate::logging::log(Topic::Breaks, || format!("graph break: {reason}"));
     graph_break(reason)
 }
 

@@ -25,7 +25,7 @@ impl Default for Conv2dArgs {
 
 /// Which product of a convolution an op computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Pass {
+pub(crate) enum ConvPass {
     /// y from (x, w).
     Forward,
     /// dx from (dy, w).
@@ -149,9 +149,9 @@ impl Geom {
 pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     let (a, b) = (xs[0], xs[1]);
     let (pass, args, x, w, y) = match op {
-        Op::Conv2d(args) => (Pass::Forward, args, a.shape(), b.shape(), out),
-        Op::Conv2dGradInput(args, _) => (Pass::GradInput, args, out, b.shape(), a.shape()),
-        Op::Conv2dGradWeight(args, _) => (Pass::GradWeight, args, a.shape(), out, b.shape()),
+        Op::Conv2d(args) => (ConvPass::Forward, args, a.shape(), b.shape(), out),
+        Op::Conv2dGradInput(args, _) => (ConvPass::GradInput, args, out, b.shape(), a.shape()),
+        Op::Conv2dGradWeight(args, _) => (ConvPass::GradWeight, args, a.shape(), out, b.shape()),
         _ => unreachable!("{} is not a convolution", op.name()),
     };
     if let Some(t) = crate::backend::conv_library(pass, args, [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]), a, b, out)? {
@@ -163,9 +163,9 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     let _off = crate::compile::trace::Suspend::new();
     crate::amp::suspended(|| {
         crate::no_grad(|| match pass {
-            Pass::Forward => forward(a, b, args, &geo),
-            Pass::GradInput => grad_input(a, b, args, &geo),
-            Pass::GradWeight => grad_weight(a, b, args, &geo),
+            ConvPass::Forward => forward(a, b, args, &geo),
+            ConvPass::GradInput => grad_input(a, b, args, &geo),
+            ConvPass::GradWeight => grad_weight(a, b, args, &geo),
         })
     })
 }

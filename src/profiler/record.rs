@@ -322,13 +322,13 @@ pub(super) fn sync(what: &'static str, device: Device, at: &'static Location<'st
 /// `ordinal`; `in_use` gives the bytes allocated afterwards.
 #[inline]
 pub(crate) fn memory(ordinal: usize, delta: i64, in_use: impl FnOnce() -> usize) {
-    let log = crate::logging::enabled(crate::logging::Category::Alloc);
+    let log = crate::logging::enabled(crate::logging::Topic::Alloc);
     if delta == 0 || !(active() || log) {
         return;
     }
     let in_use = in_use();
     let (kind, name) = if delta > 0 { (EventKind::Alloc, "alloc") } else { (EventKind::Free, "free") };
-    crate::logging::log(crate::logging::Category::Alloc, || format!("cuda:{ordinal} {name} {} bytes, {in_use} in use", delta.unsigned_abs()));
+    crate::logging::log(crate::logging::Topic::Alloc, || format!("cuda:{ordinal} {name} {} bytes, {in_use} in use", delta.unsigned_abs()));
     let mut e = event(kind, name.to_string(), Device::Cuda(ordinal));
     (e.bytes, e.bytes_in_use) = (delta.unsigned_abs() as usize, Some(in_use));
     with_session(|s| {

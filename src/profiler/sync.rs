@@ -10,7 +10,7 @@
 //! with a kiln error.
 
 use super::record::{self, Span};
-use crate::logging::{self, Category};
+use crate::logging::{self, Topic};
 use crate::{Device, Error, Result};
 use std::cell::Cell;
 use std::panic::Location;
@@ -67,8 +67,8 @@ pub fn with_sync_debug_mode<T>(mode: SyncDebug, f: impl FnOnce() -> T) -> T {
 pub(crate) fn sync(what: &'static str, device: Device, at: &'static Location<'static>) -> Result<Span> {
     let report = || format!("{what} on {device}: host synchronisation at {}:{}:{}", at.file(), at.line(), at.column());
     match sync_debug_mode() {
-        SyncDebug::Off => logging::log(Category::Sync, report),
-        SyncDebug::Warn => logging::warn(Category::Sync, &report()),
+        SyncDebug::Off => logging::log(Topic::Sync, report),
+        SyncDebug::Warn => logging::warn(Topic::Sync, &report()),
         SyncDebug::Error => return Err(Error::Sync { what, device, at: format!("{}:{}:{}", at.file(), at.line(), at.column()) }),
     }
     Ok(record::sync(what, device, at))

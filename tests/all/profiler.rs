@@ -2,7 +2,7 @@
 //! the table, the Chrome trace, call sites of synchronisations.
 
 use crate::common::*;
-use kiln::logging::{self, Category};
+use kiln::logging::{self, Topic};
 use kiln::prelude::*;
 use kiln::profiler::{CopyKind, EventKind};
 use kiln::{with_sync_debug_mode, Error};
@@ -169,14 +169,14 @@ fn copies_syncs_and_memory_on_the_device() {
 
 #[test]
 fn kiln_log_names_parse() {
-    assert_eq!(logging::parse("graph, Kernels,,sync").unwrap(), [Category::Graph, Category::Kernels, Category::Sync]);
-    assert_eq!(logging::parse("all").unwrap(), Category::ALL);
+    assert_eq!(logging::parse("graph, Kernels,,sync").unwrap(), [Topic::Graph, Topic::Kernels, Topic::Sync]);
+    assert_eq!(logging::parse("all").unwrap(), Topic::ALL);
     assert!(logging::parse("").unwrap().is_empty());
     let e = logging::parse("kernels,kernal").unwrap_err().to_string();
     assert!(e.contains("KILN_LOG") && e.contains("'kernal'") && e.contains("recompiles"), "{e}");
-    assert_eq!(Category::Fusion.target(), "kiln::fusion");
+    assert_eq!(Topic::Fusion.target(), "kiln::fusion");
     let env = logging::parse(&std::env::var("KILN_LOG").unwrap_or_default()).unwrap_or_default();
-    for c in Category::ALL {
+    for c in Topic::ALL {
         assert_eq!(logging::enabled(c), env.contains(&c), "{c:?} follows KILN_LOG");
     }
 }

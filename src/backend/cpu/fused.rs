@@ -5,7 +5,7 @@
 use super::pointwise::{Map1, Map2};
 use super::{with_storage, CpuStorage, Operand};
 use crate::dtype::CType;
-use crate::kir::{FusedKernel, KArg, KKind, KOp, Space};
+use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::dtype::Elem;
 use crate::ops::ReduceOp;
 use crate::storage::BackendStorage;
@@ -190,9 +190,9 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
         .collect();
     let mut vals: Vec<Val> = Vec::with_capacity(k.ops.len());
     let mut slots: Vec<Slot> = Vec::with_capacity(k.ops.len());
-    let slot_of = |a: &KArg, slots: &[Slot]| match a {
-        KArg::In(j) => Slot::In(*j),
-        KArg::Op(j) => slots[*j],
+    let slot_of = |a: &ValueRef, slots: &[Slot]| match a {
+        ValueRef::In(j) => Slot::In(*j),
+        ValueRef::Op(j) => slots[*j],
     };
     for (i, op) in k.ops.iter().enumerate() {
         // A view or broadcast of a value already of its type is that value: no copy.

@@ -114,7 +114,7 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
         }
     }
     let deps = step_dependencies(&kept.iter().map(|k| k.1.clone()).collect::<Vec<_>>());
-    crate::logging::log(crate::logging::Category::Graph, || {
+    crate::logging::log(crate::logging::Topic::Graph, || {
         let mut s = String::from("CUDA graph steps (<- the steps each one waits for):");
         for (i, ((_, fp), d)) in kept.iter().zip(&deps).enumerate() {
             s += &format!("\n  {i:3} {} <- {d:?}", fp.what);
@@ -213,7 +213,7 @@ impl CapturePool {
 }
 
 /// A captured launch list, replayable on its device's stream.
-pub(crate) struct Graph {
+pub(crate) struct CudaGraph {
     graph: ds::CUgraph,
     exec: ds::CUgraphExec,
     blocks: Vec<Block>,
@@ -229,13 +229,13 @@ pub(crate) struct Graph {
 
 // SAFETY: the graph handles are used under the caller's lock, from any thread that binds the
 // context (as every launch does).
-unsafe impl Send for Graph {}
-unsafe impl Sync for Graph {}
+unsafe impl Send for CudaGraph {}
+unsafe impl Sync for CudaGraph {}
 
 /// Captures what `f` launches on `dev`'s stream (nothing runs) into a graph. A capture
 /// another thread has in progress on `dev` is waited for: captures take turns.
 #[track_caller]
-pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -> Result<(Graph, T)> {
+pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -> Result<(CudaGraph, T)> {
     if capturing().is_some() {
         return Err(Error::Compile("this thread is already capturing a CUDA graph".into()));
     }
@@ -261,7 +261,7 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = crate::backend::cuda::launch_count() - launches;
     let e = match (r, ended) {
-        (Ok(value), Ok((graph, exec))) => return Ok((Graph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value)),
+        (Ok(value), Ok((graph, exec))) => return Ok((CudaGraph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value)),
         (Err(e), _) => e,
         // The value's tensors go first: dropped while their blocks still belong to the graph,
         // they give nothing back (the blocks go back once, below).
@@ -302,7 +302,7 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
     }
     if !steps.unknown && !keep_captured_order() {
         match relax(graph, steps.done) {
-            Ok((n, chain)) => crate::logging::log(crate::logging::Category::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
+            Ok((n, chain)) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
             Err(e) => return destroy(e),
         }
     }
@@ -321,7 +321,7 @@ pub(crate) struct CopyNode {
     node: ds::CUgraphNode,
     bytes: usize,
 }
-// SAFETY: a handle into a graph that lives as long as the `Graph` holding it, used under the
+// SAFETY: a handle into a graph that lives as long as the `CudaGraph` holding it, used under the
 // same lock.
 unsafe impl Send for CopyNode {}
 unsafe impl Sync for CopyNode {}
@@ -339,7 +339,7 @@ pub(crate) fn captured_copy(dev: &CudaDevice, dst: u64, src: u64, bytes: usize) 
     })
 }
 
-impl Graph {
+impl CudaGraph {
     /// Points a captured copy at new addresses (of the same size) for the next replays.
     pub(crate) fn set_copy(&self, c: &CopyNode, dst: u64, src: u64) -> Result<()> {
         let device = ds::CUmemorytype::CU_MEMORYTYPE_DEVICE;
@@ -392,7 +392,7 @@ impl Graph {
     }
 }
 
-impl Drop for Graph {
+impl Drop for CudaGraph {
     fn drop(&mut self) {
         // Its kernels may still run (replays run on `stream`): wait, then give its memory back.
         // Not the capture stream: waiting on a stream another thread is capturing on would

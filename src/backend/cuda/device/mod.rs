@@ -55,12 +55,12 @@ unsafe impl Sync for Kernel {}
 /// The argument block every generated kernel takes by value.
 #[repr(C)]
 #[derive(Clone, Copy)]
-pub(crate) struct KArgs {
+pub(crate) struct LaunchArgs {
     pub w: [u64; 64],
 }
-impl Default for KArgs {
+impl Default for LaunchArgs {
     fn default() -> Self {
-        KArgs { w: [0; 64] }
+        LaunchArgs { w: [0; 64] }
     }
 }
 
@@ -327,7 +327,7 @@ impl CudaDevice {
         }
         let (name, src) = gen();
         LOADS.with(|c| c.set(c.get() + 1));
-        crate::logging::log(crate::logging::Category::Kernels, || format!("{name} ({}):\n{src}", self.arch));
+        crate::logging::log(crate::logging::Topic::Kernels, || format!("{name} ({}):\n{src}", self.arch));
         if crate::backend::cuda::tuning::rehearsal::active() {
             return crate::backend::cuda::tuning::rehearsal::want(self, key, name, src, options);
         }
@@ -344,7 +344,7 @@ impl CudaDevice {
         self.bind()?;
         // SAFETY: `cubin` is a complete image for this device's architecture.
         let module = unsafe { dr::module::load_data(cubin.as_ptr() as *const _) }.map_err(|e| self.err("load module", e))?;
-        crate::logging::log(crate::logging::Category::Kernels, || {
+        crate::logging::log(crate::logging::Topic::Kernels, || {
             let how = match from {
                 KernelSource::Compiled => "compiled by NVRTC",
                 KernelSource::DiskCache => "read from the disk cache",
@@ -379,16 +379,16 @@ impl CudaDevice {
     }
 
     /// Launches `k` on the device's stream with the argument block `args`.
-    pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &KArgs) -> Result<()> {
+    pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &LaunchArgs) -> Result<()> {
         self.launch_shared(k, grid, block, 0, args)
     }
 
     /// `launch` with `shared` bytes of dynamic shared memory.
-    pub(crate) fn launch_shared(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &KArgs) -> Result<()> {
+    pub(crate) fn launch_shared(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &LaunchArgs) -> Result<()> {
         self.allow_shared(k, shared)?;
         let mut a = *args;
-        let mut params = [&mut a as *mut KArgs as *mut std::ffi::c_void];
-        // SAFETY: every generated kernel takes exactly one `KArgs` by value; the pointers inside
+        let mut params = [&mut a as *mut LaunchArgs as *mut std::ffi::c_void];
+        // SAFETY: every generated kernel takes exactly one `LaunchArgs` by value; the pointers inside
         // point to live device buffers kept alive by the tensors of the calling op, and buffers
         // are only reused in stream order.
         unsafe { self.launch_params(k, grid, block, shared, &mut params) }

@@ -12,7 +12,7 @@
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::dtype::CType;
 use crate::backend::cuda::kernels::{data_ptr, dev_of};
-use crate::backend::cuda::{CudaStorage, KArgs, KernelKey};
+use crate::backend::cuda::{CudaStorage, LaunchArgs, KernelKey};
 use crate::ops::AttnDims;
 use crate::{DType, Result, Tensor};
 use std::fmt::Write;
@@ -180,7 +180,7 @@ fn gen_backward_kv_tc(dtype: DType, d: usize, part: KvPart, three_blocks: bool) 
 /// heads: one block per head in x, one per 64 rows in y, 128 threads. Its dynamic shared memory
 /// holds two stages of two tiles of 64 rows (padded by 8 elements), and for the key-row kernels
 /// each stage's log-sum-exp and delta per row.
-fn launch_tc(dev: &crate::backend::cuda::CudaDevice, kern: crate::backend::cuda::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &KArgs) -> Result<()> {
+fn launch_tc(dev: &crate::backend::cuda::CudaDevice, kern: crate::backend::cuda::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &LaunchArgs) -> Result<()> {
     let (x, _, _) = grid(bh, rows, ROWS)?;
     dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared(d, key_rows) as u32, a)
 }
@@ -263,8 +263,8 @@ fn gen_backward_kv(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, S
 }
 
 /// The argument words the three kernels share: pointers, sizes, strides, scale, causal.
-fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &AttnDims, scale: f64, causal: bool) -> Result<KArgs> {
-    let mut a = KArgs::default();
+fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &AttnDims, scale: f64, causal: bool) -> Result<LaunchArgs> {
+    let mut a = LaunchArgs::default();
     a.w[0] = data_ptr(q)?;
     a.w[1] = data_ptr(k)?;
     a.w[2] = data_ptr(v)?;

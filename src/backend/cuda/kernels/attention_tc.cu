@@ -145,7 +145,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, flo
 
 #ifdef ATTN_FWD_TC
 // Forward (attention.rs: `gen_forward_tc`).
-extern "C" __global__ void TC_BOUNDS KNAME(KArgs a) {
+extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
   TC_ARGS
   T* out = (T*)a.w[4];
   Tile* Ks = (Tile*)smem_;
@@ -193,7 +193,7 @@ extern "C" __global__ void TC_BOUNDS KNAME(KArgs a) {
 #ifdef ATTN_BWD_Q_TC
 // Backward per block of query rows: log-sum-exp, delta and dq (attention.rs:
 // `gen_backward_q_tc`).
-extern "C" __global__ void __launch_bounds__(128) KNAME(KArgs a) {
+extern "C" __global__ void __launch_bounds__(128) KNAME(LaunchArgs a) {
   TC_ARGS
   const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
   float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
@@ -292,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(128) KNAME(KArgs a) {
 
 #ifdef ATTN_BWD_KV_TC
 // Backward per block of key rows: dv and / or dk (attention.rs: `gen_backward_kv_tc`).
-extern "C" __global__ void TC_BOUNDS KNAME(KArgs a) {
+extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
   TC_ARGS
   const T* g = (const T*)a.w[25];
   const float* lse = (const float*)a.w[27]; const float* dl = (const float*)a.w[28];

@@ -4,7 +4,7 @@
 
 #ifdef ATTN_FWD
 // Forward (attention.rs: `gen_forward`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   ARGS
   T* out = (T*)a.w[4];
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
@@ -33,7 +33,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
 
 #ifdef ATTN_BWD_Q
 // Backward per query row: log-sum-exp, delta and dq (attention.rs: `gen_backward_q`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   ARGS
   const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
   float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28]; SC* lse_sc = (SC*)a.w[32];
@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
 
 #ifdef ATTN_BWD_KV
 // Backward per key row: dk and dv (attention.rs: `gen_backward_kv`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(KArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   ARGS
   const T* g = (const T*)a.w[25];
   const SC* lse = (const SC*)a.w[32]; const float* dl = (const float*)a.w[28];

@@ -185,7 +185,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             }
         }
     }
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MAP_THREADS}) {name}(const KArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MAP_THREADS}) {name}(const LaunchArgs a) {{");
     let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];");
     for (m, (d, ..)) in s.outs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", MapSpec::ptr_word(m), t = storage_type(*d));
@@ -408,7 +408,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
     let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.w[0];\n  {ot}* __restrict__ out = ({ot}*)a.w[1];");
     let _ = writeln!(c, "  const IDX M = (IDX)a.w[2], K = (IDX)a.w[3], C = (IDX)a.w[4];");
     let lv = load(s.input, s.acc, "x[X]");
@@ -509,7 +509,7 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
     let t = storage_type(dtype);
     let mut c = String::from(PRELUDE);
     // words: 0 n, 1 out, 2 x, 3 idx, 4 size of x along dim; 8.. sizes, 16.. idx strides, 24.. x strides
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
     let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {t}* out = ({t}*)a.w[1]; const {t}* x = (const {t}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, ox = 0, q;");
@@ -530,7 +530,7 @@ pub(crate) fn gen_scatter_add(src: DType, t: CType, ndim: usize, dim: usize) -> 
     // words: 0 n, 1 acc, 2 src, 3 idx, 4 size of acc along dim; 8.. index sizes, 16.. idx strides, 24.. src strides, 32.. acc strides
     let st = storage_type(src);
     let tn = t.name();
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const KArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
     let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {tn}* acc = ({tn}*)a.w[1]; const {st}* src = (const {st}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, os = 0, oa = 0, q;");
@@ -555,7 +555,7 @@ pub(crate) fn gen_int_bmm(dtype: DType) -> (String, String) {
     let la = load(dtype, CType::I64, "pa[i * (long long)a.w[9] + k * (long long)a.w[10]]");
     let lb = load(dtype, CType::I64, "pb[k * (long long)a.w[12] + j * (long long)a.w[13]]");
     let st = store(dtype, CType::I64, "(long long)s");
-    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const KArgs a) {{
+    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const LaunchArgs a) {{
   {t}* out = ({t}*)a.w[0];
   const long long B = (long long)a.w[3], M = (long long)a.w[4], N = (long long)a.w[5], K = (long long)a.w[6];
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < B * M * N; e += (long long)gridDim.x * blockDim.x) {{
@@ -590,7 +590,7 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 }
 "#;
 
-/// The name of a `gen_rows` kernel, which says everything its source depends on.
+/// The name of a `gen_eager_rows` kernel, which says everything its source depends on.
 // Every part of the name is a parameter the source depends on.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rows_name(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
@@ -602,7 +602,7 @@ pub(crate) fn rows_name(kind: crate::ops::rows::RowKind, dtype: DType, threads: 
 /// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
 /// as PyTorch's kernels keep them. `full`: the threads' values cover the row exactly.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gen_rows(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
+pub(crate) fn gen_eager_rows(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
     use crate::ops::rows::RowKind;
     let name = rows_name(kind, dtype, threads, vpt, vec, full, weight, bias);
     let t = storage_type(dtype);
@@ -661,7 +661,7 @@ pub(crate) fn gen_rows(kind: crate::ops::rows::RowKind, dtype: DType, threads: u
         if weight { "        const VX wq = *(const VX*)(w + k0);\n" } else { "" },
         if bias { "        const VX bq = *(const VX*)(b + k0);\n" } else { "" }
     );
-    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__({threads}) {name}(const KArgs a) {{
+    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{
   const {t}* x = (const {t}*)a.w[0]; {t}* y = ({t}*)a.w[1];
   const {t}* w = (const {t}*)a.w[2]; const {t}* b = (const {t}*)a.w[3];
   const long long M = (long long)a.w[4]; const int K = (int)a.w[5]; const float eps = (float)kparam_f(a.w[6]);
@@ -716,11 +716,11 @@ mod tests {
 
     #[test]
     fn rows_covered_exactly_have_no_column_checks() {
-        use super::{gen_rows, row_full};
+        use super::{gen_eager_rows, row_full};
         use crate::ops::rows::RowKind;
         use crate::DType;
-        let (_, exact) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, true, true, true);
-        let (_, partial) = gen_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, false, true, true);
+        let (_, exact) = gen_eager_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, true, true, true);
+        let (_, partial) = gen_eager_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, false, true, true);
         assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"));
         // Every column test goes through INROW.
         assert!(!exact.contains("< K)") && !partial.replace("((k) < K)", "").contains("< K)"), "{partial}");

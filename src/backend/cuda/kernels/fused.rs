@@ -6,8 +6,8 @@
 use crate::backend::cuda::kernels::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, PRELUDE, row_full, row_index};
 use crate::dtype::CType;
 use crate::backend::cuda::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
-use crate::backend::cuda::{tuning::autotune, device, CudaStorage, KArgs, KernelKey};
-use crate::kir::{FusedKernel, KArg, KKind, KOp, Space};
+use crate::backend::cuda::{tuning::autotune, device, CudaStorage, LaunchArgs, KernelKey};
+use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{Device, Error, Result, Tensor};
@@ -135,8 +135,8 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
             .args
             .iter()
             .map(|a| match a {
-                KArg::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
-                KArg::Op(j) => vals[*j].clone(),
+                ValueRef::In(j) => (CType::of(k.inputs[*j].dtype), format!("v{j}")),
+                ValueRef::Op(j) => vals[*j].clone(),
             })
             .collect();
         match pairs[i] {
@@ -260,13 +260,13 @@ struct RowPlan {
     elem: Vec<bool>,
     /// Per pass (reductions in op order, then the output pass): the full inputs and ops it
     /// computes, and the ones it reads from register arrays.
-    passes: Vec<Pass>,
+    passes: Vec<RowPass>,
     in_array: Vec<bool>,
     op_array: Vec<bool>,
 }
 
 #[derive(Default, Clone)]
-struct Pass {
+struct RowPass {
     inputs: Vec<usize>,
     ops: Vec<usize>,
 }
@@ -274,31 +274,31 @@ struct Pass {
 impl RowPlan {
     fn new(k: &FusedKernel) -> RowPlan {
         let n = k.ops.len();
-        let in_elem = |a: &KArg, elem: &[bool]| match a {
-            KArg::In(j) => !k.inputs[*j].row,
-            KArg::Op(j) => elem[*j],
+        let in_elem = |a: &ValueRef, elem: &[bool]| match a {
+            ValueRef::In(j) => !k.inputs[*j].row,
+            ValueRef::Op(j) => elem[*j],
         };
         let mut elem = vec![false; n];
         for (i, op) in k.ops.iter().enumerate() {
             elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| in_elem(a, &elem));
         }
-        let mut roots: Vec<Vec<KArg>> = k.ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).map(|o| vec![o.args[0]]).collect();
-        roots.push(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| KArg::Op(*o)).collect());
+        let mut roots: Vec<Vec<ValueRef>> = k.ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).map(|o| vec![o.args[0]]).collect();
+        roots.push(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| ValueRef::Op(*o)).collect());
         // The full values a pass needs, walking back from its roots and stopping at ops held in
         // arrays computed by an earlier pass.
-        let closure = |roots: &[KArg], stop: &dyn Fn(usize) -> bool| {
+        let closure = |roots: &[ValueRef], stop: &dyn Fn(usize) -> bool| {
             let (mut ins, mut ops) = (vec![false; k.inputs.len()], vec![false; n]);
             let mut todo = roots.to_vec();
             while let Some(a) = todo.pop() {
                 match a {
-                    KArg::In(j) => ins[j] |= !k.inputs[j].row,
-                    KArg::Op(i) if elem[i] && !ops[i] => {
+                    ValueRef::In(j) => ins[j] |= !k.inputs[j].row,
+                    ValueRef::Op(i) if elem[i] && !ops[i] => {
                         ops[i] = true;
                         if !stop(i) {
                             todo.extend(k.ops[i].args.iter().copied());
                         }
                     }
-                    KArg::Op(_) => {}
+                    ValueRef::Op(_) => {}
                 }
             }
             (ins, ops)
@@ -321,7 +321,7 @@ impl RowPlan {
             for (j, used) in ins.iter().enumerate() {
                 in_reads[j] += *used as usize;
             }
-            let p = Pass { inputs: (0..ins.len()).filter(|&j| ins[j]).collect(), ops: (0..n).filter(|&i| ops[i]).collect() };
+            let p = RowPass { inputs: (0..ins.len()).filter(|&j| ins[j]).collect(), ops: (0..n).filter(|&i| ops[i]).collect() };
             for &i in &p.ops {
                 filled[i] |= op_array[i];
             }
@@ -334,7 +334,7 @@ impl RowPlan {
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
 /// time; `vector[j]` says whether full input j is read with vector loads; `full`: the threads'
 /// values cover the row exactly (no column checks).
-fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], full: bool) -> String {
+fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], full: bool) -> String {
     let plan = RowPlan::new(k);
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
@@ -360,7 +360,7 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
             let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
         }
     }
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const KArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{");
     let _ = writeln!(c, "  const long long M = (long long)a.w[0]; const int K = (int)a.w[1];");
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", 2 + m, t = storage_type(k.ops[*o].dtype));
@@ -445,7 +445,7 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
-    let mut pass = |c: &mut String, p: &Pass, each: &str, stores: &str, prologue: &str| {
+    let mut pass = |c: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if vector[j] && !plan.in_array[j] {
@@ -528,10 +528,10 @@ fn gen_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize,
 }
 
 /// The C name and type of an argument.
-fn arg_val(a: &KArg, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
+fn arg_val(a: &ValueRef, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
     match a {
-        KArg::In(j) => ins[*j].clone(),
-        KArg::Op(j) => vals[*j].clone(),
+        ValueRef::In(j) => ins[*j].clone(),
+        ValueRef::Op(j) => vals[*j].clone(),
     }
 }
 
@@ -552,7 +552,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
     let vk = || vector.iter().map(|&b| if b { 'v' } else { 's' }).collect::<String>();
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
-    let mut a = KArgs::default();
+    let mut a = LaunchArgs::default();
     a.w[0] = rows as u64;
     a.w[1] = cols as u64;
     for (m, s) in outs.iter().enumerate() {
@@ -584,7 +584,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let src = gen_rows(k, &name, threads, vpt, vec, &vector, full);
+                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, full);
                     (name.clone(), src)
                 })?;
                 if !crate::backend::cuda::tuning::rehearsal::active() {
@@ -709,7 +709,7 @@ mod tests {
         let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
         let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
         let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
-        let src = gen_rows(&k, "softmax_rows", threads, vpt, 4, &[true], true);
+        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], true);
         assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
@@ -724,7 +724,7 @@ mod tests {
         let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
         assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
         assert_eq!(plan.in_array, vec![true]);
-        let src = gen_rows(&ks[0], "k", 32, 2, 1, &[false], true);
+        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], true);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
     }
 

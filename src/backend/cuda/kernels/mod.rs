@@ -11,7 +11,7 @@ pub(crate) mod fused;
 
 use crate::dtype::CType;
 use codegen::{gen_map, gen_reduce, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
-use crate::backend::cuda::{libs::blas, device, CudaDevice, CudaStorage, KArgs, KernelKey};
+use crate::backend::cuda::{libs::blas, device, CudaDevice, CudaStorage, LaunchArgs, KernelKey};
 use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
@@ -195,7 +195,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     };
     let ndim = if strided { cshape.len() } else { 0 };
     let fill = |words: &codegen::MapWords| {
-        let mut a = KArgs::default();
+        let mut a = LaunchArgs::default();
         a.w[0] = n as u64;
         for (k, o) in ops.iter().enumerate() {
             a.w[MapSpec::ptr_word(k)] = o.ptr;
@@ -461,7 +461,7 @@ fn cols_chunks() -> Option<usize> {
 fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
     let key = KernelKey::Reduce(spec.clone());
     let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(spec)))?;
-    let mut a = KArgs::default();
+    let mut a = LaunchArgs::default();
     a.w[..7].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64, split.0, split.1]);
     match spec.layout {
         ReduceLayout::Rows => {
@@ -493,7 +493,7 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     }
     let (name, src) = codegen::gen_gather(x.dtype(), nd.max(1), dim);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    let mut a = KArgs::default();
+    let mut a = LaunchArgs::default();
     a.w[..5].copy_from_slice(&[out.len as u64, out.ptr(), data_ptr(x)?, data_ptr(index)?, x.shape()[dim] as u64]);
     (a.w[6], a.w[7]) = index_error_words(&dev, op)?;
     for d in 0..nd {
@@ -530,7 +530,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
     if index.numel() > 0 {
         let (name, code) = codegen::gen_scatter_add(src.dtype(), t, nd.max(1), dim);
         let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
-        let mut a = KArgs::default();
+        let mut a = LaunchArgs::default();
         a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
         (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add")?;
         let acc_strides = contiguous_strides(base.shape());
@@ -600,7 +600,7 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     }
     let (name, src) = codegen::gen_int_bmm(dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    let mut w = KArgs::default();
+    let mut w = LaunchArgs::default();
     w.w[..7].copy_from_slice(&[out.ptr(), data_ptr(a)?, data_ptr(b)?, bs as u64, m as u64, n as u64, k as u64]);
     w.w[8..11].copy_from_slice(&[a.strides()[0] as u64, a.strides()[1] as u64, a.strides()[2] as u64]);
     w.w[11..14].copy_from_slice(&[b.strides()[0] as u64, b.strides()[1] as u64, b.strides()[2] as u64]);
@@ -722,8 +722,8 @@ pub(crate) fn rows(kind: crate::ops::rows::RowKind, x: &Tensor, w: Option<&Tenso
     // The source is generated only the first time (the name says all it depends on).
     let full = codegen::row_full(k, threads, vpt);
     let name = codegen::rows_name(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some());
-    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_rows(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some()))?;
-    let mut a = KArgs::default();
+    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_eager_rows(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some()))?;
+    let mut a = LaunchArgs::default();
     a.w[0] = ptrs[0].unwrap_or(0);
     a.w[1] = out.ptr();
     a.w[2] = ptrs[1].unwrap_or(0);

@@ -2,7 +2,7 @@
 // source): the by-value argument block, F16 / BF16 conversions, integer and rounded
 // arithmetic as the CPU computes it, index checks and the random number generator.
 typedef unsigned long long u64;
-struct KArgs { u64 w[64]; };
+struct LaunchArgs { u64 w[64]; };
 __device__ __forceinline__ float kh2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short kf2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float kb2f(unsigned short b) { return __uint_as_float(((unsigned int)b) << 16); }

@@ -10,7 +10,7 @@
 
 use crate::backend::cuda::{tuning::autotune, CudaDevice, CudaStorage};
 use crate::layout::Layout;
-use crate::logging::{log, Category};
+use crate::logging::{log, Topic};
 use crate::{DType, Result, Tensor};
 use cudarc::cublas::{result as br, sys as bs};
 use cudarc::cublaslt::sys as ls;
@@ -106,7 +106,7 @@ impl Handle {
             ok(unsafe { ls::cublasLtCreate(&mut h) }).map_err(|e| dev.err("cublasLtCreate", e))?;
             Some(h)
         } else {
-            log(Category::Kernels, || "libcublasLt not found: matrix products use cuBLAS".into());
+            log(Topic::Kernels, || "libcublasLt not found: matrix products use cuBLAS".into());
             None
         };
         // SAFETY: a plain query of the loaded library.
@@ -266,7 +266,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
                 // SAFETY: live handle and descriptors.
                 let a = unsafe { heuristics(lt, &planned.descs, 1) }.first().map(|r| r.algo);
                 if a.is_none() {
-                    log(Category::Kernels, || format!("cuBLASLt has no algorithm for {p:?}{}", if epilogue == Epilogue::None { "; cuBLAS runs it" } else { "; the epilogue runs unfused" }));
+                    log(Topic::Kernels, || format!("cuBLASLt has no algorithm for {p:?}{}", if epilogue == Epilogue::None { "; cuBLAS runs it" } else { "; the epilogue runs unfused" }));
                 }
                 planned.first = Some(a);
                 a
@@ -292,7 +292,7 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
             match unsafe { lt_run(lt, &planned.descs, &algo, &call) } {
                 Ok(()) => return Ok(Some(out)),
                 Err(e) => {
-                    log(Category::Kernels, || format!("cublasLtMatmul failed ({e:?}) for {p:?}; falling back"));
+                    log(Topic::Kernels, || format!("cublasLtMatmul failed ({e:?}) for {p:?}; falling back"));
                     *(if tuning { &mut planned.tuned } else { &mut planned.first }) = Some(None);
                 }
             }

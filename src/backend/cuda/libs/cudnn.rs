@@ -6,7 +6,7 @@
 //! graph's pool while a CUDA graph is captured), and calls run on the thread's work stream.
 
 use crate::backend::cuda::{kernels, CudaStorage};
-use crate::ops::conv::{Conv2dArgs, Pass};
+use crate::ops::conv::{Conv2dArgs, ConvPass};
 use crate::{DType, Error, Result, Tensor};
 use cudarc::cudnn::{result as cr, sys as cs};
 use std::collections::HashMap;
@@ -76,7 +76,7 @@ pub(crate) fn usable(dtype: DType) -> bool {
         Ok(_) => true,
         Err(why) => {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| crate::logging::warn(crate::logging::Category::Kernels, &format!("conv2d runs as im2col + matmul on CUDA: {why}")));
+            SAID.call_once(|| crate::logging::warn(crate::logging::Topic::Kernels, &format!("conv2d runs as im2col + matmul on CUDA: {why}")));
             false
         }
     }
@@ -85,7 +85,7 @@ pub(crate) fn usable(dtype: DType) -> bool {
 /// What picks an algorithm: the pass, dtype, math and geometry (the output follows from them).
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct Key {
-    pass: Pass,
+    pass: ConvPass,
     dtype: DType,
     tf32: bool,
     x: [usize; 4],
@@ -222,22 +222,22 @@ fn run_math(dtype: DType, tf32: bool, proposed: cs::cudnnMathType_t) -> Option<c
 ///
 /// # Safety
 /// `h` and the descriptors must be live.
-unsafe fn candidates(h: cs::cudnnHandle_t, pass: Pass, d: &Descs) -> std::result::Result<Vec<(Algo, cs::cudnnMathType_t)>, cr::CudnnError> {
+unsafe fn candidates(h: cs::cudnnHandle_t, pass: ConvPass, d: &Descs) -> std::result::Result<Vec<(Algo, cs::cudnnMathType_t)>, cr::CudnnError> {
     let mut n = 0i32;
     let ok = cs::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
     Ok(match pass {
-        Pass::Forward => {
+        ConvPass::Forward => {
             // SAFETY: all-zero is a valid value of this plain C struct (every enum has a 0).
             let mut perf: [cs::cudnnConvolutionFwdAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_forward_algorithm(h, d.x.0, d.w.0, d.conv.0, d.y.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
             perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Fwd(p.algo), p.mathType)).collect()
         }
-        Pass::GradInput => {
+        ConvPass::GradInput => {
             let mut perf: [cs::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_backward_data_algorithm(h, d.w.0, d.y.0, d.conv.0, d.x.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
             perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Data(p.algo), p.mathType)).collect()
         }
-        Pass::GradWeight => {
+        ConvPass::GradWeight => {
             let mut perf: [cs::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_backward_filter_algorithm(h, d.x.0, d.y.0, d.conv.0, d.w.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
             perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Filter(p.algo), p.mathType)).collect()
@@ -291,11 +291,11 @@ fn operand(t: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_backend(crate::storage::BackendStorage::Cuda(kernels::cast(t, t.dtype())?), t.shape()))
 }
 
-fn pass_name(pass: Pass) -> &'static str {
+fn pass_name(pass: ConvPass) -> &'static str {
     match pass {
-        Pass::Forward => "conv2d_fwd",
-        Pass::GradInput => "conv2d_bwd_data",
-        Pass::GradWeight => "conv2d_bwd_filter",
+        ConvPass::Forward => "conv2d_fwd",
+        ConvPass::GradInput => "conv2d_bwd_data",
+        ConvPass::GradWeight => "conv2d_bwd_filter",
     }
 }
 
@@ -303,14 +303,14 @@ fn pass_name(pass: Pass) -> &'static str {
 /// `[O, C / groups, KH, KW]` and output `[N, O, OH, OW]` of the forward convolution; `a`, `b`
 /// are the op's operands in its order ((x, w), (dy, w) or (x, dy)). Returns the pass's result,
 /// contiguous.
-pub(crate) fn conv(pass: Pass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &Tensor, b: &Tensor) -> Result<CudaStorage> {
+pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &Tensor, b: &Tensor) -> Result<CudaStorage> {
     let dev = kernels::dev_of(a)?;
     let dtype = a.dtype();
     let [x, w, y] = shapes;
     let out_shape = match pass {
-        Pass::Forward => y,
-        Pass::GradInput => x,
-        Pass::GradWeight => w,
+        ConvPass::Forward => y,
+        ConvPass::GradInput => x,
+        ConvPass::GradWeight => w,
     };
     let out = CudaStorage::new(&dev, dtype, out_shape.iter().product())?;
     if out.len == 0 || crate::backend::cuda::tuning::rehearsal::active() {
@@ -354,7 +354,7 @@ pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'stat
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: Pass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
+fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: ConvPass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
     let (args, tf32, shapes, ptrs) = (&key.args, key.tf32, *shapes, *ptrs);
     let h = st.handle;
     let descs = Descs::new(dtype, args, shapes, base_math(dtype, tf32)).map_err(|e| fail("creating descriptors", &e))?;
@@ -400,7 +400,7 @@ fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: P
         // to the next one.
         match attempt(c) {
             Ok(()) => {
-                crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn {}: {c:?} for {}", pass_name(pass), describe()));
+                crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn {}: {c:?} for {}", pass_name(pass), describe()));
                 st.chosen.insert(key.clone(), c);
                 return Ok(());
             }

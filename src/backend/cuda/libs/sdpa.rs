@@ -142,7 +142,7 @@ const VIRTUAL: i64 = 100;
 
 /// What a plan computes.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-enum Pass {
+enum PlanKind {
     /// The forward; `stats`: also each row's log-sum-exp.
     Forward { stats: bool },
     /// The forward as a graph of operations (the single operation takes neither a causal nor
@@ -158,7 +158,7 @@ enum Pass {
 /// whether it is causal, and the additive mask's layout (`bias_layout`).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
-    pass: Pass,
+    pass: PlanKind,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
@@ -167,7 +167,7 @@ pub(crate) struct Key {
 }
 
 impl Key {
-    fn new(pass: Pass, a: &Attn) -> Key {
+    fn new(pass: PlanKind, a: &Attn) -> Key {
         let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
         let (q, k, v, n) = (a.q, a.k, a.v, a.n);
         Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)], causal: a.causal, bias: a.mask.and_then(bias_layout) }
@@ -548,9 +548,9 @@ fn backward_graph(key: &Key) -> std::result::Result<Ops, String> {
 /// the first that finalizes.
 fn build(h: cs::cudnnHandle_t, key: &Key) -> std::result::Result<Plan, String> {
     let Ops { ops, mut parts, .. } = match key.pass {
-        Pass::Forward { stats } => forward_graph(key, stats)?,
-        Pass::MaskedForward => masked_forward_graph(key)?,
-        Pass::Backward => backward_graph(key)?,
+        PlanKind::Forward { stats } => forward_graph(key, stats)?,
+        PlanKind::MaskedForward => masked_forward_graph(key)?,
+        PlanKind::Backward => backward_graph(key)?,
     };
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
@@ -600,11 +600,11 @@ fn first_plan<const N: usize>(st: &mut State, keys: [Key; N]) -> Option<Key> {
             let started = std::time::Instant::now();
             let plan = match build(st.handle, &key) {
                 Ok(p) => {
-                    crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: plan for {key:?} built in {:.1} ms", started.elapsed().as_secs_f64() * 1e3));
+                    crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn attention: plan for {key:?} built in {:.1} ms", started.elapsed().as_secs_f64() * 1e3));
                     Some(p)
                 }
                 Err(why) => {
-                    crate::logging::log(crate::logging::Category::Kernels, || format!("cudnn attention: no plan for {key:?} ({why})"));
+                    crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn attention: no plan for {key:?} ({why})"));
                     None
                 }
             };
@@ -614,7 +614,7 @@ fn first_plan<const N: usize>(st: &mut State, keys: [Key; N]) -> Option<Key> {
             return Some(key);
         }
     }
-    crate::logging::log(crate::logging::Category::Kernels, || "cudnn attention: kiln's kernels run it".into());
+    crate::logging::log(crate::logging::Topic::Kernels, || "cudnn attention: kiln's kernels run it".into());
     None
 }
 
@@ -656,9 +656,9 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Optio
     let n = a.n;
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
         let key = |pass| Key::new(pass, a);
-        let found = if a.causal || a.mask.is_some() { first_plan(st, [key(Pass::MaskedForward)]) } else { first_plan(st, [key(Pass::Forward { stats: true }), key(Pass::Forward { stats: false })]) };
+        let found = if a.causal || a.mask.is_some() { first_plan(st, [key(PlanKind::MaskedForward)]) } else { first_plan(st, [key(PlanKind::Forward { stats: true }), key(PlanKind::Forward { stats: false })]) };
         let Some(key) = found else { return Ok(None) };
-        let stats = if key.pass != (Pass::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
+        let stats = if key.pass != (PlanKind::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
         if crate::backend::cuda::tuning::rehearsal::active() {
             return Ok(Some(stats));
         }
@@ -693,7 +693,7 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
     let (scale, one, minus_inf) = (a.scale as f32, 1f32, f32::NEG_INFINITY);
     let dtype = a.q.dtype();
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let Some(key) = first_plan(st, [Key::new(Pass::Backward, a)]) else { return Ok(false) };
+        let Some(key) = first_plan(st, [Key::new(PlanKind::Backward, a)]) else { return Ok(false) };
         // Each row's delta, and dq's F32 sums (cuDNN adds each key tile's part into them; from
         // cuDNN 9.6 on it clears them itself).
         let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;

@@ -9,7 +9,7 @@
 //! the same values (up to floating-point reassociation).
 
 use crate::backend::cuda::CudaDevice;
-use crate::logging::{log, Category};
+use crate::logging::{log, Topic};
 use crate::{Device, Result};
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -98,7 +98,7 @@ pub(crate) fn lookup(key: &str) -> Option<String> {
     let v = v.trim_end().to_string();
     memory().lock().insert(key.to_string(), v.clone());
     count(|c| c.disk_hits += 1);
-    log(Category::Kernels, || format!("autotune: {key} -> {v} (from the disk cache)"));
+    log(Topic::Kernels, || format!("autotune: {key} -> {v} (from the disk cache)"));
     Some(v)
 }
 
@@ -127,7 +127,7 @@ pub(crate) fn time_ms(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> Op
 /// Picks the fastest of `candidates` (label, time) and logs every timing under `kernels`.
 pub(crate) fn pick<T: Clone>(what: &str, candidates: &[(String, T, Option<f64>)]) -> Option<(usize, T)> {
     let best = candidates.iter().enumerate().filter_map(|(i, c)| c.2.map(|t| (i, t))).min_by(|a, b| a.1.total_cmp(&b.1));
-    log(Category::Kernels, || {
+    log(Topic::Kernels, || {
         let mut s = format!("autotune {what}:");
         for (i, (label, _, t)) in candidates.iter().enumerate() {
             let mark = if best.map(|b| b.0) == Some(i) { "  <- fastest" } else { "" };

@@ -8,7 +8,7 @@
 //! and alignments, which the rehearsal computes exactly as the real run does.
 
 use crate::backend::cuda::{device::nvrtc, CudaDevice, Kernel, KernelKey};
-use crate::logging::{log, Category};
+use crate::logging::{log, Topic};
 use crate::Result;
 use rayon::prelude::*;
 use std::cell::{Cell, RefCell};
@@ -77,7 +77,7 @@ pub(crate) fn rehearse(f: impl FnOnce() -> Result<()>) {
         f()
     };
     if let Err(e) = outcome {
-        log(Category::Kernels, || format!("rehearsal stopped early: {e}"));
+        log(Topic::Kernels, || format!("rehearsal stopped early: {e}"));
     }
     let wanted = WANTED.with(|w| std::mem::take(&mut *w.borrow_mut()));
     if wanted.is_empty() {
@@ -101,5 +101,5 @@ pub(crate) fn rehearse(f: impl FnOnce() -> Result<()>) {
             BUILT_AHEAD.fetch_add(1, Ordering::Relaxed);
         }
     }
-    log(Category::Kernels, || format!("rehearsal: {loaded} kernel(s) built side by side in {:.1} ms", wall.as_secs_f64() * 1e3));
+    log(Topic::Kernels, || format!("rehearsal: {loaded} kernel(s) built side by side in {:.1} ms", wall.as_secs_f64() * 1e3));
 }
