@@ -34,6 +34,7 @@ pub mod ops;
 pub mod optim;
 pub mod profiler;
 mod storage;
+mod switches;
 mod tensor;
 
 pub use custom::{CustomOp, CustomOpBuilder, HostTensor, LaunchSpec, OpCtx};

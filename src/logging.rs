@@ -97,7 +97,7 @@ pub fn parse(spec: &str) -> Result<Vec<Topic>> {
 fn mask() -> u32 {
     static MASK: OnceLock<u32> = OnceLock::new();
     *MASK.get_or_init(|| {
-        let Ok(spec) = std::env::var("KILN_LOG") else { return 0 };
+        let Some(spec) = crate::switches::log() else { return 0 };
         let known = spec.split(',').filter_map(|w| parse(w).map_err(|e| eprintln!("kiln: {e}")).ok()).flatten();
         known.fold(0, |m, c| m | c.bit())
     })

@@ -32,6 +32,9 @@ enum Cmd {
         /// `allow_tf32`: faster, not FP32-accurate. The JSON's system field says so.
         #[arg(long)]
         allow_tf32: bool,
+        /// Also time the device-to-device copy at four sizes (the roofline's fit).
+        #[arg(long)]
+        copy_fit: bool,
     },
     /// Runs one call of a bench workload under the profiler: prints the per-kernel table and
     /// writes a Chrome trace.
@@ -52,7 +55,7 @@ fn main() {
     let r = match args.cmd {
         None => demo(600),
         Some(Cmd::Demo { steps }) => demo(steps),
-        Some(Cmd::Bench { only, out, allow_tf32 }) => cli::bench::run(only.as_deref(), &out, allow_tf32),
+        Some(Cmd::Bench { only, out, allow_tf32, copy_fit }) => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
     };
     if let Err(e) = r {

@@ -90,7 +90,7 @@ for k, v in d.items(): print(k, v)
 fi
 if [[ " $* " == *" host "* ]]; then
   for w in reduction pointwise; do
-    KILN_COPY_FIT=1 timeout 150 .gpu/bin/kiln bench --only $w --out $OUT/h-$w.json | grep copy
+    timeout 150 .gpu/bin/kiln bench --only $w --copy-fit --out $OUT/h-$w.json | grep copy
     python3 -c "import json; d=json.load(open('$OUT/h-$w.json')); print('copy', round(d['copy_GBps'])); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_us','_ms'))}) for k,v in d['workloads'].items()]"
   done
 fi

@@ -307,7 +307,7 @@ pub const WORKLOADS: [&str; 13] = [
     "resnet50.infer.bf16amp.bs128",
 ];
 
-pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: bool) -> Result<()> {
+pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: bool, copy_fit: bool) -> Result<()> {
     let out = out.as_ref();
     let dev = Device::cuda_if_available(0);
     if dev == Device::Cpu {
@@ -321,7 +321,7 @@ pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: boo
         y.copy_(&x)?;
         Ok(y.clone())
     })?;
-    if std::env::var_os("KILN_COPY_FIT").is_some() {
+    if copy_fit {
         for n in [25_000_000usize, 50_000_000, 67_108_864, 100_000_000] {
             let (a, b) = (x.narrow(0, 0, n)?, y.narrow(0, 0, n)?);
             let mut copy = || {

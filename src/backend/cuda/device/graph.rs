@@ -166,8 +166,7 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
 /// Whether captured graphs keep the captured order (`KILN_GRAPH_BRANCHES=0`, read once): to
 /// measure what side-by-side steps gain, or to rule them out.
 fn keep_captured_order() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KILN_GRAPH_BRANCHES").is_ok_and(|v| v == "0"))
+    crate::switches::graph_keeps_captured_order()
 }
 
 /// Notes a kernel or library call while this thread captures a graph (the profiler hooks call

@@ -10,8 +10,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub(crate) fn cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
-        return Some(PathBuf::from(d));
+    if let Some(d) = crate::switches::cache_dir() {
+        return Some(d);
     }
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return Some(PathBuf::from(d).join("kiln/kernels"));

@@ -230,8 +230,7 @@ pub(crate) fn fused_is_faster(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
 /// that start 16-byte aligned (K and V tiles are copied 16 bytes at a time, Q fragments 4). `KILN_ATTENTION_KERNEL=warp` turns it off (for
 /// measuring one kernel against the other).
 fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<bool> {
-    static WARP_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *WARP_ONLY.get_or_init(|| std::env::var("KILN_ATTENTION_KERNEL").is_ok_and(|v| v == "warp")) {
+    if crate::switches::attention_warp_only() {
         return Ok(false);
     }
     // Up to 32 keys the warp kernel's single step is faster (10 keys: 10.7 against 12.5 µs).
@@ -247,7 +246,8 @@ fn tensor_cores_take(q: &Tensor, k: &Tensor, v: &Tensor, d: usize) -> Result<boo
     Ok(true)
 }
 
-/// Backward, per query row: the row's log-sum-exp and delta = dO·O, then
+/// Backward, per query row: a first walk over the keys for the row's log-sum-exp and
+/// delta = sum_s p_s dO·v_s (dO·O without the rounding of O), then
 /// dq = scale sum_s p (dO·v_s - delta) k_s.
 fn gen_backward_q(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
     let name = warp_name("bwd_q", dtype, d, rows, vw);
@@ -385,9 +385,10 @@ fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &
     }
     let vw = backward_vector(q, k, v, g, n.d)?;
     let (rq, rk) = (backward_rows(n.l, n.d), backward_rows(n.s, n.d));
-    // F32 scores keep their log-sum-exps in double between the two kernels (`SC`).
-    let lse_sc = if q.dtype() == DType::F32 { Some(CudaStorage::new(dev, DType::F64, n.b * n.h * n.l)?) } else { None };
-    a.w[32] = lse_sc.as_ref().map_or(a.w[27], |s| s.ptr());
+    // F32 scores keep each row's log-sum-exp and delta in double between the two kernels (`SC`).
+    let rows_sc = if q.dtype() == DType::F32 { Some(CudaStorage::new(dev, DType::F64, 2 * n.b * n.h * n.l)?) } else { None };
+    a.w[32] = rows_sc.as_ref().map_or(a.w[27], |s| s.ptr());
+    a.w[33] = rows_sc.as_ref().map_or(a.w[28], |s| s.ptr() + 8 * (n.b * n.h * n.l) as u64);
     let kq = dev.kernel(KernelKey::Named(warp_name("bwd_q", q.dtype(), n.d, rq, vw)), || gen_backward_q(q.dtype(), n.d, rq, vw))?;
     dev.launch(kq, grid(n.b * n.h, n.l, rq)?, ((rq * 32) as u32, 1, 1), &a)?;
     let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;

@@ -22,6 +22,9 @@ typedef SCORE_T SC;
 struct __align__(VT_ALIGN) VT { T v[VW]; };
 __device__ __forceinline__ SC wmax(SC x) { for (int o = 16; o; o >>= 1) x = fmax(x, __shfl_xor_sync(FULL, x, o)); return x; }
 __device__ __forceinline__ float wsum(float x) { for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(FULL, x, o); return x; }
+__device__ __forceinline__ double wsum(double x) { for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(FULL, x, o); return x; }
+__device__ __forceinline__ float kexp(float x) { return expf(x); }
+__device__ __forceinline__ double kexp(double x) { return exp(x); }
 #define ARGS \
   const T* q = (const T*)a.w[0]; const T* k = (const T*)a.w[1]; const T* v = (const T*)a.w[2]; const T* mk = (const T*)a.w[3]; \
   long long B = a.w[5], H = a.w[6], L = a.w[7], S = a.w[8]; \

@@ -35,28 +35,36 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
 // Backward per query row: log-sum-exp, delta and dq (attention.rs: `gen_backward_q`).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   ARGS
-  const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
-  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28]; SC* lse_sc = (SC*)a.w[32];
+  const T* g = (const T*)a.w[25];
+  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
+  SC* lse_sc = (SC*)a.w[32]; SC* dl_sc = (SC*)a.w[33];
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_ + 1]; __shared__ float Qs[ROWS][D_]; __shared__ float Gs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
   long long row = ((l * B + b) * H + h) * D_;
-  float delta = 0.f;
   if (ok) for (int d = lane; d < D_; d += 32) {
     Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
-    float gd = LD(g[row + d]); Gs[warp][d] = gd; delta += gd * LD(o[row + d]);
+    Gs[warp][d] = LD(g[row + d]);
   }
-  delta = wsum(delta);
   KEY_END
-  SC m = -INFINITY; float den = 0.f;
+  // The first walk: the row's log-sum-exp and delta = sum_s p_s (dO·v_s) (= dO·O, without the
+  // rounding of O), online: both sums rescaled as the running maximum m grows.
+  SC m = -INFINITY, den = 0, pd = 0;
   for (long long s0 = 0; s0 < send; s0 += 32) {
-    LOAD_KEYS(s0, nk, false)
+    LOAD_KEYS(s0, nk, true)
     if (!ok) continue;
-    ONLINE_STEP(s0, sc, mn, p)
-    den = den * (m == -INFINITY ? 0.f : expf((float)(m - mn))) + wsum(p);
+    long long s = s0 + lane; SC sc = -INFINITY;
+    if (s < S && !(causal && s > l)) SCORE(Qs[warp], Ks[lane], l, s, sc);
+    SC mn = fmax(m, wmax(sc));
+    SC p = sc == -INFINITY ? (SC)0 : kexp(sc - mn), dp = 0;
+    if (sc != -INFINITY) for (int d = 0; d < D_; d++) dp += (SC)Gs[warp][d] * (SC)Vs[lane][d];
+    SC corr = m == -INFINITY ? (SC)0 : kexp(m - mn);
+    den = den * corr + wsum(p);
+    pd = pd * corr + wsum(p * dp);
     m = mn;
   }
-  SC ls = m == -INFINITY ? (SC)-INFINITY : m + log((SC)den);
+  SC ls = m == -INFINITY ? (SC)-INFINITY : m + log(den);
+  SC delta = den > 0 ? pd / den : (SC)0;
   float acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   for (long long s0 = 0; s0 < send; s0 += 32) {
@@ -66,10 +74,9 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
     float ds = 0.f;
     if (s < S && !(causal && s > l)) {
       SC sc; SCORE(Qs[warp], Ks[lane], l, s, sc);
-      float p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
-      float dp = 0.f;
-      for (int d = 0; d < D_; d++) dp += Gs[warp][d] * Vs[lane][d];
-      ds = p * (dp - delta);
+      SC p = (sc == -INFINITY || ls == -INFINITY) ? (SC)0 : kexp(sc - ls), dp = 0;
+      for (int d = 0; d < D_; d++) dp += (SC)Gs[warp][d] * (SC)Vs[lane][d];
+      ds = (float)(p * (dp - delta));
     }
     for (int j = 0; j < nk; j++) {
       float dsj = __shfl_sync(FULL, ds, j);
@@ -78,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   }
   if (ok) {
     for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) dq[row + d] = acc[i] * scale; }
-    if (lane == 0) { lse[bh * L + l] = (float)ls; lse_sc[bh * L + l] = ls; dl[bh * L + l] = delta; }
+    if (lane == 0) { lse[bh * L + l] = (float)ls; lse_sc[bh * L + l] = ls; dl[bh * L + l] = (float)delta; dl_sc[bh * L + l] = delta; }
   }
 }
 #endif
@@ -88,10 +95,10 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
   ARGS
   const T* g = (const T*)a.w[25];
-  const SC* lse = (const SC*)a.w[32]; const float* dl = (const float*)a.w[28];
+  const SC* lse = (const SC*)a.w[32]; const SC* dl = (const SC*)a.w[33];
   float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
   __shared__ float Qt[32][D_ + 1]; __shared__ float Gt[32][D_ + 1]; __shared__ float Kw[ROWS][D_]; __shared__ float Vw[ROWS][D_];
-  __shared__ SC Lt[32]; __shared__ float Dt[32];
+  __shared__ SC Lt[32]; __shared__ SC Dt[32];
   long long s = (long long)blockIdx.y * ROWS + warp;
   bool ok = s < S;
   if (ok) for (int d = lane; d < D_; d += 32) {
@@ -113,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
     if (threadIdx.x < 32) {
       long long l = l0 + threadIdx.x;
       Lt[threadIdx.x] = l < L ? lse[bh * L + l] : (SC)0;
-      Dt[threadIdx.x] = l < L ? dl[bh * L + l] : 0.f;
+      Dt[threadIdx.x] = l < L ? dl[bh * L + l] : (SC)0;
     }
     __syncthreads();
     if (!ok) continue;
@@ -122,10 +129,10 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
     if (l < L && !(causal && s > l)) {
       SC sc; SCORE(Qt[lane], Kw[warp], l, s, sc);
       SC ls = Lt[lane];
-      p = (sc == -INFINITY || ls == -INFINITY) ? 0.f : expf((float)(sc - ls));
-      float dp = 0.f;
-      for (int d = 0; d < D_; d++) dp += Gt[lane][d] * Vw[warp][d];
-      ds = p * (dp - Dt[lane]);
+      SC ps = (sc == -INFINITY || ls == -INFINITY) ? (SC)0 : kexp(sc - ls), dp = 0;
+      for (int d = 0; d < D_; d++) dp += (SC)Gt[lane][d] * (SC)Vw[warp][d];
+      p = (float)ps;
+      ds = (float)(ps * (dp - Dt[lane]));
     }
     for (int j = 0; j < nl; j++) {
       float pj = __shfl_sync(FULL, p, j), dsj = __shfl_sync(FULL, ds, j);

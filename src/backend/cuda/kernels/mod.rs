@@ -69,8 +69,7 @@ const LARGE_MAP: usize = 1 << 22;
 /// Bytes per operand a thread of a large map kernel reads at a time: 32 (two 16-byte loads),
 /// or `KILN_MAP_VECTOR_BYTES` (16 or 32, read once) for comparing.
 fn map_vector_bytes() -> usize {
-    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KILN_MAP_VECTOR_BYTES").ok().and_then(|v| v.parse().ok()).filter(|v| [16, 32].contains(v)).unwrap_or(32))
+    crate::switches::map_vector_bytes().unwrap_or(32)
 }
 
 /// An operand of a map kernel: where it is and how it is laid out over the iteration shape.
@@ -452,8 +451,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
 /// A tuning override of how many chunks a column reduction's rows are split into
 /// (`KILN_COLS_CHUNKS`, read once).
 fn cols_chunks() -> Option<usize> {
-    static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("KILN_COLS_CHUNKS").ok().and_then(|v| v.parse().ok()))
+    crate::switches::cols_chunks()
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -685,8 +683,7 @@ pub(crate) fn row_shape(k: usize, vec: usize) -> (usize, usize) {
 
 /// `KILN_ROWS_THREADS`, read once.
 pub(crate) fn rows_threads_forced() -> Option<usize> {
-    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *OVERRIDE.get_or_init(|| std::env::var("KILN_ROWS_THREADS").ok().and_then(|v| v.parse::<usize>().ok()))
+    crate::switches::rows_threads()
 }
 
 /// Values per thread of a row kernel with `threads` threads over rows of `k`: a power of two,

@@ -43,9 +43,7 @@ const MIN_KEYS_BACKWARD: usize = 128;
 /// `MIN_KEYS` or `MIN_KEYS_BACKWARD`, unless `KILN_CUDNN_MIN_KEYS` sets both (to time cuDNN
 /// against kiln's kernels on short sequences).
 fn min_keys(backward: bool) -> usize {
-    static SET: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let set = *SET.get_or_init(|| std::env::var("KILN_CUDNN_MIN_KEYS").ok().and_then(|v| v.parse().ok()));
-    set.unwrap_or(if backward { MIN_KEYS_BACKWARD } else { MIN_KEYS })
+    crate::switches::cudnn_min_keys().unwrap_or(if backward { MIN_KEYS_BACKWARD } else { MIN_KEYS })
 }
 /// The first cuDNN with the operation.
 const SINCE: usize = 91300;
@@ -75,8 +73,7 @@ pub fn with_cudnn_attention<R>(enabled: bool, f: impl FnOnce() -> R) -> R {
 }
 
 fn allowed() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    ENABLED.with(|e| e.get()) && !*OFF.get_or_init(|| std::env::var("KILN_CUDNN_ATTENTION").is_ok_and(|v| v == "0"))
+    ENABLED.with(|e| e.get()) && !crate::switches::cudnn_attention_off()
 }
 
 /// Whether cuDNN is asked for this attention: F16 / BF16, a head dim that is a multiple of 8

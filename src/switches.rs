@@ -1,0 +1,67 @@
+//! Every `KILN_*` environment switch, read in this one module (each once, on first use, except
+//! the cache directory, which tests change between calls). `docs/reference.md` lists them in
+//! one table. A value that does not parse is ignored, as if the switch were unset.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// `KILN_LOG`: comma-separated log topics (`logging::Topic`), `all` for every one.
+pub(crate) fn log() -> Option<&'static str> {
+    static V: OnceLock<Option<String>> = OnceLock::new();
+    V.get_or_init(|| std::env::var("KILN_LOG").ok()).as_deref()
+}
+
+/// `KILN_CACHE_DIR`: where compiled kernels and max-autotune's decisions are kept on disk.
+pub(crate) fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from)
+}
+
+/// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.
+pub(crate) fn rows_threads() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_ROWS_THREADS"))
+}
+
+/// `KILN_MAP_VECTOR_BYTES` (16 or 32): bytes per operand a thread of a large map reads at a time.
+pub(crate) fn map_vector_bytes() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_MAP_VECTOR_BYTES").filter(|v| [16, 32].contains(v)))
+}
+
+/// `KILN_COLS_CHUNKS`: how many chunks a column reduction's rows are split into.
+pub(crate) fn cols_chunks() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_COLS_CHUNKS"))
+}
+
+/// `KILN_GRAPH_BRANCHES=0`: captured CUDA graphs keep the captured order (no side-by-side steps).
+pub(crate) fn graph_keeps_captured_order() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_GRAPH_BRANCHES", "0"))
+}
+
+/// `KILN_CUDNN_ATTENTION=0`: attention never runs through cuDNN.
+pub(crate) fn cudnn_attention_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_CUDNN_ATTENTION", "0"))
+}
+
+/// `KILN_CUDNN_MIN_KEYS`: the fewest keys for which attention runs through cuDNN.
+pub(crate) fn cudnn_min_keys() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_CUDNN_MIN_KEYS"))
+}
+
+/// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.
+pub(crate) fn attention_warp_only() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_ATTENTION_KERNEL", "warp"))
+}
+
+fn parsed<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+fn is(name: &str, value: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == value)
+}
