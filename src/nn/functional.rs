@@ -214,10 +214,11 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
         inputs.extend(mask);
         return crate::ops::apply(crate::ops::Op::Attention { scale, causal }, &inputs);
     }
-    if q.device() == crate::Device::Cpu && q.dtype() == DType::F32 {
+    if q.dtype() == DType::F32 && (q.device() == crate::Device::Cpu || mask_needs_grad) {
         // Scores of long, large-valued rows lose digits in F32 sums, and softmax magnifies the
         // loss: on the host the whole attention runs in F64 (PyTorch's CPU kernel comes close
-        // to F64 there; kiln in F32 did not), rounded once at the end.
+        // to F64 there; kiln in F32 did not), rounded once at the end; so does a GPU attention
+        // that differentiates its mask, as the fused F32 kernels keep their scores in double.
         let up = |t: &Tensor| t.to_dtype(DType::F64);
         let mask = mask.map(up).transpose()?;
         return attention_lbhd(&up(q)?, &up(k)?, &up(v)?, mask.as_ref(), scale, causal, dropout_p)?.to_dtype(DType::F32);
