@@ -21,13 +21,6 @@ pub(crate) fn check_device(op: &'static str, device: Device) -> Result<()> {
     }
 }
 
-/// A row op over the last dim of a contiguous `x` on its device, one kernel
-/// (`ops::rows::fused` says when).
-pub(crate) fn rows(kind: crate::ops::rows::RowKind, x: &crate::Tensor, w: Option<&crate::Tensor>, b: Option<&crate::Tensor>, eps: f64) -> Result<crate::Tensor> {
-    let s = cuda::kernels::rows(kind, x, w, b, eps)?;
-    Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), x.shape()))
-}
-
 /// Writes `value` (of `dst`'s shape, dtype and device) into `dst`'s elements.
 pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<()> {
     if dst.device().is_cuda() {

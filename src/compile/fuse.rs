@@ -11,7 +11,7 @@
 //! at row i / cols. That is why reshapes cost nothing inside a kernel.
 
 use super::graph::{Graph, NodeId, NodeOp};
-use crate::ops::{BinaryOp, Op, ReduceOp, UnaryOp};
+use crate::ops::{BinaryOp, Op, UnaryOp};
 use crate::kir::MAX_ROW;
 use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
 use crate::DType;
@@ -151,7 +151,7 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
         NodeOp::Full(_) => Kind::Pointwise,
         NodeOp::Prim(Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_)) => Kind::Pointwise,
         NodeOp::Prim(Op::Reshape(_)) => Kind::Reshape,
-        NodeOp::Prim(Op::Reduce(ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min, dims, _)) => {
+        NodeOp::Prim(Op::Reduce(r, dims, _)) if !r.is_arg() => {
             let x = &g.nodes[n.args[0]].shape;
             let first = x.len() - dims.len();
             let trailing = dims.iter().enumerate().all(|(k, &d)| d == first + k);

@@ -593,6 +593,18 @@ fn run_segment(opts: &CompileOptions, state: &Mutex<State>, g: &Graph, inputs: &
     run_exec(&exec, &inputs[..g.n_args], &inputs[g.n_args..])
 }
 
+/// `f` over tensors like `args`, traced whole (no graph breaks) under `no_grad` with autocast
+/// off, then optimised and scheduled: the program of fused kernels an eager op runs when its
+/// decomposition is one kernel (`ops::rows`), so eager and compiled code share the generators.
+pub(crate) fn program_of(args: &[Tensor], f: &mut dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>>) -> Result<runtime::Program> {
+    let no_breaks: trace::BreakRunner = Arc::new(|_, _| Err(crate::Error::Compile("an eager op's decomposition read a value on the host".into())));
+    let traced = crate::no_grad(|| crate::amp::suspended(|| trace::trace(args, true, no_breaks, f)))?;
+    if traced.inputs.len() != args.len() {
+        return Err(crate::Error::Compile("an eager op's decomposition captured tensors besides its arguments".into()));
+    }
+    Ok(runtime::Program::new(optimise(&traced.graph), false))
+}
+
 /// Turns a traced graph into something that runs, with the chosen backend.
 /// The graph passes between capture (and autodiff) and scheduling.
 fn optimise(g: &Graph) -> Graph {

@@ -54,7 +54,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
     crate::layout::norm_dim("softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
-    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::Softmax, None, None, 0.0)? {
+    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::Softmax, None, None, 0.0, |xs| softmax(&xs[0], -1))? {
         return Ok(y);
     }
     in_opmath(x, |x| {
@@ -69,7 +69,7 @@ pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
     crate::layout::norm_dim("log_softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
-    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::LogSoftmax, None, None, 0.0)? {
+    if let Some(y) = crate::ops::rows::fused(x, dim, RowKind::LogSoftmax, None, None, 0.0, |xs| log_softmax(&xs[0], -1))? {
         return Ok(y);
     }
     in_opmath(x, |x| {
@@ -96,7 +96,13 @@ pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor
         }
     }
     if k == 1 {
-        if let Some(y) = crate::ops::rows::fused(x, -1, RowKind::LayerNorm, weight, bias, eps)? {
+        let decompose = |xs: &[Tensor]| {
+            // The arguments are x, then the weight and the bias that are there.
+            let mut rest = xs[1..].iter();
+            let (w, b) = (weight.and_then(|_| rest.next()), bias.and_then(|_| rest.next()));
+            layer_norm(&xs[0], normalized_shape, w, b, eps)
+        };
+        if let Some(y) = crate::ops::rows::fused(x, -1, RowKind::LayerNorm, weight, bias, eps, decompose)? {
             return Ok(y);
         }
     }

@@ -2,6 +2,7 @@
 
 use super::{apply, Op};
 use crate::layout::norm_dim;
+use crate::dtype::CType;
 use crate::{DType, Error, Result, Tensor};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,7 +36,7 @@ impl ReduceOp {
         }
     }
     pub(crate) fn differentiable(self) -> bool {
-        !matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+        !self.is_arg()
     }
 
     pub(crate) fn backward(
@@ -75,6 +76,149 @@ impl ReduceOp {
             ReduceOp::ArgMax | ReduceOp::ArgMin => unreachable!("not differentiable"),
         }
     }
+}
+
+/// What a reduction is, in one place (as the pointwise ops are): its identity, how partial
+/// results combine (in Rust for the CPU loops and the CPU interpreter of fused kernels, in CUDA
+/// C for the eager and the fused generators), the type it accumulates in, and its gradient
+/// (`backward`). NaN wins max and min, the earlier index ties of argmax and argmin, as in PyTorch.
+impl ReduceOp {
+    /// Whether it gives an index (argmax, argmin) rather than a value.
+    pub(crate) fn is_arg(self) -> bool {
+        matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+
+    /// Max-like (max, argmax) rather than min-like; meaningless for sum and prod.
+    fn max_like(self) -> bool {
+        matches!(self, ReduceOp::Max | ReduceOp::ArgMax)
+    }
+
+    /// The type it accumulates in for inputs of dtype `input`: sums and products of floats in
+    /// f64, of integers and bools in i64 (wrapping); the rest in the input's compute type, bools
+    /// as i64.
+    pub(crate) fn acc_type(self, input: DType) -> CType {
+        match (self, CType::of(input)) {
+            (ReduceOp::Sum | ReduceOp::Prod, CType::F32 | CType::F64) => CType::F64,
+            (_, CType::Bool) => CType::I64,
+            (ReduceOp::Sum | ReduceOp::Prod, _) => CType::I64,
+            (_, t) => t,
+        }
+    }
+
+    /// The result over no elements where there is one (PyTorch: sum 0, prod 1; max, min and the
+    /// arg reductions of nothing are errors before any backend runs).
+    pub(crate) fn empty_value(self) -> f64 {
+        if self == ReduceOp::Prod { 1.0 } else { 0.0 }
+    }
+
+    /// The identity: 0, 1, or the far end of the type for max and min.
+    pub(crate) fn identity<T: Accumulate>(self) -> T {
+        match self {
+            ReduceOp::Sum => T::ZERO,
+            ReduceOp::Prod => T::ONE,
+            _ if self.max_like() => T::LOWEST,
+            _ => T::HIGHEST,
+        }
+    }
+
+    /// Two partial results combined (not for the arg reductions, which carry an index).
+    pub(crate) fn combine<T: Accumulate>(self, a: T, b: T) -> T {
+        match self {
+            ReduceOp::Sum => a.add(b),
+            ReduceOp::Prod => a.mul(b),
+            _ => if beats(b, a, self.max_like()) { b } else { a },
+        }
+    }
+
+    /// The identity in CUDA C, of type `t`.
+    pub(crate) fn cuda_identity(self, t: CType) -> String {
+        let inf = |neg: bool| match t {
+            CType::F32 => format!("({}__int_as_float(0x7f800000))", if neg { "-" } else { "" }),
+            CType::F64 => format!("({}__longlong_as_double(0x7ff0000000000000ll))", if neg { "-" } else { "" }),
+            CType::I64 => (if neg { "(-9223372036854775807ll - 1)" } else { "9223372036854775807ll" }).into(),
+            CType::Bool => (if neg { "false" } else { "true" }).into(),
+        };
+        match self {
+            ReduceOp::Sum => format!("(({})0)", t.name()),
+            ReduceOp::Prod => format!("(({})1)", t.name()),
+            _ => inf(self.max_like()),
+        }
+    }
+
+    /// `combine` in CUDA C, of variables `a` and `b`.
+    pub(crate) fn cuda_combine(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "a + b",
+            ReduceOp::Prod => "a * b",
+            ReduceOp::Max => "(a > b || a != a) ? a : b",
+            ReduceOp::Min => "(a < b || a != a) ? a : b",
+            _ => unreachable!("arg reductions combine with an index (cuda_step)"),
+        }
+    }
+
+    /// (initial value, statement folding value `v` at index `k` into `acc` and its index `ai`)
+    /// in CUDA C, accumulating in `t`.
+    pub(crate) fn cuda_step(self, t: CType) -> (String, String) {
+        // "v beats acc" for max/min; NaN beats everything, ties keep the earlier index.
+        let beats = format!("(acc == acc) && (v != v || v {} acc)", if self.max_like() { ">" } else { "<" });
+        let init = self.cuda_identity(t);
+        let step = match self {
+            ReduceOp::Sum => "acc = acc + v;".into(),
+            ReduceOp::Prod => "acc = acc * v;".into(),
+            ReduceOp::Max | ReduceOp::Min => format!("if ({beats}) acc = v;"),
+            ReduceOp::ArgMax | ReduceOp::ArgMin => format!("if (({beats}) || ((v == acc || (v != v && acc != acc)) && k < ai)) {{ acc = v; ai = k; }}"),
+        };
+        (init, step)
+    }
+}
+
+/// Whether `a` beats `b` for max (min when `!max`): NaN beats everything, as in PyTorch.
+#[inline(always)]
+pub(crate) fn beats<T: PartialOrd + Copy>(a: T, b: T, max: bool) -> bool {
+    #[allow(clippy::eq_op)]
+    let (a_nan, b_nan) = (a != a, b != b);
+    !b_nan && (a_nan || if max { a > b } else { a < b })
+}
+
+/// Values a reduction accumulates: the CPU's accumulator types (integers wrap).
+pub(crate) trait Accumulate: Copy + PartialOrd {
+    const ZERO: Self;
+    const ONE: Self;
+    const LOWEST: Self;
+    const HIGHEST: Self;
+    fn add(self, b: Self) -> Self;
+    fn mul(self, b: Self) -> Self;
+}
+macro_rules! accumulate_float {
+    ($t:ty) => {
+        impl Accumulate for $t {
+            const ZERO: Self = 0.0;
+            const ONE: Self = 1.0;
+            const LOWEST: Self = <$t>::NEG_INFINITY;
+            const HIGHEST: Self = <$t>::INFINITY;
+            #[inline(always)] fn add(self, b: Self) -> Self { self + b }
+            #[inline(always)] fn mul(self, b: Self) -> Self { self * b }
+        }
+    };
+}
+accumulate_float!(f32);
+accumulate_float!(f64);
+impl Accumulate for i64 {
+    const ZERO: Self = 0;
+    const ONE: Self = 1;
+    const LOWEST: Self = i64::MIN;
+    const HIGHEST: Self = i64::MAX;
+    #[inline(always)] fn add(self, b: Self) -> Self { self.wrapping_add(b) }
+    #[inline(always)] fn mul(self, b: Self) -> Self { self.wrapping_mul(b) }
+}
+/// Bools reduce by max (any) and min (all); their sums and products accumulate in i64.
+impl Accumulate for bool {
+    const ZERO: Self = false;
+    const ONE: Self = true;
+    const LOWEST: Self = false;
+    const HIGHEST: Self = true;
+    #[inline(always)] fn add(self, b: Self) -> Self { self || b }
+    #[inline(always)] fn mul(self, b: Self) -> Self { self && b }
 }
 
 /// The shape after reducing `dims` (kept as 1 with `keepdim`).

@@ -7,7 +7,7 @@ use super::{with_storage, CpuStorage, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::dtype::Elem;
-use crate::ops::ReduceOp;
+use crate::ops::reduce::{Accumulate, ReduceOp};
 use crate::storage::BackendStorage;
 use crate::{DType, Result, Tensor};
 use rayon::prelude::*;
@@ -335,37 +335,17 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
     v.into_type(out)
 }
 
+/// One row (or chunk) reduced by the op's own definition (`ReduceOp::identity`, `combine`), in
+/// its accumulator type: f32 sums and products in f64, as the eager reductions.
 fn reduce(r: ReduceOp, v: &Val) -> Val {
-    fn fold<T: Elem + std::ops::Add<Output = T> + std::ops::Mul<Output = T>>(r: ReduceOp, x: &[T], zero: T, one: T) -> T {
-        let better = |a: T, b: T, max: bool| {
-            // NaN wins, as in PyTorch's max/min.
-            #[allow(clippy::eq_op)]
-            let nan = |v: T| v != v;
-            if !nan(a) && (nan(b) || (max && b > a) || (!max && b < a)) { b } else { a }
-        };
-        match r {
-            ReduceOp::Sum => x.iter().fold(zero, |a, &b| a + b),
-            ReduceOp::Prod => x.iter().fold(one, |a, &b| a * b),
-            ReduceOp::Max => x.iter().copied().reduce(|a, b| better(a, b, true)).unwrap_or(zero),
-            ReduceOp::Min => x.iter().copied().reduce(|a, b| better(a, b, false)).unwrap_or(zero),
-            _ => unreachable!("arg reductions are not fused"),
-        }
+    fn fold<T: Accumulate>(r: ReduceOp, x: impl Iterator<Item = T>) -> T {
+        x.fold(r.identity(), |a, b| r.combine(a, b))
     }
     match v {
-        // f32 sums and products accumulate in f64, as the eager reductions do.
-        Val::F32(x) if r == ReduceOp::Sum => Val::F32(vec![x.iter().fold(0.0f64, |a, &b| a + b as f64) as f32]),
-        Val::F32(x) if r == ReduceOp::Prod => Val::F32(vec![x.iter().fold(1.0f64, |a, &b| a * b as f64) as f32]),
-        Val::F32(x) => Val::F32(vec![fold(r, x, 0.0, 1.0)]),
-        Val::F64(x) => Val::F64(vec![fold(r, x, 0.0, 1.0)]),
-        Val::I64(x) => Val::I64(vec![match r {
-            ReduceOp::Sum => x.iter().fold(0i64, |a, &b| a.wrapping_add(b)),
-            ReduceOp::Prod => x.iter().fold(1i64, |a, &b| a.wrapping_mul(b)),
-            ReduceOp::Max => x.iter().copied().max().unwrap_or(0),
-            _ => x.iter().copied().min().unwrap_or(0),
-        }]),
-        Val::Bool(x) => Val::Bool(vec![match r {
-            ReduceOp::Max => x.iter().any(|&b| b),
-            _ => x.iter().all(|&b| b),
-        }]),
+        Val::F32(x) if r.acc_type(DType::F32) == CType::F64 => Val::F32(vec![fold(r, x.iter().map(|&b| b as f64)) as f32]),
+        Val::F32(x) => Val::F32(vec![fold(r, x.iter().copied())]),
+        Val::F64(x) => Val::F64(vec![fold(r, x.iter().copied())]),
+        Val::I64(x) => Val::I64(vec![fold(r, x.iter().copied())]),
+        Val::Bool(x) => Val::Bool(vec![fold(r, x.iter().copied())]),
     }
 }

@@ -1,9 +1,9 @@
 //! Reductions over some dims: the kept dims become rows, the reduced dims columns.
 
 use super::{fill_new, gather, with_storage, CpuStorage, HostElem, PAR_THRESHOLD};
-use crate::dtype::Elem;
 use crate::layout::Layout;
-use crate::ops::reduce::ReduceOp;
+use crate::dtype::CType;
+use crate::ops::reduce::{beats, Accumulate, ReduceOp};
 use crate::storage::BackendStorage;
 use crate::{DType, Tensor};
 use rayon::prelude::*;
@@ -20,35 +20,7 @@ struct Reducer<A, S, M> {
 pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> CpuStorage {
     let compute = x.dtype();
     match op {
-        ReduceOp::Sum | ReduceOp::Prod if compute.is_float() => {
-            let sum = op == ReduceOp::Sum;
-            let r = Reducer {
-                init: if sum { 0.0 } else { 1.0 },
-                step: move |a: f64, _, v: f64| if sum { a + v } else { a * v },
-                combine: move |a: f64, b: f64| if sum { a + b } else { a * b },
-            };
-            let v = if compute == DType::F64 {
-                run::<f64, f64, _>(x, dims, r, |v| v)
-            } else {
-                run::<f32, f64, _>(x, dims, Reducer { init: r.init, step: move |a, i, v: f32| (r.step)(a, i, v as f64), combine: r.combine }, |v| v)
-            };
-            CpuStorage::from_vec_as(v, out)
-        }
-        ReduceOp::Sum | ReduceOp::Prod => {
-            let sum = op == ReduceOp::Sum;
-            let f = move |a: i64, b: i64| if sum { a.wrapping_add(b) } else { a.wrapping_mul(b) };
-            let r = Reducer { init: if sum { 0 } else { 1 }, step: move |a, _, v| f(a, v), combine: f };
-            CpuStorage::from_vec_as(run::<i64, i64, _>(x, dims, r, |v| v), out)
-        }
-        ReduceOp::Max | ReduceOp::Min => {
-            let max = op == ReduceOp::Max;
-            match compute {
-                DType::F64 => CpuStorage::from_vec_as(run_extreme::<f64>(x, dims, max), out),
-                DType::F32 | DType::F16 | DType::BF16 => CpuStorage::from_vec_as(run_extreme::<f32>(x, dims, max), out),
-                _ => CpuStorage::from_vec_as(run_extreme::<i64>(x, dims, max), out),
-            }
-        }
-        ReduceOp::ArgMax | ReduceOp::ArgMin => {
+        _ if op.is_arg() => {
             let max = op == ReduceOp::ArgMax;
             let v = match compute {
                 DType::F64 => run_arg::<f64>(x, dims, max),
@@ -57,48 +29,32 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Cp
             };
             CpuStorage::I64(v)
         }
+        // Elements of `C` accumulate in the op's accumulator type `A` (`ReduceOp::acc_type`).
+        _ => match (compute, op.acc_type(compute)) {
+            (DType::F64, _) => CpuStorage::from_vec_as(run_op::<f64, f64>(op, x, dims), out),
+            (_, CType::F64) => CpuStorage::from_vec_as(run_op::<f32, f64>(op, x, dims), out),
+            (_, CType::F32) => CpuStorage::from_vec_as(run_op::<f32, f32>(op, x, dims), out),
+            _ => CpuStorage::from_vec_as(run_op::<i64, i64>(op, x, dims), out),
+        },
     }
 }
 
-/// `a` better than `b` for max (min when `!max`); NaN beats everything, as in PyTorch.
-#[inline(always)]
-fn better<C: Elem>(a: C, b: C, max: bool) -> bool {
-    #[allow(clippy::eq_op)]
-    let a_nan = a != a;
-    #[allow(clippy::eq_op)]
-    let b_nan = b != b;
-    if b_nan {
-        return false;
-    }
-    a_nan || if max { a > b } else { a < b }
-}
-
-fn run_extreme<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<C> {
-    let r = Reducer {
-        init: None::<C>,
-        step: move |a: Option<C>, _, v: C| match a {
-            Some(a) if !better(v, a, max) => Some(a),
-            _ => Some(v),
-        },
-        combine: move |a: Option<C>, b: Option<C>| match (a, b) {
-            (Some(a), Some(b)) => Some(if better(b, a, max) { b } else { a }),
-            (a, None) => a,
-            (None, b) => b,
-        },
-    };
-    run::<C, Option<C>, _>(x, dims, r, |v| v.expect("reduction over a non-empty dim"))
+/// A value reduction (`ReduceOp::combine` from `ReduceOp::identity`), elements of `C` into `A`.
+fn run_op<C: HostElem + Into<A>, A: Accumulate + Send + Sync>(op: ReduceOp, x: &Tensor, dims: &[usize]) -> Vec<A> {
+    let r = Reducer { init: op.identity::<A>(), step: move |a: A, _, v: C| op.combine(a, v.into()), combine: move |a: A, b: A| op.combine(a, b) };
+    run::<C, A, _>(x, dims, r, |v| v)
 }
 
 fn run_arg<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<i64> {
     let r = Reducer {
         init: None::<(C, usize)>,
         step: move |a: Option<(C, usize)>, i, v: C| match a {
-            Some(a) if !better(v, a.0, max) => Some(a),
+            Some(a) if !beats(v, a.0, max) => Some(a),
             _ => Some((v, i)),
         },
         // The earlier index wins ties: partials combine in order.
         combine: move |a: Option<(C, usize)>, b: Option<(C, usize)>| match (a, b) {
-            (Some(a), Some(b)) => Some(if better(b.0, a.0, max) { b } else { a }),
+            (Some(a), Some(b)) => Some(if beats(b.0, a.0, max) { b } else { a }),
             (a, None) => a,
             (None, b) => b,
         },

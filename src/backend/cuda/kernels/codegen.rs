@@ -312,23 +312,6 @@ impl ReduceSpec {
     }
 }
 
-/// The value a reduction starts from in type `t` (max starts at the lowest value, min at the
-/// highest).
-pub(crate) fn identity(op: ReduceOp, t: CType) -> String {
-    let inf = |neg: bool| match t {
-        CType::F32 => format!("({}__int_as_float(0x7f800000))", if neg { "-" } else { "" }),
-        CType::F64 => format!("({}__longlong_as_double(0x7ff0000000000000ll))", if neg { "-" } else { "" }),
-        CType::I64 => (if neg { "(-9223372036854775807ll - 1)" } else { "9223372036854775807ll" }).into(),
-        CType::Bool => (if neg { "false" } else { "true" }).into(),
-    };
-    match op {
-        ReduceOp::Sum => format!("(({})0)", t.name()),
-        ReduceOp::Prod => format!("(({})1)", t.name()),
-        ReduceOp::Max | ReduceOp::ArgMax => inf(true),
-        ReduceOp::Min | ReduceOp::ArgMin => inf(false),
-    }
-}
-
 /// Name of the combining function of a (non-arg) reduction emitted by `block_reduce`.
 pub(crate) fn comb_name(op: ReduceOp, t: CType) -> String {
     format!("kc_{}_{}", op.name(), short(t.dtype()))
@@ -345,16 +328,10 @@ pub(crate) fn block_name(op: ReduceOp, t: CType) -> String {
 /// so every thread gets the result. Shared by the eager and the compiler's row kernels.
 pub(crate) fn block_reduce(op: ReduceOp, t: CType) -> String {
     let n = t.name();
-    let comb = match op {
-        ReduceOp::Sum => "a + b",
-        ReduceOp::Prod => "a * b",
-        ReduceOp::Max => "(a > b || a != a) ? a : b",
-        ReduceOp::Min => "(a < b || a != a) ? a : b",
-        _ => unreachable!("arg reductions have no block reduction"),
-    };
+    let comb = op.cuda_combine();
     // Booleans travel through the shuffles as ints.
     let sh = if t == CType::Bool { "int" } else { n };
-    let (c, b, id) = (comb_name(op, t), block_name(op, t), identity(op, t));
+    let (c, b, id) = (comb_name(op, t), block_name(op, t), op.cuda_identity(t));
     format!(
         r#"__device__ __forceinline__ {n} {c}({n} a, {n} b) {{ return {comb}; }}
 __device__ __forceinline__ {n} {b}({n} v) {{
@@ -372,30 +349,11 @@ __device__ __forceinline__ {n} {b}({n} v) {{
     )
 }
 
-/// (init, combine of `acc` with value `v` at index `k`) for each reduction.
-fn reduce_parts(s: &ReduceSpec) -> (String, String) {
-    let t = s.acc.name();
-    let (lo, hi) = (identity(ReduceOp::Max, s.acc), identity(ReduceOp::Min, s.acc));
-    // "v better than acc" for max/min; NaN beats everything, ties keep the earlier index.
-    let better = |max: bool| {
-        let cmp = if max { ">" } else { "<" };
-        format!("(acc == acc) && (v != v || v {cmp} acc)")
-    };
-    match s.op {
-        ReduceOp::Sum => (format!("({t})0"), "acc = acc + v;".into()),
-        ReduceOp::Prod => (format!("({t})1"), "acc = acc * v;".into()),
-        ReduceOp::Max => (lo, format!("if ({}) acc = v;", better(true))),
-        ReduceOp::Min => (hi, format!("if ({}) acc = v;", better(false))),
-        ReduceOp::ArgMax => (lo, format!("if (({}) || ((v == acc || (v != v && acc != acc)) && k < ai)) {{ acc = v; ai = k; }}", better(true))),
-        ReduceOp::ArgMin => (hi, format!("if (({}) || ((v == acc || (v != v && acc != acc)) && k < ai)) {{ acc = v; ai = k; }}", better(false))),
-    }
-}
-
 pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let mut c = String::from(PRELUDE);
     let idx = if s.idx64 { "long long" } else { "int" };
-    let (init, combine) = reduce_parts(s);
-    let arg = matches!(s.op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let (init, combine) = s.op.cuda_step(s.acc);
+    let arg = s.op.is_arg();
     let t = s.acc.name();
     let finish = if arg { store(s.out, CType::I64, "ai") } else { store(s.out, s.acc, "acc") };
     let _ = writeln!(c, "typedef {idx} IDX;\n#define TY {}\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.ty, s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
@@ -590,102 +548,6 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 }
 "#;
 
-/// The name of a `gen_eager_rows` kernel, which says everything its source depends on.
-// Every part of the name is a parameter the source depends on.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rows_name(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> String {
-    format!("{}_{}_rows{threads}x{vpt}x{vec}{}{}{}", kind.name(), short(dtype), if full { "_full" } else { "" }, if weight { "_w" } else { "" }, if bias { "_b" } else { "" })
-}
-
-/// One block of `threads` threads per row of a contiguous [M, K] input, the row held in
-/// registers (`vpt` values per thread, loaded `vec` at a time): softmax, log_softmax or
-/// layer_norm (with optional weight and bias) in one pass over memory. Statistics are in f32,
-/// as PyTorch's kernels keep them. `full`: the threads' values cover the row exactly.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gen_eager_rows(kind: crate::ops::rows::RowKind, dtype: DType, threads: usize, vpt: usize, vec: usize, full: bool, weight: bool, bias: bool) -> (String, String) {
-    use crate::ops::rows::RowKind;
-    let name = rows_name(kind, dtype, threads, vpt, vec, full, weight, bias);
-    let t = storage_type(dtype);
-    let ld = |e: &str| load(dtype, CType::F32, e);
-    let st = |e: &str| store(dtype, CType::F32, e);
-    let mut c = String::from(PRELUDE);
-    let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}\nstruct __align__({}) VX {{ {t} v[VEC]; }};", vec * dtype.size_in_bytes());
-    c.push_str(&row_index(full));
-    let (sum, max) = (block_name(ReduceOp::Sum, CType::F32), block_name(ReduceOp::Max, CType::F32));
-    c.push_str(&block_reduce(ReduceOp::Sum, CType::F32));
-    if kind != RowKind::LayerNorm {
-        c.push_str(&block_reduce(ReduceOp::Max, CType::F32));
-    }
-    let kmax = comb_name(ReduceOp::Max, CType::F32);
-    // The output of element j (in registers v) given row statistics; `k` is its column.
-    let (stats, outv) = match kind {
-        RowKind::Softmax | RowKind::LogSoftmax => (
-            format!(
-                r#"    float lm = -__int_as_float(0x7f800000);
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) lm = {kmax}(lm, v[j]);
-    const float m = {max}(lm);
-    float ls = 0.0f;
-"#
-            ) + &if kind == RowKind::Softmax {
-                // softmax keeps exp(v - m) in the registers: one exp per element.
-                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) {{ v[j] = expf(v[j] - m); ls += v[j]; }}\n    const float inv = 1.0f / {sum}(ls);\n")
-            } else {
-                format!("    _Pragma(\"unroll\") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) ls += expf(v[j] - m);\n    const float lse = logf({sum}(ls));\n")
-            },
-            if kind == RowKind::Softmax { "v[j] * inv".to_string() } else { "v[j] - m - lse".to_string() },
-        ),
-        RowKind::LayerNorm => {
-            let mut y = "(v[j] - mean) * rstd".to_string();
-            if weight {
-                y = format!("{y} * {}", ld("wq.v[e]"));
-            }
-            if bias {
-                y = format!("{y} + {}", ld("bq.v[e]"));
-            }
-            (
-                format!(
-                    r#"    float ls = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) ls += v[j];
-    const float mean = {sum}(ls) / (float)K;
-    float lq = 0.0f;
-    _Pragma("unroll") for (int j = 0; j < VPT; j++) if (INROW(KIDX(j))) {{ const float d = v[j] - mean; lq += d * d; }}
-    const float rstd = rsqrtf({sum}(lq) / (float)K + eps);
-"#
-                ),
-                y,
-            )
-        }
-    };
-    let wb = format!(
-        "{}{}",
-        if weight { "        const VX wq = *(const VX*)(w + k0);\n" } else { "" },
-        if bias { "        const VX bq = *(const VX*)(b + k0);\n" } else { "" }
-    );
-    let _ = writeln!(c, r#"extern "C" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{
-  const {t}* x = (const {t}*)a.w[0]; {t}* y = ({t}*)a.w[1];
-  const {t}* w = (const {t}*)a.w[2]; const {t}* b = (const {t}*)a.w[3];
-  const long long M = (long long)a.w[4]; const int K = (int)a.w[5]; const float eps = (float)kparam_f(a.w[6]);
-  for (long long row = blockIdx.x; row < M; row += gridDim.x) {{
-    const {t}* xr = x + row * K; {t}* yr = y + row * K;
-    float v[VPT];
-    _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
-      const int k0 = KIDX(g * VEC);
-      if (INROW(k0)) {{ const VX q = *(const VX*)(xr + k0); _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = {lq}; }}
-      else {{ _Pragma("unroll") for (int e = 0; e < VEC; e++) v[g * VEC + e] = 0.0f; }}
-    }}
-{stats}    _Pragma("unroll") for (int g = 0; g < VPT / VEC; g++) {{
-      const int k0 = KIDX(g * VEC);
-      if (INROW(k0)) {{
-{wb}        VX o;
-        _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const int j = g * VEC + e; o.v[e] = {so}; }}
-        *(VX*)(yr + k0) = o;
-      }}
-    }}
-  }}
-}}"#, lq = ld("q.v[e]"), so = st(&outv));
-    (name, c)
-}
-
 /// Row kernels: element j of a thread's registers sits at column KIDX(j) of its row (vectors
 /// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines), and
 /// INROW(k) says whether column k is in the row. Where the threads' values cover the row
@@ -716,14 +578,9 @@ mod tests {
 
     #[test]
     fn rows_covered_exactly_have_no_column_checks() {
-        use super::{gen_eager_rows, row_full};
-        use crate::ops::rows::RowKind;
-        use crate::DType;
-        let (_, exact) = gen_eager_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, true, true, true);
-        let (_, partial) = gen_eager_rows(RowKind::LayerNorm, DType::F32, 512, 16, 4, false, true, true);
-        assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"));
-        // Every column test goes through INROW.
-        assert!(!exact.contains("< K)") && !partial.replace("((k) < K)", "").contains("< K)"), "{partial}");
+        use super::{row_full, row_index};
+        let (exact, partial) = (row_index(true), row_index(false));
+        assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"), "{exact}\n{partial}");
         assert!(row_full(8192, 512, 16) && !row_full(1000, 64, 16));
     }
 

@@ -3,7 +3,7 @@
 //! kernel is emitted here: one block per row, the row's values in registers, block reductions
 //! by warp shuffles, every intermediate computed once and never stored.
 
-use crate::backend::cuda::kernels::codegen::{block_name, block_reduce, comb_name, convert, identity, load, storage_type, PRELUDE, row_full, row_index};
+use crate::backend::cuda::kernels::codegen::{block_name, block_reduce, comb_name, convert, load, storage_type, PRELUDE, row_full, row_index};
 use crate::dtype::CType;
 use crate::backend::cuda::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
 use crate::backend::cuda::{tuning::autotune, device, CudaStorage, LaunchArgs, KernelKey};
@@ -491,7 +491,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 let t = CType::of(op.dtype);
                 let a = arg_val(&op.args[0], &ins, &vals);
                 let each = format!("          acc{i} = {}(acc{i}, {});\n", comb_name(*r, t), convert(a.0, t, &a.1));
-                let _ = writeln!(c, "    {} acc{i} = {};", t.name(), identity(*r, t));
+                let _ = writeln!(c, "    {} acc{i} = {};", t.name(), r.cuda_identity(t));
                 pass(&mut c, &plan.passes[pass_of(i)], &each, "", "");
                 let _ = writeln!(c, "    const {} t{i} = {}(acc{i});", t.name(), block_name(*r, t));
             }

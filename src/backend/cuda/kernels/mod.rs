@@ -354,16 +354,6 @@ pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist, s
     map_new(&dev, "random", &[], shape, dtype, result, expr, &params)
 }
 
-/// The acc type of a reduction: sums and products of floats in f64, of integers in i64.
-fn acc_type(op: ReduceOp, input: DType) -> CType {
-    match (op, CType::of(input)) {
-        (ReduceOp::Sum | ReduceOp::Prod, CType::F32 | CType::F64) => CType::F64,
-        (_, CType::Bool) => CType::I64,
-        (ReduceOp::Sum | ReduceOp::Prod, _) => CType::I64,
-        (_, t) => t,
-    }
-}
-
 /// Reduces `dims` of `x` into a contiguous buffer of `out` dtype (kept dims in order).
 pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
@@ -376,8 +366,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         return Ok(res);
     }
     if k == 0 {
-        let v = if op == ReduceOp::Prod { 1.0 } else { 0.0 };
-        let s = full(dev.ordinal, &[m], v, out)?;
+        let s = full(dev.ordinal, &[m], op.empty_value(), out)?;
         return Ok(s);
     }
     // Leading dims of a contiguous tensor reduce as columns; otherwise the reduced dims are
@@ -390,8 +379,8 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         let p = x.permute_usize(&perm)?;
         (if p.is_contiguous() { p } else { p.copy_contiguous()? }, ReduceLayout::Rows)
     };
-    let acc = acc_type(op, x.dtype());
-    let arg = matches!(op, ReduceOp::ArgMax | ReduceOp::ArgMin);
+    let acc = op.acc_type(x.dtype());
+    let arg = op.is_arg();
     let ptr = data_ptr(&input)?;
     // Columns are read `vec` at a time (16-byte loads for f32, at most 4 accumulators per
     // thread) when every row starts aligned.
@@ -701,33 +690,3 @@ pub(crate) fn row_thread_candidates(k: usize, vec: usize) -> Vec<usize> {
     std::iter::successors(Some(least), |t| Some(t * 2)).take_while(|&t| t <= most).collect()
 }
 
-/// Softmax, log_softmax or layer_norm over the last dim of a contiguous `x`, one kernel.
-pub(crate) fn rows(kind: crate::ops::rows::RowKind, x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64) -> Result<CudaStorage> {
-    let dev = dev_of(x)?;
-    let k = x.shape()[x.ndim() - 1];
-    let m = x.numel() / k;
-    let out = CudaStorage::new(&dev, x.dtype(), x.numel())?;
-    if m == 0 {
-        return Ok(out);
-    }
-    let size = x.dtype().size_in_bytes();
-    let ptrs = [Some(data_ptr(x)?), w.map(data_ptr).transpose()?, b.map(data_ptr).transpose()?];
-    // 16-byte loads when every row starts aligned.
-    let v = 16 / size;
-    let vec = if k.is_multiple_of(v) && ptrs.iter().flatten().all(|p| p % 16 == 0) { v } else { 1 };
-    let (threads, vpt) = row_shape(k, vec);
-    // The source is generated only the first time (the name says all it depends on).
-    let full = codegen::row_full(k, threads, vpt);
-    let name = codegen::rows_name(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some());
-    let kern = dev.kernel(KernelKey::Named(name), || codegen::gen_eager_rows(kind, x.dtype(), threads, vpt, vec, full, w.is_some(), b.is_some()))?;
-    let mut a = LaunchArgs::default();
-    a.w[0] = ptrs[0].unwrap_or(0);
-    a.w[1] = out.ptr();
-    a.w[2] = ptrs[1].unwrap_or(0);
-    a.w[3] = ptrs[2].unwrap_or(0);
-    a.w[4] = m as u64;
-    a.w[5] = k as u64;
-    a.w[6] = eps.to_bits();
-    dev.launch(kern, (m.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)?;
-    Ok(out)
-}
