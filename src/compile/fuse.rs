@@ -148,8 +148,7 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
         return Kind::Other;
     }
     match &n.op {
-        NodeOp::Full(_) => Kind::Pointwise,
-        NodeOp::Prim(Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_)) => Kind::Pointwise,
+        _ if n.is_pointwise() => Kind::Pointwise,
         NodeOp::Prim(Op::Reshape(_)) => Kind::Reshape,
         NodeOp::Prim(Op::Reduce(r, dims, _)) if !r.is_arg() => {
             let x = &g.nodes[n.args[0]].shape;
