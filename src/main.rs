@@ -35,6 +35,10 @@ enum Cmd {
         /// Also time the device-to-device copy at four sizes (the roofline's fit).
         #[arg(long)]
         copy_fit: bool,
+        /// `cuda` (the shared workloads on GPU 0) or `cpu` (their CPU-sized rows, beside
+        /// `bench/torch_cpu.py`).
+        #[arg(long, default_value = "cuda")]
+        device: String,
     },
     /// Runs one call of a bench workload under the profiler: prints the per-kernel table and
     /// writes a Chrome trace.
@@ -55,7 +59,9 @@ fn main() {
     let r = match args.cmd {
         None => demo(600),
         Some(Cmd::Demo { steps }) => demo(steps),
-        Some(Cmd::Bench { only, out, allow_tf32, copy_fit }) => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
+        Some(Cmd::Bench { only, out, device, .. }) if device == "cpu" => cli::bench_cpu::run(only.as_deref(), &out),
+        Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
+        Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
     };
     if let Err(e) = r {

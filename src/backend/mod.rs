@@ -28,7 +28,9 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
         let value = if value.shares_storage_with(dst) { value.copy_contiguous()? } else { value.clone() };
         cuda::kernels::write_into(dst, &value)
     } else {
-        cpu::write_into(dst, &cpu::cast(value, dst.dtype()));
+        if !cpu::copy_contiguous_into(dst, value) {
+            cpu::write_into(dst, &cpu::cast(value, dst.dtype()));
+        }
         Ok(())
     }
 }

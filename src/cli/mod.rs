@@ -1,4 +1,5 @@
 //! The `kiln` program's subcommands.
 
 pub mod bench;
+pub mod bench_cpu;
 pub mod profile;

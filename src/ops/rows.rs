@@ -41,13 +41,13 @@ struct Key {
 /// Programs kept at most: a model has a few row shapes; a sweep over many starts over.
 const MAX_PROGRAMS: usize = 256;
 
-/// `kind` over the last dim of `x` (with `w` and `b` for layer norm) as one kernel, on the GPU,
-/// when nothing needs its history (inference, `no_grad`); else None, and the caller runs
+/// `kind` over the last dim of `x` (with `w` and `b` for layer norm) as one kernel (on the CPU,
+/// the interpreter of fused kernels), when nothing needs its history (inference, `no_grad`); else None, and the caller runs
 /// `decompose`, which remains the op's definition (what autograd and the compiler see).
 pub(crate) fn fused(x: &Tensor, dim: i64, kind: RowKind, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, decompose: impl Fn(&[Tensor]) -> Result<Tensor>) -> Result<Option<Tensor>> {
     let tracked = crate::is_grad_enabled() && [Some(x), w, b].iter().flatten().any(|t| t.is_requires_grad());
     // F64 keeps its own precision through the decomposition; the kernel's statistics are f32.
-    if !x.device().is_cuda() || tracked || crate::compile::trace::active() || x.ndim() == 0 || x.dtype() == DType::F64 {
+    if tracked || crate::compile::trace::active() || x.ndim() == 0 || x.dtype() == DType::F64 {
         return Ok(None);
     }
     if crate::layout::norm_dim(kind.name(), dim, x.ndim())? != x.ndim() - 1 {

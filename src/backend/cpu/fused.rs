@@ -7,7 +7,7 @@ use super::{with_storage, CpuStorage, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::dtype::Elem;
-use crate::ops::reduce::{Accumulate, ReduceOp};
+use crate::ops::reduce::{beats, Accumulate, ReduceOp};
 use crate::storage::BackendStorage;
 use crate::{DType, Result, Tensor};
 use rayon::prelude::*;
@@ -338,14 +338,36 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
 /// One row (or chunk) reduced by the op's own definition (`ReduceOp::identity`, `combine`), in
 /// its accumulator type: f32 sums and products in f64, as the eager reductions.
 fn reduce(r: ReduceOp, v: &Val) -> Val {
-    fn fold<T: Accumulate>(r: ReduceOp, x: impl Iterator<Item = T>) -> T {
-        x.fold(r.identity(), |a, b| r.combine(a, b))
-    }
     match v {
-        Val::F32(x) if r.acc_type(DType::F32) == CType::F64 => Val::F32(vec![fold(r, x.iter().map(|&b| b as f64)) as f32]),
-        Val::F32(x) => Val::F32(vec![fold(r, x.iter().copied())]),
-        Val::F64(x) => Val::F64(vec![fold(r, x.iter().copied())]),
-        Val::I64(x) => Val::I64(vec![fold(r, x.iter().copied())]),
-        Val::Bool(x) => Val::Bool(vec![fold(r, x.iter().copied())]),
+        Val::F32(x) if r.acc_type(DType::F32) == CType::F64 => Val::F32(vec![fold(r, x, |b| b as f64) as f32]),
+        Val::F32(x) => Val::F32(vec![fold(r, x, |b| b)]),
+        Val::F64(x) => Val::F64(vec![fold(r, x, |b| b)]),
+        Val::I64(x) => Val::I64(vec![fold(r, x, |b| b)]),
+        Val::Bool(x) => Val::Bool(vec![fold(r, x, |b| b)]),
+    }
+}
+
+/// `x` reduced by `r` in accumulator `A`, over eight interleaved partial results (independent
+/// chains the CPU overlaps and vectorises; one chain waits on every add), combined at the end.
+fn fold<S: Copy, A: Accumulate>(r: ReduceOp, x: &[S], to: impl Fn(S) -> A + Copy) -> A {
+    #[inline(always)]
+    fn lanes<S: Copy, A: Accumulate>(x: &[S], id: A, to: impl Fn(S) -> A, f: impl Fn(A, A) -> A) -> A {
+        let mut acc = [id; 8];
+        let chunks = x.chunks_exact(8);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a = f(*a, to(v));
+            }
+        }
+        let a = acc.into_iter().fold(id, &f);
+        rest.iter().fold(a, |a, &v| f(a, to(v)))
+    }
+    let id = r.identity::<A>();
+    match r {
+        ReduceOp::Sum => lanes(x, id, to, |a, b| a.add(b)),
+        ReduceOp::Prod => lanes(x, id, to, |a, b| a.mul(b)),
+        ReduceOp::Max => lanes(x, id, to, |a, b| if beats(b, a, true) { b } else { a }),
+        _ => lanes(x, id, to, |a, b| r.combine(a, b)),
     }
 }

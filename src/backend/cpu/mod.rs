@@ -252,6 +252,37 @@ pub(crate) fn host_ptr(t: &Tensor) -> *const u8 {
 }
 
 /// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
+/// Copies `src` into `dst` element for element where both are contiguous, of one dtype and in
+/// different storages (a `copy_` of a parameter, an optimiser's state): one pass, no
+/// intermediate buffer, split across cores when large. False where that does not apply.
+pub(crate) fn copy_contiguous_into(dst: &Tensor, src: &Tensor) -> bool {
+    if !(dst.is_contiguous() && src.is_contiguous() && dst.dtype() == src.dtype() && dst.numel() == src.numel()) || dst.shares_storage_with(src) {
+        return false;
+    }
+    let (n, (d0, s0)) = (dst.numel(), (dst.storage_offset(), src.storage_offset()));
+    let read = src.storage().data.read_recursive();
+    let mut write = dst.storage().data.write();
+    let (BackendStorage::Cpu(s), BackendStorage::Cpu(d)) = (&*read, &mut *write) else { return false };
+    fn go<T: Copy + Send + Sync>(d: &mut [T], s: &[T]) {
+        if d.len() >= 16 * PAR_THRESHOLD {
+            let chunk = d.len().div_ceil(rayon::current_num_threads());
+            d.par_chunks_mut(chunk).zip(s.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+        } else {
+            d.copy_from_slice(s);
+        }
+    }
+    macro_rules! pair {
+        ($($v:ident),*) => {
+            match (d, s) {
+                $((CpuStorage::$v(d), CpuStorage::$v(s)) => go(&mut d[d0..d0 + n], &s[s0..s0 + n]),)*
+                _ => return false,
+            }
+        };
+    }
+    pair!(F32, F64, F16, BF16, I64, I32, U8, Bool);
+    true
+}
+
 pub(crate) fn write_into(t: &Tensor, src: &CpuStorage) {
     let mut guard = t.storage().data.write();
     let BackendStorage::Cpu(dst) = &mut *guard else { unreachable!("CPU kernel on a CUDA tensor") };
