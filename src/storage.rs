@@ -28,6 +28,10 @@ impl Drop for Storage {
         if let Some(p) = self.pinned {
             crate::backend::cuda::unpin(p as *const u8);
         }
+        // Host buffers go back to the caching allocator (an empty Vec allocates nothing).
+        if let BackendStorage::Cpu(s) = std::mem::replace(self.data.get_mut(), BackendStorage::Cpu(CpuStorage::U8(Vec::new()))) {
+            s.recycle();
+        }
     }
 }
 

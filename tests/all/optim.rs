@@ -204,3 +204,31 @@ fn optim_foreach_continues_adam_state_made_by_a_compiled_step() {
     }
     assert_close(&vals(&p), &vals(&q), 1e-5, 1e-6);
 }
+
+/// A CPU training loop reuses its large buffers through the host caching allocator: after the
+/// first step, each step's fresh outputs (gradients of a 1 MiB weight, activations) come from
+/// the cache. The layer's sizes are this test's own, so no other test takes its buffers.
+#[test]
+fn a_cpu_training_loop_takes_its_buffers_from_the_host_cache() -> kiln::Result<()> {
+    use kiln::{nn, nn::Module, optim, Device};
+    let cpu = Device::Cpu;
+    kiln::manual_seed(0);
+    let model = nn::Sequential::new().add(nn::Linear::new(777, 333, &cpu)?).add(nn::ReLU).add(nn::Linear::new(333, 7, &cpu)?);
+    let (x, y) = (Tensor::randn(&[97, 777], DType::F32, &cpu)?, Tensor::randint(0, 7, &[97], &cpu)?);
+    let mut opt = optim::Sgd::new(model.parameters(), 0.01);
+    let mut step = || -> kiln::Result<()> {
+        nn::functional::cross_entropy(&model.forward(&x)?, &y)?.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(())
+    };
+    step()?;
+    let before = kiln::cpu::memory_stats();
+    for _ in 0..4 {
+        step()?;
+    }
+    let after = kiln::cpu::memory_stats();
+    // Other tests only add hits: at least one per step of this loop is its own.
+    assert!(after.hits >= before.hits + 4, "{before:?} -> {after:?}");
+    Ok(())
+}

@@ -3,6 +3,7 @@
 //! full-size tensors. Scalar semantics come from the op definitions, as in the eager loops.
 
 use super::pointwise::{Map1, Map2};
+use super::pool::{self, Pooled};
 use super::{with_storage, CpuStorage, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
@@ -44,12 +45,18 @@ impl Val {
             CType::Bool => Val::Bool(v.into_iter().map(|x| x.cast()).collect()),
         }
     }
+    /// `n` zeros, in a buffer from the host caching allocator where it has one.
     fn zeros(t: CType, n: usize) -> Val {
+        fn z<T: Pooled + Default>(n: usize) -> Vec<T> {
+            let mut v = pool::take(n);
+            v.resize(n, T::default());
+            v
+        }
         match t {
-            CType::F32 => Val::F32(vec![0.0; n]),
-            CType::F64 => Val::F64(vec![0.0; n]),
-            CType::I64 => Val::I64(vec![0; n]),
-            CType::Bool => Val::Bool(vec![false; n]),
+            CType::F32 => Val::F32(z(n)),
+            CType::F64 => Val::F64(z(n)),
+            CType::I64 => Val::I64(z(n)),
+            CType::Bool => Val::Bool(z(n)),
         }
     }
     fn ctype(&self) -> CType {

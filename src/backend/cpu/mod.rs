@@ -1,6 +1,7 @@
 //! The CPU backend: host storage and loops over strided data, parallel with rayon on large
 //! tensors, with contiguous fast paths.
 
+pub(crate) mod pool;
 pub(crate) mod attention;
 pub(crate) mod fused;
 pub(crate) mod index;
@@ -94,6 +95,11 @@ host_elem!(u8, U8);
 host_elem!(bool, Bool);
 
 impl CpuStorage {
+    /// Hands the buffer to the host caching allocator (`pool`).
+    pub(crate) fn recycle(self) {
+        with_storage!(self, v => pool::give(v))
+    }
+
     pub(crate) fn dtype(&self) -> DType {
         with_storage!(self, v => elem_dtype(v))
     }
@@ -148,6 +154,11 @@ pub(crate) fn ensure_host_memory(op: &'static str, bytes: usize) -> crate::Resul
         }
     }
     let mut probe: Vec<u8> = Vec::new();
+    if probe.try_reserve_exact(bytes).is_ok() {
+        return Ok(());
+    }
+    // The cached buffers go back to the system before the request is refused.
+    pool::empty_cache();
     probe.try_reserve_exact(bytes).map_err(|_| oom(String::new()))
 }
 
@@ -163,8 +174,8 @@ fn host_memory_bytes() -> Option<u64> {
 
 /// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
 /// Every element must be written by `fill`.
-pub(crate) fn fill_new<T: Send + Sync>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
-    let mut v: Vec<T> = Vec::with_capacity(n);
+pub(crate) fn fill_new<T: Send + Sync + 'static>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
+    let mut v: Vec<T> = pool::take_any(n);
     {
         let spare = &mut v.spare_capacity_mut()[..n];
         if n >= PAR_THRESHOLD {
@@ -219,8 +230,16 @@ pub(crate) fn with_operand<C: HostElem, R>(t: &Tensor, f: impl FnOnce(Operand<'_
 /// The tensor's elements in row-major order, converted to `C`.
 pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
     with_operand::<C, _>(t, |op| match op {
-        Operand::Slice(s) => s.to_vec(),
-        Operand::Scalar(c) => vec![c; t.numel()],
+        Operand::Slice(s) => {
+            let mut v = pool::take_any(s.len());
+            v.extend_from_slice(s);
+            v
+        }
+        Operand::Scalar(c) => {
+            let mut v = pool::take_any(t.numel());
+            v.resize(t.numel(), c);
+            v
+        }
     })
 }
 

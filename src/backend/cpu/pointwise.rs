@@ -8,7 +8,7 @@ pub(crate) struct Map1<'a, A> {
     pub(crate) x: Operand<'a, A>,
     pub(crate) n: usize,
 }
-impl<A: Copy + Sync, B: Send + Sync + Copy> MapUnary<A, B> for Map1<'_, A> {
+impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapUnary<A, B> for Map1<'_, A> {
     fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B> {
         match self.x {
             Operand::Slice(s) => fill_new(self.n, |start, out| {
@@ -27,7 +27,7 @@ pub(crate) struct Map2<'a, A> {
     pub(crate) b: Operand<'a, A>,
     pub(crate) n: usize,
 }
-impl<A: Copy + Sync, B: Send + Sync + Copy> MapBinary<A, B> for Map2<'_, A> {
+impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapBinary<A, B> for Map2<'_, A> {
     fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B> {
         use Operand::*;
         match (self.a, self.b) {

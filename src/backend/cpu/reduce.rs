@@ -40,7 +40,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Cp
 }
 
 /// A value reduction (`ReduceOp::combine` from `ReduceOp::identity`), elements of `C` into `A`.
-fn run_op<C: HostElem + Into<A>, A: Accumulate + Send + Sync>(op: ReduceOp, x: &Tensor, dims: &[usize]) -> Vec<A> {
+fn run_op<C: HostElem + Into<A>, A: Accumulate + Send + Sync + 'static>(op: ReduceOp, x: &Tensor, dims: &[usize]) -> Vec<A> {
     let r = Reducer { init: op.identity::<A>(), step: move |a: A, _, v: C| op.combine(a, v.into()), combine: move |a: A, b: A| op.combine(a, b) };
     run::<C, A, _>(x, dims, r, |v| v)
 }
@@ -63,7 +63,7 @@ fn run_arg<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<i64> {
 }
 
 /// Runs a reducer: picks the loop order from where the reduced dims sit in memory.
-fn run<C: HostElem, A: Copy + Send + Sync, O: Send + Sync>(
+fn run<C: HostElem, A: Copy + Send + Sync + 'static, O: Send + Sync>(
     x: &Tensor,
     dims: &[usize],
     r: Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
@@ -130,7 +130,7 @@ fn reduce_rows<C: Copy + Sync, A: Copy + Send + Sync>(
 }
 
 /// `data` is k rows of m: one result per column.
-fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync>(
+fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync + 'static>(
     data: &[C],
     k: usize,
     m: usize,
