@@ -123,7 +123,7 @@ fn mlp(dev: &Device) -> Result<nn::Sequential> {
 }
 
 /// One training step of the MLP: forward, cross-entropy, backward, SGD(lr 0.01), grads cleared.
-fn mlp_train(dev: &Device, bs: usize, mode: Option<Mode>) -> Result<Call> {
+pub fn mlp_train(dev: &Device, bs: usize, mode: Option<Mode>) -> Result<Call> {
     let model = mlp(dev)?;
     let (x, y) = (Tensor::randn(&[bs, 784], DType::F32, dev)?, Tensor::randint(0, 10, &[bs], dev)?);
     let mut opt = optim::Sgd::new(model.parameters(), 0.01);
@@ -181,6 +181,52 @@ fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     })
 }
 
+/// `(a + b).relu()` over `n` elements: (eager, compiled).
+pub fn add_relu(n: usize, dev: &Device) -> Result<(Call, Call)> {
+    let (a, b) = (Tensor::randn(&[n], DType::F32, dev)?, Tensor::randn(&[n], DType::F32, dev)?);
+    let (ca, cb) = (a.clone(), b.clone());
+    let f = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
+    Ok((Box::new(move || (&a + &b)?.relu()), Box::new(move || f.call(&ca, &cb))))
+}
+
+/// `exp(sin(x)) + log(abs(cos(x)))` over `n` elements: (eager, compiled).
+pub fn exp_sin_log_cos(n: usize, dev: &Device) -> Result<(Call, Call)> {
+    let x = Tensor::randn(&[n], DType::F32, dev)?;
+    let cx = x.clone();
+    let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
+    Ok((Box::new(move || x.sin()?.exp()? + x.cos()?.abs()?.log()?), Box::new(move || f.call(&cx))))
+}
+
+/// Layer norm over the last dim of `k` x `k`, with weight and bias: (eager, compiled).
+pub fn layernorm(k: usize, dev: &Device) -> Result<(Call, Call)> {
+    let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
+    let (x, w, b) = (r(&[k, k])?, r(&[k])?, r(&[k])?);
+    let (cx, cw, cb) = (x.clone(), w.clone(), b.clone());
+    let f = compile(move |x: &Tensor| F::layer_norm(x, &[k], Some(&cw), Some(&cb), 1e-5));
+    Ok((Box::new(move || F::layer_norm(&x, &[k], Some(&w), Some(&b), 1e-5)), Box::new(move || f.call(&cx))))
+}
+
+/// Softmax over the last dim of `k` x `k`: (eager, compiled).
+pub fn softmax(k: usize, dev: &Device) -> Result<(Call, Call)> {
+    let x = Tensor::randn(&[k, k], DType::F32, dev)?;
+    let cx = x.clone();
+    let f = compile(|x: &Tensor| x.softmax(-1));
+    Ok((Box::new(move || x.softmax(-1)), Box::new(move || f.call(&cx))))
+}
+
+/// The MLP's forward on a batch of 32 without grad, eager (None) or compiled in `mode`.
+pub fn mlp_infer(dev: &Device, mode: Option<Mode>) -> Result<Call> {
+    let (model, x) = (mlp(dev)?, Tensor::randn(&[32, 784], DType::F32, dev)?);
+    let run = move |x: &Tensor| no_grad(|| model.forward(x));
+    Ok(match mode {
+        None => Box::new(move || run(&x)),
+        Some(m) => {
+            let f = compile_with(CompileOptions::new().mode(m), run);
+            Box::new(move || f.call(&x))
+        }
+    })
+}
+
 /// One call of a workload, and how the bench reports it.
 pub struct Workload {
     pub call: Box<dyn FnMut() -> Result<Tensor>>,
@@ -212,16 +258,12 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
     let step = |call: Call, v: Vec<(&'static str, Call)>| Some(Workload { call, compiled: None, measure: Measure::Step(v) });
     Ok(match name {
         "pointwise.add_relu.f32.1e8" => {
-            let (a, b) = (r(&[n])?, r(&[n])?);
-            let (ca, cb) = (a.clone(), b.clone());
-            let f = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
-            bw(12 * n, Box::new(move || (&a + &b)?.relu()), Box::new(move || f.call(&ca, &cb)))
+            let (e, c) = add_relu(n, dev)?;
+            bw(12 * n, e, c)
         }
         "pointwise.exp_sin_log_cos.f32.1e8" => {
-            let x = r(&[n])?;
-            let cx = x.clone();
-            let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
-            bw(8 * n, Box::new(move || x.sin()?.exp()? + x.cos()?.abs()?.log()?), Box::new(move || f.call(&cx)))
+            let (e, c) = exp_sin_log_cos(n, dev)?;
+            bw(8 * n, e, c)
         }
         "pointwise.bias_gelu.f32.8192x8192" => {
             let (x, b) = (r(&[8192, 8192])?, r(&[8192])?);
@@ -230,16 +272,12 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
             bw(8 * 8192 * 8192, Box::new(move || x.add(&b)?.gelu()), Box::new(move || f.call(&cx)))
         }
         "reduction.layernorm.f32.8192x8192" => {
-            let (x, w, b) = (r(&[8192, 8192])?, r(&[8192])?, r(&[8192])?);
-            let (cx, cw, cb) = (x.clone(), w.clone(), b.clone());
-            let f = compile(move |x: &Tensor| F::layer_norm(x, &[8192], Some(&cw), Some(&cb), 1e-5));
-            bw(8 * 8192 * 8192, Box::new(move || F::layer_norm(&x, &[8192], Some(&w), Some(&b), 1e-5)), Box::new(move || f.call(&cx)))
+            let (e, c) = layernorm(8192, dev)?;
+            bw(8 * 8192 * 8192, e, c)
         }
         "reduction.softmax.f32.8192x8192" => {
-            let x = r(&[8192, 8192])?;
-            let cx = x.clone();
-            let f = compile(|x: &Tensor| x.softmax(-1));
-            bw(8 * 8192 * 8192, Box::new(move || x.softmax(-1)), Box::new(move || f.call(&cx)))
+            let (e, c) = softmax(8192, dev)?;
+            bw(8 * 8192 * 8192, e, c)
         }
         "reduction.sum_dim0.f32.8192x8192" => {
             let x = r(&[8192, 8192])?;
@@ -247,21 +285,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
             let f = compile(|x: &Tensor| x.sum(&[0], false));
             bw(4 * 8192 * 8192, Box::new(move || x.sum(&[0], false)), Box::new(move || f.call(&cx)))
         }
-        "mlp.infer.bs32" => {
-            let x = r(&[32, 784])?;
-            let infer = |mode: Option<Mode>| -> Result<Call> {
-                let (model, x) = (mlp(dev)?, x.clone());
-                let run = move |x: &Tensor| no_grad(|| model.forward(x));
-                Ok(match mode {
-                    None => Box::new(move || run(&x)),
-                    Some(m) => {
-                        let f = compile_with(CompileOptions::new().mode(m), run);
-                        Box::new(move || f.call(&x))
-                    }
-                })
-            };
-            step(infer(None)?, variants(infer)?)
-        }
+        "mlp.infer.bs32" => step(mlp_infer(dev, None)?, variants(|m| mlp_infer(dev, m))?),
         "mlp.train_sgd.bs32" => step(mlp_train(dev, 32, None)?, variants(|m| mlp_train(dev, 32, m))?),
         "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096, None)?, variants(|m| mlp_train(dev, 4096, m))?),
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),

@@ -3,13 +3,11 @@
 //! warm-ups; step rows: wall time per call over 50 calls after 5 warm-ups (the shared rules,
 //! with the host's clock in place of device events).
 
-use kiln::compile::{compile, compile_with, CompileOptions};
-use kiln::nn::functional as F;
+use super::bench::{add_relu, exp_sin_log_cos, layernorm, mlp_infer, mlp_train, softmax, Call};
+use kiln::compile::Mode;
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
 use std::time::Instant;
-
-type Call = Box<dyn FnMut() -> Result<Tensor>>;
 
 pub const WORKLOADS: [&str; 7] = [
     "pointwise.add_relu.f32.1e7",
@@ -55,47 +53,8 @@ fn first_call_s(f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     Ok(s.elapsed().as_secs_f64())
 }
 
-fn mlp() -> Result<nn::Sequential> {
-    manual_seed(0);
-    let dev = Device::Cpu;
-    Ok(nn::Sequential::new().add(nn::Linear::new(784, 256, &dev)?).add(nn::ReLU).add(nn::Linear::new(256, 10, &dev)?))
-}
-
-/// One MLP training step (forward, cross-entropy, backward, SGD(lr 0.01), grads cleared),
-/// eager or compiled.
-fn mlp_train(compiled: bool) -> Result<Call> {
-    let model = mlp()?;
-    let (x, y) = (Tensor::randn(&[32, 784], DType::F32, &Device::Cpu)?, Tensor::randint(0, 10, &[32], &Device::Cpu)?);
-    let mut opt = optim::Sgd::new(model.parameters(), 0.01);
-    let mut step = move |x: &Tensor, y: &Tensor| {
-        let loss = F::cross_entropy(&model.forward(x)?, y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
-    };
-    Ok(if compiled {
-        let f = compile_with(CompileOptions::new(), step);
-        Box::new(move || f.call(&x, &y))
-    } else {
-        Box::new(move || step(&x, &y))
-    })
-}
-
-fn mlp_infer(compiled: bool) -> Result<Call> {
-    let model = mlp()?;
-    let x = Tensor::randn(&[32, 784], DType::F32, &Device::Cpu)?;
-    let run = move |x: &Tensor| no_grad(|| model.forward(x));
-    Ok(if compiled {
-        let f = compile(run);
-        Box::new(move || f.call(&x))
-    } else {
-        Box::new(move || run(&x))
-    })
-}
-
 /// A bandwidth row: eager and compiled times, the compiled one's first call, bytes moved.
-fn bandwidth(bytes: usize, mut eager: Call, mut compiled: Call) -> Result<Value> {
+fn bandwidth(bytes: usize, (mut eager, mut compiled): (Call, Call)) -> Result<Value> {
     let compile_s = first_call_s(&mut compiled)?;
     let (e, c) = (median_ms(&mut eager)?, median_ms(&mut compiled)?);
     Ok(json!({"eager_ms": e, "compiled_ms": c, "compiled_compile_s": compile_s, "bytes": bytes, "best_GBps": bytes as f64 / (e.min(c) / 1e3) / 1e9}))
@@ -107,40 +66,19 @@ fn step(mut eager: Call, mut compiled: Call) -> Result<Value> {
 }
 
 fn workload(name: &str) -> Result<Value> {
-    let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, &Device::Cpu);
-    let n = 10_000_000usize;
+    let (cpu, n) = (Device::Cpu, 10_000_000usize);
     match name {
-        "pointwise.add_relu.f32.1e7" => {
-            let (a, b) = (r(&[n])?, r(&[n])?);
-            let (ca, cb) = (a.clone(), b.clone());
-            let f = compile(|a: &Tensor, b: &Tensor| (a + b)?.relu());
-            bandwidth(12 * n, Box::new(move || (&a + &b)?.relu()), Box::new(move || f.call(&ca, &cb)))
-        }
-        "pointwise.exp_sin_log_cos.f32.1e7" => {
-            let x = r(&[n])?;
-            let cx = x.clone();
-            let f = compile(|x: &Tensor| x.sin()?.exp()? + x.cos()?.abs()?.log()?);
-            bandwidth(8 * n, Box::new(move || x.sin()?.exp()? + x.cos()?.abs()?.log()?), Box::new(move || f.call(&cx)))
-        }
-        "reduction.layernorm.f32.2048x2048" => {
-            let (x, w, b) = (r(&[2048, 2048])?, r(&[2048])?, r(&[2048])?);
-            let (cx, cw, cb) = (x.clone(), w.clone(), b.clone());
-            let f = compile(move |x: &Tensor| F::layer_norm(x, &[2048], Some(&cw), Some(&cb), 1e-5));
-            bandwidth(8 * 2048 * 2048, Box::new(move || F::layer_norm(&x, &[2048], Some(&w), Some(&b), 1e-5)), Box::new(move || f.call(&cx)))
-        }
-        "reduction.softmax.f32.2048x2048" => {
-            let x = r(&[2048, 2048])?;
-            let cx = x.clone();
-            let f = compile(|x: &Tensor| x.softmax(-1));
-            bandwidth(8 * 2048 * 2048, Box::new(move || x.softmax(-1)), Box::new(move || f.call(&cx)))
-        }
+        "pointwise.add_relu.f32.1e7" => bandwidth(12 * n, add_relu(n, &cpu)?),
+        "pointwise.exp_sin_log_cos.f32.1e7" => bandwidth(8 * n, exp_sin_log_cos(n, &cpu)?),
+        "reduction.layernorm.f32.2048x2048" => bandwidth(8 * 2048 * 2048, layernorm(2048, &cpu)?),
+        "reduction.softmax.f32.2048x2048" => bandwidth(8 * 2048 * 2048, softmax(2048, &cpu)?),
         "matmul.f32.2048" => {
-            let (a, b) = (r(&[2048, 2048])?, r(&[2048, 2048])?);
+            let (a, b) = (Tensor::randn(&[2048, 2048], DType::F32, &cpu)?, Tensor::randn(&[2048, 2048], DType::F32, &cpu)?);
             let ms = median_ms(&mut || a.matmul(&b))?;
             Ok(json!({"eager_ms": ms, "GFLOPs": 2.0 * 2048f64.powi(3) / (ms / 1e3) / 1e9}))
         }
-        "mlp.infer.bs32" => step(mlp_infer(false)?, mlp_infer(true)?),
-        "mlp.train_sgd.bs32" => step(mlp_train(false)?, mlp_train(true)?),
+        "mlp.infer.bs32" => step(mlp_infer(&cpu, None)?, mlp_infer(&cpu, Some(Mode::Default))?),
+        "mlp.train_sgd.bs32" => step(mlp_train(&cpu, 32, None)?, mlp_train(&cpu, 32, Some(Mode::Default))?),
         _ => Err(kiln::Error::Arg { op: "bench", msg: format!("no CPU workload {name}") }),
     }
 }
