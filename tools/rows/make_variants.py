@@ -88,7 +88,7 @@ for f, (name, streamed, reused, tags) in kernels.items():
         s = s.replace(name, f'{short}_{tag}')
         # Helpers of the shared prelude stay private to each file.
         s = 'namespace {\n' + s + '\n}\n'
-        s += f'\nvoid launch_{short}_{tag}(const void* a, unsigned grid, unsigned block) {{ {short}_{tag}<<<grid, block>>>(*(const KArgs*)a); }}\n'
+        s += f'\nvoid launch_{short}_{tag}(const void* a, unsigned grid, unsigned block) {{ {short}_{tag}<<<grid, block>>>(*(const LaunchArgs*)a); }}\n'
         open(f'build/{short}_{tag}.cu', 'w').write(s)
         decls.append(f'void launch_{short}_{tag}(const void* a, unsigned grid, unsigned block);')
 harness = r'''
@@ -117,11 +117,11 @@ int main() {
   float tc = med([&] { cudaMemcpyAsync(y, x, M * K * 4, cudaMemcpyDeviceToDevice); });
   float tci = alone([&] { cudaMemcpyAsync(y, x, M * K * 4, cudaMemcpyDeviceToDevice); });
   printf("memcpy back to back %8.1f us, one call %8.1f us\n", tc, tci);
-  KArgs ln = {}; ln.w[0] = M; ln.w[1] = K; ln.w[2] = (u64)y; ln.w[3] = (u64)x; ln.w[4] = K; ln.w[5] = 1; ln.w[6] = (u64)w; ln.w[7] = 0; ln.w[8] = 1; ln.w[9] = (u64)b; ln.w[10] = 0; ln.w[11] = 1;
-  KArgs le = {}; le.w[0] = (u64)x; le.w[1] = (u64)y; le.w[2] = (u64)w; le.w[3] = (u64)b; le.w[4] = M; le.w[5] = K; double eps = 1e-5; memcpy(&le.w[6], &eps, 8);
-  KArgs sm = {}; sm.w[0] = M; sm.w[1] = K; sm.w[2] = (u64)y; sm.w[3] = (u64)x; sm.w[4] = K; sm.w[5] = 1;
-  KArgs bg = {}; bg.w[0] = M * K; bg.w[1] = (u64)y; bg.w[2] = (u64)x; bg.w[3] = (u64)b; bg.w[4] = 8192; bg.w[5] = 8192; bg.w[6] = 0; bg.w[7] = 1;
-  struct V { const char* n; void (*k)(const void*, unsigned, unsigned); KArgs* a; unsigned grid, block; } vs[] = {
+  LaunchArgs ln = {}; ln.w[0] = M; ln.w[1] = K; ln.w[2] = (u64)y; ln.w[3] = (u64)x; ln.w[4] = K; ln.w[5] = 1; ln.w[6] = (u64)w; ln.w[7] = 0; ln.w[8] = 1; ln.w[9] = (u64)b; ln.w[10] = 0; ln.w[11] = 1;
+  LaunchArgs le = {}; le.w[0] = (u64)x; le.w[1] = (u64)y; le.w[2] = (u64)w; le.w[3] = (u64)b; le.w[4] = M; le.w[5] = K; double eps = 1e-5; memcpy(&le.w[6], &eps, 8);
+  LaunchArgs sm = {}; sm.w[0] = M; sm.w[1] = K; sm.w[2] = (u64)y; sm.w[3] = (u64)x; sm.w[4] = K; sm.w[5] = 1;
+  LaunchArgs bg = {}; bg.w[0] = M * K; bg.w[1] = (u64)y; bg.w[2] = (u64)x; bg.w[3] = (u64)b; bg.w[4] = 8192; bg.w[5] = 8192; bg.w[6] = 0; bg.w[7] = 1;
+  struct V { const char* n; void (*k)(const void*, unsigned, unsigned); LaunchArgs* a; unsigned grid, block; } vs[] = {
 @VS@
   };
   for (int rep = 0; rep < 2; rep++) for (auto& v : vs) {
@@ -138,4 +138,4 @@ for f, (name, _, _, tags) in kernels.items():
     args, grid, block = {'layernorm': ('&ln', 8192, 512), 'lneager': ('&le', 8192, 512), 'softmax': ('&sm', 8192, 512), 'bias_gelu': ('&bg', 32768, 256)}[short]
     vs += [f'    {{"{short} {tag}", launch_{short}_{tag}, {args}, {grid}, {block}}},' for tag in tags]
 harness = harness.replace("@VS@", '\n'.join(vs))
-open('build/harness.cu', 'w').write('typedef unsigned long long u64;\nstruct KArgs { u64 w[64]; };\n' + '\n'.join(decls) + harness)
+open('build/harness.cu', 'w').write('typedef unsigned long long u64;\nstruct LaunchArgs { u64 w[64]; };\n' + '\n'.join(decls) + harness)
