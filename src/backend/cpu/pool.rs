@@ -29,6 +29,7 @@ pub struct HostMemoryStats {
     pub misses: u64,
 }
 
+/// The host caching allocator's statistics, over every thread of the process.
 pub fn memory_stats() -> HostMemoryStats {
     HostMemoryStats { cached_bytes: CACHED.load(Ordering::Relaxed), hits: HITS.load(Ordering::Relaxed), misses: MISSES.load(Ordering::Relaxed) }
 }
