@@ -35,7 +35,7 @@ fn peak_mib(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> 
 }
 
 /// The wall time of a compiled function's first call (trace, compile, run, synchronise).
-fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+pub(super) fn first_call(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     // The inputs' own kernels finish first: as in the reference, only the call is timed.
     cuda::synchronize(dev)?;
     let t0 = std::time::Instant::now();
@@ -83,7 +83,7 @@ pub type Call = Box<dyn FnMut() -> Result<Tensor>>;
 
 /// Wall time per call over 50 calls after 5 warm-ups, one synchronisation at the end (host
 /// overhead included, as the step workloads are defined).
-fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
+pub(super) fn wall_ms(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     for _ in 0..5 {
         f()?;
     }

@@ -1,9 +1,9 @@
 //! `kiln bench --device cpu`: the shared workloads at CPU-sized inputs, written in the shared
 //! schema, for `bench/torch_cpu.py` to stand beside. Bandwidth rows: median of 30 calls after 5
-//! warm-ups; step rows: wall time per call over 50 calls after 5 warm-ups (the shared rules,
-//! with the host's clock in place of device events).
+//! warm-ups, by the host's clock in place of device events; step rows and compile times as the
+//! GPU bench measures them (`bench::wall_ms`, `bench::first_call`).
 
-use super::bench::{add_relu, exp_sin_log_cos, layernorm, mlp_infer, mlp_train, softmax, Call};
+use super::bench::{add_relu, exp_sin_log_cos, first_call, layernorm, mlp_infer, mlp_train, softmax, wall_ms, Call};
 use kiln::compile::Mode;
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
@@ -34,35 +34,16 @@ fn median_ms(f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
     Ok(t[t.len() / 2])
 }
 
-/// Milliseconds per call over 50 calls after 5 warm-ups.
-fn wall_ms(f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
-    for _ in 0..5 {
-        f()?;
-    }
-    let s = Instant::now();
-    for _ in 0..50 {
-        f()?;
-    }
-    Ok(s.elapsed().as_secs_f64() * 1e3 / 50.0)
-}
-
-/// Seconds of a freshly compiled function's first call.
-fn first_call_s(f: &mut dyn FnMut() -> Result<Tensor>) -> Result<f64> {
-    let s = Instant::now();
-    f()?;
-    Ok(s.elapsed().as_secs_f64())
-}
-
 /// A bandwidth row: eager and compiled times, the compiled one's first call, bytes moved.
 fn bandwidth(bytes: usize, (mut eager, mut compiled): (Call, Call)) -> Result<Value> {
-    let compile_s = first_call_s(&mut compiled)?;
+    let compile_s = first_call(&Device::Cpu, &mut compiled)?;
     let (e, c) = (median_ms(&mut eager)?, median_ms(&mut compiled)?);
     Ok(json!({"eager_ms": e, "compiled_ms": c, "compiled_compile_s": compile_s, "bytes": bytes, "best_GBps": bytes as f64 / (e.min(c) / 1e3) / 1e9}))
 }
 
 fn step(mut eager: Call, mut compiled: Call) -> Result<Value> {
-    let compile_s = first_call_s(&mut compiled)?;
-    Ok(json!({"eager_ms": wall_ms(&mut eager)?, "compiled_ms": wall_ms(&mut compiled)?, "compiled_compile_s": compile_s}))
+    let compile_s = first_call(&Device::Cpu, &mut compiled)?;
+    Ok(json!({"eager_ms": wall_ms(&Device::Cpu, &mut eager)?, "compiled_ms": wall_ms(&Device::Cpu, &mut compiled)?, "compiled_compile_s": compile_s}))
 }
 
 fn workload(name: &str) -> Result<Value> {

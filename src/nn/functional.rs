@@ -3,6 +3,7 @@
 //! `amp::autocast` the F32 ops (softmax, layer_norm, losses) return F32 and `linear` runs in
 //! the autocast dtype.
 
+use crate::ops::rows::RowKind;
 use crate::{no_grad, DType, Error, Result, Tensor};
 
 /// How a loss reduces over elements.
@@ -46,8 +47,6 @@ fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
     }
     x.amax(&[dim], true)
 }
-
-use crate::ops::rows::RowKind;
 
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {

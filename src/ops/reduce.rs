@@ -105,13 +105,9 @@ impl ReduceOp {
         }
     }
 
-    /// The result over no elements where there is one (PyTorch: sum 0, prod 1; max, min and the
-    /// arg reductions of nothing are errors before any backend runs).
-    pub(crate) fn empty_value(self) -> f64 {
-        if self == ReduceOp::Prod { 1.0 } else { 0.0 }
-    }
-
-    /// The identity: 0, 1, or the far end of the type for max and min.
+    /// The identity: 0, 1, or the far end of the type for max and min. For sum and prod it is
+    /// also the result over no elements (max, min and the arg reductions of nothing are errors
+    /// before any backend runs).
     pub(crate) fn identity<T: Accumulate>(self) -> T {
         match self {
             ReduceOp::Sum => T::ZERO,

@@ -42,8 +42,9 @@ struct Key {
 const MAX_PROGRAMS: usize = 256;
 
 /// `kind` over the last dim of `x` (with `w` and `b` for layer norm) as one kernel (on the CPU,
-/// the interpreter of fused kernels), when nothing needs its history (inference, `no_grad`); else None, and the caller runs
-/// `decompose`, which remains the op's definition (what autograd and the compiler see).
+/// the interpreter of fused kernels), when nothing needs its history (inference, `no_grad`);
+/// else None, and the caller runs `decompose`, which remains the op's definition (what
+/// autograd and the compiler see).
 pub(crate) fn fused(x: &Tensor, dim: i64, kind: RowKind, w: Option<&Tensor>, b: Option<&Tensor>, eps: f64, decompose: impl Fn(&[Tensor]) -> Result<Tensor>) -> Result<Option<Tensor>> {
     let tracked = crate::is_grad_enabled() && [Some(x), w, b].iter().flatten().any(|t| t.is_requires_grad());
     // F64 keeps its own precision through the decomposition; the kernel's statistics are f32.

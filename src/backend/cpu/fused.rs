@@ -8,7 +8,7 @@ use super::{with_storage, CpuStorage, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::dtype::Elem;
-use crate::ops::reduce::{beats, Accumulate, ReduceOp};
+use crate::ops::reduce::{Accumulate, ReduceOp};
 use crate::storage::BackendStorage;
 use crate::{DType, Result, Tensor};
 use rayon::prelude::*;
@@ -374,7 +374,6 @@ fn fold<S: Copy, A: Accumulate>(r: ReduceOp, x: &[S], to: impl Fn(S) -> A + Copy
     match r {
         ReduceOp::Sum => lanes(x, id, to, |a, b| a.add(b)),
         ReduceOp::Prod => lanes(x, id, to, |a, b| a.mul(b)),
-        ReduceOp::Max => lanes(x, id, to, |a, b| if beats(b, a, true) { b } else { a }),
         _ => lanes(x, id, to, |a, b| r.combine(a, b)),
     }
 }

@@ -1,12 +1,12 @@
 //! The CPU backend: host storage and loops over strided data, parallel with rayon on large
 //! tensors, with contiguous fast paths.
 
-pub(crate) mod pool;
 pub(crate) mod attention;
 pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod matmul;
 pub(crate) mod pointwise;
+pub(crate) mod pool;
 pub(crate) mod reduce;
 
 use crate::dtype::Elem;
@@ -270,7 +270,6 @@ pub(crate) fn host_ptr(t: &Tensor) -> *const u8 {
     unsafe { base.add(t.layout().offset * t.dtype().size_in_bytes()) }
 }
 
-/// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
 /// Copies `src` into `dst` element for element where both are contiguous, of one dtype and in
 /// different storages (a `copy_` of a parameter, an optimiser's state): one pass, no
 /// intermediate buffer, split across cores when large. False where that does not apply.
@@ -302,6 +301,7 @@ pub(crate) fn copy_contiguous_into(dst: &Tensor, src: &Tensor) -> bool {
     true
 }
 
+/// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
 pub(crate) fn write_into(t: &Tensor, src: &CpuStorage) {
     let mut guard = t.storage().data.write();
     let BackendStorage::Cpu(dst) = &mut *guard else { unreachable!("CPU kernel on a CUDA tensor") };

@@ -366,7 +366,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         return Ok(res);
     }
     if k == 0 {
-        let s = full(dev.ordinal, &[m], op.empty_value(), out)?;
+        let s = full(dev.ordinal, &[m], op.identity::<f64>(), out)?;
         return Ok(s);
     }
     // Leading dims of a contiguous tensor reduce as columns; otherwise the reduced dims are
