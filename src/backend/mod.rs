@@ -44,3 +44,74 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
     let s = cuda::libs::cudnn::conv(pass, args, shapes, a, b)?;
     Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out)))
 }
+
+/// `x * scale + shift` (all of x's shape) computed in F32 and stored in x's dtype, in one pass
+/// where the device has the kernel for it (CUDA); None elsewhere (the caller composes it).
+pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crate::Tensor) -> Result<Option<crate::Tensor>> {
+    if !x.device().is_cuda() {
+        return Ok(None);
+    }
+    let y = cuda::kernels::scale_shift(x, scale, shift)?;
+    Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), x.shape())))
+}
+
+/// Whether the device's fused attention kernels take q, k, v (`[L, B, H, D]`) and beat a
+/// matmul and softmax there (never on the CPU).
+pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &crate::Tensor) -> bool {
+    let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
+    q.device().is_cuda()
+        && cuda::kernels::attention::takes(l, s, b * h, d)
+        && matches!(q.dtype(), crate::DType::F32 | crate::DType::F16 | crate::DType::BF16)
+        && cuda::kernels::attention::fused_is_faster(q, k, v)
+}
+
+/// What a multi-tensor optimiser update computes (the slots and scalars each rule reads).
+pub(crate) use cuda::kernels::foreach::Rule as UpdateRule;
+
+/// Whether `device` updates parameters of `dtype` in multi-tensor kernels (CUDA only).
+pub(crate) fn multi_tensor_update_supports(device: Device, dtype: crate::DType) -> bool {
+    device.is_cuda() && cuda::kernels::foreach::supports(dtype)
+}
+
+/// Applies `rule` to every entry (its slots, of `dtype`, on one device `multi_tensor_update_supports`
+/// accepts) in as few launches as a launch's table holds.
+pub(crate) fn multi_tensor_update(rule: UpdateRule, dtype: crate::DType, entries: &[Vec<&crate::Tensor>], scalars: &[f64], first: bool) -> Result<()> {
+    cuda::kernels::foreach::launch(rule, dtype, entries, scalars, first)
+}
+
+/// A contiguous tensor of `shape` and `dtype` on `like`'s device whose values are not set
+/// (zeros on the host, where the page cache hands out cleared memory anyway).
+pub(crate) fn uninit_like(like: &crate::Tensor, shape: &[usize], dtype: crate::DType) -> Result<crate::Tensor> {
+    match like.device() {
+        Device::Cuda(_) => cuda::kernels::custom::empty(like, shape, dtype),
+        Device::Cpu => crate::Tensor::zeros(shape, dtype, &Device::Cpu),
+    }
+}
+
+/// A random distribution of `Tensor::rand`/`randn`/`randint`.
+pub(crate) use cuda::kernels::Dist;
+
+/// `shape` of `dtype` filled with `value` on GPU `device`.
+pub(crate) fn cuda_full(device: usize, shape: &[usize], value: f64, dtype: crate::DType) -> Result<crate::Tensor> {
+    let s = cuda::kernels::full(device, shape, value, dtype)?;
+    Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), shape))
+}
+
+/// `shape` of `dtype` drawn by `dist` from the global generator on GPU `device`: the same
+/// numbers, element for element, as the host draws.
+pub(crate) fn cuda_random(device: usize, shape: &[usize], dtype: crate::DType, dist: Dist) -> Result<crate::Tensor> {
+    let s = cuda::kernels::random(device, shape, dtype, dist)?;
+    Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), shape))
+}
+
+/// A host tensor's values copied onto GPU `device` (contiguous); `non_blocking` queues the copy
+/// without waiting for it (through a pinned staging buffer unless the source is pinned).
+pub(crate) fn upload(host: &crate::Tensor, device: usize, non_blocking: bool) -> Result<crate::Tensor> {
+    let s = if non_blocking { cuda::kernels::upload_async(device, host)? } else { cuda::kernels::upload(device, host)? };
+    Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), host.shape()))
+}
+
+/// A GPU tensor's values copied to the host (waits for them).
+pub(crate) fn download(x: &crate::Tensor) -> Result<crate::Tensor> {
+    Ok(crate::Tensor::from_cpu(cuda::kernels::download(x)?, x.shape()))
+}

@@ -202,18 +202,9 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
 /// shape, or matmul and softmax are faster (long sequences the tensor cores do not take); on
 /// the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
 pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
-    let d = q.shape()[3];
     // The fused kernels give no gradient for the mask: a mask that needs one takes matmul and softmax.
     let mask_needs_grad = mask.is_some_and(|m| crate::is_grad_enabled() && m.is_requires_grad());
-    let fused = dropout_p == 0.0
-        && !mask_needs_grad
-        && match q.device() {
-            crate::Device::Cpu => false,
-            crate::Device::Cuda(_) => {
-                let (l, b, h, s) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[0]);
-                crate::backend::cuda::kernels::attention::takes(l, s, b * h, d) && matches!(q.dtype(), DType::F32 | DType::F16 | DType::BF16) && crate::backend::cuda::kernels::attention::fused_is_faster(q, k, v)
-            }
-        };
+    let fused = dropout_p == 0.0 && !mask_needs_grad && crate::backend::fused_attention_pays(q, k, v);
     if fused {
         let mut inputs = vec![q, k, v];
         inputs.extend(mask);

@@ -9,15 +9,14 @@
 //! function being traced always takes the per-tensor path, which the compiler records.
 
 use super::{AdamCore, AdamState, Sgd};
-use crate::backend::cuda::kernels::foreach::{launch, supports, Rule};
+use crate::backend::{multi_tensor_update as launch, multi_tensor_update_supports, UpdateRule as Rule};
 use crate::{DType, Device, Result, Tensor};
 use std::collections::HashSet;
 use std::sync::Arc;
 
 /// Whether parameter `p` with gradient `g` and its existing `state` can be updated by a kernel.
 fn fits(p: &Tensor, g: &Tensor, state: &[&Tensor]) -> bool {
-    p.device().is_cuda()
-        && supports(p.dtype())
+    multi_tensor_update_supports(p.device(), p.dtype())
         && p.numel() > 0
         && p.is_contiguous()
         && std::iter::once(g).chain(state.iter().copied()).all(|t| t.device() == p.device() && t.dtype() == p.dtype() && t.shape() == p.shape() && t.is_contiguous())
@@ -80,7 +79,7 @@ pub(super) fn sgd(o: &mut Sgd) -> Result<Vec<bool>> {
         if first {
             for &k in &members {
                 let p = &o.params[items[k].0];
-                new_bufs.push(crate::backend::cuda::kernels::custom::empty(p, p.shape(), p.dtype())?);
+                new_bufs.push(crate::backend::uninit_like(p, p.shape(), p.dtype())?);
             }
         }
         let entries: Vec<Vec<&Tensor>> = members

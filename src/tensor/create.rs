@@ -4,8 +4,6 @@ use super::random::{philox, reserve, uniform_f32, uniform_f64};
 use super::Tensor;
 use crate::backend::check_device;
 use crate::compile::graph::RandomKind;
-use crate::backend::cuda::kernels as cuda;
-use crate::storage::BackendStorage;
 use crate::backend::cpu::{fill_new, with_dtype, CpuStorage, HostElem};
 use crate::dtype::{Elem, WithDType};
 use crate::layout::numel;
@@ -20,7 +18,7 @@ impl Tensor {
             return crate::compile::trace::full(shape, value, dtype, *device);
         }
         if let Device::Cuda(d) = device {
-            return Ok(Tensor::from_backend(BackendStorage::Cuda(cuda::full(*d, shape, value, dtype)?), shape));
+            return crate::backend::cuda_full(*d, shape, value, dtype);
         }
         crate::backend::cpu::ensure_host_memory("full", n * dtype.size_in_bytes())?;
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
@@ -106,7 +104,7 @@ impl Tensor {
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Uniform, shape, dtype, *device);
         }
-        if let Some(t) = on_cuda_random("rand", shape, dtype, device, cuda::Dist::Uniform { bits })? {
+        if let Some(t) = on_cuda_random("rand", shape, dtype, device, crate::backend::Dist::Uniform { bits })? {
             return Ok(t);
         }
         // Half types take only the bits they hold (as torch's uniform_real): rounding a 24-bit
@@ -125,7 +123,7 @@ impl Tensor {
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Normal, shape, dtype, *device);
         }
-        if let Some(t) = on_cuda_random("randn", shape, dtype, device, cuda::Dist::Normal)? {
+        if let Some(t) = on_cuda_random("randn", shape, dtype, device, crate::backend::Dist::Normal)? {
             return Ok(t);
         }
         random_values("randn", shape, dtype, device, |w| {
@@ -146,7 +144,7 @@ impl Tensor {
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Int { low, high }, shape, DType::I64, *device);
         }
-        if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, cuda::Dist::Int { low, span })? {
+        if let Some(t) = on_cuda_random("randint", shape, DType::I64, device, crate::backend::Dist::Int { low, span })? {
             return Ok(t);
         }
         crate::backend::cpu::ensure_host_memory("randint", n * DType::I64.size_in_bytes())?;
@@ -187,12 +185,11 @@ fn checked_numel(op: &'static str, shape: &[usize], dtype: DType) -> Result<usiz
 }
 
 /// Draws on the GPU when `device` is one: the same stream, element for element, as the host.
-fn on_cuda_random(op: &'static str, shape: &[usize], dtype: DType, device: &Device, dist: cuda::Dist) -> Result<Option<Tensor>> {
+fn on_cuda_random(op: &'static str, shape: &[usize], dtype: DType, device: &Device, dist: crate::backend::Dist) -> Result<Option<Tensor>> {
     let Device::Cuda(d) = device else { return Ok(None) };
     check_device(op, *device)?;
-    let n = checked_numel(op, shape, dtype)?;
-    let (seed, first) = reserve(n as u64);
-    Ok(Some(Tensor::from_backend(BackendStorage::Cuda(cuda::random(*d, shape, dtype, dist, seed, first)?), shape)))
+    checked_numel(op, shape, dtype)?;
+    crate::backend::cuda_random(*d, shape, dtype, dist).map(Some)
 }
 
 fn float_only(op: &'static str, dtype: DType) -> Result<()> {

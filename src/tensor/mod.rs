@@ -85,17 +85,13 @@ impl Tensor {
     #[track_caller]
     pub(crate) fn copy_to_device(&self, device: Device, non_blocking: bool) -> Result<Tensor> {
         if let (true, Device::Cpu, Device::Cuda(n)) = (non_blocking, self.device(), device) {
-            let s = crate::backend::cuda::kernels::upload_async(n, self)?;
-            return Ok(Tensor::from_parts(Arc::new(Storage::cuda(s)), Layout::contiguous(self.shape()), self.dtype(), false));
+            return crate::backend::upload(self, n, true);
         }
         let host = self.to_host()?;
-        Ok(match device {
-            Device::Cpu => if host.shares_storage_with(self) { host.copy_contiguous()? } else { host },
-            Device::Cuda(n) => {
-                let s = crate::backend::cuda::kernels::upload(n, &host)?;
-                Tensor::from_parts(Arc::new(Storage::cuda(s)), Layout::contiguous(self.shape()), self.dtype(), false)
-            }
-        })
+        match device {
+            Device::Cpu => Ok(if host.shares_storage_with(self) { host.copy_contiguous()? } else { host }),
+            Device::Cuda(n) => crate::backend::upload(&host, n, false),
+        }
     }
 
     /// A copy in page-locked host memory, so `to_device_async` can copy it without staging
@@ -128,7 +124,7 @@ impl Tensor {
         crate::compile::trace::before_host_read(self, "a host read")?;
         match self.device() {
             Device::Cpu => Ok(self.clone()),
-            Device::Cuda(_) => Ok(Tensor::from_cpu(crate::backend::cuda::kernels::download(self)?, self.shape())),
+            Device::Cuda(_) => crate::backend::download(self),
         }
     }
 

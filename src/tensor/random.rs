@@ -1,5 +1,5 @@
 //! The global generator: Philox4x32-10, counter-based, so that any element of a random stream
-//! can be computed independently (in parallel here, and in a GPU kernel later) from
+//! can be computed independently (in parallel on the host, and in the GPU's kernels) from
 //! (seed, offset + element index).
 
 use parking_lot::Mutex;
@@ -23,11 +23,15 @@ pub fn manual_seed(seed: u64) {
 pub(crate) fn reserve(blocks: u64) -> (u64, u64) {
     let mut g = GENERATOR.lock();
     let start = g.offset;
-    // A rehearsal draws nothing: the real run after it gets the numbers it would have had.
-    if !crate::backend::cuda::tuning::rehearsal::active() {
-        g.offset += blocks;
-    }
+    g.offset += blocks;
     (g.seed, start)
+}
+
+/// (seed, first block) of the next reservation, reserving nothing: what a rehearsal draws
+/// with, so that the real run after it gets the numbers it would have had.
+pub(crate) fn peek() -> (u64, u64) {
+    let g = GENERATOR.lock();
+    (g.seed, g.offset)
 }
 
 const M0: u32 = 0xD251_1F53;

@@ -71,7 +71,7 @@ pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
 
 /// The nodes the next captured launch would wait for (those the capture ended on so far).
 fn capture_ends(dev: &CudaDevice) -> Option<Vec<usize>> {
-    let stream = dev.work_stream().cu_stream();
+    let stream = dev.work().stream()?.cu_stream();
     let mut status = ds::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let (mut id, mut graph) = (0u64, std::ptr::null_mut());
     let (mut deps, mut edges, mut n): (*const ds::CUgraphNode, *const ds::CUgraphEdgeData, usize) = (std::ptr::null(), std::ptr::null(), 0);
@@ -328,7 +328,8 @@ unsafe impl Sync for CopyNode {}
 /// Inside `capture`: copies `bytes` from `src` to `dst` on the capture stream and returns the
 /// node the copy became; None when the driver does not say which node that is.
 pub(crate) fn captured_copy(dev: &CudaDevice, dst: u64, src: u64, bytes: usize) -> Result<Option<CopyNode>> {
-    let stream = dev.work_stream().cu_stream();
+    let Some(stream) = dev.work().stream() else { return Ok(None) };
+    let stream = stream.cu_stream();
     // SAFETY: both ranges hold `bytes` on this device; the stream is capturing (nothing runs).
     unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| dev.err("copy", e))?;
     // The copy is the node the capture now ends on.

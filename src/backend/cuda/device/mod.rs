@@ -40,6 +40,25 @@ impl<T> std::fmt::Debug for Loaded<T> {
     }
 }
 
+/// Where a thread's device work goes (`CudaDevice::work`).
+pub(crate) enum Work<'a> {
+    /// Onto this stream.
+    On(&'a Arc<CudaStream>),
+    /// Nowhere: a rehearsal runs the host side of a program once, collecting the kernels it
+    /// would load (`tuning::rehearsal`), and leaves the device alone.
+    Rehearsal,
+}
+
+impl<'a> Work<'a> {
+    /// The stream, or `None` in a rehearsal.
+    pub(crate) fn stream(self) -> Option<&'a Arc<CudaStream>> {
+        match self {
+            Work::On(s) => Some(s),
+            Work::Rehearsal => None,
+        }
+    }
+}
+
 /// A loaded kernel and its name. CUfunction handles are plain pointers valid for the
 /// context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
 #[derive(Clone, Copy)]
@@ -47,12 +66,26 @@ pub(crate) struct Kernel(ds::CUfunction, pub(crate) &'static str);
 impl Kernel {
     /// What a rehearsal hands out for a kernel it has only noted: never launched.
     pub(crate) const REHEARSED: Kernel = Kernel(std::ptr::null_mut(), "rehearsed");
+
+    /// Whether this is a rehearsal's placeholder (the real kernel is loaded on the first run).
+    pub(crate) fn is_rehearsed(&self) -> bool {
+        self.0.is_null()
+    }
 }
 // SAFETY: a CUfunction may be launched from any thread that binds its context.
 unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
 
-/// The argument block every generated kernel takes by value.
+/// What a kernel takes as its one parameter, by value: plain `#[repr(C)]` data (addresses,
+/// sizes, scalars) of at most 4 KiB, declared alike in Rust and in the kernel's CUDA C.
+///
+/// # Safety
+/// The type must be `#[repr(C)]` plain data whose layout the kernels' declaration matches.
+pub(crate) unsafe trait KernelArgs: Copy {}
+
+/// The word block of the generated kernels whose argument count varies (maps, fused rows,
+/// optimiser updates): each generator says where its words sit (e.g. `MapSpec::words`) and
+/// fills them by the same description it emits the kernel from.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct LaunchArgs {
@@ -63,6 +96,35 @@ impl Default for LaunchArgs {
         LaunchArgs { w: [0; 64] }
     }
 }
+// SAFETY: `#[repr(C)]` plain words, declared as `struct LaunchArgs { u64 w[64]; }` in prelude.cu.
+unsafe impl KernelArgs for LaunchArgs {}
+
+/// Declares a kernel family's argument struct once: the `#[repr(C)]` Rust struct the host fills
+/// by name, and `C_DECL`, the same struct in CUDA C, which the family's sources include and its
+/// kernels read by name. Every field is eight bytes (`u64`, `i64` or `f64`, or an array of
+/// them), so the two layouts cannot differ by padding.
+macro_rules! kernel_args {
+    ($(#[$doc:meta])* $name:ident { $($(#[$fdoc:meta])* $field:ident : $rty:ident $([$n:literal])?),* $(,)? }) => {
+        $(#[$doc])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        pub(crate) struct $name {
+            $($(#[$fdoc])* pub(crate) $field: kernel_args!(@ty $rty $($n)?)),*
+        }
+        impl $name {
+            /// This struct in CUDA C.
+            pub(crate) const C_DECL: &'static str = concat!("struct ", stringify!($name), " {", $(" ", kernel_args!(@c $rty), " ", stringify!($field), $("[", stringify!($n), "]",)? ";",)* " };\n");
+        }
+        // SAFETY: `#[repr(C)]`, eight-byte fields only, declared alike in `C_DECL`.
+        unsafe impl $crate::backend::cuda::device::KernelArgs for $name {}
+    };
+    (@ty $t:ident) => { $t };
+    (@ty $t:ident $n:literal) => { [$t; $n] };
+    (@c u64) => { "unsigned long long" };
+    (@c i64) => { "long long" };
+    (@c f64) => { "double" };
+}
+pub(crate) use kernel_args;
 
 /// What identifies a compiled kernel in the per-device cache.
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -224,13 +286,17 @@ impl CudaDevice {
         cuda_err(op, self.kiln_device(), e)
     }
 
-    /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
-    /// The stream this thread's work goes to: the capture stream while this thread captures a
-    /// graph on this device, else the device's stream.
-    pub(crate) fn work_stream(&self) -> &Arc<CudaStream> {
-        if crate::backend::cuda::device::graph::capturing() == Some(self.ordinal) { &self.capture_stream } else { &self.stream }
+    /// Where this thread's device work goes: nowhere in a rehearsal, onto the capture stream
+    /// while this thread captures a graph on this device, else onto the device's stream. Every
+    /// launch, copy and library call asks for it first.
+    pub(crate) fn work(&self) -> Work<'_> {
+        if crate::backend::cuda::tuning::rehearsal::active() {
+            return Work::Rehearsal;
+        }
+        Work::On(if crate::backend::cuda::device::graph::capturing() == Some(self.ordinal) { &self.capture_stream } else { &self.stream })
     }
 
+    /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
         if crate::backend::cuda::device::graph::capturing() != Some(self.ordinal) {
             return self.alloc_block(bytes);
@@ -322,13 +388,14 @@ impl CudaDevice {
             return Ok(*k);
         }
         // A kernel a rehearsal has already noted is not generated (or counted) again.
-        if crate::backend::cuda::tuning::rehearsal::active() && crate::backend::cuda::tuning::rehearsal::wanted(&key) {
+        let rehearsal = matches!(self.work(), Work::Rehearsal);
+        if rehearsal && crate::backend::cuda::tuning::rehearsal::wanted(&key) {
             return Ok(Kernel::REHEARSED);
         }
         let (name, src) = gen();
         LOADS.with(|c| c.set(c.get() + 1));
         crate::logging::log(crate::logging::Topic::Kernels, || format!("{name} ({}):\n{src}", self.arch));
-        if crate::backend::cuda::tuning::rehearsal::active() {
+        if rehearsal {
             return crate::backend::cuda::tuning::rehearsal::want(self, key, name, src, options);
         }
         let ours = !matches!(key, KernelKey::Custom { .. });
@@ -379,16 +446,17 @@ impl CudaDevice {
     }
 
     /// Launches `k` on the device's stream with the argument block `args`.
-    pub(crate) fn launch(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &LaunchArgs) -> Result<()> {
+    pub(crate) fn launch<A: KernelArgs>(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), args: &A) -> Result<()> {
         self.launch_shared(k, grid, block, 0, args)
     }
 
     /// `launch` with `shared` bytes of dynamic shared memory.
-    pub(crate) fn launch_shared(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &LaunchArgs) -> Result<()> {
+    pub(crate) fn launch_shared<A: KernelArgs>(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, args: &A) -> Result<()> {
+        const { assert!(std::mem::size_of::<A>() <= 4096, "a kernel parameter holds at most 4 KiB") };
         self.allow_shared(k, shared)?;
         let mut a = *args;
-        let mut params = [&mut a as *mut LaunchArgs as *mut std::ffi::c_void];
-        // SAFETY: every generated kernel takes exactly one `LaunchArgs` by value; the pointers inside
+        let mut params = [&mut a as *mut A as *mut std::ffi::c_void];
+        // SAFETY: every kernel takes exactly one argument struct by value (`KernelArgs`); the pointers inside
         // point to live device buffers kept alive by the tensors of the calling op, and buffers
         // are only reused in stream order.
         unsafe { self.launch_params(k, grid, block, shared, &mut params) }
@@ -411,12 +479,10 @@ impl CudaDevice {
     /// `params` must match the kernel's parameters in number and size, and device pointers
     /// among them must stay valid until the kernel has run (stream order).
     pub(crate) unsafe fn launch_params(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
-        if crate::backend::cuda::tuning::rehearsal::active() {
-            return Ok(());
-        }
+        let Work::On(stream) = self.work() else { return Ok(()) };
         let _rec = crate::profiler::kernel(self, k.1, grid, block);
         // SAFETY: the caller's contract.
-        unsafe { dr::launch_kernel(k.0, grid, block, shared, self.work_stream().cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
+        unsafe { dr::launch_kernel(k.0, grid, block, shared, stream.cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
         LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }

@@ -12,7 +12,7 @@
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::dtype::CType;
 use crate::backend::cuda::kernels::{data_ptr, dev_of};
-use crate::backend::cuda::{CudaStorage, LaunchArgs, KernelKey};
+use crate::backend::cuda::{kernel_args, CudaStorage, KernelKey};
 use crate::ops::AttnDims;
 use crate::{DType, Result, Tensor};
 use std::fmt::Write;
@@ -62,7 +62,34 @@ fn common(dtype: DType, d: usize, rows: usize, vw: usize) -> String {
 /// A kernel's source: the prelude, the `#define`s of `common` and the kernel's own (its name,
 /// the macro that selects it in `file`, ...), then `attention_common.cu` and `file`.
 fn source(common: String, defines: &str, file: &str) -> String {
-    format!("{PRELUDE}{common}{defines}{COMMON}{file}")
+    format!("{PRELUDE}{}{common}{defines}{COMMON}{file}", AttentionArgs::C_DECL)
+}
+
+kernel_args! {
+    /// What the attention kernels read (`attention_*.cu`): the operands `[rows, B, H, D]`
+    /// through their strides (rows, batch, head), the sizes, and each kernel's outputs.
+    AttentionArgs {
+        q: u64, k: u64, v: u64,
+        /// An additive `[B, H, L, S]` mask, or 0.
+        mask: u64,
+        /// The forward's output.
+        out: u64,
+        b: i64, h: i64, l: i64, s: i64,
+        q_strides: i64[3], k_strides: i64[3], v_strides: i64[3], mask_strides: i64[4],
+        scale: f64,
+        causal: i64,
+        /// Backward: the forward's output and its gradient.
+        o: u64, g: u64,
+        /// Backward: the F32 gradients written.
+        dq: u64, dk: u64, dv: u64,
+        /// Each row's log-sum-exp (written by the forward, by the backward when `lse_in` is
+        /// 0) and delta (Σ p·(dO·v)), in F32.
+        lse: u64, delta: u64,
+        /// The log-sum-exps the forward kept, or 0.
+        lse_in: u64,
+        /// F32 scores: the log-sum-exps and deltas in double between the two backward kernels.
+        lse_sc: u64, delta_sc: u64,
+    }
 }
 
 /// Query rows per block of the warp forward: up to 16, so that a short sequence's rows share
@@ -180,7 +207,7 @@ fn gen_backward_kv_tc(dtype: DType, d: usize, part: KvPart, three_blocks: bool) 
 /// heads: one block per head in x, one per 64 rows in y, 128 threads. Its dynamic shared memory
 /// holds two stages of two tiles of 64 rows (padded by 8 elements), and for the key-row kernels
 /// each stage's log-sum-exp and delta per row.
-fn launch_tc(dev: &crate::backend::cuda::CudaDevice, kern: crate::backend::cuda::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &LaunchArgs) -> Result<()> {
+fn launch_tc(dev: &crate::backend::cuda::CudaDevice, kern: crate::backend::cuda::Kernel, bh: usize, rows: usize, key_rows: bool, d: usize, a: &AttentionArgs) -> Result<()> {
     let (x, _, _) = grid(bh, rows, ROWS)?;
     dev.launch_shared(kern, (x, rows.div_ceil(TC_ROWS) as u32, 1), (128, 1, 1), tc_shared(d, key_rows) as u32, a)
 }
@@ -262,29 +289,27 @@ fn gen_backward_kv(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, S
     (name, src)
 }
 
-/// The argument words the three kernels share: pointers, sizes, strides, scale, causal.
-fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &AttnDims, scale: f64, causal: bool) -> Result<LaunchArgs> {
-    let mut a = LaunchArgs::default();
-    a.w[0] = data_ptr(q)?;
-    a.w[1] = data_ptr(k)?;
-    a.w[2] = data_ptr(v)?;
-    a.w[3] = mask.map(data_ptr).transpose()?.unwrap_or(0);
-    for (i, x) in [n.b, n.h, n.l, n.s].into_iter().enumerate() {
-        a.w[5 + i] = x as u64;
-    }
-    for (i, t) in [q, k, v].into_iter().enumerate() {
-        for j in 0..3 {
-            a.w[9 + 3 * i + j] = t.strides()[j] as u64;
-        }
-    }
-    if let Some(m) = mask {
-        for j in 0..4 {
-            a.w[18 + j] = m.strides()[j] as u64;
-        }
-    }
-    a.w[22] = scale.to_bits();
-    a.w[23] = causal as u64;
-    Ok(a)
+/// The arguments every attention kernel reads: pointers, sizes, strides, scale, causal.
+fn shared_args(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, n: &AttnDims, scale: f64, causal: bool) -> Result<AttentionArgs> {
+    let strides = |t: &Tensor, n: usize| -> [i64; 4] { std::array::from_fn(|j| if j < n { t.strides()[j] as i64 } else { 0 }) };
+    let three = |t: &Tensor| -> [i64; 3] { strides(t, 3)[..3].try_into().expect("three") };
+    Ok(AttentionArgs {
+        q: data_ptr(q)?,
+        k: data_ptr(k)?,
+        v: data_ptr(v)?,
+        mask: mask.map(data_ptr).transpose()?.unwrap_or(0),
+        b: n.b as i64,
+        h: n.h as i64,
+        l: n.l as i64,
+        s: n.s as i64,
+        q_strides: three(q),
+        k_strides: three(k),
+        v_strides: three(v),
+        mask_strides: mask.map_or([0; 4], |m| strides(m, 4)),
+        scale,
+        causal: causal as i64,
+        ..Default::default()
+    })
 }
 
 /// Blocks: one per (batch, head) in x, one per `per` rows in y (at most 65535).
@@ -311,11 +336,11 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
         }
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
-    a.w[4] = out.ptr();
+    a.out = out.ptr();
     if tensor_cores_take(q, k, v, n.d)? {
         // Each row's log-sum-exp goes beside the output, for the backward (`CudaStorage::aux`).
         let lse = CudaStorage::new(&dev, DType::F32, n.b * n.h * n.l)?;
-        a.w[24] = lse.ptr();
+        a.lse = lse.ptr();
         let kern = dev.kernel(KernelKey::Named(kernel_name("fwd_tc", q.dtype(), n.d)), || gen_forward_tc(q.dtype(), n.d, forward_tc_three_blocks(dev.shared_per_sm, n.d)))?;
         launch_tc(&dev, kern, n.b * n.h, n.l, false, n.d, &a)?;
         out.aux = Some(Box::new(lse));
@@ -363,16 +388,16 @@ fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     let base = packed.ptr();
     let at = |elems: usize| base + 4 * elems as u64;
-    a.w[24] = data_ptr(out)?;
-    a.w[25] = data_ptr(g)?;
-    a.w[26] = at(0);
-    a.w[27] = at(nq + 2 * nk);
-    a.w[28] = at(nq + 2 * nk + n.b * n.h * n.l);
-    a.w[29] = at(nq);
-    a.w[30] = at(nq + nk);
+    a.o = data_ptr(out)?;
+    a.g = data_ptr(g)?;
+    a.dq = at(0);
+    a.lse = at(nq + 2 * nk);
+    a.delta = at(nq + 2 * nk + n.b * n.h * n.l);
+    a.dk = at(nq);
+    a.dv = at(nq + nk);
     // The forward's per-row log-sum-exp, where it kept them (the tensor-core and cuDNN
     // forwards do): the dq kernel then skips its walk over the keys.
-    a.w[31] = crate::backend::cuda::kernels::aux_ptr(out).unwrap_or(0);
+    a.lse_in = crate::backend::cuda::kernels::aux_ptr(out).unwrap_or(0);
     if tensor_cores_take(q, k, v, n.d)? && data_ptr(out)? % 16 == 0 && data_ptr(g)? % 16 == 0 {
         let kq = dev.kernel(KernelKey::Named(kernel_name("bwd_q_tc", q.dtype(), n.d)), || gen_backward_q_tc(q.dtype(), n.d))?;
         launch_tc(dev, kq, n.b * n.h, n.l, false, n.d, &a)?;
@@ -387,8 +412,8 @@ fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &
     let (rq, rk) = (backward_rows(n.l, n.d), backward_rows(n.s, n.d));
     // F32 scores keep each row's log-sum-exp and delta in double between the two kernels (`SC`).
     let rows_sc = if q.dtype() == DType::F32 { Some(CudaStorage::new(dev, DType::F64, 2 * n.b * n.h * n.l)?) } else { None };
-    a.w[32] = rows_sc.as_ref().map_or(a.w[27], |s| s.ptr());
-    a.w[33] = rows_sc.as_ref().map_or(a.w[28], |s| s.ptr() + 8 * (n.b * n.h * n.l) as u64);
+    a.lse_sc = rows_sc.as_ref().map_or(a.lse, |s| s.ptr());
+    a.delta_sc = rows_sc.as_ref().map_or(a.delta, |s| s.ptr() + 8 * (n.b * n.h * n.l) as u64);
     let kq = dev.kernel(KernelKey::Named(warp_name("bwd_q", q.dtype(), n.d, rq, vw)), || gen_backward_q(q.dtype(), n.d, rq, vw))?;
     dev.launch(kq, grid(n.b * n.h, n.l, rq)?, ((rq * 32) as u32, 1, 1), &a)?;
     let kkv = dev.kernel(KernelKey::Named(warp_name("bwd_kv", q.dtype(), n.d, rk, vw)), || gen_backward_kv(q.dtype(), n.d, rk, vw))?;

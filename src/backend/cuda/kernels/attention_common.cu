@@ -26,11 +26,11 @@ __device__ __forceinline__ double wsum(double x) { for (int o = 16; o; o >>= 1) 
 __device__ __forceinline__ float kexp(float x) { return expf(x); }
 __device__ __forceinline__ double kexp(double x) { return exp(x); }
 #define ARGS \
-  const T* q = (const T*)a.w[0]; const T* k = (const T*)a.w[1]; const T* v = (const T*)a.w[2]; const T* mk = (const T*)a.w[3]; \
-  long long B = a.w[5], H = a.w[6], L = a.w[7], S = a.w[8]; \
-  long long qsl = a.w[9], qsb = a.w[10], qsh = a.w[11], kss = a.w[12], ksb = a.w[13], ksh = a.w[14], vss = a.w[15], vsb = a.w[16], vsh = a.w[17]; \
-  long long msb = a.w[18], msh = a.w[19], msl = a.w[20], mss = a.w[21]; \
-  float scale = (float)kparam_f(a.w[22]); SC sscale = (SC)kparam_f(a.w[22]); int causal = (int)a.w[23]; \
+  const T* q = (const T*)a.q; const T* k = (const T*)a.k; const T* v = (const T*)a.v; const T* mk = (const T*)a.mask; \
+  long long B = a.b, H = a.h, L = a.l, S = a.s; \
+  long long qsl = a.q_strides[0], qsb = a.q_strides[1], qsh = a.q_strides[2], kss = a.k_strides[0], ksb = a.k_strides[1], ksh = a.k_strides[2], vss = a.v_strides[0], vsb = a.v_strides[1], vsh = a.v_strides[2]; \
+  long long msb = a.mask_strides[0], msh = a.mask_strides[1], msl = a.mask_strides[2], mss = a.mask_strides[3]; \
+  float scale = (float)a.scale; SC sscale = (SC)a.scale; int causal = (int)a.causal; \
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31; \
   long long bh = blockIdx.x, b = bh / H, h = bh % H; (void)B; (void)L; (void)S;
 // Score of query row l (in Qrow) against key row s (in Krow), scaled after the product (one

@@ -145,9 +145,9 @@ __device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, flo
 
 #ifdef ATTN_FWD_TC
 // Forward (attention.rs: `gen_forward_tc`).
-extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
+extern "C" __global__ void TC_BOUNDS KNAME(AttentionArgs a) {
   TC_ARGS
-  T* out = (T*)a.w[4];
+  T* out = (T*)a.out;
   Tile* Ks = (Tile*)smem_;
   Tile* Vs = Ks + STAGES;
   long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
@@ -182,7 +182,7 @@ extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
     if (r1 < L) *(U*)(out + ((r1 * B + b) * H + h) * D_ + 8 * nb + 2 * t) = pack2(o[nb][2] / l1, o[nb][3] / l1);
   }
   // Each row's log-sum-exp of its scaled scores, kept for the backward.
-  float* lse = (float*)a.w[24];
+  float* lse = (float*)a.lse;
   if (t == 0) {
     if (r0 < L) lse[bh * L + r0] = m0 == -INFINITY ? -INFINITY : m0 + logf(l0);
     if (r1 < L) lse[bh * L + r1] = m1 == -INFINITY ? -INFINITY : m1 + logf(l1);
@@ -193,10 +193,10 @@ extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
 #ifdef ATTN_BWD_Q_TC
 // Backward per block of query rows: log-sum-exp, delta and dq (attention.rs:
 // `gen_backward_q_tc`).
-extern "C" __global__ void __launch_bounds__(128) KNAME(LaunchArgs a) {
+extern "C" __global__ void __launch_bounds__(128) KNAME(AttentionArgs a) {
   TC_ARGS
-  const T* o = (const T*)a.w[24]; const T* g = (const T*)a.w[25];
-  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
+  const T* o = (const T*)a.o; const T* g = (const T*)a.g;
+  float* dq = (float*)a.dq; float* lse = (float*)a.lse; float* dl = (float*)a.delta;
   Tile* Ks = (Tile*)smem_;
   Tile* Vs = Ks + STAGES;
   long long q0 = (long long)blockIdx.y * KT, w0 = q0 + 16 * warp, r0 = w0 + grp, r1 = r0 + 8;
@@ -221,9 +221,9 @@ extern "C" __global__ void __launch_bounds__(128) KNAME(LaunchArgs a) {
   bool active = w0 < L;
   long long wlast = min(L, w0 + 16) - 1, blast = min(L, q0 + KT) - 1;
   long long send = causal ? min(S, blast + 1) : S;
-  // Each row's log-sum-exp: the forward's where it kept them (a.w[31]), else from a first walk
+  // Each row's log-sum-exp: the forward's where it kept them (a.lse_in), else from a first walk
   // over the keys.
-  const float* lse_in = (const float*)a.w[31];
+  const float* lse_in = (const float*)a.lse_in;
   float ls0, ls1;
   if (lse_in) {
     ls0 = r0 < L ? lse_in[bh * L + r0] : -INFINITY;
@@ -292,11 +292,11 @@ extern "C" __global__ void __launch_bounds__(128) KNAME(LaunchArgs a) {
 
 #ifdef ATTN_BWD_KV_TC
 // Backward per block of key rows: dv and / or dk (attention.rs: `gen_backward_kv_tc`).
-extern "C" __global__ void TC_BOUNDS KNAME(LaunchArgs a) {
+extern "C" __global__ void TC_BOUNDS KNAME(AttentionArgs a) {
   TC_ARGS
-  const T* g = (const T*)a.w[25];
-  const float* lse = (const float*)a.w[27]; const float* dl = (const float*)a.w[28];
-  float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
+  const T* g = (const T*)a.g;
+  const float* lse = (const float*)a.lse; const float* dl = (const float*)a.delta;
+  float* dk = (float*)a.dk; float* dv = (float*)a.dv;
   Tile* Qs = (Tile*)smem_;
   Tile* Gs = Qs + STAGES;
   float (*Ls)[KT] = (float (*)[KT])(Gs + STAGES);

@@ -4,9 +4,9 @@
 
 #ifdef ATTN_FWD
 // Forward (attention.rs: `gen_forward`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   ARGS
-  T* out = (T*)a.w[4];
+  T* out = (T*)a.out;
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
@@ -33,11 +33,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
 
 #ifdef ATTN_BWD_Q
 // Backward per query row: log-sum-exp, delta and dq (attention.rs: `gen_backward_q`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   ARGS
-  const T* g = (const T*)a.w[25];
-  float* dq = (float*)a.w[26]; float* lse = (float*)a.w[27]; float* dl = (float*)a.w[28];
-  SC* lse_sc = (SC*)a.w[32]; SC* dl_sc = (SC*)a.w[33];
+  const T* g = (const T*)a.g;
+  float* dq = (float*)a.dq; float* lse = (float*)a.lse; float* dl = (float*)a.delta;
+  SC* lse_sc = (SC*)a.lse_sc; SC* dl_sc = (SC*)a.delta_sc;
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_ + 1]; __shared__ float Qs[ROWS][D_]; __shared__ float Gs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
@@ -92,11 +92,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
 
 #ifdef ATTN_BWD_KV
 // Backward per key row: dk and dv (attention.rs: `gen_backward_kv`).
-extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(LaunchArgs a) {
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   ARGS
-  const T* g = (const T*)a.w[25];
-  const SC* lse = (const SC*)a.w[32]; const SC* dl = (const SC*)a.w[33];
-  float* dk = (float*)a.w[29]; float* dv = (float*)a.w[30];
+  const T* g = (const T*)a.g;
+  const SC* lse = (const SC*)a.lse_sc; const SC* dl = (const SC*)a.delta_sc;
+  float* dk = (float*)a.dk; float* dv = (float*)a.dv;
   __shared__ float Qt[32][D_ + 1]; __shared__ float Gt[32][D_ + 1]; __shared__ float Kw[ROWS][D_]; __shared__ float Vw[ROWS][D_];
   __shared__ SC Lt[32]; __shared__ SC Dt[32];
   long long s = (long long)blockIdx.y * ROWS + warp;

@@ -3,6 +3,7 @@
 //! by NVRTC and cached (nvrtc.rs). Sources are lean: no CUDA headers; half and bfloat16
 //! conversions are one PTX instruction each.
 
+use crate::backend::cuda::kernel_args;
 use crate::ops::ReduceOp;
 use crate::dtype::CType;
 use crate::DType;
@@ -127,6 +128,8 @@ impl MapSpec {
         let cls = if self.vec > 1 { format!("v{}", self.vec) } else if self.ndim > 0 { format!("s{}", self.ndim) } else { "c".into() };
         format!("{}_{}_{}", self.name, short(self.outs[0].0), cls)
     }
+    /// The word of the element count.
+    pub(crate) const COUNT_WORD: usize = 0;
     pub(crate) fn ptr_word(operand: usize) -> usize {
         1 + operand
     }
@@ -186,7 +189,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         }
     }
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MAP_THREADS}) {name}(const LaunchArgs a) {{");
-    let _ = writeln!(c, "  const IDX n = (IDX)a.w[0];");
+    let _ = writeln!(c, "  const IDX n = (IDX)a.w[{}];", MapSpec::COUNT_WORD);
     for (m, (d, ..)) in s.outs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", MapSpec::ptr_word(m), t = storage_type(*d));
     }
@@ -349,8 +352,52 @@ __device__ __forceinline__ {n} {b}({n} v) {{
     )
 }
 
+kernel_args! {
+    /// What a reduction kernel reads (`gen_reduce`): `x` as `m` rows of `k` (`ReduceLayout::Rows`)
+    /// or `k` rows of `m` (`Cols`), each row's `k` split into `chunks`.
+    ReduceArgs {
+        x: u64, out: u64, m: i64, k: i64, chunks: i64,
+        /// A split column reduction's partials (`chunks` rows of `m`) and per-block-column
+        /// counters (zero between launches).
+        part: u64, count: u64,
+    }
+}
+
+kernel_args! {
+    /// What a gather kernel reads (`gen_gather`), over the index's shape (at most 8 dims).
+    GatherArgs {
+        n: i64, out: u64, x: u64, idx: u64,
+        /// x's size along the gathered dim: indices outside [0, dim_size) are reported.
+        dim_size: i64,
+        /// Where a bad index is reported (`kbad_index`), and which op reports it.
+        error_word: u64, error_op: u64,
+        sizes: i64[8], idx_strides: i64[8], x_strides: i64[8],
+    }
+}
+
+kernel_args! {
+    /// What a scatter-add kernel reads (`gen_scatter_add`), over the index's shape.
+    ScatterAddArgs {
+        n: i64, acc: u64, src: u64, idx: u64,
+        /// acc's size along the scattered dim.
+        dim_size: i64,
+        error_word: u64, error_op: u64,
+        sizes: i64[8], idx_strides: i64[8], src_strides: i64[8], acc_strides: i64[8],
+    }
+}
+
+kernel_args! {
+    /// What the integer batched product reads (`gen_int_bmm`): strides are (batch, row, col).
+    IntBmmArgs {
+        out: u64, a: u64, b: u64,
+        batch: i64, m: i64, n: i64, k: i64,
+        a_strides: i64[3], b_strides: i64[3],
+    }
+}
+
 pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let mut c = String::from(PRELUDE);
+    c.push_str(ReduceArgs::C_DECL);
     let idx = if s.idx64 { "long long" } else { "int" };
     let (init, combine) = s.op.cuda_step(s.acc);
     let arg = s.op.is_arg();
@@ -366,9 +413,9 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
-    let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.w[0];\n  {ot}* __restrict__ out = ({ot}*)a.w[1];");
-    let _ = writeln!(c, "  const IDX M = (IDX)a.w[2], K = (IDX)a.w[3], C = (IDX)a.w[4];");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ReduceArgs a) {{");
+    let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.x;\n  {ot}* __restrict__ out = ({ot}*)a.out;");
+    let _ = writeln!(c, "  const IDX M = (IDX)a.m, K = (IDX)a.k, C = (IDX)a.chunks;");
     let lv = load(s.input, s.acc, "x[X]");
     match s.layout {
         ReduceLayout::Rows => {
@@ -431,8 +478,8 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   // (covering every thread's partial), instead of a fence by every thread; the last block
   // reads the partials through L2, four loads in flight at a time (1-2% of the call on the
   // H200 over 8192 x 8192: tools/stream).
-  {t}* part = ({t}*)a.w[5];
-  unsigned int* count = (unsigned int*)a.w[6];
+  {t}* part = ({t}*)a.part;
+  unsigned int* count = (unsigned int*)a.count;
   if (mine) part[ch * M + col] = r;
   __syncthreads();
   __shared__ bool last;
@@ -466,18 +513,18 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
     let name = format!("gather_{}_{ndim}d_dim{dim}", short(dtype));
     let t = storage_type(dtype);
     let mut c = String::from(PRELUDE);
-    // words: 0 n, 1 out, 2 x, 3 idx, 4 size of x along dim; 8.. sizes, 16.. idx strides, 24.. x strides
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
-    let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {t}* out = ({t}*)a.w[1]; const {t}* x = (const {t}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
+    c.push_str(GatherArgs::C_DECL);
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const GatherArgs a) {{");
+    let _ = writeln!(c, "  const long long n = a.n; {t}* out = ({t}*)a.out; const {t}* x = (const {t}*)a.x; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, ox = 0, q;");
     for d in (0..ndim).rev() {
-        let _ = writeln!(c, "    q = rem % (long long)a.w[{}]; rem /= (long long)a.w[{}]; oi += q * (long long)a.w[{}];", 8 + d, 8 + d, 16 + d);
+        let _ = writeln!(c, "    q = rem % a.sizes[{d}]; rem /= a.sizes[{d}]; oi += q * a.idx_strides[{d}];");
         if d != dim {
-            let _ = writeln!(c, "    ox += q * (long long)a.w[{}];", 24 + d);
+            let _ = writeln!(c, "    ox += q * a.x_strides[{d}];");
         }
     }
-    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    out[i] = x[ox + j * (long long)a.w[{}]];\n  }}\n}}", 24 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= a.dim_size) {{ kbad_index(a.error_word, a.error_op, idx[oi], (u64)a.dim_size); continue; }}\n    out[i] = x[ox + j * a.x_strides[{dim}]];\n  }}\n}}");
     (name, c)
 }
 
@@ -485,22 +532,22 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
 pub(crate) fn gen_scatter_add(src: DType, t: CType, ndim: usize, dim: usize) -> (String, String) {
     let name = format!("scatter_add_{}_{}_{ndim}d_dim{dim}", short(src), short(t.dtype()));
     let mut c = String::from(PRELUDE);
-    // words: 0 n, 1 acc, 2 src, 3 idx, 4 size of acc along dim; 8.. index sizes, 16.. idx strides, 24.. src strides, 32.. acc strides
+    c.push_str(ScatterAddArgs::C_DECL);
     let st = storage_type(src);
     let tn = t.name();
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const LaunchArgs a) {{");
-    let _ = writeln!(c, "  const long long n = (long long)a.w[0]; {tn}* acc = ({tn}*)a.w[1]; const {st}* src = (const {st}*)a.w[2]; const long long* idx = (const long long*)a.w[3];");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ScatterAddArgs a) {{");
+    let _ = writeln!(c, "  const long long n = a.n; {tn}* acc = ({tn}*)a.acc; const {st}* src = (const {st}*)a.src; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, os = 0, oa = 0, q;");
     for d in (0..ndim).rev() {
-        let _ = writeln!(c, "    q = rem % (long long)a.w[{}]; rem /= (long long)a.w[{}]; oi += q * (long long)a.w[{}]; os += q * (long long)a.w[{}];", 8 + d, 8 + d, 16 + d, 24 + d);
+        let _ = writeln!(c, "    q = rem % a.sizes[{d}]; rem /= a.sizes[{d}]; oi += q * a.idx_strides[{d}]; os += q * a.src_strides[{d}];");
         if d != dim {
-            let _ = writeln!(c, "    oa += q * (long long)a.w[{}];", 32 + d);
+            let _ = writeln!(c, "    oa += q * a.acc_strides[{d}];");
         }
     }
     let v = load(src, t, "src[os]");
     let add = if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") };
-    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= (long long)a.w[4]) {{ kbad_index(a.w[6], a.w[7], idx[oi], a.w[4]); continue; }}\n    oa += j * (long long)a.w[{}];\n    {add};\n  }}\n}}", 32 + dim);
+    let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= a.dim_size) {{ kbad_index(a.error_word, a.error_op, idx[oi], (u64)a.dim_size); continue; }}\n    oa += j * a.acc_strides[{dim}];\n    {add};\n  }}\n}}");
     (name, c)
 }
 
@@ -509,17 +556,17 @@ pub(crate) fn gen_int_bmm(dtype: DType) -> (String, String) {
     let name = format!("bmm_{}", short(dtype));
     let t = storage_type(dtype);
     let mut c = String::from(PRELUDE);
-    // words: 0 out, 1 a, 2 b, 3 B, 4 M, 5 N, 6 K, 8..11 a strides (batch,row,col), 11..14 b strides
-    let la = load(dtype, CType::I64, "pa[i * (long long)a.w[9] + k * (long long)a.w[10]]");
-    let lb = load(dtype, CType::I64, "pb[k * (long long)a.w[12] + j * (long long)a.w[13]]");
+    c.push_str(IntBmmArgs::C_DECL);
+    let la = load(dtype, CType::I64, "pa[i * a.a_strides[1] + k * a.a_strides[2]]");
+    let lb = load(dtype, CType::I64, "pb[k * a.b_strides[1] + j * a.b_strides[2]]");
     let st = store(dtype, CType::I64, "(long long)s");
-    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const LaunchArgs a) {{
-  {t}* out = ({t}*)a.w[0];
-  const long long B = (long long)a.w[3], M = (long long)a.w[4], N = (long long)a.w[5], K = (long long)a.w[6];
+    let _ = writeln!(c, r#"extern "C" __global__ void {name}(const IntBmmArgs a) {{
+  {t}* out = ({t}*)a.out;
+  const long long B = a.batch, M = a.m, N = a.n, K = a.k;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < B * M * N; e += (long long)gridDim.x * blockDim.x) {{
     const long long b = e / (M * N), i = (e / N) % M, j = e % N;
-    const {t}* pa = (const {t}*)a.w[1] + b * (long long)a.w[8];
-    const {t}* pb = (const {t}*)a.w[2] + b * (long long)a.w[11];
+    const {t}* pa = (const {t}*)a.a + b * a.a_strides[0];
+    const {t}* pb = (const {t}*)a.b + b * a.b_strides[0];
     unsigned long long s = 0;
     for (long long k = 0; k < K; k++) s += (unsigned long long)({la}) * (unsigned long long)({lb});
     out[e] = {st};
@@ -566,6 +613,32 @@ pub(crate) fn row_full(k: usize, threads: usize, vpt: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::size_word;
+
+    /// The bytes a `kernel_args!` struct's CUDA C declaration lays out (eight per element).
+    fn c_bytes(decl: &str) -> usize {
+        let body = &decl[decl.find('{').expect("a body") + 1..decl.rfind('}').expect("a body")];
+        body.split(';').map(str::trim).filter(|f| !f.is_empty()).map(|f| 8 * f.split_once('[').map_or(1, |(_, n)| n.trim_end_matches(']').parse::<usize>().expect("a length"))).sum()
+    }
+
+    #[test]
+    fn argument_structs_are_laid_out_alike_in_rust_and_cuda_c() {
+        use super::{GatherArgs, IntBmmArgs, ReduceArgs, ScatterAddArgs};
+        use crate::backend::cuda::kernels::attention::AttentionArgs;
+        use std::mem::size_of;
+        for (decl, size) in [
+            (ReduceArgs::C_DECL, size_of::<ReduceArgs>()),
+            (GatherArgs::C_DECL, size_of::<GatherArgs>()),
+            (ScatterAddArgs::C_DECL, size_of::<ScatterAddArgs>()),
+            (IntBmmArgs::C_DECL, size_of::<IntBmmArgs>()),
+            (AttentionArgs::C_DECL, size_of::<AttentionArgs>()),
+        ] {
+            assert_eq!(c_bytes(decl), size, "{decl}");
+        }
+        assert_eq!(
+            GatherArgs::C_DECL,
+            "struct GatherArgs { long long n; unsigned long long out; unsigned long long x; unsigned long long idx; long long dim_size; unsigned long long error_word; unsigned long long error_op; long long sizes[8]; long long idx_strides[8]; long long x_strides[8]; };\n"
+        );
+    }
 
     /// The kernels' division by a size word, done on the host as the device does it.
     fn divide(n: u32, word: u64) -> (u32, u32) {

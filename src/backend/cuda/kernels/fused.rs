@@ -331,6 +331,26 @@ impl RowPlan {
     }
 }
 
+/// Where a fused row kernel's argument words sit (`gen_fused_rows` reads them, `run_rows` fills
+/// them): the row and column counts, one address per output, then per input its address, row
+/// stride and column stride.
+struct RowWords {
+    outputs: usize,
+}
+
+impl RowWords {
+    const ROWS: usize = 0;
+    const COLS: usize = 1;
+    fn output(&self, m: usize) -> usize {
+        2 + m
+    }
+    /// Input `j`'s address, row stride and column stride.
+    fn input(&self, j: usize) -> [usize; 3] {
+        let base = 2 + self.outputs + 3 * j;
+        [base, base + 1, base + 2]
+    }
+}
+
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
 /// time; `vector[j]` says whether full input j is read with vector loads; `full`: the threads'
 /// values cover the row exactly (no column checks).
@@ -361,17 +381,18 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
     }
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{");
-    let _ = writeln!(c, "  const long long M = (long long)a.w[0]; const int K = (int)a.w[1];");
+    let words = RowWords { outputs: k.outputs.len() };
+    let _ = writeln!(c, "  const long long M = (long long)a.w[{}]; const int K = (int)a.w[{}];", RowWords::ROWS, RowWords::COLS);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
-        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", 2 + m, t = storage_type(k.ops[*o].dtype));
+        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
     }
-    let base = 2 + k.outputs.len();
     for (j, inp) in k.inputs.iter().enumerate() {
         let t = storage_type(inp.dtype);
-        let _ = write!(c, "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{}]; const long long rs{j} = (long long)a.w[{}]", base + 3 * j, base + 3 * j + 1);
+        let [ptr, rs, cs] = words.input(j);
+        let _ = write!(c, "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{ptr}]; const long long rs{j} = (long long)a.w[{rs}]");
         // Only inputs read element by element need their column stride.
         if !inp.row && !vector[j] {
-            let _ = write!(c, ", cs{j} = (long long)a.w[{}]", base + 3 * j + 2);
+            let _ = write!(c, ", cs{j} = (long long)a.w[{cs}]");
         }
         c.push_str(";\n");
     }
@@ -553,19 +574,20 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     let vk = || vector.iter().map(|&b| if b { 'v' } else { 's' }).collect::<String>();
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
     let mut a = LaunchArgs::default();
-    a.w[0] = rows as u64;
-    a.w[1] = cols as u64;
+    let words = RowWords { outputs: outs.len() };
+    a.w[RowWords::ROWS] = rows as u64;
+    a.w[RowWords::COLS] = cols as u64;
     for (m, s) in outs.iter().enumerate() {
-        a.w[2 + m] = s.ptr();
+        a.w[words.output(m)] = s.ptr();
     }
-    let base = 2 + outs.len();
-    if base + 3 * views.len() > a.w.len() {
+    if words.input(views.len())[0] > a.w.len() {
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), outs.len())));
     }
     for (j, t) in views.iter().enumerate() {
-        a.w[base + 3 * j] = data_ptr(t)?;
-        a.w[base + 3 * j + 1] = t.strides()[0] as u64;
-        a.w[base + 3 * j + 2] = t.strides()[1] as u64;
+        let [ptr, rs, cs] = words.input(j);
+        a.w[ptr] = data_ptr(t)?;
+        a.w[rs] = t.strides()[0] as u64;
+        a.w[cs] = t.strides()[1] as u64;
     }
     // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
     // the inputs, so timing candidates changes nothing.
@@ -587,7 +609,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
                     let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, full);
                     (name.clone(), src)
                 })?;
-                if !crate::backend::cuda::tuning::rehearsal::active() {
+                if !f.is_rehearsed() {
                     launches.0.lock().push((shape, f));
                 }
                 f
@@ -618,7 +640,7 @@ fn tuned_threads(dev: &crate::backend::cuda::CudaDevice, k: &FusedKernel, rows: 
             _ => autotune::forget(&key),
         }
     }
-    if crate::backend::cuda::tuning::rehearsal::active() {
+    if dev.work().stream().is_none() {
         // A rehearsal asks for every candidate's kernel, so that all are built side by side
         // before the real run times them.
         for &t in &cands {

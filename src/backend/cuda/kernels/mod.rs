@@ -10,7 +10,7 @@ pub(crate) mod foreach;
 pub(crate) mod fused;
 
 use crate::dtype::CType;
-use codegen::{gen_map, gen_reduce, Class, MapSpec, ReduceLayout, ReduceSpec, MAX_DIMS, PARAM_BASE};
+use codegen::{gen_map, gen_reduce, Class, GatherArgs, IntBmmArgs, MapSpec, ReduceArgs, ReduceLayout, ReduceSpec, ScatterAddArgs, MAX_DIMS, PARAM_BASE};
 use crate::backend::cuda::{libs::blas, device, CudaDevice, CudaStorage, LaunchArgs, KernelKey};
 use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
@@ -195,7 +195,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let ndim = if strided { cshape.len() } else { 0 };
     let fill = |words: &codegen::MapWords| {
         let mut a = LaunchArgs::default();
-        a.w[0] = n as u64;
+        a.w[MapSpec::COUNT_WORD] = n as u64;
         for (k, o) in ops.iter().enumerate() {
             a.w[MapSpec::ptr_word(k)] = o.ptr;
         }
@@ -241,7 +241,7 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let key = KernelKey::Map(spec.clone());
     let k = dev.kernel(key, || (spec.kernel_name(), gen_map(&spec)))?;
     // (A rehearsal's function is a placeholder: the real one is loaded on the first run.)
-    if let Some(m) = memo.filter(|_| !crate::backend::cuda::tuning::rehearsal::active()) {
+    if let Some(m) = memo.filter(|_| !k.is_rehearsed()) {
         m.0.lock().push((MapWalk { out_class, inputs: classes[nout..].to_vec(), ndim, vec, idx64 }, k, words));
     }
     dev.launch(k, (grid, 1, 1), (codegen::MAP_THREADS, 1, 1), &a)
@@ -303,11 +303,11 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
     if dst.is_contiguous() && src.is_contiguous() && dst.dtype() == src.dtype() {
         // A plain device-to-device copy: the copy engine's roofline, no kernel.
         let bytes = dst.numel() * dst.dtype().size_in_bytes();
-        if bytes > 0 && !crate::backend::cuda::tuning::rehearsal::active() {
+        if let Some(stream) = dev.work().stream().filter(|_| bytes > 0) {
             let _rec = profiler::copy(&dev, &dev.stream, CopyKind::DeviceToDevice, bytes);
             // SAFETY: both ranges hold `bytes` and do not overlap (aliasing values were copied
             // first by the caller); ordered on the device's stream.
-            unsafe { dr::memcpy_dtod_async(data_ptr(dst)?, data_ptr(src)?, bytes, dev.work_stream().cu_stream()) }.map_err(|e| dev.err("copy", e))?;
+            unsafe { dr::memcpy_dtod_async(data_ptr(dst)?, data_ptr(src)?, bytes, stream.cu_stream()) }.map_err(|e| dev.err("copy", e))?;
         }
         return Ok(());
     }
@@ -317,12 +317,10 @@ pub(crate) fn write_into(dst: &Tensor, src: &Tensor) -> Result<()> {
 
 pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
     let bytes = s.len * s.dtype.size_in_bytes();
-    if bytes == 0 || crate::backend::cuda::tuning::rehearsal::active() {
-        return Ok(());
-    }
+    let Some(stream) = dev.work().stream().filter(|_| bytes > 0) else { return Ok(()) };
     let _rec = profiler::memset(dev, bytes);
     // SAFETY: the block holds at least `bytes`; the memset is ordered on the device's stream.
-    unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, dev.work_stream().cu_stream()) }.map_err(|e| dev.err("memset", e))
+    unsafe { dr::memset_d8_async(s.ptr(), 0, bytes, stream.cu_stream()) }.map_err(|e| dev.err("memset", e))
 }
 
 pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {
@@ -344,8 +342,11 @@ pub(crate) enum Dist {
     Int { low: i64, span: u64 },
 }
 
-pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist, seed: u64, first: u64) -> Result<CudaStorage> {
+/// `shape` of `dtype` drawn from the global generator by `dist` (a rehearsal draws nothing).
+pub(crate) fn random(device: usize, shape: &[usize], dtype: DType, dist: Dist) -> Result<CudaStorage> {
     let dev = crate::backend::cuda::device(device)?;
+    let n: usize = shape.iter().product();
+    let (seed, first) = if dev.work().stream().is_some() { crate::tensor::random::reserve(n as u64) } else { crate::tensor::random::peek() };
     let (expr, result, params) = match dist {
         Dist::Uniform { bits } => (format!("kuniform(P(0), P(1) + (u64)i, {bits})"), CType::F64, vec![seed, first]),
         Dist::Normal => ("knormal(P(0), P(1) + (u64)i)".to_string(), CType::F64, vec![seed, first]),
@@ -448,8 +449,7 @@ fn cols_chunks() -> Option<usize> {
 fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
     let key = KernelKey::Reduce(spec.clone());
     let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(spec)))?;
-    let mut a = LaunchArgs::default();
-    a.w[..7].copy_from_slice(&[x, y, m as u64, k as u64, chunks as u64, split.0, split.1]);
+    let a = ReduceArgs { x, out: y, m: m as i64, k: k as i64, chunks: chunks as i64, part: split.0, count: split.1 };
     match spec.layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks);
@@ -460,7 +460,7 @@ fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: us
     }
 }
 
-/// The argument words a kernel needs to report a bad index for `op`.
+/// Where a kernel reports a bad index for `op`: the device's error word and the op's code.
 fn index_error_words(dev: &CudaDevice, op: &str) -> Result<(u64, u64)> {
     let code = crate::backend::cuda::INDEX_OPS.iter().position(|&o| o == op).expect("a known index op") as u64 + 1;
     Ok((dev.error_word()?, code))
@@ -480,16 +480,15 @@ pub(crate) fn gather_dim(op: &'static str, x: &Tensor, dim: usize, index: &Tenso
     }
     let (name, src) = codegen::gen_gather(x.dtype(), nd.max(1), dim);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    let mut a = LaunchArgs::default();
-    a.w[..5].copy_from_slice(&[out.len as u64, out.ptr(), data_ptr(x)?, data_ptr(index)?, x.shape()[dim] as u64]);
-    (a.w[6], a.w[7]) = index_error_words(&dev, op)?;
+    let (error_word, error_op) = index_error_words(&dev, op)?;
+    let mut a = GatherArgs { n: out.len as i64, out: out.ptr(), x: data_ptr(x)?, idx: data_ptr(index)?, dim_size: x.shape()[dim] as i64, error_word, error_op, ..Default::default() };
     for d in 0..nd {
-        a.w[8 + d] = index.shape()[d] as u64;
-        a.w[16 + d] = index.strides()[d] as u64;
-        a.w[24 + d] = x.strides()[d] as u64;
+        a.sizes[d] = index.shape()[d] as i64;
+        a.idx_strides[d] = index.strides()[d] as i64;
+        a.x_strides[d] = x.strides()[d] as i64;
     }
     if nd == 0 {
-        a.w[8] = 1;
+        a.sizes[0] = 1;
     }
     dev.launch(kern, (grid_for(out.len, THREADS), 1, 1), (THREADS, 1, 1), &a)?;
     Ok(out)
@@ -517,18 +516,17 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
     if index.numel() > 0 {
         let (name, code) = codegen::gen_scatter_add(src.dtype(), t, nd.max(1), dim);
         let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
-        let mut a = LaunchArgs::default();
-        a.w[..5].copy_from_slice(&[index.numel() as u64, acc.ptr(), data_ptr(src)?, data_ptr(index)?, base.shape()[dim] as u64]);
-        (a.w[6], a.w[7]) = index_error_words(&dev, "scatter_add")?;
+        let (error_word, error_op) = index_error_words(&dev, "scatter_add")?;
+        let mut a = ScatterAddArgs { n: index.numel() as i64, acc: acc.ptr(), src: data_ptr(src)?, idx: data_ptr(index)?, dim_size: base.shape()[dim] as i64, error_word, error_op, ..Default::default() };
         let acc_strides = contiguous_strides(base.shape());
         for (d, &acc) in acc_strides.iter().enumerate().take(nd) {
-            a.w[8 + d] = index.shape()[d] as u64;
-            a.w[16 + d] = index.strides()[d] as u64;
-            a.w[24 + d] = src.strides()[d] as u64;
-            a.w[32 + d] = acc as u64;
+            a.sizes[d] = index.shape()[d] as i64;
+            a.idx_strides[d] = index.strides()[d] as i64;
+            a.src_strides[d] = src.strides()[d] as i64;
+            a.acc_strides[d] = acc as i64;
         }
         if nd == 0 {
-            a.w[8] = 1;
+            a.sizes[0] = 1;
         }
         dev.launch(kern, (grid_for(index.numel(), THREADS), 1, 1), (THREADS, 1, 1), &a)?;
     }
@@ -587,10 +585,8 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     }
     let (name, src) = codegen::gen_int_bmm(dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, src))?;
-    let mut w = LaunchArgs::default();
-    w.w[..7].copy_from_slice(&[out.ptr(), data_ptr(a)?, data_ptr(b)?, bs as u64, m as u64, n as u64, k as u64]);
-    w.w[8..11].copy_from_slice(&[a.strides()[0] as u64, a.strides()[1] as u64, a.strides()[2] as u64]);
-    w.w[11..14].copy_from_slice(&[b.strides()[0] as u64, b.strides()[1] as u64, b.strides()[2] as u64]);
+    let strides = |t: &Tensor| -> [i64; 3] { std::array::from_fn(|j| t.strides()[j] as i64) };
+    let w = IntBmmArgs { out: out.ptr(), a: data_ptr(a)?, b: data_ptr(b)?, batch: bs as i64, m: m as i64, n: n as i64, k: k as i64, a_strides: strides(a), b_strides: strides(b) };
     dev.launch(kern, (grid_for(out.len, THREADS), 1, 1), (THREADS, 1, 1), &w)?;
     Ok(out)
 }

@@ -313,7 +313,7 @@ pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a
         ConvPass::GradWeight => w,
     };
     let out = CudaStorage::new(&dev, dtype, out_shape.iter().product())?;
-    if out.len == 0 || crate::backend::cuda::tuning::rehearsal::active() {
+    if out.len == 0 || dev.work().stream().is_none() {
         return Ok(out);
     }
     // A sum over nothing (no input channels, no batch, an empty image): zeros. cuDNN refuses
@@ -348,8 +348,11 @@ pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'stat
         *guard = Some(State { handle, chosen: HashMap::new(), sdpa: HashMap::new() });
     }
     let st = guard.as_mut().expect("created above");
-    // SAFETY: a live handle; the stream outlives it.
-    unsafe { cr::set_stream(st.handle, dev.work_stream().cu_stream() as cs::cudaStream_t) }.map_err(|e| fail("cudnnSetStream", &e))?;
+    // (A rehearsal runs no library call: the handle keeps its stream.)
+    if let Some(stream) = dev.work().stream() {
+        // SAFETY: a live handle; the stream outlives it.
+        unsafe { cr::set_stream(st.handle, stream.cu_stream() as cs::cudaStream_t) }.map_err(|e| fail("cudnnSetStream", &e))?;
+    }
     f(st)
 }
 

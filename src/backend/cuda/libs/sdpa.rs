@@ -656,7 +656,7 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Optio
         let found = if a.causal || a.mask.is_some() { first_plan(st, [key(PlanKind::MaskedForward)]) } else { first_plan(st, [key(PlanKind::Forward { stats: true }), key(PlanKind::Forward { stats: false })]) };
         let Some(key) = found else { return Ok(None) };
         let stats = if key.pass != (PlanKind::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
-        if crate::backend::cuda::tuning::rehearsal::active() {
+        if dev.work().stream().is_none() {
             return Ok(Some(stats));
         }
         let mut ptrs = vec![(Q, ptr(qp)), (K, ptr(kp)), (V, ptr(vp)), (O, ptr(out)), (SCALE, &scale as *const f32 as *mut c_void)];
@@ -695,7 +695,7 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
         // cuDNN 9.6 on it clears them itself).
         let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;
         let dq_sum = CudaStorage::new(dev, DType::F32, nq)?;
-        if crate::backend::cuda::tuning::rehearsal::active() {
+        if dev.work().stream().is_none() {
             return Ok(true);
         }
         let mut ptrs = vec![

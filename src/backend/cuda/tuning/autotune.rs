@@ -61,7 +61,7 @@ fn file_of(key: &str) -> Option<PathBuf> {
 /// another thread does on the same device. A choice wanted outside a rehearsal but not timed
 /// is counted (`deferred`).
 pub(crate) fn allowed(dev: &CudaDevice) -> bool {
-    if crate::backend::cuda::tuning::rehearsal::active() {
+    if dev.work().stream().is_none() {
         return false;
     }
     let ok = crate::backend::cuda::device::graph::capturing().is_none() && dev.capture.lock().is_none();
