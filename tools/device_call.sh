@@ -7,7 +7,7 @@
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanitize (compute-sanitizer memcheck and racecheck over the suite), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanitize (compute-sanitizer memcheck and racecheck over the suite), sanall (one tool over every test binary, module groups side by side), sanhelp (the sanitizer's filter options), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -292,6 +292,37 @@ if [[ " $* " == *" sanitize "* ]]; then
   done
   gzip -f $OUT/sanitize-*.txt
 fi
+if [[ " $* " == *" sanall "* ]]; then
+  # compute-sanitizer over the test binaries, each job "TOOL@REGEX@PROCS[@SKIP]" of $SANALL_JOBS
+  # (default: memcheck over every test in 8 processes) running the tests whose names match
+  # REGEX (or are listed in the file of REGEX "file=PATH") and not SKIP, dealt round-robin to PROCS processes side by side (each at most $SANITIZE_S
+  # seconds); all jobs run at once. Racecheck skips the vendor libraries' kernels (their
+  # shared-memory protocols are theirs, and they dominate its time). Per process: the summary
+  # line, tests finished, failures, first reports.
+  lib_kernels="--kernel-name-exclude kns=nvjet --kernel-name-exclude kns=xmma --kernel-name-exclude kns=cudnn --kernel-name-exclude kns=cutlass --kernel-name-exclude kns=sm90 --kernel-name-exclude kns=gemm --kernel-name-exclude kns=splitK --kernel-name-exclude kns=convolve --kernel-name-exclude kns=winograd --kernel-name-exclude kns=fft"
+  for job in ${SANALL_JOBS:-memcheck@.@8}; do
+    IFS=@ read tool regex procs skip <<< "$job"
+    extra=""; [ $tool = racecheck ] && extra="$lib_kernels"
+    for bin in .gpu/tests/*; do
+      names=$($bin --list 2>/dev/null | grep ': test$' | sed 's/: test$//' | grep -vE "${skip:-^$}")
+      # REGEX "file=PATH": the tests named in PATH, one per line.
+      if [[ $regex == file=* ]]; then names=$(echo "$names" | grep -xFf "${regex#file=}"); else names=$(echo "$names" | grep -E "$regex"); fi
+      [ -z "$names" ] && continue
+      for p in $(seq 0 $((procs - 1))); do
+        mine=$(echo "$names" | awk -v p=$p -v n=$procs 'NR % n == p')
+        [ -z "$mine" ] && continue
+        KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-400} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $extra $bin --test-threads=1 --exact $mine > $OUT/san-$tool-$(basename $bin)-$p.txt 2>&1 &
+      done
+    done
+  done
+  wait
+  for f in $OUT/san-*.txt; do
+    echo "== $(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $f | tail -1); $(grep -E '^test result' $f | tail -1 | cut -c1-60); finished $(grep -cE '^test .* (ok|FAILED)$' $f) of $(grep -E '^running [0-9]+ test' $f | head -1 | awk '{print $2}'); failed: $(grep -E '^test .* FAILED$' $f | head -5 | tr '\n' ' ')"
+    grep -E "^=========" $f | grep -vE "SUMMARY|COMPUTE-SANITIZER|Target application returned" | head -6
+  done
+  gzip -f $OUT/san-*.txt
+fi
+if [[ " $* " == *" sanhelp "* ]]; then compute-sanitizer --version | tail -1; compute-sanitizer --help | grep -B1 -A5 -E "kernel-name|racecheck-" | head -60; fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then
   # How PyTorch's cudnn-frontend builds cuDNN's attention backward graph here (its logs).

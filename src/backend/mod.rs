@@ -111,7 +111,9 @@ pub(crate) fn upload(host: &crate::Tensor, device: usize, non_blocking: bool) ->
     Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), host.shape()))
 }
 
-/// A GPU tensor's values copied to the host (waits for them).
+/// A GPU tensor's values copied to the host (waits for them; a synchronisation is reported at
+/// the caller's line).
+#[track_caller]
 pub(crate) fn download(x: &crate::Tensor) -> Result<crate::Tensor> {
     Ok(crate::Tensor::from_cpu(cuda::kernels::download(x)?, x.shape()))
 }
