@@ -30,6 +30,7 @@ mod hash;
 pub(crate) mod kir;
 pub(crate) mod layout;
 pub mod logging;
+pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;

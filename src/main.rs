@@ -1,5 +1,6 @@
 //! The `kiln` program: the training demo by default, `kiln bench` for the shared side-by-side
-//! benchmark, `kiln profile` for one bench workload under the profiler.
+//! benchmark, `kiln profile` for one bench workload under the profiler, `kiln generate` for
+//! text from a `transformers` model directory.
 
 mod cli;
 
@@ -52,6 +53,32 @@ enum Cmd {
         #[arg(long)]
         compiled: bool,
     },
+    /// Continues a prompt with a `transformers` model directory (GPT-2 or Llama family:
+    /// config.json, safetensors weights, tokenizer.json), printing tokens as they come.
+    Generate {
+        /// The model directory.
+        #[arg(long)]
+        model: std::path::PathBuf,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0 decodes greedily.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long)]
+        top_k: Option<usize>,
+        #[arg(long)]
+        top_p: Option<f64>,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// `cuda` (GPU 0 when there is one, else the CPU), `cuda:N` or `cpu`.
+        #[arg(long, default_value = "cuda")]
+        device: String,
+        /// The parameters' dtype: f32, bf16 or f16.
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+    },
 }
 
 fn main() {
@@ -63,6 +90,24 @@ fn main() {
         Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
+        Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype }) => (|| {
+            let device = match device.as_str() {
+                "cpu" => Device::Cpu,
+                "cuda" => Device::cuda_if_available(0),
+                d => match d.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                    Some(n) => Device::Cuda(n),
+                    None => return Err(kiln::Error::Arg { op: "generate", msg: format!("--device {d}: expected cpu, cuda or cuda:N") }),
+                },
+            };
+            let dtype = match dtype.as_str() {
+                "f32" => DType::F32,
+                "bf16" => DType::BF16,
+                "f16" => DType::F16,
+                d => return Err(kiln::Error::Arg { op: "generate", msg: format!("--dtype {d}: expected f32, bf16 or f16") }),
+            };
+            let options = kiln::models::GenerateOptions { max_new_tokens, temperature, top_k, top_p, seed, ..Default::default() };
+            cli::generate::run(cli::generate::Request { model: &model, prompt: &prompt, options, device, dtype })
+        })(),
     };
     if let Err(e) = r {
         eprintln!("error: {e}");

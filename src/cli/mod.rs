@@ -2,4 +2,5 @@
 
 pub mod bench;
 pub mod bench_cpu;
+pub mod generate;
 pub mod profile;

@@ -13,6 +13,7 @@ mod data;
 mod demo;
 mod errors;
 mod fixtures;
+mod lm;
 mod models;
 mod nn;
 mod opinfo;

@@ -1,0 +1,163 @@
+//! The static key/value cache and the causal attention the models share.
+
+use crate::nn::functional::{scaled_dot_product_attention, SdpaOptions};
+use crate::{DType, Device, Error, Result, Tensor};
+
+/// Keys and values of the positions a model has seen, per layer `[B, H_kv, capacity, D]` each,
+/// allocated once: decoding writes each new position in place, so shapes never change as the
+/// cache fills.
+pub struct KvCache {
+    keys: Vec<Tensor>,
+    values: Vec<Tensor>,
+    len: usize,
+}
+
+impl KvCache {
+    /// A cache of `layers` layers for `batch` sequences of up to `capacity` positions of
+    /// `kv_heads` heads of `head_dim`.
+    pub fn new(layers: usize, batch: usize, kv_heads: usize, capacity: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<KvCache> {
+        let shape = [batch, kv_heads, capacity, head_dim];
+        let mut keys = Vec::with_capacity(layers);
+        let mut values = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            keys.push(Tensor::zeros(&shape, dtype, device)?);
+            values.push(Tensor::zeros(&shape, dtype, device)?);
+        }
+        Ok(KvCache { keys, values, len: 0 })
+    }
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Positions it can hold.
+    pub fn capacity(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.shape()[2])
+    }
+    pub fn batch(&self) -> usize {
+        self.keys.first().map_or(0, |k| k.shape()[0])
+    }
+    /// Forgets every position (the buffers stay).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Writes layer `layer`'s keys and values `[B, H_kv, T, D]` of the next T positions; returns
+    /// views of all the layer's positions so far, these included.
+    fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.shape()[2];
+        let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
+            return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
+        };
+        if k.shape()[..2] != keys.shape()[..2] || k.shape()[3] != keys.shape()[3] {
+            return Err(Error::shape("KvCache", format!("keys of shape {:?} do not fit a cache of {:?}", k.shape(), keys.shape())));
+        }
+        keys.narrow(2, self.len, t)?.copy_(k)?;
+        values.narrow(2, self.len, t)?.copy_(v)?;
+        Ok((keys.narrow(2, 0, self.len + t)?, values.narrow(2, 0, self.len + t)?))
+    }
+
+    /// Checks that `t` more positions fit.
+    fn room(&self, t: usize, batch: usize) -> Result<()> {
+        if batch != self.batch() {
+            return Err(Error::shape("KvCache", format!("a batch of {batch} against a cache for {}", self.batch())));
+        }
+        if self.len + t > self.capacity() {
+            return Err(Error::arg("KvCache", format!("{} positions held and {t} more do not fit its capacity of {}", self.len, self.capacity())));
+        }
+        Ok(())
+    }
+}
+
+/// One forward's place in the sequence: where its T positions start, the cache (if any) and the
+/// padding mask over every position so far.
+pub(super) struct Step<'a> {
+    pub start: usize,
+    pub cache: Option<&'a mut KvCache>,
+    /// `[B, start + T]`, true for real tokens.
+    pub mask: Option<Tensor>,
+}
+
+impl<'a> Step<'a> {
+    /// Checks `ids` `[B, T]` against the cache and the mask.
+    pub fn new(ids: &Tensor, cache: Option<&'a mut KvCache>, mask: Option<&Tensor>) -> Result<Step<'a>> {
+        let op = "forward_ids";
+        let &[b, t] = ids.shape() else {
+            return Err(Error::shape(op, format!("ids must be [B, T], got {:?}", ids.shape())));
+        };
+        if ids.dtype() != DType::I64 {
+            return Err(Error::dtype(op, ids.dtype(), "token ids must be I64"));
+        }
+        if t == 0 {
+            return Err(Error::shape(op, "no tokens"));
+        }
+        let start = cache.as_ref().map_or(0, |c| c.len());
+        if let Some(c) = &cache {
+            c.room(t, b)?;
+        }
+        let mask = match mask {
+            None => None,
+            Some(m) if m.shape() == [b, start + t] => Some(if m.dtype() == DType::Bool { m.clone() } else { m.ne_scalar(0)? }),
+            Some(m) => return Err(Error::shape(op, format!("mask must be [B, cached + new positions] = [{b}, {}], got {:?}", start + t, m.shape()))),
+        };
+        Ok(Step { start, cache, mask })
+    }
+
+    /// Position ids `[B, T]` of the new tokens: their index, or with a mask the count of real
+    /// tokens before them (`transformers`' `cumsum(mask) - 1`; padding gets 0).
+    pub fn positions(&self, b: usize, t: usize, device: &Device) -> Result<Tensor> {
+        match &self.mask {
+            None => Tensor::arange(self.start as f64, (self.start + t) as f64, 1.0, DType::I64, device)?.unsqueeze(0)?.broadcast_to(&[b, t]),
+            Some(m) => m.to_dtype(DType::I64)?.cumsum(-1)?.sub_scalar(1)?.narrow(1, self.start, t)?.clamp(Some(0.0), None),
+        }
+    }
+
+    /// Causal attention of q `[B, H, T, D]` over this step's keys and values `[B, H_kv, T, D]`
+    /// (written into layer `layer` of the cache first) and those cached before them; heads
+    /// share key/value heads in groups of H / H_kv. Returns `[B, H, T, D]`.
+    pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+        let (b, h, t) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+        let hkv = k.shape()[1];
+        let (k, v) = match self.cache.as_deref_mut() {
+            Some(c) => c.write(layer, k, v)?,
+            None => (k.clone(), v.clone()),
+        };
+        let s = self.start + t;
+        let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
+        let dev = q.device();
+        // Query i (at position start + i) sees keys up to itself; with padding, only real keys,
+        // and itself always, so that a padded query's row is never empty (an empty row's NaN
+        // would reach every later layer's keys).
+        let mask = match (&self.mask, self.start, t) {
+            (None, 0, _) => None,
+            (None, _, 1) => None,
+            _ => {
+                let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
+                let queries = Tensor::arange(self.start as f64, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(1)?;
+                let causal = keys.le(&queries)?;
+                Some(match &self.mask {
+                    None => causal,
+                    Some(m) => causal.logical_and(&m.reshape(&[b as i64, 1, 1, s as i64])?.logical_or(&keys.eq(&queries)?)?)?,
+                })
+            }
+        };
+        let opts = SdpaOptions { attn_mask: mask.as_ref(), is_causal: mask.is_none() && self.start == 0 && t > 1, scale: Some(scale), dropout_p: 0.0 };
+        scaled_dot_product_attention(q, &k, &v, &opts)
+    }
+
+    /// After the last layer: the cache holds the new positions.
+    pub fn finish(self, t: usize) {
+        if let Some(c) = self.cache {
+            c.len += t;
+        }
+    }
+}
+
+/// `[B, H_kv, S, D]` with each head repeated `n` times in place: `[B, H_kv * n, S, D]`.
+fn repeat_heads(x: &Tensor, n: usize) -> Result<Tensor> {
+    let s = x.shape();
+    let (b, hkv, len, d) = (s[0], s[1], s[2], s[3]);
+    x.unsqueeze(2)?.broadcast_to(&[b, hkv, n, len, d])?.reshape(&[b as i64, (hkv * n) as i64, len as i64, d as i64])
+}
