@@ -1,6 +1,9 @@
 //! The demo the `kiln` program runs by default: the 784-256-10 MLP trained eagerly on the
 //! built-in synthetic data, with a progress bar, then evaluated; then one training step under
 //! the profiler, with its kernels per step and step time; then the same training compiled.
+//! `lm` holds the language-model demo (`kiln demo lm`).
+
+pub mod lm;
 
 use crate::data::{DataLoader, Dataset, SyntheticClassification};
 use crate::nn::{self, functional as F, Module};

@@ -16,11 +16,18 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Trains the 784-256-10 MLP on built-in data (what `kiln` does with no arguments).
+    /// Trains the 784-256-10 MLP on built-in data (what `kiln` does with no arguments), or with
+    /// `lm` a small GPT-2 on two-digit sums, then completes sums it never saw.
     Demo {
-        /// Training steps (batch 32).
+        /// `mlp` (the default) or `lm`.
+        #[arg(default_value = "mlp")]
+        which: String,
+        /// Training steps of the MLP (batch 32).
         #[arg(long, default_value_t = 600)]
         steps: usize,
+        /// Training time of the language model, in seconds.
+        #[arg(long, default_value_t = 60.0)]
+        seconds: f64,
     },
     /// Runs the shared benchmark workloads on the GPU and writes their JSON.
     Bench {
@@ -85,7 +92,9 @@ fn main() {
     let args = Args::parse();
     let r = match args.cmd {
         None => demo(600),
-        Some(Cmd::Demo { steps }) => demo(steps),
+        Some(Cmd::Demo { which, steps, .. }) if which == "mlp" => demo(steps),
+        Some(Cmd::Demo { which, seconds, .. }) if which == "lm" => kiln::demo::lm::run(seconds, &Device::cuda_if_available(0), true, &mut std::io::stdout().lock()).map(|_| ()),
+        Some(Cmd::Demo { which, .. }) => Err(kiln::Error::Arg { op: "demo", msg: format!("{which}: expected mlp or lm") }),
         Some(Cmd::Bench { only, out, device, .. }) if device == "cpu" => cli::bench_cpu::run(only.as_deref(), &out),
         Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
