@@ -165,6 +165,56 @@ fn transformer(dev: &Device, amp: bool, mode: Option<Mode>) -> Result<Call> {
     })
 }
 
+/// GPT-2 small (124M: 12 layers, d 768, 12 heads, vocab 50257, 1024 positions, tied head).
+fn gpt2_small(dtype: DType, dev: &Device) -> Result<kiln::models::Gpt2> {
+    manual_seed(0);
+    let config = kiln::models::Gpt2Config {
+        vocab_size: 50257,
+        n_positions: 1024,
+        n_embd: 768,
+        n_layer: 12,
+        n_head: 12,
+        n_inner: 3072,
+        activation: "gelu_new".into(),
+        layer_norm_epsilon: 1e-5,
+        scale_attn_weights: true,
+        scale_attn_by_inverse_layer_idx: false,
+    };
+    kiln::models::Gpt2::new(config, dtype, dev)
+}
+
+/// One GPT-2 small training step on 8 x 1024 random tokens under bf16 autocast: forward,
+/// cross-entropy in F32, backward, AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1), grads
+/// cleared.
+fn gpt2_train(dev: &Device) -> Result<Call> {
+    let model = gpt2_small(DType::F32, dev)?;
+    let cfg = optim::AdamConfig { lr: 3e-4, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, ..Default::default() };
+    let mut opt = optim::AdamW::new(model.parameters(), cfg);
+    let (idx, tgt) = (Tensor::randint(0, 50257, &[8, 1024], dev)?, Tensor::randint(0, 50257, &[8 * 1024], dev)?);
+    let d = *dev;
+    Ok(Box::new(move || {
+        let logits = kiln::amp::autocast(&d, DType::BF16, || model.forward(&idx))?;
+        let loss = F::cross_entropy(&logits.reshape(&[-1, 50257])?.to_dtype(DType::F32)?, &tgt)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    }))
+}
+
+/// One greedy decode step of GPT-2 small in bf16 at batch 1: the token at position 128 against
+/// a static cache of 1024 positions, the argmax token id left on the device.
+fn gpt2_decode(dev: &Device) -> Result<Call> {
+    use kiln::models::CausalLm;
+    let model = gpt2_small(DType::BF16, dev)?;
+    let mut cache = model.new_cache(1, 1024)?;
+    let tok = Tensor::randint(0, 50257, &[1, 1], dev)?;
+    Ok(Box::new(move || {
+        cache.set_len(128)?;
+        no_grad(|| model.forward_ids(&tok, Some(&mut cache), None)?.argmax(-1, false))
+    }))
+}
+
 fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     manual_seed(0);
     let rn = nn::resnet50(1000, dev)?;
@@ -291,6 +341,10 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
         "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
+        // Eager only so far: the compiled step and the compiled decode (with the position as a
+        // device tensor) are not built yet.
+        "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev)?, vec![]),
+        "gpt2.decode.bf16.bs1" => step(gpt2_decode(dev)?, vec![]),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
             let b = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;
@@ -315,7 +369,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
     }
 }
 
-pub const WORKLOADS: [&str; 13] = [
+pub const WORKLOADS: [&str; 15] = [
     "pointwise.add_relu.f32.1e8",
     "pointwise.exp_sin_log_cos.f32.1e8",
     "pointwise.bias_gelu.f32.8192x8192",
@@ -329,6 +383,8 @@ pub const WORKLOADS: [&str; 13] = [
     "transformer.fwd.f32.10x32x512",
     "transformer.fwd.bf16amp.10x32x512",
     "resnet50.infer.bf16amp.bs128",
+    "gpt2.train.bf16amp.8x1024",
+    "gpt2.decode.bf16.bs1",
 ];
 
 pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: bool, copy_fit: bool) -> Result<()> {

@@ -43,6 +43,15 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
+    /// Holds the first `len` positions from now on, whatever keys and values were written there
+    /// (to rewind, or to decode again at a fixed position).
+    pub fn set_len(&mut self, len: usize) -> Result<()> {
+        if len > self.capacity() {
+            return Err(Error::arg("KvCache", format!("{len} positions exceed its capacity of {}", self.capacity())));
+        }
+        self.len = len;
+        Ok(())
+    }
 
     /// Writes layer `layer`'s keys and values `[B, H_kv, T, D]` of the next T positions; returns
     /// views of all the layer's positions so far, these included.
