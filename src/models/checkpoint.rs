@@ -111,12 +111,22 @@ impl Weights {
         Ok(Weights { dir: dir.to_path_buf(), tensors })
     }
 
-    /// No tensors yet (a model built from fresh weights fills it with `insert`).
-    pub fn empty() -> Weights {
-        Weights { dir: PathBuf::from("(fresh weights)"), tensors: BTreeMap::new() }
-    }
-    pub fn insert(&mut self, name: String, t: Tensor) {
-        self.tensors.insert(name, t);
+    /// Fresh weights for `shapes` as `transformers` initialises its models: normal with std
+    /// 0.02 (drawn from kiln's generator), ones where `is_norm` says a name is a norm's weight,
+    /// zeros for biases.
+    pub fn fresh(shapes: Vec<(String, Vec<usize>)>, is_norm: impl Fn(&str) -> bool) -> Result<Weights> {
+        let mut tensors = BTreeMap::new();
+        for (name, shape) in shapes {
+            let t = if is_norm(&name) {
+                Tensor::ones(&shape, DType::F32, &Device::Cpu)?
+            } else if name.ends_with(".bias") {
+                Tensor::zeros(&shape, DType::F32, &Device::Cpu)?
+            } else {
+                Tensor::randn(&shape, DType::F32, &Device::Cpu)?.mul_scalar(0.02)?
+            };
+            tensors.insert(name, t);
+        }
+        Ok(Weights { dir: PathBuf::from("(fresh weights)"), tensors })
     }
 
     /// Whether the checkpoint holds `name`.

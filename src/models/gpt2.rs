@@ -91,17 +91,7 @@ impl Gpt2 {
     /// A model with fresh weights drawn as `transformers` initialises GPT-2 (normal with std
     /// 0.02, layer norms ones and zeros, biases zeros).
     pub fn new(config: Gpt2Config, dtype: DType, device: &Device) -> Result<Gpt2> {
-        let mut w = Weights::empty();
-        for (name, shape) in Gpt2::shapes(&config) {
-            let t = if name.ends_with("ln_1.weight") || name.ends_with("ln_2.weight") || name.ends_with("ln_f.weight") {
-                Tensor::ones(&shape, DType::F32, &Device::Cpu)?
-            } else if name.ends_with(".bias") {
-                Tensor::zeros(&shape, DType::F32, &Device::Cpu)?
-            } else {
-                Tensor::randn(&shape, DType::F32, &Device::Cpu)?.mul_scalar(0.02)?
-            };
-            w.insert(name, t);
-        }
+        let mut w = Weights::fresh(Gpt2::shapes(&config), |n| n.ends_with("ln_1.weight") || n.ends_with("ln_2.weight") || n.ends_with("ln_f.weight"))?;
         Gpt2::from_weights(config, &mut w, dtype, device)
     }
 

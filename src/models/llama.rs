@@ -191,17 +191,7 @@ impl Llama {
     /// A model with fresh weights as `transformers` initialises them (normal with std 0.02,
     /// norm weights ones, biases zeros).
     pub fn new(config: LlamaConfig, dtype: DType, device: &Device) -> Result<Llama> {
-        let mut w = Weights::empty();
-        for (name, shape) in Llama::shapes(&config) {
-            let t = if name.ends_with("norm.weight") {
-                Tensor::ones(&shape, DType::F32, &Device::Cpu)?
-            } else if name.ends_with(".bias") {
-                Tensor::zeros(&shape, DType::F32, &Device::Cpu)?
-            } else {
-                Tensor::randn(&shape, DType::F32, &Device::Cpu)?.mul_scalar(0.02)?
-            };
-            w.insert(name, t);
-        }
+        let mut w = Weights::fresh(Llama::shapes(&config), |n| n.ends_with("norm.weight"))?;
         Llama::from_weights(config, &mut w, dtype, device)
     }
 
