@@ -68,6 +68,25 @@ impl KvCache {
         Ok((keys.narrow(2, 0, self.len + t)?, values.narrow(2, 0, self.len + t)?))
     }
 
+    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence at
+    /// `positions` `[B]` (device values, not checked on the host: a position outside the
+    /// capacity writes nothing); returns the layer's whole buffers. Every slot is rewritten
+    /// (kept or replaced by a select), so the shapes are the same at every position.
+    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
+            return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
+        };
+        let cap = self.capacity();
+        let b = positions.shape()[0];
+        let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
+        // [B, 1, capacity, 1]: true at each sequence's position.
+        let here = slots.eq(&positions.unsqueeze(1)?)?.reshape(&[b as i64, 1, cap as i64, 1])?;
+        for (buf, new) in [(keys, k), (values, v)] {
+            buf.copy_(&crate::where_(&here, &new.to_dtype(buf.dtype())?, buf)?)?;
+        }
+        Ok((keys.clone(), values.clone()))
+    }
+
     /// Checks that `t` more positions fit.
     fn room(&self, t: usize, batch: usize) -> Result<()> {
         if batch != self.batch() {
@@ -80,28 +99,26 @@ impl KvCache {
     }
 }
 
-/// One forward's place in the sequence: where its T positions start, the cache (if any) and the
-/// padding mask over every position so far.
+/// One forward's place in the sequence.
 pub(super) struct Step<'a> {
-    pub start: usize,
-    pub cache: Option<&'a mut KvCache>,
-    /// `[B, start + T]`, true for real tokens.
-    pub mask: Option<Tensor>,
+    place: Place<'a>,
+}
+
+enum Place<'a> {
+    /// Positions counted on the host: the T new ones start at `start`, after those in the
+    /// cache (if any); `mask` `[B, start + T]` marks real tokens.
+    Host { start: usize, cache: Option<&'a mut KvCache>, mask: Option<Tensor> },
+    /// One position per sequence given as a device tensor `[B]` (I64): the new keys and values
+    /// are written there and every position of the cache is attended under a mask, so the
+    /// shapes never change from one position to the next (a compiled decode step replays).
+    Device { positions: Tensor, cache: &'a KvCache },
 }
 
 impl<'a> Step<'a> {
     /// Checks `ids` `[B, T]` against the cache and the mask.
     pub fn new(ids: &Tensor, cache: Option<&'a mut KvCache>, mask: Option<&Tensor>) -> Result<Step<'a>> {
         let op = "forward_ids";
-        let &[b, t] = ids.shape() else {
-            return Err(Error::shape(op, format!("ids must be [B, T], got {:?}", ids.shape())));
-        };
-        if ids.dtype() != DType::I64 {
-            return Err(Error::dtype(op, ids.dtype(), "token ids must be I64"));
-        }
-        if t == 0 {
-            return Err(Error::shape(op, "no tokens"));
-        }
+        let (b, t) = ids_shape(op, ids)?;
         let start = cache.as_ref().map_or(0, |c| c.len());
         if let Some(c) = &cache {
             c.room(t, b)?;
@@ -111,15 +128,37 @@ impl<'a> Step<'a> {
             Some(m) if m.shape() == [b, start + t] => Some(if m.dtype() == DType::Bool { m.clone() } else { m.ne_scalar(0)? }),
             Some(m) => return Err(Error::shape(op, format!("mask must be [B, cached + new positions] = [{b}, {}], got {:?}", start + t, m.shape()))),
         };
-        Ok(Step { start, cache, mask })
+        Ok(Step { place: Place::Host { start, cache, mask } })
+    }
+
+    /// One token per sequence (`ids` `[B, 1]`) at `positions` `[B]` (I64, on the model's device).
+    pub fn at(ids: &Tensor, positions: &Tensor, cache: &'a KvCache) -> Result<Step<'a>> {
+        let op = "decode_step";
+        let (b, t) = ids_shape(op, ids)?;
+        if t != 1 || positions.shape() != [b] || positions.dtype() != DType::I64 {
+            return Err(Error::shape(op, format!("one token per sequence ([B, 1]) and one I64 position each ([B]), got ids {:?} and positions {:?} {:?}", ids.shape(), positions.shape(), positions.dtype())));
+        }
+        if cache.batch() != b {
+            return Err(Error::shape(op, format!("a batch of {b} against a cache for {}", cache.batch())));
+        }
+        Ok(Step { place: Place::Device { positions: positions.clone(), cache } })
+    }
+
+    /// The first new position when it is known on the host (the model checks its limit).
+    pub fn start(&self) -> Option<usize> {
+        match &self.place {
+            Place::Host { start, .. } => Some(*start),
+            Place::Device { .. } => None,
+        }
     }
 
     /// Position ids `[B, T]` of the new tokens: their index, or with a mask the count of real
     /// tokens before them (`transformers`' `cumsum(mask) - 1`; padding gets 0).
     pub fn positions(&self, b: usize, t: usize, device: &Device) -> Result<Tensor> {
-        match &self.mask {
-            None => Tensor::arange(self.start as f64, (self.start + t) as f64, 1.0, DType::I64, device)?.unsqueeze(0)?.broadcast_to(&[b, t]),
-            Some(m) => m.to_dtype(DType::I64)?.cumsum(-1)?.sub_scalar(1)?.narrow(1, self.start, t)?.clamp(Some(0.0), None),
+        match &self.place {
+            Place::Host { start, mask: None, .. } => Tensor::arange(*start as f64, (start + t) as f64, 1.0, DType::I64, device)?.unsqueeze(0)?.broadcast_to(&[b, t]),
+            Place::Host { start, mask: Some(m), .. } => m.to_dtype(DType::I64)?.cumsum(-1)?.sub_scalar(1)?.narrow(1, *start, t)?.clamp(Some(0.0), None),
+            Place::Device { positions, .. } => positions.unsqueeze(1),
         }
     }
 
@@ -129,39 +168,65 @@ impl<'a> Step<'a> {
     pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
         let (b, h, t) = (q.shape()[0], q.shape()[1], q.shape()[2]);
         let hkv = k.shape()[1];
-        let (k, v) = match self.cache.as_deref_mut() {
-            Some(c) => c.write(layer, k, v)?,
-            None => (k.clone(), v.clone()),
-        };
-        let s = self.start + t;
-        let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
         let dev = q.device();
-        // Query i (at position start + i) sees keys up to itself; with padding, only real keys,
-        // and itself always, so that a padded query's row is never empty (an empty row's NaN
-        // would reach every later layer's keys).
-        let mask = match (&self.mask, self.start, t) {
-            (None, 0, _) => None,
-            (None, _, 1) => None,
-            _ => {
-                let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
-                let queries = Tensor::arange(self.start as f64, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(1)?;
-                let causal = keys.le(&queries)?;
-                Some(match &self.mask {
-                    None => causal,
-                    Some(m) => causal.logical_and(&m.reshape(&[b as i64, 1, 1, s as i64])?.logical_or(&keys.eq(&queries)?)?)?,
-                })
+        let (k, v, mask) = match &mut self.place {
+            Place::Host { start, cache, mask } => {
+                let (k, v) = match cache.as_deref_mut() {
+                    Some(c) => c.write(layer, k, v)?,
+                    None => (k.clone(), v.clone()),
+                };
+                let s = *start + t;
+                // Query i (at position start + i) sees keys up to itself; with padding, only
+                // real keys, and itself always, so that a padded query's row is never empty
+                // (an empty row's NaN would reach every later layer's keys).
+                let mask = match (&*mask, *start, t) {
+                    (None, 0, _) | (None, _, 1) => None,
+                    (m, start, _) => {
+                        let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
+                        let queries = Tensor::arange(start as f64, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(1)?;
+                        let causal = keys.le(&queries)?;
+                        Some(match m {
+                            None => causal,
+                            Some(m) => causal.logical_and(&m.reshape(&[b as i64, 1, 1, s as i64])?.logical_or(&keys.eq(&queries)?)?)?,
+                        })
+                    }
+                };
+                (k, v, mask)
+            }
+            Place::Device { positions, cache } => {
+                let (k, v) = cache.write_at(layer, k, v, positions)?;
+                let keys = Tensor::arange(0.0, cache.capacity() as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
+                // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
+                let mask = keys.le(&positions.unsqueeze(1)?)?.reshape(&[b as i64, 1, 1, cache.capacity() as i64])?;
+                (k, v, Some(mask))
             }
         };
-        let opts = SdpaOptions { attn_mask: mask.as_ref(), is_causal: mask.is_none() && self.start == 0 && t > 1, scale: Some(scale), dropout_p: 0.0 };
+        let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
+        let causal = mask.is_none() && self.start() == Some(0) && t > 1;
+        let opts = SdpaOptions { attn_mask: mask.as_ref(), is_causal: causal, scale: Some(scale), dropout_p: 0.0 };
         scaled_dot_product_attention(q, &k, &v, &opts)
     }
 
-    /// After the last layer: the cache holds the new positions.
+    /// After the last layer: a host-counted cache holds the new positions.
     pub fn finish(self, t: usize) {
-        if let Some(c) = self.cache {
+        if let Place::Host { cache: Some(c), .. } = self.place {
             c.len += t;
         }
     }
+}
+
+/// `[B, T]` of `ids`, checked.
+fn ids_shape(op: &'static str, ids: &Tensor) -> Result<(usize, usize)> {
+    let &[b, t] = ids.shape() else {
+        return Err(Error::shape(op, format!("ids must be [B, T], got {:?}", ids.shape())));
+    };
+    if ids.dtype() != DType::I64 {
+        return Err(Error::dtype(op, ids.dtype(), "token ids must be I64"));
+    }
+    if t == 0 {
+        return Err(Error::shape(op, "no tokens"));
+    }
+    Ok((b, t))
 }
 
 /// `[B, H_kv, S, D]` with each head repeated `n` times in place: `[B, H_kv * n, S, D]`.

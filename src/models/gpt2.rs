@@ -193,11 +193,33 @@ impl crate::nn::Module for Gpt2 {
 
 impl CausalLm for Gpt2 {
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor> {
+        self.run(ids, Step::new(ids, cache, mask)?)
+    }
+    fn decode_step(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Result<Tensor> {
+        if cache.capacity() > self.config.n_positions {
+            return Err(Error::arg("Gpt2", format!("a cache of {} positions exceeds the model's {}", cache.capacity(), self.config.n_positions)));
+        }
+        self.run(ids, Step::at(ids, positions, cache)?)
+    }
+    fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache> {
         let c = &self.config;
-        let mut step = Step::new(ids, cache, mask)?;
+        KvCache::new(c.n_layer, batch, c.n_head, max_len, c.n_embd / c.n_head, self.wte.dtype(), &self.wte.device())
+    }
+    fn max_positions(&self) -> usize {
+        self.config.n_positions
+    }
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+}
+
+impl Gpt2 {
+    /// The forward pass at `step`'s place: logits `[B, T, vocab]`.
+    fn run(&self, ids: &Tensor, mut step: Step) -> Result<Tensor> {
+        let c = &self.config;
         let (b, t) = (ids.shape()[0], ids.shape()[1]);
-        if step.start + t > c.n_positions {
-            return Err(Error::arg("Gpt2", format!("{} positions exceed the model's {}", step.start + t, c.n_positions)));
+        if let Some(start) = step.start().filter(|s| s + t > c.n_positions) {
+            return Err(Error::arg("Gpt2", format!("{} positions exceed the model's {}", start + t, c.n_positions)));
         }
         let (e, heads) = (c.n_embd, c.n_head);
         let d = e / heads;
@@ -221,15 +243,5 @@ impl CausalLm for Gpt2 {
         step.finish(t);
         let h = F::layer_norm(&h, &[e], Some(&self.ln_f.0), Some(&self.ln_f.1), c.layer_norm_epsilon)?;
         h.matmul(&self.wte.t()?)
-    }
-    fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache> {
-        let c = &self.config;
-        KvCache::new(c.n_layer, batch, c.n_head, max_len, c.n_embd / c.n_head, self.wte.dtype(), &self.wte.device())
-    }
-    fn max_positions(&self) -> usize {
-        self.config.n_positions
-    }
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
     }
 }

@@ -316,8 +316,27 @@ impl crate::nn::Module for Llama {
 
 impl CausalLm for Llama {
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor> {
+        self.run(ids, Step::new(ids, cache, mask)?)
+    }
+    fn decode_step(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Result<Tensor> {
+        self.run(ids, Step::at(ids, positions, cache)?)
+    }
+    fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache> {
         let c = &self.config;
-        let mut step = Step::new(ids, cache, mask)?;
+        KvCache::new(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.embed_tokens.dtype(), &self.embed_tokens.device())
+    }
+    fn max_positions(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+}
+
+impl Llama {
+    /// The forward pass at `step`'s place: logits `[B, T, vocab]`.
+    fn run(&self, ids: &Tensor, mut step: Step) -> Result<Tensor> {
+        let c = &self.config;
         let (b, t) = (ids.shape()[0], ids.shape()[1]);
         let (e, h, hkv, d) = (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim);
         let dtype = self.embed_tokens.dtype();
@@ -339,15 +358,5 @@ impl CausalLm for Llama {
         step.finish(t);
         let x = self.rms_norm(&x, &self.norm)?;
         x.matmul(&self.lm_head.as_ref().unwrap_or(&self.embed_tokens).t()?)
-    }
-    fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache> {
-        let c = &self.config;
-        KvCache::new(c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, self.embed_tokens.dtype(), &self.embed_tokens.device())
-    }
-    fn max_positions(&self) -> usize {
-        self.config.max_position_embeddings
-    }
-    fn vocab_size(&self) -> usize {
-        self.config.vocab_size
     }
 }

@@ -43,6 +43,13 @@ pub trait CausalLm: crate::nn::Module {
     /// `mask` `[B, cache.len() + T]` (bool or integer, 1 for a real token) marks left padding;
     /// positions count real tokens only, as `transformers` counts them.
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor>;
+    /// One decode step with fixed shapes: logits `[B, 1, vocab]` for `ids` `[B, 1]` at
+    /// `positions` `[B]` (I64 on the model's device). The keys and values are written at those
+    /// positions of `cache` and attention reads its whole capacity under a mask, so the
+    /// position is data, not a shape: compiled (`kiln::compile`), one trace serves every
+    /// position, and under `Mode::ReduceOverhead` one CUDA graph replays it. `cache.len()` is
+    /// neither read nor changed; sequences without padding only.
+    fn decode_step(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Result<Tensor>;
     /// A cache for `batch` sequences of up to `max_len` positions, in the model's dtype and on
     /// its device.
     fn new_cache(&self, batch: usize, max_len: usize) -> Result<KvCache>;

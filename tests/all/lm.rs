@@ -305,3 +305,37 @@ fn a_compiled_gpt2_training_step_equals_eager_after_three_adamw_steps() {
         assert_close(&b, &a, 1e-4, 1e-6);
     }
 }
+
+/// `decode_step` at positions 0..T, eager and compiled (one trace for every position, and on a
+/// GPU one replayed graph), against the logits of the whole sequence.
+fn decode_steps_match(model: &dyn CausalLm) {
+    let e = expected(GPT2_EXPECTED);
+    let ids = e["input_ids"].to_device(&dev()).unwrap();
+    let (b, t) = (ids.shape()[0], ids.shape()[1]);
+    let full = kiln::no_grad(|| model.forward_ids(&ids, None, None)).unwrap();
+    let (eager_cache, compiled_cache) = (model.new_cache(b, 16).unwrap(), model.new_cache(b, 16).unwrap());
+    let cc = &compiled_cache;
+    // Reduce-overhead: on a GPU, every call after the first replays one CUDA graph.
+    let opts = kiln::compile::CompileOptions::new().mode(kiln::compile::Mode::ReduceOverhead);
+    let f = kiln::compile::compile_with(opts, move |tok: &Tensor, pos: &Tensor| model.decode_step(tok, pos, cc));
+    kiln::no_grad(|| {
+        for p in 0..t {
+            let (tok, pos) = (ids.narrow(1, p, 1)?, Tensor::full(&[b], p as f64, DType::I64, &dev())?);
+            let want = vals(&full.narrow(1, p, 1)?);
+            assert_close(&vals(&model.decode_step(&tok, &pos, &eager_cache)?), &want, 1e-4, 1e-4);
+            assert_close(&vals(&f.call(&tok, &pos)?), &want, 1e-4, 1e-4);
+        }
+        kiln::Result::Ok(())
+    })
+    .unwrap();
+    assert_eq!(f.trace_count(), 1, "the position is data: one trace serves every position");
+    assert_eq!(eager_cache.len(), 0, "decode_step leaves the host count alone");
+    let bad = model.decode_step(&ids.narrow(1, 0, 2).unwrap(), &Tensor::zeros(&[b], DType::I64, &dev()).unwrap(), &eager_cache).unwrap_err().to_string();
+    assert!(bad.contains("one token per sequence"), "{bad}");
+}
+
+#[test]
+fn a_compiled_decode_step_takes_the_position_as_data_and_equals_eager() {
+    decode_steps_match(load(GPT2).model.as_ref());
+    decode_steps_match(load(LLAMA).model.as_ref());
+}
