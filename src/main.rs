@@ -93,7 +93,7 @@ fn main() {
     let r = match args.cmd {
         None => demo(600),
         Some(Cmd::Demo { which, steps, .. }) if which == "mlp" => demo(steps),
-        Some(Cmd::Demo { which, seconds, .. }) if which == "lm" => kiln::demo::lm::run(seconds, &Device::cuda_if_available(0), true, &mut std::io::stdout().lock()).map(|_| ()),
+        Some(Cmd::Demo { which, seconds, .. }) if which == "lm" => kiln::demo::lm::run(seconds, usize::MAX, &Device::cuda_if_available(0), true, &mut std::io::stdout().lock()).map(|_| ()),
         Some(Cmd::Demo { which, .. }) => Err(kiln::Error::Arg { op: "demo", msg: format!("{which}: expected mlp or lm") }),
         Some(Cmd::Bench { only, out, device, .. }) if device == "cpu" => cli::bench_cpu::run(only.as_deref(), &out),
         Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),

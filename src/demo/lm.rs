@@ -65,9 +65,9 @@ fn batch(n: usize, state: &mut u64, device: &Device) -> Result<(Tensor, Tensor)>
     Ok((Tensor::from_vec(x, &[n, LEN - 1], device)?, Tensor::from_vec(y, &[n, LEN - 1], device)?))
 }
 
-/// Trains for about `seconds` on `device`, then scores the held-out sums; writes progress and
-/// results to `out`.
-pub fn run(seconds: f64, device: &Device, progress: bool, out: &mut dyn Write) -> Result<LmReport> {
+/// Trains for about `seconds` (or `max_steps` steps, whichever ends first) on `device`, then
+/// scores the held-out sums; writes progress and results to `out`.
+pub fn run(seconds: f64, max_steps: usize, device: &Device, progress: bool, out: &mut dyn Write) -> Result<LmReport> {
     let io = |e: std::io::Error| crate::Error::Io { op: "demo lm", msg: e.to_string() };
     if !(seconds > 0.0 && seconds.is_finite()) {
         return Err(crate::Error::arg("demo lm", format!("the training time must be a positive number of seconds, got {seconds}")));
@@ -96,7 +96,8 @@ pub fn run(seconds: f64, device: &Device, progress: bool, out: &mut dyn Write) -
     let (mut first, mut last, mut steps) = (f32::NAN, f32::NAN, 0);
     let mut rng = 1u64;
     let start = Instant::now();
-    while start.elapsed().as_secs_f64() < seconds {
+    let mut last_loss = None;
+    while start.elapsed().as_secs_f64() < seconds && steps < max_steps {
         let (x, y) = batch(128, &mut rng, device)?;
         let logits = model.forward(&x)?;
         let loss = F::cross_entropy_with(&logits.reshape(&[-1, CHARS.len() as i64])?, &y.reshape(&[-1])?, &opts)?;
@@ -104,6 +105,7 @@ pub fn run(seconds: f64, device: &Device, progress: bool, out: &mut dyn Write) -
         opt.step()?;
         opt.zero_grad();
         steps += 1;
+        // Reading a loss waits for the device: only now and then, and the first and last.
         if steps == 1 || steps % 25 == 0 {
             last = loss.item::<f32>()?;
             if steps == 1 {
@@ -112,6 +114,10 @@ pub fn run(seconds: f64, device: &Device, progress: bool, out: &mut dyn Write) -
             bar.set_position((start.elapsed().as_secs_f64() * 10.0) as u64);
             bar.set_message(format!("{seconds:.0}s  step {steps}  loss {last:.3}"));
         }
+        last_loss = Some(loss);
+    }
+    if let Some(l) = last_loss {
+        last = l.item::<f32>()?;
     }
     bar.finish_and_clear();
     let step_ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
