@@ -85,6 +85,9 @@ enum Cmd {
         /// The parameters' dtype: f32, bf16 or f16.
         #[arg(long, default_value = "f32")]
         dtype: String,
+        /// Decode through one compiled step (on a GPU one CUDA graph replayed per token).
+        #[arg(long)]
+        compile: bool,
     },
 }
 
@@ -99,7 +102,7 @@ fn main() {
         Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
-        Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype }) => (|| {
+        Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, compile }) => (|| {
             let device = match device.as_str() {
                 "cpu" => Device::Cpu,
                 "cuda" => Device::cuda_if_available(0),
@@ -114,7 +117,7 @@ fn main() {
                 "f16" => DType::F16,
                 d => return Err(kiln::Error::Arg { op: "generate", msg: format!("--dtype {d}: expected f32, bf16 or f16") }),
             };
-            let options = kiln::models::GenerateOptions { max_new_tokens, temperature, top_k, top_p, seed, ..Default::default() };
+            let options = kiln::models::GenerateOptions { max_new_tokens, temperature, top_k, top_p, seed, compiled: compile, ..Default::default() };
             cli::generate::run(cli::generate::Request { model: &model, prompt: &prompt, options, device, dtype })
         })(),
     };

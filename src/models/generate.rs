@@ -20,11 +20,15 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
     /// Fills the left of shorter prompts in a batch (masked out; any id the model has).
     pub pad_token: u32,
+    /// Decodes through one compiled [`CausalLm::decode_step`] under `Mode::ReduceOverhead`
+    /// (traced once; on a GPU one CUDA graph replayed per token) instead of eager steps. The
+    /// tokens are the same. Prompts of one length only: a padded batch is an error.
+    pub compiled: bool,
 }
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { max_new_tokens: 32, temperature: 0.0, top_k: None, top_p: None, seed: 0, stop_tokens: vec![], pad_token: 0 }
+        GenerateOptions { max_new_tokens: 32, temperature: 0.0, top_k: None, top_p: None, seed: 0, stop_tokens: vec![], pad_token: 0, compiled: false }
     }
 }
 
@@ -160,33 +164,61 @@ pub fn generate(model: &dyn CausalLm, prompts: &[Vec<u32>], opts: &GenerateOptio
         mask.extend(std::iter::repeat_n(false, pad).chain(std::iter::repeat_n(true, p.len())));
     }
     let padded = mask.iter().any(|m| !m);
+    if padded && opts.compiled {
+        return Err(Error::arg(op, "compiled decoding takes prompts of one length (decode_step has no padding mask)"));
+    }
     let mut mask = if padded { Some(Tensor::from_vec(mask, &[b, longest], &device)?) } else { None };
     let mut cache = model.new_cache(b, total)?;
-    let mut draws = Draws(opts.seed);
-    let mut done = vec![false; b];
     crate::no_grad(|| {
-        let mut logits = model.forward_ids(&Tensor::from_vec(ids, &[b, longest], &device)?, Some(&mut cache), mask.as_ref())?.narrow(1, longest - 1, 1)?;
-        for step in 0..opts.max_new_tokens {
-            let rows = logits.reshape(&[b as i64, vocab as i64])?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
-            let mut next = Vec::with_capacity(b);
-            for (r, row) in rows.chunks(vocab).enumerate() {
-                let t = if done[r] { opts.pad_token } else { choose(row, opts, &mut draws) };
-                if !done[r] {
-                    out[r].push(t);
-                    on_token(r, t);
-                    done[r] = opts.stop_tokens.contains(&t);
+        let logits = model.forward_ids(&Tensor::from_vec(ids, &[b, longest], &device)?, Some(&mut cache), mask.as_ref())?.narrow(1, longest - 1, 1)?;
+        if opts.compiled {
+            let c = &cache;
+            let step = crate::compile::compile_with(crate::compile::CompileOptions::new().mode(crate::compile::Mode::ReduceOverhead), move |tok: &Tensor, pos: &Tensor| model.decode_step(tok, pos, c));
+            decode(logits, vocab, opts, &mut out, &mut on_token, &mut |next, i| {
+                // The i-th new token sits at position longest + i.
+                step.call(&Tensor::from_vec(next, &[b, 1], &device)?, &Tensor::full(&[b], (longest + i) as f64, DType::I64, &device)?)
+            })
+        } else {
+            decode(logits, vocab, opts, &mut out, &mut on_token, &mut |next, _| {
+                if let Some(m) = &mask {
+                    mask = Some(crate::cat(&[m, &Tensor::ones(&[b, 1], DType::Bool, &device)?], 1)?);
                 }
-                next.push(t as i64);
-            }
-            if step + 1 == opts.max_new_tokens || done.iter().all(|&d| d) {
-                break;
-            }
-            if let Some(m) = &mask {
-                mask = Some(crate::cat(&[m, &Tensor::ones(&[b, 1], DType::Bool, &device)?], 1)?);
-            }
-            logits = model.forward_ids(&Tensor::from_vec(next, &[b, 1], &device)?, Some(&mut cache), mask.as_ref())?;
+                model.forward_ids(&Tensor::from_vec(next, &[b, 1], &device)?, Some(&mut cache), mask.as_ref())
+            })
         }
-        Ok::<(), Error>(())
     })?;
     Ok(out)
+}
+
+/// The decode loop from the prompts' last logits: chooses each row's token, then runs
+/// `step_fn(tokens, i)` on the i-th new tokens for the next logits, until every row stops.
+fn decode(
+    mut logits: Tensor,
+    vocab: usize,
+    opts: &GenerateOptions,
+    out: &mut [Vec<u32>],
+    on_token: &mut dyn FnMut(usize, u32),
+    step_fn: &mut dyn FnMut(Vec<i64>, usize) -> Result<Tensor>,
+) -> Result<()> {
+    let b = out.len();
+    let mut draws = Draws(opts.seed);
+    let mut done = vec![false; b];
+    for step in 0..opts.max_new_tokens {
+        let rows = logits.reshape(&[b as i64, vocab as i64])?.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.to_vec::<f32>()?;
+        let mut next = Vec::with_capacity(b);
+        for (r, row) in rows.chunks(vocab).enumerate() {
+            let t = if done[r] { opts.pad_token } else { choose(row, opts, &mut draws) };
+            if !done[r] {
+                out[r].push(t);
+                on_token(r, t);
+                done[r] = opts.stop_tokens.contains(&t);
+            }
+            next.push(t as i64);
+        }
+        if step + 1 == opts.max_new_tokens || done.iter().all(|&d| d) {
+            break;
+        }
+        logits = step_fn(next, step)?;
+    }
+    Ok(())
 }

@@ -86,6 +86,11 @@ fn greedy_matches(files: &[(&str, &[u8])], expected_bytes: &[u8]) {
     let out = models::generate(lm.model.as_ref(), &[prompt], &GenerateOptions { max_new_tokens: 32, ..Default::default() }, |r, t| streamed.push((r, t))).unwrap();
     assert_eq!(out[0], ids_of(&e["greedy"]), "greedy tokens against transformers' generate");
     assert_eq!(streamed, out[0].iter().map(|&t| (0, t)).collect::<Vec<_>>(), "every token streamed once, in order");
+    // The same through one compiled decode step, greedy and sampled.
+    let compiled = |o: GenerateOptions| models::generate(lm.model.as_ref(), &[ids_of(&e["prompt_ids"])], &GenerateOptions { compiled: true, ..o }, |_, _| {}).unwrap();
+    assert_eq!(compiled(GenerateOptions { max_new_tokens: 32, ..Default::default() }), out, "compiled decoding");
+    let sampled = GenerateOptions { max_new_tokens: 16, temperature: 0.8, top_k: Some(20), seed: 5, ..Default::default() };
+    assert_eq!(compiled(sampled.clone()), models::generate(lm.model.as_ref(), &[ids_of(&e["prompt_ids"])], &sampled, |_, _| {}).unwrap());
 
     // Two prompts of different lengths, left-padded.
     let (batch, mask) = (e["batch_ids"].to_vec::<i64>().unwrap(), e["batch_mask"].to_vec::<i64>().unwrap());
@@ -94,6 +99,8 @@ fn greedy_matches(files: &[(&str, &[u8])], expected_bytes: &[u8]) {
     let out = models::generate(lm.model.as_ref(), &prompts, &GenerateOptions { max_new_tokens: 16, ..Default::default() }, |_, _| {}).unwrap();
     let want = ids_of(&e["batch_greedy"]);
     assert_eq!(out.concat(), want, "left-padded batch against transformers");
+    let err = models::generate(lm.model.as_ref(), &prompts, &GenerateOptions { compiled: true, ..Default::default() }, |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("one length"), "{err}");
 }
 
 #[test]
