@@ -70,7 +70,7 @@ pub(crate) trait Real: Copy + PartialOrd + Send + Sync + 'static + std::ops::Add
     fn copysign0(self) -> Self;
 }
 macro_rules! real {
-    ($t:ty, $erf:path) => {
+    ($t:ty, $erf:path, $tanh:path) => {
         impl Real for $t {
             #[inline(always)] fn c(v: f64) -> Self { v as $t }
             #[inline(always)] fn exp(self) -> Self { <$t>::exp(self) }
@@ -78,7 +78,7 @@ macro_rules! real {
             #[inline(always)] fn ln_1p(self) -> Self { <$t>::ln_1p(self) }
             #[inline(always)] fn sin(self) -> Self { <$t>::sin(self) }
             #[inline(always)] fn cos(self) -> Self { <$t>::cos(self) }
-            #[inline(always)] fn tanh(self) -> Self { <$t>::tanh(self) }
+            #[inline(always)] fn tanh(self) -> Self { $tanh(self) }
             #[inline(always)] fn sqrt(self) -> Self { <$t>::sqrt(self) }
             #[inline(always)] fn abs(self) -> Self { <$t>::abs(self) }
             #[inline(always)] fn erf(self) -> Self { $erf(self) }
@@ -98,8 +98,24 @@ macro_rules! real {
         }
     };
 }
-real!(f32, libm::erff);
-real!(f64, libm::erf);
+real!(f32, libm::erff, tanh_f32);
+real!(f64, libm::erf, f64::tanh);
+
+/// tanh in F32 from `exp`, a few times faster than the C library's `tanhf` (which also costs
+/// GELU-tanh and its gradient) and as accurate: within 2 ulp of the correctly rounded value
+/// over every fourth-or-so normal float below 16 (a test checks a sample). Below |x| = 0.4 the
+/// odd Taylor polynomial to x^13 (its remainder there is under 1e-8 of the value); above,
+/// 1 - 2 / (e^{2|x|} + 1) with x's sign, which loses at most a factor 1.6 to cancellation.
+#[inline(always)]
+fn tanh_f32(x: f32) -> f32 {
+    let a = x.abs();
+    if a < 0.4 {
+        let x2 = x * x;
+        x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0 + x2 * (-1382.0 / 155925.0 + x2 * (21844.0 / 6081075.0)))))))
+    } else {
+        (1.0 - 2.0 / ((2.0 * a).exp() + 1.0)).copysign(x)
+    }
+}
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
@@ -654,5 +670,26 @@ mod cuda {
                 LogicalXor => format!("({a} != {b})"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn f32_tanh_is_within_two_ulp_of_the_rounded_f64_value() {
+        let mut worst = 0;
+        // Every 4099th float from the smallest normal to 16, both signs.
+        for bits in (0x0080_0000u32..0x4180_0000).step_by(4099) {
+            let x = f32::from_bits(bits);
+            for x in [x, -x] {
+                let want = (x as f64).tanh() as f32;
+                worst = worst.max((super::tanh_f32(x).to_bits() as i64 - want.to_bits() as i64).unsigned_abs());
+            }
+        }
+        assert!(worst <= 2, "{worst} ulp");
+        for (x, want) in [(0.0f32, 0.0f32), (f32::INFINITY, 1.0), (f32::NEG_INFINITY, -1.0), (30.0, 1.0), (1e-30, 1e-30)] {
+            assert_eq!(super::tanh_f32(x), want);
+        }
+        assert!(super::tanh_f32(-0.0).is_sign_negative() && super::tanh_f32(f32::NAN).is_nan());
     }
 }
