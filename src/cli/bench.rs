@@ -168,19 +168,7 @@ fn transformer(dev: &Device, amp: bool, mode: Option<Mode>) -> Result<Call> {
 /// GPT-2 small (124M: 12 layers, d 768, 12 heads, vocab 50257, 1024 positions, tied head).
 fn gpt2_small(dtype: DType, dev: &Device) -> Result<kiln::models::Gpt2> {
     manual_seed(0);
-    let config = kiln::models::Gpt2Config {
-        vocab_size: 50257,
-        n_positions: 1024,
-        n_embd: 768,
-        n_layer: 12,
-        n_head: 12,
-        n_inner: 3072,
-        activation: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-    };
-    kiln::models::Gpt2::new(config, dtype, dev)
+    kiln::models::Gpt2::new(kiln::models::Gpt2Config::default(), dtype, dev)
 }
 
 /// One GPT-2 small training step on 8 x 1024 random tokens under bf16 autocast: forward,

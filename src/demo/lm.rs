@@ -73,18 +73,7 @@ pub fn run(seconds: f64, max_steps: usize, device: &Device, progress: bool, out:
         return Err(crate::Error::arg("demo lm", format!("the training time must be a positive number of seconds, got {seconds}")));
     }
     manual_seed(0);
-    let config = Gpt2Config {
-        vocab_size: CHARS.len(),
-        n_positions: 16,
-        n_embd: 64,
-        n_layer: 2,
-        n_head: 4,
-        n_inner: 256,
-        activation: "gelu_new".into(),
-        layer_norm_epsilon: 1e-5,
-        scale_attn_weights: true,
-        scale_attn_by_inverse_layer_idx: false,
-    };
+    let config = Gpt2Config { vocab_size: CHARS.len(), n_positions: 16, n_embd: 64, n_layer: 2, n_head: 4, n_inner: 256, ..Default::default() };
     let model = Gpt2::new(config, DType::F32, device)?;
     let params = model.parameters();
     let count: usize = params.iter().map(|p| p.numel()).sum();

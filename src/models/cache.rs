@@ -68,21 +68,15 @@ impl KvCache {
         Ok((keys.narrow(2, 0, self.len + t)?, values.narrow(2, 0, self.len + t)?))
     }
 
-    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence at
-    /// `positions` `[B]` (device values, not checked on the host: a position outside the
-    /// capacity writes nothing); returns the layer's whole buffers. Every slot is rewritten
-    /// (kept or replaced by a select), so the shapes are the same at every position.
-    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence
+    /// where `here` `[B, 1, capacity, 1]` is true; returns the layer's whole buffers. Every slot
+    /// is rewritten (kept or replaced by a select), so the shapes are the same at every position.
+    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, here: &Tensor) -> Result<(Tensor, Tensor)> {
         let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
             return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
         };
-        let cap = self.capacity();
-        let b = positions.shape()[0];
-        let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
-        // [B, 1, capacity, 1]: true at each sequence's position.
-        let here = slots.eq(&positions.unsqueeze(1)?)?.reshape(&[b as i64, 1, cap as i64, 1])?;
         for (buf, new) in [(keys, k), (values, v)] {
-            buf.copy_(&crate::where_(&here, &new.to_dtype(buf.dtype())?, buf)?)?;
+            buf.copy_(&crate::where_(here, &new.to_dtype(buf.dtype())?, buf)?)?;
         }
         Ok((keys.clone(), values.clone()))
     }
@@ -99,9 +93,13 @@ impl KvCache {
     }
 }
 
-/// One forward's place in the sequence.
+/// One forward's place in the sequence, and what its queries may attend (the same for every
+/// layer, so built once).
 pub(super) struct Step<'a> {
     place: Place<'a>,
+    /// Broadcast to `[B, H, T, keys]`: true where a query sees a key. None: every key, or (from
+    /// position 0 without padding) the plain causal pattern (`is_causal`).
+    attn_mask: Option<Tensor>,
 }
 
 enum Place<'a> {
@@ -111,7 +109,8 @@ enum Place<'a> {
     /// One position per sequence given as a device tensor `[B]` (I64): the new keys and values
     /// are written there and every position of the cache is attended under a mask, so the
     /// shapes never change from one position to the next (a compiled decode step replays).
-    Device { positions: Tensor, cache: &'a KvCache },
+    /// `here` `[B, 1, capacity, 1]` is true at each sequence's position.
+    Device { positions: Tensor, here: Tensor, cache: &'a KvCache },
 }
 
 impl<'a> Step<'a> {
@@ -128,7 +127,23 @@ impl<'a> Step<'a> {
             Some(m) if m.shape() == [b, start + t] => Some(if m.dtype() == DType::Bool { m.clone() } else { m.ne_scalar(0)? }),
             Some(m) => return Err(Error::shape(op, format!("mask must be [B, cached + new positions] = [{b}, {}], got {:?}", start + t, m.shape()))),
         };
-        Ok(Step { place: Place::Host { start, cache, mask } })
+        // Query i (at position start + i) sees keys up to itself; with padding, only real keys,
+        // and itself always, so that a padded query's row is never empty (an empty row's NaN
+        // would reach every later layer's keys).
+        let attn_mask = match (&mask, start, t) {
+            (None, 0, _) | (None, _, 1) => None,
+            (m, start, _) => {
+                let (s, dev) = (start + t, ids.device());
+                let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
+                let queries = Tensor::arange(start as f64, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(1)?;
+                let causal = keys.le(&queries)?;
+                Some(match m {
+                    None => causal,
+                    Some(m) => causal.logical_and(&m.reshape(&[b as i64, 1, 1, s as i64])?.logical_or(&keys.eq(&queries)?)?)?,
+                })
+            }
+        };
+        Ok(Step { place: Place::Host { start, cache, mask }, attn_mask })
     }
 
     /// One token per sequence (`ids` `[B, 1]`) at `positions` `[B]` (I64, on the model's device).
@@ -141,7 +156,13 @@ impl<'a> Step<'a> {
         if cache.batch() != b {
             return Err(Error::shape(op, format!("a batch of {b} against a cache for {}", cache.batch())));
         }
-        Ok(Step { place: Place::Device { positions: positions.clone(), cache } })
+        let cap = cache.capacity();
+        let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
+        let pos = positions.unsqueeze(1)?;
+        let here = slots.eq(&pos)?.reshape(&[b as i64, 1, cap as i64, 1])?;
+        // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
+        let attn_mask = slots.le(&pos)?.reshape(&[b as i64, 1, 1, cap as i64])?;
+        Ok(Step { place: Place::Device { positions: positions.clone(), here, cache }, attn_mask: Some(attn_mask) })
     }
 
     /// The first new position when it is known on the host (the model checks its limit).
@@ -166,44 +187,16 @@ impl<'a> Step<'a> {
     /// (written into layer `layer` of the cache first) and those cached before them; heads
     /// share key/value heads in groups of H / H_kv. Returns `[B, H, T, D]`.
     pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-        let (b, h, t) = (q.shape()[0], q.shape()[1], q.shape()[2]);
+        let (h, t) = (q.shape()[1], q.shape()[2]);
         let hkv = k.shape()[1];
-        let dev = q.device();
-        let (k, v, mask) = match &mut self.place {
-            Place::Host { start, cache, mask } => {
-                let (k, v) = match cache.as_deref_mut() {
-                    Some(c) => c.write(layer, k, v)?,
-                    None => (k.clone(), v.clone()),
-                };
-                let s = *start + t;
-                // Query i (at position start + i) sees keys up to itself; with padding, only
-                // real keys, and itself always, so that a padded query's row is never empty
-                // (an empty row's NaN would reach every later layer's keys).
-                let mask = match (&*mask, *start, t) {
-                    (None, 0, _) | (None, _, 1) => None,
-                    (m, start, _) => {
-                        let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
-                        let queries = Tensor::arange(start as f64, s as f64, 1.0, DType::I64, &dev)?.unsqueeze(1)?;
-                        let causal = keys.le(&queries)?;
-                        Some(match m {
-                            None => causal,
-                            Some(m) => causal.logical_and(&m.reshape(&[b as i64, 1, 1, s as i64])?.logical_or(&keys.eq(&queries)?)?)?,
-                        })
-                    }
-                };
-                (k, v, mask)
-            }
-            Place::Device { positions, cache } => {
-                let (k, v) = cache.write_at(layer, k, v, positions)?;
-                let keys = Tensor::arange(0.0, cache.capacity() as f64, 1.0, DType::I64, &dev)?.unsqueeze(0)?;
-                // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
-                let mask = keys.le(&positions.unsqueeze(1)?)?.reshape(&[b as i64, 1, 1, cache.capacity() as i64])?;
-                (k, v, Some(mask))
-            }
+        let (k, v) = match &mut self.place {
+            Place::Host { cache: Some(c), .. } => c.write(layer, k, v)?,
+            Place::Host { cache: None, .. } => (k.clone(), v.clone()),
+            Place::Device { here, cache, .. } => cache.write_at(layer, k, v, here)?,
         };
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
-        let causal = mask.is_none() && self.start() == Some(0) && t > 1;
-        let opts = SdpaOptions { attn_mask: mask.as_ref(), is_causal: causal, scale: Some(scale), dropout_p: 0.0 };
+        let causal = self.attn_mask.is_none() && self.start() == Some(0) && t > 1;
+        let opts = SdpaOptions { attn_mask: self.attn_mask.as_ref(), is_causal: causal, scale: Some(scale), dropout_p: 0.0 };
         scaled_dot_product_attention(q, &k, &v, &opts)
     }
 

@@ -25,41 +25,49 @@ pub struct Gpt2Config {
     pub scale_attn_by_inverse_layer_idx: bool,
 }
 
+/// GPT-2 small (124M: 12 layers, d 768, 12 heads, vocab 50257, 1024 positions), as
+/// `transformers`' `GPT2Config()`.
+impl Default for Gpt2Config {
+    fn default() -> Self {
+        Gpt2Config {
+            vocab_size: 50257,
+            n_positions: 1024,
+            n_embd: 768,
+            n_layer: 12,
+            n_head: 12,
+            n_inner: 3072,
+            activation: "gelu_new".into(),
+            layer_norm_epsilon: 1e-5,
+            scale_attn_weights: true,
+            scale_attn_by_inverse_layer_idx: false,
+        }
+    }
+}
+
 impl Gpt2Config {
     pub(super) fn from_json(map: &serde_json::Map<String, serde_json::Value>) -> Result<Gpt2Config> {
         let f = Fields { map };
+        let d = Gpt2Config::default();
         let n_embd = f.size("n_embd", None)?;
         let n_head = f.size("n_head", None)?;
         let c = Gpt2Config {
             vocab_size: f.size("vocab_size", None)?,
-            n_positions: f.size("n_positions", Some(1024))?,
+            n_positions: f.size("n_positions", Some(d.n_positions))?,
             n_embd,
             n_layer: f.size("n_layer", None)?,
             n_head,
             n_inner: f.size("n_inner", Some(4 * n_embd))?,
-            activation: f.string("activation_function", "gelu_new")?,
-            layer_norm_epsilon: f.number("layer_norm_epsilon", Some(1e-5))?,
-            scale_attn_weights: f.flag("scale_attn_weights", true)?,
-            scale_attn_by_inverse_layer_idx: f.flag("scale_attn_by_inverse_layer_idx", false)?,
+            activation: f.string("activation_function", &d.activation)?,
+            layer_norm_epsilon: f.number("layer_norm_epsilon", Some(d.layer_norm_epsilon))?,
+            scale_attn_weights: f.flag("scale_attn_weights", d.scale_attn_weights)?,
+            scale_attn_by_inverse_layer_idx: f.flag("scale_attn_by_inverse_layer_idx", d.scale_attn_by_inverse_layer_idx)?,
         };
         if !n_embd.is_multiple_of(n_head) {
             return Err(Error::Io { op: "models::load", msg: format!("config.json: n_embd {n_embd} is not a multiple of n_head {n_head}") });
         }
-        activation(&c.activation)?;
+        super::activation(&c.activation)?;
         Ok(c)
     }
-}
-
-/// The activation named `name` in a config.
-pub(super) fn activation(name: &str) -> Result<fn(&Tensor) -> Result<Tensor>> {
-    Ok(match name {
-        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => |x| x.gelu_tanh(),
-        "gelu" => |x| x.gelu(),
-        "relu" => |x| x.relu(),
-        "silu" | "swish" => |x| x.silu(),
-        "tanh" => |x| x.tanh(),
-        other => return Err(Error::Io { op: "models::load", msg: format!("config.json: activation {other:?} is not one kiln has (gelu_new, gelu, relu, silu, tanh)") }),
-    })
 }
 
 /// GPT-2's transformer block: pre-norm attention and MLP, each added to the residual.
@@ -152,7 +160,7 @@ impl Gpt2 {
             });
         }
         let ln_f = (next(), next());
-        let act = activation(&config.activation)?;
+        let act = super::activation(&config.activation)?;
         Ok(Gpt2 { config, wte, wpe, blocks, ln_f, act })
     }
 

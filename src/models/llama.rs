@@ -93,7 +93,7 @@ impl LlamaConfig {
         if !c.head_dim.is_multiple_of(2) {
             return Err(bad(format!("head_dim {} must be even for rotary embeddings", c.head_dim)));
         }
-        super::gpt2::activation(&c.hidden_act)?;
+        super::activation(&c.hidden_act)?;
         Ok(c)
     }
 
@@ -231,7 +231,7 @@ impl Llama {
         let norm = get("model.norm.weight".into())?;
         let lm_head = if c.tie_word_embeddings { None } else { Some(get("lm_head.weight".into())?) };
         let inv_freq = Tensor::from_vec(config.inv_freq(), &[config.head_dim / 2], &Device::Cpu)?.to_dtype(DType::F32)?.to_device(device)?;
-        let act = super::gpt2::activation(&config.hidden_act)?;
+        let act = super::activation(&config.hidden_act)?;
         Ok(Llama { config, embed_tokens, layers, norm, lm_head, inv_freq, act })
     }
 

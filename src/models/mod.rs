@@ -89,3 +89,15 @@ pub fn load(dir: impl AsRef<Path>, dtype: DType, device: &Device) -> Result<Pret
     let tokenizer = if tokenizer_file.exists() { Some(Tokenizer::from_file(&tokenizer_file)?) } else { None };
     Ok(Pretrained { model, tokenizer, model_type })
 }
+
+/// The activation named `name` in a config.
+fn activation(name: &str) -> Result<fn(&Tensor) -> Result<Tensor>> {
+    Ok(match name {
+        "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => |x| x.gelu_tanh(),
+        "gelu" => |x| x.gelu(),
+        "relu" => |x| x.relu(),
+        "silu" | "swish" => |x| x.silu(),
+        "tanh" => |x| x.tanh(),
+        other => return Err(Error::Io { op: "models::load", msg: format!("config.json: activation {other:?} is not one kiln has (gelu_new, gelu, relu, silu, tanh)") }),
+    })
+}
