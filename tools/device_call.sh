@@ -7,7 +7,7 @@
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanitize (compute-sanitizer memcheck and racecheck over the suite), sanall (one tool over every test binary, module groups side by side), sanhelp (the sanitizer's filter options), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -280,17 +280,6 @@ if [[ " $* " == *" profconc "* ]]; then
     KILN_TEST_DEVICE=cuda timeout 120 $bin holds_only_its_threads_work > $OUT/profconc-last.txt 2>&1 && pass2=$((pass2+1)) || { echo "profile-beside-work run $i failed"; grep -E "panicked|FAILED" -A5 $OUT/profconc-last.txt | head -10; }
   done
   echo "fixtures+profiler together: $pass of $n passed; profile beside concurrent work: $pass2 of $n passed"
-fi
-if [[ " $* " == *" sanitize "* ]]; then
-  # compute-sanitizer over the whole integration suite (one test at a time, for the log's sake),
-  # each tool limited to $SANITIZE_S seconds; the summary line of each.
-  bin=$(ls .gpu/tests/all-* | head -1)
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-240} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $bin --test-threads=4 $SANITIZE_FILTER > $OUT/sanitize-$tool.txt 2>&1; echo "$tool rc $?"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^test result|tests? .*FAILED" $OUT/sanitize-$tool.txt | tail -4
-    echo "  tests finished under $tool: $(grep -cE '^test .* (ok|FAILED)$' $OUT/sanitize-$tool.txt)"; grep -E "^=========" $OUT/sanitize-$tool.txt | grep -vE "SUMMARY|COMPUTE-SANITIZER" | head -8
-  done
-  gzip -f $OUT/sanitize-*.txt
 fi
 if [[ " $* " == *" sanall "* ]]; then
   # compute-sanitizer over the test binaries, each job "TOOL@REGEX@PROCS[@SKIP]" of $SANALL_JOBS
