@@ -6,8 +6,8 @@
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
-# seconds and rehearsals), tfprof (the f32 transformer's kernels by device time), rowprof
-# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
+# seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
+# (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
 # load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
@@ -182,10 +182,12 @@ if [[ " $* " == *" tfc "* ]]; then
   grep "rehearsal:" $OUT/tf.log
   python3 -c "import json; d=json.load(open('$OUT/tf.json')); [print(k, {a:round(b,4) for a,b in v.items() if a.endswith(('_s','_ms'))}) for k,v in d['workloads'].items()]"
 fi
-if [[ " $* " == *" tfprof "* ]]; then
-  for w in transformer.fwd.f32.10x32x512 transformer.fwd.bf16amp.10x32x512; do
-    KILN_CACHE_DIR=$(mktemp -d) timeout 200 .gpu/bin/kiln profile $w --compiled --trace $OUT/tf-trace.json 2>&1 | head -30
-  done
+if [[ " $* " == *" prof "* ]]; then
+  # `kiln profile` of each workload of $PROF_WORKLOADS (default: the transformer rows), eager and
+  # compiled: the kernel tables by device time and the peak memory.
+  for w in ${PROF_WORKLOADS:-transformer.fwd.f32.10x32x512 transformer.fwd.bf16amp.10x32x512}; do for c in "" --compiled; do
+    KILN_CACHE_DIR=$(mktemp -d) timeout ${PROF_S:-200} .gpu/bin/kiln profile $w $c --trace /tmp/prof-trace.json 2>&1 | head -${PROF_LINES:-30} | cut -c1-220
+  done; done
 fi
 if [[ " $* " == *" rowprof "* ]]; then
   # Per call: the profiler's tables, then the trace's first events. `ts` counts µs from the
@@ -282,7 +284,7 @@ if [[ " $* " == *" profconc "* ]]; then
   echo "fixtures+profiler together: $pass of $n passed; profile beside concurrent work: $pass2 of $n passed"
 fi
 if [[ " $* " == *" sanall "* ]]; then
-  # compute-sanitizer over the test binaries, each job "TOOL@REGEX@PROCS[@SKIP]" of $SANALL_JOBS
+  # compute-sanitizer over the test binaries, each job "TOOL@REGEX@PROCS[@SKIP[@ENV]]" of $SANALL_JOBS
   # (default: memcheck over every test in 8 processes) running the tests whose names match
   # REGEX (or are listed in the file of REGEX "file=PATH") and not SKIP, dealt round-robin to PROCS processes side by side (each at most $SANITIZE_S
   # seconds); all jobs run at once. Racecheck skips the vendor libraries' kernels (their
@@ -290,7 +292,8 @@ if [[ " $* " == *" sanall "* ]]; then
   # line, tests finished, failures, first reports.
   lib_kernels="--kernel-name-exclude kns=nvjet --kernel-name-exclude kns=xmma --kernel-name-exclude kns=cudnn --kernel-name-exclude kns=cutlass --kernel-name-exclude kns=sm90 --kernel-name-exclude kns=gemm --kernel-name-exclude kns=splitK --kernel-name-exclude kns=convolve --kernel-name-exclude kns=winograd --kernel-name-exclude kns=fft"
   for job in ${SANALL_JOBS:-memcheck@.@8}; do
-    IFS=@ read tool regex procs skip <<< "$job"
+    # A fifth field sets environment variables for the job's processes (VAR=V,VAR2=V2).
+    IFS=@ read tool regex procs skip envs <<< "$job"
     extra=""; [ $tool = racecheck ] && extra="$lib_kernels"
     for bin in .gpu/tests/*; do
       names=$($bin --list 2>/dev/null | grep ': test$' | sed 's/: test$//' | grep -vE "${skip:-^$}")
@@ -300,16 +303,27 @@ if [[ " $* " == *" sanall "* ]]; then
       for p in $(seq 0 $((procs - 1))); do
         mine=$(echo "$names" | awk -v p=$p -v n=$procs 'NR % n == p')
         [ -z "$mine" ] && continue
-        KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-400} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $extra $bin --test-threads=1 --exact $mine > $OUT/san-$tool-$(basename $bin)-$p.txt 2>&1 &
+        env ${envs//,/ } KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-400} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $extra $bin --test-threads=1 --exact $mine > $OUT/san-$tool-$(basename $bin)-$p.txt 2>&1 &
       done
     done
   done
   wait
   for f in $OUT/san-*.txt; do
     echo "== $(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $f | tail -1); $(grep -E '^test result' $f | tail -1 | cut -c1-60); finished $(grep -cE '^test .* (ok|FAILED)$' $f) of $(grep -E '^running [0-9]+ test' $f | head -1 | awk '{print $2}'); failed: $(grep -E '^test .* FAILED$' $f | head -5 | tr '\n' ' ')"
-    grep -E "^=========" $f | grep -vE "SUMMARY|COMPUTE-SANITIZER|Target application returned" | head -6
+    grep -E "^=========" $f | grep -vE "SUMMARY|COMPUTE-SANITIZER|Target application returned|^=========\s*$" | head -${SAN_LINES:-14} | cut -c1-220
+    grep -A3 "^---- " $f | grep -vE "^--$|^$|stack backtrace" | head -8 | cut -c1-220
   done
   gzip -f $OUT/san-*.txt
+fi
+if [[ " $* " == *" logs "* ]]; then
+  # One bench run per workload of $LOG_WORKLOADS with KILN_LOG=$LOG_TOPICS (default recompiles,breaks):
+  # the log's distinct lines with counts, and the row.
+  for w in $LOG_WORKLOADS; do
+    KILN_LOG=${LOG_TOPICS:-recompiles,breaks} timeout ${LOG_S:-200} .gpu/bin/kiln bench --only $w --out $OUT/log-$w.json 2> $OUT/log-$w.txt > /dev/null
+    echo "== $w (rc $?)"; sed -E 's/[0-9]+(\.[0-9]+)? (ms|us|s|MiB|kernels)/N \2/g' $OUT/log-$w.txt | sort | uniq -c | sort -rn | head -${LOG_LINES:-25} | cut -c1-300
+    python3 -c "import json; [print(' ', k, {a: (round(b, 3) if isinstance(b, float) else b) for a, b in v.items()}) for k, v in json.load(open('$OUT/log-$w.json'))['workloads'].items()]" 2>&1 | tail -5
+  done
+  gzip -f $OUT/log-*.txt
 fi
 if [[ " $* " == *" sanhelp "* ]]; then compute-sanitizer --version | tail -1; compute-sanitizer --help | grep -B1 -A5 -E "kernel-name|racecheck-" | head -60; fi
 if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi

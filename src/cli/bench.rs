@@ -228,6 +228,32 @@ fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     })
 }
 
+/// One ResNet-50 training step at batch 128 (3x224x224) under bf16 autocast, as
+/// `torch_reference.py`: forward, cross-entropy in F32, backward, SGD (lr 0.1, momentum 0.9,
+/// weight decay 1e-4), grads cleared; batch norm in training mode.
+fn resnet50_train(dev: &Device, mode: Option<Mode>) -> Result<Call> {
+    manual_seed(0);
+    let rn = nn::resnet50(1000, dev)?;
+    let mut opt = optim::Sgd::new(rn.parameters(), 0.1).momentum(0.9).weight_decay(1e-4);
+    let (x, y) = (Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?, Tensor::randint(0, 1000, &[128], dev)?);
+    let d = *dev;
+    let mut step = move |x: &Tensor, y: &Tensor| {
+        let logits = kiln::amp::autocast(&d, DType::BF16, || rn.forward(x))?;
+        let loss = F::cross_entropy(&logits.to_dtype(DType::F32)?, y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    };
+    Ok(match mode {
+        None => Box::new(move || step(&x, &y)),
+        Some(m) => {
+            let f = compile_with(CompileOptions::new().mode(m), step);
+            Box::new(move || f.call(&x, &y))
+        }
+    })
+}
+
 /// `(a + b).relu()` over `n` elements: (eager, compiled).
 pub fn add_relu(n: usize, dev: &Device) -> Result<(Call, Call)> {
     let (a, b) = (Tensor::randn(&[n], DType::F32, dev)?, Tensor::randn(&[n], DType::F32, dev)?);
@@ -338,6 +364,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
         "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
+        "resnet50.train.bf16amp.bs128" => step(resnet50_train(dev, None)?, variants(|m| resnet50_train(dev, m))?),
         // Eager only so far: the compiled GPT-2 step is not measured yet.
         "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev)?, vec![]),
         "gpt2.decode.bf16.bs1" => step(gpt2_decode(dev, None)?, variants(|m| gpt2_decode(dev, m))?),
@@ -365,7 +392,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
     }
 }
 
-pub const WORKLOADS: [&str; 15] = [
+pub const WORKLOADS: [&str; 16] = [
     "pointwise.add_relu.f32.1e8",
     "pointwise.exp_sin_log_cos.f32.1e8",
     "pointwise.bias_gelu.f32.8192x8192",
@@ -379,6 +406,7 @@ pub const WORKLOADS: [&str; 15] = [
     "transformer.fwd.f32.10x32x512",
     "transformer.fwd.bf16amp.10x32x512",
     "resnet50.infer.bf16amp.bs128",
+    "resnet50.train.bf16amp.bs128",
     "gpt2.train.bf16amp.8x1024",
     "gpt2.decode.bf16.bs1",
 ];

@@ -250,7 +250,15 @@ enum Exec {
 /// outputs are copied out (so the next replay never overwrites what a caller holds).
 struct Graphed {
     program: Arc<runtime::Program>,
-    replay: Mutex<Option<Replay>>,
+    replay: Mutex<Capture>,
+}
+
+/// Where a graphed program stands: not captured yet, captured, or not capturable (then every
+/// call runs the launch list, as the default mode does, instead of trying again).
+enum Capture {
+    NotYet,
+    Replay(Replay),
+    Refused,
 }
 
 /// Fields drop in order: the static tensors before the graph that owns their memory.
@@ -277,7 +285,12 @@ impl Graphed {
     fn run(&self, args: &[Tensor], captured: &[Tensor]) -> Result<Vec<Tensor>> {
         let mut slot = self.replay.lock();
         let _off = trace::Suspend::new();
-        if let Some(r) = slot.as_ref() {
+        if let Capture::Refused = *slot {
+            let mut inputs = args.to_vec();
+            inputs.extend(captured.iter().cloned());
+            return self.program.run(&inputs);
+        }
+        if let Capture::Replay(r) = &*slot {
             use crate::backend::cuda::{kernels::custom::empty, kernels::data_ptr};
             crate::no_grad(|| -> Result<Vec<Tensor>> {
                 let fresh = match &r.io {
@@ -367,9 +380,12 @@ impl Graphed {
             match captured {
                 Ok((graph, (souts, io))) => {
                     log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
-                    *slot = Some(Replay { graph, args: statics, outs: souts, io });
+                    *slot = Capture::Replay(Replay { graph, args: statics, outs: souts, io });
                 }
-                Err(e) => log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call")),
+                Err(e) => {
+                    log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call"));
+                    *slot = Capture::Refused;
+                }
             }
             Ok(outs)
         }
@@ -461,7 +477,10 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
         match &s.entries.last()?.exec {
             Exec::Program(p) => Some(p.kernel_count()),
             Exec::Train(t) => Some(t.forward.kernel_count()),
-            Exec::Graphed(g) => Some(g.replay.lock().as_ref().map(|r| r.graph.kernels as usize).unwrap_or_else(|| g.program.kernel_count())),
+            Exec::Graphed(g) => Some(match &*g.replay.lock() {
+                Capture::Replay(r) => r.graph.kernels as usize,
+                Capture::NotYet | Capture::Refused => g.program.kernel_count(),
+            }),
             Exec::Runner(_) => None,
         }
     }
@@ -636,7 +655,7 @@ fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::E
             let program = Arc::new(runtime::Program::new(optimise(g), tune));
             if matches!(opts.mode, Mode::ReduceOverhead | Mode::MaxAutotune) {
                 match graph_blocker(&program, &inputs[..g.n_args]) {
-                    None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(None) }))),
+                    None => return Ok(Exec::Graphed(Arc::new(Graphed { program, replay: Mutex::new(Capture::NotYet) }))),
                     Some(why) => log(Topic::Recompiles, || format!("{:?}: no CUDA graph because {why}; the launch list runs each call", opts.mode)),
                 }
             }

@@ -58,10 +58,13 @@ pub fn batch_norm(
             return Err(Error::shape(op, format!("expected more than 1 value per channel when training, got input {:?}", x.shape())));
         }
         let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
-        let xf = x.to_dtype(x.dtype().compute_dtype())?;
-        let mean = xf.mean(&dims, true)?;
-        let centered = xf.sub(&mean)?;
-        let var = centered.mul(&centered)?.mean(&dims, true)?;
+        // The batch's statistics, two passes in F32; their gradient is part of BatchNormTrain's.
+        let (mean, var) = no_grad(|| -> Result<(Tensor, Tensor)> {
+            let xf = x.to_dtype(x.dtype().compute_dtype())?;
+            let mean = xf.mean(&dims, true)?;
+            let centered = xf.sub(&mean)?;
+            Ok((mean, centered.mul(&centered)?.mean(&dims, true)?))
+        })?;
         if let (Some(rm), Some(rv)) = (running_mean, running_var) {
             no_grad(|| -> Result<()> {
                 let unbiased = var.mul_scalar(n as f64 / (n - 1) as f64)?.reshape_usize(&[c])?;
@@ -71,7 +74,12 @@ pub fn batch_norm(
                 rv.add_(&unbiased.mul_scalar(momentum)?.to_dtype(rv.dtype())?)
             })?;
         }
-        plus_bias(centered.mul(&scale_of(&var)?)?)?
+        let invstd = no_grad(|| var.add_scalar(eps)?.rsqrt())?;
+        let mut inputs = vec![x, &mean, &invstd];
+        inputs.extend(weight);
+        inputs.extend(bias);
+        let f = BatchNormTrain { dims, n, c, weight: weight.is_some(), bias: bias.map(|b| b.dtype()) };
+        return crate::autograd::Function::apply(f, &inputs);
     } else {
         let (rm, rv) = match (running_mean, running_var) {
             (Some(rm), Some(rv)) => (per_channel(rm)?, per_channel(rv)?),
@@ -92,6 +100,73 @@ pub fn batch_norm(
         x.mul(&scale)?.add(&shift)?
     };
     y.to_dtype(x.dtype())
+}
+
+/// Batch norm's normalisation in training, given the batch's mean and 1/std (`[1, C, 1, ...]`,
+/// F32): inputs x, mean, invstd, then the weight and the bias when there are. Its backward is
+/// PyTorch's closed form, which also carries the gradient through the statistics; it saves x
+/// in its own dtype and two per-channel vectors, not a normalised copy of x.
+struct BatchNormTrain {
+    dims: Vec<i64>,
+    /// Values per channel.
+    n: usize,
+    c: usize,
+    weight: bool,
+    /// The bias's dtype, when there is one (its gradient's).
+    bias: Option<DType>,
+}
+
+impl BatchNormTrain {
+    fn per_channel(&self, t: &Tensor, like: &Tensor) -> Result<Tensor> {
+        let mut shape = vec![1usize; like.ndim()];
+        shape[1] = self.c;
+        t.to_dtype(like.dtype().compute_dtype())?.reshape_usize(&shape)
+    }
+}
+
+impl crate::autograd::Function for BatchNormTrain {
+    fn forward(&self, ctx: &mut crate::autograd::Ctx, xs: &[&Tensor]) -> Result<Tensor> {
+        let (x, mean, invstd) = (xs[0], xs[1], xs[2]);
+        let scale = match self.weight {
+            true => invstd.mul(&self.per_channel(xs[3], x)?)?,
+            false => invstd.clone(),
+        };
+        let mut y = x.to_dtype(x.dtype().compute_dtype())?.sub(mean)?.mul(&scale)?;
+        if self.bias.is_some() {
+            y = y.add(&self.per_channel(xs[xs.len() - 1], x)?)?;
+        }
+        let mut saved = vec![x, mean, invstd];
+        if self.weight {
+            saved.push(xs[3]);
+        }
+        ctx.save_for_backward(&saved);
+        y.to_dtype(x.dtype())
+    }
+
+    fn backward(&self, ctx: &crate::autograd::Ctx, dy: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let s = ctx.saved();
+        let (x, mean, invstd) = (&s[0], &s[1], &s[2]);
+        let cd = x.dtype().compute_dtype();
+        let dyf = dy.to_dtype(cd)?;
+        let xhat = x.to_dtype(cd)?.sub(mean)?.mul(invstd)?;
+        let sum_dy = dyf.sum(&self.dims, true)?;
+        let sum_dy_xhat = dyf.mul(&xhat)?.sum(&self.dims, true)?;
+        let k = match self.weight {
+            true => invstd.mul(&self.per_channel(&s[3], x)?)?,
+            false => invstd.clone(),
+        };
+        // dx = w / std * (dy - mean(dy) - xhat * mean(dy * xhat))
+        let inv_n = 1.0 / self.n as f64;
+        let dx = dyf.sub(&sum_dy.mul_scalar(inv_n)?)?.sub(&xhat.mul(&sum_dy_xhat.mul_scalar(inv_n)?)?)?.mul(&k)?.to_dtype(x.dtype())?;
+        let mut grads = vec![Some(dx), None, None];
+        if self.weight {
+            grads.push(Some(sum_dy_xhat.reshape_usize(&[self.c])?.to_dtype(s[3].dtype())?));
+        }
+        if let Some(dt) = self.bias {
+            grads.push(Some(sum_dy.reshape_usize(&[self.c])?.to_dtype(dt)?));
+        }
+        Ok(grads)
+    }
 }
 
 /// `nn.BatchNorm2d(num_features, eps, momentum)`: weight ones, bias zeros, buffers

@@ -753,6 +753,24 @@ fn gradcheck_softmax_layer_norm_linear() {
     gc.finish();
 }
 
+/// Batch norm in training: the closed-form backward, through the batch statistics too, with and
+/// without weight and bias, over 4-D and 2-D inputs and a transposed (non-contiguous) one.
+#[test]
+fn gradcheck_batch_norm_training() {
+    let mut gc = Gc::default();
+    let bn = |x: &Tensor, w: Option<&Tensor>, b: Option<&Tensor>| F::batch_norm(x, None, None, w, b, true, 0.1, 1e-5);
+    gc.check("batch_norm 4-D weight bias", |xs| bn(&xs[0], Some(&xs[1]), Some(&xs[2])), &[rnd(&[3, 2, 2, 3], 40), rnd(&[2], 41), rnd(&[2], 42)]);
+    gc.check("batch_norm 4-D plain", |xs| bn(&xs[0], None, None), &[rnd(&[2, 3, 2, 2], 43)]);
+    gc.check("batch_norm 2-D weight only", |xs| bn(&xs[0], Some(&xs[1]), None), &[rnd(&[5, 3], 44), rnd(&[3], 45)]);
+    gc.check("batch_norm transposed, bias only", |xs| bn(&xs[0].transpose(0, 2)?, None, Some(&xs[1])), &[rnd(&[3, 2, 4], 46), rnd(&[2], 47)]);
+    // Running statistics are updated and carry no gradient.
+    gc.check("batch_norm with running stats", |xs| {
+        let (rm, rv) = (Tensor::zeros(&[2], DType::F64, &xs[0].device())?, Tensor::ones(&[2], DType::F64, &xs[0].device())?);
+        F::batch_norm(&xs[0], Some(&rm), Some(&rv), Some(&xs[1]), Some(&xs[2]), true, 0.1, 1e-5)
+    }, &[rnd(&[4, 2, 3], 48), rnd(&[2], 49), rnd(&[2], 50)]);
+    gc.finish();
+}
+
 #[test]
 fn gradcheck_dropout_identities() {
     let mut gc = Gc::default();

@@ -1141,3 +1141,45 @@ fn replayed_steps_keep_reads_before_in_place_writes_and_independent_work_intact(
     }
     Ok(())
 }
+
+/// A ResNet-style training step (stem, max pool, one bottleneck per stage with downsampling,
+/// batch norm in training mode, SGD with momentum and weight decay) compiled whole: after three
+/// steps the losses, the parameters and batch norm's running statistics equal eager's.
+#[test]
+fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
+    use kiln::nn::Module;
+    let d = dev();
+    let make = || -> Result<kiln::nn::ResNet> {
+        kiln::manual_seed(3);
+        kiln::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &d)
+    };
+    let x = randn(&[2, 3, 32, 32], 17);
+    let y = Tensor::from_vec(vec![3i64, 7], &[2], &d)?;
+    let sgd = |m: &kiln::nn::ResNet| kiln::optim::Sgd::new(m.parameters(), 0.01).momentum(0.9).weight_decay(1e-4);
+    let step_of = |m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        use kiln::optim::Optimizer;
+        let loss = F::cross_entropy(&m.forward(x)?, y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    };
+    let eager = make()?;
+    let mut opt = sgd(&eager);
+    let losses: Vec<f64> = (0..3).map(|_| Ok(vals(&step_of(&eager, &mut opt, &x, &y)?)[0])).collect::<Result<_>>()?;
+
+    let model = Arc::new(make()?);
+    let m = model.clone();
+    let mut opt2 = sgd(&model);
+    let step = compile(move |x: &Tensor, y: &Tensor| step_of(&m, &mut opt2, x, y));
+    let closs: Vec<f64> = (0..3).map(|_| Ok(vals(&step.call(&x, &y)?)[0])).collect::<Result<_>>()?;
+    // F32 throughout; the compiled step sums in other orders (fused batch norm statistics).
+    assert_close(&closs, &losses, 2e-4, 2e-5);
+    for ((name, a), (_, b)) in model.state_dict().iter().zip(eager.state_dict()) {
+        assert_eq!(a.shape(), b.shape(), "{name}");
+        let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
+        assert_close(&vals(&a), &vals(&b), 2e-4, 2e-5);
+    }
+    assert!(step.trace_count() <= 2, "traced {} times", step.trace_count());
+    Ok(())
+}

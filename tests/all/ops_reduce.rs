@@ -435,6 +435,28 @@ fn large_sum_over_dims_of_3d() {
     }
 }
 
+/// Reductions read in place, without a copy: kept dims in the middle (batch norm's statistics
+/// over N, H and W, split into chunks) and reduced dims in the middle (a pooling window's argmax,
+/// in batches of columns, vectorised when the inner size allows).
+#[test]
+fn reductions_over_middle_dims_read_in_place() {
+    for (shape, dims) in [(&[6usize, 16, 24, 40][..], &[0i64, 2, 3][..]), (&[6, 16, 24, 40], &[1]), (&[7, 9, 5, 3], &[1, 2]), (&[7, 9, 5, 3], &[0, 3]), (&[300, 9, 64], &[1])] {
+        for dt in [DType::F32, DType::BF16] {
+            let (rt, at) = sum_tol(dt);
+            let (x, xv) = inputs(shape, 76, dt, pos);
+            let nd = norm(dims, shape.len());
+            let g = groups(&xv, shape, &nd);
+            let os = out_shape(shape, &nd, false);
+            let ctx = |s: &str| format!("{s} {shape:?} {dt:?} dims {dims:?}");
+            check(&ctx("sum"), &x.sum(dims, false).unwrap(), &os, dt, &g.iter().map(|g| ref_sum(g)).collect::<Vec<_>>(), rt, at);
+            check(&ctx("amax"), &x.amax(dims, false).unwrap(), &os, dt, &g.iter().map(|g| ref_max(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            if let [d] = dims {
+                check(&ctx("argmax"), &x.argmax(*d, false).unwrap(), &os, DType::I64, &g.iter().map(|g| ref_argmax(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            }
+        }
+    }
+}
+
 #[test]
 fn large_few_long_rows_split_across_threads() {
     // Two rows of 150k: each row is split into parts reduced in parallel and combined in order.

@@ -84,27 +84,35 @@ fn capture_ends(dev: &CudaDevice) -> Option<Vec<usize>> {
     Some((0..n).map(|i| unsafe { *deps.add(i) } as usize).collect())
 }
 
-/// The nodes `node` waits for.
-fn node_deps(node: ds::CUgraphNode) -> Option<Vec<ds::CUgraphNode>> {
+/// A node another waits for, and the data of the edge between them.
+type Wait = (ds::CUgraphNode, ds::CUgraphEdgeData);
+
+/// The nodes `node` waits for, with each edge's data (a library kernel launched for
+/// programmatic dependent launch waits through a non-default edge; asking without the edge
+/// data is then refused as a lossy query).
+fn node_deps(node: ds::CUgraphNode) -> Option<Vec<Wait>> {
     let mut n = 0usize;
-    // SAFETY: a node of a live graph; first the count, then that many nodes.
+    // SAFETY: a node of a live graph; first the count, then that many nodes and edges.
     unsafe {
         if ds::cuGraphNodeGetDependencies_v2(node, std::ptr::null_mut(), std::ptr::null_mut(), &mut n) != ds::CUresult::CUDA_SUCCESS {
             return None;
         }
         let mut deps = vec![std::ptr::null_mut(); n];
-        if n > 0 && ds::cuGraphNodeGetDependencies_v2(node, deps.as_mut_ptr(), std::ptr::null_mut(), &mut n) != ds::CUresult::CUDA_SUCCESS {
+        let mut edges = vec![std::mem::zeroed::<ds::CUgraphEdgeData>(); n];
+        if n > 0 && ds::cuGraphNodeGetDependencies_v2(node, deps.as_mut_ptr(), edges.as_mut_ptr(), &mut n) != ds::CUresult::CUDA_SUCCESS {
             return None;
         }
         deps.truncate(n);
-        Some(deps)
+        edges.truncate(n);
+        Some(deps.into_iter().zip(edges).collect())
     }
 }
 
 /// Replaces the captured order between steps by the waits `step_dependencies` finds: each
 /// step's first nodes wait for the last nodes of the steps it conflicts with. Returns (steps,
-/// steps on the longest chain).
-fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usize, usize)> {
+/// steps on the longest chain), or None when the graph could not be read and was left in its
+/// captured order.
+fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Option<(usize, usize)>> {
     // Steps that captured nothing (views, host work) have nothing to order.
     let mut kept: Vec<(Vec<usize>, Footprint)> = vec![];
     for (ends, fp) in steps {
@@ -122,9 +130,10 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
         s
     });
     let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
-    // Each node belongs to the first step that ends on it or on a node waiting for it.
+    // Each node belongs to the first step that ends on it or on a node waiting for it. Every
+    // node's waits are read before the graph is changed, so a refused query changes nothing.
     let mut step_of: std::collections::HashMap<usize, usize> = Default::default();
-    let mut nodes_of: Vec<Vec<ds::CUgraphNode>> = vec![vec![]; kept.len()];
+    let mut nodes_of: Vec<Vec<(ds::CUgraphNode, Vec<Wait>)>> = vec![vec![]; kept.len()];
     for (s, (ends, _)) in kept.iter().enumerate() {
         let mut todo: Vec<ds::CUgraphNode> = ends.iter().map(|&n| n as ds::CUgraphNode).collect();
         while let Some(n) = todo.pop() {
@@ -132,26 +141,29 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
                 continue;
             }
             step_of.insert(n as usize, s);
-            nodes_of[s].push(n);
-            todo.extend(node_deps(n).ok_or_else(|| failed("a node's dependencies"))?);
+            // A node whose waits cannot be read: the graph keeps its captured order.
+            let Some(waits) = node_deps(n) else { return Ok(None) };
+            todo.extend(waits.iter().map(|w| w.0));
+            nodes_of[s].push((n, waits));
         }
     }
     for (s, nodes) in nodes_of.iter().enumerate() {
-        for &n in nodes {
-            let waits = node_deps(n).ok_or_else(|| failed("a node's dependencies"))?;
-            let before: Vec<ds::CUgraphNode> = waits.iter().copied().filter(|d| step_of.get(&(*d as usize)).is_some_and(|&t| t < s)).collect();
+        for (n, waits) in nodes {
+            let before: Vec<&Wait> = waits.iter().filter(|d| step_of.get(&(d.0 as usize)).is_some_and(|&t| t < s)).collect();
             if before.len() < waits.len() {
                 // It waits for a node of its own step: not where the step starts.
                 continue;
             }
-            // `n` starts step s: it waits for the ends of the steps s depends on instead.
+            // `n` starts step s: it waits for the ends of the steps s depends on instead
+            // (through plain edges: a whole wait is never weaker than the edge it replaces).
+            let (from_old, data_old): (Vec<ds::CUgraphNode>, Vec<ds::CUgraphEdgeData>) = before.iter().map(|d| (d.0, d.1)).unzip();
             let after: Vec<ds::CUgraphNode> = deps[s].iter().flat_map(|&t| kept[t].0.iter().map(|&e| e as ds::CUgraphNode)).collect();
-            let to_old = vec![n; before.len()];
-            let to_new = vec![n; after.len()];
-            // SAFETY: nodes of `graph`; the edges removed exist, the ones added join a node
-            // to nodes of earlier steps (no cycle).
+            let to_old = vec![*n; before.len()];
+            let to_new = vec![*n; after.len()];
+            // SAFETY: nodes of `graph`; the edges removed exist (with their data), the ones
+            // added join a node to nodes of earlier steps (no cycle).
             unsafe {
-                if !before.is_empty() && ds::cuGraphRemoveDependencies_v2(graph, before.as_ptr(), to_old.as_ptr(), std::ptr::null(), before.len()) != ds::CUresult::CUDA_SUCCESS {
+                if !before.is_empty() && ds::cuGraphRemoveDependencies_v2(graph, from_old.as_ptr(), to_old.as_ptr(), data_old.as_ptr(), before.len()) != ds::CUresult::CUDA_SUCCESS {
                     return Err(failed("removing a dependency"));
                 }
                 if !after.is_empty() && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), std::ptr::null(), after.len()) != ds::CUresult::CUDA_SUCCESS {
@@ -160,7 +172,7 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<(usi
             }
         }
     }
-    Ok((kept.len(), longest_chain(&deps)))
+    Ok(Some((kept.len(), longest_chain(&deps))))
 }
 
 /// Whether captured graphs keep the captured order (`KILN_GRAPH_BRANCHES=0`, read once): to
@@ -301,7 +313,8 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
     }
     if !steps.unknown && !keep_captured_order() {
         match relax(graph, steps.done) {
-            Ok((n, chain)) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
+            Ok(Some((n, chain))) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
+            Ok(None) => crate::logging::log(crate::logging::Topic::Recompiles, || "CUDA graph: a node's waits could not be read; the steps keep their captured order".into()),
             Err(e) => return destroy(e),
         }
     }

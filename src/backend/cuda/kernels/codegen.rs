@@ -306,11 +306,20 @@ pub(crate) struct ReduceSpec {
     /// Rows a `Cols` block reads at once (threads in y: 8, or 32 for an unsplit reduction that
     /// has a block for every SM; 1 for `Rows`).
     pub ty: usize,
+    /// The input is `[P, ., Q]` with the reduced (Rows: kept) dims in the middle, read in place
+    /// (`ReduceArgs::q` is Q): Rows reduce `[P, M, Q]` over P and Q, Cols reduce `[P, K, Q]`
+    /// over K into P x Q results.
+    pub strided: bool,
 }
 
 impl ReduceSpec {
     pub(crate) fn kernel_name(&self) -> String {
-        let l = if self.layout == ReduceLayout::Rows { "rows" } else { "cols" };
+        let l = match (self.layout, self.strided) {
+            (ReduceLayout::Rows, false) => "rows",
+            (ReduceLayout::Rows, true) => "midrows",
+            (ReduceLayout::Cols, false) => "cols",
+            (ReduceLayout::Cols, true) => "batchcols",
+        };
         format!("{}_{}_{}_{}{}{}", self.op.name(), short(self.input), short(self.out), l, self.vec, if self.ty > 8 { format!("_y{}", self.ty) } else { String::new() })
     }
 }
@@ -354,9 +363,10 @@ __device__ __forceinline__ {n} {b}({n} v) {{
 
 kernel_args! {
     /// What a reduction kernel reads (`gen_reduce`): `x` as `m` rows of `k` (`ReduceLayout::Rows`)
-    /// or `k` rows of `m` (`Cols`), each row's `k` split into `chunks`.
+    /// or `k` rows of `m` (`Cols`), each row's `k` split into `chunks`; `q` is the inner size
+    /// of a strided spec (`ReduceSpec::strided`).
     ReduceArgs {
-        x: u64, out: u64, m: i64, k: i64, chunks: i64,
+        x: u64, out: u64, m: i64, k: i64, chunks: i64, q: i64,
         /// A split column reduction's partials (`chunks` rows of `m`) and per-block-column
         /// counters (zero between launches).
         part: u64, count: u64,
@@ -415,7 +425,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let name = s.kernel_name();
     let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ReduceArgs a) {{");
     let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.x;\n  {ot}* __restrict__ out = ({ot}*)a.out;");
-    let _ = writeln!(c, "  const IDX M = (IDX)a.m, K = (IDX)a.k, C = (IDX)a.chunks;");
+    let _ = writeln!(c, "  const IDX M = (IDX)a.m, K = (IDX)a.k, C = (IDX)a.chunks, Q = (IDX)a.q; (void)Q;");
     let lv = load(s.input, s.acc, "x[X]");
     match s.layout {
         ReduceLayout::Rows => {
@@ -438,7 +448,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     }}
     __syncthreads();
   }}
-}}"#, lv = lv.replace("x[X]", "x[row * K + k]"));
+}}"#, lv = lv.replace("x[X]", if s.strided { "x[(k / Q) * (M * Q) + row * Q + k % Q]" } else { "x[row * K + k]" }));
         }
         ReduceLayout::Cols => {
             // A block is 32 x TY threads over 32 * VEC columns: each thread reads VEC adjacent
@@ -457,7 +467,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ acc[e] = {init}; ai[e] = 9223372036854775807ll; }}
   if (c0 < M) {{
     _Pragma("unroll {unroll}") for (IDX k = lo + threadIdx.y; k < hi; k += TY) {{
-      const VX q = *(const VX*)(x + k * M + c0);
+      const VX q = *(const VX*)(x + {at});
       _Pragma("unroll") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc[e], ai[e], v, k); }}
     }}
   }}
@@ -501,7 +511,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     out[col] = {finish};
   }}
   if (l == 0) count[blockIdx.x] = 0;
-}}"#, unroll = if s.ty > 8 { 8 } else { 4 }, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
+}}"#, at = if s.strided { "(c0 / Q) * K * Q + k * Q + c0 % Q" } else { "k * M + c0" }, unroll = if s.ty > 8 { 8 } else { 4 }, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
         }
     }
     c

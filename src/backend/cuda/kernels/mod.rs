@@ -370,15 +370,23 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         let s = full(dev.ordinal, &[m], op.identity::<f64>(), out)?;
         return Ok(s);
     }
-    // Leading dims of a contiguous tensor reduce as columns; otherwise the reduced dims are
-    // moved last (a copy unless they already are) and reduce as rows.
-    let leading = dims.iter().enumerate().all(|(i, &d)| d == i) && !kept.is_empty();
-    let (input, layout) = if leading && x.is_contiguous() {
-        (x.clone(), ReduceLayout::Cols)
-    } else {
-        let perm: Vec<usize> = kept.iter().chain(dims).copied().collect();
-        let p = x.permute_usize(&perm)?;
-        (if p.is_contiguous() { p } else { p.copy_contiguous()? }, ReduceLayout::Rows)
+    // A contiguous tensor is read in place when its kept dims or its reduced dims are one run:
+    // kept dims last reduce as rows, first as columns, in the middle (batch norm's statistics
+    // over N, H, W) as strided rows; reduced dims in the middle (pooling windows) as batches
+    // of columns. Otherwise the reduced dims are moved last (a copy) and reduce as rows.
+    let run = |ds: &[usize]| ds.windows(2).all(|w| w[1] == w[0] + 1);
+    let size = |r: std::ops::Range<usize>| -> usize { l.shape[r].iter().product() };
+    let n = l.ndim();
+    let (input, layout, q) = match (x.is_contiguous(), kept.first(), dims.first()) {
+        (true, Some(&a), _) if run(&kept) && size(0..a) == 1 => (x.clone(), ReduceLayout::Rows, None),
+        (true, Some(&a), _) if run(&kept) && size(a + kept.len()..n) == 1 => (x.clone(), ReduceLayout::Cols, None),
+        (true, Some(&a), _) if run(&kept) => (x.clone(), ReduceLayout::Rows, Some(size(a + kept.len()..n))),
+        (true, Some(_), Some(&a)) if run(dims) => (x.clone(), ReduceLayout::Cols, Some(size(a + dims.len()..n))),
+        _ => {
+            let perm: Vec<usize> = kept.iter().chain(dims).copied().collect();
+            let p = x.permute_usize(&perm)?;
+            (if p.is_contiguous() { p } else { p.copy_contiguous()? }, ReduceLayout::Rows, None)
+        }
     };
     let acc = op.acc_type(x.dtype());
     let arg = op.is_arg();
@@ -389,7 +397,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         ReduceLayout::Cols => {
             let size = input.dtype().size_in_bytes();
             let v = (16 / size).min(4);
-            if m.is_multiple_of(v) && ptr % (v * size) as u64 == 0 { v } else { 1 }
+            if q.unwrap_or(m).is_multiple_of(v) && ptr % (v * size) as u64 == 0 { v } else { 1 }
         }
         ReduceLayout::Rows => 1,
     };
@@ -419,22 +427,23 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
             ReduceLayout::Cols => cols_chunks().unwrap_or((dev.sm_count * 4) / groups).clamp(1, (k / 64).max(1)),
         }
     };
-    let spec = |input: DType, out: DType, vec: usize, m: usize, k: usize| ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize, vec, ty };
+    let spec = |input: DType, out: DType, vec: usize, m: usize, k: usize, strided: bool| ReduceSpec { op, input, acc, out, layout, idx64: m * k >= i32::MAX as usize, vec, ty, strided };
+    let (strided, q) = (q.is_some(), q.unwrap_or(1));
     if chunks == 1 {
-        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k), ptr, res.ptr(), m, k, 1, (0, 0))?;
+        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k, strided), ptr, res.ptr(), [m, k, q], 1, (0, 0))?;
         return Ok(res);
     }
     if layout == ReduceLayout::Cols {
         // One launch: partials per chunk, folded by the last block of each column group.
         let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
         let counters = dev.reduce_counters(groups)?;
-        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k), ptr, res.ptr(), m, k, chunks, (partial.ptr(), counters))?;
+        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k, strided), ptr, res.ptr(), [m, k, q], chunks, (partial.ptr(), counters))?;
         return Ok(res);
     }
     // Two passes: partial results per chunk (in the acc type), then a reduction of those.
     let partial = CudaStorage::new(&dev, acc.dtype(), m * chunks)?;
-    launch_reduce(&dev, &spec(input.dtype(), acc.dtype(), 1, m, k), ptr, partial.ptr(), m, k, chunks, (0, 0))?;
-    launch_reduce(&dev, &spec(acc.dtype(), out, 1, m, chunks), partial.ptr(), res.ptr(), m, chunks, 1, (0, 0))?;
+    launch_reduce(&dev, &spec(input.dtype(), acc.dtype(), 1, m, k, strided), ptr, partial.ptr(), [m, k, q], chunks, (0, 0))?;
+    launch_reduce(&dev, &spec(acc.dtype(), out, 1, m, chunks, false), partial.ptr(), res.ptr(), [m, chunks, 1], 1, (0, 0))?;
     Ok(res)
 }
 
@@ -446,10 +455,11 @@ fn cols_chunks() -> Option<usize> {
 
 #[allow(clippy::too_many_arguments)]
 /// `split` = (partials buffer, counters) for a one-launch split column reduction.
-fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, m: usize, k: usize, chunks: usize, split: (u64, u64)) -> Result<()> {
+/// `[m, k, q]`: kept and reduced sizes, and the inner size of a strided spec (1 otherwise).
+fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, [m, k, q]: [usize; 3], chunks: usize, split: (u64, u64)) -> Result<()> {
     let key = KernelKey::Reduce(spec.clone());
     let kern = dev.kernel(key, || (spec.kernel_name(), gen_reduce(spec)))?;
-    let a = ReduceArgs { x, out: y, m: m as i64, k: k as i64, chunks: chunks as i64, part: split.0, count: split.1 };
+    let a = ReduceArgs { x, out: y, m: m as i64, k: k as i64, chunks: chunks as i64, q: q as i64, part: split.0, count: split.1 };
     match spec.layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks);
