@@ -35,10 +35,16 @@ pub fn host_rand(n: usize, seed: u64) -> Vec<f64> {
 /// Asserts |a - b| <= atol + rtol |b| elementwise (NaNs must match NaNs).
 #[track_caller]
 pub fn assert_close(a: &[f64], b: &[f64], rtol: f64, atol: f64) {
-    assert_eq!(a.len(), b.len(), "lengths differ");
+    assert_close_named("", a, b, rtol, atol)
+}
+
+/// `assert_close`, naming what is compared (a parameter, a step) in the failure.
+#[track_caller]
+pub fn assert_close_named(what: &str, a: &[f64], b: &[f64], rtol: f64, atol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= atol + rtol * y.abs();
-        assert!(ok, "element {i}: got {x}, expected {y} (rtol {rtol}, atol {atol})");
+        assert!(ok, "{what}{}element {i}: got {x}, expected {y} (rtol {rtol}, atol {atol})", if what.is_empty() { "" } else { ": " });
     }
 }
 

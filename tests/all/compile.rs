@@ -2,7 +2,7 @@
 //! epilogues, max-autotune and its disk cache, guards and recompiles, dynamic sizes, graph
 //! breaks, backends, and a fuzzer of random graphs.
 
-use crate::common::{assert_close, dev, host_rand, t, vals};
+use crate::common::{assert_close, assert_close_named, dev, host_rand, t, vals};
 use kiln::compile::{compile, compile_with, Backend, CompileOptions, Graph, Mode, Runner};
 use kiln::nn::functional as F;
 use kiln::{DType, Device, Result, Tensor};
@@ -1153,8 +1153,10 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
         kiln::manual_seed(3);
         kiln::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &d)
     };
-    let x = randn(&[2, 3, 32, 32], 17);
-    let y = Tensor::from_vec(vec![3i64, 7], &[2], &d)?;
+    // Four 64 x 64 images: 16 values per channel in the last stage (with two per channel, batch
+    // norm's backward amplifies rounding differences into different steps).
+    let x = randn(&[4, 3, 64, 64], 17);
+    let y = Tensor::from_vec(vec![3i64, 7, 0, 5], &[4], &d)?;
     let sgd = |m: &kiln::nn::ResNet| kiln::optim::Sgd::new(m.parameters(), 0.01).momentum(0.9).weight_decay(1e-4);
     let step_of = |m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
         use kiln::optim::Optimizer;
@@ -1178,7 +1180,7 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
     for ((name, a), (_, b)) in model.state_dict().iter().zip(eager.state_dict()) {
         assert_eq!(a.shape(), b.shape(), "{name}");
         let (a, b) = (a.to_dtype(DType::F32)?, b.to_dtype(DType::F32)?);
-        assert_close(&vals(&a), &vals(&b), 2e-4, 2e-5);
+        assert_close_named(name, &vals(&a), &vals(&b), 2e-4, 2e-5);
     }
     assert!(step.trace_count() <= 2, "traced {} times", step.trace_count());
     Ok(())
