@@ -1,7 +1,7 @@
 //! `KILN_LOG`: what kiln tells about its own work, through the `log` facade.
 //!
 //! `KILN_LOG` is a comma-separated list of categories (`graph,kernels,recompiles,breaks,fusion,
-//! sync,alloc`, or `all`), read once. Each topic logs at `info` level to the target
+//! sync,alloc,memory`, or `all`), read once. Each topic logs at `info` level to the target
 //! `kiln::<topic>` (`kiln::kernels`, ...), so an application's logger can filter them. When a
 //! topic is enabled and the application installed no logger, kiln installs a minimal one that
 //! prints `[kiln <topic>] message` to stderr, so `KILN_LOG=kernels cargo run` needs no setup.
@@ -35,10 +35,12 @@ pub enum Topic {
     Sync,
     /// Device memory allocations and frees.
     Alloc,
+    /// A compiled program's memory plan: its planned peak of live values.
+    Memory,
 }
 
 impl Topic {
-    pub const ALL: [Topic; 7] = [Topic::Graph, Topic::Kernels, Topic::Recompiles, Topic::Breaks, Topic::Fusion, Topic::Sync, Topic::Alloc];
+    pub const ALL: [Topic; 8] = [Topic::Graph, Topic::Kernels, Topic::Recompiles, Topic::Breaks, Topic::Fusion, Topic::Sync, Topic::Alloc, Topic::Memory];
 
     /// The name used in `KILN_LOG`.
     pub fn name(self) -> &'static str {
@@ -50,6 +52,7 @@ impl Topic {
             Topic::Fusion => "fusion",
             Topic::Sync => "sync",
             Topic::Alloc => "alloc",
+            Topic::Memory => "memory",
         }
     }
 
@@ -63,6 +66,7 @@ impl Topic {
             Topic::Fusion => "kiln::fusion",
             Topic::Sync => "kiln::sync",
             Topic::Alloc => "kiln::alloc",
+            Topic::Memory => "kiln::memory",
         }
     }
 

@@ -270,6 +270,7 @@ impl Program {
         });
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
+        crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place).to_string());
         let hoisted = Hoisted::plan(&graph, &schedule);
         let views = CapturedViews::plan(&graph);
         Program { graph, schedule, tune, frees, in_place, hoisted, rehearsed: Default::default(), views }
@@ -546,6 +547,72 @@ fn plan(g: &Graph, s: &Schedule) -> Vec<Vec<NodeId>> {
     frees
 }
 
+/// A program's memory plan, as `KILN_LOG=memory` prints it.
+struct PlannedPeak {
+    steps: usize,
+    /// The most bytes of computed values alive at once, and the step where that is reached.
+    peak: usize,
+    at: usize,
+    what: String,
+    inputs: usize,
+}
+
+impl std::fmt::Display for PlannedPeak {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let size = |b: usize| if b < 1 << 20 { format!("{:.1} KiB", b as f64 / 1024.0) } else { format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64) };
+        write!(f, "program of {} steps: planned peak {} of computed values at step {} ({}), beside {} of inputs (library workspaces not counted)", self.steps, size(self.peak), self.at, self.what, size(self.inputs))
+    }
+}
+
+/// Walks the schedule with the frees of `plan`: each computed value holds its bytes from the
+/// step that makes it until it and every view of it are dead; views, inputs and values stored
+/// straight into captured tensors hold none.
+fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::collections::HashMap<NodeId, usize>) -> PlannedPeak {
+    let n = g.nodes.len();
+    let bytes = |i: NodeId| g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes();
+    // The value whose storage each node uses (None: an input's).
+    let mut root: Vec<Option<NodeId>> = vec![None; n];
+    for (i, node) in g.nodes.iter().enumerate() {
+        root[i] = match &node.op {
+            NodeOp::Arg(_) | NodeOp::Captured(_) => None,
+            NodeOp::Prim(op) if op.is_view() => root[node.args[0]],
+            _ if in_place.contains_key(&i) => None,
+            _ => Some(i),
+        };
+    }
+    let inputs = g.nodes.iter().enumerate().filter(|(_, x)| matches!(x.op, NodeOp::Arg(_) | NodeOp::Captured(_))).map(|(i, _)| bytes(i)).sum();
+    let mut holders = vec![0usize; n];
+    let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs });
+    for (k, step) in s.steps.iter().enumerate() {
+        for v in step_outputs(s, step) {
+            if let Some(r) = root[v] {
+                if holders[r] == 0 {
+                    live += bytes(r);
+                }
+                holders[r] += 1;
+            }
+        }
+        if live > p.peak {
+            p.peak = live;
+            p.at = k;
+            p.what = match step {
+                Step::Node(i) => g.nodes[*i].name(),
+                Step::Kernel(j) => s.kernels[*j].name.clone(),
+                Step::Gemm(_) => "matmul".into(),
+            };
+        }
+        for &f in &frees[k] {
+            if let Some(r) = root[f] {
+                holders[r] = holders[r].saturating_sub(1);
+                if holders[r] == 0 {
+                    live -= bytes(r);
+                }
+            }
+        }
+    }
+    p
+}
+
 /// Which written-back values a flat fused kernel can store straight into their captured tensor:
 /// every other read of that tensor (through views too) must come in an earlier step, the
 /// kernel must read it directly (element i read and written by the same thread), not a view,
@@ -644,5 +711,28 @@ mod tests {
         let m = single.iter().position(|&s| s).unwrap();
         assert_eq!(outs[m].numel(), 1);
         assert_eq!(outs[m].to_vec::<f32>().unwrap(), vec![3.0]);
+    }
+
+    /// The planned peak counts each computed value from the step that makes it until it and
+    /// its views are dead: exp(x) (1 KiB) lives while the product reads it, the product's
+    /// 1 KiB beside it, and the view of the product costs nothing.
+    #[test]
+    fn the_planned_peak_follows_liveness_and_views() {
+        let seen = Arc::new(Mutex::new(None));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            *s2.lock().unwrap() = Some(g.clone());
+            Ok(g.eager_runner())
+        });
+        compile_with(CompileOptions::new().backend(backend), |x: &Tensor| {
+            let e = x.exp()?;
+            e.matmul(&e)?.t()?.sum(&[0], false)
+        })
+        .call(&Tensor::randn(&[16, 16], DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+        let g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
+        let s = crate::compile::fuse::schedule(&g);
+        let p = super::planned_peak(&g, &s, &super::plan(&g, &s), &super::plan_in_place(&g, &s));
+        assert_eq!((p.peak, p.inputs), (2 * 16 * 16 * 4, 16 * 16 * 4), "{p}");
     }
 }
