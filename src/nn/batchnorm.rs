@@ -57,12 +57,13 @@ pub fn batch_norm(
         if n <= 1 {
             return Err(Error::shape(op, format!("expected more than 1 value per channel when training, got input {:?}", x.shape())));
         }
+        let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
         // The batch's statistics, two passes in F32; their gradient is part of BatchNormTrain's.
         let (mean, var) = no_grad(|| -> Result<(Tensor, Tensor)> {
             let xf = x.to_dtype(x.dtype().compute_dtype())?;
-            let mean = channel_sum(&xf)?.div_scalar(n as f64)?;
+            let mean = xf.mean(&dims, true)?;
             let centered = xf.sub(&mean)?;
-            Ok((mean, channel_sum(&centered.mul(&centered)?)?.div_scalar(n as f64)?))
+            Ok((mean, centered.mul(&centered)?.mean(&dims, true)?))
         })?;
         if let (Some(rm), Some(rv)) = (running_mean, running_var) {
             no_grad(|| -> Result<()> {
@@ -77,7 +78,7 @@ pub fn batch_norm(
         let mut inputs = vec![x, &mean, &invstd];
         inputs.extend(weight);
         inputs.extend(bias);
-        let f = BatchNormTrain { n, c, weight: weight.is_some(), bias: bias.map(|b| b.dtype()) };
+        let f = BatchNormTrain { dims, n, c, weight: weight.is_some(), bias: bias.map(|b| b.dtype()) };
         return crate::autograd::Function::apply(f, &inputs);
     } else {
         let (rm, rv) = match (running_mean, running_var) {
@@ -101,22 +102,12 @@ pub fn batch_norm(
     y.to_dtype(x.dtype())
 }
 
-/// The per-channel sums of `t` (`[N, C, ...]`) as `[1, C, 1, ...]`: first over each channel's
-/// positions of each sample (trailing dims: a compiled function fuses the pointwise work that
-/// makes `t` into that reduction), then over the batch.
-fn channel_sum(t: &Tensor) -> Result<Tensor> {
-    let (n, c) = (t.shape()[0], t.shape()[1]);
-    let mut kept = vec![1usize; t.ndim()];
-    kept[1] = c;
-    let per_sample = if t.ndim() > 2 { t.reshape_usize(&[n, c, t.numel() / (n * c).max(1)])?.sum(&[-1], false)? } else { t.clone() };
-    per_sample.sum(&[0], false)?.reshape_usize(&kept)
-}
-
 /// Batch norm's normalisation in training, given the batch's mean and 1/std (`[1, C, 1, ...]`,
 /// F32): inputs x, mean, invstd, then the weight and the bias when there are. Its backward is
 /// PyTorch's closed form, which also carries the gradient through the statistics; it saves x
 /// in its own dtype and two per-channel vectors, not a normalised copy of x.
 struct BatchNormTrain {
+    dims: Vec<i64>,
     /// Values per channel.
     n: usize,
     c: usize,
@@ -158,8 +149,8 @@ impl crate::autograd::Function for BatchNormTrain {
         let cd = x.dtype().compute_dtype();
         let dyf = dy.to_dtype(cd)?;
         let xhat = x.to_dtype(cd)?.sub(mean)?.mul(invstd)?;
-        let sum_dy = channel_sum(&dyf)?;
-        let sum_dy_xhat = channel_sum(&dyf.mul(&xhat)?)?;
+        let sum_dy = dyf.sum(&self.dims, true)?;
+        let sum_dy_xhat = dyf.mul(&xhat)?.sum(&self.dims, true)?;
         let k = match self.weight {
             true => invstd.mul(&self.per_channel(&s[3], x)?)?,
             false => invstd.clone(),
