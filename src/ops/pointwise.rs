@@ -36,6 +36,9 @@ pub enum UnaryOp {
 /// A loop over one operand that a backend provides; the op supplies the scalar function.
 pub(crate) trait MapUnary<A, B> {
     fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B>;
+    /// `fast` over every value (a loop without branches, which vectorises), then `exact` again
+    /// for the few values `fast` does not cover (`covered` false).
+    fn run_covered(self, fast: impl Fn(A) -> B + Sync, covered: impl Fn(A) -> bool + Sync, exact: impl Fn(A) -> B + Sync) -> Vec<B>;
 }
 /// A loop over two operands of the same shape.
 pub(crate) trait MapBinary<A, B> {
@@ -53,6 +56,10 @@ pub(crate) trait Real: Copy + PartialOrd + Send + Sync + 'static + std::ops::Add
     fn ln_1p(self) -> Self;
     fn sin(self) -> Self;
     fn cos(self) -> Self;
+    /// sin and cos without branches where `trig_covered` holds (exact where it does not).
+    fn sin_fast(self) -> Self;
+    fn cos_fast(self) -> Self;
+    fn trig_covered(self) -> bool;
     fn tanh(self) -> Self;
     fn sqrt(self) -> Self;
     fn abs(self) -> Self;
@@ -70,14 +77,17 @@ pub(crate) trait Real: Copy + PartialOrd + Send + Sync + 'static + std::ops::Add
     fn copysign0(self) -> Self;
 }
 macro_rules! real {
-    ($t:ty, $erf:path, $tanh:path) => {
+    ($t:ty, $erf:path, $tanh:path, $exp:path, $ln:path, $sin:path, $cos:path, $covered:path) => {
         impl Real for $t {
             #[inline(always)] fn c(v: f64) -> Self { v as $t }
-            #[inline(always)] fn exp(self) -> Self { <$t>::exp(self) }
-            #[inline(always)] fn ln(self) -> Self { <$t>::ln(self) }
+            #[inline(always)] fn exp(self) -> Self { $exp(self) }
+            #[inline(always)] fn ln(self) -> Self { $ln(self) }
             #[inline(always)] fn ln_1p(self) -> Self { <$t>::ln_1p(self) }
             #[inline(always)] fn sin(self) -> Self { <$t>::sin(self) }
             #[inline(always)] fn cos(self) -> Self { <$t>::cos(self) }
+            #[inline(always)] fn sin_fast(self) -> Self { $sin(self) }
+            #[inline(always)] fn cos_fast(self) -> Self { $cos(self) }
+            #[inline(always)] fn trig_covered(self) -> bool { $covered(self) }
             #[inline(always)] fn tanh(self) -> Self { $tanh(self) }
             #[inline(always)] fn sqrt(self) -> Self { <$t>::sqrt(self) }
             #[inline(always)] fn abs(self) -> Self { <$t>::abs(self) }
@@ -98,8 +108,95 @@ macro_rules! real {
         }
     };
 }
-real!(f32, libm::erff, tanh_f32);
-real!(f64, libm::erf, f64::tanh);
+real!(f32, libm::erff, tanh_f32, exp_f32, ln_f32, sin_f32, cos_f32, trig_f32_covered);
+real!(f64, libm::erf, f64::tanh, f64::exp, f64::ln, f64::sin, f64::cos, everywhere);
+
+#[inline(always)]
+fn everywhere(_: f64) -> bool {
+    true
+}
+
+/// Where `sin_f32` and `cos_f32` are accurate: |x| <= 8192 (three-part reduction by pi/4).
+#[inline(always)]
+fn trig_f32_covered(x: f32) -> bool {
+    x.abs() <= 8192.0
+}
+
+/// sin or cos of |x| <= 8192 in F32 without branches (Cephes' `sinf`/`cosf`): |x| reduced by
+/// pi/4 in three parts to z in [-pi/4, pi/4] and its quadrant, then sin's or cos's
+/// polynomial in z; within 2 ulp of the correctly rounded value.
+#[inline(always)]
+fn sincos_f32(x: f32) -> (f32, f32, i32) {
+    // (Values beyond are computed exactly instead; clamped, their octant fits in an i32.)
+    let a = x.abs().min(8192.0);
+    let mut j = (a * std::f32::consts::FRAC_2_PI * 2.0) as i32;
+    j += j & 1;
+    let y = j as f32;
+    let z = ((a - y * 0.785_156_25) - y * 2.418_756_5e-4) - y * 3.774_895e-8;
+    let zz = z * z;
+    let s = z + z * zz * ((-1.951_529_6e-4 * zz + 8.332_161e-3) * zz - 0.166_666_55);
+    let c = 1.0 - 0.5 * zz + zz * zz * ((2.443_315_7e-5 * zz - 1.388_731_6e-3) * zz + 4.166_664_6e-2);
+    (s, c, (j >> 1) & 3)
+}
+
+#[inline(always)]
+fn sin_f32(x: f32) -> f32 {
+    let (s, c, q) = sincos_f32(x);
+    let v = if q & 1 == 1 { c } else { s };
+    let v = if q & 2 != 0 { -v } else { v };
+    // Odd: x's sign (sin(-0) = -0).
+    f32::from_bits(v.to_bits() ^ (x.to_bits() & 0x8000_0000))
+}
+
+#[inline(always)]
+fn cos_f32(x: f32) -> f32 {
+    let (s, c, q) = sincos_f32(x);
+    let v = if q & 1 == 1 { s } else { c };
+    if q == 1 || q == 2 { -v } else { v }
+}
+
+/// e^x in F32 without branches, so that loops over many values vectorise (the C library's
+/// `expf` is a call per value); within 2 ulp of the correctly rounded value, with
+/// overflow to infinity, gradual underflow and NaN as `expf`. x = n ln2 + r with |r| <= ln2/2
+/// (n rounded by the 1.5 * 2^23 trick, ln2 in two parts), e^r by a degree-7 polynomial
+/// (Cephes' `expf` coefficients), and 2^n applied as two powers of two so that results below
+/// the normal range round once.
+#[inline(always)]
+fn exp_f32(x: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0;
+    let xc = x.clamp(-104.0, 89.0);
+    let n = (xc * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = (xc - n * 0.693_359_4) - n * -2.121_944_4e-4;
+    let p = (((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 0.166_666_65) * r + 0.5) * (r * r) + r + 1.0;
+    let ni = n as i32;
+    let half = ni >> 1;
+    let pow2 = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
+    p * pow2(half) * pow2(ni - half)
+}
+
+/// ln x in F32 without branches (see `exp_f32`); within 2 ulp of the correctly rounded value,
+/// with ln 0 = -inf, ln of a negative number NaN and ln inf = inf. x = m 2^e with m in
+/// [sqrt(1/2), sqrt(2)) (subnormal x scaled by 2^23 first), ln(1 + f) for f = m - 1 by Cephes'
+/// `logf` polynomial, e ln2 added in two parts.
+#[inline(always)]
+fn ln_f32(x: f32) -> f32 {
+    let tiny = x < f32::MIN_POSITIVE;
+    let xs = if tiny { x * 8_388_608.0 } else { x };
+    let bits = xs.to_bits();
+    let mut e = ((bits >> 23) & 0xff) as i32 - 127 - if tiny { 23 } else { 0 };
+    let mut m = f32::from_bits((bits & 0x007f_ffff) | 0x3f80_0000);
+    let big = m > std::f32::consts::SQRT_2;
+    m = if big { m * 0.5 } else { m };
+    e += big as i32;
+    let f = m - 1.0;
+    let z = f * f;
+    let p = ((((((((7.037_683_6e-2 * f - 0.115_146_1) * f + 0.116_769_98) * f - 0.124_201_41) * f + 0.142_493_23) * f - 0.166_680_57) * f + 0.200_007_15) * f - 0.249_999_94) * f + 0.333_333_3) * f * z;
+    let ef = e as f32;
+    let y = (p + ef * -2.121_944_4e-4 - 0.5 * z) + f + ef * 0.693_359_4;
+    let y = if x == 0.0 { f32::NEG_INFINITY } else { y };
+    let y = if x == f32::INFINITY { x } else { y };
+    if x < 0.0 || x.is_nan() { f32::NAN } else { y }
+}
 
 /// tanh in F32 from `exp`, a few times faster than the C library's `tanhf` (which also costs
 /// GELU-tanh and its gradient) and as accurate: within 2 ulp of the correctly rounded value
@@ -193,8 +290,8 @@ impl UnaryOp {
             Exp => m.run(|x| x.exp()),
             Log => m.run(|x| x.ln()),
             Log1p => m.run(|x| x.ln_1p()),
-            Sin => m.run(|x| x.sin()),
-            Cos => m.run(|x| x.cos()),
+            Sin => m.run_covered(|x| x.sin_fast(), |x| x.trig_covered(), |x| x.sin()),
+            Cos => m.run_covered(|x| x.cos_fast(), |x| x.trig_covered(), |x| x.cos()),
             Tanh => m.run(|x| x.tanh()),
             Sigmoid => m.run(|x| c(1.0) / (c(1.0) + (-x).exp())),
             // NaN stays NaN, as in PyTorch.
@@ -675,6 +772,54 @@ mod cuda {
 
 #[cfg(test)]
 mod tests {
+    /// The largest distance in ulp between `f` and the F64 function rounded to F32, over every
+    /// 4099th float of `bits` with both signs when `signs`.
+    fn worst_ulp(f: fn(f32) -> f32, want: fn(f64) -> f64, bits: std::ops::Range<u32>, signs: bool) -> u64 {
+        let mut worst = 0;
+        for b in bits.step_by(4099) {
+            let x = f32::from_bits(b);
+            for x in if signs { vec![x, -x] } else { vec![x] } {
+                let w = want(x as f64) as f32;
+                let got = f(x);
+                if w.is_nan() {
+                    assert!(got.is_nan(), "{x}: got {got}, want NaN");
+                    continue;
+                }
+                worst = worst.max((got.to_bits() as i64 - w.to_bits() as i64).unsigned_abs());
+            }
+        }
+        worst
+    }
+
+    #[test]
+    fn f32_sin_and_cos_are_within_two_ulp_where_they_cover() {
+        // Every 4099th float up to 8192, both signs; beyond, the C library's (run_covered).
+        let top = 8192.0f32.to_bits() + 1;
+        assert!(worst_ulp(super::sin_f32, f64::sin, 1..top, true) <= 2);
+        assert!(worst_ulp(super::cos_f32, f64::cos, 1..top, true) <= 2);
+        assert!(!super::trig_f32_covered(8192.5) && !super::trig_f32_covered(f32::NAN) && !super::trig_f32_covered(f32::INFINITY));
+        assert!(super::sin_f32(-0.0).is_sign_negative() && super::sin_f32(0.0) == 0.0 && super::cos_f32(0.0) == 1.0);
+    }
+
+    #[test]
+    fn f32_exp_and_ln_are_within_two_ulp_of_the_rounded_f64_values() {
+        // exp over every float from the smallest subnormal to 104 (both signs: overflow to inf,
+        // gradual underflow to 0).
+        assert!(worst_ulp(super::exp_f32, f64::exp, 1..0x42d0_0000, true) <= 2);
+        // ln over every positive float, subnormals included.
+        assert!(worst_ulp(super::ln_f32, f64::ln, 1..0x7f80_0000, false) <= 2);
+        for (x, want) in [(0.0f32, 1.0f32), (-0.0, 1.0), (f32::INFINITY, f32::INFINITY), (f32::NEG_INFINITY, 0.0), (88.8, f32::INFINITY), (-200.0, 0.0)] {
+            assert_eq!(super::exp_f32(x), want, "exp({x})");
+        }
+        for (x, want) in [(1.0f32, 0.0f32), (0.0, f32::NEG_INFINITY), (-0.0, f32::NEG_INFINITY), (f32::INFINITY, f32::INFINITY)] {
+            assert_eq!(super::ln_f32(x), want, "ln({x})");
+        }
+        for x in [f32::NAN, -1.0, f32::NEG_INFINITY, -1e-40] {
+            assert!(super::ln_f32(x).is_nan(), "ln({x})");
+        }
+        assert!(super::exp_f32(f32::NAN).is_nan());
+    }
+
     #[test]
     fn f32_tanh_is_within_two_ulp_of_the_rounded_f64_value() {
         let mut worst = 0;
