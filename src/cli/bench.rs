@@ -127,20 +127,26 @@ pub fn mlp_train(dev: &Device, bs: usize, mode: Option<Mode>) -> Result<Call> {
     let model = mlp(dev)?;
     let (x, y) = (Tensor::randn(&[bs, 784], DType::F32, dev)?, Tensor::randint(0, 10, &[bs], dev)?);
     let mut opt = optim::Sgd::new(model.parameters(), 0.01);
-    let mut step = move |x: &Tensor, y: &Tensor| {
-        let loss = F::cross_entropy(&model.forward(x)?, y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
-    };
-    Ok(match mode {
+    Ok(training_call(x, y, mode, move |x: &Tensor, y: &Tensor| optimiser_step(F::cross_entropy(&model.forward(x)?, y)?, &mut opt)))
+}
+
+/// backward, the optimiser's step, gradients cleared: how every training row ends its step.
+fn optimiser_step(loss: Tensor, opt: &mut impl optim::Optimizer) -> Result<Tensor> {
+    loss.backward()?;
+    opt.step()?;
+    opt.zero_grad();
+    Ok(loss)
+}
+
+/// The call of training step `step` on (x, y): as it is (None) or compiled in `mode`.
+fn training_call(x: Tensor, y: Tensor, mode: Option<Mode>, mut step: impl FnMut(&Tensor, &Tensor) -> Result<Tensor> + Send + 'static) -> Call {
+    match mode {
         None => Box::new(move || step(&x, &y)),
         Some(m) => {
             let f = compile_with(CompileOptions::new().mode(m), step);
             Box::new(move || f.call(&x, &y))
         }
-    })
+    }
 }
 
 /// nn.Transformer(512, 8 heads, 6+6 layers, ff 2048, dropout 0) in eval mode, src = tgt of
@@ -180,13 +186,9 @@ fn gpt2_train(dev: &Device) -> Result<Call> {
     let mut opt = optim::AdamW::new(model.parameters(), cfg);
     let (idx, tgt) = (Tensor::randint(0, 50257, &[8, 1024], dev)?, Tensor::randint(0, 50257, &[8 * 1024], dev)?);
     let d = *dev;
-    Ok(Box::new(move || {
-        let logits = kiln::amp::autocast(&d, DType::BF16, || model.forward(&idx))?;
-        let loss = F::cross_entropy(&logits.reshape(&[-1, 50257])?.to_dtype(DType::F32)?, &tgt)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
+    Ok(training_call(idx, tgt, None, move |idx: &Tensor, tgt: &Tensor| {
+        let logits = kiln::amp::autocast(&d, DType::BF16, || model.forward(idx))?;
+        optimiser_step(F::cross_entropy(&logits.reshape(&[-1, 50257])?.to_dtype(DType::F32)?, tgt)?, &mut opt)
     }))
 }
 
@@ -237,21 +239,10 @@ fn resnet50_train(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     let mut opt = optim::Sgd::new(rn.parameters(), 0.1).momentum(0.9).weight_decay(1e-4);
     let (x, y) = (Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?, Tensor::randint(0, 1000, &[128], dev)?);
     let d = *dev;
-    let mut step = move |x: &Tensor, y: &Tensor| {
+    Ok(training_call(x, y, mode, move |x: &Tensor, y: &Tensor| {
         let logits = kiln::amp::autocast(&d, DType::BF16, || rn.forward(x))?;
-        let loss = F::cross_entropy(&logits.to_dtype(DType::F32)?, y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
-    };
-    Ok(match mode {
-        None => Box::new(move || step(&x, &y)),
-        Some(m) => {
-            let f = compile_with(CompileOptions::new().mode(m), step);
-            Box::new(move || f.call(&x, &y))
-        }
-    })
+        optimiser_step(F::cross_entropy(&logits.to_dtype(DType::F32)?, y)?, &mut opt)
+    }))
 }
 
 /// `(a + b).relu()` over `n` elements: (eager, compiled).
