@@ -371,7 +371,7 @@ fn fold<S: Copy, A: Accumulate>(r: ReduceOp, x: &[S], to: impl Fn(S) -> A + Copy
         rest.iter().fold(a, |a, &v| f(a, to(v)))
     }
     let id = r.identity::<A>();
-    super::pointwise::wide(|| match r {
+    super::wide(|| match r {
         ReduceOp::Sum => lanes(x, id, to, |a, b| a.add(b)),
         ReduceOp::Prod => lanes(x, id, to, |a, b| a.mul(b)),
         _ => lanes(x, id, to, |a, b| r.combine(a, b)),

@@ -172,16 +172,37 @@ fn host_memory_bytes() -> Option<u64> {
     })
 }
 
-/// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large.
+/// Runs `body` compiled for AVX2 and FMA where the CPU has them: the loops inlined into it (every
+/// `fill_new` chunk, a fused kernel's folds), with the scalar functions they apply, then
+/// vectorise 8 floats wide instead of the baseline's 4. Without FMA contraction the results are
+/// the baseline's.
+#[inline(always)]
+pub(crate) fn wide<R>(body: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<R>(body: impl FnOnce() -> R) -> R {
+            body()
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has both features.
+            return unsafe { avx2(body) };
+        }
+    }
+    body()
+}
+
+/// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large
+/// (each chunk under `wide`).
 /// Every element must be written by `fill`.
 pub(crate) fn fill_new<T: Send + Sync + 'static>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
     let mut v: Vec<T> = pool::take_any(n);
     {
         let spare = &mut v.spare_capacity_mut()[..n];
         if n >= PAR_THRESHOLD {
-            spare.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| fill(i * CHUNK, c));
+            spare.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| wide(|| fill(i * CHUNK, c)));
         } else {
-            fill(0, spare);
+            wide(|| fill(0, spare));
         }
     }
     // SAFETY: `fill` wrote every element of the first n slots.
