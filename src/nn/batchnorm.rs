@@ -33,19 +33,7 @@ pub fn batch_norm(
             }
         }
     }
-    // Per-channel tensors broadcast as [1, C, 1, ...].
-    let mut bshape = vec![1usize; x.ndim()];
-    bshape[1] = c;
-    let per_channel = |t: &Tensor| t.to_dtype(x.dtype().compute_dtype())?.reshape_usize(&bshape);
-    // Per channel, y = (x - mean) * scale + b with scale = w / sqrt(var + eps): only [C]-sized
-    // tensors are combined before the full-size tensor is touched.
-    let scale_of = |var: &Tensor| -> Result<Tensor> {
-        let inv = var.add_scalar(eps)?.rsqrt()?;
-        match weight {
-            Some(w) => inv.mul(&per_channel(w)?),
-            None => Ok(inv),
-        }
-    };
+    let per_channel = |t: &Tensor| per_channel(t, x);
     let plus_bias = |y: Tensor| -> Result<Tensor> {
         match bias {
             Some(b) => y.add(&per_channel(b)?),
@@ -87,7 +75,7 @@ pub fn batch_norm(
         };
         // x * scale + (b - mean * scale); half inputs promote against the F32 per-channel
         // tensors, so this computes in F32 without a separate cast of x.
-        let scale = scale_of(&rv)?;
+        let scale = scale(&rv.add_scalar(eps)?.rsqrt()?, weight, x)?;
         let shift = plus_bias(rm.mul(&scale)?.neg()?)?;
         let differentiable = crate::is_grad_enabled() && [Some(x), weight, bias].into_iter().flatten().any(|t| t.is_requires_grad());
         if x.device().is_cuda() && !differentiable && !crate::compile::tracing() && scale.dtype() == DType::F32 {
@@ -100,6 +88,22 @@ pub fn batch_norm(
         x.mul(&scale)?.add(&shift)?
     };
     y.to_dtype(x.dtype())
+}
+
+/// `t` (`[C]`) as `[1, C, 1, ...]` in `like`'s compute dtype, to broadcast against `like`.
+fn per_channel(t: &Tensor, like: &Tensor) -> Result<Tensor> {
+    let mut shape = vec![1usize; like.ndim()];
+    shape[1] = like.shape()[1];
+    t.to_dtype(like.dtype().compute_dtype())?.reshape_usize(&shape)
+}
+
+/// What scales x - mean per channel: 1/std times the weight when there is one (only [C]-sized
+/// tensors are combined before the full-size tensor is touched).
+fn scale(invstd: &Tensor, weight: Option<&Tensor>, like: &Tensor) -> Result<Tensor> {
+    match weight {
+        Some(w) => invstd.mul(&per_channel(w, like)?),
+        None => Ok(invstd.clone()),
+    }
 }
 
 /// Batch norm's normalisation in training, given the batch's mean and 1/std (`[1, C, 1, ...]`,
@@ -116,24 +120,12 @@ struct BatchNormTrain {
     bias: Option<DType>,
 }
 
-impl BatchNormTrain {
-    fn per_channel(&self, t: &Tensor, like: &Tensor) -> Result<Tensor> {
-        let mut shape = vec![1usize; like.ndim()];
-        shape[1] = self.c;
-        t.to_dtype(like.dtype().compute_dtype())?.reshape_usize(&shape)
-    }
-}
-
 impl crate::autograd::Function for BatchNormTrain {
     fn forward(&self, ctx: &mut crate::autograd::Ctx, xs: &[&Tensor]) -> Result<Tensor> {
         let (x, mean, invstd) = (xs[0], xs[1], xs[2]);
-        let scale = match self.weight {
-            true => invstd.mul(&self.per_channel(xs[3], x)?)?,
-            false => invstd.clone(),
-        };
-        let mut y = x.to_dtype(x.dtype().compute_dtype())?.sub(mean)?.mul(&scale)?;
+        let mut y = x.to_dtype(x.dtype().compute_dtype())?.sub(mean)?.mul(&scale(invstd, self.weight.then(|| xs[3]), x)?)?;
         if self.bias.is_some() {
-            y = y.add(&self.per_channel(xs[xs.len() - 1], x)?)?;
+            y = y.add(&per_channel(xs[xs.len() - 1], x)?)?;
         }
         let mut saved = vec![x, mean, invstd];
         if self.weight {
@@ -151,10 +143,7 @@ impl crate::autograd::Function for BatchNormTrain {
         let xhat = x.to_dtype(cd)?.sub(mean)?.mul(invstd)?;
         let sum_dy = dyf.sum(&self.dims, true)?;
         let sum_dy_xhat = dyf.mul(&xhat)?.sum(&self.dims, true)?;
-        let k = match self.weight {
-            true => invstd.mul(&self.per_channel(&s[3], x)?)?,
-            false => invstd.clone(),
-        };
+        let k = scale(invstd, self.weight.then(|| &s[3]), x)?;
         // dx = w / std * (dy - mean(dy) - xhat * mean(dy * xhat))
         let inv_n = 1.0 / self.n as f64;
         let dx = dyf.sub(&sum_dy.mul_scalar(inv_n)?)?.sub(&xhat.mul(&sum_dy_xhat.mul_scalar(inv_n)?)?)?.mul(&k)?.to_dtype(x.dtype())?;
