@@ -291,7 +291,9 @@ if [[ " $* " == *" sanall "* ]]; then
   # shared-memory protocols are theirs, and they dominate its time). Per process: the summary
   # line, tests finished, failures, first reports.
   lib_kernels="--kernel-name-exclude kns=nvjet --kernel-name-exclude kns=xmma --kernel-name-exclude kns=cudnn --kernel-name-exclude kns=cutlass --kernel-name-exclude kns=sm90 --kernel-name-exclude kns=gemm --kernel-name-exclude kns=splitK --kernel-name-exclude kns=convolve --kernel-name-exclude kns=winograd --kernel-name-exclude kns=fft"
+  j=0
   for job in ${SANALL_JOBS:-memcheck@.@8}; do
+    j=$((j + 1))
     # A fifth field sets environment variables for the job's processes (VAR=V,VAR2=V2).
     IFS=@ read tool regex procs skip envs <<< "$job"
     extra=""; [ $tool = racecheck ] && extra="$lib_kernels"
@@ -303,17 +305,21 @@ if [[ " $* " == *" sanall "* ]]; then
       for p in $(seq 0 $((procs - 1))); do
         mine=$(echo "$names" | awk -v p=$p -v n=$procs 'NR % n == p')
         [ -z "$mine" ] && continue
-        env ${envs//,/ } KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-400} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $extra $bin --test-threads=1 --exact $mine > $OUT/san-$tool-$(basename $bin)-$p.txt 2>&1 &
+        echo "$mine" > $OUT/san-$tool-j$j-$(basename $bin)-$p.list
+        env ${envs//,/ } KILN_TEST_DEVICE=cuda timeout ${SANITIZE_S:-400} compute-sanitizer --tool $tool --target-processes all --print-limit 20 $SANITIZE_ARGS $extra $bin --test-threads=1 --exact $mine > $OUT/san-$tool-j$j-$(basename $bin)-$p.txt 2>&1 &
       done
     done
   done
   wait
   for f in $OUT/san-*.txt; do
     echo "== $(basename $f): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' $f | tail -1); $(grep -E '^test result' $f | tail -1 | cut -c1-60); finished $(grep -cE '^test .* (ok|FAILED)$' $f) of $(grep -E '^running [0-9]+ test' $f | head -1 | awk '{print $2}'); failed: $(grep -E '^test .* FAILED$' $f | head -5 | tr '\n' ' ')"
+    # The tests a timed-out process never reached.
+    left=$(grep -vxFf <(grep -oE '^test .* (ok|FAILED)$' $f | sed -E 's/^test (.*) \.\.\. (ok|FAILED)$/\1/') ${f%.txt}.list | head -12 | tr '\n' ' ')
+    [ -n "$left" ] && echo "   not finished: $left"
     grep -E "^=========" $f | grep -vE "SUMMARY|COMPUTE-SANITIZER|Target application returned|^=========\s*$" | head -${SAN_LINES:-14} | cut -c1-220
     grep -A3 "^---- " $f | grep -vE "^--$|^$|stack backtrace" | head -8 | cut -c1-220
   done
-  gzip -f $OUT/san-*.txt
+  rm -f $OUT/san-*.list; gzip -f $OUT/san-*.txt
 fi
 if [[ " $* " == *" logs "* ]]; then
   # One bench run per workload of $LOG_WORKLOADS with KILN_LOG=$LOG_TOPICS (default recompiles,breaks):
