@@ -204,8 +204,11 @@ macro_rules! float_elem {
 }
 float_elem!(f32, F32, |x: f32| x as f64, |v: f64| v as f32);
 float_elem!(f64, F64, |x: f64| x, |v: f64| v);
-float_elem!(f16, F16, |x: f16| x.to_f64(), f16::from_f64);
-float_elem!(bf16, BF16, |x: bf16| x.to_f64(), bf16::from_f64);
+// Through f32, as PyTorch's Half and BFloat16 are made from a double: correctly rounded from
+// every f32 value (`half`'s from_f64 drops the low mantissa bits first, so an f32 value just
+// above a halfway point rounded down).
+float_elem!(f16, F16, |x: f16| x.to_f64(), |v: f64| f16::from_f32(v as f32));
+float_elem!(bf16, BF16, |x: bf16| x.to_f64(), |v: f64| bf16::from_f32(v as f32));
 
 macro_rules! int_elem {
     ($t:ty, $d:ident) => {

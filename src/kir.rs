@@ -203,3 +203,96 @@ impl FusedKernel {
         s
     }
 }
+
+/// Ops worth computing once and keeping (in registers on the GPU, in a row buffer on the CPU)
+/// when several passes over the row read them (the rest are cheaper to recompute than to hold).
+pub(crate) fn expensive(op: &KOp) -> bool {
+    use crate::ops::{BinaryOp as B, UnaryOp as U};
+    match op.kind {
+        KKind::Unary(u) => !matches!(u, U::Neg | U::Abs | U::Sign | U::Relu | U::LogicalNot),
+        KKind::Binary(b, _) => matches!(b, B::Pow | B::Div),
+        _ => false,
+    }
+}
+
+/// The plan of a row kernel. The row is walked in passes: one per reduction (its argument
+/// folded into a per-thread accumulator, then a block reduction) and a last one storing the
+/// full outputs. A full value is computed in each pass that reads it, from inputs loaded in
+/// that pass, except where that would repeat work: an input read by several passes is loaded
+/// once into an array (registers on the GPU), and so is an expensive op (an `exp`) read by
+/// several passes. Both backends' row generators follow it.
+pub(crate) struct RowPlan {
+    /// Per op: it is one value per element (not per row).
+    pub elem: Vec<bool>,
+    /// Per pass (reductions in op order, then the output pass): the full inputs and ops it
+    /// computes, and the ones it reads from register arrays.
+    pub passes: Vec<RowPass>,
+    pub in_array: Vec<bool>,
+    pub op_array: Vec<bool>,
+}
+
+#[derive(Default, Clone)]
+pub(crate) struct RowPass {
+    pub inputs: Vec<usize>,
+    pub ops: Vec<usize>,
+}
+
+impl RowPlan {
+    pub(crate) fn new(k: &FusedKernel) -> RowPlan {
+        let n = k.ops.len();
+        let in_elem = |a: &ValueRef, elem: &[bool]| match a {
+            ValueRef::In(j) => !k.inputs[*j].row,
+            ValueRef::Op(j) => elem[*j],
+        };
+        let mut elem = vec![false; n];
+        for (i, op) in k.ops.iter().enumerate() {
+            elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| in_elem(a, &elem));
+        }
+        let mut roots: Vec<Vec<ValueRef>> = k.ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).map(|o| vec![o.args[0]]).collect();
+        roots.push(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| ValueRef::Op(*o)).collect());
+        // The full values a pass needs, walking back from its roots and stopping at ops held in
+        // arrays computed by an earlier pass.
+        let closure = |roots: &[ValueRef], stop: &dyn Fn(usize) -> bool| {
+            let (mut ins, mut ops) = (vec![false; k.inputs.len()], vec![false; n]);
+            let mut todo = roots.to_vec();
+            while let Some(a) = todo.pop() {
+                match a {
+                    ValueRef::In(j) => ins[j] |= !k.inputs[j].row,
+                    ValueRef::Op(i) if elem[i] && !ops[i] => {
+                        ops[i] = true;
+                        if !stop(i) {
+                            todo.extend(k.ops[i].args.iter().copied());
+                        }
+                    }
+                    ValueRef::Op(_) => {}
+                }
+            }
+            (ins, ops)
+        };
+        // Expensive ops read by several passes get arrays (decided on the passes that read
+        // them with everything recomputed) ...
+        let mut reads = vec![0usize; n];
+        for r in &roots {
+            for (i, used) in closure(r, &|_| false).1.into_iter().enumerate() {
+                reads[i] += used as usize;
+            }
+        }
+        let op_array: Vec<bool> = (0..n).map(|i| elem[i] && reads[i] > 1 && expensive(&k.ops[i])).collect();
+        // ... then each pass computes what it needs, reading arrays filled by earlier passes.
+        let mut filled = vec![false; n];
+        let mut passes = vec![];
+        let mut in_reads = vec![0usize; k.inputs.len()];
+        for r in &roots {
+            let (ins, ops) = closure(r, &|i| filled[i]);
+            for (j, used) in ins.iter().enumerate() {
+                in_reads[j] += *used as usize;
+            }
+            let p = RowPass { inputs: (0..ins.len()).filter(|&j| ins[j]).collect(), ops: (0..n).filter(|&i| ops[i]).collect() };
+            for &i in &p.ops {
+                filled[i] |= op_array[i];
+            }
+            passes.push(p);
+        }
+        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| c > 1).collect(), op_array }
+    }
+}

@@ -16,6 +16,13 @@ pub(crate) fn cache_dir() -> Option<PathBuf> {
     std::env::var_os("KILN_CACHE_DIR").map(PathBuf::from)
 }
 
+/// `KILN_CPU_CODEGEN` (`c` or `interpret`): what runs the compiler's fused kernels on the CPU
+/// (`backend::cpu::jit`; unset: C for kernels of 4096 values or more, where a compiler is found).
+pub(crate) fn cpu_codegen() -> Option<&'static str> {
+    static V: OnceLock<Option<String>> = OnceLock::new();
+    V.get_or_init(|| std::env::var("KILN_CPU_CODEGEN").ok()).as_deref()
+}
+
 /// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.
 pub(crate) fn rows_threads() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

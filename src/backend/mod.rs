@@ -1,5 +1,6 @@
 //! Backends: where kernels run. `cpu` is always there; the CUDA backend plugs in beside it.
 
+pub(crate) mod cexpr;
 pub(crate) mod cpu;
 pub mod cuda;
 

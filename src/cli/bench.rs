@@ -179,14 +179,14 @@ fn gpt2_small(dtype: DType, dev: &Device) -> Result<kiln::models::Gpt2> {
 
 /// One GPT-2 small training step on 8 x 1024 random tokens under bf16 autocast: forward,
 /// cross-entropy in F32, backward, AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1), grads
-/// cleared.
-fn gpt2_train(dev: &Device) -> Result<Call> {
+/// cleared; as it is (None) or compiled in `mode`.
+fn gpt2_train(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     let model = gpt2_small(DType::F32, dev)?;
     let cfg = optim::AdamConfig { lr: 3e-4, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, ..Default::default() };
     let mut opt = optim::AdamW::new(model.parameters(), cfg);
     let (idx, tgt) = (Tensor::randint(0, 50257, &[8, 1024], dev)?, Tensor::randint(0, 50257, &[8 * 1024], dev)?);
     let d = *dev;
-    Ok(training_call(idx, tgt, None, move |idx: &Tensor, tgt: &Tensor| {
+    Ok(training_call(idx, tgt, mode, move |idx: &Tensor, tgt: &Tensor| {
         let logits = kiln::amp::autocast(&d, DType::BF16, || model.forward(idx))?;
         optimiser_step(F::cross_entropy(&logits.reshape(&[-1, 50257])?.to_dtype(DType::F32)?, tgt)?, &mut opt)
     }))
@@ -356,8 +356,7 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
         "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
         "resnet50.train.bf16amp.bs128" => step(resnet50_train(dev, None)?, variants(|m| resnet50_train(dev, m))?),
-        // Eager only so far: the compiled GPT-2 step is not measured yet.
-        "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev)?, vec![]),
+        "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev, None)?, variants(|m| gpt2_train(dev, m))?),
         "gpt2.decode.bf16.bs1" => step(gpt2_decode(dev, None)?, variants(|m| gpt2_decode(dev, m))?),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;

@@ -125,8 +125,8 @@ fn round_to(v: f64, d: crate::DType) -> f64 {
     use crate::DType::*;
     match d {
         F32 => v as f32 as f64,
-        F16 => half::f16::from_f64(v).to_f64(),
-        BF16 => half::bf16::from_f64(v).to_f64(),
+        F16 => half::f16::from_f32(v as f32).to_f64(),
+        BF16 => half::bf16::from_f32(v as f32).to_f64(),
         _ => v,
     }
 }

@@ -197,7 +197,7 @@ fn window_positions(x: &Tensor, a: &MaxPool2dArgs, out: (usize, usize), which: &
             }
         }
     }
-    let table = Tensor::from_vec(table, &[1, out.0 * out.1, k.0 * k.1, 1], &Device::Cpu)?.to_device(&x.device())?;
+    let table = Tensor::from_vec(table, &[1, out.0 * out.1, k.0 * k.1, 1], &x.device())?;
     let table = table.broadcast_to(&[which.shape()[0], out.0 * out.1, k.0 * k.1, which.shape()[3]])?;
     to_nchw(&table.gather(2, which)?.squeeze(2)?, out)?.contiguous()
 }
@@ -240,7 +240,7 @@ pub fn avg_pool2d(x: &Tensor, kernel: (usize, usize), stride: (usize, usize), pa
         .iter()
         .flat_map(|h| cw.iter().map(move |w| if count_include_pad { (h.0 * w.0) as f64 } else { (h.1 * w.1) as f64 }))
         .collect();
-    let div = Tensor::from_vec(div, &[oh, ow], &Device::Cpu)?.to_dtype(x.dtype())?.to_device(&x.device())?;
+    let div = Tensor::from_vec(div, &[oh, ow], &x.device())?.to_dtype(x.dtype())?;
     let sum = sum.expect("a kernel of at least one element");
     let y = if dtype.is_float() { sum.div(&div)? } else { sum.div_mode(&div, crate::RoundingMode::Trunc)?.to_dtype(dtype)? };
     if unbatched {
@@ -260,7 +260,7 @@ fn adaptive_weights(size: usize, out: usize, dtype: DType, dev: &Device) -> Resu
             m[i * size + j] = 1.0 / (b - a) as f64;
         }
     }
-    Tensor::from_vec(m, &[out, size], &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)
+    Tensor::from_vec(m, &[out, size], dev)?.to_dtype(dtype)
 }
 
 /// Average pooling to a fixed output size (`F.adaptive_avg_pool2d`).

@@ -105,7 +105,7 @@ fn window_index(dev: &Device, wp: usize, k: (usize, usize), stride: (usize, usiz
         }
     }
     let n = idx.len();
-    let t = Tensor::from_vec(idx, &[n], &Device::Cpu)?.to_device(dev)?;
+    let t = Tensor::from_vec(idx, &[n], dev)?;
     WINDOW_INDEX.with(|c| {
         let mut c = c.borrow_mut();
         // A model has few geometries; inputs of ever-changing sizes must not grow it forever.

@@ -62,7 +62,7 @@ impl Tensor {
             with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
             &[n],
         )
-        .to_device(device)
+        .placed(device)
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
@@ -78,7 +78,7 @@ impl Tensor {
             }).collect())),
             &[steps],
         )
-        .to_device(device)
+        .placed(device)
     }
 
     /// The n×n identity.
@@ -89,7 +89,7 @@ impl Tensor {
             with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
             &[n, n],
         )
-        .to_device(device)
+        .placed(device)
     }
 
     /// Uniform in [0, 1) from the global generator (`torch.rand`).
@@ -164,7 +164,7 @@ impl Tensor {
             return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
         }
         check_device("from_vec", *device)?;
-        Tensor::from_cpu(T::wrap(data), shape).to_device(device)
+        Tensor::from_cpu(T::wrap(data), shape).placed(device)
     }
     pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape, device)
@@ -211,4 +211,14 @@ fn random_values(op: &'static str, shape: &[usize], dtype: DType, device: &Devic
         }
     })));
     Ok(Tensor::from_cpu(s, shape))
+}
+
+impl Tensor {
+    /// This host tensor, made from a constructor's arguments alone, on `device`. Inside a
+    /// compiled function it is a constant of the graph (captured once at trace time), not a
+    /// copy to the device at every call, which would keep the call out of a CUDA graph.
+    fn placed(self, device: &Device) -> Result<Tensor> {
+        let _constant = crate::compile::trace::Suspend::new();
+        self.to_device(device)
+    }
 }

@@ -7,6 +7,7 @@ mod common;
 mod compile;
 mod corpus_files;
 mod corpus_ops;
+mod cpu_codegen;
 mod cuda;
 mod custom;
 mod data;

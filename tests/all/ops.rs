@@ -59,8 +59,8 @@ pub fn round_to(dt: DType, v: f64) -> f64 {
     match dt {
         DType::F64 => v,
         DType::F32 => v as f32 as f64,
-        DType::F16 => half::f16::from_f64(v).to_f64(),
-        DType::BF16 => half::bf16::from_f64(v).to_f64(),
+        DType::F16 => half::f16::from_f32(v as f32).to_f64(),
+        DType::BF16 => half::bf16::from_f32(v as f32).to_f64(),
         DType::I64 => v as i64 as f64,
         DType::I32 => v as i64 as i32 as f64,
         DType::U8 => v as i64 as u8 as f64,

@@ -16,8 +16,8 @@ fn make(values: &[f64], shape: &[usize], dtype: DType) -> Tensor {
     match dtype {
         DType::F32 => Tensor::from_vec(values.iter().map(|&v| v as f32).collect(), shape, d),
         DType::F64 => Tensor::from_vec(values.to_vec(), shape, d),
-        DType::F16 => Tensor::from_vec(values.iter().map(|&v| f16::from_f64(v)).collect(), shape, d),
-        DType::BF16 => Tensor::from_vec(values.iter().map(|&v| bf16::from_f64(v)).collect(), shape, d),
+        DType::F16 => Tensor::from_vec(values.iter().map(|&v| f16::from_f32(v as f32)).collect(), shape, d),
+        DType::BF16 => Tensor::from_vec(values.iter().map(|&v| bf16::from_f32(v as f32)).collect(), shape, d),
         DType::I64 => Tensor::from_vec(values.iter().map(|&v| v as i64).collect(), shape, d),
         DType::I32 => Tensor::from_vec(values.iter().map(|&v| v as i64 as i32).collect(), shape, d),
         DType::U8 => Tensor::from_vec(values.iter().map(|&v| v as i64 as u8).collect(), shape, d),
@@ -47,8 +47,8 @@ fn host_cast(v: f64, to: DType) -> f64 {
     match to {
         DType::F32 => v as f32 as f64,
         DType::F64 => v,
-        DType::F16 => f16::from_f64(v).to_f64(),
-        DType::BF16 => bf16::from_f64(v).to_f64(),
+        DType::F16 => f16::from_f32(v as f32).to_f64(),
+        DType::BF16 => bf16::from_f32(v as f32).to_f64(),
         DType::I64 => v as i64 as f64,
         DType::I32 => v as i64 as i32 as f64,
         DType::U8 => v as i64 as u8 as f64,

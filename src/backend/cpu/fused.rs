@@ -1,6 +1,7 @@
 //! The compiler's fused kernels on the CPU: a kernel's ops run over a chunk of elements (or one
 //! row) at a time, so intermediates live in small buffers that stay in cache instead of
 //! full-size tensors. Scalar semantics come from the op definitions, as in the eager loops.
+//! Kernels the native code generator (`jit`) runs never come here.
 
 use super::pointwise::{Map1, Map2};
 use super::pool::{self, Pooled};
@@ -95,6 +96,10 @@ fn operand<C: Copy>(v: &[C], n: usize) -> Operand<'_, C> {
 
 /// Runs a fused kernel on the host; returns its outputs (flat, or [rows, cols] / [rows]).
 pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    if let Some(outs) = super::jit::run(k, shape, inputs) {
+        return outs;
+    }
+    super::jit::count_interpreted();
     let (rows, cols) = match k.space {
         Space::Flat { numel } => (1, numel),
         Space::Rows { rows, cols } => (rows, cols),

@@ -2,8 +2,10 @@
 //! tensors, with contiguous fast paths.
 
 pub(crate) mod attention;
+pub(crate) mod cgen;
 pub(crate) mod fused;
 pub(crate) mod index;
+pub(crate) mod jit;
 pub(crate) mod matmul;
 pub(crate) mod pointwise;
 pub(crate) mod pool;

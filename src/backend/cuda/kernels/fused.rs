@@ -7,42 +7,12 @@ use crate::backend::cuda::kernels::codegen::{block_name, block_reduce, comb_name
 use crate::dtype::CType;
 use crate::backend::cuda::kernels::{data_ptr, map_launch, MapLaunches, row_shape, row_thread_candidates, row_vpt, rows_threads_forced, MapOut};
 use crate::backend::cuda::{tuning::autotune, device, CudaStorage, LaunchArgs, KernelKey};
-use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
+use crate::kir::{FusedKernel, ValueRef, KKind, KOp, RowPass, RowPlan, Space};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt::Write;
-
-/// The type each op computes in and the C expression of its value, given its arguments'.
-fn lower(op: &KOp, args: &[(CType, String)]) -> (CType, String) {
-    let out = CType::of(op.dtype);
-    let arg = |k: usize, t: CType| convert(args[k].0, t, &args[k].1);
-    match &op.kind {
-        KKind::Unary(u) => {
-            let t = op.unary_type();
-            (t, u.cuda(&format!("({})", arg(0, t)), t))
-        }
-        KKind::Binary(b, _) => {
-            let (t, res) = op.binary_types();
-            (res, b.cuda(&format!("({})", arg(0, t)), &format!("({})", arg(1, t)), t))
-        }
-        KKind::Where => (out, format!("({} ? {} : {})", arg(0, CType::Bool), arg(1, out), arg(2, out))),
-        // A cast rounds to its dtype (an f16 in the middle of a kernel holds f16 values).
-        KKind::Cast => (out, load(op.dtype, out, &crate::backend::cuda::kernels::codegen::store(op.dtype, args[0].0, &args[0].1))),
-        KKind::Const(v) => (out, literal(*v, out)),
-        KKind::Same | KKind::Broadcast => args[0].clone(),
-        KKind::Reduce(_) => unreachable!("reductions are emitted by the row generator"),
-    }
-}
-
-fn literal(v: f64, t: CType) -> String {
-    match t {
-        CType::F32 => format!("__int_as_float({})", (v as f32).to_bits() as i32),
-        CType::F64 => format!("__longlong_as_double({}ll)", v.to_bits() as i64),
-        CType::I64 => format!("{}ll", v as i64),
-        CType::Bool => (if v != 0.0 { "true" } else { "false" }).into(),
-    }
-}
+use crate::backend::cexpr::lower;
 
 /// Runs a fused kernel on its inputs (real tensors, in `k.inputs` order); returns its outputs.
 /// `into[m]`, when set, is a contiguous tensor of output m's size and dtype that a flat kernel
@@ -237,98 +207,6 @@ fn sincos_pairs(k: &FusedKernel) -> Vec<Option<(usize, usize)>> {
         }
     }
     pairs
-}
-
-/// Unary ops worth computing once and keeping in registers when several passes over the row
-/// read them (the rest are cheaper to recompute than to hold).
-fn expensive(op: &KOp) -> bool {
-    use crate::ops::{BinaryOp as B, UnaryOp as U};
-    match op.kind {
-        KKind::Unary(u) => !matches!(u, U::Neg | U::Abs | U::Sign | U::Relu | U::LogicalNot),
-        KKind::Binary(b, _) => matches!(b, B::Pow | B::Div),
-        _ => false,
-    }
-}
-
-/// The plan of a row kernel. The row is walked in passes: one per reduction (its argument
-/// folded into a per-thread accumulator, then a block reduction) and a last one storing the
-/// full outputs. A full value is computed in each pass that reads it, from inputs loaded in
-/// that pass, except where that would repeat work: an input read by several passes is loaded
-/// once into a register array, and so is an expensive op (an `exp`) read by several passes.
-struct RowPlan {
-    /// Per op: it is one value per element (not per row).
-    elem: Vec<bool>,
-    /// Per pass (reductions in op order, then the output pass): the full inputs and ops it
-    /// computes, and the ones it reads from register arrays.
-    passes: Vec<RowPass>,
-    in_array: Vec<bool>,
-    op_array: Vec<bool>,
-}
-
-#[derive(Default, Clone)]
-struct RowPass {
-    inputs: Vec<usize>,
-    ops: Vec<usize>,
-}
-
-impl RowPlan {
-    fn new(k: &FusedKernel) -> RowPlan {
-        let n = k.ops.len();
-        let in_elem = |a: &ValueRef, elem: &[bool]| match a {
-            ValueRef::In(j) => !k.inputs[*j].row,
-            ValueRef::Op(j) => elem[*j],
-        };
-        let mut elem = vec![false; n];
-        for (i, op) in k.ops.iter().enumerate() {
-            elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| in_elem(a, &elem));
-        }
-        let mut roots: Vec<Vec<ValueRef>> = k.ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).map(|o| vec![o.args[0]]).collect();
-        roots.push(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| ValueRef::Op(*o)).collect());
-        // The full values a pass needs, walking back from its roots and stopping at ops held in
-        // arrays computed by an earlier pass.
-        let closure = |roots: &[ValueRef], stop: &dyn Fn(usize) -> bool| {
-            let (mut ins, mut ops) = (vec![false; k.inputs.len()], vec![false; n]);
-            let mut todo = roots.to_vec();
-            while let Some(a) = todo.pop() {
-                match a {
-                    ValueRef::In(j) => ins[j] |= !k.inputs[j].row,
-                    ValueRef::Op(i) if elem[i] && !ops[i] => {
-                        ops[i] = true;
-                        if !stop(i) {
-                            todo.extend(k.ops[i].args.iter().copied());
-                        }
-                    }
-                    ValueRef::Op(_) => {}
-                }
-            }
-            (ins, ops)
-        };
-        // Expensive ops read by several passes get arrays (decided on the passes that read
-        // them with everything recomputed) ...
-        let mut reads = vec![0usize; n];
-        for r in &roots {
-            for (i, used) in closure(r, &|_| false).1.into_iter().enumerate() {
-                reads[i] += used as usize;
-            }
-        }
-        let op_array: Vec<bool> = (0..n).map(|i| elem[i] && reads[i] > 1 && expensive(&k.ops[i])).collect();
-        // ... then each pass computes what it needs, reading arrays filled by earlier passes.
-        let mut filled = vec![false; n];
-        let mut passes = vec![];
-        let mut in_reads = vec![0usize; k.inputs.len()];
-        for r in &roots {
-            let (ins, ops) = closure(r, &|i| filled[i]);
-            for (j, used) in ins.iter().enumerate() {
-                in_reads[j] += *used as usize;
-            }
-            let p = RowPass { inputs: (0..ins.len()).filter(|&j| ins[j]).collect(), ops: (0..n).filter(|&i| ops[i]).collect() };
-            for &i in &p.ops {
-                filled[i] |= op_array[i];
-            }
-            passes.push(p);
-        }
-        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| c > 1).collect(), op_array }
-    }
 }
 
 /// Where a fused row kernel's argument words sit (`gen_fused_rows` reads them, `run_rows` fills

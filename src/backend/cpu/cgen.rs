@@ -1,0 +1,267 @@
+//! C source for the compiler's fused kernels on the CPU (`jit` compiles and runs it). The ops'
+//! expressions are the ones the CUDA kernels use (`backend::cexpr`), over a prelude that gives
+//! them the CPU's semantics (`prelude.c`). A flat kernel is one loop over a run of elements; a
+//! row kernel walks each row in the passes `kir::RowPlan` gives (one per reduction, then the
+//! stores), folding reductions over eight interleaved lanes in the interpreter's order
+//! (`fused::fold`), so both give the same sums.
+
+use crate::backend::cexpr::lower;
+use crate::backend::cuda::kernels::codegen::{convert, load, storage_type, store};
+use crate::dtype::CType;
+use crate::kir::{FusedKernel, KKind, RowPass, RowPlan, Space, ValueRef};
+use crate::ops::{ReduceOp, UnaryOp};
+use std::fmt::Write;
+
+pub(crate) const PRELUDE: &str = include_str!("prelude.c");
+
+/// How a kernel reads one input: element i at i, at 0 (one value for the whole run or row) or
+/// at i times a stride (a row kernel's row values: row i at i times their stride).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Walk {
+    Contiguous,
+    Broadcast,
+    Strided,
+}
+
+/// Whether every op of `k` has a C form here (else it runs in the interpreter): reductions
+/// other than the arg ones, accumulating in F32, F64 or I64.
+pub(crate) fn supported(k: &FusedKernel) -> bool {
+    k.ops.iter().all(|op| match op.kind {
+        KKind::Reduce(r) => !r.is_arg() && matches!(CType::of(op.dtype), CType::F32 | CType::F64 | CType::I64),
+        _ => true,
+    })
+}
+
+/// Whether `k` computes F32 sin or cos (whose fast form covers |x| <= 8192: the kernel is
+/// emitted twice, and runs again exactly where a value is beyond).
+fn has_trig(k: &FusedKernel) -> bool {
+    k.ops.iter().any(|o| matches!(o.kind, KKind::Unary(UnaryOp::Sin | UnaryOp::Cos)) && o.unary_type() == CType::F32)
+}
+
+/// The name and type of a value: input j is `x{j}`, op i `t{i}`; views and broadcasts are
+/// their argument.
+fn names(k: &FusedKernel) -> Vec<(CType, String)> {
+    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect();
+    let mut vals: Vec<(CType, String)> = vec![];
+    for (i, op) in k.ops.iter().enumerate() {
+        let v = match op.kind {
+            KKind::Same | KKind::Broadcast => arg(&op.args[0], &ins, &vals),
+            KKind::Reduce(_) => (CType::of(op.dtype), format!("t{i}")),
+            _ => (lower(op, &op.args.iter().map(|a| arg(a, &ins, &vals)).collect::<Vec<_>>()).0, format!("t{i}")),
+        };
+        vals.push(v);
+    }
+    vals
+}
+
+fn arg(a: &ValueRef, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
+    match a {
+        ValueRef::In(j) => ins[*j].clone(),
+        ValueRef::Op(j) => vals[*j].clone(),
+    }
+}
+
+/// `const T t{i} = ...;` for op i (nothing for views and broadcasts).
+fn define(k: &FusedKernel, i: usize, vals: &[(CType, String)]) -> String {
+    let op = &k.ops[i];
+    if let KKind::Same | KKind::Broadcast = op.kind {
+        return String::new();
+    }
+    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, inp)| (CType::of(inp.dtype), format!("x{j}"))).collect();
+    let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, vals)).collect();
+    let (t, e) = lower(op, &args);
+    format!("const {} t{i} = {e};", t.name())
+}
+
+/// The full source of kernel `k` for inputs read as `walks`, exporting `name`.
+pub(crate) fn source(k: &FusedKernel, name: &str, walks: &[Walk]) -> String {
+    let mut c = String::from(PRELUDE);
+    let body = match k.space {
+        Space::Flat { .. } => flat_body(k, walks),
+        Space::Rows { .. } => rows_body(k, walks),
+    };
+    let args = match k.space {
+        Space::Flat { .. } => "long long n, const void* const* in, const long long* st, void* const* out, void* scratch",
+        Space::Rows { .. } => "long long r0, long long r1, long long K, const void* const* in, const long long* st, void* const* out, void* scratch",
+    };
+    let call = match k.space {
+        Space::Flat { .. } => "n, in, st, out, scratch",
+        Space::Rows { .. } => "r0, r1, K, in, st, out, scratch",
+    };
+    if has_trig(k) {
+        let _ = writeln!(c, "#define sinf(x) ksinf_fast(x, &kbad)\n#define cosf(x) kcosf_fast(x, &kbad)");
+        let _ = writeln!(c, "static int fast({args}) {{\n  int kbad = 0;\n{body}  return kbad;\n}}");
+        let _ = writeln!(c, "#undef sinf\n#undef cosf\n#define sinf(x) ksinf_exact(x)\n#define cosf(x) kcosf_exact(x)");
+        let _ = writeln!(c, "static int exact({args}) {{\n  int kbad = 0;\n{body}  return kbad;\n}}");
+        let _ = writeln!(c, "int {name}({args}) {{\n  if (fast({call})) exact({call});\n  return 0;\n}}");
+    } else {
+        let _ = writeln!(c, "int {name}({args}) {{\n  int kbad = 0;\n{body}  return kbad;\n}}");
+    }
+    c
+}
+
+/// Element i of input j, read as its walk says.
+fn flat_load(k: &FusedKernel, j: usize, w: Walk) -> String {
+    let inp = &k.inputs[j];
+    let at = match w {
+        Walk::Contiguous => format!("p{j}[i]"),
+        Walk::Broadcast => format!("p{j}[0]"),
+        Walk::Strided => format!("p{j}[i * s{j}]"),
+    };
+    load(inp.dtype, CType::of(inp.dtype), &at)
+}
+
+fn pointers(k: &FusedKernel, c: &mut String) {
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let _ = writeln!(c, "  const {t}* p{j} = (const {t}*)in[{j}]; const long long s{j} = st[{j}]; (void)s{j};", t = storage_type(inp.dtype));
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        let _ = writeln!(c, "  {t}* o{m} = ({t}*)out[{m}];", t = storage_type(k.ops[*o].dtype));
+    }
+    c.push_str("  (void)scratch;\n");
+}
+
+fn flat_body(k: &FusedKernel, walks: &[Walk]) -> String {
+    let vals = names(k);
+    let mut c = String::new();
+    pointers(k, &mut c);
+    c.push_str("  for (long long i = 0; i < n; i++) {\n");
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let _ = writeln!(c, "    const {} x{j} = {};", CType::of(inp.dtype).name(), flat_load(k, j, walks[j]));
+    }
+    for i in 0..k.ops.len() {
+        let d = define(k, i, &vals);
+        if !d.is_empty() {
+            let _ = writeln!(c, "    {d}");
+        }
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        let v = &vals[*o];
+        let s = store(k.ops[*o].dtype, v.0, &v.1);
+        // A one-element output beside the flat space: stored by the run that starts it.
+        if k.single[m] {
+            let _ = writeln!(c, "    if (i == 0) o{m}[0] = {s};");
+        } else {
+            let _ = writeln!(c, "    o{m}[i] = {s};");
+        }
+    }
+    c.push_str("  }\n");
+    c
+}
+
+/// The accumulator type of a reduction computing in `t` (`ReduceOp::acc_type`).
+fn acc_type(r: ReduceOp, t: CType) -> CType {
+    r.acc_type(t.dtype())
+}
+
+fn combine(r: ReduceOp, a: &str, b: &str) -> String {
+    match r {
+        ReduceOp::Sum => format!("({a} + {b})"),
+        ReduceOp::Prod => format!("({a} * {b})"),
+        ReduceOp::Max => format!("KMAX({a}, {b})"),
+        ReduceOp::Min => format!("KMIN({a}, {b})"),
+        _ => unreachable!("arg reductions stay in the interpreter (supported)"),
+    }
+}
+
+fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
+    let plan = RowPlan::new(k);
+    let vals = names(k);
+    let mut c = String::new();
+    pointers(k, &mut c);
+    // Expensive values read by several passes: one row's worth each, in the scratch buffer
+    // (the caller gives 8 bytes per column per array).
+    let arrays: Vec<usize> = (0..k.ops.len()).filter(|&i| plan.op_array[i]).collect();
+    for (a, &i) in arrays.iter().enumerate() {
+        let _ = writeln!(c, "  {t}* at{i} = ({t}*)((char*)scratch + (long long){a} * K * 8);", t = vals[i].0.name());
+    }
+    c.push_str("  for (long long row = r0; row < r1; row++) {\n");
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let t = CType::of(inp.dtype);
+        if inp.row {
+            let _ = writeln!(c, "    const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[row * s{j}]")));
+        } else {
+            let _ = writeln!(c, "    const {s}* r{j} = p{j} + row * s{j};", s = storage_type(inp.dtype));
+        }
+    }
+    let mut filled = vec![false; k.ops.len()];
+    // The statements computing element q of what pass `p` needs.
+    let element = |p: &RowPass, filled: &[bool]| -> String {
+        let mut s = String::new();
+        for &j in &p.inputs {
+            let inp = &k.inputs[j];
+            let at = if walks[j] == Walk::Broadcast { format!("r{j}[0]") } else { format!("r{j}[q]") };
+            let _ = writeln!(s, "        const {} x{j} = {};", CType::of(inp.dtype).name(), load(inp.dtype, CType::of(inp.dtype), &at));
+        }
+        for &i in &p.ops {
+            if let KKind::Same | KKind::Broadcast = k.ops[i].kind {
+                continue;
+            }
+            if filled[i] {
+                let _ = writeln!(s, "        const {} t{i} = at{i}[q];", vals[i].0.name());
+            } else {
+                let _ = writeln!(s, "        {}", define(k, i, &vals));
+                if plan.op_array[i] {
+                    let _ = writeln!(s, "        at{i}[q] = t{i};");
+                }
+            }
+        }
+        s
+    };
+    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    for (i, op) in k.ops.iter().enumerate() {
+        match op.kind {
+            KKind::Reduce(r) => {
+                let p = &plan.passes[reduces.iter().position(|&x| x == i).expect("a reduction")];
+                let t = CType::of(op.dtype);
+                let at = acc_type(r, t);
+                let v = arg(&op.args[0], &k.inputs.iter().enumerate().map(|(j, inp)| (CType::of(inp.dtype), format!("x{j}"))).collect::<Vec<_>>(), &vals);
+                let v = convert(v.0, at, &convert(v.0, t, &v.1));
+                let id = r.cuda_identity(at);
+                let _ = writeln!(c, "    {a} l{i}[8] = {{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}};\n    long long c{i} = 0;", a = at.name());
+                let _ = writeln!(c, "    for (; c{i} + 8 <= K; c{i} += 8) {{\n      for (int e = 0; e < 8; e++) {{\n        const long long q = c{i} + e;");
+                c.push_str(&element(p, &filled));
+                let _ = writeln!(c, "        l{i}[e] = {};\n      }}\n    }}", combine(r, &format!("l{i}[e]"), &v));
+                let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < 8; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e]")), a = at.name());
+                let _ = writeln!(c, "    for (; c{i} < K; c{i}++) {{\n      {{\n        const long long q = c{i};");
+                c.push_str(&element(p, &filled));
+                let _ = writeln!(c, "        a{i} = {};\n      }}\n    }}", combine(r, &format!("a{i}"), &v));
+                let _ = writeln!(c, "    const {} t{i} = {};", t.name(), convert(at, t, &format!("a{i}")));
+                for &o in &p.ops {
+                    filled[o] |= plan.op_array[o];
+                }
+            }
+            KKind::Same | KKind::Broadcast => {}
+            _ if !plan.elem[i] => {
+                let _ = writeln!(c, "    {}", define(k, i, &vals));
+            }
+            _ => {}
+        }
+    }
+    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
+    if !full.is_empty() {
+        let p = plan.passes.last().expect("an output pass");
+        c.push_str("    for (long long q = 0; q < K; q++) {\n      {\n");
+        c.push_str(&element(p, &filled));
+        for &m in &full {
+            let o = k.outputs[m].0;
+            let _ = writeln!(c, "        o{m}[row * K + q] = {};", store(k.ops[o].dtype, vals[o].0, &vals[o].1));
+        }
+        c.push_str("      }\n    }\n");
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if k.ops[*o].row {
+            let _ = writeln!(c, "    o{m}[row] = {};", store(k.ops[*o].dtype, vals[*o].0, &vals[*o].1));
+        }
+    }
+    c.push_str("  }\n");
+    c
+}
+
+/// Bytes of scratch a row kernel's run needs per column (8 per kept array).
+pub(crate) fn scratch_per_col(k: &FusedKernel) -> usize {
+    match k.space {
+        Space::Rows { .. } => 8 * RowPlan::new(k).op_array.iter().filter(|&&a| a).count(),
+        Space::Flat { .. } => 0,
+    }
+}

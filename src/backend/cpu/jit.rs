@@ -1,0 +1,343 @@
+//! Fused kernels on the CPU as native code: their C (`cgen`) compiled by the system's C
+//! compiler into a shared library, loaded, and run over chunks of the kernel's space on the
+//! rayon pool. Libraries are cached on disk beside the CUDA kernels (`<cache>/cpu/`), keyed by
+//! the source, the compiler and the CPU. Where there is no compiler, a kernel has no C form or
+//! its inputs have layouts the code does not walk, `fused::run` interprets the kernel instead.
+//! `KILN_CPU_CODEGEN` chooses: `c` (always), `interpret` (never), unset: C for kernels of at
+//! least `MIN_ELEMENTS` values (smaller ones are not worth a compile).
+
+use super::cgen::{self, Walk};
+use super::{pool, with_dtype, with_storage, CpuStorage};
+use crate::kir::{FusedKernel, Space};
+use crate::storage::BackendStorage;
+use crate::{DType, Result, Tensor};
+use parking_lot::Mutex;
+use rayon::prelude::*;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// Kernels smaller than this run in the interpreter unless C is forced.
+pub(crate) const MIN_ELEMENTS: usize = 1 << 12;
+/// Elements per task of a flat kernel (rows per task: about as many values).
+const CHUNK: usize = 1 << 14;
+
+/// Which engine runs the compiler's fused kernels on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuCodegen {
+    /// C where a compiler is found, for kernels of at least 4096 values (the default).
+    Auto,
+    /// C for every kernel it covers.
+    C,
+    /// The interpreter always.
+    Interpret,
+}
+
+thread_local! {
+    static CHOICE: std::cell::Cell<Option<CpuCodegen>> = const { std::cell::Cell::new(None) };
+}
+
+/// Sets the engine for fused CPU kernels run by this thread (None: `KILN_CPU_CODEGEN`, else
+/// `Auto`); returns the previous setting.
+pub fn set_cpu_codegen(c: Option<CpuCodegen>) -> Option<CpuCodegen> {
+    CHOICE.with(|x| x.replace(c))
+}
+
+fn choice() -> CpuCodegen {
+    CHOICE.with(|x| x.get()).unwrap_or_else(|| match crate::switches::cpu_codegen() {
+        Some("c") => CpuCodegen::C,
+        Some("interpret") => CpuCodegen::Interpret,
+        _ => CpuCodegen::Auto,
+    })
+}
+
+static COMPILED: AtomicU64 = AtomicU64::new(0);
+static DISK_HITS: AtomicU64 = AtomicU64::new(0);
+static RUN_C: AtomicU64 = AtomicU64::new(0);
+static RUN_INTERPRETED: AtomicU64 = AtomicU64::new(0);
+
+/// What ran the CPU's fused kernels in this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuCodegenCounts {
+    /// Libraries built by the C compiler.
+    pub compiled: u64,
+    /// Libraries loaded from the disk cache.
+    pub disk_hits: u64,
+    /// Kernel runs as native code.
+    pub native_runs: u64,
+    /// Kernel runs by the interpreter.
+    pub interpreted_runs: u64,
+}
+
+pub fn cpu_codegen_counts() -> CpuCodegenCounts {
+    CpuCodegenCounts {
+        compiled: COMPILED.load(Ordering::Relaxed),
+        disk_hits: DISK_HITS.load(Ordering::Relaxed),
+        native_runs: RUN_C.load(Ordering::Relaxed),
+        interpreted_runs: RUN_INTERPRETED.load(Ordering::Relaxed),
+    }
+}
+
+pub(crate) fn count_interpreted() {
+    RUN_INTERPRETED.fetch_add(1, Ordering::Relaxed);
+}
+
+type FlatFn = unsafe extern "C" fn(i64, *const *const u8, *const i64, *const *mut u8, *mut u8) -> i32;
+type RowsFn = unsafe extern "C" fn(i64, i64, i64, *const *const u8, *const i64, *const *mut u8, *mut u8) -> i32;
+
+/// A loaded kernel (its library is kept loaded for the process).
+#[derive(Clone, Copy)]
+struct Native {
+    sym: usize,
+}
+
+/// Per kernel: its loaded variants by input walks (None: it could not be built).
+#[derive(Default)]
+pub(crate) struct Memo {
+    variants: Mutex<Vec<(Vec<Walk>, Option<Native>)>>,
+}
+
+/// The compiler command and what identifies it and this CPU in cache keys; None without one.
+fn compiler() -> Option<&'static (String, String)> {
+    static C: OnceLock<Option<(String, String)>> = OnceLock::new();
+    C.get_or_init(|| {
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let out = std::process::Command::new(&cc).arg("--version").output().ok().filter(|o| o.status.success())?;
+        let version = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string)).unwrap_or_default();
+        Some((cc, format!("{version}\n{cpu}")))
+    })
+    .as_ref()
+}
+
+const FLAGS: [&str; 7] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"];
+
+fn cache_dir() -> PathBuf {
+    crate::backend::cuda::device::nvrtc::cache_dir().map(|d| d.join("cpu")).unwrap_or_else(|| std::env::temp_dir().join("kiln-cpu-kernels"))
+}
+
+/// Builds (or finds on disk) and loads the library of `src`, returning its `name` symbol.
+fn build(src: &str, name: &str) -> std::result::Result<Native, String> {
+    let (cc, ident) = compiler().ok_or("no C compiler (set CC)")?;
+    let key = format!("{:016x}", crate::hash::fnv64(&[src.as_bytes(), ident.as_bytes(), FLAGS.join(" ").as_bytes()]));
+    let dir = cache_dir();
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let lib_path = dir.join(format!("{key}.so"));
+    if lib_path.exists() {
+        DISK_HITS.fetch_add(1, Ordering::Relaxed);
+    } else {
+        // Written beside its final name and renamed there, so another process never loads a
+        // library half written.
+        let tmp = dir.join(format!("{key}.{}.{:?}", std::process::id(), std::thread::current().id()).replace(['(', ')'], ""));
+        let c_path = tmp.with_extension("c");
+        std::fs::write(&c_path, src).map_err(|e| format!("{}: {e}", c_path.display()))?;
+        let so_tmp = tmp.with_extension("so");
+        let out = std::process::Command::new(cc).args(FLAGS).arg("-o").arg(&so_tmp).arg(&c_path).arg("-lm").output().map_err(|e| format!("{cc}: {e}"))?;
+        // The source stays beside its library, for reading.
+        let _ = std::fs::rename(&c_path, dir.join(format!("{key}.c")));
+        if !out.status.success() {
+            return Err(format!("{cc} failed: {}", String::from_utf8_lossy(&out.stderr).lines().take(5).collect::<Vec<_>>().join(" / ")));
+        }
+        std::fs::rename(&so_tmp, &lib_path).map_err(|e| format!("{}: {e}", lib_path.display()))?;
+        COMPILED.fetch_add(1, Ordering::Relaxed);
+        crate::logging::log(crate::logging::Topic::Kernels, || format!("{name}: compiled for the CPU by {cc} ({})", dir.join(format!("{key}.c")).display()));
+    }
+    // SAFETY: the library is one this module generated: no initialisers beyond the C runtime's.
+    let lib = unsafe { libloading::Library::new(&lib_path) }.map_err(|e| format!("{}: {e}", lib_path.display()))?;
+    // SAFETY: the symbol is the kernel function `cgen::source` exported under `name`.
+    let sym = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.map_err(|e| format!("{name}: {e}"))?;
+    let native = Native { sym: *sym as usize };
+    // Loaded for the rest of the process (kernels are kept by their memos).
+    std::mem::forget(lib);
+    Ok(native)
+}
+
+/// One input as the code reads it: its element address (at its layout's offset); for a flat
+/// kernel, its walk along a run, its stride there and between runs (`outer`); for a row
+/// kernel, its row stride.
+struct Operand {
+    ptr: usize,
+    walk: Walk,
+    stride: i64,
+    outer: i64,
+}
+
+/// `t` seen as `view` (its element count), if its strides allow: the last dim is the run; a
+/// flat view of one dim is one run split into chunks, of two, one run per row.
+fn operand(t: &Tensor, view: &[usize], row_kernel: bool, row_value: bool) -> Option<Operand> {
+    let g = t.storage().data.read_recursive();
+    let BackendStorage::Cpu(s) = &*g else { return None };
+    let base = with_storage!(s, v => v.as_ptr() as usize);
+    let ptr = base + t.layout().offset * t.dtype().size_in_bytes();
+    if t.numel() == 1 {
+        return Some(Operand { ptr, walk: Walk::Broadcast, stride: 0, outer: 0 });
+    }
+    let strides = t.layout().view_strides(view)?;
+    if row_kernel {
+        // [rows, cols] with unit column stride, or [rows] (row values).
+        let ok = row_value || view[1] == 1 || strides[1] == 1;
+        let walk = if row_value { Walk::Strided } else { Walk::Contiguous };
+        return ok.then_some(Operand { ptr, walk, stride: strides[0] as i64, outer: 0 });
+    }
+    let (inner, outer) = match strides.as_slice() {
+        [s] => (*s, 0),
+        [o, s] => (*s, *o),
+        _ => return None,
+    };
+    let walk = match inner {
+        1 => Walk::Contiguous,
+        0 => Walk::Broadcast,
+        _ => Walk::Strided,
+    };
+    Some(Operand { ptr, walk, stride: inner as i64, outer: outer as i64 })
+}
+
+/// Runs `k` as native code, if it can: None means the interpreter should.
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option<Result<Vec<Tensor>>> {
+    let (rows, cols) = match k.space {
+        Space::Flat { numel } => (1, numel),
+        Space::Rows { rows, cols } => (rows, cols),
+    };
+    let size = rows * cols;
+    match choice() {
+        CpuCodegen::Interpret => return None,
+        CpuCodegen::Auto if size < MIN_ELEMENTS => return None,
+        _ => {}
+    }
+    if size == 0 || !cgen::supported(k) {
+        return None;
+    }
+    let row_kernel = matches!(k.space, Space::Rows { .. });
+    // Row inputs as [rows, cols] or [rows]; flat inputs as one run where each one's strides
+    // allow, else as runs along the kernel's last dim (a broadcast bias, a transpose).
+    let view_all = |flat: &[usize]| -> Option<Vec<Operand>> {
+        k.inputs.iter().zip(inputs).map(|(inp, t)| {
+            let view: Vec<usize> = if !row_kernel { flat.to_vec() } else if inp.row { vec![rows] } else { vec![rows, cols] };
+            operand(t, &view, row_kernel, inp.row)
+        }).collect()
+    };
+    let last = shape.last().copied().unwrap_or(1).max(1);
+    let (ops, runs) = match view_all(&[size]) {
+        Some(ops) => (ops, None),
+        None if !row_kernel && last >= 16 && last < size => (view_all(&[size / last, last])?, Some(last)),
+        None => return None,
+    };
+    let walks: Vec<Walk> = ops.iter().map(|o| o.walk).collect();
+    let native = {
+        let memo = k.memo.backend::<Memo>()?;
+        let mut variants = memo.variants.lock();
+        match variants.iter().find(|(w, _)| *w == walks) {
+            Some((_, n)) => (*n)?,
+            None => {
+                let name = format!("kiln_{}", k.name);
+                let built = build(&cgen::source(k, &name, &walks), &name);
+                if let Err(e) = &built {
+                    crate::logging::log(crate::logging::Topic::Kernels, || format!("{}: interpreted on the CPU ({e})", k.name));
+                }
+                let built = built.ok();
+                variants.push((walks.clone(), built));
+                built?
+            }
+        }
+    };
+    // Inputs stay readable (and alive) while the code runs.
+    let _held: Vec<_> = inputs.iter().map(|t| t.storage().data.read_recursive()).collect();
+    Some(launch(k, shape, rows, cols, &ops, runs, native))
+}
+
+/// Output m's storage, written by the native code (every element) before it is read.
+struct Out {
+    storage: CpuStorage,
+    ptr: usize,
+}
+
+fn fresh(dtype: DType, n: usize) -> Out {
+    with_dtype!(dtype, T => {
+        let mut v: Vec<T> = pool::take(n);
+        v.reserve(n);
+        let ptr = v.as_mut_ptr() as usize;
+        // SAFETY: the kernel writes all n elements before anyone reads them (`launch`), and
+        // elements of these types have no invalid bit patterns the kernel could store
+        // (bools are stored as 0 or 1).
+        unsafe { v.set_len(n) };
+        Out { storage: <T as super::HostElem>::wrap(v), ptr }
+    })
+}
+
+fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native) -> Result<Vec<Tensor>> {
+    RUN_C.fetch_add(1, Ordering::Relaxed);
+    let row_kernel = matches!(k.space, Space::Rows { .. });
+    let outs: Vec<Out> = k
+        .outputs
+        .iter()
+        .enumerate()
+        .map(|(m, (o, _))| {
+            let op = &k.ops[*o];
+            let n = if k.single[m] { 1 } else if op.row { rows } else { rows * cols };
+            fresh(op.dtype, n)
+        })
+        .collect();
+    let strides: Vec<i64> = ops.iter().map(|o| o.stride).collect();
+    let sizes: Vec<usize> = k.inputs.iter().map(|i| i.dtype.size_in_bytes()).collect();
+    let out_sizes: Vec<usize> = k.outputs.iter().map(|(o, _)| k.ops[*o].dtype.size_in_bytes()).collect();
+    let scratch_per_col = cgen::scratch_per_col(k);
+    if row_kernel {
+        // SAFETY: `native` was built from a row kernel's source, whose signature this is.
+        let f: RowsFn = unsafe { std::mem::transmute::<usize, RowsFn>(native.sym) };
+        let per = (CHUNK / cols.max(1)).max(1);
+        (0..rows.div_ceil(per)).into_par_iter().for_each(|b| {
+            let (r0, r1) = (b * per, ((b + 1) * per).min(rows));
+            let ins: Vec<*const u8> = ops.iter().map(|o| o.ptr as *const u8).collect();
+            let outp: Vec<*mut u8> = outs.iter().map(|o| o.ptr as *mut u8).collect();
+            // f64s: aligned for every value type the arrays hold.
+            let mut scratch = vec![0f64; scratch_per_col * cols / 8];
+            // SAFETY: each task writes rows r0..r1 of the outputs (disjoint), reads inputs
+            // within their views, and its own scratch.
+            unsafe { f(r0 as i64, r1 as i64, cols as i64, ins.as_ptr(), strides.as_ptr(), outp.as_ptr(), scratch.as_mut_ptr() as *mut u8) };
+        });
+    } else {
+        // SAFETY: as above, for a flat kernel's source.
+        let f: FlatFn = unsafe { std::mem::transmute::<usize, FlatFn>(native.sym) };
+        let n = rows * cols;
+        // Tasks of about CHUNK elements: ranges of one run, or whole runs of `len` elements.
+        let (len, per_task) = match runs {
+            None => (CHUNK.min(n), 1),
+            Some(len) => (len, (CHUNK / len).max(1)),
+        };
+        let runs_total = n.div_ceil(len);
+        (0..runs_total.div_ceil(per_task)).into_par_iter().for_each(|b| {
+            let mut sink = [0u8; 16];
+            let sink_ptr = sink.as_mut_ptr() as usize;
+            for run in b * per_task..((b + 1) * per_task).min(runs_total) {
+                let start = run * len;
+                let here = len.min(n - start);
+                // Element `start` of input j: along its one run, or at the start of run `run`.
+                let at = |o: &Operand, sz: usize| match runs {
+                    None => o.ptr + start * o.stride as usize * sz,
+                    Some(_) => o.ptr + run * o.outer as usize * sz,
+                };
+                let ins: Vec<*const u8> = ops.iter().zip(&sizes).map(|(o, &sz)| at(o, sz) as *const u8).collect();
+                // One-element outputs are written by the first run; the others write a sink.
+                let outp: Vec<*mut u8> = outs
+                    .iter()
+                    .enumerate()
+                    .map(|(m, o)| if k.single[m] { if start == 0 { o.ptr } else { sink_ptr } } else { o.ptr + start * out_sizes[m] } as *mut u8)
+                    .collect();
+                // SAFETY: each run writes its own range of each output (or the sink, which no
+                // one reads) and reads inputs within their views.
+                unsafe { f(here as i64, ins.as_ptr(), strides.as_ptr(), outp.as_ptr(), std::ptr::null_mut()) };
+            }
+        });
+    }
+    let mut res = vec![];
+    for (m, o) in outs.into_iter().enumerate() {
+        let op = &k.ops[k.outputs[m].0];
+        let s: Vec<usize> = match k.space {
+            Space::Flat { .. } if k.single[m] => vec![1],
+            Space::Flat { .. } => shape.to_vec(),
+            Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
+        };
+        res.push(Tensor::from_cpu(o.storage, &s));
+    }
+    Ok(res)
+}

@@ -1,0 +1,131 @@
+// Shared by every generated CPU kernel (cgen.rs: `PRELUDE`, placed before each kernel's own
+// source). It defines what the ops' C expressions call (ops::pointwise, backend::cexpr) with the
+// CPU's semantics: F16 / BF16 conversions rounding as the `half` crate does, integer and
+// rounded arithmetic as the eager loops compute it, and F32 exp, log, sin, cos and tanh by the
+// same branch-free polynomials as the eager functions (so compiled and eager agree and loops
+// over them vectorise). Compiled with FP contraction off: no FMA the eager code does not do.
+#include <math.h>
+#include <stdbool.h>
+#include <string.h>
+typedef unsigned long long u64;
+
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
+static inline unsigned int kbits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static inline float kfrom(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+
+static inline float kh2f(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static inline unsigned short kf2h(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
+static inline float kb2f(unsigned short b) { return kfrom(((unsigned int)b) << 16); }
+static inline unsigned short kf2b(float f) {
+  unsigned int x = kbits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((x >> 16) | 0x40u);
+  return (unsigned short)((x >> 16) + (((x & 0x8000u) != 0 && (x & 0x17fffu) != 0) ? 1u : 0u));
+}
+
+static inline long long kipow(long long a, long long b) {
+  if (b < 0) return a == 1 ? 1 : (a == -1 ? ((b & 1) ? -1 : 1) : 0);
+  unsigned long long r = 1, x = (unsigned long long)a;
+  while (b) { if (b & 1) r *= x; x *= x; b >>= 1; }
+  return (long long)r;
+}
+static inline float kdivtrunc_f(float a, float b) { return truncf(a / b); }
+static inline double kdivtrunc_d(double a, double b) { return trunc(a / b); }
+static inline long long kdivtrunc_i(long long a, long long b) { return b == 0 ? 0 : (b == -1 ? (long long)(0ull - (u64)a) : a / b); }
+#define KDIVFLOOR(N, T, FMOD, FLOOR, COPYSIGN) static inline T N(T a, T b) { \
+  if (b == (T)0) return a / b; \
+  T m = FMOD(a, b), d = (a - m) / b; \
+  if (m != (T)0 && ((b < (T)0) != (m < (T)0))) d -= (T)1; \
+  if (d != (T)0) { T f = FLOOR(d); return d - f > (T)0.5 ? f + (T)1 : f; } \
+  return COPYSIGN((T)0, a / b); }
+KDIVFLOOR(kdivfloor_f, float, fmodf, floorf, copysignf)
+KDIVFLOOR(kdivfloor_d, double, fmod, floor, copysign)
+static inline long long kdivfloor_i(long long a, long long b) {
+  if (b == 0) return 0;
+  if (b == -1) return (long long)(0ull - (u64)a);
+  long long q = a / b, r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? q - 1 : q;
+}
+static inline float kfmod_f(float a, float b) { return fmodf(a, b); }
+static inline double kfmod_d(double a, double b) { return fmod(a, b); }
+static inline long long kfmod_i(long long a, long long b) { return (b == 0 || b == -1) ? 0 : a % b; }
+static inline float kremainder_f(float a, float b) { float r = kfmod_f(a, b); return (r != 0 && ((b < 0) != (r < 0))) ? r + b : r; }
+static inline double kremainder_d(double a, double b) { double r = kfmod_d(a, b); return (r != 0 && ((b < 0) != (r < 0))) ? r + b : r; }
+static inline long long kremainder_i(long long a, long long b) { long long r = kfmod_i(a, b); return (r != 0 && ((b < 0) != (r < 0))) ? r + b : r; }
+#define KTYPED(N, a, b) _Generic((a), float: N##_f, double: N##_d, default: N##_i)(a, b)
+#define kdivtrunc(a, b) KTYPED(kdivtrunc, a, b)
+#define kdivfloor(a, b) KTYPED(kdivfloor, a, b)
+#define kfmod(a, b) KTYPED(kfmod, a, b)
+#define kremainder(a, b) KTYPED(kremainder, a, b)
+
+// A reduction's step and combination: max and min keep the first NaN (ops::reduce::beats).
+#define KMAX(a, b) (((a) == (a) && ((b) != (b) || (b) > (a))) ? (b) : (a))
+#define KMIN(a, b) (((a) == (a) && ((b) != (b) || (b) < (a))) ? (b) : (a))
+
+// F32 functions as ops::pointwise defines them for the CPU (exp_f32, ln_f32, sincos_f32,
+// tanh_f32), with the same constants.
+static inline float kpow2(int k) { return kfrom(((unsigned int)(k + 127)) << 23); }
+static inline float kexpf(float x) {
+  const float round = 12582912.0f;
+  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
+  float n = (xc * 1.44269504088896340735992468100189214f + round) - round;
+  float r = (xc - n * 0.6933594f) - n * -2.1219444e-4f;
+  float p = (((((1.9875691e-4f * r + 1.3981999e-3f) * r + 8.333452e-3f) * r + 4.1665796e-2f) * r + 0.16666665f) * r + 0.5f) * (r * r) + r + 1.0f;
+  int ni = n == n ? (int)n : 0;
+  int half = ni >> 1;
+  return p * kpow2(half) * kpow2(ni - half);
+}
+static inline float klogf(float x) {
+  bool tiny = x < 1.17549435e-38f;
+  float xs = tiny ? x * 8388608.0f : x;
+  unsigned int bits = kbits(xs);
+  int e = (int)((bits >> 23) & 0xff) - 127 - (tiny ? 23 : 0);
+  float m = kfrom((bits & 0x007fffffu) | 0x3f800000u);
+  bool big = m > 1.41421356237309504880168872420969808f;
+  m = big ? m * 0.5f : m;
+  e += big ? 1 : 0;
+  float f = m - 1.0f;
+  float z = f * f;
+  float p = ((((((((7.0376836e-2f * f - 0.1151461f) * f + 0.11676998f) * f - 0.12420141f) * f + 0.14249323f) * f - 0.16668057f) * f + 0.20000715f) * f - 0.24999994f) * f + 0.3333333f) * f * z;
+  float ef = (float)e;
+  float y = (p + ef * -2.1219444e-4f - 0.5f * z) + f + ef * 0.6933594f;
+  y = x == 0.0f ? -INFINITY : y;
+  y = x == INFINITY ? x : y;
+  return (x < 0.0f || x != x) ? NAN : y;
+}
+// sin or cos of |x| <= 8192 without branches; `bad` is set where x is beyond (or not a
+// number), and those values are then computed by the C library (as the eager loop's second
+// pass does): the kernel runs again with `ksinf_exact` / `kcosf_exact`.
+static inline float ksincos(float x, bool cosine) {
+  float a = fabsf(x);
+  a = a < 8192.0f ? a : 8192.0f;
+  int j = (int)(a * 0.63661977236758134307553505349005745f * 2.0f);
+  j += j & 1;
+  float y = (float)j;
+  float z = ((a - y * 0.78515625f) - y * 2.4187565e-4f) - y * 3.774895e-8f;
+  float zz = z * z;
+  float s = z + z * zz * ((-1.9515296e-4f * zz + 8.332161e-3f) * zz - 0.16666655f);
+  float c = 1.0f - 0.5f * zz + zz * zz * ((2.4433157e-5f * zz - 1.3887316e-3f) * zz + 4.1666646e-2f);
+  int q = (j >> 1) & 3;
+  if (cosine) {
+    float v = (q & 1) ? s : c;
+    return (q == 1 || q == 2) ? -v : v;
+  }
+  float v = (q & 1) ? c : s;
+  v = (q & 2) ? -v : v;
+  return kfrom(kbits(v) ^ (kbits(x) & 0x80000000u));
+}
+static inline float ksinf_fast(float x, int* bad) { *bad |= !(fabsf(x) <= 8192.0f); return ksincos(x, false); }
+static inline float kcosf_fast(float x, int* bad) { *bad |= !(fabsf(x) <= 8192.0f); return ksincos(x, true); }
+static inline float ksinf_exact(float x) { return fabsf(x) <= 8192.0f ? ksincos(x, false) : sinf(x); }
+static inline float kcosf_exact(float x) { return fabsf(x) <= 8192.0f ? ksincos(x, true) : cosf(x); }
+// tanh_f32 takes e^(2|x|) from the C library, as here.
+static inline float ktanhf(float x) {
+  float a = fabsf(x), x2 = x * x;
+  if (a < 0.4f)
+    return x * (1.0f + x2 * (-1.0f / 3.0f + x2 * (2.0f / 15.0f + x2 * (-17.0f / 315.0f + x2 * (62.0f / 2835.0f + x2 * (-1382.0f / 155925.0f + x2 * (21844.0f / 6081075.0f)))))));
+  return copysignf(1.0f - 2.0f / (expf(2.0f * a) + 1.0f), x);
+}
+#define expf(x) kexpf(x)
+#define logf(x) klogf(x)
+#define tanhf(x) ktanhf(x)

@@ -1,0 +1,115 @@
+//! The CPU's native fused kernels (C compiled at run time) against its interpreter: the same
+//! compiled functions run both ways on the host, over flat and row kernels, every float dtype,
+//! integer and boolean values, broadcast and strided inputs, values beyond the fast sin/cos
+//! range, NaN and infinities.
+
+use crate::common::{assert_close, assert_close_named, host_rand, vals};
+use kiln::compile::compile;
+use kiln::cpu::{cpu_codegen_counts, set_cpu_codegen, CpuCodegen};
+use kiln::nn::functional as F;
+use kiln::{DType, Device, Result, Tensor};
+
+/// `f` compiled twice and run on `xs`, once natively and once interpreted: (native, interpreted).
+fn both(xs: &[Tensor], f: impl Fn(&[Tensor]) -> Result<Tensor> + Clone + Send + Sync + 'static) -> (Vec<f64>, Vec<f64>) {
+    let run = |how: CpuCodegen| {
+        let prev = set_cpu_codegen(Some(how));
+        let g = f.clone();
+        let c = compile(move |xs: &[Tensor]| Ok(vec![g(xs)?]));
+        let before = cpu_codegen_counts();
+        let out = c.call(xs).unwrap().remove(0);
+        let after = cpu_codegen_counts();
+        set_cpu_codegen(prev);
+        (vals(&out), after.native_runs - before.native_runs, after.interpreted_runs - before.interpreted_runs)
+    };
+    let (native, n_native, n_interp_there) = run(CpuCodegen::C);
+    let (interp, n_native_there, _) = run(CpuCodegen::Interpret);
+    if compiler_found() {
+        assert!(n_native > 0 && n_interp_there == 0, "every kernel ran natively ({n_native} native, {n_interp_there} interpreted; KILN_LOG=kernels says why)");
+    }
+    assert_eq!(n_native_there, 0, "the interpreter ran the second");
+    (native, interp)
+}
+
+/// Whether this machine has a C compiler (CI's does; elsewhere the native path falls back).
+fn compiler_found() -> bool {
+    std::process::Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into())).arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+fn host(values: Vec<f64>, shape: &[usize], dtype: DType) -> Tensor {
+    Tensor::from_vec(values, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+#[test]
+fn flat_kernels_match_the_interpreter_bit_for_bit_in_every_float_dtype() {
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let x = host(host_rand(5000, 1).iter().map(|v| v * 3.0).collect(), &[50, 100], dt);
+        let (a, b) = both(&[x], |xs| {
+            let x = &xs[0];
+            x.sin()?.exp()?.add(&x.cos()?.abs()?.log()?)?.mul(&x.tanh()?)?.add(&x.sigmoid()?.sqrt()?)
+        });
+        assert_close_named(&format!("{dt:?}"), &a, &b, 0.0, 0.0);
+    }
+}
+
+#[test]
+fn sin_and_cos_beyond_the_fast_range_and_special_values_match() {
+    let mut v = host_rand(6000, 2).iter().map(|x| x * 100.0).collect::<Vec<_>>();
+    v.extend([1e5, -3e7, 8192.0, 8192.5, f64::INFINITY, f64::NEG_INFINITY, f64::NAN, 0.0, -0.0, 1e-40, 88.0, 89.5, -104.5]);
+    let n = v.len();
+    let x = host(v, &[n], DType::F32);
+    let (a, b) = both(std::slice::from_ref(&x), |xs| xs[0].sin()?.add(&xs[0].cos()?));
+    assert_close(&a, &b, 0.0, 0.0);
+    let (a, b) = both(&[x], |xs| xs[0].exp()?.add(&xs[0].abs()?.log()?));
+    assert_close(&a, &b, 0.0, 0.0);
+}
+
+#[test]
+fn row_kernels_match_the_interpreter() {
+    for dt in [DType::F32, DType::F64, DType::BF16] {
+        for cols in [7, 64, 301, 2048] {
+            let x = host(host_rand(24 * cols, cols as u64), &[24, cols], dt);
+            let w = host(host_rand(cols, 3), &[cols], dt);
+            let b = host(host_rand(cols, 4), &[cols], dt);
+            let (p, q) = both(std::slice::from_ref(&x), |xs| F::softmax(&xs[0], -1));
+            assert_close_named(&format!("softmax {dt:?} {cols}"), &p, &q, 0.0, 0.0);
+            let (p, q) = both(&[x.clone(), w, b], move |xs| F::layer_norm(&xs[0], &[cols], Some(&xs[1]), Some(&xs[2]), 1e-5));
+            assert_close_named(&format!("layer_norm {dt:?} {cols}"), &p, &q, 0.0, 0.0);
+            let (p, q) = both(&[x], |xs| xs[0].amax(&[-1], true)?.add(&xs[0].sum(&[-1], true)?)?.add(&xs[0].amin(&[-1], false)?.unsqueeze(1)?));
+            assert_close_named(&format!("max + sum + min {dt:?} {cols}"), &p, &q, 0.0, 0.0);
+        }
+    }
+}
+
+#[test]
+fn broadcast_strided_integer_and_boolean_inputs_match() {
+    let x = host(host_rand(64 * 96, 5), &[64, 96], DType::F32);
+    let bias = host(host_rand(96, 6), &[96], DType::F32);
+    let (a, b) = both(&[x.clone(), bias], |xs| xs[0].add(&xs[1])?.relu());
+    assert_close(&a, &b, 0.0, 0.0);
+    // A transposed input: strided runs.
+    let (a, b) = both(std::slice::from_ref(&x), |xs| xs[0].t()?.exp()?.mul_scalar(2.0));
+    assert_close(&a, &b, 0.0, 0.0);
+    let i = host(host_rand(64 * 96, 7).iter().map(|v| (v * 50.0).round()).collect(), &[64, 96], DType::I64);
+    let (a, b) = both(&[i.clone(), x.clone()], |xs| {
+        let m = xs[0].gt_scalar(3.0)?;
+        kiln::where_(&m, &xs[1], &xs[0].to_dtype(DType::F32)?.remainder_scalar(7.0)?)
+    });
+    assert_close(&a, &b, 0.0, 0.0);
+    let (a, b) = both(&[i], |xs| xs[0].mul_scalar(3.0)?.sub_scalar(5.0)?.abs()?.sum(&[-1], false));
+    assert_close(&a, &b, 0.0, 0.0);
+}
+
+#[test]
+fn compiled_gradients_are_the_same_natively() {
+    let x = host(host_rand(64 * 80, 8), &[64, 80], DType::F64).requires_grad();
+    let grad = |how: CpuCodegen| {
+        let prev = set_cpu_codegen(Some(how));
+        let f = compile(|x: &Tensor| F::softmax(&x.sin()?.mul_scalar(2.0)?, -1)?.mul(x)?.sum_all());
+        let x = x.detach().requires_grad();
+        f.call(&x).unwrap().backward().unwrap();
+        set_cpu_codegen(prev);
+        vals(&x.grad().unwrap())
+    };
+    assert_close(&grad(CpuCodegen::C), &grad(CpuCodegen::Interpret), 0.0, 0.0);
+}
+
