@@ -164,6 +164,25 @@ fn combine(r: ReduceOp, a: &str, b: &str) -> String {
     }
 }
 
+/// The prelude's vector of eight lanes of `t`, and its functions' suffix.
+fn lane_vector(t: CType) -> (&'static str, &'static str) {
+    match t {
+        CType::F32 => ("kv8f", "f"),
+        CType::F64 => ("kv8d", "d"),
+        _ => ("kv8l", "i"),
+    }
+}
+
+/// Folds eight values `v` into the eight lanes `acc`, lane by lane (both vectors).
+fn lanes(r: ReduceOp, t: CType, acc: &str, v: &str) -> String {
+    let suffix = lane_vector(t).1;
+    match r {
+        ReduceOp::Max => format!("{acc} = kmax8_{suffix}({acc}, {v});"),
+        ReduceOp::Min => format!("{acc} = kmin8_{suffix}({acc}, {v});"),
+        _ => format!("{acc} = {};", combine(r, acc, v)),
+    }
+}
+
 fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
     let plan = RowPlan::new(k);
     let vals = names(k);
@@ -218,10 +237,12 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 let v = arg(&op.args[0], &k.inputs.iter().enumerate().map(|(j, inp)| (CType::of(inp.dtype), format!("x{j}"))).collect::<Vec<_>>(), &vals);
                 let v = convert(v.0, at, &convert(v.0, t, &v.1));
                 let id = r.cuda_identity(at);
-                let _ = writeln!(c, "    {a} l{i}[8] = {{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}};\n    long long c{i} = 0;", a = at.name());
-                let _ = writeln!(c, "    for (; c{i} + 8 <= K; c{i} += 8) {{\n      for (int e = 0; e < 8; e++) {{\n        const long long q = c{i} + e;");
+                let vt = lane_vector(at).0;
+                let _ = writeln!(c, "    {vt} l{i} = {{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}};\n    long long c{i} = 0;");
+                // Eight values computed (a loop that vectorises), then folded into the lanes.
+                let _ = writeln!(c, "    for (; c{i} + 8 <= K; c{i} += 8) {{\n      {vt} v{i};\n      for (int e = 0; e < 8; e++) {{\n        const long long q = c{i} + e;");
                 c.push_str(&element(p, &filled));
-                let _ = writeln!(c, "        l{i}[e] = {};\n      }}\n    }}", combine(r, &format!("l{i}[e]"), &v));
+                let _ = writeln!(c, "        v{i}[e] = {v};\n      }}\n      {}\n    }}", lanes(r, at, &format!("l{i}"), &format!("v{i}")));
                 let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < 8; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e]")), a = at.name());
                 let _ = writeln!(c, "    for (; c{i} < K; c{i}++) {{\n      {{\n        const long long q = c{i};");
                 c.push_str(&element(p, &filled));

@@ -110,7 +110,7 @@ fn compiler() -> Option<&'static (String, String)> {
     .as_ref()
 }
 
-const FLAGS: [&str; 7] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"];
+const FLAGS: [&str; 8] = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"];
 
 fn cache_dir() -> PathBuf {
     crate::backend::cuda::device::nvrtc::cache_dir().map(|d| d.join("cpu")).unwrap_or_else(|| std::env::temp_dir().join("kiln-cpu-kernels"))

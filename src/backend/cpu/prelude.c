@@ -59,8 +59,23 @@ static inline long long kremainder_i(long long a, long long b) { long long r = k
 #define kremainder(a, b) KTYPED(kremainder, a, b)
 
 // A reduction's step and combination: max and min keep the first NaN (ops::reduce::beats).
-#define KMAX(a, b) (((a) == (a) && ((b) != (b) || (b) > (a))) ? (b) : (a))
-#define KMIN(a, b) (((a) == (a) && ((b) != (b) || (b) < (a))) ? (b) : (a))
+#define KMAX(a, b) ((((a) == (a)) & (((b) != (b)) | ((b) > (a)))) ? (b) : (a))
+#define KMIN(a, b) ((((a) == (a)) & (((b) != (b)) | ((b) < (a)))) ? (b) : (a))
+// A row's eight lanes as one vector (lane e holds every eighth value from e on): max and min
+// lane by lane as above (the compiler does not vectorise those selects itself).
+typedef float kv8f __attribute__((vector_size(32)));
+typedef int kv8i __attribute__((vector_size(32)));
+typedef double kv8d __attribute__((vector_size(64)));
+typedef long long kv8l __attribute__((vector_size(64)));
+#define KLANES(V, M, N, OP) static inline V N(V a, V b) { \
+  M m = (a == a) & ((b != b) | (b OP a)); \
+  M r = ((M)b & m) | ((M)a & ~m); return (V)r; }
+KLANES(kv8f, kv8i, kmax8_f, >)
+KLANES(kv8f, kv8i, kmin8_f, <)
+KLANES(kv8d, kv8l, kmax8_d, >)
+KLANES(kv8d, kv8l, kmin8_d, <)
+KLANES(kv8l, kv8l, kmax8_i, >)
+KLANES(kv8l, kv8l, kmin8_i, <)
 
 // F32 functions as ops::pointwise defines them for the CPU (exp_f32, ln_f32, sincos_f32,
 // tanh_f32), with the same constants.
