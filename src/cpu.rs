@@ -3,4 +3,4 @@
 //! that runs compiled kernels (native code from C, or the interpreter).
 
 pub use crate::backend::cpu::pool::{empty_cache, memory_stats, HostMemoryStats};
-pub use crate::backend::cpu::jit::{cpu_codegen_counts, set_cpu_codegen, CpuCodegen, CpuCodegenCounts};
+pub use crate::backend::cpu::jit::{cpu_codegen_counts, cpu_codegen_error, set_cpu_codegen, CpuCodegen, CpuCodegenCounts};

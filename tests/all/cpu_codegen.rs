@@ -24,7 +24,7 @@ fn both(xs: &[Tensor], f: impl Fn(&[Tensor]) -> Result<Tensor> + Clone + Send + 
     let (native, n_native, n_interp_there) = run(CpuCodegen::C);
     let (interp, n_native_there, _) = run(CpuCodegen::Interpret);
     if compiler_found() {
-        assert!(n_native > 0 && n_interp_there == 0, "every kernel ran natively ({n_native} native, {n_interp_there} interpreted; KILN_LOG=kernels says why)");
+        assert!(n_native > 0 && n_interp_there == 0, "every kernel ran natively ({n_native} native, {n_interp_there} interpreted; last build error: {:?})", kiln::cpu::cpu_codegen_error());
     }
     assert_eq!(n_native_there, 0, "the interpreter ran the second");
     (native, interp)

@@ -53,33 +53,40 @@ fn choice() -> CpuCodegen {
 
 static COMPILED: AtomicU64 = AtomicU64::new(0);
 static DISK_HITS: AtomicU64 = AtomicU64::new(0);
-static RUN_C: AtomicU64 = AtomicU64::new(0);
-static RUN_INTERPRETED: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// (native, interpreted) kernel runs by this thread (as the engine is chosen per thread).
+    static RUNS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
 
-/// What ran the CPU's fused kernels in this process.
+/// What ran the CPU's fused kernels: libraries built and loaded in this process, and the
+/// kernel runs of the calling thread.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuCodegenCounts {
     /// Libraries built by the C compiler.
     pub compiled: u64,
     /// Libraries loaded from the disk cache.
     pub disk_hits: u64,
-    /// Kernel runs as native code.
+    /// Kernel runs as native code, by this thread.
     pub native_runs: u64,
-    /// Kernel runs by the interpreter.
+    /// Kernel runs by the interpreter, by this thread.
     pub interpreted_runs: u64,
 }
 
 pub fn cpu_codegen_counts() -> CpuCodegenCounts {
-    CpuCodegenCounts {
-        compiled: COMPILED.load(Ordering::Relaxed),
-        disk_hits: DISK_HITS.load(Ordering::Relaxed),
-        native_runs: RUN_C.load(Ordering::Relaxed),
-        interpreted_runs: RUN_INTERPRETED.load(Ordering::Relaxed),
-    }
+    let (native_runs, interpreted_runs) = RUNS.with(|r| r.get());
+    CpuCodegenCounts { compiled: COMPILED.load(Ordering::Relaxed), disk_hits: DISK_HITS.load(Ordering::Relaxed), native_runs, interpreted_runs }
+}
+
+static LAST_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+/// Why the last kernel that could not be built as native code was not (no compiler, a
+/// compiler error), if one was not.
+pub fn cpu_codegen_error() -> Option<String> {
+    LAST_ERROR.lock().clone()
 }
 
 pub(crate) fn count_interpreted() {
-    RUN_INTERPRETED.fetch_add(1, Ordering::Relaxed);
+    RUNS.with(|r| r.set((r.get().0, r.get().1 + 1)));
 }
 
 type FlatFn = unsafe extern "C" fn(i64, *const *const u8, *const i64, *const *mut u8, *mut u8) -> i32;
@@ -233,6 +240,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
                 let built = build(&cgen::source(k, &name, &walks), &name);
                 if let Err(e) = &built {
                     crate::logging::log(crate::logging::Topic::Kernels, || format!("{}: interpreted on the CPU ({e})", k.name));
+                    *LAST_ERROR.lock() = Some(format!("{}: {e}", k.name));
                 }
                 let built = built.ok();
                 variants.push((walks.clone(), built));
@@ -265,7 +273,7 @@ fn fresh(dtype: DType, n: usize) -> Out {
 }
 
 fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native) -> Result<Vec<Tensor>> {
-    RUN_C.fetch_add(1, Ordering::Relaxed);
+    RUNS.with(|r| r.set((r.get().0 + 1, r.get().1)));
     let row_kernel = matches!(k.space, Space::Rows { .. });
     let outs: Vec<Out> = k
         .outputs
