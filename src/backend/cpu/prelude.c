@@ -14,8 +14,36 @@ static inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i
 static inline unsigned int kbits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 static inline float kfrom(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 
+#if defined(__FLT16_MAX__)
+// The compiler's _Float16 (F16C instructions where the CPU has them).
 static inline float kh2f(unsigned short h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static inline unsigned short kf2h(float f) { _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h; }
+#else
+// Compilers without _Float16: the same conversions by bits (round to nearest even, NaN quieted).
+static inline float kh2f(unsigned short h) {
+  unsigned int sign = (unsigned int)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1f) return kfrom(m ? (sign | 0x7fc00000u | (m << 13)) : (sign | 0x7f800000u));
+  if (e == 0) { float v = (float)m * 5.9604644775390625e-8f; return sign ? -v : v; }
+  return kfrom(sign | ((e + 112) << 23) | (m << 13));
+}
+static inline unsigned short kf2h(float f) {
+  unsigned int x = kbits(f), sign = (x >> 16) & 0x8000u, e = (x >> 23) & 0xffu, m = x & 0x7fffffu;
+  if (e == 0xff) return (unsigned short)(sign | 0x7c00u | (m ? (0x200u | (m >> 13)) : 0u));
+  int ee = (int)e - 112;
+  if (ee >= 31) return (unsigned short)(sign | 0x7c00u);
+  if (ee <= 0) {
+    if (ee < -10) return (unsigned short)sign;
+    m |= 0x800000u;
+    int shift = 14 - ee;
+    unsigned int r = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u))) r++;
+    return (unsigned short)(sign | r);
+  }
+  unsigned int r = ((unsigned int)ee << 10) | (m >> 13), rem = m & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+  return (unsigned short)(sign | r);
+}
+#endif
 static inline float kb2f(unsigned short b) { return kfrom(((unsigned int)b) << 16); }
 static inline unsigned short kf2b(float f) {
   unsigned int x = kbits(f);
