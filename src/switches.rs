@@ -17,7 +17,7 @@ pub(crate) fn cache_dir() -> Option<PathBuf> {
 }
 
 /// `KILN_CPU_CODEGEN` (`c` or `interpret`): what runs the compiler's fused kernels on the CPU
-/// (`backend::cpu::jit`; unset: C for kernels of 4096 values or more, where a compiler is found).
+/// (`backend::cpu::jit`; unset: C for kernels of 256 values or more, where a compiler is found).
 pub(crate) fn cpu_codegen() -> Option<&'static str> {
     static V: OnceLock<Option<String>> = OnceLock::new();
     V.get_or_init(|| std::env::var("KILN_CPU_CODEGEN").ok()).as_deref()

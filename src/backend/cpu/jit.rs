@@ -18,14 +18,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// Kernels smaller than this run in the interpreter unless C is forced.
-pub(crate) const MIN_ELEMENTS: usize = 1 << 12;
+pub(crate) const MIN_ELEMENTS: usize = 1 << 8;
 /// Elements per task of a flat kernel (rows per task: about as many values).
 const CHUNK: usize = 1 << 14;
 
 /// Which engine runs the compiler's fused kernels on the CPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CpuCodegen {
-    /// C where a compiler is found, for kernels of at least 4096 values (the default).
+    /// C where a compiler is found, for kernels of at least 256 values (the default).
     Auto,
     /// C for every kernel it covers.
     C,
