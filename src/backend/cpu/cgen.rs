@@ -14,6 +14,10 @@ use std::fmt::Write;
 
 pub(crate) const PRELUDE: &str = include_str!("prelude.c");
 
+/// What every kernel's library exports: one library per source, so the source names no graph
+/// position and kernels of the same code share it.
+pub(crate) const SYMBOL: &str = "kiln_kernel";
+
 /// How a kernel reads one input: element i at i, at 0 (one value for the whole run or row) or
 /// at i times a stride (a row kernel's row values: row i at i times their stride).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -40,8 +44,12 @@ fn has_trig(k: &FusedKernel) -> bool {
 
 /// The name and type of a value: input j is `x{j}`, op i `t{i}`; views and broadcasts are
 /// their argument.
+fn input_names(k: &FusedKernel) -> Vec<(CType, String)> {
+    k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect()
+}
+
 fn names(k: &FusedKernel) -> Vec<(CType, String)> {
-    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect();
+    let ins = input_names(k);
     let mut vals: Vec<(CType, String)> = vec![];
     for (i, op) in k.ops.iter().enumerate() {
         let v = match op.kind {
@@ -67,14 +75,15 @@ fn define(k: &FusedKernel, i: usize, vals: &[(CType, String)]) -> String {
     if let KKind::Same | KKind::Broadcast = op.kind {
         return String::new();
     }
-    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, inp)| (CType::of(inp.dtype), format!("x{j}"))).collect();
+    let ins = input_names(k);
     let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, vals)).collect();
     let (t, e) = lower(op, &args);
     format!("const {} t{i} = {e};", t.name())
 }
 
-/// The full source of kernel `k` for inputs read as `walks`, exporting `name`.
-pub(crate) fn source(k: &FusedKernel, name: &str, walks: &[Walk]) -> String {
+/// The full source of kernel `k` for inputs read as `walks`, exporting `SYMBOL`.
+pub(crate) fn source(k: &FusedKernel, walks: &[Walk]) -> String {
+    let name = SYMBOL;
     let mut c = String::from(PRELUDE);
     let body = match k.space {
         Space::Flat { .. } => flat_body(k, walks),
@@ -234,7 +243,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 let p = &plan.passes[reduces.iter().position(|&x| x == i).expect("a reduction")];
                 let t = CType::of(op.dtype);
                 let at = acc_type(r, t);
-                let v = arg(&op.args[0], &k.inputs.iter().enumerate().map(|(j, inp)| (CType::of(inp.dtype), format!("x{j}"))).collect::<Vec<_>>(), &vals);
+                let v = arg(&op.args[0], &input_names(k), &vals);
                 let v = convert(v.0, at, &convert(v.0, t, &v.1));
                 let id = r.cuda_identity(at);
                 let vt = lane_vector(at).0;

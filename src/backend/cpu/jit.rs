@@ -92,10 +92,12 @@ pub(crate) fn count_interpreted() {
 type FlatFn = unsafe extern "C" fn(i64, *const *const u8, *const i64, *const *mut u8, *mut u8) -> i32;
 type RowsFn = unsafe extern "C" fn(i64, i64, i64, *const *const u8, *const i64, *const *mut u8, *mut u8) -> i32;
 
-/// A loaded kernel (its library is kept loaded for the process).
+/// A loaded kernel (its library is kept loaded for the process), and the scratch bytes per
+/// column a row kernel's task needs.
 #[derive(Clone, Copy)]
 struct Native {
     sym: usize,
+    scratch_per_col: usize,
 }
 
 /// Per kernel: its loaded variants by input walks (None: it could not be built).
@@ -123,7 +125,8 @@ fn cache_dir() -> PathBuf {
     crate::backend::cuda::device::nvrtc::cache_dir().map(|d| d.join("cpu")).unwrap_or_else(|| std::env::temp_dir().join("kiln-cpu-kernels"))
 }
 
-/// Builds (or finds on disk) and loads the library of `src`, returning its `name` symbol.
+/// Builds (or finds on disk) and loads the library of `src`, returning its `cgen::SYMBOL`.
+/// `name` (the kernel's) is for the log.
 fn build(src: &str, name: &str) -> std::result::Result<Native, String> {
     let (cc, ident) = compiler().ok_or("no C compiler (set CC)")?;
     let key = format!("{:016x}", crate::hash::fnv64(&[src.as_bytes(), ident.as_bytes(), FLAGS.join(" ").as_bytes()]));
@@ -151,9 +154,9 @@ fn build(src: &str, name: &str) -> std::result::Result<Native, String> {
     }
     // SAFETY: the library is one this module generated: no initialisers beyond the C runtime's.
     let lib = unsafe { libloading::Library::new(&lib_path) }.map_err(|e| format!("{}: {e}", lib_path.display()))?;
-    // SAFETY: the symbol is the kernel function `cgen::source` exported under `name`.
-    let sym = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) }.map_err(|e| format!("{name}: {e}"))?;
-    let native = Native { sym: *sym as usize };
+    // SAFETY: the symbol is the kernel function `cgen::source` exports.
+    let sym = unsafe { lib.get::<unsafe extern "C" fn()>(cgen::SYMBOL.as_bytes()) }.map_err(|e| format!("{name}: {e}"))?;
+    let native = Native { sym: *sym as usize, scratch_per_col: 0 };
     // Loaded for the rest of the process (kernels are kept by their memos).
     std::mem::forget(lib);
     Ok(native)
@@ -171,9 +174,8 @@ struct Operand {
 
 /// `t` seen as `view` (its element count), if its strides allow: the last dim is the run; a
 /// flat view of one dim is one run split into chunks, of two, one run per row.
-fn operand(t: &Tensor, view: &[usize], row_kernel: bool, row_value: bool) -> Option<Operand> {
-    let g = t.storage().data.read_recursive();
-    let BackendStorage::Cpu(s) = &*g else { return None };
+fn operand(t: &Tensor, storage: &BackendStorage, view: &[usize], row_kernel: bool, row_value: bool) -> Option<Operand> {
+    let BackendStorage::Cpu(s) = storage else { return None };
     let base = with_storage!(s, v => v.as_ptr() as usize);
     let ptr = base + t.layout().offset * t.dtype().size_in_bytes();
     if t.numel() == 1 {
@@ -215,12 +217,14 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
         return None;
     }
     let row_kernel = matches!(k.space, Space::Rows { .. });
+    // Inputs stay readable (and alive) from their addresses being taken until the code has run.
+    let held: Vec<_> = inputs.iter().map(|t| t.storage().data.read_recursive()).collect();
     // Row inputs as [rows, cols] or [rows]; flat inputs as one run where each one's strides
     // allow, else as runs along the kernel's last dim (a broadcast bias, a transpose).
     let view_all = |flat: &[usize]| -> Option<Vec<Operand>> {
-        k.inputs.iter().zip(inputs).map(|(inp, t)| {
+        k.inputs.iter().zip(inputs).zip(&held).map(|((inp, t), g)| {
             let view: Vec<usize> = if !row_kernel { flat.to_vec() } else if inp.row { vec![rows] } else { vec![rows, cols] };
-            operand(t, &view, row_kernel, inp.row)
+            operand(t, g, &view, row_kernel, inp.row)
         }).collect()
     };
     let last = shape.last().copied().unwrap_or(1).max(1);
@@ -236,8 +240,8 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
         match variants.iter().find(|(w, _)| *w == walks) {
             Some((_, n)) => (*n)?,
             None => {
-                let name = format!("kiln_{}", k.name);
-                let built = build(&cgen::source(k, &name, &walks), &name);
+                // Kernels of the same code (one per layer of a model) share one library.
+                let built = build(&cgen::source(k, &walks), &k.name).map(|n| Native { scratch_per_col: cgen::scratch_per_col(k), ..n });
                 if let Err(e) = &built {
                     crate::logging::log(crate::logging::Topic::Kernels, || format!("{}: interpreted on the CPU ({e})", k.name));
                     *LAST_ERROR.lock() = Some(format!("{}: {e}", k.name));
@@ -248,9 +252,9 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
             }
         }
     };
-    // Inputs stay readable (and alive) while the code runs.
-    let _held: Vec<_> = inputs.iter().map(|t| t.storage().data.read_recursive()).collect();
-    Some(launch(k, shape, rows, cols, &ops, runs, native))
+    let outs = launch(k, shape, rows, cols, &ops, runs, native);
+    drop(held);
+    Some(outs)
 }
 
 /// Output m's storage, written by the native code (every element) before it is read.
@@ -288,7 +292,7 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
     let strides: Vec<i64> = ops.iter().map(|o| o.stride).collect();
     let sizes: Vec<usize> = k.inputs.iter().map(|i| i.dtype.size_in_bytes()).collect();
     let out_sizes: Vec<usize> = k.outputs.iter().map(|(o, _)| k.ops[*o].dtype.size_in_bytes()).collect();
-    let scratch_per_col = cgen::scratch_per_col(k);
+    let scratch_per_col = native.scratch_per_col;
     if row_kernel {
         // SAFETY: `native` was built from a row kernel's source, whose signature this is.
         let f: RowsFn = unsafe { std::mem::transmute::<usize, RowsFn>(native.sym) };
