@@ -5,7 +5,7 @@
 
 use crate::backend::cuda::kernels::codegen::{convert, load, store};
 use crate::dtype::CType;
-use crate::kir::{KKind, KOp};
+use crate::kir::{FusedKernel, KKind, KOp, ValueRef};
 
 /// The type each op computes in and the C expression of its value, given its arguments'.
 pub(crate) fn lower(op: &KOp, args: &[(CType, String)]) -> (CType, String) {
@@ -35,5 +35,32 @@ fn literal(v: f64, t: CType) -> String {
         CType::F64 => format!("__longlong_as_double({}ll)", v.to_bits() as i64),
         CType::I64 => format!("{}ll", v as i64),
         CType::Bool => (if v != 0.0 { "true" } else { "false" }).into(),
+    }
+}
+
+/// A value's C type and name.
+pub(crate) type Named = (CType, String);
+
+/// The C names and types of a kernel's values: input j is `x{j}` (its own type), op i `t{i}` in
+/// the type it computes in; views and broadcasts are their argument's name.
+pub(crate) fn value_names(k: &FusedKernel) -> (Vec<Named>, Vec<Named>) {
+    let ins: Vec<Named> = k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect();
+    let mut vals: Vec<Named> = Vec::with_capacity(k.ops.len());
+    for op in &k.ops {
+        let v = match op.kind {
+            KKind::Same | KKind::Broadcast => arg(&op.args[0], &ins, &vals),
+            KKind::Reduce(_) => (CType::of(op.dtype), format!("t{}", vals.len())),
+            _ => (lower(op, &op.args.iter().map(|a| arg(a, &ins, &vals)).collect::<Vec<_>>()).0, format!("t{}", vals.len())),
+        };
+        vals.push(v);
+    }
+    (ins, vals)
+}
+
+/// The C name and type of an argument.
+pub(crate) fn arg(a: &ValueRef, ins: &[Named], vals: &[Named]) -> Named {
+    match a {
+        ValueRef::In(j) => ins[*j].clone(),
+        ValueRef::Op(j) => vals[*j].clone(),
     }
 }

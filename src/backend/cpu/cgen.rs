@@ -5,10 +5,10 @@
 //! stores), folding reductions over eight interleaved lanes in the interpreter's order
 //! (`fused::fold`), so both give the same sums.
 
-use crate::backend::cexpr::lower;
+use crate::backend::cexpr::{arg, lower, value_names};
 use crate::backend::cuda::kernels::codegen::{convert, load, storage_type, store};
 use crate::dtype::CType;
-use crate::kir::{FusedKernel, KKind, RowPass, RowPlan, Space, ValueRef};
+use crate::kir::{FusedKernel, KKind, RowPass, RowPlan, Space};
 use crate::ops::{ReduceOp, UnaryOp};
 use std::fmt::Write;
 
@@ -42,41 +42,14 @@ fn has_trig(k: &FusedKernel) -> bool {
     k.ops.iter().any(|o| matches!(o.kind, KKind::Unary(UnaryOp::Sin | UnaryOp::Cos)) && o.unary_type() == CType::F32)
 }
 
-/// The name and type of a value: input j is `x{j}`, op i `t{i}`; views and broadcasts are
-/// their argument.
-fn input_names(k: &FusedKernel) -> Vec<(CType, String)> {
-    k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect()
-}
-
-fn names(k: &FusedKernel) -> Vec<(CType, String)> {
-    let ins = input_names(k);
-    let mut vals: Vec<(CType, String)> = vec![];
-    for (i, op) in k.ops.iter().enumerate() {
-        let v = match op.kind {
-            KKind::Same | KKind::Broadcast => arg(&op.args[0], &ins, &vals),
-            KKind::Reduce(_) => (CType::of(op.dtype), format!("t{i}")),
-            _ => (lower(op, &op.args.iter().map(|a| arg(a, &ins, &vals)).collect::<Vec<_>>()).0, format!("t{i}")),
-        };
-        vals.push(v);
-    }
-    vals
-}
-
-fn arg(a: &ValueRef, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
-    match a {
-        ValueRef::In(j) => ins[*j].clone(),
-        ValueRef::Op(j) => vals[*j].clone(),
-    }
-}
-
-/// `const T t{i} = ...;` for op i (nothing for views and broadcasts).
-fn define(k: &FusedKernel, i: usize, vals: &[(CType, String)]) -> String {
+/// `const T t{i} = ...;` for op i (nothing for views and broadcasts), given the kernel's value
+/// names (`cexpr::value_names`).
+fn define(k: &FusedKernel, i: usize, ins: &[(CType, String)], vals: &[(CType, String)]) -> String {
     let op = &k.ops[i];
     if let KKind::Same | KKind::Broadcast = op.kind {
         return String::new();
     }
-    let ins = input_names(k);
-    let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, vals)).collect();
+    let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, ins, vals)).collect();
     let (t, e) = lower(op, &args);
     format!("const {} t{i} = {e};", t.name())
 }
@@ -131,7 +104,7 @@ fn pointers(k: &FusedKernel, c: &mut String) {
 }
 
 fn flat_body(k: &FusedKernel, walks: &[Walk]) -> String {
-    let vals = names(k);
+    let (ins, vals) = value_names(k);
     let mut c = String::new();
     pointers(k, &mut c);
     c.push_str("  for (long long i = 0; i < n; i++) {\n");
@@ -139,7 +112,7 @@ fn flat_body(k: &FusedKernel, walks: &[Walk]) -> String {
         let _ = writeln!(c, "    const {} x{j} = {};", CType::of(inp.dtype).name(), flat_load(k, j, walks[j]));
     }
     for i in 0..k.ops.len() {
-        let d = define(k, i, &vals);
+        let d = define(k, i, &ins, &vals);
         if !d.is_empty() {
             let _ = writeln!(c, "    {d}");
         }
@@ -194,7 +167,7 @@ fn lanes(r: ReduceOp, t: CType, acc: &str, v: &str) -> String {
 
 fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
     let plan = RowPlan::new(k);
-    let vals = names(k);
+    let (ins, vals) = value_names(k);
     let mut c = String::new();
     pointers(k, &mut c);
     // Expensive values read by several passes: one row's worth each, in the scratch buffer
@@ -228,7 +201,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
             if filled[i] {
                 let _ = writeln!(s, "        const {} t{i} = at{i}[q];", vals[i].0.name());
             } else {
-                let _ = writeln!(s, "        {}", define(k, i, &vals));
+                let _ = writeln!(s, "        {}", define(k, i, &ins, &vals));
                 if plan.op_array[i] {
                     let _ = writeln!(s, "        at{i}[q] = t{i};");
                 }
@@ -243,7 +216,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 let p = &plan.passes[reduces.iter().position(|&x| x == i).expect("a reduction")];
                 let t = CType::of(op.dtype);
                 let at = acc_type(r, t);
-                let v = arg(&op.args[0], &input_names(k), &vals);
+                let v = arg(&op.args[0], &ins, &vals);
                 let v = convert(v.0, at, &convert(v.0, t, &v.1));
                 let id = r.cuda_identity(at);
                 let vt = lane_vector(at).0;
@@ -263,7 +236,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
             }
             KKind::Same | KKind::Broadcast => {}
             _ if !plan.elem[i] => {
-                let _ = writeln!(c, "    {}", define(k, i, &vals));
+                let _ = writeln!(c, "    {}", define(k, i, &ins, &vals));
             }
             _ => {}
         }

@@ -12,7 +12,7 @@ use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt::Write;
-use crate::backend::cexpr::lower;
+use crate::backend::cexpr::{arg, lower, value_names};
 
 /// Runs a fused kernel on its inputs (real tensors, in `k.inputs` order); returns its outputs.
 /// `into[m]`, when set, is a contiguous tensor of output m's size and dtype that a flat kernel
@@ -277,8 +277,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let _ = writeln!(c, "  for (long long row = blockIdx.x; row < M; row += gridDim.x) {{");
     // Every value has a C name: x{j} for input j, t{i} for op i (per row or, inside a pass,
     // per element); reshapes and broadcasts are their argument's name.
-    let ins: Vec<(CType, String)> = k.inputs.iter().enumerate().map(|(j, i)| (CType::of(i.dtype), format!("x{j}"))).collect();
-    let mut vals: Vec<(CType, String)> = vec![];
+    let (ins, vals) = value_names(k);
     for (j, inp) in k.inputs.iter().enumerate() {
         let t = CType::of(inp.dtype);
         if inp.row {
@@ -289,14 +288,6 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 let _ = writeln!(c, "    {} ax{j}[VPT];", t.name());
             }
         }
-    }
-    for op in &k.ops {
-        let v = match op.kind {
-            KKind::Same | KKind::Broadcast => arg_val(&op.args[0], &ins, &vals),
-            KKind::Reduce(_) => (CType::of(op.dtype), format!("t{}", vals.len())),
-            _ => (lower(op, &op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect::<Vec<_>>()).0, format!("t{}", vals.len())),
-        };
-        vals.push(v);
     }
     // An op's register array takes over an input's array of the same type whose last reader
     // is the pass that fills the op's (each element is read before it is overwritten): fewer
@@ -371,7 +362,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let (t, e) = if filled_op[i] {
                 (vals[i].0, format!("{}[j]", arr[i]))
             } else {
-                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect();
+                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
                 lower(op, &args)
             };
             let _ = writeln!(c, "          const {} t{i} = {e};", t.name());
@@ -388,7 +379,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         match &op.kind {
             KKind::Reduce(r) => {
                 let t = CType::of(op.dtype);
-                let a = arg_val(&op.args[0], &ins, &vals);
+                let a = arg(&op.args[0], &ins, &vals);
                 let each = format!("          acc{i} = {}(acc{i}, {});\n", comb_name(*r, t), convert(a.0, t, &a.1));
                 let _ = writeln!(c, "    {} acc{i} = {};", t.name(), r.cuda_identity(t));
                 pass(&mut c, &plan.passes[pass_of(i)], &each, "", "");
@@ -396,7 +387,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             }
             KKind::Same | KKind::Broadcast => {}
             _ if !plan.elem[i] => {
-                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg_val(a, &ins, &vals)).collect();
+                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
                 let (t, e) = lower(op, &args);
                 let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
             }
@@ -424,14 +415,6 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     }
     c.push_str("  }\n}\n");
     c
-}
-
-/// The C name and type of an argument.
-fn arg_val(a: &ValueRef, ins: &[(CType, String)], vals: &[(CType, String)]) -> (CType, String) {
-    match a {
-        ValueRef::In(j) => ins[*j].clone(),
-        ValueRef::Op(j) => vals[*j].clone(),
-    }
 }
 
 fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
