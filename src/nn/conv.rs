@@ -1,20 +1,14 @@
 //! Convolution and pooling over `[N, C, H, W]`. conv2d checks its arguments and applies the
 //! `Conv2d` primitive (cuDNN on CUDA, im2col + one matmul elsewhere: `ops::conv`), then adds
 //! the bias as a separate op the compiler can fuse. Pooling is a composition of primitives:
-//! padding and one index_select gather the windows, argmax + gather pools.
+//! padding and the window's strided views, stacked, then argmax + gather (max) or a sum (mean).
 
 use super::{init, Module};
-use crate::ops::conv::{check_positive, out_len, unfold};
+use crate::ops::conv::{check_positive, out_len};
 use crate::ops::{apply, Op};
 use crate::{DType, Device, Error, Result, Tensor};
 
 pub use crate::ops::conv::Conv2dArgs;
-
-/// `[N, OH * OW, C]` channels-last rows back to `[N, C, OH, OW]` (a view).
-fn to_nchw(y: &Tensor, out: (usize, usize)) -> Result<Tensor> {
-    let (n, c) = (y.shape()[0], y.shape()[2]);
-    y.reshape_usize(&[n, out.0, out.1, c])?.permute(&[0, 3, 1, 2])
-}
 
 /// 4-D input (or 3-D unbatched, given a batch dim of 1); whether it was unbatched.
 fn batched(op: &'static str, x: &Tensor) -> Result<(Tensor, bool)> {
@@ -144,11 +138,15 @@ fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(T
     let span = (d.0 * (k.0 - 1) + 1, d.1 * (k.1 - 1) + 1);
     let padded = pad_for_windows(&x, args.padding, span, s, (oh, ow), f64::NEG_INFINITY)?;
     let (y, idx) = if indices || (crate::is_grad_enabled() && x.is_requires_grad()) {
-        // Windows, then the first maximum of each: its position is where PyTorch sends the
-        // gradient, and the index it returns.
-        let ws = unfold(&padded, k, s, d, (oh, ow))?;
-        let first_max = crate::no_grad(|| ws.argmax(2, true))?;
-        let y = to_nchw(&ws.gather(2, &first_max)?.squeeze(2)?, (oh, ow))?;
+        // Windows `[N, C, OH, OW, KH * KW]` stacked from strided views, then the first maximum
+        // of each: its position is where PyTorch sends the gradient, and the index it returns.
+        // Stacked views (not a gather of overlapping windows) keep the backward a sum of padded
+        // slices, the same bits on every run, where a scatter of overlapping windows would add
+        // in the order atomics land.
+        let views: Vec<Tensor> = (0..k.0).flat_map(|i| (0..k.1).map(move |j| (i, j))).map(|(i, j)| strided_window(&padded, (i * d.0, j * d.1), s, (oh, ow))).collect::<Result<_>>()?;
+        let ws = crate::ops::movement::stack(&views.iter().collect::<Vec<_>>(), 4)?;
+        let first_max = crate::no_grad(|| ws.argmax(4, true))?;
+        let y = ws.gather(4, &first_max)?.squeeze(4)?;
         let idx = if indices { Some(window_positions(&x, args, (oh, ow), &first_max)?) } else { None };
         (y, idx)
     } else {
@@ -180,7 +178,7 @@ fn strided_window(padded: &Tensor, at: (usize, usize), s: (usize, usize), out: (
         .slice(3, at.1 as i64, (at.1 + s.1 * (out.1 - 1) + 1) as i64, s.1)
 }
 
-/// Flat input positions `h * W + w` of the window elements `which` (`[N, OH * OW, 1, C]`, each
+/// Flat input positions `h * W + w` of the window elements `which` (`[N, C, OH, OW, 1]`, each
 /// an index into its window's kh * kw elements) picked, as `[N, C, OH, OW]` I64.
 fn window_positions(x: &Tensor, a: &MaxPool2dArgs, out: (usize, usize), which: &Tensor) -> Result<Tensor> {
     let w = x.shape()[3] as i64;
@@ -197,9 +195,9 @@ fn window_positions(x: &Tensor, a: &MaxPool2dArgs, out: (usize, usize), which: &
             }
         }
     }
-    let table = Tensor::from_vec(table, &[1, out.0 * out.1, k.0 * k.1, 1], &x.device())?;
-    let table = table.broadcast_to(&[which.shape()[0], out.0 * out.1, k.0 * k.1, which.shape()[3]])?;
-    to_nchw(&table.gather(2, which)?.squeeze(2)?, out)?.contiguous()
+    let table = Tensor::from_vec(table, &[1, 1, out.0, out.1, k.0 * k.1], &x.device())?;
+    let table = table.broadcast_to(&[which.shape()[0], which.shape()[1], out.0, out.1, k.0 * k.1])?;
+    table.gather(4, which)?.squeeze(4)?.contiguous()
 }
 
 /// Mean over `kernel` windows (`F.avg_pool2d`): zero padding, `ceil_mode` as max pooling's;

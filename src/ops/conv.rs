@@ -69,7 +69,7 @@ pub(crate) fn out_shape(a: &Conv2dArgs, x: &[usize], w: &[usize]) -> Result<Vec<
 /// The `kh * kw` windows of padded `x` `[N, C, Hp, Wp]`, channels last:
 /// `[N, OH * OW, kh * kw, C]`. One index_select over the flattened positions; a 1x1 kernel is a
 /// strided view instead.
-pub(crate) fn unfold(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
+fn unfold(x: &Tensor, k: (usize, usize), stride: (usize, usize), dil: (usize, usize), out: (usize, usize)) -> Result<Tensor> {
     let (n, c, hp, wp) = (x.shape()[0], x.shape()[1], x.shape()[2], x.shape()[3]);
     let l = out.0 * out.1;
     if k == (1, 1) {
