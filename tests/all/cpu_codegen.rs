@@ -113,3 +113,17 @@ fn compiled_gradients_are_the_same_natively() {
     assert_close(&grad(CpuCodegen::C), &grad(CpuCodegen::Interpret), 0.0, 0.0);
 }
 
+
+#[test]
+fn row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged() {
+    // Over 8 MiB of output, in rows whose starts fall at every alignment (odd widths): the
+    // streaming stores' unaligned heads and tails.
+    for (dt, rows, cols) in [(DType::F32, 1030, 2051), (DType::F64, 520, 2049)] {
+        let x = host(host_rand(rows * cols, 5), &[rows, cols], dt);
+        let w = host(host_rand(cols, 6), &[cols], dt);
+        let (p, q) = both(std::slice::from_ref(&x), |xs| F::softmax(&xs[0], -1));
+        assert_close_named(&format!("softmax {dt:?}"), &p, &q, 0.0, 0.0);
+        let (p, q) = both(&[x, w], move |xs| F::layer_norm(&xs[0], &[cols], Some(&xs[1]), None, 1e-5));
+        assert_close_named(&format!("layer_norm {dt:?}"), &p, &q, 0.0, 0.0);
+    }
+}

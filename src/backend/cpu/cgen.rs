@@ -165,16 +165,41 @@ fn lanes(r: ReduceOp, t: CType, acc: &str, v: &str) -> String {
     }
 }
 
+/// Values a row reduction computes per block (in their own type, converted to the accumulator's
+/// as they fold into its lanes): a multiple of eight; a block of F64 is 2 KiB of stack.
+const BLOCK: usize = 256;
+
+/// Bytes a row kernel writes to its full outputs from which it streams them past the caches
+/// (`kstream`): well beyond what the caches could keep for the next kernel.
+const STREAM_BYTES: usize = 8 << 20;
+
+/// Whether row kernel `k` writes its full outputs with streaming stores: large outputs, in rows
+/// long enough that the stores stay whole cache lines.
+fn streams(k: &FusedKernel) -> bool {
+    let Space::Rows { rows, cols } = k.space else { return false };
+    let row_bytes: usize = k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| cols * k.ops[*o].dtype.size_in_bytes()).sum();
+    row_bytes >= 1024 && rows * row_bytes >= STREAM_BYTES
+}
+
 fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
     let plan = RowPlan::new(k);
     let (ins, vals) = value_names(k);
+    let stream = streams(k);
     let mut c = String::new();
     pointers(k, &mut c);
     // Expensive values read by several passes: one row's worth each, in the scratch buffer
     // (the caller gives 8 bytes per column per array).
     let arrays: Vec<usize> = (0..k.ops.len()).filter(|&i| plan.op_array[i]).collect();
     for (a, &i) in arrays.iter().enumerate() {
-        let _ = writeln!(c, "  {t}* at{i} = ({t}*)((char*)scratch + (long long){a} * K * 8);", t = vals[i].0.name());
+        // `restrict`: scratch aliases nothing, so the passes' loops need no overlap checks.
+        let _ = writeln!(c, "  {t}* restrict at{i} = ({t}*)((char*)scratch + (long long){a} * K * 8);", t = vals[i].0.name());
+    }
+    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
+    if stream {
+        // Each full output's row is finished in scratch, then streamed out.
+        for (a, &m) in full.iter().enumerate() {
+            let _ = writeln!(c, "  {t}* restrict ob{m} = ({t}*)((char*)scratch + (long long){} * K * 8);", arrays.len() + a, t = storage_type(k.ops[k.outputs[m].0].dtype));
+        }
     }
     c.push_str("  for (long long row = r0; row < r1; row++) {\n");
     for (j, inp) in k.inputs.iter().enumerate() {
@@ -217,18 +242,22 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 let t = CType::of(op.dtype);
                 let at = acc_type(r, t);
                 let v = arg(&op.args[0], &ins, &vals);
-                let v = convert(v.0, at, &convert(v.0, t, &v.1));
+                let v = convert(v.0, t, &v.1);
                 let id = r.cuda_identity(at);
                 let vt = lane_vector(at).0;
                 let _ = writeln!(c, "    {vt} l{i} = {{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}};\n    long long c{i} = 0;");
-                // Eight values computed (a loop that vectorises), then folded into the lanes.
-                let _ = writeln!(c, "    for (; c{i} + 8 <= K; c{i} += 8) {{\n      {vt} v{i};\n      for (int e = 0; e < 8; e++) {{\n        const long long q = c{i} + e;");
+                // A block of values computed by a plain loop (which the compiler vectorises at
+                // its widest), then folded eight at a time into the lanes: the interpreter's
+                // order, so the same bits.
+                let _ = writeln!(c, "    while (c{i} + 8 <= K) {{\n      long long n{i} = (K - c{i}) & ~7LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};\n      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", tn = t.name());
+                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e++) {{\n        const long long q = c{i} + e;");
                 c.push_str(&element(p, &filled));
-                let _ = writeln!(c, "        v{i}[e] = {v};\n      }}\n      {}\n    }}", lanes(r, at, &format!("l{i}"), &format!("v{i}")));
+                let _ = writeln!(c, "        b{i}[e] = {v};\n      }}");
+                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e += 8) {{\n        {vt} v{i};\n        for (int j = 0; j < 8; j++) v{i}[j] = {};\n        {}\n      }}\n      c{i} += n{i};\n    }}", convert(t, at, &format!("b{i}[e + j]")), lanes(r, at, &format!("l{i}"), &format!("v{i}")));
                 let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < 8; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e]")), a = at.name());
                 let _ = writeln!(c, "    for (; c{i} < K; c{i}++) {{\n      {{\n        const long long q = c{i};");
                 c.push_str(&element(p, &filled));
-                let _ = writeln!(c, "        a{i} = {};\n      }}\n    }}", combine(r, &format!("a{i}"), &v));
+                let _ = writeln!(c, "        a{i} = {};\n      }}\n    }}", combine(r, &format!("a{i}"), &convert(t, at, &v)));
                 let _ = writeln!(c, "    const {} t{i} = {};", t.name(), convert(at, t, &format!("a{i}")));
                 for &o in &p.ops {
                     filled[o] |= plan.op_array[o];
@@ -241,16 +270,21 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
             _ => {}
         }
     }
-    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
     if !full.is_empty() {
         let p = plan.passes.last().expect("an output pass");
         c.push_str("    for (long long q = 0; q < K; q++) {\n      {\n");
         c.push_str(&element(p, &filled));
         for &m in &full {
             let o = k.outputs[m].0;
-            let _ = writeln!(c, "        o{m}[row * K + q] = {};", store(k.ops[o].dtype, vals[o].0, &vals[o].1));
+            let to = if stream { format!("ob{m}[q]") } else { format!("o{m}[row * K + q]") };
+            let _ = writeln!(c, "        {to} = {};", store(k.ops[o].dtype, vals[o].0, &vals[o].1));
         }
         c.push_str("      }\n    }\n");
+        if stream {
+            for &m in &full {
+                let _ = writeln!(c, "    kstream(o{m} + row * K, ob{m}, K * (long long)sizeof(*ob{m}));");
+            }
+        }
     }
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if k.ops[*o].row {
@@ -258,13 +292,20 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
         }
     }
     c.push_str("  }\n");
+    if stream {
+        c.push_str("  kfence();\n");
+    }
     c
 }
 
-/// Bytes of scratch a row kernel's run needs per column (8 per kept array).
+/// Bytes of scratch a row kernel's run needs per column: 8 per kept array, and per full output
+/// when it streams.
 pub(crate) fn scratch_per_col(k: &FusedKernel) -> usize {
     match k.space {
-        Space::Rows { .. } => 8 * RowPlan::new(k).op_array.iter().filter(|&&a| a).count(),
+        Space::Rows { .. } => {
+            let outs = if streams(k) { k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).count() } else { 0 };
+            8 * (RowPlan::new(k).op_array.iter().filter(|&&a| a).count() + outs)
+        }
         Space::Flat { .. } => 0,
     }
 }

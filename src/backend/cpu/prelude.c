@@ -9,6 +9,41 @@
 #include <string.h>
 typedef unsigned long long u64;
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
+// Copies a finished row to its output with non-temporal stores where the CPU has them: a
+// large output goes to memory without first being read into the cache (which doubles a
+// kernel's memory traffic) and without evicting its inputs. `kfence` orders them before the
+// kernel returns.
+static inline void kstream(void* dst, const void* src, long long bytes) {
+  char* d = (char*)dst;
+  const char* s = (const char*)src;
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__)
+  long long head = (long long)((64 - ((unsigned long long)d & 63)) & 63);
+  head = head < bytes ? head : bytes;
+  memcpy(d, s, (size_t)head);
+  d += head; s += head; bytes -= head;
+  for (; bytes >= 64; bytes -= 64, d += 64, s += 64) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512((__m512i*)d, _mm512_loadu_si512((const void*)s));
+#elif defined(__AVX__)
+    _mm256_stream_si256((__m256i*)d, _mm256_loadu_si256((const __m256i*)s));
+    _mm256_stream_si256((__m256i*)(d + 32), _mm256_loadu_si256((const __m256i*)(s + 32)));
+#else
+    for (int k = 0; k < 64; k += 16) _mm_stream_si128((__m128i*)(d + k), _mm_loadu_si128((const __m128i*)(s + k)));
+#endif
+  }
+#endif
+  memcpy(d, s, (size_t)bytes);
+}
+static inline void kfence(void) {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 static inline double __longlong_as_double(long long i) { double d; memcpy(&d, &i, 8); return d; }
 static inline unsigned int kbits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
