@@ -5,7 +5,7 @@
 pub use crate::backend::cuda::device::alloc::MemoryStats;
 pub use crate::backend::cuda::device::nvrtc::{kernel_cache_counts, KernelSource};
 pub use crate::backend::cuda::device::{
-    allow_tf32, cudnn_version, device_count, device_name, empty_cache, kernel_cache_dir, kernels_loaded, launch_count, memory_stats, reset_peak_memory_stats, set_allow_tf32,
+    allow_tf32, cudnn_deterministic, cudnn_version, device_count, device_name, empty_cache, kernel_cache_dir, kernels_loaded, launch_count, memory_stats, reset_peak_memory_stats, set_allow_tf32, set_cudnn_deterministic,
     synchronize, Event,
 };
 pub use crate::backend::cuda::libs::sdpa::with_cudnn_attention;

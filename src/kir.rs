@@ -16,7 +16,11 @@ use std::sync::OnceLock;
 pub(crate) type NodeId = usize;
 
 /// Longest row a row kernel (eager or fused) keeps in registers: 512 threads × 32 values.
+/// Longer rows, up to `MAX_LOOPED_ROW`, are walked again by each pass (`RowPlan::recomputing`).
 pub(crate) const MAX_ROW: usize = 32 * 512;
+
+/// Longest row a row kernel takes at all (column indices stay 32-bit on the GPU).
+pub(crate) const MAX_LOOPED_ROW: usize = 1 << 30;
 
 /// How a fused kernel walks its values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -239,6 +243,16 @@ pub(crate) struct RowPass {
 
 impl RowPlan {
     pub(crate) fn new(k: &FusedKernel) -> RowPlan {
+        RowPlan::with_arrays(k, true)
+    }
+
+    /// The plan for rows too long for arrays (`MAX_ROW`): every pass loads and computes all it
+    /// needs again.
+    pub(crate) fn recomputing(k: &FusedKernel) -> RowPlan {
+        RowPlan::with_arrays(k, false)
+    }
+
+    fn with_arrays(k: &FusedKernel, arrays: bool) -> RowPlan {
         let n = k.ops.len();
         let in_elem = |a: &ValueRef, elem: &[bool]| match a {
             ValueRef::In(j) => !k.inputs[*j].row,
@@ -277,7 +291,7 @@ impl RowPlan {
                 reads[i] += used as usize;
             }
         }
-        let op_array: Vec<bool> = (0..n).map(|i| elem[i] && reads[i] > 1 && expensive(&k.ops[i])).collect();
+        let op_array: Vec<bool> = (0..n).map(|i| arrays && elem[i] && reads[i] > 1 && expensive(&k.ops[i])).collect();
         // ... then each pass computes what it needs, reading arrays filled by earlier passes.
         let mut filled = vec![false; n];
         let mut passes = vec![];
@@ -293,6 +307,6 @@ impl RowPlan {
             }
             passes.push(p);
         }
-        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| c > 1).collect(), op_array }
+        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| arrays && c > 1).collect(), op_array }
     }
 }

@@ -12,7 +12,7 @@
 
 use super::graph::{Graph, NodeId, NodeOp};
 use crate::ops::{BinaryOp, Op, UnaryOp};
-use crate::kir::MAX_ROW;
+use crate::kir::MAX_LOOPED_ROW;
 use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
 use crate::DType;
 
@@ -156,7 +156,7 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             let trailing = dims.iter().enumerate().all(|(k, &d)| d == first + k);
             let cols: usize = x[first..].iter().product();
             let rows: usize = x[..first].iter().product();
-            if trailing && cols > 1 && cols <= MAX_ROW && rows > 0 {
+            if trailing && cols > 1 && cols <= MAX_LOOPED_ROW && rows > 0 {
                 Kind::Reduce(rows, cols)
             } else {
                 Kind::Other
@@ -171,7 +171,7 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             let tail_ones = x[first..].iter().all(|&d| d == 1);
             let rows: usize = shape[..first].iter().product();
             let cols: usize = shape[first..].iter().product();
-            if tail_ones && cols > 1 && cols <= MAX_ROW {
+            if tail_ones && cols > 1 && cols <= MAX_LOOPED_ROW {
                 Kind::Expand(rows, cols)
             } else {
                 Kind::Other

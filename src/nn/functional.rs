@@ -324,22 +324,19 @@ fn class_loss(op: &'static str, input: &Tensor, target: &Tensor, opts: &CrossEnt
     let t = target.to_dtype(DType::I64)?.reshape(&[-1])?;
     let valid = t.ne_scalar(opts.ignore_index)?;
     let safe_t = t.masked_fill(&valid.logical_not()?, 0)?;
-    let logp = if log_probs { logits.clone() } else { log_softmax(&logits, 1)? };
-    let picked = logp.gather(1, &safe_t.unsqueeze(1)?)?.squeeze(1)?.neg()?;
-    let validf = valid.to_dtype(logp.dtype())?;
+    let (picked, classes) = if log_probs { picked_log_probs(&logits, &safe_t)? } else { picked_logits(&logits, &safe_t)? };
+    let dt = picked.dtype();
+    let picked = picked.neg()?;
+    let validf = valid.to_dtype(dt)?;
     // Per-sample weight: w[target], 0 for ignored samples.
     let w_t = match &opts.weight {
-        Some(w) => w.to_dtype(logp.dtype())?.index_select(0, &safe_t)?.mul(&validf)?,
+        Some(w) => w.to_dtype(dt)?.index_select(0, &safe_t)?.mul(&validf)?,
         None => validf.clone(),
     };
     let mut loss = picked.mul(&w_t)?;
     if opts.label_smoothing > 0.0 {
         let eps = opts.label_smoothing;
-        let weighted = match &opts.weight {
-            Some(w) => logp.mul(&w.to_dtype(logp.dtype())?)?,
-            None => logp.clone(),
-        };
-        let smooth = weighted.sum(&[1], false)?.neg()?.mul(&validf)?;
+        let smooth = classes.sum(opts.weight.as_ref().map(|w| w.to_dtype(dt)).transpose()?.as_ref())?.neg()?.mul(&validf)?;
         loss = loss.mul_scalar(1.0 - eps)?.add(&smooth.mul_scalar(eps / c as f64)?)?;
     }
     let loss = loss.to_dtype(input.dtype())?;
@@ -348,6 +345,63 @@ fn class_loss(op: &'static str, input: &Tensor, target: &Tensor, opts: &CrossEnt
         Reduction::Sum => loss.sum_all(),
         Reduction::Mean => loss.sum_all()?.div(&w_t.sum_all()?.to_dtype(input.dtype())?),
     }
+}
+
+/// Each row's log-probabilities over all classes, summed (with per-class weights) on demand:
+/// what label smoothing needs, without keeping `[M, C]` log-probabilities for it.
+enum ClassSum {
+    /// Log-probabilities given: `[M, C]`.
+    LogProbs(Tensor),
+    /// From logits: `logp = shifted - log_sum` with `shifted` `[M, C]` and `log_sum` `[M, 1]`.
+    Shifted { shifted: Tensor, log_sum: Tensor, dtype: DType },
+}
+
+impl ClassSum {
+    /// `sum_j w_j logp_j` per row (`[M]`), `w_j` = 1 without weights.
+    fn sum(&self, weight: Option<&Tensor>) -> Result<Tensor> {
+        match self {
+            ClassSum::LogProbs(lp) => match weight {
+                Some(w) => lp.mul(w)?.sum(&[1], false),
+                None => lp.sum(&[1], false),
+            },
+            ClassSum::Shifted { shifted, log_sum, dtype } => {
+                let (sum, total) = match weight {
+                    Some(w) => {
+                        let w = w.to_dtype(shifted.dtype())?;
+                        (shifted.mul(&w)?.sum(&[1], false)?, log_sum.squeeze(1)?.mul(&w.sum_all()?)?)
+                    }
+                    None => (shifted.sum(&[1], false)?, log_sum.squeeze(1)?.mul_scalar(shifted.shape()[1] as f64)?),
+                };
+                sum.sub(&total)?.to_dtype(*dtype)
+            }
+        }
+    }
+}
+
+/// Log-probabilities `[M, C]` at the targets `[M]`.
+fn picked_log_probs(logp: &Tensor, t: &Tensor) -> Result<(Tensor, ClassSum)> {
+    Ok((logp.gather(1, &t.unsqueeze(1)?)?.squeeze(1)?, ClassSum::LogProbs(logp.clone())))
+}
+
+/// `log_softmax(logits)` `[M, C]` at the targets `[M]`, as `(x_t - max) - log(sum(exp(x - max)))`
+/// (the same bits as `log_softmax` there, rounded to the logits' dtype as it rounds), without
+/// the full `[M, C]` log-probabilities: the target's term is picked by comparing each column's
+/// index with the target, so the forward is row reductions over the logits and the backward one
+/// pointwise pass, `softmax - one_hot`, instead of a scatter into a zeroed `[M, C]`.
+fn picked_logits(x: &Tensor, t: &Tensor) -> Result<(Tensor, ClassSum)> {
+    let dtype = x.dtype();
+    let x = if dtype == dtype.compute_dtype() { x.clone() } else { x.to_dtype(dtype.compute_dtype())? };
+    let m = no_grad(|| line_max(&x, 1))?;
+    let shifted = x.sub(&m)?;
+    let log_sum = shifted.exp()?.sum(&[1], true)?.log()?;
+    let columns = Tensor::arange(0.0, x.shape()[1] as f64, 1.0, DType::I64, &x.device())?;
+    // The targets read through the column indices: themselves, with a class out of range
+    // reported as a gather reports it.
+    let t = columns.index_select(0, t)?;
+    let hit = columns.unsqueeze(0)?.eq(&t.unsqueeze(1)?)?;
+    let at_target = hit.where_(&shifted, &Tensor::scalar(0.0, shifted.dtype(), &x.device())?)?.sum(&[1], true)?;
+    let picked = at_target.sub(&log_sum)?.squeeze(1)?.to_dtype(dtype)?;
+    Ok((picked, ClassSum::Shifted { shifted, log_sum, dtype }))
 }
 
 /// `log(1 + exp(x))` without overflow, with the exact gradient `sigmoid(x)` everywhere (also

@@ -4,6 +4,33 @@ use super::{apply, Op};
 use crate::layout::broadcast_shapes;
 use crate::{Error, Result, Tensor};
 
+/// Products this large whose K or N is not a multiple of 8 are padded with zeros to one on CUDA
+/// in 16-bit dtypes: an unaligned leading dimension keeps cuBLAS off the tensor-core kernels
+/// of the GPU (it picks kernels of older GPUs, several times slower), and the padding copies
+/// cost far less (Inductor's `pad_mm`). GPT-2's vocabulary of 50,257 is the case in point.
+const PAD_MIN_FLOPS: usize = 1 << 32;
+
+/// `a` `[M, K]` @ `b` `[K, N]` as the 3-D primitive, through zero-padded operands where
+/// `PAD_MIN_FLOPS` says (the result then a view of the first N columns; gradients flow back
+/// through the padding unchanged, and the backward's products are aligned too).
+fn product_2d(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+    let up = |d: usize| d.div_ceil(8) * 8;
+    let pad = a.device().is_cuda() && matches!(a.dtype(), crate::DType::F16 | crate::DType::BF16) && (k % 8 != 0 || n % 8 != 0) && 2 * m * k * n >= PAD_MIN_FLOPS;
+    if !pad {
+        return apply(Op::Matmul, &[&a.unsqueeze(0)?, &b.unsqueeze(0)?])?.squeeze(0);
+    }
+    let (kp, np) = (up(k) - k, up(n) - n);
+    let a = if kp > 0 { a.pad(&[0, kp as i64], 0.0)? } else { a.clone() };
+    let b = b.pad(&[0, np as i64, 0, kp as i64], 0.0)?;
+    let y = apply(Op::Matmul, &[&a.unsqueeze(0)?, &b.unsqueeze(0)?])?.squeeze(0)?;
+    if np > 0 {
+        y.narrow(1, 0, n)
+    } else {
+        Ok(y)
+    }
+}
+
 impl Tensor {
     /// Matrix product: 1-D·1-D is a dot product, 2-D a matrix product, and more dims a batched
     /// product whose batch dims broadcast; a 1-D operand gets a dim added and then removed.
@@ -29,12 +56,14 @@ impl Tensor {
         }
         // [.., M, K] @ [K, N] is one [(.. M), K] @ [K, N] product when the batch folds into the
         // rows without a copy: one large GEMM instead of many small ones (as PyTorch does).
-        if a2.ndim() > 2 && b.ndim() == 2 {
+        if (a2.ndim() > 2 && b.ndim() == 2) || (a2.ndim() == 2 && b2.ndim() == 2) {
             let rows = a2.numel() / k.max(1);
             if k > 0 && a2.layout().view_strides(&[rows, k]).is_some() {
-                let mut shape = a2.shape()[..a2.ndim() - 1].to_vec();
-                shape.push(n);
-                return apply(Op::Matmul, &[&a2.reshape_usize(&[1, rows, k])?, &b2.unsqueeze(0)?])?.reshape_usize(&shape);
+                let mut shape = a.shape()[..a.ndim() - 1].to_vec();
+                if b.ndim() > 1 {
+                    shape.push(n);
+                }
+                return product_2d(&a2.reshape_usize(&[rows, k])?, &b2)?.reshape_usize(&shape);
             }
         }
         let batch = broadcast_shapes("matmul", &a2.shape()[..a2.ndim() - 2], &b2.shape()[..b2.ndim() - 2])?;

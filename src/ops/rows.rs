@@ -55,7 +55,7 @@ pub(crate) fn fused(x: &Tensor, dim: i64, kind: RowKind, w: Option<&Tensor>, b: 
         return Ok(None);
     }
     let k = x.shape()[x.ndim() - 1];
-    if k == 0 || k > crate::kir::MAX_ROW || [w, b].iter().flatten().any(|p| p.dtype() != x.dtype() || p.device() != x.device()) {
+    if k == 0 || k > crate::kir::MAX_LOOPED_ROW || [w, b].iter().flatten().any(|p| p.dtype() != x.dtype() || p.device() != x.device()) {
         return Ok(None);
     }
     let args: Vec<Tensor> = [Some(x), w, b].into_iter().flatten().map(|t| t.contiguous()).collect::<Result<_>>()?;

@@ -913,10 +913,11 @@ fn a_step_that_leaves_gradients_writes_them_back() -> Result<()> {
 
 #[test]
 fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result<()> {
-    // Widths below, at and past a vector multiple, and past the longest fused row (16384: the
-    // reductions then run as their own steps); half and double inputs; a row with a NaN; and
-    // a transposed argument, read without vector loads.
-    for &c in &[7usize, 8, 300, 1031, 4096, 20000] {
+    // Widths below, at and past a vector multiple, and past the longest row held in registers
+    // (16384: longer rows are walked again by each pass, an odd one past 2^16 included); half
+    // and double inputs; a row with a NaN; and a transposed argument, read without vector
+    // loads. The reference is the F64 decomposition, rounded to the dtype.
+    for &c in &[7usize, 8, 300, 1031, 4096, 20000, 70001] {
         for dt in [DType::F32, DType::F16, DType::BF16, DType::F64] {
             let r = 3;
             let mut xv = host_rand(r * c, c as u64 + 40);
@@ -929,18 +930,19 @@ fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result
                 _ => (2e-2, 2e-3),
             };
             let ctx = |s: &str| format!("{s} [{r}, {c}] {dt:?}");
+            let wide = |t: &Tensor| t.to_dtype(DType::F64);
+            let (x64, w64, b64) = (wide(&x)?, wide(&w)?, wide(&b)?);
+            let reference = |y: Tensor| y.to_dtype(dt).map(|y| vals(&y));
             let sm = compile(|x: &Tensor| F::softmax(x, -1));
             let y = sm.call(&x)?;
             assert_eq!(y.dtype(), dt);
-            crate::ops::close(&ctx("softmax"), &vals(&y), &vals(&kiln::no_grad(|| F::softmax(&x, -1))?), rt, at);
+            crate::ops::close(&ctx("softmax"), &vals(&y), &reference(F::softmax(&x64, -1)?)?, rt, at);
             let lsm = compile(|x: &Tensor| F::log_softmax(x, -1));
-            crate::ops::close(&ctx("log_softmax"), &vals(&lsm.call(&x)?), &vals(&kiln::no_grad(|| F::log_softmax(&x, -1))?), rt, at * 10.0);
+            crate::ops::close(&ctx("log_softmax"), &vals(&lsm.call(&x)?), &reference(F::log_softmax(&x64, -1)?)?, rt, at * 10.0);
             let (wc, bc) = (w.clone(), b.clone());
             let ln = compile(move |x: &Tensor| F::layer_norm(x, &[c], Some(&wc), Some(&bc), 1e-5));
-            crate::ops::close(&ctx("layer_norm"), &vals(&ln.call(&x)?), &vals(&kiln::no_grad(|| F::layer_norm(&x, &[c], Some(&w), Some(&b), 1e-5))?), rt * 10.0, at * 100.0);
-            if c <= 16384 {
-                assert_eq!((sm.kernels_per_call(), ln.kernels_per_call()), (Some(1), Some(1)), "{}", ctx("one kernel each"));
-            }
+            crate::ops::close(&ctx("layer_norm"), &vals(&ln.call(&x)?), &reference(F::layer_norm(&x64, &[c], Some(&w64), Some(&b64), 1e-5)?)?, rt * 10.0, at * 100.0);
+            assert_eq!((sm.kernels_per_call(), ln.kernels_per_call()), (Some(1), Some(1)), "{}", ctx("one kernel each"));
         }
         // A transposed argument: the kernel reads it with its strides.
         let xt = randn(&[c, 5], 43).t()?;
@@ -1148,6 +1150,10 @@ fn replayed_steps_keep_reads_before_in_place_writes_and_independent_work_intact(
 #[test]
 fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
     use kiln::nn::Module;
+    // cuDNN's default algorithms add partial gradients with atomics: two eager runs differ, and
+    // batch norm's backward amplifies that past the tolerance over three steps. (Process-wide:
+    // other tests only get deterministic convolutions too.)
+    kiln::cuda::set_cudnn_deterministic(true);
     let d = dev();
     let make = || -> Result<kiln::nn::ResNet> {
         kiln::manual_seed(3);

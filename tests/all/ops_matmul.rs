@@ -195,3 +195,27 @@ fn matmul_errors() {
     // batch dims that do not broadcast
     assert!(t(&[1.0; 24], &[2, 3, 4], DType::F32).matmul(&t(&[1.0; 60], &[3, 4, 5], DType::F32)).is_err());
 }
+
+#[test]
+fn large_bf16_products_with_unaligned_k_and_n_match_and_their_gradients_too() -> Result<()> {
+    // On CUDA these are padded to multiples of 8 (cuBLAS's tensor-core kernels need aligned
+    // leading dims): the result is then a view of the padded product's first N columns.
+    let d = dev();
+    let (m, k, n) = (1024, 1003, 4197);
+    let r = |shape: &[usize], seed| -> Result<Tensor> { Tensor::from_vec(host_rand(shape.iter().product(), seed), shape, &Device::Cpu)?.to_dtype(DType::BF16)?.to_device(&d) };
+    let (a, b, g) = (r(&[m, k], 1)?.requires_grad(), r(&[k, n], 2)?.requires_grad(), r(&[m, n], 3)?);
+    let y = a.matmul(&b)?;
+    if d.is_cuda() {
+        assert!(!y.is_contiguous(), "the CUDA product is a view of a padded one");
+    }
+    y.mul(&g)?.sum_all()?.backward()?;
+    // The reference: the same BF16 values multiplied in F32 on the host.
+    let f = |t: &Tensor| t.detach().to_dtype(DType::F32).and_then(|t| t.to_device(&Device::Cpu));
+    let (af, bf, gf) = (f(&a)?, f(&b)?, f(&g)?);
+    // BF16 results: rounded to 8 bits of mantissa (2^-8 relative), over F32 sums of ~1000 terms.
+    let (rtol, atol) = (8e-3, 5e-2);
+    assert_close_named("y", &vals(&y.to_dtype(DType::F32)?), &vals(&af.matmul(&bf)?), rtol, atol);
+    assert_close_named("da", &vals(&a.grad().expect("a grad").to_dtype(DType::F32)?), &vals(&gf.matmul(&bf.t()?)?), rtol, atol);
+    assert_close_named("db", &vals(&b.grad().expect("b grad").to_dtype(DType::F32)?), &vals(&af.t()?.matmul(&gf)?), rtol, atol);
+    Ok(())
+}

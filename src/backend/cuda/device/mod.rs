@@ -196,6 +196,7 @@ pub(crate) struct CudaDevice {
 
 static DEVICES: OnceLock<Mutex<HashMap<usize, Arc<CudaDevice>>>> = OnceLock::new();
 static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
+static CUDNN_DETERMINISTIC: AtomicBool = AtomicBool::new(false);
 
 fn driver_present() -> bool {
     // SAFETY: only probes whether the shared libraries can be loaded.
@@ -676,6 +677,18 @@ pub fn set_allow_tf32(allow: bool) {
 }
 pub fn allow_tf32() -> bool {
     ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+/// Restricts cuDNN's convolutions to algorithms that give the same bits on every run
+/// (PyTorch's `torch.backends.cudnn.deterministic`), for the whole process; off by default,
+/// when cuDNN may pick algorithms that add partial results with atomics, in whatever order they
+/// land. Kiln's own kernels are deterministic except `scatter_add` (and what uses it:
+/// `index_select`'s and `gather`'s gradients with repeated indices).
+pub fn set_cudnn_deterministic(on: bool) {
+    CUDNN_DETERMINISTIC.store(on, Ordering::Relaxed);
+}
+pub fn cudnn_deterministic() -> bool {
+    CUDNN_DETERMINISTIC.load(Ordering::Relaxed)
 }
 
 /// The version of the cuDNN library convolutions run through (`cudnnGetVersion`, e.g. 91000

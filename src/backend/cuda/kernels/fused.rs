@@ -232,11 +232,26 @@ impl RowWords {
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
 /// time; `vector[j]` says whether full input j is read with vector loads; `full`: the threads'
 /// values cover the row exactly (no column checks).
-fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], full: bool) -> String {
-    let plan = RowPlan::new(k);
+/// How a row kernel's threads cover a row: exactly (every value in range), with the last
+/// values masked, or in chunks walked again by every pass (rows longer than the registers hold).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cover {
+    Exact,
+    Masked,
+    Looped,
+}
+
+fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover) -> String {
+    let (full, looped) = (cover == Cover::Exact, cover == Cover::Looped);
+    // Rows longer than the registers hold: each pass walks the row in chunks of
+    // `threads * VPT` (`kbase`), loading and computing again what it needs.
+    let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
     c.push_str(&row_index(full));
+    if looped {
+        c.push_str("#undef KIDX\n#define KIDX(j) (kbase + ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC)))\n");
+    }
     let mut helpers = vec![];
     for op in &k.ops {
         if let KKind::Reduce(r) = op.kind {
@@ -336,6 +351,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
     let mut pass = |c: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
+        if looped {
+            c.push_str("    for (int kbase = 0; kbase < K; kbase += VPT * (int)blockDim.x) {\n");
+        }
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if vector[j] && !plan.in_array[j] {
@@ -371,6 +389,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             }
         }
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
+        if looped {
+            c.push_str("    }\n");
+        }
         for &i in &p.ops {
             filled_op[i] |= plan.op_array[i];
         }
@@ -417,6 +438,10 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     c
 }
 
+/// A looped row kernel's block (`gen_fused_rows`): threads, and values each reads per chunk.
+const LOOPED_THREADS: usize = 1024;
+const LOOPED_VPT: usize = 8;
+
 fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
     // Full inputs as [rows, cols], row inputs as [rows]: (row stride, col stride) each.
     let mut views = vec![];
@@ -452,9 +477,9 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     }
     // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
     // the inputs, so timing candidates changes nothing.
+    let looped = cols > crate::kir::MAX_ROW;
     let launch = |threads: usize| -> Result<()> {
-        let vpt = row_vpt(cols, threads, vec);
-        let full = row_full(cols, threads, vpt);
+        let (vpt, full) = if looped { (LOOPED_VPT.max(vec), false) } else { (row_vpt(cols, threads, vec), row_full(cols, threads, row_vpt(cols, threads, vec))) };
         let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
         let launches = &memo(k)?.row_launches;
         let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
@@ -462,12 +487,13 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = format!("{}_r{threads}x{vpt}x{vec}{}_{}", k.code_name(signature), if full { "_full" } else { "" }, vk());
+                let name = format!("{}_r{threads}x{vpt}x{vec}{}_{}", k.code_name(signature), if full { "_full" } else if looped { "_loop" } else { "" }, vk());
                 // Keyed by what determines the source (the signature: ops and input dtypes; the
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, full);
+                    let cover = if looped { Cover::Looped } else if full { Cover::Exact } else { Cover::Masked };
+                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, cover);
                     (name.clone(), src)
                 })?;
                 if !f.is_rehearsed() {
@@ -478,8 +504,8 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
         };
         dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
     };
-    let tuned = if tune { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
-    launch(tuned.unwrap_or_else(|| row_shape(cols, vec).0))?;
+    let tuned = if tune && !looped { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
+    launch(tuned.unwrap_or_else(|| if looped { LOOPED_THREADS } else { row_shape(cols, vec).0 }))?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
 }
 
@@ -592,7 +618,7 @@ mod tests {
         let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
         let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
         let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
-        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], true);
+        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], Cover::Exact);
         assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
@@ -607,7 +633,7 @@ mod tests {
         let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
         assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
         assert_eq!(plan.in_array, vec![true]);
-        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], true);
+        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
     }
 

@@ -88,6 +88,8 @@ struct Key {
     pass: ConvPass,
     dtype: DType,
     tf32: bool,
+    /// Deterministic algorithms only (`set_cudnn_deterministic`).
+    deterministic: bool,
     x: [usize; 4],
     w: [usize; 4],
     args: Conv2dArgs,
@@ -222,25 +224,26 @@ fn run_math(dtype: DType, tf32: bool, proposed: cs::cudnnMathType_t) -> Option<c
 ///
 /// # Safety
 /// `h` and the descriptors must be live.
-unsafe fn candidates(h: cs::cudnnHandle_t, pass: ConvPass, d: &Descs) -> std::result::Result<Vec<(Algo, cs::cudnnMathType_t)>, cr::CudnnError> {
+unsafe fn candidates(h: cs::cudnnHandle_t, pass: ConvPass, d: &Descs, deterministic: bool) -> std::result::Result<Vec<(Algo, cs::cudnnMathType_t)>, cr::CudnnError> {
     let mut n = 0i32;
     let ok = cs::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+    let kept = |status: cs::cudnnStatus_t, determinism: cs::cudnnDeterminism_t| status == ok && (!deterministic || determinism == cs::cudnnDeterminism_t::CUDNN_DETERMINISTIC);
     Ok(match pass {
         ConvPass::Forward => {
             // SAFETY: all-zero is a valid value of this plain C struct (every enum has a 0).
             let mut perf: [cs::cudnnConvolutionFwdAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_forward_algorithm(h, d.x.0, d.w.0, d.conv.0, d.y.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
-            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Fwd(p.algo), p.mathType)).collect()
+            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| kept(p.status, p.determinism)).map(|p| (Algo::Fwd(p.algo), p.mathType)).collect()
         }
         ConvPass::GradInput => {
             let mut perf: [cs::cudnnConvolutionBwdDataAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_backward_data_algorithm(h, d.w.0, d.y.0, d.conv.0, d.x.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
-            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Data(p.algo), p.mathType)).collect()
+            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| kept(p.status, p.determinism)).map(|p| (Algo::Data(p.algo), p.mathType)).collect()
         }
         ConvPass::GradWeight => {
             let mut perf: [cs::cudnnConvolutionBwdFilterAlgoPerf_t; 8] = std::mem::zeroed();
             cr::get_convolution_backward_filter_algorithm(h, d.x.0, d.y.0, d.conv.0, d.w.0, perf.len() as i32, &mut n, perf.as_mut_ptr())?;
-            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| p.status == ok).map(|p| (Algo::Filter(p.algo), p.mathType)).collect()
+            perf[..(n.max(0) as usize).min(perf.len())].iter().filter(|p| kept(p.status, p.determinism)).map(|p| (Algo::Filter(p.algo), p.mathType)).collect()
         }
     })
 }
@@ -330,7 +333,7 @@ pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a
     let (a, b) = (operand(a)?, operand(b)?);
     let ptrs = Ptrs { a: kernels::data_ptr(&a)?, b: kernels::data_ptr(&b)?, out: out.ptr() };
     let tf32 = crate::backend::cuda::allow_tf32();
-    let key = Key { pass, dtype, tf32, x, w, args: *args };
+    let key = Key { pass, dtype, tf32, deterministic: crate::backend::cuda::device::cudnn_deterministic(), x, w, args: *args };
     let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op: "conv2d", device: dev.kiln_device(), msg: format!("{call} failed ({e:?}) for {}", describe()) };
 
     session(&dev, "conv2d", |st| run_conv(&dev, st, pass, dtype, &key, &shapes, &ptrs, &fail, &describe))?;
@@ -382,7 +385,7 @@ fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: C
         return attempt(c);
     }
     // SAFETY: a live handle and descriptors.
-    let cands = unsafe { candidates(h, pass, &descs) }.map_err(|e| fail("the algorithm heuristics", &e))?;
+    let cands = unsafe { candidates(h, pass, &descs, key.deterministic) }.map_err(|e| fail("the algorithm heuristics", &e))?;
     let mut last = None;
     for (algo, proposed) in cands {
         let Some(math) = run_math(dtype, tf32, proposed) else { continue };
