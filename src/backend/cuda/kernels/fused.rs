@@ -229,11 +229,9 @@ impl RowWords {
     }
 }
 
-/// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
-/// time; `vector[j]` says whether full input j is read with vector loads; `full`: the threads'
-/// values cover the row exactly (no column checks).
-/// How a row kernel's threads cover a row: exactly (every value in range), with the last
-/// values masked, or in chunks walked again by every pass (rows longer than the registers hold).
+/// How a row kernel's threads cover a row: exactly (every value in range, no column checks),
+/// with the last values masked, or in chunks walked again by every pass (rows longer than the
+/// registers hold).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Cover {
     Exact,
@@ -241,6 +239,9 @@ enum Cover {
     Looped,
 }
 
+/// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
+/// time; `vector[j]` says whether full input j is read with vector loads; `cover`: how the
+/// threads' values cover the row.
 fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover) -> String {
     let (full, looped) = (cover == Cover::Exact, cover == Cover::Looped);
     // Rows longer than the registers hold: each pass walks the row in chunks of
@@ -479,7 +480,13 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     // the inputs, so timing candidates changes nothing.
     let looped = cols > crate::kir::MAX_ROW;
     let launch = |threads: usize| -> Result<()> {
-        let (vpt, full) = if looped { (LOOPED_VPT.max(vec), false) } else { (row_vpt(cols, threads, vec), row_full(cols, threads, row_vpt(cols, threads, vec))) };
+        let (vpt, cover) = if looped {
+            (LOOPED_VPT.max(vec), Cover::Looped)
+        } else {
+            let vpt = row_vpt(cols, threads, vec);
+            (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })
+        };
+        let full = cover == Cover::Exact;
         let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
         let launches = &memo(k)?.row_launches;
         let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
@@ -492,7 +499,6 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let cover = if looped { Cover::Looped } else if full { Cover::Exact } else { Cover::Masked };
                     let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, cover);
                     (name.clone(), src)
                 })?;
