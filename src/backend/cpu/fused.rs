@@ -48,7 +48,7 @@ impl Val {
     }
     /// `n` zeros, in a buffer from the host caching allocator where it has one.
     fn zeros(t: CType, n: usize) -> Val {
-        fn z<T: Pooled + Default>(n: usize) -> Vec<T> {
+        fn z<T: Pooled + Default + Clone>(n: usize) -> Vec<T> {
             let mut v = pool::take(n);
             v.resize(n, T::default());
             v

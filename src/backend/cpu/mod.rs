@@ -198,7 +198,7 @@ pub(crate) fn wide<R>(body: impl FnOnce() -> R) -> R {
 /// (each chunk under `wide`).
 /// Every element must be written by `fill`.
 pub(crate) fn fill_new<T: Send + Sync + 'static>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
-    let mut v: Vec<T> = pool::take_any(n);
+    let mut v: Vec<T> = pool::take(n);
     {
         let spare = &mut v.spare_capacity_mut()[..n];
         if n >= PAR_THRESHOLD {
@@ -254,12 +254,12 @@ pub(crate) fn with_operand<C: HostElem, R>(t: &Tensor, f: impl FnOnce(Operand<'_
 pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
     with_operand::<C, _>(t, |op| match op {
         Operand::Slice(s) => {
-            let mut v = pool::take_any(s.len());
+            let mut v = pool::take(s.len());
             v.extend_from_slice(s);
             v
         }
         Operand::Scalar(c) => {
-            let mut v = pool::take_any(t.numel());
+            let mut v = pool::take(t.numel());
             v.resize(t.numel(), c);
             v
         }

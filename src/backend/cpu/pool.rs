@@ -1,20 +1,20 @@
-//! The host caching allocator: large buffers that tensors free are kept by size and handed to
-//! the next buffer of that size, so a training loop's fresh outputs reuse memory already mapped
-//! instead of faulting new pages in (the CUDA caching allocator's idea, on the host). Buffers
-//! under `MIN_BYTES` are left to malloc, which reuses those itself; at most `MAX_CACHED` bytes
-//! are kept.
+//! The host caching allocator: large buffers that tensors free are kept by element type and
+//! size and handed to the next buffer of that type and size, so a training loop's fresh outputs
+//! reuse memory already mapped instead of faulting new pages in (the CUDA caching allocator's
+//! idea, on the host). Buffers under `MIN_BYTES` are left to malloc, which reuses those itself.
+//! At most `MAX_CACHED` bytes are kept: a buffer that would pass it frees the least recently
+//! used sizes first, so a program whose shapes change keeps caching the shapes it uses now.
 
-use half::{bf16, f16};
 use parking_lot::Mutex;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::any::{Any, TypeId};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Smallest buffer kept: below it malloc serves from its own free lists without page faults.
 const MIN_BYTES: usize = 128 << 10;
 /// Most bytes kept for reuse at once.
 const MAX_CACHED: usize = 1 << 30;
 
-static CACHED: AtomicUsize = AtomicUsize::new(0);
 static HITS: AtomicU64 = AtomicU64::new(0);
 static MISSES: AtomicU64 = AtomicU64::new(0);
 
@@ -31,39 +31,81 @@ pub struct HostMemoryStats {
 
 /// The host caching allocator's statistics, over every thread of the process.
 pub fn memory_stats() -> HostMemoryStats {
-    HostMemoryStats { cached_bytes: CACHED.load(Ordering::Relaxed), hits: HITS.load(Ordering::Relaxed), misses: MISSES.load(Ordering::Relaxed) }
+    HostMemoryStats { cached_bytes: POOL.lock().cached, hits: HITS.load(Ordering::Relaxed), misses: MISSES.load(Ordering::Relaxed) }
 }
 
 /// Returns every cached buffer to the system.
 pub fn empty_cache() {
-    macro_rules! each {
-        ($($t:ty),*) => {$( <$t as Pooled>::pool().lock().clear(); )*};
-    }
-    each!(f32, f64, f16, bf16, i64, i32, u8, bool);
-    CACHED.store(0, Ordering::Relaxed);
+    let mut pool = POOL.lock();
+    pool.classes.clear();
+    pool.cached = 0;
 }
 
-/// Element types with a pool of their own (buffers keep their type: no reinterpretation).
-pub(crate) trait Pooled: Copy + Send + 'static {
-    fn pool() -> &'static Mutex<HashMap<usize, Vec<Vec<Self>>>>;
+/// Element types the cache can hold (buffers keep their type: no reinterpretation).
+pub(crate) trait Pooled: Send + 'static {}
+impl<T: Send + 'static> Pooled for T {}
+
+/// The freed buffers of one element type and capacity, and when that size was last used.
+struct Class {
+    bytes: usize,
+    free: Vec<Box<dyn Any + Send>>,
+    last_used: u64,
 }
-macro_rules! pooled {
-    ($($t:ty),*) => {$(
-        impl Pooled for $t {
-            fn pool() -> &'static Mutex<HashMap<usize, Vec<Vec<Self>>>> {
-                static P: std::sync::OnceLock<Mutex<HashMap<usize, Vec<Vec<$t>>>>> = std::sync::OnceLock::new();
-                P.get_or_init(Default::default)
+
+struct Pool {
+    classes: BTreeMap<(TypeId, usize), Class>,
+    /// Bytes held in `classes`, at most `limit`.
+    cached: usize,
+    limit: usize,
+    /// Counts takes and gives: a class's `last_used` is this clock's value at its last use.
+    clock: u64,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool::new(MAX_CACHED));
+
+impl Pool {
+    const fn new(limit: usize) -> Pool {
+        Pool { classes: BTreeMap::new(), cached: 0, limit, clock: 0 }
+    }
+
+    /// A cached buffer of `n` elements of `T`, if one is held.
+    fn take<T: Pooled>(&mut self, n: usize) -> Option<Vec<T>> {
+        self.clock += 1;
+        let class = self.classes.get_mut(&(TypeId::of::<T>(), n))?;
+        class.last_used = self.clock;
+        let v = class.free.pop()?;
+        self.cached -= class.bytes;
+        v.downcast::<Vec<T>>().ok().map(|v| *v)
+    }
+
+    /// Keeps `v` (cleared), first freeing the least recently used other sizes' buffers while
+    /// it would not fit; a buffer larger than the whole limit is freed instead.
+    fn give<T: Pooled>(&mut self, mut v: Vec<T>) {
+        let bytes = v.capacity() * std::mem::size_of::<T>();
+        let key = (TypeId::of::<T>(), v.capacity());
+        while self.cached + bytes > self.limit {
+            let oldest = self.classes.iter().filter(|(k, c)| **k != key && !c.free.is_empty()).min_by_key(|(_, c)| c.last_used).map(|(k, _)| *k);
+            let Some(oldest) = oldest else { return };
+            let class = self.classes.get_mut(&oldest).expect("the class just found");
+            class.free.pop();
+            self.cached -= class.bytes;
+            if class.free.is_empty() {
+                self.classes.remove(&oldest);
             }
         }
-    )*};
+        v.clear();
+        self.clock += 1;
+        self.cached += bytes;
+        let class = self.classes.entry(key).or_insert_with(|| Class { bytes, free: Vec::new(), last_used: 0 });
+        class.last_used = self.clock;
+        class.free.push(Box::new(v));
+    }
 }
-pooled!(f32, f64, f16, bf16, i64, i32, u8, bool);
 
 /// An empty Vec with room for `n` elements: a cached buffer of that capacity where there is one.
 pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
     if n * std::mem::size_of::<T>() >= MIN_BYTES {
-        if let Some(v) = T::pool().lock().get_mut(&n).and_then(|l| l.pop()) {
-            CACHED.fetch_sub(n * std::mem::size_of::<T>(), Ordering::Relaxed);
+        if let Some(v) = POOL.lock().take(n) {
             HITS.fetch_add(1, Ordering::Relaxed);
             return v;
         }
@@ -72,35 +114,11 @@ pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
     Vec::with_capacity(n)
 }
 
-/// `take` for any element type: a pooled one's cache, else a fresh Vec.
-pub(crate) fn take_any<T: 'static>(n: usize) -> Vec<T> {
-    use std::any::{Any, TypeId};
-    if n * std::mem::size_of::<T>() < MIN_BYTES {
-        return Vec::with_capacity(n);
+/// Keeps `v`'s memory for a later `take` of its capacity, or frees it if it is small.
+pub(crate) fn give<T: Pooled>(v: Vec<T>) {
+    if v.capacity() * std::mem::size_of::<T>() >= MIN_BYTES {
+        POOL.lock().give(v);
     }
-    macro_rules! typed {
-        ($($t:ty),*) => {$(
-            if TypeId::of::<T>() == TypeId::of::<$t>() {
-                let v: Box<dyn Any> = Box::new(take::<$t>(n));
-                if let Ok(v) = v.downcast::<Vec<T>>() {
-                    return *v;
-                }
-            }
-        )*};
-    }
-    typed!(f32, f64, f16, bf16, i64, i32, u8, bool);
-    Vec::with_capacity(n)
-}
-
-/// Keeps `v`'s memory for a later `take` of its capacity, or frees it.
-pub(crate) fn give<T: Pooled>(mut v: Vec<T>) {
-    let bytes = v.capacity() * std::mem::size_of::<T>();
-    if bytes < MIN_BYTES || CACHED.load(Ordering::Relaxed) + bytes > MAX_CACHED {
-        return;
-    }
-    v.clear();
-    CACHED.fetch_add(bytes, Ordering::Relaxed);
-    T::pool().lock().entry(v.capacity()).or_default().push(v);
 }
 
 #[cfg(test)]
@@ -117,6 +135,20 @@ mod tests {
         assert_eq!(again.as_ptr(), p, "the same memory");
         assert!(again.is_empty() && again.capacity() >= n);
         give(vec![0u8; 16]); // below MIN_BYTES: freed
-        assert!(u8::pool().lock().get(&16).is_none());
+        assert!(!POOL.lock().classes.contains_key(&(TypeId::of::<u8>(), 16)));
+    }
+
+    #[test]
+    fn a_full_cache_frees_its_least_recently_used_sizes_to_keep_the_new_one() {
+        let mut pool = Pool::new(4 << 10);
+        for n in [1000, 1001, 1002, 1003] {
+            pool.give(Vec::<f32>::with_capacity(n)); // four sizes of about 4 KiB: only one fits
+        }
+        pool.give(Vec::<f32>::with_capacity(999));
+        assert!(pool.take::<f32>(1003).is_none(), "the older size was freed to make room");
+        assert!(pool.take::<f32>(999).is_some(), "the newest size was kept");
+        assert_eq!(pool.cached, 0);
+        pool.give(Vec::<u8>::with_capacity(8 << 10));
+        assert!(pool.take::<u8>(8 << 10).is_none(), "a buffer past the whole limit is not kept");
     }
 }
