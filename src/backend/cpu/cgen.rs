@@ -2,7 +2,7 @@
 //! expressions are the ones the CUDA kernels use (`backend::cexpr`), over a prelude that gives
 //! them the CPU's semantics (`prelude.c`). A flat kernel is one loop over a run of elements; a
 //! row kernel walks each row in the passes `kir::RowPlan` gives (one per reduction, then the
-//! stores), folding reductions over eight interleaved lanes in the interpreter's order
+//! stores), folding reductions over the interpreter's interleaved lanes in its order
 //! (`fused::fold`), so both give the same sums.
 
 use crate::backend::cexpr::{arg, lower, value_names};
@@ -155,7 +155,7 @@ fn lane_vector(t: CType) -> (&'static str, &'static str) {
     }
 }
 
-/// Folds eight values `v` into the eight lanes `acc`, lane by lane (both vectors).
+/// Folds eight values `v` into eight lanes `acc`, lane by lane (both vectors).
 fn lanes(r: ReduceOp, t: CType, acc: &str, v: &str) -> String {
     let suffix = lane_vector(t).1;
     match r {
@@ -166,8 +166,11 @@ fn lanes(r: ReduceOp, t: CType, acc: &str, v: &str) -> String {
 }
 
 /// Values a row reduction computes per block (in their own type, converted to the accumulator's
-/// as they fold into its lanes): a multiple of eight; a block of F64 is 2 KiB of stack.
+/// as they fold into its lanes): a multiple of `FOLD_LANES`; a block of F64 is 2 KiB of stack.
 const BLOCK: usize = 256;
+
+/// The interpreter's lanes (`fused::FOLD_LANES`) as vectors of eight.
+const LANE_VECTORS: usize = super::fused::FOLD_LANES / 8;
 
 /// Bytes a row kernel writes to its full outputs from which it streams them past the caches
 /// (`kstream`): well beyond what the caches could keep for the next kernel.
@@ -179,6 +182,22 @@ fn streams(k: &FusedKernel) -> bool {
     let Space::Rows { rows, cols } = k.space else { return false };
     let row_bytes: usize = k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| cols * k.ops[*o].dtype.size_in_bytes()).sum();
     row_bytes >= 1024 && rows * row_bytes >= STREAM_BYTES
+}
+
+/// Statements prefetching the next row's columns `[{from}, {from} + {n})` of every full input
+/// that more than one pass reads: the first pass of the next row then finds them in the cache
+/// instead of waiting on memory with little work to hide it (a max or a mean alone).
+fn prefetch_next_row(k: &FusedKernel, walks: &[Walk], plan: &RowPlan, from: &str, n: &str) -> String {
+    let mut s = String::new();
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let passes = plan.passes.iter().filter(|p| p.inputs.contains(&j)).count();
+        if inp.row || walks[j] == Walk::Broadcast || passes < 2 {
+            continue;
+        }
+        let step = 64 / inp.dtype.size_in_bytes();
+        let _ = writeln!(s, "      for (long long e = 0; e < {n}; e += {step}) __builtin_prefetch(r{j} + s{j} + {from} + e);");
+    }
+    s
 }
 
 fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
@@ -238,23 +257,30 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
     for (i, op) in k.ops.iter().enumerate() {
         match op.kind {
             KKind::Reduce(r) => {
-                let p = &plan.passes[reduces.iter().position(|&x| x == i).expect("a reduction")];
+                let pass = reduces.iter().position(|&x| x == i).expect("a reduction");
+                let p = &plan.passes[pass];
                 let t = CType::of(op.dtype);
                 let at = acc_type(r, t);
                 let v = arg(&op.args[0], &ins, &vals);
                 let v = convert(v.0, t, &v.1);
                 let id = r.cuda_identity(at);
                 let vt = lane_vector(at).0;
-                let _ = writeln!(c, "    {vt} l{i} = {{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}};\n    long long c{i} = 0;");
+                let lanes_init = vec![format!("{{{id}, {id}, {id}, {id}, {id}, {id}, {id}, {id}}}"); LANE_VECTORS].join(", ");
+                let _ = writeln!(c, "    {vt} l{i}[{LANE_VECTORS}] = {{{lanes_init}}};\n    long long c{i} = 0;");
                 // A block of values computed by a plain loop (which the compiler vectorises at
-                // its widest), then folded eight at a time into the lanes: the interpreter's
-                // order, so the same bits.
-                let _ = writeln!(c, "    while (c{i} + 8 <= K) {{\n      long long n{i} = (K - c{i}) & ~7LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};\n      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", tn = t.name());
+                // its widest), then folded into the interpreter's lanes, eight at a time into
+                // each vector of them (independent chains): the interpreter's order, so the
+                // same bits.
+                let w = super::fused::FOLD_LANES;
+                let _ = writeln!(c, "    while (c{i} + {w} <= K) {{\n      long long n{i} = (K - c{i}) & ~{}LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};\n      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", w - 1, tn = t.name());
+                if pass == 1 {
+                    c.push_str(&prefetch_next_row(k, walks, &plan, &format!("c{i}"), &format!("n{i}")));
+                }
                 let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e++) {{\n        const long long q = c{i} + e;");
                 c.push_str(&element(p, &filled));
                 let _ = writeln!(c, "        b{i}[e] = {v};\n      }}");
-                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e += 8) {{\n        {vt} v{i};\n        for (int j = 0; j < 8; j++) v{i}[j] = {};\n        {}\n      }}\n      c{i} += n{i};\n    }}", convert(t, at, &format!("b{i}[e + j]")), lanes(r, at, &format!("l{i}"), &format!("v{i}")));
-                let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < 8; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e]")), a = at.name());
+                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e += {w}) for (int u = 0; u < {LANE_VECTORS}; u++) {{\n        {vt} v{i};\n        for (int j = 0; j < 8; j++) v{i}[j] = {};\n        {}\n      }}\n      c{i} += n{i};\n    }}", convert(t, at, &format!("b{i}[e + 8 * u + j]")), lanes(r, at, &format!("l{i}[u]"), &format!("v{i}")));
+                let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < {w}; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e >> 3][e & 7]")), a = at.name());
                 let _ = writeln!(c, "    for (; c{i} < K; c{i}++) {{\n      {{\n        const long long q = c{i};");
                 c.push_str(&element(p, &filled));
                 let _ = writeln!(c, "        a{i} = {};\n      }}\n    }}", combine(r, &format!("a{i}"), &convert(t, at, &v)));
@@ -272,7 +298,16 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
     }
     if !full.is_empty() {
         let p = plan.passes.last().expect("an output pass");
-        c.push_str("    for (long long q = 0; q < K; q++) {\n      {\n");
+        // With one reduction, the output pass is the second and prefetches the next row, by
+        // blocks (a prefetch per element would keep the loop from vectorising).
+        let fetch = if reduces.len() == 1 { prefetch_next_row(k, walks, &plan, "c", "n") } else { String::new() };
+        if !fetch.is_empty() {
+            let _ = writeln!(c, "    for (long long c = 0; c < K; c += {BLOCK}) {{\n      const long long n = K - c < {BLOCK} ? K - c : {BLOCK};");
+            c.push_str(&fetch);
+            c.push_str("    for (long long q = c; q < c + n; q++) {\n      {\n");
+        } else {
+            c.push_str("    for (long long q = 0; q < K; q++) {\n      {\n");
+        }
         c.push_str(&element(p, &filled));
         for &m in &full {
             let o = k.outputs[m].0;
@@ -280,6 +315,9 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
             let _ = writeln!(c, "        {to} = {};", store(k.ops[o].dtype, vals[o].0, &vals[o].1));
         }
         c.push_str("      }\n    }\n");
+        if !fetch.is_empty() {
+            c.push_str("    }\n");
+        }
         if stream {
             for &m in &full {
                 let _ = writeln!(c, "    kstream(o{m} + row * K, ob{m}, K * (long long)sizeof(*ob{m}));");

@@ -359,13 +359,17 @@ fn reduce(r: ReduceOp, v: &Val) -> Val {
     }
 }
 
-/// `x` reduced by `r` in accumulator `A`, over eight interleaved partial results (independent
-/// chains the CPU overlaps and vectorises; one chain waits on every add), combined at the end.
+/// Interleaved partial results a reduction folds into: four vectors of eight, so that four
+/// independent chains overlap (one chain waits on every add or compare).
+pub(crate) const FOLD_LANES: usize = 32;
+
+/// `x` reduced by `r` in accumulator `A`, over `FOLD_LANES` interleaved partial results
+/// (independent chains the CPU overlaps and vectorises), combined in lane order at the end.
 fn fold<S: Copy, A: Accumulate>(r: ReduceOp, x: &[S], to: impl Fn(S) -> A + Copy) -> A {
     #[inline(always)]
     fn lanes<S: Copy, A: Accumulate>(x: &[S], id: A, to: impl Fn(S) -> A, f: impl Fn(A, A) -> A) -> A {
-        let mut acc = [id; 8];
-        let chunks = x.chunks_exact(8);
+        let mut acc = [id; FOLD_LANES];
+        let chunks = x.chunks_exact(FOLD_LANES);
         let rest = chunks.remainder();
         for c in chunks {
             for (a, &v) in acc.iter_mut().zip(c) {
