@@ -534,3 +534,29 @@ fn column_reductions_across_vector_widths_splits_and_alignment() {
     check("sum of an unaligned view", &x.sum(&[0], false).unwrap(), &[c], DType::F32, &g.iter().map(|g| ref_sum(g)).collect::<Vec<_>>(), rt, at * r as f64);
     check("amax of an unaligned view", &x.amax(&[0], false).unwrap(), &[c], DType::F32, &g.iter().map(|g| ref_max(g)).collect::<Vec<_>>(), 0.0, 0.0);
 }
+
+/// Arg reductions over a few long rows (greedy sampling's row of 50,257 logits) give the first
+/// index of the extreme value, as PyTorch does, in every dtype a sampler meets.
+#[test]
+fn arg_reductions_over_a_few_long_rows_pick_the_first_extreme() -> Result<()> {
+    let d = dev();
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
+        for (rows, cols) in [(1usize, 50257usize), (3, 70001)] {
+            // Small integers (exact in every dtype), with the extremes placed more than once.
+            let mut v: Vec<f64> = (0..rows * cols).map(|i| ((i * 7919) % 201) as f64 - 100.0).collect();
+            for r in 0..rows {
+                for (c, x) in [(cols / 3 + r, 150.0), (cols - 2 - r, 150.0), (cols / 2, -150.0), (cols - 1, -150.0)] {
+                    v[r * cols + c] = x;
+                }
+            }
+            let x = Tensor::from_vec(v.clone(), &[rows, cols], &d)?.to_dtype(dtype)?;
+            let (hi, lo) = (x.argmax(1, false)?.to_vec::<i64>()?, x.argmin(1, false)?.to_vec::<i64>()?);
+            for r in 0..rows {
+                let row = &v[r * cols..(r + 1) * cols];
+                assert_eq!(hi[r] as f64, ref_argmax(row), "argmax {dtype:?} {rows}x{cols} row {r}");
+                assert_eq!(lo[r] as f64, ref_argmin(row), "argmin {dtype:?} {rows}x{cols} row {r}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -463,7 +463,10 @@ fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, [m, k
     match spec.layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks);
-            let threads = per.next_power_of_two().clamp(32, 256) as u32;
+            // An arg reduction is never split, so a few long rows (greedy sampling's one row of
+            // logits) get whole blocks: 256 threads alone wait on hundreds of loads each.
+            let most = if spec.op.is_arg() && m < dev.sm_count { 1024 } else { 256 };
+            let threads = per.next_power_of_two().clamp(32, most) as u32;
             dev.launch(kern, (m.min(1 << 20) as u32, chunks as u32, 1), (threads, 1, 1), &a)
         }
         ReduceLayout::Cols => dev.launch(kern, (m.div_ceil(32 * spec.vec) as u32, chunks as u32, 1), (32, spec.ty as u32, 1), &a),
