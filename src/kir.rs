@@ -134,6 +134,12 @@ impl KernelMemo {
 }
 
 impl FusedKernel {
+    /// The positions in `outputs` of a row kernel's full outputs (one value per element, not
+    /// per row), in order.
+    pub(crate) fn full_outputs(&self) -> Vec<usize> {
+        (0..self.outputs.len()).filter(|&m| !self.ops[self.outputs[m].0].row).collect()
+    }
+
     /// A text form of what it computes (for `KILN_LOG=fusion` and as a cache key).
     pub(crate) fn describe(&self) -> &str {
         self.memo.describe.get_or_init(|| self.describe_now())

@@ -180,7 +180,7 @@ const STREAM_BYTES: usize = 8 << 20;
 /// long enough that the stores stay whole cache lines.
 fn streams(k: &FusedKernel) -> bool {
     let Space::Rows { rows, cols } = k.space else { return false };
-    let row_bytes: usize = k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| cols * k.ops[*o].dtype.size_in_bytes()).sum();
+    let row_bytes: usize = k.full_outputs().iter().map(|&m| cols * k.ops[k.outputs[m].0].dtype.size_in_bytes()).sum();
     row_bytes >= 1024 && rows * row_bytes >= STREAM_BYTES
 }
 
@@ -213,7 +213,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
         // `restrict`: scratch aliases nothing, so the passes' loops need no overlap checks.
         let _ = writeln!(c, "  {t}* restrict at{i} = ({t}*)((char*)scratch + (long long){a} * K * 8);", t = vals[i].0.name());
     }
-    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
+    let full = k.full_outputs();
     if stream {
         // Each full output's row is finished in scratch, then streamed out.
         for (a, &m) in full.iter().enumerate() {
@@ -341,7 +341,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
 pub(crate) fn scratch_per_col(k: &FusedKernel) -> usize {
     match k.space {
         Space::Rows { .. } => {
-            let outs = if streams(k) { k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).count() } else { 0 };
+            let outs = if streams(k) { k.full_outputs().len() } else { 0 };
             8 * (RowPlan::new(k).op_array.iter().filter(|&&a| a).count() + outs)
         }
         Space::Flat { .. } => 0,

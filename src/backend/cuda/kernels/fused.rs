@@ -268,11 +268,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
         }
     }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        let d = k.ops[*o].dtype;
-        if !k.ops[*o].row {
-            let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
-        }
+    for m in k.full_outputs() {
+        let d = k.ops[k.outputs[m].0].dtype;
+        let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
     }
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{");
     let words = RowWords { outputs: k.outputs.len() };
@@ -417,7 +415,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
     }
     // The output pass: full outputs stored a vector at a time; then row outputs.
-    let full: Vec<usize> = (0..k.outputs.len()).filter(|&m| !k.ops[k.outputs[m].0].row).collect();
+    let full = k.full_outputs();
     if !full.is_empty() {
         let (mut pro, mut each, mut stores) = (String::new(), String::new(), String::new());
         for &m in &full {
