@@ -375,8 +375,21 @@ impl Op {
             }
             Op::Matmul => {
                 let (a, b) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
-                let ga = if want[0] { Some(apply(Op::Matmul, &[g, &b.transpose(1, 2)?])?) } else { None };
-                let gb = if want[1] { Some(apply(Op::Matmul, &[&a.transpose(1, 2)?, g])?) } else { None };
+                // A gradient comes in its operand's layout, as PyTorch's do: for a transposed
+                // view (a `Linear` weight's `W.t()`) the product is computed transposed, so the
+                // weight's own gradient is contiguous and its update reads it in order.
+                let transposed = |t: &Tensor| t.shape()[1] > 1 && t.shape()[2] > 1 && t.strides()[1] == 1 && t.strides()[2] != 1;
+                let gt = || g.transpose(1, 2);
+                let ga = match want[0] {
+                    false => None,
+                    true if transposed(a) => Some(apply(Op::Matmul, &[b, &gt()?])?.transpose(1, 2)?),
+                    true => Some(apply(Op::Matmul, &[g, &b.transpose(1, 2)?])?),
+                };
+                let gb = match want[1] {
+                    false => None,
+                    true if transposed(b) => Some(apply(Op::Matmul, &[&gt()?, a])?.transpose(1, 2)?),
+                    true => Some(apply(Op::Matmul, &[&a.transpose(1, 2)?, g])?),
+                };
                 Ok(vec![ga, gb])
             }
             Op::Attention { scale, causal } => {

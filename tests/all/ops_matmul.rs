@@ -219,3 +219,26 @@ fn large_bf16_products_with_unaligned_k_and_n_match_and_their_gradients_too() ->
     assert_close_named("db", &vals(&b.grad().expect("b grad").to_dtype(DType::F32)?), &vals(&af.t()?.matmul(&gf)?), rtol, atol);
     Ok(())
 }
+
+/// A product's gradient comes in its operand's layout, as PyTorch's do: a `Linear` weight used
+/// as `W.t()` gets a contiguous gradient (its update then reads it in order), and the values
+/// are the products `g bᵀ` and `aᵀ g` either way.
+#[test]
+fn gradients_of_transposed_operands_come_in_their_operands_layout() -> Result<()> {
+    let d = dev();
+    for (m, k, n) in [(32usize, 784usize, 256usize), (5, 3, 7)] {
+        let w = Tensor::randn(&[n, k], DType::F32, &d)?.requires_grad();
+        let xt = Tensor::randn(&[k, m], DType::F32, &d)?.requires_grad();
+        let g = Tensor::randn(&[m, n], DType::F32, &d)?;
+        // x = xt.t() and w.t() are both transposed views.
+        xt.t()?.matmul(&w.t()?)?.mul(&g)?.sum_all()?.backward()?;
+        let (gw, gx) = (w.grad().expect("w's gradient"), xt.grad().expect("x's gradient"));
+        assert!(gw.is_contiguous() && gx.is_contiguous(), "{:?} {:?}", gw.strides(), gx.strides());
+        // d/dW of sum(g * x Wᵀ) = gᵀ x; d/dxt = (g W)ᵀ.
+        let want_w = no_grad(|| g.t()?.matmul(&xt.t()?))?;
+        let want_x = no_grad(|| g.matmul(&w)?.t())?;
+        assert_close(&vals(&gw), &vals(&want_w), 1e-5, 1e-5);
+        assert_close(&vals(&gx), &vals(&want_x), 1e-5, 1e-5);
+    }
+    Ok(())
+}
