@@ -225,6 +225,41 @@ fn with<R>(f: impl FnOnce(&mut Tracer) -> Result<R>) -> Result<R> {
     })
 }
 
+/// Whether `t`, a value of this thread's trace, is at run time a transpose of its last two dims
+/// (as `W.t()` is, also behind dims of size 1 added or removed): the trace's stand-ins are all
+/// contiguous, so the layout is read from the graph. None when `t` is not a traced value.
+pub(crate) fn swaps_last_two(t: &Tensor) -> Option<bool> {
+    let r = t.storage().traced_ref()?;
+    TRACER.with(|tr| {
+        let tr = tr.try_borrow().ok()?;
+        let tr = tr.as_ref().filter(|tr| tr.id == r.trace)?;
+        let g = &tr.graph;
+        let bare = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
+        let mut n = r.node;
+        loop {
+            let node = &g.nodes[n];
+            match &node.op {
+                NodeOp::Prim(Op::Reshape(s)) if bare(s) == bare(&g.nodes[node.args[0]].shape) => n = node.args[0],
+                NodeOp::Prim(Op::Permute(p)) => {
+                    let k = p.len();
+                    let swap = k >= 2 && p[k - 2] == k - 1 && p[k - 1] == k - 2 && p[..k - 2].iter().enumerate().all(|(i, &d)| i == d);
+                    // Its source must be laid out in order: a fresh value, or a contiguous capture.
+                    let src = node.args[0];
+                    let ordered = match &g.nodes[src].op {
+                        NodeOp::Captured(c) => tr.inputs[*c].is_contiguous(),
+                        NodeOp::Prim(op) => !op.is_view(),
+                        _ => true,
+                    };
+                    let shape = &g.nodes[r.node].shape;
+                    let same_last_two = shape.len() >= 2 && node.shape.len() >= 2 && shape[shape.len() - 2..] == node.shape[k - 2..];
+                    return Some(swap && ordered && same_last_two);
+                }
+                _ => return Some(false),
+            }
+        }
+    })
+}
+
 /// Records a primitive op on (symbolic or captured) inputs; returns its symbolic result.
 pub(crate) fn record(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     let device = inputs[0].device();

@@ -378,7 +378,9 @@ impl Op {
                 // A gradient comes in its operand's layout, as PyTorch's do: for a transposed
                 // view (a `Linear` weight's `W.t()`) the product is computed transposed, so the
                 // weight's own gradient is contiguous and its update reads it in order.
-                let transposed = |t: &Tensor| t.shape()[1] > 1 && t.shape()[2] > 1 && t.strides()[1] == 1 && t.strides()[2] != 1;
+                let transposed = |t: &Tensor| {
+                    t.shape()[1] > 1 && t.shape()[2] > 1 && crate::compile::trace::swaps_last_two(t).unwrap_or_else(|| t.strides()[1] == 1 && t.strides()[2] != 1)
+                };
                 let gt = || g.transpose(1, 2);
                 let ga = match want[0] {
                     false => None,

@@ -239,6 +239,20 @@ fn gradients_of_transposed_operands_come_in_their_operands_layout() -> Result<()
         let want_x = no_grad(|| g.matmul(&w)?.t())?;
         assert_close(&vals(&gw), &vals(&want_w), 1e-5, 1e-5);
         assert_close(&vals(&gx), &vals(&want_x), 1e-5, 1e-5);
+        // Compiled, where the trace's stand-ins are contiguous and the layout comes from the graph.
+        let w2 = Tensor::randn(&[n, k], DType::F32, &d)?.requires_grad();
+        no_grad(|| w2.copy_(&w))?;
+        let x = no_grad(|| xt.t()?.copy_contiguous())?;
+        let w3 = w2.clone();
+        let step = kiln::compile::compile(move |x: &Tensor, g: &Tensor| {
+            let loss = x.matmul(&w3.t()?)?.mul(g)?.sum_all()?;
+            loss.backward()?;
+            Ok(loss)
+        });
+        step.call(&x, &g)?;
+        let gw2 = w2.grad().expect("the compiled step's gradient");
+        assert!(gw2.is_contiguous(), "compiled: {:?}", gw2.strides());
+        assert_close(&vals(&gw2), &vals(&want_w), 1e-5, 1e-5);
     }
     Ok(())
 }
