@@ -45,8 +45,10 @@ fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize,
     let (ao, bo) = (a.layout().offset, b.layout().offset);
     let flops = m * n * k;
     let threads = rayon::current_num_threads();
-    // Big products parallelise inside gemm; many small ones across the batch.
-    let inner = if flops >= 1 << 18 && bs < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
+    // Big products parallelise inside gemm; many small ones across the batch. Below about 8M
+    // multiply-adds one thread is faster: handing the work to the pool costs more than it
+    // saves (the MLP training step's 32x784x256 products, on 2 cores).
+    let inner = if flops >= 1 << 23 && bs < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
     let one = |(i, o): (usize, &mut [T])| unsafe {
         // SAFETY: offsets and strides come from layouts that describe in-bounds elements of
         // these storages; `o` is a contiguous m×n block.
