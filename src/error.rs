@@ -49,6 +49,11 @@ pub enum Error {
     #[error("{what}: host synchronisation with {device} at {at} (sync debug mode is Error)")]
     Sync { what: &'static str, device: Device, at: String },
 
+    /// A collective or the rendezvous failed: a rank that never arrived, died or disagreed,
+    /// naming it.
+    #[error("distributed {op}: {msg}")]
+    Distributed { op: &'static str, msg: String },
+
     /// A generated kernel that failed to compile, with its source.
     #[error("{device}: kernel compilation failed: {msg}\n--- source ---\n{code}")]
     Kernel { device: Device, msg: String, code: String },
@@ -60,6 +65,9 @@ impl Error {
     }
     pub(crate) fn arg(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Arg { op, msg: msg.into() }
+    }
+    pub(crate) fn dist(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Distributed { op, msg: msg.into() }
     }
     pub(crate) fn dtype(op: &'static str, dtype: DType, msg: impl Into<String>) -> Self {
         Error::DType { op, dtype, msg: msg.into() }

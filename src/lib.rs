@@ -20,6 +20,7 @@ pub(crate) mod backend;
 pub mod custom;
 pub mod data;
 pub mod demo;
+pub mod distributed;
 pub mod cpu;
 pub mod cuda;
 mod device;

@@ -12,6 +12,7 @@ mod cuda;
 mod custom;
 mod data;
 mod demo;
+mod distributed;
 mod errors;
 mod fixtures;
 mod lm;

@@ -220,6 +220,15 @@ fn large_bf16_products_with_unaligned_k_and_n_match_and_their_gradients_too() ->
     Ok(())
 }
 
+/// An F32 product's values within mm_rtol of the reference, scaled by sum |a||b| per element.
+#[track_caller]
+fn assert_product_close(ctx: &str, got: &Tensor, want: &Tensor, mag: &Tensor) {
+    let rtol = mm_rtol(DType::F32);
+    for (i, ((x, y), m)) in vals(got).iter().zip(vals(want)).zip(vals(mag)).enumerate() {
+        assert!((x - y).abs() <= rtol * (m + y.abs()), "{ctx}: element {i}: got {x}, expected {y} (bound {rtol} * sum|ab| {m})");
+    }
+}
+
 /// A product's gradient comes in its operand's layout, as PyTorch's do: a `Linear` weight used
 /// as `W.t()` gets a contiguous gradient (its update then reads it in order), and the values
 /// are the products `g bᵀ` and `aᵀ g` either way.
@@ -237,8 +246,11 @@ fn gradients_of_transposed_operands_come_in_their_operands_layout() -> Result<()
         // d/dW of sum(g * x Wᵀ) = gᵀ x; d/dxt = (g W)ᵀ.
         let want_w = no_grad(|| g.t()?.matmul(&xt.t()?))?;
         let want_x = no_grad(|| g.matmul(&w)?.t())?;
-        assert_close(&vals(&gw), &vals(&want_w), 1e-5, 1e-5);
-        assert_close(&vals(&gx), &vals(&want_x), 1e-5, 1e-5);
+        // The products' error bounds scale with sum |a||b| (mm_rtol), as in check_mm.
+        let mag_w = no_grad(|| g.abs()?.t()?.matmul(&xt.abs()?.t()?))?;
+        let mag_x = no_grad(|| g.abs()?.matmul(&w.abs()?)?.t())?;
+        assert_product_close("dW", &gw, &want_w, &mag_w);
+        assert_product_close("dx", &gx, &want_x, &mag_x);
         // Compiled, where the trace's stand-ins are contiguous and the layout comes from the graph.
         let w2 = Tensor::randn(&[n, k], DType::F32, &d)?.requires_grad();
         no_grad(|| w2.copy_(&w))?;
@@ -252,7 +264,7 @@ fn gradients_of_transposed_operands_come_in_their_operands_layout() -> Result<()
         step.call(&x, &g)?;
         let gw2 = w2.grad().expect("the compiled step's gradient");
         assert!(gw2.is_contiguous(), "compiled: {:?}", gw2.strides());
-        assert_close(&vals(&gw2), &vals(&want_w), 1e-5, 1e-5);
+        assert_product_close("compiled dW", &gw2, &want_w, &mag_w);
     }
     Ok(())
 }

@@ -1,0 +1,161 @@
+//! The NCCL backend: one communicator per group, one GPU per rank. Collectives are queued on the
+//! device's stream (the capture stream while a CUDA graph is being captured, so a replayed step
+//! runs its all-reduces inside the graph), in order with the kernels around them. libnccl is
+//! loaded at run time; a machine without it gets an error naming the library.
+
+use super::{ReduceOp, Work};
+use crate::backend::cuda::device::CudaDevice;
+use crate::storage::BackendStorage;
+use crate::{DType, Error, Result, Tensor};
+use cudarc::nccl::{result, sys};
+use parking_lot::Mutex;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+pub(crate) struct NcclGroup {
+    comm: Mutex<Comm>,
+    dev: Arc<CudaDevice>,
+}
+
+struct Comm(sys::ncclComm_t);
+// SAFETY: a communicator may be used from any thread, one call at a time (the Mutex above).
+unsafe impl Send for Comm {}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialised and is no longer used.
+        unsafe {
+            let _ = result::comm_destroy(self.0);
+        }
+    }
+}
+
+fn nccl_err(op: &'static str, e: impl std::fmt::Debug) -> Error {
+    Error::dist(op, format!("NCCL: {e:?}"))
+}
+
+impl NcclGroup {
+    /// Rank 0 makes the unique id and publishes it in `store`; every rank then joins the
+    /// communicator on GPU `local_rank`.
+    pub(crate) fn connect(store: &super::store::Store, prefix: &str, rank: usize, world: usize, local_rank: usize) -> Result<NcclGroup> {
+        // SAFETY: only probes whether the library can be loaded.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::dist("init", "the NCCL backend needs libnccl.so.2, which this machine does not have (the TCP backend needs nothing)"));
+        }
+        let dev = crate::backend::cuda::device::device(local_rank)?;
+        dev.bind()?;
+        let key = format!("{prefix}/nccl/id");
+        let id = if rank == 0 {
+            let id = result::get_uniqueid().map_err(|e| nccl_err("init", e))?;
+            store.set(&key, &id.internal.iter().map(|&c| c as u8).collect::<Vec<u8>>())?;
+            id
+        } else {
+            let bytes = store.get(&key).map_err(|e| Error::dist("init", format!("rank 0 never published NCCL's id ({e})")))?;
+            if bytes.len() != 128 {
+                return Err(Error::dist("init", format!("NCCL's id from the store has {} bytes, not 128", bytes.len())));
+            }
+            let mut id = sys::ncclUniqueId { internal: [0; 128] };
+            for (d, s) in id.internal.iter_mut().zip(&bytes) {
+                *d = *s as _;
+            }
+            id
+        };
+        let mut comm = std::ptr::null_mut();
+        // SAFETY: `comm` is written by NCCL; every rank passes the same id and world size.
+        unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }.map_err(|e| nccl_err("init", e))?;
+        Ok(NcclGroup { comm: Mutex::new(Comm(comm)), dev })
+    }
+
+    pub(crate) fn ordinal(&self) -> usize {
+        self.dev.ordinal
+    }
+
+    /// Runs `f` with the communicator and the stream this thread's work goes to (nothing in a
+    /// rehearsal, which runs the host side only).
+    fn queue(&self, op: &'static str, f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Work> {
+        self.dev.bind()?;
+        let Some(stream) = self.dev.work().stream() else { return Ok(Work::queued()) };
+        let comm = self.comm.lock();
+        f(comm.0, stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
+        Ok(Work::queued())
+    }
+
+    pub(crate) fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
+        let (ptr, n, dt) = pointer(t)?;
+        let (ty, red) = (nccl_type(t.dtype())?, nccl_op(dt, op));
+        let r = self.queue("all_reduce", |c, s| unsafe { result::all_reduce(ptr as *const c_void, ptr as *mut c_void, n, ty, red, c, s) });
+        t.storage().bump_version();
+        r
+    }
+
+    pub(crate) fn broadcast(&self, t: &Tensor, src: usize) -> Result<Work> {
+        let (ptr, n, _) = pointer(t)?;
+        let ty = nccl_type(t.dtype())?;
+        let r = self.queue("broadcast", |c, s| unsafe { result::broadcast(ptr as *const c_void, ptr as *mut c_void, n, ty, src as i32, c, s) });
+        t.storage().bump_version();
+        r
+    }
+
+    pub(crate) fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<Work> {
+        let ((o, _, _), (i, n, _)) = (pointer(out)?, pointer(input)?);
+        let ty = nccl_type(input.dtype())?;
+        let r = self.queue("all_gather", |c, s| unsafe { result::all_gather(i as *const c_void, o as *mut c_void, n, ty, c, s) });
+        out.storage().bump_version();
+        r
+    }
+
+    pub(crate) fn reduce_scatter(&self, out: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
+        let ((o, n, dt), (i, _, _)) = (pointer(out)?, pointer(input)?);
+        let (ty, red) = (nccl_type(dt)?, nccl_op(dt, op));
+        let r = self.queue("reduce_scatter", |c, s| unsafe { result::reduce_scatter(i as *const c_void, o as *mut c_void, n, ty, red, c, s) });
+        out.storage().bump_version();
+        r
+    }
+
+    pub(crate) fn send(&self, t: &Tensor, dst: usize) -> Result<Work> {
+        let (p, n, dt) = pointer(t)?;
+        let ty = nccl_type(dt)?;
+        self.queue("send", |c, s| unsafe { result::send(p as *const c_void, n, ty, dst as i32, c, s) })
+    }
+
+    pub(crate) fn recv(&self, t: &Tensor, src: usize) -> Result<Work> {
+        let (p, n, dt) = pointer(t)?;
+        let ty = nccl_type(dt)?;
+        let r = self.queue("recv", |c, s| unsafe { result::recv(p as *mut c_void, n, ty, src as i32, c, s) });
+        t.storage().bump_version();
+        r
+    }
+}
+
+/// The device address of a contiguous CUDA tensor's first element, its length and dtype.
+fn pointer(t: &Tensor) -> Result<(u64, usize, DType)> {
+    let data = t.storage().data.read();
+    let BackendStorage::Cuda(s) = &*data else {
+        return Err(Error::dist("collective", "the NCCL backend takes CUDA tensors"));
+    };
+    Ok((s.block.ptr + (t.storage_offset() * t.dtype().size_in_bytes()) as u64, t.numel(), t.dtype()))
+}
+
+fn nccl_type(dt: DType) -> Result<sys::ncclDataType_t> {
+    use sys::ncclDataType_t::*;
+    Ok(match dt {
+        DType::F32 => ncclFloat32,
+        DType::F64 => ncclFloat64,
+        DType::F16 => ncclFloat16,
+        DType::BF16 => ncclBfloat16,
+        DType::I64 => ncclInt64,
+        DType::I32 => ncclInt32,
+        DType::U8 | DType::Bool => ncclUint8,
+    })
+}
+
+/// Booleans reduce as bytes: a sum or maximum is their "or", a minimum their "and".
+fn nccl_op(dt: DType, op: ReduceOp) -> sys::ncclRedOp_t {
+    use sys::ncclRedOp_t::*;
+    match (op, dt) {
+        (ReduceOp::Sum, DType::Bool) | (ReduceOp::Max, _) => ncclMax,
+        (ReduceOp::Sum, _) => ncclSum,
+        (ReduceOp::Avg, _) => ncclAvg,
+        (ReduceOp::Min, _) => ncclMin,
+    }
+}
