@@ -1,6 +1,6 @@
 //! The `kiln` program: the training demo by default, `kiln bench` for the shared side-by-side
 //! benchmark, `kiln profile` for one bench workload under the profiler, `kiln generate` for
-//! text from a `transformers` model directory.
+//! text from a `transformers` model directory, `kiln launch` for the ranks of a distributed job.
 
 mod cli;
 
@@ -89,6 +89,24 @@ enum Cmd {
         #[arg(long)]
         compile: bool,
     },
+    /// Starts the ranks of one node with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    /// MASTER_ADDR, MASTER_PORT), prefixes their output with the rank, and stops them all when
+    /// one fails.
+    Launch {
+        #[arg(long, default_value_t = 1)]
+        nproc_per_node: usize,
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        #[arg(long, default_value_t = 29500)]
+        master_port: u16,
+        /// The program and its arguments, after `--`.
+        #[arg(last = true, required = true)]
+        program: Vec<String>,
+    },
 }
 
 fn main() {
@@ -101,6 +119,13 @@ fn main() {
         Some(Cmd::Bench { only, out, device, .. }) if device == "cpu" => cli::bench_cpu::run(only.as_deref(), &out),
         Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
+        Some(Cmd::Launch { nproc_per_node, nnodes, node_rank, master_addr, master_port, program }) => {
+            match cli::launch::run(&cli::launch::Launch { nproc_per_node, nnodes, node_rank, master_addr, master_port, program }) {
+                Ok(0) => Ok(()),
+                Ok(code) => std::process::exit(code),
+                Err(e) => Err(e),
+            }
+        }
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
         Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, compile }) => (|| {
             let device = match device.as_str() {

@@ -51,8 +51,36 @@ impl Tensor {
                 self.ones_like()?
             }
         };
-        no_grad(|| run(self, grad, opts.retain_graph))
+        let ran = no_grad(|| run(self, grad, opts.retain_graph));
+        // The callbacks queued during the pass run after it, even when it failed (they may own
+        // work in flight); the first error wins.
+        let queued = CALLBACKS.with(|c| std::mem::take(&mut *c.borrow_mut()));
+        let mut result = ran;
+        for cb in queued {
+            let r = no_grad(cb);
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
     }
+}
+
+type Callback = Box<dyn FnOnce() -> Result<()>>;
+
+thread_local! {
+    static CALLBACKS: std::cell::RefCell<Vec<Callback>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` once the backward pass in progress on this thread has finished, before `backward`
+/// returns (PyTorch's `queue_callback` on the execution engine): a hook that starts work during
+/// the pass can wait for it here. Called outside a backward pass, `f` runs after the next one.
+pub fn queue_callback(f: impl FnOnce() -> Result<()> + 'static) {
+    CALLBACKS.with(|c| c.borrow_mut().push(Box::new(f)));
+}
+
+fn leaf_key(t: &Tensor) -> *const crate::tensor::TensorImpl {
+    Arc::as_ptr(&t.0)
 }
 
 fn key(n: &Arc<Node>) -> *const Node {
@@ -61,19 +89,25 @@ fn key(n: &Arc<Node>) -> *const Node {
 
 fn run(root: &Tensor, grad: Tensor, retain: bool) -> Result<()> {
     let Some(root_node) = root.grad_fn() else {
-        return accumulate_leaf(root, grad);
+        accumulate_leaf(root, grad)?;
+        return run_hooks(root);
     };
-    // How many edges point at each node: a node runs once all its consumers have.
+    // How many edges point at each node: a node runs once all its consumers have. Leaves are
+    // counted too, so that their hooks run once, after their last gradient has arrived.
     let mut pending: HashMap<*const Node, usize> = HashMap::new();
+    let mut leaves: HashMap<*const crate::tensor::TensorImpl, (usize, bool)> = HashMap::new();
     let mut stack = vec![root_node.clone()];
     let mut seen = std::collections::HashSet::from([key(&root_node)]);
     while let Some(n) = stack.pop() {
         for e in n.edges.iter().flatten() {
-            if let Edge::Node(c) = e {
-                *pending.entry(key(c)).or_default() += 1;
-                if seen.insert(key(c)) {
-                    stack.push(c.clone());
+            match e {
+                Edge::Node(c) => {
+                    *pending.entry(key(c)).or_default() += 1;
+                    if seen.insert(key(c)) {
+                        stack.push(c.clone());
+                    }
                 }
+                Edge::Leaf(t) => leaves.entry(leaf_key(t)).or_default().0 += 1,
             }
         }
     }
@@ -89,8 +123,14 @@ fn run(root: &Tensor, grad: Tensor, retain: bool) -> Result<()> {
             let g = g.map(|g| conform(&n, i, g)).transpose()?;
             match edge {
                 Edge::Leaf(t) => {
+                    let left = leaves.get_mut(&leaf_key(t)).expect("counted");
                     if let Some(g) = g {
                         accumulate_leaf(t, g)?;
+                        left.1 = true;
+                    }
+                    left.0 -= 1;
+                    if left.0 == 0 && left.1 {
+                        run_hooks(t)?;
                     }
                 }
                 Edge::Node(c) => {
@@ -109,6 +149,15 @@ fn run(root: &Tensor, grad: Tensor, retain: bool) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// A leaf's post-accumulate-grad hooks, called outside its metadata lock (they may set `.grad`).
+fn run_hooks(t: &Tensor) -> Result<()> {
+    let hooks: Vec<_> = t.0.meta.lock().post_accumulate_hooks.iter().map(|(_, h)| h.clone()).collect();
+    for h in hooks {
+        h(t)?;
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ mod function;
 mod gradcheck;
 mod mode;
 
-pub use engine::BackwardOptions;
+pub use engine::{queue_callback, BackwardOptions};
 pub use function::{Ctx, Function};
 pub use gradcheck::{gradcheck, GradcheckOptions};
 pub use mode::{enable_grad, inference_mode, is_grad_enabled, no_grad};
@@ -16,6 +16,21 @@ use crate::ops::Op;
 use crate::{DType, Error, Result, Tensor};
 use parking_lot::Mutex;
 use std::sync::Arc;
+
+/// A leaf's post-accumulate-grad hook.
+pub(crate) type GradHook = Arc<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
+
+/// Removes its hook when `remove` is called (dropping the handle keeps the hook, as in PyTorch).
+pub struct HookHandle {
+    pub(crate) tensor: Tensor,
+    pub(crate) id: u64,
+}
+
+impl HookHandle {
+    pub fn remove(self) {
+        self.tensor.0.meta.lock().post_accumulate_hooks.retain(|(id, _)| *id != self.id);
+    }
+}
 
 /// Where the gradient of one input of a node goes.
 pub(crate) enum Edge {

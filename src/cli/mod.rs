@@ -3,4 +3,5 @@
 pub mod bench;
 pub mod bench_cpu;
 pub mod generate;
+pub mod launch;
 pub mod profile;

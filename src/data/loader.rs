@@ -17,6 +17,7 @@ pub struct DataLoader<D: Dataset + 'static> {
     workers: usize,
     prefetch: usize,
     pin_memory: bool,
+    sampler: Option<DistributedSampler>,
     epoch: AtomicU64,
 }
 
@@ -26,7 +27,7 @@ impl<D: Dataset + 'static> DataLoader<D> {
         if batch_size == 0 {
             return Err(Error::arg("DataLoader", "batch_size must be positive"));
         }
-        Ok(DataLoader { dataset: Arc::new(dataset), batch_size, shuffle: false, seed: 0, drop_last: false, workers: 1, prefetch: 2, pin_memory: false, epoch: AtomicU64::new(0) })
+        Ok(DataLoader { dataset: Arc::new(dataset), batch_size, shuffle: false, seed: 0, drop_last: false, workers: 1, prefetch: 2, pin_memory: false, sampler: None, epoch: AtomicU64::new(0) })
     }
     /// A new random order every epoch, the same for the same seed.
     pub fn shuffle(mut self, seed: u64) -> Self {
@@ -54,12 +55,22 @@ impl<D: Dataset + 'static> DataLoader<D> {
         self.pin_memory = on;
         self
     }
+    /// Takes each epoch's samples from `sampler` (this rank's shard) instead of the whole
+    /// dataset; the loader's epoch counter drives the sampler's reshuffle, so ranks that iterate
+    /// alike stay in step.
+    pub fn sampler(mut self, sampler: DistributedSampler) -> Result<Self> {
+        if sampler.dataset_len != self.dataset.len() {
+            return Err(Error::arg("DataLoader::sampler", format!("the sampler was made for {} samples, the dataset has {}", sampler.dataset_len, self.dataset.len())));
+        }
+        self.sampler = Some(sampler);
+        Ok(self)
+    }
     pub fn dataset(&self) -> &D {
         &self.dataset
     }
     /// Batches in one epoch.
     pub fn len(&self) -> usize {
-        let n = self.dataset.len();
+        let n = self.sampler.as_ref().map_or(self.dataset.len(), |s| s.num_samples());
         if self.drop_last { n / self.batch_size } else { n.div_ceil(self.batch_size) }
     }
     pub fn is_empty(&self) -> bool {
@@ -68,15 +79,12 @@ impl<D: Dataset + 'static> DataLoader<D> {
 
     /// The sample order of epoch `epoch`.
     pub fn order(&self, epoch: u64) -> Vec<usize> {
+        if let Some(s) = &self.sampler {
+            return s.indices(epoch);
+        }
         let mut idx: Vec<usize> = (0..self.dataset.len()).collect();
         if self.shuffle {
-            // Fisher–Yates driven by the counter-based generator: (seed, epoch) fixes the order.
-            let key = self.seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            for i in (1..idx.len()).rev() {
-                let w = crate::tensor::random::philox(key, i as u64);
-                let r = (((w[0] as u64) << 32) | w[1] as u64) % (i as u64 + 1);
-                idx.swap(i, r as usize);
-            }
+            shuffle(&mut idx, self.seed, epoch);
         }
         idx
     }
@@ -101,6 +109,79 @@ impl<D: Dataset + 'static> DataLoader<D> {
             }));
         }
         Batches { rx, pending: BTreeMap::new(), next: 0, total: batches.len(), _workers: handles }
+    }
+}
+
+/// Fisher–Yates driven by the counter-based generator: (seed, epoch) fixes the order.
+fn shuffle(idx: &mut [usize], seed: u64, epoch: u64) {
+    let key = seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for i in (1..idx.len()).rev() {
+        let w = crate::tensor::random::philox(key, i as u64);
+        let r = (((w[0] as u64) << 32) | w[1] as u64) % (i as u64 + 1);
+        idx.swap(i, r as usize);
+    }
+}
+
+/// Each rank's share of a dataset, as PyTorch's `DistributedSampler`: one seeded permutation per
+/// epoch, the same on every rank, padded by repeating its start to a multiple of the ranks (or
+/// cut, with `drop_last`), and dealt out so that rank r takes positions r, r + n, r + 2n, ...
+#[derive(Clone, Debug)]
+pub struct DistributedSampler {
+    dataset_len: usize,
+    num_replicas: usize,
+    rank: usize,
+    seed: u64,
+    shuffle: bool,
+    drop_last: bool,
+}
+
+impl DistributedSampler {
+    /// This process's shard in the default process group (the whole dataset without one).
+    pub fn new(dataset: &impl Dataset, seed: u64) -> Result<Self> {
+        Self::with_replicas(dataset.len(), crate::distributed::world_size(), crate::distributed::rank(), seed)
+    }
+
+    /// Shard `rank` of `num_replicas` of a dataset of `dataset_len` samples.
+    pub fn with_replicas(dataset_len: usize, num_replicas: usize, rank: usize, seed: u64) -> Result<Self> {
+        if num_replicas == 0 || rank >= num_replicas {
+            return Err(Error::arg("DistributedSampler", format!("rank {rank} is not below num_replicas {num_replicas}")));
+        }
+        Ok(DistributedSampler { dataset_len, num_replicas, rank, seed, shuffle: true, drop_last: false })
+    }
+
+    /// In dataset order instead of shuffled.
+    pub fn shuffle(mut self, on: bool) -> Self {
+        self.shuffle = on;
+        self
+    }
+
+    /// Cuts the tail instead of padding it, so no sample is seen twice in an epoch.
+    pub fn drop_last(mut self, on: bool) -> Self {
+        self.drop_last = on;
+        self
+    }
+
+    /// Samples per rank and epoch.
+    pub fn num_samples(&self) -> usize {
+        if self.drop_last { self.dataset_len / self.num_replicas } else { self.dataset_len.div_ceil(self.num_replicas) }
+    }
+
+    /// This rank's samples in epoch `epoch`.
+    pub fn indices(&self, epoch: u64) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..self.dataset_len).collect();
+        if self.shuffle {
+            shuffle(&mut idx, self.seed, epoch);
+        }
+        let total = self.num_samples() * self.num_replicas;
+        if idx.is_empty() {
+            return idx;
+        }
+        while idx.len() < total {
+            let more = (total - idx.len()).min(idx.len());
+            idx.extend_from_within(..more);
+        }
+        idx.truncate(total);
+        idx.into_iter().skip(self.rank).step_by(self.num_replicas).collect()
     }
 }
 

@@ -6,7 +6,7 @@ mod loader;
 mod synthetic;
 
 pub use idx::Mnist;
-pub use loader::{Batches, DataLoader};
+pub use loader::{Batches, DataLoader, DistributedSampler};
 pub use synthetic::SyntheticClassification;
 
 use crate::{Result, Tensor};

@@ -5,6 +5,7 @@
 mod attention;
 mod batchnorm;
 mod conv;
+mod ddp;
 pub mod functional;
 pub mod init;
 mod layers;
@@ -15,6 +16,7 @@ mod transformer;
 
 pub use attention::{AttnArgs, MultiheadAttention};
 pub use batchnorm::BatchNorm2d;
+pub use ddp::{DdpOptions, DistributedDataParallel};
 pub use conv::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Conv2dArgs, Flatten, MaxPool2d, MaxPool2dArgs};
 pub use layers::{Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential, SiLU, Sigmoid, Tanh, GELUTanh, GELU};
 pub use module::Module;

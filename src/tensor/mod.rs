@@ -40,6 +40,8 @@ pub(crate) struct AutogradMeta {
     pub(crate) requires_grad: bool,
     pub(crate) grad: Option<Tensor>,
     pub(crate) grad_fn: Option<Arc<Node>>,
+    /// Called once per backward after this leaf's gradient is complete, by id.
+    pub(crate) post_accumulate_hooks: Vec<(u64, crate::autograd::GradHook)>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -296,6 +298,20 @@ impl Tensor {
     /// The name of the node that made this tensor (`MulBackward`, ...), if it was recorded.
     pub fn grad_fn_name(&self) -> Option<String> {
         self.0.meta.lock().grad_fn.as_ref().map(|n| n.name())
+    }
+
+    /// Calls `hook` with this leaf after each backward pass has finished accumulating its
+    /// gradient (PyTorch's `register_post_accumulate_grad_hook`): once per pass, however many
+    /// uses the leaf had in the graph. `DistributedDataParallel` starts its all-reduces from here.
+    pub fn register_post_accumulate_grad_hook(&self, hook: impl Fn(&Tensor) -> Result<()> + Send + Sync + 'static) -> Result<crate::autograd::HookHandle> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let mut m = self.0.meta.lock();
+        if m.grad_fn.is_some() || !m.requires_grad {
+            return Err(Error::Autograd(format!("post-accumulate-grad hooks go on leaves that require grad (shape {:?})", self.shape())));
+        }
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        m.post_accumulate_hooks.push((id, Arc::new(hook)));
+        Ok(crate::autograd::HookHandle { tensor: self.clone(), id })
     }
 
     pub(crate) fn grad_fn(&self) -> Option<Arc<Node>> {

@@ -1737,3 +1737,32 @@ fn gradient_flows_through_to_device() {
     gc.check("to_device round trip", |xs| xs[0].to_device(&dev())?.sin()?.to_device(&xs[0].device()), &[rnd(&[2, 3], 1)]);
     gc.finish();
 }
+
+#[test]
+fn post_accumulate_grad_hooks_run_once_per_pass_after_the_last_use_and_callbacks_after_the_pass() {
+    use std::sync::{Arc, Mutex};
+    let w = Tensor::ones(&[3], DType::F32, &Device::Cpu).unwrap().requires_grad();
+    let seen = Arc::new(Mutex::new(Vec::<Vec<f32>>::new()));
+    let s = seen.clone();
+    let handle = w
+        .register_post_accumulate_grad_hook(move |w| {
+            s.lock().unwrap().push(w.grad().unwrap().to_vec::<f32>()?);
+            let s2 = s.clone();
+            kiln::autograd::queue_callback(move || {
+                s2.lock().unwrap().push(vec![-1.0]);
+                Ok(())
+            });
+            Ok(())
+        })
+        .unwrap();
+    // w used three times: the hook sees the whole gradient (1 + 2 + 3 per element), once.
+    let y = w.sum_all().unwrap().add(&w.mul_scalar(2.0).unwrap().sum_all().unwrap()).unwrap().add(&w.mul_scalar(3.0).unwrap().sum_all().unwrap()).unwrap();
+    y.backward().unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![vec![6.0; 3], vec![-1.0]]);
+    handle.remove();
+    w.sum_all().unwrap().backward().unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 2, "a removed hook does not run");
+    // Only leaves that require grad take hooks.
+    let nonleaf = w.mul_scalar(2.0).unwrap();
+    assert!(nonleaf.register_post_accumulate_grad_hook(|_| Ok(())).is_err());
+}

@@ -11,6 +11,7 @@ mod cpu_codegen;
 mod cuda;
 mod custom;
 mod data;
+mod ddp;
 mod demo;
 mod distributed;
 mod errors;

@@ -1,0 +1,312 @@
+//! `DistributedDataParallel`: one model replica per rank, gradients averaged over the ranks
+//! during backward, as PyTorch's DDP does it.
+//!
+//! At construction every parameter and buffer is broadcast from rank 0, and the parameters are
+//! put in buckets in reverse order (the order backward produces their gradients): the first
+//! bucket up to 1 MiB, so that communication starts early, the others up to 25 MiB. Each
+//! parameter's post-accumulate-grad hook copies its gradient into its bucket; once a bucket is
+//! full its all-reduce (average) starts, while backward goes on with the earlier layers. Buckets
+//! are launched in the same order on every rank. When backward ends, it waits for them all, and
+//! each `.grad` is a view of its bucket.
+
+use crate::autograd::HookHandle;
+use crate::distributed::{self, Backend, ProcessGroup, ReduceOp, Work};
+use crate::nn::Module;
+use crate::{no_grad, DType, Device, Error, Result, Tensor};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+/// Options of [`DistributedDataParallel`] (PyTorch's keyword arguments).
+#[derive(Clone)]
+pub struct DdpOptions {
+    /// Bucket size limit in MiB (`bucket_cap_mb`, 25).
+    pub bucket_cap_mib: f64,
+    /// The first bucket's limit in MiB (1): the last layers' gradients start moving early.
+    pub first_bucket_mib: f64,
+    /// Parameters that get no gradient in a backward count as ready with zeros, instead of the
+    /// pass ending in an error that lists them.
+    pub find_unused_parameters: bool,
+    /// Buffers (running statistics) broadcast from rank 0 before every forward (true).
+    pub broadcast_buffers: bool,
+    /// The group; the default one when `None`.
+    pub group: Option<ProcessGroup>,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        DdpOptions { bucket_cap_mib: 25.0, first_bucket_mib: 1.0, find_unused_parameters: false, broadcast_buffers: true, group: None }
+    }
+}
+
+/// Wraps a module so that `backward` averages its gradients over the ranks of a process group.
+/// Its parameter names get the `module.` prefix, as PyTorch's do.
+pub struct DistributedDataParallel<M: Module> {
+    module: M,
+    reducer: Arc<Reducer>,
+    hooks: Vec<HookHandle>,
+    buffers: Vec<Tensor>,
+    broadcast_buffers: bool,
+}
+
+struct Reducer {
+    group: ProcessGroup,
+    names: Vec<String>,
+    params: Vec<Tensor>,
+    buckets: Vec<Bucket>,
+    /// Each parameter's bucket and its view there.
+    slot: Vec<(usize, Tensor)>,
+    find_unused: bool,
+    /// Off inside `no_sync`: gradients accumulate locally.
+    sync: AtomicBool,
+    pass: Mutex<Pass>,
+}
+
+struct Bucket {
+    flat: Tensor,
+    params: Vec<usize>,
+}
+
+/// The state of one backward pass.
+#[derive(Default)]
+struct Pass {
+    active: bool,
+    ready: Vec<bool>,
+    waiting: Vec<usize>,
+    next: usize,
+    works: Vec<Work>,
+    error: Option<String>,
+}
+
+impl<M: Module> DistributedDataParallel<M> {
+    pub fn new(module: M) -> Result<Self> {
+        Self::with_options(module, DdpOptions::default())
+    }
+
+    pub fn with_options(module: M, opts: DdpOptions) -> Result<Self> {
+        let group = match opts.group.clone() {
+            Some(g) => g,
+            None => distributed::group()?,
+        };
+        if !(opts.bucket_cap_mib > 0.0 && opts.first_bucket_mib > 0.0) {
+            return Err(Error::arg("DistributedDataParallel", format!("bucket sizes must be positive (bucket_cap_mib {}, first_bucket_mib {})", opts.bucket_cap_mib, opts.first_bucket_mib)));
+        }
+        let named: Vec<(String, Tensor)> = module.named_parameters().into_iter().filter(|(_, p)| p.is_requires_grad()).collect();
+        let buffers: Vec<Tensor> = module.named_buffers().into_iter().map(|(_, b)| b).collect();
+        for (name, t) in named.iter().map(|(n, t)| (n.as_str(), t)).chain(buffers.iter().map(|b| ("a buffer", b))) {
+            let ok = matches!((group.backend(), t.device()), (Backend::Tcp, Device::Cpu) | (Backend::Nccl, Device::Cuda(_)));
+            if !ok {
+                return Err(Error::arg("DistributedDataParallel", format!("{name} is on {}, which a {:?} group cannot reduce", t.device(), group.backend())));
+            }
+        }
+        verify_same_model(&group, &named)?;
+        // Every replica starts from rank 0's values.
+        no_grad(|| {
+            let works = named.iter().map(|(_, p)| p).chain(&buffers).map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>>>()?;
+            works.into_iter().try_for_each(Work::wait)
+        })?;
+        let (buckets, slot) = assign_buckets(&named, opts.first_bucket_mib, opts.bucket_cap_mib)?;
+        let n = named.len();
+        // Named as `DistributedDataParallel::named_parameters` names them.
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().map(|(n, p)| (format!("module.{n}"), p)).unzip();
+        let reducer = Arc::new(Reducer { group, names, params, buckets, slot, find_unused: opts.find_unused_parameters, sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
+        let mut hooks = Vec::with_capacity(n);
+        for (i, p) in reducer.params.iter().enumerate() {
+            let weak: Weak<Reducer> = Arc::downgrade(&reducer);
+            hooks.push(p.register_post_accumulate_grad_hook(move |p| match weak.upgrade() {
+                Some(r) => r.grad_ready(i, p),
+                None => Ok(()),
+            })?);
+        }
+        Ok(DistributedDataParallel { module, reducer, hooks, buffers, broadcast_buffers: opts.broadcast_buffers })
+    }
+
+    /// The wrapped module.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// Runs `f` (forward and backward of micro-batches) without averaging gradients: they
+    /// accumulate in `.grad` on each rank, and the next backward outside `no_sync` averages the
+    /// sum (PyTorch's `with model.no_sync():`).
+    pub fn no_sync<T>(&self, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let was = self.reducer.sync.swap(false, Ordering::AcqRel);
+        let r = f();
+        self.reducer.sync.store(was, Ordering::Release);
+        r
+    }
+
+    /// The buckets' parameter names, in launch order (for tests and `KILN_LOG`).
+    pub fn bucket_names(&self) -> Vec<Vec<String>> {
+        self.reducer.buckets.iter().map(|b| b.params.iter().map(|&i| self.reducer.names[i].clone()).collect()).collect()
+    }
+}
+
+impl<M: Module> Drop for DistributedDataParallel<M> {
+    fn drop(&mut self) {
+        for h in self.hooks.drain(..) {
+            h.remove();
+        }
+    }
+}
+
+impl<M: Module> Module for DistributedDataParallel<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.broadcast_buffers && !self.buffers.is_empty() && self.reducer.group.world_size() > 1 {
+            no_grad(|| {
+                let works = self.buffers.iter().map(|b| self.reducer.group.broadcast(b, 0)).collect::<Result<Vec<_>>>()?;
+                works.into_iter().try_for_each(Work::wait)
+            })?;
+        }
+        self.module.forward(x)
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("module".into(), &self.module)]
+    }
+}
+
+impl Reducer {
+    /// Parameter `i`'s gradient is complete for this pass.
+    fn grad_ready(self: Arc<Self>, i: usize, p: &Tensor) -> Result<()> {
+        if !self.sync.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut pass = self.pass.lock();
+        if !pass.active {
+            *pass = Pass { active: true, ready: vec![false; self.params.len()], waiting: self.buckets.iter().map(|b| b.params.len()).collect(), ..Pass::default() };
+            let me = self.clone();
+            crate::autograd::queue_callback(move || me.finish());
+        }
+        if pass.ready[i] {
+            return Ok(());
+        }
+        let g = p.grad().ok_or_else(|| Error::Autograd(format!("DDP: {} is ready without a gradient", self.names[i])))?;
+        let (b, view) = &self.slot[i];
+        if !g.shares_storage_with(view) || g.storage_offset() != view.storage_offset() {
+            view.copy_(&g)?;
+        }
+        self.mark(&mut pass, i, *b)
+    }
+
+    fn mark(&self, pass: &mut Pass, i: usize, b: usize) -> Result<()> {
+        pass.ready[i] = true;
+        pass.waiting[b] -= 1;
+        // Buckets start in order on every rank (the backends match collectives by order).
+        while pass.next < self.buckets.len() && pass.waiting[pass.next] == 0 {
+            let w = self.group.all_reduce(&self.buckets[pass.next].flat, ReduceOp::Avg);
+            match w {
+                Ok(w) => pass.works.push(w),
+                Err(e) => {
+                    pass.error.get_or_insert(e.to_string());
+                }
+            }
+            pass.next += 1;
+        }
+        Ok(())
+    }
+
+    /// The end of backward: unused parameters, then every bucket's all-reduce waited for and
+    /// each gradient pointed at its bucket.
+    fn finish(&self) -> Result<()> {
+        let mut pass = std::mem::take(&mut *self.pass.lock());
+        let unused: Vec<usize> = (0..self.params.len()).filter(|&i| !pass.ready[i]).collect();
+        if !unused.is_empty() {
+            if !self.find_unused {
+                let names: Vec<&str> = unused.iter().map(|&i| self.names[i].as_str()).collect();
+                let e = Error::Autograd(format!(
+                    "DDP: parameters {names:?} received no gradient in this backward, so their buckets never started and the ranks would disagree; \
+                     construct with DdpOptions {{ find_unused_parameters: true, .. }} or use every parameter in the loss"
+                ));
+                for w in pass.works.drain(..) {
+                    let _ = w.wait();
+                }
+                return Err(e);
+            }
+            for i in unused {
+                let (b, view) = &self.slot[i];
+                view.zero_()?;
+                self.mark(&mut pass, i, *b)?;
+            }
+        }
+        let mut first = pass.error.take().map(|e| Error::dist("all_reduce", e));
+        for w in pass.works.drain(..) {
+            if let Err(e) = w.wait() {
+                first.get_or_insert(e);
+            }
+        }
+        if let Some(e) = first {
+            return Err(e);
+        }
+        for (p, (_, view)) in self.params.iter().zip(&self.slot) {
+            p.set_grad(Some(view.clone()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Parameters in reverse order, packed into buckets of one dtype and device each: the first up
+/// to `first_mib`, the rest up to `cap_mib`.
+fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> Result<(Vec<Bucket>, Vec<(usize, Tensor)>)> {
+    let mut groups: Vec<(DType, Device, Vec<usize>, usize)> = Vec::new();
+    let mut order: Vec<(DType, Device, Vec<usize>)> = Vec::new();
+    for i in (0..named.len()).rev() {
+        let p = &named[i].1;
+        let key = (p.dtype(), p.device());
+        let limit = |n_done: usize| ((if n_done == 0 { first_mib } else { cap_mib }) * 1048576.0) as usize;
+        let bytes = p.numel() * p.dtype().size_in_bytes();
+        let g = match groups.iter().position(|(d, v, _, _)| (*d, *v) == key) {
+            Some(g) => g,
+            None => {
+                groups.push((key.0, key.1, Vec::new(), 0));
+                groups.len() - 1
+            }
+        };
+        let done = order.iter().filter(|(d, v, _)| (*d, *v) == key).count();
+        let (_, _, members, size) = &mut groups[g];
+        if !members.is_empty() && *size + bytes > limit(done) {
+            order.push((key.0, key.1, std::mem::take(members)));
+            *size = 0;
+        }
+        members.push(i);
+        *size += bytes;
+    }
+    order.extend(groups.into_iter().filter(|g| !g.2.is_empty()).map(|(d, v, m, _)| (d, v, m)));
+    let mut slot: Vec<Option<(usize, Tensor)>> = vec![None; named.len()];
+    let mut buckets = Vec::with_capacity(order.len());
+    for (b, (dtype, device, members)) in order.into_iter().enumerate() {
+        let total: usize = members.iter().map(|&i| named[i].1.numel()).sum();
+        let flat = Tensor::zeros(&[total], dtype, &device)?;
+        let mut off = 0;
+        for &i in &members {
+            let p = &named[i].1;
+            let shape: Vec<i64> = p.shape().iter().map(|&d| d as i64).collect();
+            let view = flat.narrow(0, off, p.numel())?.reshape(&shape)?;
+            slot[i] = Some((b, view));
+            off += p.numel();
+        }
+        buckets.push(Bucket { flat, params: members });
+    }
+    Ok((buckets, slot.into_iter().map(|s| s.expect("every parameter has a bucket")).collect()))
+}
+
+/// The same parameters (count, shapes, dtypes) on every rank, or an error before any
+/// collective could mismatch: the minimum and maximum of a fingerprint over the ranks agree.
+fn verify_same_model(group: &ProcessGroup, named: &[(String, Tensor)]) -> Result<()> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (_, p) in named {
+        for &d in p.shape().iter().chain([p.dtype() as usize, usize::MAX].iter()) {
+            h = (h ^ d as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    // 62 bits, so that the values stay exact as i64 on every backend.
+    let fp = [named.len() as i64, (h >> 2) as i64];
+    let dev = named.first().map_or(Device::Cpu, |(_, p)| p.device());
+    let lo = Tensor::from_vec(fp.to_vec(), &[2], &Device::Cpu)?.to_device(&dev)?;
+    let hi = lo.copy_contiguous()?;
+    group.all_reduce(&lo, ReduceOp::Min)?.wait()?;
+    group.all_reduce(&hi, ReduceOp::Max)?.wait()?;
+    if lo.to_vec::<i64>()? != hi.to_vec::<i64>()? {
+        return Err(Error::arg("DistributedDataParallel", format!("rank {} has {} parameters, or shapes and dtypes, that differ from another rank's: every rank must build the same model", group.rank(), named.len())));
+    }
+    Ok(())
+}

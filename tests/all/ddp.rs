@@ -1,0 +1,206 @@
+//! `DistributedDataParallel` and `kiln launch`: ranks as processes (the test binary started by
+//! the launcher, running the ignored `ddp_rank` test), and in-process groups of one rank for
+//! the errors.
+
+use super::distributed::{free_port, options};
+use kiln::data::DistributedSampler;
+use kiln::distributed::{self as dist, Backend, ProcessGroup};
+use kiln::nn::{DdpOptions, DistributedDataParallel, Linear, Module, ReLU, Sequential};
+use kiln::optim::{Optimizer, Sgd};
+use kiln::prelude::*;
+use std::time::Duration;
+
+const PER_RANK: usize = 8;
+const STEPS: usize = 4;
+
+/// The same starting values on every process without a generator: sines of the position.
+fn model() -> Sequential {
+    let d = Device::Cpu;
+    let m = Sequential::new().add(Linear::new(12, 16, &d).unwrap()).add(ReLU).add(Linear::new(16, 16, &d).unwrap()).add(ReLU).add(Linear::new(16, 4, &d).unwrap());
+    no_grad(|| {
+        for (k, p) in m.parameters().iter().enumerate() {
+            let v: Vec<f32> = (0..p.numel()).map(|i| ((i * 7 + k * 13) as f32 * 0.37).sin() * 0.3).collect();
+            p.copy_(&Tensor::from_vec(v, p.shape(), &d)?)?;
+        }
+        Ok::<_, kiln::Error>(())
+    })
+    .unwrap();
+    m
+}
+
+fn data(n: usize) -> (Tensor, Tensor) {
+    let x: Vec<f32> = (0..n * 12).map(|i| ((i as f32) * 0.61).cos()).collect();
+    let y: Vec<i64> = (0..n as i64).map(|i| (i * 5 + 1) % 4).collect();
+    (Tensor::from_vec(x, &[n, 12], &Device::Cpu).unwrap(), Tensor::from_vec(y, &[n], &Device::Cpu).unwrap())
+}
+
+fn loss(m: &dyn Module, x: &Tensor, y: &Tensor) -> kiln::Result<Tensor> {
+    nn::functional::cross_entropy(&m.forward(x)?, y)
+}
+
+fn flat_params(m: &dyn Module) -> Vec<f32> {
+    m.parameters().iter().flat_map(|p| p.to_vec::<f32>().unwrap()).collect()
+}
+
+/// One rank of the multi-process test, started by `kiln launch` (ignored when run directly).
+#[test]
+#[ignore = "a rank of ddp_over_2_and_4_processes_ends_with_the_one_process_parameters"]
+fn ddp_rank() -> kiln::Result<()> {
+    let out = std::path::PathBuf::from(std::env::var("KILN_DDP_OUT").expect("started by the multi-process test"));
+    let mut o = dist::InitOptions::new(Backend::Tcp);
+    o.timeout = Duration::from_secs(60);
+    dist::init_process_group_with(o)?;
+    let (rank, world) = (dist::rank(), dist::world_size());
+    // Small buckets, so that several are in flight during backward.
+    let ddp = DistributedDataParallel::with_options(model(), DdpOptions { bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() })?;
+    assert!(ddp.bucket_names().len() >= 3, "{:?}", ddp.bucket_names());
+    let mut opt = Sgd::new(ddp.parameters(), 0.1).momentum(0.9);
+    let (x, y) = data(PER_RANK * world);
+    let shard = DistributedSampler::with_replicas(PER_RANK * world, world, rank, 0)?.shuffle(false).indices(0);
+    let idx = Tensor::from_vec(shard.iter().map(|&i| i as i64).collect::<Vec<_>>(), &[PER_RANK], &Device::Cpu)?;
+    let (x, y) = (x.index_select(0, &idx)?, y.index_select(0, &idx)?);
+    for step in 0..STEPS {
+        if step == 2 {
+            // Gradient accumulation: half the shard without syncing, then the other half.
+            let half = PER_RANK / 2;
+            ddp.no_sync(|| loss(&ddp, &x.narrow(0, 0, half)?, &y.narrow(0, 0, half)?)?.mul_scalar(0.5)?.backward())?;
+            loss(&ddp, &x.narrow(0, half, half)?, &y.narrow(0, half, half)?)?.mul_scalar(0.5)?.backward()?;
+        } else {
+            loss(&ddp, &x, &y)?.backward()?;
+        }
+        opt.step()?;
+        opt.zero_grad();
+    }
+    let bytes: Vec<u8> = flat_params(&ddp).iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(out.join(format!("rank{rank}.bin")), bytes)?;
+    println!("rank {rank} of {world} done");
+    dist::destroy_process_group()
+}
+
+#[test]
+fn ddp_over_2_and_4_processes_ends_with_the_one_process_parameters() {
+    let exe = std::env::current_exe().unwrap();
+    for world in [2usize, 4] {
+        let out = std::env::temp_dir().join(format!("kiln-ddp-{}-{world}", std::process::id()));
+        std::fs::create_dir_all(&out).unwrap();
+        let port = free_port();
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+            .args(["launch", "--nproc-per-node", &world.to_string(), "--master-port", &port.to_string(), "--"])
+            .arg(&exe)
+            .args(["ddp::ddp_rank", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+            .env("KILN_DDP_OUT", &out)
+            .status()
+            .unwrap();
+        assert!(status.success(), "world {world}: {status}");
+        // One process on the concatenated batch (the mean over all ranks' samples).
+        let m = model();
+        let mut opt = Sgd::new(m.parameters(), 0.1).momentum(0.9);
+        let (x, y) = data(PER_RANK * world);
+        for _ in 0..STEPS {
+            loss(&m, &x, &y).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+        let want = flat_params(&m);
+        let ranks: Vec<Vec<f32>> = (0..world)
+            .map(|r| std::fs::read(out.join(format!("rank{r}.bin"))).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+            .collect();
+        std::fs::remove_dir_all(&out).ok();
+        for (r, got) in ranks.iter().enumerate() {
+            // Every rank holds the same bits: the ring hands each rank the same reduced chunks.
+            assert_eq!(got, &ranks[0], "rank {r} differs from rank 0");
+            // F32 sums in another order than the single process's: a few ulps.
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "world {world}, parameter value {i}: {a} against one process's {b}");
+            }
+        }
+    }
+}
+
+fn one_rank() -> ProcessGroup {
+    ProcessGroup::new(options(Backend::Tcp, 0, 1, 0, Duration::from_secs(10))).unwrap()
+}
+
+#[test]
+fn unused_parameters_are_an_error_naming_them_unless_asked_for() {
+    // The second layer is not used by this forward.
+    struct Partial(Linear, Linear);
+    impl Module for Partial {
+        fn forward(&self, x: &Tensor) -> kiln::Result<Tensor> {
+            self.0.forward(x)
+        }
+        fn children(&self) -> Vec<(String, &dyn Module)> {
+            vec![("used".into(), &self.0 as &dyn Module), ("unused".into(), &self.1)]
+        }
+    }
+    let d = Device::Cpu;
+    let make = || Partial(Linear::new(3, 2, &d).unwrap(), Linear::new(3, 2, &d).unwrap());
+    let x = Tensor::ones(&[4, 3], DType::F32, &d).unwrap();
+    let ddp = DistributedDataParallel::with_options(make(), DdpOptions { group: Some(one_rank()), ..DdpOptions::default() }).unwrap();
+    let e = ddp.forward(&x).unwrap().sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(e.contains("module.unused.weight") && e.contains("find_unused_parameters"), "{e}");
+    let ddp = DistributedDataParallel::with_options(make(), DdpOptions { group: Some(one_rank()), find_unused_parameters: true, ..DdpOptions::default() }).unwrap();
+    ddp.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    let named = ddp.named_parameters();
+    let (_, unused_w) = named.iter().find(|(n, _)| n == "module.unused.weight").unwrap();
+    assert_eq!(unused_w.grad().unwrap().to_vec::<f32>().unwrap(), vec![0.0; 6]);
+    let (_, used_b) = named.iter().find(|(n, _)| n == "module.used.bias").unwrap();
+    assert_eq!(used_b.grad().unwrap().to_vec::<f32>().unwrap(), vec![4.0, 4.0]);
+}
+
+#[test]
+fn buckets_go_in_reverse_parameter_order_and_a_parameter_used_twice_is_reduced_once() {
+    let d = Device::Cpu;
+    // 12x16 weights are 768 bytes: a 1 KiB cap holds one weight and a bias.
+    let m = model();
+    let ddp = DistributedDataParallel::with_options(m, DdpOptions { group: Some(one_rank()), bucket_cap_mib: 1.0 / 1024.0, first_bucket_mib: 1.0 / 1024.0, ..DdpOptions::default() }).unwrap();
+    let buckets = ddp.bucket_names();
+    assert_eq!(buckets[0][0], "module.4.bias", "{buckets:?}");
+    assert_eq!(buckets.last().unwrap().last().unwrap(), "module.0.weight", "{buckets:?}");
+    // The same model applied twice: each weight's gradient sums both uses, then is reduced once.
+    let x = Tensor::ones(&[2, 12], DType::F32, &d).unwrap();
+    let y = ddp.forward(&x).unwrap().sum_all().unwrap();
+    let z = ddp.forward(&x.mul_scalar(0.5).unwrap()).unwrap().sum_all().unwrap();
+    y.add(&z).unwrap().backward().unwrap();
+    let plain = model();
+    let y = plain.forward(&x).unwrap().sum_all().unwrap();
+    let z = plain.forward(&x.mul_scalar(0.5).unwrap()).unwrap().sum_all().unwrap();
+    y.add(&z).unwrap().backward().unwrap();
+    for (p, q) in ddp.parameters().iter().zip(plain.parameters()) {
+        assert_eq!(p.grad().unwrap().to_vec::<f32>().unwrap(), q.grad().unwrap().to_vec::<f32>().unwrap());
+    }
+}
+
+#[test]
+fn the_launcher_stops_every_rank_when_one_fails_and_prefixes_their_output() {
+    let start = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["launch", "--nproc-per-node", "3", "--master-port", &free_port().to_string(), "--", "sh", "-c"])
+        .arg("echo hello from $RANK of $WORLD_SIZE nvls=$NCCL_NVLS_ENABLE; if [ $RANK = 1 ]; then sleep 1; exit 3; fi; sleep 60")
+        .output()
+        .unwrap();
+    assert!(start.elapsed() < Duration::from_secs(30), "the other ranks were not stopped: {:?}", start.elapsed());
+    assert_eq!(out.status.code(), Some(3));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for r in 0..3 {
+        assert!(stdout.contains(&format!("[rank {r}] hello from {r} of 3 nvls=0")), "{stdout}");
+    }
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rank 1 failed"));
+}
+
+#[test]
+fn the_distributed_sampler_deals_disjoint_padded_shards_reshuffled_per_epoch() {
+    let shards: Vec<Vec<usize>> = (0..3).map(|r| DistributedSampler::with_replicas(10, 3, r, 7).unwrap().indices(0)).collect();
+    assert!(shards.iter().all(|s| s.len() == 4));
+    let mut all: Vec<usize> = shards.concat();
+    all.sort();
+    // 12 positions over 10 samples: two repeated from the permutation's start, every sample once at least.
+    all.dedup();
+    assert_eq!(all, (0..10).collect::<Vec<_>>());
+    let again = DistributedSampler::with_replicas(10, 3, 0, 7).unwrap();
+    assert_eq!(again.indices(0), shards[0]);
+    assert_ne!(again.indices(1), shards[0], "a new order in the next epoch");
+    let cut = DistributedSampler::with_replicas(10, 3, 2, 7).unwrap().drop_last(true).shuffle(false).indices(0);
+    assert_eq!(cut, vec![2, 5, 8]);
+    assert!(DistributedSampler::with_replicas(10, 3, 3, 7).is_err());
+}
