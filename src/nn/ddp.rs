@@ -31,11 +31,18 @@ pub struct DdpOptions {
     pub broadcast_buffers: bool,
     /// The group; the default one when `None`.
     pub group: Option<ProcessGroup>,
+    /// Starts a full bucket's communication instead of the average all-reduce (PyTorch's
+    /// `register_comm_hook`): called with the group and the bucket's flat gradient, which must
+    /// hold the averaged gradient once the returned work is done.
+    pub comm_hook: Option<CommHook>,
 }
+
+/// See [`DdpOptions::comm_hook`].
+pub type CommHook = Arc<dyn Fn(&ProcessGroup, &Tensor) -> Result<Work> + Send + Sync>;
 
 impl Default for DdpOptions {
     fn default() -> Self {
-        DdpOptions { bucket_cap_mib: 25.0, first_bucket_mib: 1.0, find_unused_parameters: false, broadcast_buffers: true, group: None }
+        DdpOptions { bucket_cap_mib: 25.0, first_bucket_mib: 1.0, find_unused_parameters: false, broadcast_buffers: true, group: None, comm_hook: None }
     }
 }
 
@@ -57,6 +64,7 @@ struct Reducer {
     /// Each parameter's bucket and its view there.
     slot: Vec<(usize, Tensor)>,
     find_unused: bool,
+    comm_hook: Option<CommHook>,
     /// Off inside `no_sync`: gradients accumulate locally.
     sync: AtomicBool,
     pass: Mutex<Pass>,
@@ -109,7 +117,7 @@ impl<M: Module> DistributedDataParallel<M> {
         let n = named.len();
         // Named as `DistributedDataParallel::named_parameters` names them.
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().map(|(n, p)| (format!("module.{n}"), p)).unzip();
-        let reducer = Arc::new(Reducer { group, names, params, buckets, slot, find_unused: opts.find_unused_parameters, sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
+        let reducer = Arc::new(Reducer { group, names, params, buckets, slot, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
         let mut hooks = Vec::with_capacity(n);
         for (i, p) in reducer.params.iter().enumerate() {
             let weak: Weak<Reducer> = Arc::downgrade(&reducer);
@@ -193,7 +201,11 @@ impl Reducer {
         pass.waiting[b] -= 1;
         // Buckets start in order on every rank (the backends match collectives by order).
         while pass.next < self.buckets.len() && pass.waiting[pass.next] == 0 {
-            let w = self.group.all_reduce(&self.buckets[pass.next].flat, ReduceOp::Avg);
+            let flat = &self.buckets[pass.next].flat;
+            let w = match &self.comm_hook {
+                Some(h) => h(&self.group, flat),
+                None => self.group.all_reduce(flat, ReduceOp::Avg),
+            };
             match w {
                 Ok(w) => pass.works.push(w),
                 Err(e) => {

@@ -16,7 +16,7 @@ mod transformer;
 
 pub use attention::{AttnArgs, MultiheadAttention};
 pub use batchnorm::BatchNorm2d;
-pub use ddp::{DdpOptions, DistributedDataParallel};
+pub use ddp::{CommHook, DdpOptions, DistributedDataParallel};
 pub use conv::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Conv2dArgs, Flatten, MaxPool2d, MaxPool2dArgs};
 pub use layers::{Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential, SiLU, Sigmoid, Tanh, GELUTanh, GELU};
 pub use module::Module;

@@ -60,6 +60,9 @@ fn ddp_rank() -> kiln::Result<()> {
     let idx = Tensor::from_vec(shard.iter().map(|&i| i as i64).collect::<Vec<_>>(), &[PER_RANK], &Device::Cpu)?;
     let (x, y) = (x.index_select(0, &idx)?, y.index_select(0, &idx)?);
     for step in 0..STEPS {
+        if step == 1 && rank == 1 && std::env::var_os("KILN_DDP_CRASH").is_some() {
+            std::process::abort();
+        }
         if step == 2 {
             // Gradient accumulation: half the shard without syncing, then the other half.
             let half = PER_RANK / 2;
@@ -203,4 +206,73 @@ fn the_distributed_sampler_deals_disjoint_padded_shards_reshuffled_per_epoch() {
     let cut = DistributedSampler::with_replicas(10, 3, 2, 7).unwrap().drop_last(true).shuffle(false).indices(0);
     assert_eq!(cut, vec![2, 5, 8]);
     assert!(DistributedSampler::with_replicas(10, 3, 3, 7).is_err());
+}
+
+#[test]
+fn a_crashed_rank_makes_the_others_fail_naming_it() {
+    // Started directly, not by the launcher (which would stop rank 0 itself).
+    let exe = std::env::current_exe().unwrap();
+    let out = std::env::temp_dir().join(format!("kiln-ddp-crash-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let port = free_port().to_string();
+    let start = std::time::Instant::now();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            std::process::Command::new(&exe)
+                .args(["ddp::ddp_rank", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
+                .env("KILN_DDP_OUT", &out)
+                .env("KILN_DDP_CRASH", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outputs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
+    std::fs::remove_dir_all(&out).ok();
+    assert!(start.elapsed() < Duration::from_secs(50), "{:?}", start.elapsed());
+    assert!(!outputs[1].status.success());
+    assert!(!outputs[0].status.success(), "rank 0 went on without rank 1");
+    let said = format!("{}{}", String::from_utf8_lossy(&outputs[0].stdout), String::from_utf8_lossy(&outputs[0].stderr));
+    assert!(said.contains("rank 1 closed its connection"), "{said}");
+}
+
+#[test]
+fn the_first_bucket_is_on_its_way_before_backward_reaches_the_first_layer() {
+    use std::sync::{Arc, Mutex};
+    // Identity whose backward notes how many buckets had started by then.
+    struct Mark(Arc<Mutex<Vec<usize>>>, Arc<Mutex<Option<usize>>>);
+    impl kiln::Function for Mark {
+        fn forward(&self, _: &mut kiln::Ctx, xs: &[&Tensor]) -> kiln::Result<Tensor> {
+            xs[0].copy_contiguous()
+        }
+        fn backward(&self, _: &kiln::Ctx, g: &Tensor) -> kiln::Result<Vec<Option<Tensor>>> {
+            *self.1.lock().unwrap() = Some(self.0.lock().unwrap().len());
+            Ok(vec![Some(g.clone())])
+        }
+    }
+    struct Probe(Arc<Mutex<Vec<usize>>>, Arc<Mutex<Option<usize>>>);
+    impl Module for Probe {
+        fn forward(&self, x: &Tensor) -> kiln::Result<Tensor> {
+            kiln::Function::apply(Mark(self.0.clone(), self.1.clone()), &[x])
+        }
+    }
+    let d = Device::Cpu;
+    let (launched, seen) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(None)));
+    let m = Sequential::new().add(Linear::new(12, 16, &d).unwrap()).add(Probe(launched.clone(), seen.clone())).add(ReLU).add(Linear::new(16, 16, &d).unwrap()).add(ReLU).add(Linear::new(16, 4, &d).unwrap());
+    let l = launched.clone();
+    let hook: kiln::nn::CommHook = Arc::new(move |g: &ProcessGroup, flat: &Tensor| {
+        l.lock().unwrap().push(flat.numel());
+        g.all_reduce(flat, dist::ReduceOp::Avg)
+    });
+    let opts = DdpOptions { group: Some(one_rank()), bucket_cap_mib: 1.0 / 1024.0, first_bucket_mib: 1.0 / 1024.0, comm_hook: Some(hook), ..DdpOptions::default() };
+    let ddp = DistributedDataParallel::with_options(m, opts).unwrap();
+    let (x, y) = data(8);
+    loss(&ddp, &x, &y).unwrap().backward().unwrap();
+    let at_first_layer = seen.lock().unwrap().expect("the probe's backward ran");
+    let buckets = ddp.bucket_names().len();
+    assert!(at_first_layer >= 1, "no bucket had started when backward reached the first layer");
+    assert!(at_first_layer < buckets, "the first layer's bucket cannot have started before its gradient");
+    assert_eq!(launched.lock().unwrap().len(), buckets, "every bucket once");
 }

@@ -200,3 +200,23 @@ fn nccl_collectives_on_one_gpu_or_a_clear_error_without_one() {
     let host_t = Tensor::zeros(&[1], DType::F32, &Device::Cpu).unwrap();
     assert!(g.all_reduce(&host_t, ReduceOp::Sum).err().unwrap().to_string().contains("NCCL"));
 }
+
+#[test]
+fn a_rank_that_stops_answering_times_out_naming_it() {
+    let port = free_port();
+    let start = std::time::Instant::now();
+    let e = std::thread::scope(|s| {
+        let idle = s.spawn(move || {
+            let g = ProcessGroup::new(options(Backend::Tcp, 1, 2, port, Duration::from_secs(1))).unwrap();
+            // Alive, but never joins the all-reduce.
+            std::thread::sleep(Duration::from_secs(3));
+            drop(g);
+        });
+        let g = ProcessGroup::new(options(Backend::Tcp, 0, 2, port, Duration::from_secs(1))).unwrap();
+        let e = g.all_reduce(&host(&[1.0; 4], DType::F32), ReduceOp::Sum).unwrap().wait().unwrap_err().to_string();
+        idle.join().unwrap();
+        e
+    });
+    assert!(e.contains("rank 1 did not answer within 1 s"), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
