@@ -47,6 +47,10 @@ enum Cmd {
         /// `bench/torch_cpu.py`).
         #[arg(long, default_value = "cuda")]
         device: String,
+        /// The data-parallel rows of `ddp_reference.py` (all-reduce bus bandwidth, DDP steps),
+        /// under `kiln launch`: NCCL with `--device cuda`, the TCP backend with `cpu`.
+        #[arg(long)]
+        distributed: bool,
     },
     /// Runs one call of a bench workload under the profiler: prints the per-kernel table and
     /// writes a Chrome trace.
@@ -116,8 +120,9 @@ fn main() {
         Some(Cmd::Demo { which, steps, .. }) if which == "mlp" => demo(steps),
         Some(Cmd::Demo { which, seconds, .. }) if which == "lm" => kiln::demo::lm::run(seconds, usize::MAX, &Device::cuda_if_available(0), true, &mut std::io::stdout().lock()).map(|_| ()),
         Some(Cmd::Demo { which, .. }) => Err(kiln::Error::Arg { op: "demo", msg: format!("{which}: expected mlp or lm") }),
+        Some(Cmd::Bench { only, out, device, distributed: true, .. }) => cli::bench_ddp::run(only.as_deref(), &out, &device),
         Some(Cmd::Bench { only, out, device, .. }) if device == "cpu" => cli::bench_cpu::run(only.as_deref(), &out),
-        Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
+        Some(Cmd::Bench { only, out, allow_tf32, copy_fit, device, .. }) if device == "cuda" => cli::bench::run(only.as_deref(), &out, allow_tf32, copy_fit),
         Some(Cmd::Bench { device, .. }) => Err(kiln::Error::Arg { op: "bench", msg: format!("--device {device}: expected cuda or cpu") }),
         Some(Cmd::Launch { nproc_per_node, nnodes, node_rank, master_addr, master_port, program }) => {
             match cli::launch::run(&cli::launch::Launch { nproc_per_node, nnodes, node_rank, master_addr, master_port, program }) {

@@ -177,11 +177,17 @@ fn gpt2_small(dtype: DType, dev: &Device) -> Result<kiln::models::Gpt2> {
     kiln::models::Gpt2::new(kiln::models::Gpt2Config::default(), dtype, dev)
 }
 
+/// The model as it is, or one data-parallel replica of it.
+fn replica(m: impl Module + 'static, ddp: bool) -> Result<Box<dyn Module>> {
+    Ok(if ddp { Box::new(nn::DistributedDataParallel::new(m)?) } else { Box::new(m) })
+}
+
 /// One GPT-2 small training step on 8 x 1024 random tokens under bf16 autocast: forward,
 /// cross-entropy in F32, backward, AdamW (lr 3e-4, betas 0.9/0.95, weight decay 0.1), grads
 /// cleared; as it is (None) or compiled in `mode`.
-fn gpt2_train(dev: &Device, mode: Option<Mode>) -> Result<Call> {
-    let model = gpt2_small(DType::F32, dev)?;
+/// With `ddp` the model is wrapped in `DistributedDataParallel` over the default group.
+pub(super) fn gpt2_train(dev: &Device, mode: Option<Mode>, ddp: bool) -> Result<Call> {
+    let model = replica(gpt2_small(DType::F32, dev)?, ddp)?;
     let cfg = optim::AdamConfig { lr: 3e-4, beta1: 0.9, beta2: 0.95, weight_decay: 0.1, ..Default::default() };
     let mut opt = optim::AdamW::new(model.parameters(), cfg);
     let (idx, tgt) = (Tensor::randint(0, 50257, &[8, 1024], dev)?, Tensor::randint(0, 50257, &[8 * 1024], dev)?);
@@ -233,9 +239,9 @@ fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
 /// One ResNet-50 training step at batch 128 (3x224x224) under bf16 autocast, as
 /// `torch_reference.py`: forward, cross-entropy in F32, backward, SGD (lr 0.1, momentum 0.9,
 /// weight decay 1e-4), grads cleared; batch norm in training mode.
-fn resnet50_train(dev: &Device, mode: Option<Mode>) -> Result<Call> {
+pub(super) fn resnet50_train(dev: &Device, mode: Option<Mode>, ddp: bool) -> Result<Call> {
     manual_seed(0);
-    let rn = nn::resnet50(1000, dev)?;
+    let rn = replica(nn::resnet50(1000, dev)?, ddp)?;
     let mut opt = optim::Sgd::new(rn.parameters(), 0.1).momentum(0.9).weight_decay(1e-4);
     let (x, y) = (Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?, Tensor::randint(0, 1000, &[128], dev)?);
     let d = *dev;
@@ -355,8 +361,8 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
         "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
-        "resnet50.train.bf16amp.bs128" => step(resnet50_train(dev, None)?, variants(|m| resnet50_train(dev, m))?),
-        "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev, None)?, variants(|m| gpt2_train(dev, m))?),
+        "resnet50.train.bf16amp.bs128" => step(resnet50_train(dev, None, false)?, variants(|m| resnet50_train(dev, m, false))?),
+        "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev, None, false)?, variants(|m| gpt2_train(dev, m, false))?),
         "gpt2.decode.bf16.bs1" => step(gpt2_decode(dev, None)?, variants(|m| gpt2_decode(dev, m))?),
         "matmul.bf16.8192" => {
             let a = Tensor::randn(&[8192, 8192], DType::BF16, dev)?;

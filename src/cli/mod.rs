@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_cpu;
+pub mod bench_ddp;
 pub mod generate;
 pub mod launch;
 pub mod profile;

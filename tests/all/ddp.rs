@@ -276,3 +276,29 @@ fn the_first_bucket_is_on_its_way_before_backward_reaches_the_first_layer() {
     assert!(at_first_layer < buckets, "the first layer's bucket cannot have started before its gradient");
     assert_eq!(launched.lock().unwrap().len(), buckets, "every bucket once");
 }
+
+/// One rank on the test device (NCCL on a GPU, TCP on the CPU): the replica trains exactly as
+/// the plain model does, since the average over one rank is the gradient itself.
+#[test]
+fn a_one_rank_ddp_model_trains_exactly_as_the_plain_model_on_the_test_device() {
+    let d = crate::common::dev();
+    let backend = if d.is_cuda() { Backend::Nccl } else { Backend::Tcp };
+    let group = ProcessGroup::new(options(backend, 0, 1, 0, Duration::from_secs(20))).unwrap();
+    let on = |mut m: Sequential| {
+        m.to_device(&d).unwrap();
+        m
+    };
+    let ddp = DistributedDataParallel::with_options(on(model()), DdpOptions { group: Some(group), bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() }).unwrap();
+    let plain = on(model());
+    let (x, y) = data(16);
+    let (x, y) = (x.to_device(&d).unwrap(), y.to_device(&d).unwrap());
+    for m in [&ddp as &dyn Module, &plain] {
+        let mut opt = optim::AdamW::new(m.parameters(), optim::AdamConfig { lr: 1e-2, ..Default::default() });
+        for _ in 0..3 {
+            loss(m, &x, &y).unwrap().backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+    }
+    assert_eq!(flat_params(&ddp), flat_params(&plain));
+}
