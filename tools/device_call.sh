@@ -1,7 +1,7 @@
 #!/bin/bash
 # One call on the GPU machine, from the repository root after ../shared/tools/gpu-bundle:
 #   bash tools/device_call.sh $OUT <sections...>
-# Sections: cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
+# Sections: ddp (kiln bench --distributed under kiln launch beside ddp_reference.py, DDP_NPROC ranks), cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
 # row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
@@ -107,6 +107,13 @@ if [[ " $* " == *" lnrows "* ]]; then
 fi
 if [[ " $* " == *" rows "* ]]; then
   cat $OUT/kernels-*.log > /tmp/k.log; cd tools/rows && python3 make_variants.py /tmp/k.log && cd build && (ls *_*.cu | grep -v harness | xargs -P 12 -I{} nvcc -O3 -arch=sm_90 -c {} -o {}.o) && nvcc -O3 -arch=sm_90 harness.cu *.o -o v && ./v; cd ../../..
+fi
+if [[ " $* " == *" ddp "* ]]; then
+  # kiln's data-parallel rows beside ddp_reference.py, DDP_NPROC ranks (1 on a one-GPU machine).
+  export NCCL_NVLS_ENABLE=0
+  n=${DDP_NPROC:-1}
+  timeout 400 .gpu/bin/kiln launch --nproc-per-node $n --master-port 29631 -- .gpu/bin/kiln bench --distributed --device cuda --out $OUT/kiln-ddp.json > $OUT/kiln-ddp.txt 2>&1; echo "kiln rc $?"; tail -8 $OUT/kiln-ddp.txt
+  (cd .gpu/bench && timeout 400 python3 -m torch.distributed.run --nproc-per-node $n --master-port 29632 ddp_reference.py --out $OUT/torch-ddp.json > $OUT/torch-ddp.txt 2>&1; echo "torch rc $?"); tail -8 $OUT/torch-ddp.txt
 fi
 if [[ " $* " == *" final "* ]]; then
   # A fresh machine runs slowly for its first half minute or more: processes page the CUDA
