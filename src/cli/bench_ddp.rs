@@ -58,7 +58,8 @@ pub fn run(only: Option<&str>, out: &std::path::Path, device: &str) -> Result<()
         record(&name, json!({"ms": ms, "world_size": world, "busbw_GBps": algbw * 2.0 * (world as f64 - 1.0) / world as f64}));
     }
     if dev.is_cuda() {
-        let steps: [(&str, usize, fn(&Device) -> Result<super::bench::Call>); 2] = [
+        type Make = fn(&Device) -> Result<super::bench::Call>;
+        let steps: [(&str, usize, Make); 2] = [
             ("ddp.resnet50.train.bf16amp.bs128", 128, |d| super::bench::resnet50_train(d, None, true)),
             ("ddp.gpt2.train.bf16amp.8x1024", 8 * 1024, |d| super::bench::gpt2_train(d, None, true)),
         ];

@@ -324,8 +324,9 @@ fn combine(dtype: DType, op: ReduceOp, dst: &mut [u8], src: &[u8]) {
         for (a, &b) in d.iter_mut().zip(s) {
             *a = match op {
                 ReduceOp::Sum | ReduceOp::Avg => add(*a, b),
-                ReduceOp::Max => if b > *a || b != b { b } else { *a },
-                ReduceOp::Min => if b < *a || b != b { b } else { *a },
+                // A NaN wins, as in NCCL and PyTorch (it is the value unordered with itself).
+                ReduceOp::Max => if b > *a || b.partial_cmp(&b).is_none() { b } else { *a },
+                ReduceOp::Min => if b < *a || b.partial_cmp(&b).is_none() { b } else { *a },
             };
         }
     }

@@ -61,14 +61,16 @@ struct Reducer {
     names: Vec<String>,
     params: Vec<Tensor>,
     buckets: Vec<Bucket>,
-    /// Each parameter's bucket and its view there.
-    slot: Vec<(usize, Tensor)>,
+    slot: Vec<Slot>,
     find_unused: bool,
     comm_hook: Option<CommHook>,
     /// Off inside `no_sync`: gradients accumulate locally.
     sync: AtomicBool,
     pass: Mutex<Pass>,
 }
+
+/// A parameter's bucket and its view there.
+type Slot = (usize, Tensor);
 
 struct Bucket {
     flat: Tensor,
@@ -258,7 +260,7 @@ impl Reducer {
 
 /// Parameters in reverse order, packed into buckets of one dtype and device each: the first up
 /// to `first_mib`, the rest up to `cap_mib`.
-fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> Result<(Vec<Bucket>, Vec<(usize, Tensor)>)> {
+fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> Result<(Vec<Bucket>, Vec<Slot>)> {
     let mut groups: Vec<(DType, Device, Vec<usize>, usize)> = Vec::new();
     let mut order: Vec<(DType, Device, Vec<usize>)> = Vec::new();
     for i in (0..named.len()).rev() {
@@ -283,7 +285,7 @@ fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> R
         *size += bytes;
     }
     order.extend(groups.into_iter().filter(|g| !g.2.is_empty()).map(|(d, v, m, _)| (d, v, m)));
-    let mut slot: Vec<Option<(usize, Tensor)>> = vec![None; named.len()];
+    let mut slot: Vec<Option<Slot>> = vec![None; named.len()];
     let mut buckets = Vec::with_capacity(order.len());
     for (b, (dtype, device, members)) in order.into_iter().enumerate() {
         let total: usize = members.iter().map(|&i| named[i].1.numel()).sum();
