@@ -72,6 +72,9 @@ fn joint_body(g: &Graph, needs: &[bool], xs: &[Tensor], gout: &Tensor) -> Result
             NodeOp::Random(_) => {
                 return Err(Error::Compile("random draws in a compiled function that needs gradients are not supported; draw them outside and pass them in".into()))
             }
+            NodeOp::Collective(c) => {
+                return Err(Error::Compile(format!("a {} in a compiled function whose result needs gradients is not supported; call backward inside the function", c.name())))
+            }
         };
         vals.push(v);
     }

@@ -23,6 +23,9 @@ pub enum NodeOp {
     Random(RandomKind),
     /// A user op (`kiln::CustomOp`): opaque to fusion, run by its own kernel or CPU function.
     Custom(crate::custom::CustomOp),
+    /// A collective over a process group (DDP's bucket all-reduces): opaque, never merged,
+    /// hoisted or deduplicated, run where it was traced.
+    Collective(crate::distributed::Collective),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -56,6 +59,7 @@ impl Node {
             NodeOp::Random(RandomKind::Normal) => "randn".into(),
             NodeOp::Random(RandomKind::Int { .. }) => "randint".into(),
             NodeOp::Custom(c) => c.name().into(),
+            NodeOp::Collective(c) => c.name().into(),
         }
     }
     /// Static arguments, as printed after the name.
@@ -79,6 +83,7 @@ impl Node {
             NodeOp::Full(v) => format!("[{v}]"),
             NodeOp::Random(RandomKind::Int { low, high }) => format!("[{low}, {high})"),
             NodeOp::Custom(_) => "[custom]".into(),
+            NodeOp::Collective(c) => c.params(),
             _ => String::new(),
         }
     }

@@ -65,7 +65,7 @@ fn parameter_only(g: &Graph) -> Vec<bool> {
             NodeOp::Captured(k) => !g.mutations.iter().any(|&(w, _)| w == k),
             NodeOp::Full(_) => true,
             NodeOp::Prim(_) => n.args.iter().all(|&a| p[a]),
-            NodeOp::Arg(_) | NodeOp::Random(_) | NodeOp::Custom(_) => false,
+            NodeOp::Arg(_) | NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_) => false,
         };
     }
     p

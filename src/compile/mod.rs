@@ -469,6 +469,12 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
     pub fn has_breaks(&self) -> bool {
         self.state.lock().segmented
     }
+    /// Whether the most recent compiled graph replays as one captured CUDA graph
+    /// (reduce-overhead and max-autotune, once captured).
+    pub fn replays_cuda_graph(&self) -> bool {
+        let s = self.state.lock();
+        matches!(s.entries.last().map(|e| &e.exec), Some(Exec::Graphed(g)) if matches!(&*g.replay.lock(), Capture::Replay(_)))
+    }
     /// Kernels one call of the most recent compiled graph launches on a GPU, when known.
     pub fn kernels_per_call(&self) -> Option<usize> {
         let s = self.state.lock();

@@ -57,6 +57,7 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
                 crate::ops::apply(op.clone(), &args)?
             }
             NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
+            NodeOp::Collective(c) => c.run(env[n.args[0]].as_ref().expect("computed before use"))?,
             NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
             NodeOp::Random(kind) => random(*kind, n)?,
         };
@@ -303,7 +304,7 @@ impl Program {
         self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
             Step::Kernel(_) | Step::Gemm(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !op.is_view())
-                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_)),
+                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_)),
         }).count()
     }
 
@@ -466,6 +467,7 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
         NodeOp::Arg(_) | NodeOp::Captured(_) => input_of(g, n, inputs).expect("an input"),
         NodeOp::Prim(op) => op.forward(&n.args.iter().map(arg).collect::<Vec<_>>())?,
         NodeOp::Custom(c) => c.call(&n.args.iter().map(arg).collect::<Vec<_>>())?,
+        NodeOp::Collective(c) => c.run(arg(&n.args[0]))?,
         NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
         NodeOp::Random(kind) => random(*kind, n)?,
     })

@@ -80,8 +80,9 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
                 }
             }
         }
-        // Common subexpressions: the same op on the same arguments (random draws differ).
-        if !matches!(ops[i], NodeOp::Random(_) | NodeOp::Arg(_) | NodeOp::Captured(_)) {
+        // Common subexpressions: the same op on the same arguments (random draws and collectives
+        // differ: each is its own exchange with the other ranks).
+        if !matches!(ops[i], NodeOp::Random(_) | NodeOp::Collective(_) | NodeOp::Arg(_) | NodeOp::Captured(_)) {
             let seen_args: Vec<NodeId> = args[i].iter().map(|&a| canon[a]).collect();
             let key = format!("{:?}|{:?}|{:?}|{:?}|{:?}", ops[i], seen_args, node.shape, node.dtype, node.device);
             match seen.get(&key) {

@@ -140,9 +140,6 @@ impl ProcessGroup {
 
     /// Where this group's tensors must live.
     fn check(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        if t.storage().traced_ref().is_some() {
-            return Err(Error::dist(op, "collectives inside a compiled function are not supported yet: call them outside `compile`"));
-        }
         if !t.is_contiguous() {
             return Err(Error::dist(op, format!("tensors must be contiguous (shape {:?}, strides {:?})", t.shape(), t.strides())));
         }
@@ -175,9 +172,28 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Inside `compile`: the collective becomes a node of the graph, run in its place at each
+    /// call (captured in the CUDA graph of a replayed step), and `t` is rebound to its result.
+    fn traced(&self, kind: CollectiveKind, t: &Tensor) -> Result<Work> {
+        let node = crate::compile::graph::NodeOp::Collective(Collective { group: self.clone(), kind });
+        let out = crate::compile::trace::record_node(node, &[t], t.shape().to_vec(), t.dtype())?;
+        crate::compile::trace::assign(t, &out)?;
+        Ok(Work::queued())
+    }
+
+    fn not_traced(&self, op: &'static str) -> Result<()> {
+        if crate::compile::trace::active() {
+            return Err(Error::dist(op, "only all_reduce and broadcast can run inside a compiled function yet: call it outside `compile`"));
+        }
+        Ok(())
+    }
+
     /// Combines `t` over all ranks, in place.
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
         self.check_op("all_reduce", t, op)?;
+        if crate::compile::trace::active() {
+            return self.traced(CollectiveKind::AllReduce(op), t);
+        }
         match &self.0.imp {
             Imp::Tcp(g) => g.all_reduce(t, op),
             Imp::Nccl(g) => g.all_reduce(t, op),
@@ -188,6 +204,9 @@ impl ProcessGroup {
     pub fn broadcast(&self, t: &Tensor, src: usize) -> Result<Work> {
         self.check("broadcast", t)?;
         self.check_rank("broadcast", src, "source")?;
+        if crate::compile::trace::active() {
+            return self.traced(CollectiveKind::Broadcast(src), t);
+        }
         match &self.0.imp {
             Imp::Tcp(g) => g.broadcast(t, src),
             Imp::Nccl(g) => g.broadcast(t, src),
@@ -197,6 +216,7 @@ impl ProcessGroup {
     /// Every rank's `input`, concatenated along dimension 0 in rank order, into `out`
     /// (PyTorch's `all_gather_into_tensor`): `out` has `world_size` times `input`'s elements.
     pub fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<Work> {
+        self.not_traced("all_gather")?;
         self.check("all_gather", out)?;
         self.check("all_gather", input)?;
         self.same_dtype("all_gather", out, input)?;
@@ -213,6 +233,7 @@ impl ProcessGroup {
     /// combined over all ranks (PyTorch's `reduce_scatter_tensor`).
     pub fn reduce_scatter(&self, out: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
         self.check_op("reduce_scatter", out, op)?;
+        self.not_traced("reduce_scatter")?;
         self.check("reduce_scatter", input)?;
         self.same_dtype("reduce_scatter", out, input)?;
         if input.numel() != out.numel() * self.0.world {
@@ -226,6 +247,7 @@ impl ProcessGroup {
 
     /// Sends `t` to rank `dst`, which must `recv` a tensor of the same size.
     pub fn send(&self, t: &Tensor, dst: usize) -> Result<Work> {
+        self.not_traced("send")?;
         self.check("send", t)?;
         self.check_peer("send", dst)?;
         match &self.0.imp {
@@ -236,6 +258,7 @@ impl ProcessGroup {
 
     /// Receives into `t` what rank `src` sends.
     pub fn recv(&self, t: &Tensor, src: usize) -> Result<Work> {
+        self.not_traced("recv")?;
         self.check("recv", t)?;
         self.check_peer("recv", src)?;
         match &self.0.imp {
@@ -269,6 +292,60 @@ impl ProcessGroup {
             return Err(Error::dist(op, format!("rank {r} cannot {op} to itself")));
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ProcessGroup({:?}, rank {} of {}, {:p})", self.0.backend, self.0.rank, self.0.world, Arc::as_ptr(&self.0))
+    }
+}
+
+/// Two handles are equal when they share one group.
+impl PartialEq for ProcessGroup {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A collective recorded in a compiled function's graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Collective {
+    group: ProcessGroup,
+    kind: CollectiveKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum CollectiveKind {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+}
+
+impl Collective {
+    pub(crate) fn name(&self) -> &'static str {
+        match self.kind {
+            CollectiveKind::AllReduce(_) => "all_reduce",
+            CollectiveKind::Broadcast(_) => "broadcast",
+        }
+    }
+
+    pub(crate) fn params(&self) -> String {
+        match self.kind {
+            CollectiveKind::AllReduce(op) => format!("[{op:?}, world {}]", self.group.world_size()),
+            CollectiveKind::Broadcast(src) => format!("[src={src}, world {}]", self.group.world_size()),
+        }
+    }
+
+    /// The node's value at run time: a copy of `x` combined over the ranks (the input may be a
+    /// captured tensor, written back only through the graph's mutations).
+    pub(crate) fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let out = x.copy_contiguous()?;
+        let w = match self.kind {
+            CollectiveKind::AllReduce(op) => self.group.all_reduce(&out, op)?,
+            CollectiveKind::Broadcast(src) => self.group.broadcast(&out, src)?,
+        };
+        w.wait()?;
+        Ok(out)
     }
 }
 

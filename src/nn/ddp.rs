@@ -4,10 +4,11 @@
 //! At construction every parameter and buffer is broadcast from rank 0, and the parameters are
 //! put in buckets in reverse order (the order backward produces their gradients): the first
 //! bucket up to 1 MiB, so that communication starts early, the others up to 25 MiB. Each
-//! parameter's post-accumulate-grad hook copies its gradient into its bucket; once a bucket is
-//! full its all-reduce (average) starts, while backward goes on with the earlier layers. Buckets
-//! are launched in the same order on every rank. When backward ends, it waits for them all, and
-//! each `.grad` is a view of its bucket.
+//! parameter's post-accumulate-grad hook marks it ready; once a bucket is
+//! full, its gradients are packed into one flat tensor whose all-reduce (average) starts at
+//! once, while backward goes on with the earlier layers; each `.grad` becomes a view of it.
+//! Buckets are launched in the same order on every rank. When backward ends, it waits for them
+//! all. Inside `compile` the same code records each bucket's all-reduce as a graph node.
 
 use crate::autograd::HookHandle;
 use crate::distributed::{self, Backend, ProcessGroup, ReduceOp, Work};
@@ -61,7 +62,8 @@ struct Reducer {
     names: Vec<String>,
     params: Vec<Tensor>,
     buckets: Vec<Bucket>,
-    slot: Vec<Slot>,
+    /// Each parameter's bucket.
+    bucket_of: Vec<usize>,
     find_unused: bool,
     comm_hook: Option<CommHook>,
     /// Off inside `no_sync`: gradients accumulate locally.
@@ -69,11 +71,8 @@ struct Reducer {
     pass: Mutex<Pass>,
 }
 
-/// A parameter's bucket and its view there.
-type Slot = (usize, Tensor);
-
+/// Parameters packed together, in launch order within the bucket.
 struct Bucket {
-    flat: Tensor,
     params: Vec<usize>,
 }
 
@@ -115,16 +114,16 @@ impl<M: Module> DistributedDataParallel<M> {
             let works = named.iter().map(|(_, p)| p).chain(&buffers).map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>>>()?;
             works.into_iter().try_for_each(Work::wait)
         })?;
-        let (buckets, slot) = assign_buckets(&named, opts.first_bucket_mib, opts.bucket_cap_mib)?;
+        let (buckets, bucket_of) = assign_buckets(&named, opts.first_bucket_mib, opts.bucket_cap_mib);
         let n = named.len();
         // Named as `DistributedDataParallel::named_parameters` names them.
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().map(|(n, p)| (format!("module.{n}"), p)).unzip();
-        let reducer = Arc::new(Reducer { group, names, params, buckets, slot, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
+        let reducer = Arc::new(Reducer { group, names, params, buckets, bucket_of, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
         let mut hooks = Vec::with_capacity(n);
         for (i, p) in reducer.params.iter().enumerate() {
             let weak: Weak<Reducer> = Arc::downgrade(&reducer);
-            hooks.push(p.register_post_accumulate_grad_hook(move |p| match weak.upgrade() {
-                Some(r) => r.grad_ready(i, p),
+            hooks.push(p.register_post_accumulate_grad_hook(move |_| match weak.upgrade() {
+                Some(r) => r.grad_ready(i),
                 None => Ok(()),
             })?);
         }
@@ -177,7 +176,7 @@ impl<M: Module> Module for DistributedDataParallel<M> {
 
 impl Reducer {
     /// Parameter `i`'s gradient is complete for this pass.
-    fn grad_ready(self: Arc<Self>, i: usize, p: &Tensor) -> Result<()> {
+    fn grad_ready(self: Arc<Self>, i: usize) -> Result<()> {
         if !self.sync.load(Ordering::Acquire) {
             return Ok(());
         }
@@ -190,37 +189,58 @@ impl Reducer {
         if pass.ready[i] {
             return Ok(());
         }
-        let g = p.grad().ok_or_else(|| Error::Autograd(format!("DDP: {} is ready without a gradient", self.names[i])))?;
-        let (b, view) = &self.slot[i];
-        if !g.shares_storage_with(view) || g.storage_offset() != view.storage_offset() {
-            view.copy_(&g)?;
-        }
-        self.mark(&mut pass, i, *b)
+        self.mark(&mut pass, i)
     }
 
-    fn mark(&self, pass: &mut Pass, i: usize, b: usize) -> Result<()> {
+    fn mark(&self, pass: &mut Pass, i: usize) -> Result<()> {
         pass.ready[i] = true;
-        pass.waiting[b] -= 1;
+        pass.waiting[self.bucket_of[i]] -= 1;
         // Buckets start in order on every rank (the backends match collectives by order).
         while pass.next < self.buckets.len() && pass.waiting[pass.next] == 0 {
-            let flat = &self.buckets[pass.next].flat;
-            let w = match &self.comm_hook {
-                Some(h) => h(&self.group, flat),
-                None => self.group.all_reduce(flat, ReduceOp::Avg),
-            };
-            match w {
-                Ok(w) => pass.works.push(w),
-                Err(e) => {
-                    pass.error.get_or_insert(e.to_string());
-                }
+            if let Err(e) = self.launch(pass, pass.next) {
+                pass.error.get_or_insert(e.to_string());
             }
             pass.next += 1;
         }
         Ok(())
     }
 
-    /// The end of backward: unused parameters, then every bucket's all-reduce waited for and
-    /// each gradient pointed at its bucket.
+    /// Packs bucket `b`'s gradients into one flat tensor (zeros for a parameter without one),
+    /// starts its all-reduce, and points each `.grad` at its part. Inside `compile` the same
+    /// calls record the bucket's all-reduce as a node of the graph, where its gradients become
+    /// ready.
+    fn launch(&self, pass: &mut Pass, b: usize) -> Result<()> {
+        let members = &self.buckets[b].params;
+        let parts = members
+            .iter()
+            .map(|&i| {
+                let p = &self.params[i];
+                let g = match p.grad() {
+                    Some(g) => g,
+                    None => Tensor::zeros(p.shape(), p.dtype(), &p.device())?,
+                };
+                g.reshape(&[-1])
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let flat = crate::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
+        drop(parts);
+        let w = match &self.comm_hook {
+            Some(h) => h(&self.group, &flat)?,
+            None => self.group.all_reduce(&flat, ReduceOp::Avg)?,
+        };
+        pass.works.push(w);
+        // Views made after the call see the reduced values (traced, the call rebinds `flat`).
+        let mut off = 0;
+        for &i in members {
+            let p = &self.params[i];
+            let shape: Vec<i64> = p.shape().iter().map(|&d| d as i64).collect();
+            p.set_grad(Some(flat.narrow(0, off, p.numel())?.reshape(&shape)?))?;
+            off += p.numel();
+        }
+        Ok(())
+    }
+
+    /// The end of backward: unused parameters, then every bucket's all-reduce waited for.
     fn finish(&self) -> Result<()> {
         let mut pass = std::mem::take(&mut *self.pass.lock());
         let unused: Vec<usize> = (0..self.params.len()).filter(|&i| !pass.ready[i]).collect();
@@ -237,9 +257,7 @@ impl Reducer {
                 return Err(e);
             }
             for i in unused {
-                let (b, view) = &self.slot[i];
-                view.zero_()?;
-                self.mark(&mut pass, i, *b)?;
+                self.mark(&mut pass, i)?;
             }
         }
         let mut first = pass.error.take().map(|e| Error::dist("all_reduce", e));
@@ -248,19 +266,13 @@ impl Reducer {
                 first.get_or_insert(e);
             }
         }
-        if let Some(e) = first {
-            return Err(e);
-        }
-        for (p, (_, view)) in self.params.iter().zip(&self.slot) {
-            p.set_grad(Some(view.clone()))?;
-        }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 }
 
 /// Parameters in reverse order, packed into buckets of one dtype and device each: the first up
 /// to `first_mib`, the rest up to `cap_mib`.
-fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> Result<(Vec<Bucket>, Vec<Slot>)> {
+fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> (Vec<Bucket>, Vec<usize>) {
     let mut groups: Vec<(DType, Device, Vec<usize>, usize)> = Vec::new();
     let mut order: Vec<(DType, Device, Vec<usize>)> = Vec::new();
     for i in (0..named.len()).rev() {
@@ -285,22 +297,13 @@ fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> R
         *size += bytes;
     }
     order.extend(groups.into_iter().filter(|g| !g.2.is_empty()).map(|(d, v, m, _)| (d, v, m)));
-    let mut slot: Vec<Option<Slot>> = vec![None; named.len()];
-    let mut buckets = Vec::with_capacity(order.len());
-    for (b, (dtype, device, members)) in order.into_iter().enumerate() {
-        let total: usize = members.iter().map(|&i| named[i].1.numel()).sum();
-        let flat = Tensor::zeros(&[total], dtype, &device)?;
-        let mut off = 0;
-        for &i in &members {
-            let p = &named[i].1;
-            let shape: Vec<i64> = p.shape().iter().map(|&d| d as i64).collect();
-            let view = flat.narrow(0, off, p.numel())?.reshape(&shape)?;
-            slot[i] = Some((b, view));
-            off += p.numel();
+    let mut bucket_of = vec![0; named.len()];
+    for (b, (_, _, members)) in order.iter().enumerate() {
+        for &i in members {
+            bucket_of[i] = b;
         }
-        buckets.push(Bucket { flat, params: members });
     }
-    Ok((buckets, slot.into_iter().map(|s| s.expect("every parameter has a bucket")).collect()))
+    (order.into_iter().map(|(_, _, params)| Bucket { params }).collect(), bucket_of)
 }
 
 /// The same parameters (count, shapes, dtypes) on every rank, or an error before any

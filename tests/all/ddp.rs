@@ -76,6 +76,25 @@ fn ddp_rank() -> kiln::Result<()> {
     }
     let bytes: Vec<u8> = flat_params(&ddp).iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(out.join(format!("rank{rank}.bin")), bytes)?;
+    // The same steps compiled (without the accumulation step: no_sync is read at trace time):
+    // each bucket's all-reduce is a node of the step's graph.
+    let ddp = DistributedDataParallel::with_options(model(), DdpOptions { bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() })?;
+    let params = ddp.parameters();
+    let mut opt = Sgd::new(ddp.parameters(), 0.1).momentum(0.9);
+    let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| {
+        let l = loss(&ddp, x, y)?;
+        l.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(l)
+    });
+    for _ in 0..STEPS {
+        step.call(&x, &y)?;
+    }
+    // The first step makes the optimiser state, the second runs with it: at most two traces.
+    assert!(step.trace_count() <= 2, "traced {} times", step.trace_count());
+    let bytes: Vec<u8> = params.iter().flat_map(|p| p.to_vec::<f32>().unwrap()).flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(out.join(format!("rank{rank}-compiled.bin")), bytes)?;
     println!("rank {rank} of {world} done");
     dist::destroy_process_group()
 }
@@ -105,18 +124,19 @@ fn ddp_over_2_and_4_processes_ends_with_the_one_process_parameters() {
             opt.zero_grad();
         }
         let want = flat_params(&m);
-        let ranks: Vec<Vec<f32>> = (0..world)
-            .map(|r| std::fs::read(out.join(format!("rank{r}.bin"))).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
-            .collect();
-        std::fs::remove_dir_all(&out).ok();
-        for (r, got) in ranks.iter().enumerate() {
-            // Every rank holds the same bits: the ring hands each rank the same reduced chunks.
-            assert_eq!(got, &ranks[0], "rank {r} differs from rank 0");
-            // F32 sums in another order than the single process's: a few ulps.
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "world {world}, parameter value {i}: {a} against one process's {b}");
+        let read = |name: String| -> Vec<f32> { std::fs::read(out.join(name)).unwrap().chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect() };
+        for suffix in ["", "-compiled"] {
+            let ranks: Vec<Vec<f32>> = (0..world).map(|r| read(format!("rank{r}{suffix}.bin"))).collect();
+            for (r, got) in ranks.iter().enumerate() {
+                // Every rank holds the same bits: the ring hands each rank the same reduced chunks.
+                assert_eq!(got, &ranks[0], "rank {r}{suffix} differs from rank 0");
+                // F32 sums in another order than the single process's: a few ulps.
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "world {world}{suffix}, parameter value {i}: {a} against one process's {b}");
+                }
             }
         }
+        std::fs::remove_dir_all(&out).ok();
     }
 }
 
@@ -301,4 +321,44 @@ fn a_one_rank_ddp_model_trains_exactly_as_the_plain_model_on_the_test_device() {
         }
     }
     assert_eq!(flat_params(&ddp), flat_params(&plain));
+}
+
+/// A compiled DDP step on one rank of the test device: the bucket all-reduces are graph nodes;
+/// on a GPU the step replays as one CUDA graph with NCCL's all-reduces captured inside, and it
+/// trains as the compiled plain model does.
+#[test]
+fn a_compiled_ddp_step_replays_whole_with_its_all_reduces_inside() {
+    use kiln::compile::{compile_with, CompileOptions, Mode};
+    let d = crate::common::dev();
+    let backend = if d.is_cuda() { Backend::Nccl } else { Backend::Tcp };
+    let group = ProcessGroup::new(options(backend, 0, 1, 0, Duration::from_secs(20))).unwrap();
+    let on = |mut m: Sequential| {
+        m.to_device(&d).unwrap();
+        m
+    };
+    let (x, y) = data(16);
+    let (x, y) = (x.to_device(&d).unwrap(), y.to_device(&d).unwrap());
+    let train = |m: Box<dyn Module>| {
+        let params = m.parameters();
+        let mut opt = optim::AdamW::new(m.parameters(), optim::AdamConfig { lr: 1e-2, ..Default::default() });
+        let step = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |x: &Tensor, y: &Tensor| {
+            let l = loss(m.as_ref(), x, y)?;
+            l.backward()?;
+            opt.step()?;
+            opt.zero_grad();
+            Ok(l)
+        });
+        for _ in 0..4 {
+            step.call(&x, &y).unwrap();
+        }
+        assert!(step.trace_count() <= 2, "traced {} times", step.trace_count());
+        (params.iter().flat_map(|p| p.to_vec::<f32>().unwrap()).collect::<Vec<f32>>(), step.replays_cuda_graph())
+    };
+    let ddp = DistributedDataParallel::with_options(on(model()), DdpOptions { group: Some(group), bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() }).unwrap();
+    let (got, graphed) = train(Box::new(ddp));
+    let (want, _) = train(Box::new(on(model())));
+    assert_eq!(graphed, d.is_cuda(), "a GPU step replays as one CUDA graph");
+    for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert!((a - b).abs() <= 1e-6 + 1e-5 * b.abs(), "parameter value {i}: {a} against {b}");
+    }
 }
