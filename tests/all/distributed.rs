@@ -179,7 +179,7 @@ fn nccl_collectives_on_one_gpu_or_a_clear_error_without_one() {
     let d = dev();
     let opts = options(Backend::Nccl, 0, 1, 0, Duration::from_secs(20));
     if !d.is_cuda() {
-        let e = ProcessGroup::new(opts).err().expect("no NCCL group without a GPU");
+        let e = ProcessGroup::new(opts).expect_err("no NCCL group without a GPU");
         assert!(e.to_string().contains("NCCL") || e.to_string().contains("cuda") || e.to_string().contains("CUDA"), "{e}");
         return;
     }
