@@ -297,17 +297,24 @@ fn the_first_bucket_is_on_its_way_before_backward_reaches_the_first_layer() {
     assert_eq!(launched.lock().unwrap().len(), buckets, "every bucket once");
 }
 
+/// The test device and a one-rank group for it: NCCL on a GPU, TCP on the CPU.
+fn one_rank_on_test_device() -> (Device, ProcessGroup) {
+    let d = crate::common::dev();
+    let backend = if d.is_cuda() { Backend::Nccl } else { Backend::Tcp };
+    (d, ProcessGroup::new(options(backend, 0, 1, 0, Duration::from_secs(20))).unwrap())
+}
+
+fn on_device(mut m: Sequential, d: &Device) -> Sequential {
+    m.to_device(d).unwrap();
+    m
+}
+
 /// One rank on the test device (NCCL on a GPU, TCP on the CPU): the replica trains exactly as
 /// the plain model does, since the average over one rank is the gradient itself.
 #[test]
 fn a_one_rank_ddp_model_trains_exactly_as_the_plain_model_on_the_test_device() {
-    let d = crate::common::dev();
-    let backend = if d.is_cuda() { Backend::Nccl } else { Backend::Tcp };
-    let group = ProcessGroup::new(options(backend, 0, 1, 0, Duration::from_secs(20))).unwrap();
-    let on = |mut m: Sequential| {
-        m.to_device(&d).unwrap();
-        m
-    };
+    let (d, group) = one_rank_on_test_device();
+    let on = |m: Sequential| on_device(m, &d);
     let ddp = DistributedDataParallel::with_options(on(model()), DdpOptions { group: Some(group), bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() }).unwrap();
     let plain = on(model());
     let (x, y) = data(16);
@@ -329,13 +336,8 @@ fn a_one_rank_ddp_model_trains_exactly_as_the_plain_model_on_the_test_device() {
 #[test]
 fn a_compiled_ddp_step_replays_whole_with_its_all_reduces_inside() {
     use kiln::compile::{compile_with, CompileOptions, Mode};
-    let d = crate::common::dev();
-    let backend = if d.is_cuda() { Backend::Nccl } else { Backend::Tcp };
-    let group = ProcessGroup::new(options(backend, 0, 1, 0, Duration::from_secs(20))).unwrap();
-    let on = |mut m: Sequential| {
-        m.to_device(&d).unwrap();
-        m
-    };
+    let (d, group) = one_rank_on_test_device();
+    let on = |m: Sequential| on_device(m, &d);
     let (x, y) = data(16);
     let (x, y) = (x.to_device(&d).unwrap(), y.to_device(&d).unwrap());
     let train = |m: Box<dyn Module>| {
