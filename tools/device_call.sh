@@ -339,7 +339,7 @@ if [[ " $* " == *" logs "* ]]; then
   gzip -f $OUT/log-*.txt
 fi
 if [[ " $* " == *" sanhelp "* ]]; then compute-sanitizer --version | tail -1; compute-sanitizer --help | grep -B1 -A5 -E "kernel-name|racecheck-" | head -60; fi
-if [[ " $* " == *" suite "* ]]; then bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
+if [[ " $* " == *" suite "* ]]; then KILN_BIN=$PWD/.gpu/bin/kiln bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then
   # How PyTorch's cudnn-frontend builds cuDNN's attention backward graph here (its logs).
   for kind in ${CUDNN_LOG_KINDS:-full causal mask}; do

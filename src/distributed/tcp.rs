@@ -11,6 +11,7 @@ use crate::{DType, Error, Result, Tensor};
 use half::{bf16, f16};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::ops::Range;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -82,7 +83,9 @@ impl TcpGroup {
             for (job, done) in rx {
                 let r = match &mesh.broken {
                     Some(why) => Err(Error::dist("collective", format!("an earlier collective failed: {why}"))),
-                    None => job(&mut mesh),
+                    // A panic would leave its waiter waiting forever: it becomes the error.
+                    None => std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut mesh)))
+                        .unwrap_or_else(|_| Err(Error::dist("collective", format!("rank {rank}'s collective worker panicked")))),
                 };
                 if let Err(e) = &r {
                     mesh.broken.get_or_insert_with(|| e.to_string());
@@ -221,26 +224,49 @@ impl Mesh {
         s.read_exact(buf).map_err(|e| self.io_error(op, j, e))
     }
 
-    /// Sends `out` to the next rank while receiving `into` from the previous one.
-    fn exchange(&self, op: &'static str, out: &[u8], into: &mut [u8]) -> Result<()> {
+    /// One step of a ring: sends `buf[send]` to the next rank while receiving the previous
+    /// rank's message for `buf[recv]`, in pieces, so that combining one piece overlaps the
+    /// arrival of the next (`how`: combine into it; `None`: overwrite it).
+    fn ring_step(&self, op: &'static str, buf: &mut [u8], send: Range<usize>, recv: Range<usize>, how: Option<(DType, ReduceOp)>) -> Result<()> {
         let (next, prev) = ((self.rank + 1) % self.world, (self.rank + self.world - 1) % self.world);
+        let (out, into) = disjoint(buf, send, recv);
         std::thread::scope(|sc| {
             let sent = sc.spawn(|| self.send_to(op, next, out));
-            let got = self.recv_from(op, prev, into);
+            let got = self.recv_pieces(op, prev, into, how);
             let sent = sent.join().unwrap_or_else(|_| Err(Error::dist(op, "the sending thread panicked")));
             got.and(sent)
         })
     }
 
+    fn recv_pieces(&self, op: &'static str, j: usize, into: &mut [u8], how: Option<(DType, ReduceOp)>) -> Result<()> {
+        const PIECE: usize = 1 << 20;
+        let mut s = self.peer(j);
+        let mut len = [0u8; 8];
+        s.read_exact(&mut len).map_err(|e| self.io_error(op, j, e))?;
+        let len = u64::from_le_bytes(len) as usize;
+        if len != into.len() {
+            return Err(Error::dist(op, format!("rank {j} sent {len} bytes where rank {} expected {} (tensors of different sizes on different ranks?)", self.rank, into.len())));
+        }
+        let mut scratch = Scratch::default();
+        for dst in into.chunks_mut(PIECE) {
+            match how {
+                None => s.read_exact(dst).map_err(|e| self.io_error(op, j, e))?,
+                Some((dtype, red)) => {
+                    let piece = scratch.take(dst.len());
+                    s.read_exact(piece).map_err(|e| self.io_error(op, j, e))?;
+                    combine(dtype, red, dst, piece);
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Leaves chunk `rank` of `buf` reduced over all ranks (the other chunks partly reduced).
     fn reduce_scatter_ring(&self, op: &'static str, buf: &mut [u8], bounds: &[usize], dtype: DType, how: ReduceOp) -> Result<()> {
         let w = self.world;
-        let mut scratch = Scratch::default();
         for s in 0..w.saturating_sub(1) {
             let (send, recv) = ((self.rank + 2 * w - s - 1) % w, (self.rank + 2 * w - s - 2) % w);
-            let into = scratch.take(bounds[recv + 1] - bounds[recv]);
-            self.exchange(op, &buf[bounds[send]..bounds[send + 1]], into)?;
-            combine(dtype, how, &mut buf[bounds[recv]..bounds[recv + 1]], into);
+            self.ring_step(op, buf, bounds[send]..bounds[send + 1], bounds[recv]..bounds[recv + 1], Some((dtype, how)))?;
         }
         Ok(())
     }
@@ -248,14 +274,29 @@ impl Mesh {
     /// Given chunk `rank` of `buf` complete, fills in every other rank's.
     fn all_gather_ring(&self, op: &'static str, buf: &mut [u8], bounds: &[usize]) -> Result<()> {
         let w = self.world;
-        let mut scratch = Scratch::default();
         for s in 0..w.saturating_sub(1) {
             let (send, recv) = ((self.rank + w - s) % w, (self.rank + 2 * w - s - 1) % w);
-            let into = scratch.take(bounds[recv + 1] - bounds[recv]);
-            self.exchange(op, &buf[bounds[send]..bounds[send + 1]], into)?;
-            buf[bounds[recv]..bounds[recv + 1]].copy_from_slice(into);
+            self.ring_step(op, buf, bounds[send]..bounds[send + 1], bounds[recv]..bounds[recv + 1], None)?;
         }
         Ok(())
+    }
+}
+
+/// `buf[a]` to read and `buf[b]` to write, for two ranges that do not overlap.
+fn disjoint(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    // An empty chunk (fewer elements than ranks) may start where the other does.
+    if a.is_empty() {
+        return (&[], &mut buf[b]);
+    }
+    if b.is_empty() {
+        return (&buf[a], &mut []);
+    }
+    if a.end <= b.start {
+        let (left, right) = buf.split_at_mut(b.start);
+        (&left[a], &mut right[..b.end - b.start])
+    } else {
+        let (left, right) = buf.split_at_mut(a.start);
+        (&right[..a.end - a.start], &mut left[b])
     }
 }
 

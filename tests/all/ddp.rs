@@ -38,6 +38,12 @@ fn loss(m: &dyn Module, x: &Tensor, y: &Tensor) -> kiln::Result<Tensor> {
     nn::functional::cross_entropy(&m.forward(x)?, y)
 }
 
+/// The `kiln` program: the one cargo built beside this test, or `KILN_BIN` where the test
+/// binary runs on another machine.
+fn kiln_bin() -> std::path::PathBuf {
+    std::env::var_os("KILN_BIN").map(Into::into).unwrap_or_else(|| env!("CARGO_BIN_EXE_kiln").into())
+}
+
 fn flat_params(m: &dyn Module) -> Vec<f32> {
     m.parameters().iter().flat_map(|p| p.to_vec::<f32>().unwrap()).collect()
 }
@@ -106,7 +112,7 @@ fn ddp_over_2_and_4_processes_ends_with_the_one_process_parameters() {
         let out = std::env::temp_dir().join(format!("kiln-ddp-{}-{world}", std::process::id()));
         std::fs::create_dir_all(&out).unwrap();
         let port = free_port();
-        let status = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+        let status = std::process::Command::new(kiln_bin())
             .args(["launch", "--nproc-per-node", &world.to_string(), "--master-port", &port.to_string(), "--"])
             .arg(&exe)
             .args(["ddp::ddp_rank", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
@@ -197,7 +203,7 @@ fn buckets_go_in_reverse_parameter_order_and_a_parameter_used_twice_is_reduced_o
 #[test]
 fn the_launcher_stops_every_rank_when_one_fails_and_prefixes_their_output() {
     let start = std::time::Instant::now();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let out = std::process::Command::new(kiln_bin())
         .args(["launch", "--nproc-per-node", "3", "--master-port", &free_port().to_string(), "--", "sh", "-c"])
         .arg("echo hello from $RANK of $WORLD_SIZE nvls=$NCCL_NVLS_ENABLE; if [ $RANK = 1 ]; then sleep 1; exit 3; fi; sleep 60")
         .output()
