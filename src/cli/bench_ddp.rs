@@ -1,9 +1,12 @@
 //! `kiln bench --distributed`: the data-parallel rows of `../shared/bench/ddp_reference.py`,
 //! run under `kiln launch` (alone, as world size 1), timed by its rules (20 steps after 3
 //! warm-ups, 5 for the collectives, every rank synchronised at the end); rank 0 writes the JSON.
+//! The DDP steps run eager, compiled whole (`compiled_` keys, as the reference's) and replayed as
+//! one CUDA graph (`reduce-overhead_`).
 //! `--device cpu` measures the TCP backend's all-reduce on host tensors; `cuda` NCCL's and the
 //! DDP training steps on GPU `LOCAL_RANK`.
 
+use kiln::compile::Mode;
 use kiln::distributed::{self as dist, Backend, InitOptions, ReduceOp};
 use kiln::prelude::*;
 use serde_json::{json, Map, Value};
@@ -58,23 +61,34 @@ pub fn run(only: Option<&str>, out: &std::path::Path, device: &str) -> Result<()
         record(&name, json!({"ms": ms, "world_size": world, "busbw_GBps": algbw * 2.0 * (world as f64 - 1.0) / world as f64}));
     }
     if dev.is_cuda() {
-        type Make = fn(&Device) -> Result<super::bench::Call>;
+        type Make = fn(&Device, Option<Mode>) -> Result<super::bench::Call>;
         let steps: [(&str, usize, Make); 2] = [
-            ("ddp.resnet50.train.bf16amp.bs128", 128, |d| super::bench::resnet50_train(d, None, true)),
-            ("ddp.gpt2.train.bf16amp.8x1024", 8 * 1024, |d| super::bench::gpt2_train(d, None, true)),
+            ("ddp.resnet50.train.bf16amp.bs128", 128, |d, m| super::bench::resnet50_train(d, m, true)),
+            ("ddp.gpt2.train.bf16amp.8x1024", 8 * 1024, |d, m| super::bench::gpt2_train(d, m, true)),
         ];
         for (name, per_step, make) in steps {
             if only.is_some_and(|o| !name.contains(o)) {
                 continue;
             }
-            let row = make(&dev).and_then(|mut call| {
-                let ms = timed(&mut || call().map(drop), 20, 3)?;
-                let unit = if name.contains("resnet") { "images_per_s" } else { "tokens_per_s" };
-                Ok(json!({"ms": ms, "world_size": world, unit: (per_step * world) as f64 / (ms / 1e3),
-                    "compiled_error": "a compiled step of a DDP model (collectives inside compile) is not supported yet"}))
-            });
-            record(name, row.unwrap_or_else(|e| json!({"error": e.to_string()})));
-            kiln::cuda::empty_cache(&dev)?;
+            let unit = if name.contains("resnet") { "images_per_s" } else { "tokens_per_s" };
+            let mut row = Map::new();
+            row.insert("world_size".into(), json!(world));
+            // Eager, then compiled whole (the all-reduces inside the step's graph), then replayed
+            // as one CUDA graph.
+            for (key, mode) in [("", None), ("compiled_", Some(Mode::Default)), ("reduce-overhead_", Some(Mode::ReduceOverhead))] {
+                let r = make(&dev, mode).and_then(|mut call| timed(&mut || call().map(drop), 20, 3));
+                match r {
+                    Ok(ms) => {
+                        row.insert(format!("{key}ms"), json!(ms));
+                        row.insert(format!("{key}{unit}"), json!((per_step * world) as f64 / (ms / 1e3)));
+                    }
+                    Err(e) => {
+                        row.insert(format!("{key}error"), json!(e.to_string()));
+                    }
+                }
+                kiln::cuda::empty_cache(&dev)?;
+            }
+            record(name, Value::Object(row));
         }
     }
     if rank == 0 {
