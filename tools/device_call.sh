@@ -112,8 +112,8 @@ if [[ " $* " == *" ddp "* ]]; then
   # kiln's data-parallel rows beside ddp_reference.py, DDP_NPROC ranks (1 on a one-GPU machine).
   export NCCL_NVLS_ENABLE=0
   n=${DDP_NPROC:-1}
-  timeout 400 .gpu/bin/kiln launch --nproc-per-node $n --master-port 29631 -- .gpu/bin/kiln bench --distributed --device cuda --out $OUT/kiln-ddp.json > $OUT/kiln-ddp.txt 2>&1; echo "kiln rc $?"; tail -8 $OUT/kiln-ddp.txt
-  (cd .gpu/bench && timeout 400 python3 -m torch.distributed.run --nproc-per-node $n --master-port 29632 ddp_reference.py --out $OUT/torch-ddp.json > $OUT/torch-ddp.txt 2>&1; echo "torch rc $?"); tail -8 $OUT/torch-ddp.txt
+  timeout ${DDP_KILN_S:-400} .gpu/bin/kiln launch --nproc-per-node $n --master-port 29631 -- .gpu/bin/kiln bench --distributed --device cuda --out $OUT/kiln-ddp.json > $OUT/kiln-ddp.txt 2>&1; echo "kiln rc $?"; tail -8 $OUT/kiln-ddp.txt
+  (cd .gpu/bench && timeout ${DDP_TORCH_S:-400} python3 -m torch.distributed.run --nproc-per-node $n --master-port 29632 ddp_reference.py --out $OUT/torch-ddp.json > $OUT/torch-ddp.txt 2>&1; echo "torch rc $?"); tail -8 $OUT/torch-ddp.txt
 fi
 if [[ " $* " == *" final "* ]]; then
   # A fresh machine runs slowly for its first half minute or more: processes page the CUDA
