@@ -350,15 +350,40 @@ impl Collective {
 }
 
 /// A collective in flight. `wait` returns its result: for the TCP backend once the values are in
-/// place; for NCCL once later work on the tensor's stream is ordered after it (as PyTorch's
-/// `Work.wait()`; read the values on the host to wait for the GPU itself).
+/// place; for NCCL once later work on the device's stream is ordered after it (as PyTorch's
+/// `Work.wait()`; read the values on the host to wait for the GPU itself). A handle dropped
+/// without `wait` orders the device's stream after the collective all the same.
 #[must_use = "a collective's result is known only after wait()"]
 pub struct Work(WorkKind);
 
 enum WorkKind {
     Host(Arc<Pending>),
-    /// Queued on the GPU's stream in order with the rest of the work: nothing to wait for.
+    /// On a communication stream: the device's stream waits for it at `wait` (or when the
+    /// handle is dropped), and the tensor lives until then.
+    Stream(StreamWork),
+    /// Nothing was queued (a rehearsal).
     Queued,
+}
+
+struct StreamWork {
+    done: Option<cudarc::driver::CudaEvent>,
+    waiter: Arc<cudarc::driver::CudaStream>,
+    _tensor: Tensor,
+}
+
+impl StreamWork {
+    fn join(&mut self) -> Result<()> {
+        match self.done.take() {
+            Some(e) => self.waiter.wait(&e).map_err(|e| Error::dist("wait", format!("CUDA: {e:?}"))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for StreamWork {
+    fn drop(&mut self) {
+        let _ = self.join();
+    }
 }
 
 impl Work {
@@ -368,17 +393,22 @@ impl Work {
     pub(crate) fn queued() -> Work {
         Work(WorkKind::Queued)
     }
+    pub(crate) fn on_stream(done: cudarc::driver::CudaEvent, waiter: Arc<cudarc::driver::CudaStream>, tensor: Tensor) -> Work {
+        Work(WorkKind::Stream(StreamWork { done: Some(done), waiter, _tensor: tensor }))
+    }
     /// Waits for the collective and returns its error, if any.
     pub fn wait(self) -> Result<()> {
         match self.0 {
             WorkKind::Host(p) => p.wait(),
+            WorkKind::Stream(mut s) => s.join(),
             WorkKind::Queued => Ok(()),
         }
     }
-    /// Whether `wait` would return at once.
+    /// Whether `wait` would return at once (for NCCL: whether the GPU has finished it).
     pub fn is_completed(&self) -> bool {
         match &self.0 {
             WorkKind::Host(p) => p.result.lock().is_some(),
+            WorkKind::Stream(s) => s.done.as_ref().is_none_or(|e| e.is_complete()),
             WorkKind::Queued => true,
         }
     }

@@ -1,7 +1,10 @@
-//! The NCCL backend: one communicator per group, one GPU per rank. Collectives are queued on the
-//! device's stream (the capture stream while a CUDA graph is being captured, so a replayed step
-//! runs its all-reduces inside the graph), in order with the kernels around them. libnccl is
-//! loaded at run time; a machine without it gets an error naming the library.
+//! The NCCL backend: one communicator per group, one GPU per rank. Collectives run on the
+//! group's own stream, after the work already queued on the device's stream (the capture stream
+//! while a CUDA graph is being captured, so a replayed step runs its all-reduces inside the
+//! graph); `Work::wait` orders later work on the device's stream after them. Between the two,
+//! the device's kernels and the communication overlap, as DDP's buckets need. The tensor is
+//! kept alive until then, so its memory is not reused while NCCL still reads or writes it.
+//! libnccl is loaded at run time; a machine without it gets an error naming the library.
 
 use super::{ReduceOp, Work};
 use crate::backend::cuda::device::CudaDevice;
@@ -15,6 +18,7 @@ use std::sync::Arc;
 pub(crate) struct NcclGroup {
     comm: Mutex<Comm>,
     dev: Arc<CudaDevice>,
+    stream: Arc<cudarc::driver::CudaStream>,
 }
 
 struct Comm(sys::ncclComm_t);
@@ -63,27 +67,32 @@ impl NcclGroup {
         let mut comm = std::ptr::null_mut();
         // SAFETY: `comm` is written by NCCL; every rank passes the same id and world size.
         unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }.map_err(|e| nccl_err("init", e))?;
-        Ok(NcclGroup { comm: Mutex::new(Comm(comm)), dev })
+        let stream = dev.ctx.new_stream().map_err(|e| dev.err("stream", e))?;
+        Ok(NcclGroup { comm: Mutex::new(Comm(comm)), dev, stream })
     }
 
     pub(crate) fn ordinal(&self) -> usize {
         self.dev.ordinal
     }
 
-    /// Runs `f` with the communicator and the stream this thread's work goes to (nothing in a
-    /// rehearsal, which runs the host side only).
-    fn queue(&self, op: &'static str, f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Work> {
+    /// Runs `f` with the communicator on the group's stream, once the work queued so far on
+    /// this thread's stream is done (nothing in a rehearsal, which runs the host side only).
+    fn queue(&self, op: &'static str, t: &Tensor, f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Work> {
         self.dev.bind()?;
-        let Some(stream) = self.dev.work().stream() else { return Ok(Work::queued()) };
-        let comm = self.comm.lock();
-        f(comm.0, stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
-        Ok(Work::queued())
+        let Some(work) = self.dev.work().stream() else { return Ok(Work::queued()) };
+        self.stream.join(work).map_err(|e| self.dev.err("stream wait", e))?;
+        {
+            let comm = self.comm.lock();
+            f(comm.0, self.stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
+        }
+        let done = self.stream.record_event(None).map_err(|e| self.dev.err("event", e))?;
+        Ok(Work::on_stream(done, work.clone(), t.clone()))
     }
 
     pub(crate) fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Work> {
         let (ptr, n, dt) = pointer(t)?;
         let (ty, red) = (nccl_type(t.dtype())?, nccl_op(dt, op));
-        let r = self.queue("all_reduce", |c, s| unsafe { result::all_reduce(ptr as *const c_void, ptr as *mut c_void, n, ty, red, c, s) });
+        let r = self.queue("all_reduce", t, |c, s| unsafe { result::all_reduce(ptr as *const c_void, ptr as *mut c_void, n, ty, red, c, s) });
         t.storage().bump_version();
         r
     }
@@ -91,7 +100,7 @@ impl NcclGroup {
     pub(crate) fn broadcast(&self, t: &Tensor, src: usize) -> Result<Work> {
         let (ptr, n, _) = pointer(t)?;
         let ty = nccl_type(t.dtype())?;
-        let r = self.queue("broadcast", |c, s| unsafe { result::broadcast(ptr as *const c_void, ptr as *mut c_void, n, ty, src as i32, c, s) });
+        let r = self.queue("broadcast", t, |c, s| unsafe { result::broadcast(ptr as *const c_void, ptr as *mut c_void, n, ty, src as i32, c, s) });
         t.storage().bump_version();
         r
     }
@@ -99,7 +108,7 @@ impl NcclGroup {
     pub(crate) fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<Work> {
         let ((o, _, _), (i, n, _)) = (pointer(out)?, pointer(input)?);
         let ty = nccl_type(input.dtype())?;
-        let r = self.queue("all_gather", |c, s| unsafe { result::all_gather(i as *const c_void, o as *mut c_void, n, ty, c, s) });
+        let r = self.queue("all_gather", out, |c, s| unsafe { result::all_gather(i as *const c_void, o as *mut c_void, n, ty, c, s) });
         out.storage().bump_version();
         r
     }
@@ -107,7 +116,7 @@ impl NcclGroup {
     pub(crate) fn reduce_scatter(&self, out: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
         let ((o, n, dt), (i, _, _)) = (pointer(out)?, pointer(input)?);
         let (ty, red) = (nccl_type(dt)?, nccl_op(dt, op));
-        let r = self.queue("reduce_scatter", |c, s| unsafe { result::reduce_scatter(i as *const c_void, o as *mut c_void, n, ty, red, c, s) });
+        let r = self.queue("reduce_scatter", out, |c, s| unsafe { result::reduce_scatter(i as *const c_void, o as *mut c_void, n, ty, red, c, s) });
         out.storage().bump_version();
         r
     }
@@ -115,13 +124,13 @@ impl NcclGroup {
     pub(crate) fn send(&self, t: &Tensor, dst: usize) -> Result<Work> {
         let (p, n, dt) = pointer(t)?;
         let ty = nccl_type(dt)?;
-        self.queue("send", |c, s| unsafe { result::send(p as *const c_void, n, ty, dst as i32, c, s) })
+        self.queue("send", t, |c, s| unsafe { result::send(p as *const c_void, n, ty, dst as i32, c, s) })
     }
 
     pub(crate) fn recv(&self, t: &Tensor, src: usize) -> Result<Work> {
         let (p, n, dt) = pointer(t)?;
         let ty = nccl_type(dt)?;
-        let r = self.queue("recv", |c, s| unsafe { result::recv(p as *mut c_void, n, ty, src as i32, c, s) });
+        let r = self.queue("recv", t, |c, s| unsafe { result::recv(p as *mut c_void, n, ty, src as i32, c, s) });
         t.storage().bump_version();
         r
     }
