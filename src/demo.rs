@@ -64,6 +64,11 @@ fn train(loader: &DataLoader<SyntheticClassification>, steps: usize, device: &De
     Ok((first.unwrap_or(f32::NAN), last, elapsed, batch))
 }
 
+/// The demo's 784-256-10 MLP, seeded (`kiln doctor` checks its training step).
+pub fn mlp_for_doctor(device: &Device) -> Result<nn::Sequential> {
+    mlp(device)
+}
+
 fn mlp(device: &Device) -> Result<nn::Sequential> {
     manual_seed(0);
     Ok(nn::Sequential::new().add(nn::Linear::new(784, 256, device)?).add(nn::ReLU).add(nn::Linear::new(256, 10, device)?))

@@ -21,6 +21,7 @@ pub mod custom;
 pub mod data;
 pub mod demo;
 pub mod distributed;
+pub mod doctor;
 pub mod cpu;
 pub mod cuda;
 mod device;

@@ -1,6 +1,7 @@
 //! The `kiln` program: the training demo by default, `kiln bench` for the shared side-by-side
 //! benchmark, `kiln profile` for one bench workload under the profiler, `kiln generate` for
-//! text from a `transformers` model directory, `kiln launch` for the ranks of a distributed job.
+//! text from a `transformers` model directory, `kiln launch` for the ranks of a distributed job, `kiln doctor` for the production checklist on
+//! the demo's step.
 
 mod cli;
 
@@ -93,6 +94,19 @@ enum Cmd {
         #[arg(long)]
         compile: bool,
     },
+    /// Checks the production checklist (synchronisations, GPU busy time, compilation,
+    /// precision, launches) on the demo's MLP training step.
+    Doctor {
+        /// Check the step compiled in this mode (default, reduce-overhead, max-autotune).
+        #[arg(long, num_args = 0..=1, default_missing_value = "default")]
+        compiled: Option<String>,
+        /// The checklist as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Also write the checked steps' Chrome trace here.
+        #[arg(long)]
+        trace: Option<std::path::PathBuf>,
+    },
     /// Starts the ranks of one node with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     /// MASTER_ADDR, MASTER_PORT), prefixes their output with the rank, and stops them all when
     /// one fails.
@@ -131,6 +145,7 @@ fn main() {
                 Err(e) => Err(e),
             }
         }
+        Some(Cmd::Doctor { compiled, json, trace }) => cli::doctor::run(compiled.as_deref(), json, trace.as_deref()),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
         Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, compile }) => (|| {
             let device = match device.as_str() {

@@ -455,6 +455,28 @@ impl<F: TraceFn<Vec<Tensor>>> Compiled<F, Vec<Tensor>> {
     }
 }
 
+/// What this thread's compiled functions did: calls, traces with their reasons, calls that ran
+/// eagerly after the recompile limit. `kiln::doctor` reads it around the steps it checks.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Activity {
+    pub(crate) calls: usize,
+    pub(crate) traces: Vec<String>,
+    pub(crate) eager: usize,
+}
+
+thread_local! {
+    static ACTIVITY: std::cell::RefCell<Activity> = std::cell::RefCell::default();
+}
+
+fn note_activity(f: impl FnOnce(&mut Activity)) {
+    ACTIVITY.with(|a| f(&mut a.borrow_mut()));
+}
+
+/// This thread's compiled-function activity so far.
+pub(crate) fn activity() -> Activity {
+    ACTIVITY.with(|a| a.borrow().clone())
+}
+
 impl<F: TraceFn<A>, A> Compiled<F, A> {
     /// How many times the function was traced (first compile, recompiles, re-specialisations).
     pub fn trace_count(&self) -> usize {
@@ -491,10 +513,12 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
 
     fn run(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
         let mut f = self.f.lock();
+        note_activity(|a| a.calls += 1);
         {
             let st = self.state.lock();
             if st.eager {
                 drop(st);
+                note_activity(|a| a.eager += 1);
                 return f.invoke(args);
             }
             if !st.segmented {
@@ -524,6 +548,7 @@ impl<F: TraceFn<A>, A> Compiled<F, A> {
             }
             st.traces += 1;
         }
+        note_activity(|a| a.traces.push(reason.clone()));
         if !self.state.lock().entries.is_empty() && !dynamic_respecialise {
             log(Topic::Recompiles, || format!("recompiling: {reason}"));
         }

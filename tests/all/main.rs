@@ -14,6 +14,7 @@ mod data;
 mod ddp;
 mod demo;
 mod distributed;
+mod doctor;
 mod errors;
 mod fixtures;
 mod lm;

@@ -203,6 +203,11 @@ fn driver_present() -> bool {
     unsafe { ds::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// Whether this process has opened device `n` (asking does not open it).
+pub(crate) fn is_open(n: usize) -> bool {
+    DEVICES.get().is_some_and(|m| m.lock().contains_key(&n))
+}
+
 /// Number of CUDA devices this process can use (0 without a driver).
 pub fn device_count() -> usize {
     if !driver_present() || dr::init().is_err() {

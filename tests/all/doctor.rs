@@ -1,0 +1,115 @@
+//! `kiln::doctor`: built-in bad steps each produce exactly their finding, a good compiled step
+//! passes every item, and on the CPU the GPU items are not applicable.
+
+use crate::common::*;
+use kiln::compile::{compile, compile_with, CompileOptions, Mode};
+use kiln::doctor::{self, Report, Status};
+use kiln::prelude::*;
+
+fn failed(r: &Report) -> Vec<&'static str> {
+    r.items.iter().filter(|i| i.failed()).map(|i| i.name).collect()
+}
+
+/// On the CPU every GPU item says not applicable.
+fn gpu_items_not_applicable(r: &Report) {
+    for name in ["synchronisation", "gpu_busy", "precision", "launches"] {
+        assert_eq!(r.item(name).unwrap().status, Status::NotApplicable, "{name}: {}", r.table());
+    }
+}
+
+#[test]
+fn an_eager_step_fails_compilation_only() {
+    let d = dev();
+    let x = Tensor::randn(&[256, 256], DType::BF16, &d).unwrap();
+    let r = doctor::check(|| x.matmul(&x)?.relu().map(drop)).unwrap();
+    assert!(r.item("compilation").unwrap().evidence.contains("eagerly"), "{}", r.table());
+    if d.is_cuda() {
+        // A small eager step is also bound by its launches.
+        for f in failed(&r) {
+            assert!(["compilation", "launches", "gpu_busy"].contains(&f), "{}", r.table());
+        }
+    } else {
+        assert_eq!(failed(&r), ["compilation"], "{}", r.table());
+        gpu_items_not_applicable(&r);
+    }
+}
+
+#[test]
+fn a_recompiling_step_names_its_recompiles() {
+    let d = dev();
+    let f = compile(|x: &Tensor| x.exp()?.sum_all());
+    let mut n = 8;
+    let r = doctor::check(|| {
+        n += 1; // a new size every step
+        f.call(&Tensor::ones(&[n], DType::F32, &d)?).map(drop)
+    })
+    .unwrap();
+    let c = r.item("compilation").unwrap();
+    assert!(c.failed() && c.evidence.contains("recompiles"), "{}", r.table());
+}
+
+#[test]
+fn a_host_read_per_step_is_a_synchronisation_named_by_its_line() {
+    let d = dev();
+    let x = Tensor::randn(&[1024], DType::F32, &d).unwrap();
+    let line = line!() + 1;
+    let r = doctor::check(|| x.exp()?.sum_all()?.item::<f32>().map(drop)).unwrap();
+    let s = r.item("synchronisation").unwrap();
+    if d.is_cuda() {
+        assert!(s.failed(), "{}", r.table());
+        assert_eq!(s.at.as_deref(), Some(format!("tests/all/doctor.rs:{line}").as_str()), "{}", r.table());
+    } else {
+        gpu_items_not_applicable(&r);
+    }
+}
+
+#[test]
+fn f32_products_on_a_gpu_fail_precision_and_bf16_autocast_passes() {
+    let d = dev();
+    let x = Tensor::randn(&[512, 512], DType::F32, &d).unwrap();
+    let r = doctor::check(|| x.matmul(&x).map(drop)).unwrap();
+    let amp = doctor::check(|| amp::autocast(&d, DType::BF16, || x.matmul(&x)).map(drop)).unwrap();
+    if d.is_cuda() {
+        assert!(r.item("precision").unwrap().failed(), "{}", r.table());
+        assert!(r.item("precision").unwrap().evidence.contains("autocast"));
+        assert!(amp.item("precision").unwrap().passed(), "{}", amp.table());
+    } else {
+        gpu_items_not_applicable(&r);
+    }
+}
+
+#[test]
+fn a_tiny_eager_step_is_host_bound_and_its_graph_replay_is_not() {
+    let d = dev();
+    let x = Tensor::randn(&[64], DType::F32, &d).unwrap();
+    let tiny = |x: &Tensor| -> kiln::Result<Tensor> { (0..20).try_fold(x.clone(), |a, _| a.mul_scalar(1.01)?.add_scalar(0.1)) };
+    let r = doctor::check(|| tiny(&x).map(drop)).unwrap();
+    let graphed = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), tiny);
+    let g = doctor::check(|| graphed.call(&x).map(drop)).unwrap();
+    if d.is_cuda() {
+        let l = r.item("launches").unwrap();
+        assert!(l.failed() && l.evidence.contains("ReduceOverhead"), "{}", r.table());
+        assert!(g.item("launches").unwrap().passed(), "{}", g.table());
+        assert!(g.item("compilation").unwrap().passed(), "{}", g.table());
+    } else {
+        gpu_items_not_applicable(&r);
+        assert!(g.item("compilation").unwrap().passed(), "{}", g.table());
+    }
+}
+
+#[test]
+fn a_good_compiled_step_passes_every_item() {
+    let d = dev();
+    // Device-bound: bf16 products of 2048², replayed as one CUDA graph on a GPU.
+    let n = if d.is_cuda() { 2048 } else { 64 };
+    let w = Tensor::randn(&[n, n], DType::BF16, &d).unwrap();
+    let x = Tensor::randn(&[n, n], DType::BF16, &d).unwrap();
+    let step = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |x: &Tensor| (0..8).try_fold(x.clone(), |a, _| a.matmul(&w)?.relu()));
+    let r = doctor::check(|| step.call(&x).map(drop)).unwrap();
+    assert!(failed(&r).is_empty(), "{}", r.table());
+    if !d.is_cuda() {
+        gpu_items_not_applicable(&r);
+    }
+    let j = r.to_json();
+    assert_eq!(j["items"].as_array().unwrap().len(), 5);
+}
