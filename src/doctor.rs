@@ -289,14 +289,16 @@ fn precision(p: &Profile, gpu: bool) -> Item {
     if !gpu {
         return not_applicable(name);
     }
-    let products = |suffix: &str| -> (usize, f64) {
-        let ks: Vec<&Event> = p.kernels().filter(|e| e.device.is_cuda() && (e.name.starts_with("cublas") || e.name.starts_with("cudnn")) && e.name.ends_with(suffix)).collect();
-        (ks.len(), ks.iter().filter_map(|e| e.device_us).sum())
-    };
-    let (n32, us32) = products("_f32");
+    // Library calls are named after their dtype (`cublas_gemm_float32`, ...).
+    let f32_name = crate::DType::F32.torch_name();
+    let ks: Vec<&Event> = p.kernels().filter(|e| e.device.is_cuda() && (e.name.starts_with("cublas") || e.name.starts_with("cudnn")) && e.name.ends_with(f32_name)).collect();
+    let (n32, us32): (usize, f64) = (ks.len(), ks.iter().filter_map(|e| e.device_us).sum());
     let total: f64 = p.kernels().filter_map(|e| e.device_us).sum();
     if n32 == 0 {
         return Item { name, status: Status::Passed, evidence: "no F32 products or convolutions".into(), at: None };
+    }
+    if crate::cuda::allow_tf32() {
+        return Item { name, status: Status::Passed, evidence: format!("{n32} F32 products or convolutions run on TF32 tensor cores (allow_tf32)"), at: None };
     }
     Item {
         name,
