@@ -9,7 +9,9 @@
 //! - `compilation`: whether the step runs compiled, and every recompile with its reason;
 //! - `precision`: F32 products on a GPU with tensor cores (autocast to BF16 pays there);
 //! - `launches`: kernels shorter than their launch, and whether the step is bound by the host
-//!   (then a CUDA graph, `Mode::ReduceOverhead`, pays).
+//!   (then a CUDA graph, `Mode::ReduceOverhead`, pays);
+//! - `loader`: whether the step's batches were pinned and their copies asynchronous (and so
+//!   free to overlap compute), with the loader's workers.
 //!
 //! On the CPU the GPU items are not applicable.
 //!
@@ -130,9 +132,9 @@ pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> 
     for d in &devices {
         crate::cuda::synchronize(d)?;
     }
-    let before = crate::compile::activity();
+    let (before, loaded_before) = (crate::compile::activity(), crate::data::loader_activity());
     let (_, profile) = profiler::profile_with(ProfileOptions::new(), || (0..steps).try_for_each(|_| step()))?;
-    let after = crate::compile::activity();
+    let (after, loaded_after) = (crate::compile::activity(), crate::data::loader_activity());
     for d in &devices {
         crate::cuda::synchronize(d)?;
     }
@@ -143,6 +145,7 @@ pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> 
         compilation(&profile, steps, &before, &after),
         precision(&profile, gpu),
         launches(&profile, steps, gpu),
+        loader(&profile, steps, gpu, &loaded_before, &loaded_after),
     ];
     Ok(Report { items, steps, profile })
 }
@@ -337,4 +340,37 @@ fn launches(p: &Profile, steps: usize, gpu: bool) -> Item {
         return Item { name, status: Status::Failed, evidence: format!("{evidence}: the step is bound by the host; compile it with Mode::ReduceOverhead to replay it as one CUDA graph"), at: None };
     }
     Item { name, status: Status::Passed, evidence, at: None }
+}
+
+fn loader(p: &Profile, steps: usize, gpu: bool, before: &crate::data::LoaderActivity, after: &crate::data::LoaderActivity) -> Item {
+    let name = "loader";
+    if !gpu {
+        return not_applicable(name);
+    }
+    let uploads: Vec<&Event> = p.events().iter().filter(|e| e.kind == EventKind::Copy(profiler::CopyKind::HostToDevice)).collect();
+    let (batches, pinned) = (after.batches - before.batches, after.pinned - before.pinned);
+    if uploads.is_empty() && batches == 0 {
+        return Item { name, status: Status::NotApplicable, evidence: "the step copies nothing to the GPU and takes no batches".into(), at: None };
+    }
+    // Blocking copies run on the device's own stream; `to_device_async` ones on its copy stream.
+    let kernel_streams: std::collections::HashSet<u64> = p.kernels().filter_map(|e| e.stream).collect();
+    let blocking: Vec<&&Event> = uploads.iter().filter(|e| e.stream.is_some_and(|s| kernel_streams.contains(&s))).collect();
+    let overlapped = uploads.iter().filter(|e| {
+        let (Some(s), Some(d)) = (e.device_start_us, e.device_us) else { return false };
+        p.kernels().any(|k| k.device_start_us.zip(k.device_us).is_some_and(|(ks, kd)| ks < s + d && ks + kd > s))
+    });
+    let mb = uploads.iter().map(|e| e.bytes).sum::<usize>() as f64 / 1e6 / steps as f64;
+    let mut evidence = format!(
+        "{:.1} batches per step ({pinned} of {batches} pinned, {} loader workers); {:.1} host-to-device copies per step ({mb:.2} MB), {} blocking, {} overlapping kernels",
+        batches as f64 / steps as f64,
+        after.workers,
+        uploads.len() as f64 / steps as f64,
+        blocking.len(),
+        overlapped.count()
+    );
+    let failed = !blocking.is_empty() || pinned < batches;
+    if failed {
+        evidence.push_str(": pin the batches (DataLoader::pin_memory(true)) and copy them with to_device_async, so that copies overlap compute");
+    }
+    Item { name, status: if failed { Status::Failed } else { Status::Passed }, evidence, at: None }
 }

@@ -108,7 +108,7 @@ impl<D: Dataset + 'static> DataLoader<D> {
                 }
             }));
         }
-        Batches { rx, pending: BTreeMap::new(), next: 0, total: batches.len(), _workers: handles }
+        Batches { rx, pending: BTreeMap::new(), next: 0, total: batches.len(), workers: self.workers, pinned: self.pin_memory, _workers: handles }
     }
 }
 
@@ -196,12 +196,42 @@ fn collate(ds: &dyn Dataset, ids: &[usize], pin: bool) -> Result<(Tensor, Tensor
     Ok((x, y))
 }
 
+/// What this thread took from loaders: batches, and of those how many were pinned, with the
+/// most workers a loader had (`kiln::doctor` reads it around the steps it checks).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LoaderActivity {
+    pub(crate) batches: usize,
+    pub(crate) pinned: usize,
+    pub(crate) workers: usize,
+}
+
+thread_local! {
+    static TAKEN: std::cell::Cell<LoaderActivity> = const { std::cell::Cell::new(LoaderActivity { batches: 0, pinned: 0, workers: 0 }) };
+}
+
+fn note_batch(workers: usize, pinned: bool) {
+    TAKEN.with(|t| {
+        let mut a = t.get();
+        a.batches += 1;
+        a.pinned += pinned as usize;
+        a.workers = a.workers.max(workers);
+        t.set(a);
+    });
+}
+
+/// This thread's loader activity so far.
+pub(crate) fn loader_activity() -> LoaderActivity {
+    TAKEN.with(|t| t.get())
+}
+
 /// The batches of one epoch, in order.
 pub struct Batches {
     rx: mpsc::Receiver<(usize, Result<(Tensor, Tensor)>)>,
     pending: BTreeMap<usize, Result<(Tensor, Tensor)>>,
     next: usize,
     total: usize,
+    workers: usize,
+    pinned: bool,
     _workers: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -215,6 +245,7 @@ impl Iterator for Batches {
         loop {
             if let Some(b) = self.pending.remove(&self.next) {
                 self.next += 1;
+                note_batch(self.workers, self.pinned);
                 return Some(b);
             }
             match self.rx.recv() {

@@ -7,6 +7,7 @@ mod synthetic;
 
 pub use idx::Mnist;
 pub use loader::{Batches, DataLoader, DistributedSampler};
+pub(crate) use loader::{loader_activity, LoaderActivity};
 pub use synthetic::SyntheticClassification;
 
 use crate::{Result, Tensor};

@@ -12,7 +12,7 @@ fn failed(r: &Report) -> Vec<&'static str> {
 
 /// On the CPU every GPU item says not applicable.
 fn gpu_items_not_applicable(r: &Report) {
-    for name in ["synchronisation", "gpu_busy", "precision", "launches"] {
+    for name in ["synchronisation", "gpu_busy", "precision", "launches", "loader"] {
         assert_eq!(r.item(name).unwrap().status, Status::NotApplicable, "{name}: {}", r.table());
     }
 }
@@ -111,5 +111,30 @@ fn a_good_compiled_step_passes_every_item() {
         gpu_items_not_applicable(&r);
     }
     let j = r.to_json();
-    assert_eq!(j["items"].as_array().unwrap().len(), 5);
+    assert_eq!(j["items"].as_array().unwrap().len(), 6);
+}
+
+#[test]
+fn an_unpinned_loader_with_blocking_copies_fails_the_loader_item_and_a_pinned_one_passes() {
+    use kiln::data::{DataLoader, SyntheticClassification};
+    let d = dev();
+    let run = |pinned: bool| -> Report {
+        let loader = DataLoader::new(SyntheticClassification::mnist_like(128, 0).unwrap(), 8).unwrap().pin_memory(pinned && d.is_cuda());
+        let mut batches = loader.iter();
+        doctor::check(|| {
+            let (x, _) = batches.next().expect("enough batches")?;
+            let x = if pinned { x.to_device_async(&d)? } else { x.to_device(&d)? };
+            x.relu().map(drop)
+        })
+        .unwrap()
+    };
+    let (bad, good) = (run(false), run(true));
+    if d.is_cuda() {
+        let l = bad.item("loader").unwrap();
+        assert!(l.failed() && l.evidence.contains("pin_memory"), "{}", bad.table());
+        assert!(good.item("loader").unwrap().passed(), "{}", good.table());
+    } else {
+        gpu_items_not_applicable(&bad);
+        gpu_items_not_applicable(&good);
+    }
 }
