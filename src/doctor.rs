@@ -357,8 +357,10 @@ fn loader(p: &Profile, steps: usize, gpu: bool, before: &crate::data::LoaderActi
     }
     let uploads: Vec<&Event> = p.events().iter().filter(|e| e.kind == EventKind::Copy(profiler::CopyKind::HostToDevice)).collect();
     let (batches, pinned) = (after.batches - before.batches, after.pinned - before.pinned);
-    if uploads.is_empty() && batches == 0 {
-        return Item { name, status: Status::NotApplicable, evidence: "the step copies nothing to the GPU and takes no batches".into(), at: None };
+    let mb = uploads.iter().map(|e| e.bytes).sum::<usize>() as f64 / 1e6 / steps as f64;
+    // Without a loader, copies of a few values (a scalar made on the host) are no input pipeline.
+    if batches == 0 && mb < 1.0 {
+        return Item { name, status: Status::NotApplicable, evidence: format!("no batches from a loader, and {:.1} KB of host-to-device copies per step", mb * 1e3), at: None };
     }
     // Blocking copies run on the device's own stream; `to_device_async` ones on its copy stream.
     let kernel_streams: std::collections::HashSet<u64> = p.kernels().filter_map(|e| e.stream).collect();
@@ -367,7 +369,6 @@ fn loader(p: &Profile, steps: usize, gpu: bool, before: &crate::data::LoaderActi
         let (Some(s), Some(d)) = (e.device_start_us, e.device_us) else { return false };
         p.kernels().any(|k| k.device_start_us.zip(k.device_us).is_some_and(|(ks, kd)| ks < s + d && ks + kd > s))
     });
-    let mb = uploads.iter().map(|e| e.bytes).sum::<usize>() as f64 / 1e6 / steps as f64;
     let mut evidence = format!(
         "{:.1} batches per step ({pinned} of {batches} pinned, {} loader workers); {:.1} host-to-device copies per step ({mb:.2} MB), {} blocking, {} overlapping kernels",
         batches as f64 / steps as f64,
