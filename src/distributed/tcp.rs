@@ -5,7 +5,7 @@
 //! moves 2(n-1)/n of the buffer per rank, as NCCL's ring does.
 
 use super::{Pending, ReduceOp, Work};
-use crate::backend::cpu::CpuStorage;
+use crate::backend::cpu::{bytes_of, bytes_of_mut, CpuStorage};
 use crate::storage::BackendStorage;
 use crate::{DType, Error, Result, Tensor};
 use half::{bf16, f16};
@@ -128,7 +128,7 @@ impl TcpGroup {
                     }
                     Ok(())
                 } else {
-                    m.recv_from("broadcast", src, buf)
+                    m.recv_from("broadcast", src, buf, None)
                 }
             })
         })
@@ -140,8 +140,8 @@ impl TcpGroup {
         self.submit(move |m| {
             let mine = read_bytes(&input)?;
             with_bytes(&out, |buf, _| {
-                let n = mine.len();
-                buf[m.rank * n..(m.rank + 1) * n].copy_from_slice(&mine);
+                let n = mine.len;
+                buf[m.rank * n..(m.rank + 1) * n].copy_from_slice(mine.bytes());
                 let bounds: Vec<usize> = (0..=m.world).map(|i| i * n).collect();
                 m.all_gather_ring("all_gather", buf, &bounds)
             })
@@ -157,8 +157,8 @@ impl TcpGroup {
             with_bytes(&out, |buf, dtype| {
                 let n = buf.len();
                 let bounds: Vec<usize> = (0..=world).map(|i| i * n).collect();
-                m.reduce_scatter_ring("reduce_scatter", &mut all, &bounds, dtype, op)?;
-                buf.copy_from_slice(&all[rank * n..(rank + 1) * n]);
+                m.reduce_scatter_ring("reduce_scatter", all.bytes_mut(), &bounds, dtype, op)?;
+                buf.copy_from_slice(&all.bytes()[rank * n..(rank + 1) * n]);
                 if op == ReduceOp::Avg {
                     divide(buf, dtype, world);
                 }
@@ -170,14 +170,13 @@ impl TcpGroup {
     pub(crate) fn send(&self, t: &Tensor, dst: usize) -> Result<Work> {
         let t = t.clone();
         self.submit(move |m| {
-            let bytes = read_bytes(&t)?;
-            m.send_to("send", dst, &bytes)
+            m.send_to("send", dst, read_bytes(&t)?.bytes())
         })
     }
 
     pub(crate) fn recv(&self, t: &Tensor, src: usize) -> Result<Work> {
         let t = t.clone();
-        self.submit(move |m| with_bytes(&t, |buf, _| m.recv_from("recv", src, buf)))
+        self.submit(move |m| with_bytes(&t, |buf, _| m.recv_from("recv", src, buf, None)))
     }
 }
 
@@ -211,19 +210,6 @@ impl Mesh {
         s.write_all(&(bytes.len() as u64).to_le_bytes()).and_then(|_| s.write_all(bytes)).map_err(|e| self.io_error(op, j, e))
     }
 
-    /// Receives exactly `buf.len()` bytes from rank `j`: a message of another length means the
-    /// ranks called the collective with different sizes.
-    fn recv_from(&self, op: &'static str, j: usize, buf: &mut [u8]) -> Result<()> {
-        let mut s = self.peer(j);
-        let mut len = [0u8; 8];
-        s.read_exact(&mut len).map_err(|e| self.io_error(op, j, e))?;
-        let len = u64::from_le_bytes(len) as usize;
-        if len != buf.len() {
-            return Err(Error::dist(op, format!("rank {j} sent {len} bytes where rank {} expected {} (tensors of different sizes on different ranks?)", self.rank, buf.len())));
-        }
-        s.read_exact(buf).map_err(|e| self.io_error(op, j, e))
-    }
-
     /// One step of a ring: sends `buf[send]` to the next rank while receiving the previous
     /// rank's message for `buf[recv]`, in pieces, so that combining one piece overlaps the
     /// arrival of the next (`how`: combine into it; `None`: overwrite it).
@@ -232,13 +218,16 @@ impl Mesh {
         let (out, into) = disjoint(buf, send, recv);
         std::thread::scope(|sc| {
             let sent = sc.spawn(|| self.send_to(op, next, out));
-            let got = self.recv_pieces(op, prev, into, how);
+            let got = self.recv_from(op, prev, into, how);
             let sent = sent.join().unwrap_or_else(|_| Err(Error::dist(op, "the sending thread panicked")));
             got.and(sent)
         })
     }
 
-    fn recv_pieces(&self, op: &'static str, j: usize, into: &mut [u8], how: Option<(DType, ReduceOp)>) -> Result<()> {
+    /// Receives exactly `into.len()` bytes from rank `j` (a message of another length means the
+    /// ranks called the collective with different sizes), in pieces: combined into `into` with
+    /// `how`, or written over it with `None`.
+    fn recv_from(&self, op: &'static str, j: usize, into: &mut [u8], how: Option<(DType, ReduceOp)>) -> Result<()> {
         const PIECE: usize = 1 << 20;
         let mut s = self.peer(j);
         let mut len = [0u8; 8];
@@ -300,15 +289,25 @@ fn disjoint(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u
     }
 }
 
-/// A receive buffer aligned for every element type (the reduction reads it as typed values).
+/// A byte buffer aligned for every element type (the reduction reads it as typed values).
 #[derive(Default)]
-struct Scratch(Vec<u64>);
+struct Scratch {
+    words: Vec<u64>,
+    len: usize,
+}
 
 impl Scratch {
+    /// The buffer as `bytes` bytes, grown to hold them.
     fn take(&mut self, bytes: usize) -> &mut [u8] {
-        self.0.resize(bytes.div_ceil(8), 0);
-        // SAFETY: the u64 buffer holds at least `bytes` bytes, and u8 has no alignment needs.
-        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr().cast::<u8>(), bytes) }
+        self.words.resize(bytes.div_ceil(8), 0);
+        self.len = bytes;
+        self.bytes_mut()
+    }
+    fn bytes(&self) -> &[u8] {
+        &bytes_of(&self.words)[..self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytes_of_mut(&mut self.words)[..self.len]
     }
 }
 
@@ -320,30 +319,24 @@ fn with_bytes(t: &Tensor, f: impl FnOnce(&mut [u8], DType) -> Result<()>) -> Res
         let BackendStorage::Cpu(s) = &mut *data else {
             return Err(Error::dist("collective", "the TCP backend takes host tensors"));
         };
-        crate::backend::cpu::with_storage!(s, v => f(bytes_mut(&mut v[off..off + n]), dtype))
+        crate::backend::cpu::with_storage!(s, v => f(bytes_of_mut(&mut v[off..off + n]), dtype))
     };
     t.storage().bump_version();
     r
 }
 
-fn read_bytes(t: &Tensor) -> Result<Vec<u8>> {
+/// A copy of a contiguous host tensor's bytes, aligned for its element type (reduce-scatter
+/// combines into it).
+fn read_bytes(t: &Tensor) -> Result<Scratch> {
     let (off, n) = (t.storage_offset(), t.numel());
     let data = t.storage().data.read();
     let BackendStorage::Cpu(s) = &*data else {
         return Err(Error::dist("collective", "the TCP backend takes host tensors"));
     };
-    Ok(crate::backend::cpu::with_storage!(s, v => bytes_mut_of(&v[off..off + n]).to_vec()))
-}
-
-fn bytes_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
-    // SAFETY: plain element types with no padding; any bytes written come from a tensor of the
-    // same dtype on another rank.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-fn bytes_mut_of<T: Copy>(v: &[T]) -> &[u8] {
-    // SAFETY: as above, read only.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+    let bytes = crate::backend::cpu::with_storage!(s, v => bytes_of(&v[off..off + n]));
+    let mut copy = Scratch::default();
+    copy.take(bytes.len()).copy_from_slice(bytes);
+    Ok(copy)
 }
 
 fn typed<T>(b: &[u8]) -> &[T] {

@@ -27,10 +27,7 @@ fn io(path: &Path, msg: impl std::fmt::Display) -> Error {
 fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
     let host = crate::no_grad(|| t.to_host()?.contiguous())?;
     let s = crate::backend::cpu::cast(&host, t.dtype());
-    Ok(with_storage!(&s, v => {
-        // SAFETY: plain old data of the element type, viewed as bytes.
-        unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice())) }.to_vec()
-    }))
+    Ok(with_storage!(&s, v => crate::backend::cpu::bytes_of(v).to_vec()))
 }
 
 struct Bytes(Dtype, Vec<usize>, Vec<u8>);

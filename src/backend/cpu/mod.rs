@@ -284,6 +284,19 @@ pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> Vec<C> {
     })
 }
 
+/// A host buffer's elements as bytes (the element types are plain data without padding).
+pub(crate) fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: plain old data of the element type, viewed as bytes.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// [`bytes_of`], writable: the bytes written must be values of the element type (from a
+/// tensor of the same dtype).
+pub(crate) fn bytes_of_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above; callers write only bytes of values of the same type.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
 /// Address of a CPU tensor's first element (for pinning and asynchronous copies).
 pub(crate) fn host_ptr(t: &Tensor) -> *const u8 {
     let guard = t.storage().data.read_recursive();
