@@ -139,12 +139,13 @@ pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> 
         crate::cuda::synchronize(d)?;
     }
     let gpu = profile.events().iter().any(|e| e.device.is_cuda());
+    let busy = busy_intervals(&profile);
     let items = vec![
         synchronisation(&profile, steps, gpu),
-        gpu_busy(&profile, steps, gpu),
+        gpu_busy(&profile, &busy, steps, gpu),
         compilation(&profile, steps, &before, &after),
         precision(&profile, gpu),
-        launches(&profile, steps, gpu),
+        launches(&profile, &busy, steps, gpu),
         loader(&profile, steps, gpu, &loaded_before, &loaded_after),
     ];
     Ok(Report { items, steps, profile })
@@ -216,12 +217,11 @@ fn busy_intervals(p: &Profile) -> Vec<(f64, f64)> {
     merged
 }
 
-fn gpu_busy(p: &Profile, steps: usize, gpu: bool) -> Item {
+fn gpu_busy(p: &Profile, busy: &[(f64, f64)], steps: usize, gpu: bool) -> Item {
     let name = "gpu_busy";
     if !gpu {
         return not_applicable(name);
     }
-    let busy = busy_intervals(p);
     let (Some(first), Some(last)) = (busy.first(), busy.last()) else {
         return Item { name, status: Status::NotApplicable, evidence: "no device times were recorded".into(), at: None };
     };
@@ -322,7 +322,7 @@ fn precision(p: &Profile, gpu: bool) -> Item {
     }
 }
 
-fn launches(p: &Profile, steps: usize, gpu: bool) -> Item {
+fn launches(p: &Profile, busy: &[(f64, f64)], steps: usize, gpu: bool) -> Item {
     let name = "launches";
     if !gpu {
         return not_applicable(name);
@@ -331,7 +331,7 @@ fn launches(p: &Profile, steps: usize, gpu: bool) -> Item {
     let launched: Vec<&Event> = p.kernels().filter(|e| e.device.is_cuda() && e.device_us.is_some()).collect();
     let short = launched.iter().filter(|e| e.device_us.is_some_and(|d| d < e.host_us)).count();
     let host: f64 = p.events().iter().filter(|e| e.device.is_cuda() && matches!(e.kind, EventKind::Kernel | EventKind::Graph)).map(|e| e.host_us).sum();
-    let device: f64 = busy_intervals(p).iter().map(|(s, e)| e - s).sum();
+    let device: f64 = busy.iter().map(|(s, e)| e - s).sum();
     let per = |x: f64| x / steps as f64;
     if replays > 0 && launched.is_empty() {
         return Item { name, status: Status::Passed, evidence: format!("the step replays as a CUDA graph ({} replays per step, {:.0} us of device work)", replays / steps, per(device)), at: None };

@@ -138,23 +138,35 @@ impl ProcessGroup {
         self.0.backend
     }
 
-    /// Where this group's tensors must live.
+    /// Where this group's tensors live: the host for TCP, this rank's GPU for NCCL.
+    pub fn device(&self) -> Device {
+        match &self.0.imp {
+            Imp::Tcp(_) => Device::Cpu,
+            Imp::Nccl(g) => Device::Cuda(g.ordinal()),
+        }
+    }
+
+    /// A tensor this group can exchange: contiguous, on its device.
     fn check(&self, op: &'static str, t: &Tensor) -> Result<()> {
         if !t.is_contiguous() {
             return Err(Error::dist(op, format!("tensors must be contiguous (shape {:?}, strides {:?})", t.shape(), t.strides())));
         }
-        match (self.0.backend, t.device()) {
-            (Backend::Tcp, Device::Cpu) => Ok(()),
-            (Backend::Nccl, Device::Cuda(n)) if n == self.nccl().ordinal() => Ok(()),
-            (b, d) => Err(Error::dist(op, format!("a tensor on {d} in a {b:?} group on rank {} (the TCP backend takes host tensors; NCCL this rank's GPU)", self.0.rank))),
+        if t.device() != self.device() {
+            return Err(Error::dist(op, format!("a tensor on {} in a {:?} group on rank {} (the TCP backend takes host tensors; NCCL this rank's GPU)", t.device(), self.0.backend, self.0.rank)));
         }
+        Ok(())
     }
 
-    fn nccl(&self) -> &nccl::NcclGroup {
-        match &self.0.imp {
-            Imp::Nccl(n) => n,
-            Imp::Tcp(_) => unreachable!("asked only of NCCL groups"),
+    /// `whole` (named `what`) holds one block the size of `part` per rank, of `part`'s dtype.
+    fn check_blocks(&self, op: &'static str, what: &str, whole: &Tensor, part: &Tensor) -> Result<()> {
+        if whole.dtype() != part.dtype() {
+            return Err(Error::dist(op, format!("output {:?} and input {:?} differ in dtype", whole.dtype(), part.dtype())));
         }
+        let want = part.numel() * self.0.world;
+        if whole.numel() != want {
+            return Err(Error::dist(op, format!("the {what} has {} elements; {} ranks of {:?} need {want}", whole.numel(), self.0.world, part.shape())));
+        }
+        Ok(())
     }
 
     fn check_op(&self, op: &'static str, t: &Tensor, how: ReduceOp) -> Result<()> {
@@ -219,10 +231,7 @@ impl ProcessGroup {
         self.not_traced("all_gather")?;
         self.check("all_gather", out)?;
         self.check("all_gather", input)?;
-        self.same_dtype("all_gather", out, input)?;
-        if out.numel() != input.numel() * self.0.world {
-            return Err(Error::dist("all_gather", format!("the output has {} elements; {} ranks of {:?} need {}", out.numel(), self.0.world, input.shape(), input.numel() * self.0.world)));
-        }
+        self.check_blocks("all_gather", "output", out, input)?;
         match &self.0.imp {
             Imp::Tcp(g) => g.all_gather(out, input),
             Imp::Nccl(g) => g.all_gather(out, input),
@@ -235,10 +244,7 @@ impl ProcessGroup {
         self.check_op("reduce_scatter", out, op)?;
         self.not_traced("reduce_scatter")?;
         self.check("reduce_scatter", input)?;
-        self.same_dtype("reduce_scatter", out, input)?;
-        if input.numel() != out.numel() * self.0.world {
-            return Err(Error::dist("reduce_scatter", format!("the input has {} elements; {} ranks of {:?} need {}", input.numel(), self.0.world, out.shape(), out.numel() * self.0.world)));
-        }
+        self.check_blocks("reduce_scatter", "input", input, out)?;
         match &self.0.imp {
             Imp::Tcp(g) => g.reduce_scatter(out, input, op),
             Imp::Nccl(g) => g.reduce_scatter(out, input, op),
@@ -269,21 +275,10 @@ impl ProcessGroup {
 
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
-        let dev = match &self.0.imp {
-            Imp::Tcp(_) => Device::Cpu,
-            Imp::Nccl(g) => Device::Cuda(g.ordinal()),
-        };
-        let t = Tensor::zeros(&[1], DType::U8, &dev)?;
+        let t = Tensor::zeros(&[1], DType::U8, &self.device())?;
         self.all_reduce(&t, ReduceOp::Sum)?.wait()?;
         // The NCCL all-reduce is queued on the GPU: wait for it, as PyTorch's barrier does.
         t.to_vec::<u8>().map(|_| ())
-    }
-
-    fn same_dtype(&self, op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-        if a.dtype() != b.dtype() {
-            return Err(Error::dist(op, format!("output {:?} and input {:?} differ in dtype", a.dtype(), b.dtype())));
-        }
-        Ok(())
     }
 
     fn check_peer(&self, op: &'static str, r: usize) -> Result<()> {

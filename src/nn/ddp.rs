@@ -11,7 +11,7 @@
 //! all. Inside `compile` the same code records each bucket's all-reduce as a graph node.
 
 use crate::autograd::HookHandle;
-use crate::distributed::{self, Backend, ProcessGroup, ReduceOp, Work};
+use crate::distributed::{self, ProcessGroup, ReduceOp, Work};
 use crate::nn::Module;
 use crate::{no_grad, DType, Device, Error, Result, Tensor};
 use parking_lot::Mutex;
@@ -103,9 +103,8 @@ impl<M: Module> DistributedDataParallel<M> {
         let named: Vec<(String, Tensor)> = module.named_parameters().into_iter().filter(|(_, p)| p.is_requires_grad()).collect();
         let buffers: Vec<Tensor> = module.named_buffers().into_iter().map(|(_, b)| b).collect();
         for (name, t) in named.iter().map(|(n, t)| (n.as_str(), t)).chain(buffers.iter().map(|b| ("a buffer", b))) {
-            let ok = matches!((group.backend(), t.device()), (Backend::Tcp, Device::Cpu) | (Backend::Nccl, Device::Cuda(_)));
-            if !ok {
-                return Err(Error::arg("DistributedDataParallel", format!("{name} is on {}, which a {:?} group cannot reduce", t.device(), group.backend())));
+            if t.device() != group.device() {
+                return Err(Error::arg("DistributedDataParallel", format!("{name} is on {}, but the {:?} group on rank {} reduces on {}", t.device(), group.backend(), group.rank(), group.device())));
             }
         }
         verify_same_model(&group, &named)?;
@@ -273,52 +272,51 @@ impl Reducer {
 /// Parameters in reverse order, packed into buckets of one dtype and device each: the first up
 /// to `first_mib`, the rest up to `cap_mib`.
 fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> (Vec<Bucket>, Vec<usize>) {
-    let mut groups: Vec<(DType, Device, Vec<usize>, usize)> = Vec::new();
-    let mut order: Vec<(DType, Device, Vec<usize>)> = Vec::new();
+    /// The bucket being filled for one dtype and device, and how many it closed before.
+    struct Filling {
+        key: (DType, Device),
+        params: Vec<usize>,
+        bytes: usize,
+        closed: usize,
+    }
+    let limit = |closed: usize| ((if closed == 0 { first_mib } else { cap_mib }) * 1048576.0) as usize;
+    let mut filling: Vec<Filling> = Vec::new();
+    let mut buckets: Vec<Bucket> = Vec::new();
     for i in (0..named.len()).rev() {
         let p = &named[i].1;
         let key = (p.dtype(), p.device());
-        let limit = |n_done: usize| ((if n_done == 0 { first_mib } else { cap_mib }) * 1048576.0) as usize;
         let bytes = p.numel() * p.dtype().size_in_bytes();
-        let g = match groups.iter().position(|(d, v, _, _)| (*d, *v) == key) {
-            Some(g) => g,
+        let f = match filling.iter().position(|f| f.key == key) {
+            Some(f) => &mut filling[f],
             None => {
-                groups.push((key.0, key.1, Vec::new(), 0));
-                groups.len() - 1
+                filling.push(Filling { key, params: Vec::new(), bytes: 0, closed: 0 });
+                filling.last_mut().expect("just pushed")
             }
         };
-        let done = order.iter().filter(|(d, v, _)| (*d, *v) == key).count();
-        let (_, _, members, size) = &mut groups[g];
-        if !members.is_empty() && *size + bytes > limit(done) {
-            order.push((key.0, key.1, std::mem::take(members)));
-            *size = 0;
+        if !f.params.is_empty() && f.bytes + bytes > limit(f.closed) {
+            buckets.push(Bucket { params: std::mem::take(&mut f.params) });
+            (f.bytes, f.closed) = (0, f.closed + 1);
         }
-        members.push(i);
-        *size += bytes;
+        f.params.push(i);
+        f.bytes += bytes;
     }
-    order.extend(groups.into_iter().filter(|g| !g.2.is_empty()).map(|(d, v, m, _)| (d, v, m)));
+    buckets.extend(filling.into_iter().filter(|f| !f.params.is_empty()).map(|f| Bucket { params: f.params }));
     let mut bucket_of = vec![0; named.len()];
-    for (b, (_, _, members)) in order.iter().enumerate() {
-        for &i in members {
+    for (b, bucket) in buckets.iter().enumerate() {
+        for &i in &bucket.params {
             bucket_of[i] = b;
         }
     }
-    (order.into_iter().map(|(_, _, params)| Bucket { params }).collect(), bucket_of)
+    (buckets, bucket_of)
 }
 
 /// The same parameters (count, shapes, dtypes) on every rank, or an error before any
 /// collective could mismatch: the minimum and maximum of a fingerprint over the ranks agree.
 fn verify_same_model(group: &ProcessGroup, named: &[(String, Tensor)]) -> Result<()> {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for (_, p) in named {
-        for &d in p.shape().iter().chain([p.dtype() as usize, usize::MAX].iter()) {
-            h = (h ^ d as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
+    let shapes: String = named.iter().map(|(_, p)| format!("{:?} {:?};", p.shape(), p.dtype())).collect();
     // 62 bits, so that the values stay exact as i64 on every backend.
-    let fp = [named.len() as i64, (h >> 2) as i64];
-    let dev = named.first().map_or(Device::Cpu, |(_, p)| p.device());
-    let lo = Tensor::from_vec(fp.to_vec(), &[2], &Device::Cpu)?.to_device(&dev)?;
+    let fp = [named.len() as i64, (crate::hash::fnv64(&[shapes.as_bytes()]) >> 2) as i64];
+    let lo = Tensor::from_vec(fp.to_vec(), &[2], &Device::Cpu)?.to_device(&group.device())?;
     let hi = lo.copy_contiguous()?;
     group.all_reduce(&lo, ReduceOp::Min)?.wait()?;
     group.all_reduce(&hi, ReduceOp::Max)?.wait()?;
