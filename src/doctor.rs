@@ -86,6 +86,8 @@ impl Item {
 pub struct Report {
     pub items: Vec<Item>,
     pub steps: usize,
+    /// Every stretch the GPU sat idle between the steps' work, in order.
+    pub gaps: Vec<Gap>,
     pub profile: Profile,
 }
 
@@ -107,6 +109,28 @@ impl Report {
         s
     }
 
+    /// The checked steps' Chrome trace, with each idle gap marked on an "idle gaps" track of its
+    /// device: what the device waited on, and the work before and after it with their lines.
+    pub fn chrome_trace(&self) -> serde_json::Value {
+        let marks: Vec<profiler::Mark> = self
+            .gaps
+            .iter()
+            .map(|g| profiler::Mark {
+                device: g.device,
+                name: format!("idle: {}", g.kind.words()),
+                start_us: g.start_us,
+                us: g.us,
+                args: json!({"idle us": g.us, "before": g.before, "after": g.after, "waited on": g.waited_on, "look at": g.at}),
+            })
+            .collect();
+        self.profile.chrome_trace_marked(&marks, "idle gaps (kiln doctor)")
+    }
+
+    /// Writes [`Report::chrome_trace`] for chrome://tracing or ui.perfetto.dev.
+    pub fn export_chrome_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        profiler::write_trace(path.as_ref(), &self.chrome_trace())
+    }
+
     /// The checklist for tools.
     pub fn to_json(&self) -> serde_json::Value {
         json!({
@@ -117,38 +141,76 @@ impl Report {
 }
 
 /// Checks `step` with the default options.
-#[track_caller]
 pub fn check(step: impl FnMut() -> Result<()>) -> Result<Report> {
     check_with(DoctorOptions::default(), step)
 }
 
 /// Runs `opts.warmup` steps, then `opts.steps` under the profiler, and judges them.
+///
+/// Other threads' device work shares the device's streams, so where some ran during the
+/// profiled steps, the steps are profiled again with CUPTI, whose kernel records are this
+/// thread's own, and judged on those.
 pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> Result<Report> {
     let steps = opts.steps.max(1);
+    let (backwards, scaled) = (crate::autograd::backward_calls(), crate::optim::scaled_losses());
     for _ in 0..opts.warmup {
         step()?;
     }
+    let mut run = profiled(&mut step, steps, ProfileOptions::new())?;
+    let gpu = run.profile.events().iter().any(|e| e.device.is_cuda());
+    let foreign = run.profile.foreign_work();
+    let mut cupti = false;
+    if gpu && foreign > 0 {
+        let again = profiled(&mut step, steps, ProfileOptions::new().device_kernels(true))?;
+        if again.profile.cupti().is_ok() {
+            (run, cupti) = (again, true);
+        }
+    }
+    let used_backward = crate::autograd::backward_calls() > backwards;
+    let used_scaler = crate::optim::scaled_losses() > scaled;
+    let p = &run.profile;
+    let timeline = Timeline::new(p, cupti);
+    let gaps = if gpu { idle_gaps(p, &timeline) } else { Vec::new() };
+    let shared = match (foreign, cupti) {
+        (0, _) => None,
+        (n, true) => Some(format!("timed by CUPTI, since {n} launches from other threads shared the device")),
+        (n, false) => Some(format!("{n} launches from other threads shared the device and are inside these times ({})", p.cupti().err().unwrap_or("CUPTI unavailable"))),
+    };
+    let mut items = vec![
+        synchronisation(p, steps, gpu),
+        gpu_busy(&timeline, &gaps, steps, gpu),
+        compilation(p, steps, &run.compiled.0, &run.compiled.1),
+        precision(p, &timeline, gpu, used_backward, used_scaler),
+        launches(p, &timeline, steps, gpu),
+        loader(p, steps, gpu, &run.loaded.0, &run.loaded.1),
+    ];
+    if let Some(note) = shared {
+        for i in items.iter_mut().filter(|i| ["gpu_busy", "launches"].contains(&i.name) && i.status != Status::NotApplicable) {
+            i.evidence.push_str(&format!(" ({note})"));
+        }
+    }
+    Ok(Report { items, steps, gaps, profile: run.profile })
+}
+
+/// One profiled run of the steps, with the compiler's and the loader's activity around it.
+struct Run {
+    profile: Profile,
+    compiled: (crate::compile::Activity, crate::compile::Activity),
+    loaded: (crate::data::LoaderActivity, crate::data::LoaderActivity),
+}
+
+fn profiled(step: &mut impl FnMut() -> Result<()>, steps: usize, options: ProfileOptions) -> Result<Run> {
     let devices = cuda_devices_in_use();
     for d in &devices {
         crate::cuda::synchronize(d)?;
     }
-    let (before, loaded_before) = (crate::compile::activity(), crate::data::loader_activity());
-    let (_, profile) = profiler::profile_with(ProfileOptions::new(), || (0..steps).try_for_each(|_| step()))?;
-    let (after, loaded_after) = (crate::compile::activity(), crate::data::loader_activity());
+    let (compiled, loaded) = (crate::compile::activity(), crate::data::loader_activity());
+    let (_, profile) = profiler::profile_with(options, || (0..steps).try_for_each(|_| step()))?;
+    let run = Run { profile, compiled: (compiled, crate::compile::activity()), loaded: (loaded, crate::data::loader_activity()) };
     for d in &devices {
         crate::cuda::synchronize(d)?;
     }
-    let gpu = profile.events().iter().any(|e| e.device.is_cuda());
-    let busy = busy_intervals(&profile);
-    let items = vec![
-        synchronisation(&profile, steps, gpu),
-        gpu_busy(&profile, &busy, steps, gpu),
-        compilation(&profile, steps, &before, &after),
-        precision(&profile, gpu),
-        launches(&profile, &busy, steps, gpu),
-        loader(&profile, steps, gpu, &loaded_before, &loaded_after),
-    ];
-    Ok(Report { items, steps, profile })
+    Ok(run)
 }
 
 /// The CUDA devices this process has opened (the step's warm-up opened those it uses).
@@ -162,6 +224,14 @@ fn not_applicable(name: &'static str) -> Item {
 
 fn at(e: &Event) -> Option<String> {
     e.location.map(|l| format!("{}:{}", l.file(), l.line()))
+}
+
+/// A launch's name with the line that queued it, where that is known.
+fn named(e: &Event) -> String {
+    match at(e) {
+        Some(site) => format!("{} at {site}", e.name),
+        None => e.name.clone(),
+    }
 }
 
 fn synchronisation(p: &Profile, steps: usize, gpu: bool) -> Item {
@@ -198,68 +268,173 @@ fn synchronisation(p: &Profile, steps: usize, gpu: bool) -> Item {
     }
 }
 
-/// The device's busy intervals, merged, on the host's timeline.
-fn busy_intervals(p: &Profile) -> Vec<(f64, f64)> {
-    let mut iv: Vec<(f64, f64)> = p
-        .events()
-        .iter()
-        .filter(|e| e.device.is_cuda() && matches!(e.kind, EventKind::Kernel | EventKind::Graph | EventKind::Copy(_) | EventKind::Memset))
-        .filter_map(|e| Some((e.device_start_us?, e.device_start_us? + e.device_us?)))
-        .collect();
-    iv.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut merged: Vec<(f64, f64)> = Vec::new();
-    for (s, e) in iv {
-        match merged.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => merged.push((s, e)),
-        }
-    }
-    merged
+/// When the device worked on this thread's steps, on the host's timeline.
+struct Timeline {
+    /// Kernels timed by CUPTI, which reports this thread's own, rather than by events on the
+    /// stream, whose times include other threads' kernels queued between.
+    cupti: bool,
+    busy: Vec<Busy>,
 }
 
-fn gpu_busy(p: &Profile, busy: &[(f64, f64)], steps: usize, gpu: bool) -> Item {
+/// A stretch the device was busy, with the indices of the events whose work began and ended it.
+#[derive(Clone, Copy, Debug)]
+struct Busy {
+    start: f64,
+    end: f64,
+    first: usize,
+    last: usize,
+}
+
+impl Timeline {
+    fn new(p: &Profile, cupti: bool) -> Timeline {
+        let mut pieces: Vec<(f64, f64, usize)> = Vec::new();
+        for (i, e) in p.events().iter().enumerate().filter(|(_, e)| e.device.is_cuda()) {
+            match e.kind {
+                EventKind::Kernel | EventKind::Graph if cupti => pieces.extend(e.device_kernels.iter().map(|k| (k.device_start_us, k.device_start_us + k.device_us, i))),
+                EventKind::Kernel | EventKind::Graph | EventKind::Copy(_) | EventKind::Memset => {
+                    if let (Some(s), Some(d)) = (e.device_start_us, e.device_us) {
+                        pieces.push((s, s + d, i));
+                    }
+                }
+                _ => {}
+            }
+        }
+        pieces.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut busy: Vec<Busy> = Vec::new();
+        for (start, end, i) in pieces {
+            match busy.last_mut() {
+                Some(b) if start <= b.end => {
+                    if end > b.end {
+                        (b.end, b.last) = (end, i);
+                    }
+                }
+                _ => busy.push(Busy { start, end, first: i, last: i }),
+            }
+        }
+        Timeline { cupti, busy }
+    }
+
+    /// The device time of one launch: its own kernels' with CUPTI, else its events'.
+    fn device_us(&self, e: &Event) -> Option<f64> {
+        if self.cupti && matches!(e.kind, EventKind::Kernel | EventKind::Graph) {
+            (!e.device_kernels.is_empty()).then(|| e.device_kernels.iter().map(|k| k.device_us).sum())
+        } else {
+            e.device_us
+        }
+    }
+
+    fn busy_us(&self) -> f64 {
+        self.busy.iter().map(|b| b.end - b.start).sum()
+    }
+}
+
+/// What the device waited on while it was idle (HTA's split of idle time).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Idle {
+    /// The host was in a synchronisation: it waited for the device, then issued late.
+    Synchronisation,
+    /// The host was staging or waiting on a copy.
+    Copy,
+    /// The host was busy with other work between two launches.
+    HostBound,
+}
+
+impl Idle {
+    fn words(self) -> &'static str {
+        match self {
+            Idle::Synchronisation => "waiting on a synchronisation",
+            Idle::Copy => "waiting on a copy",
+            Idle::HostBound => "host-bound",
+        }
+    }
+}
+
+/// A stretch the device was idle between two pieces of the step's work.
+#[derive(Clone, Debug)]
+pub struct Gap {
+    pub kind: Idle,
+    pub device: Device,
+    pub start_us: f64,
+    pub us: f64,
+    /// The work that ran before the gap and the work that ended it, each named with the line
+    /// that queued it where known (`cublas_gemm_float32 at src/train.rs:41`).
+    pub before: String,
+    pub after: String,
+    /// The synchronisation or copy the host was in, with its call site.
+    pub waited_on: Option<String>,
+    /// The line to look at: the synchronisation's or copy's for a wait, else the call that
+    /// preceded the gap (or, where that is not known, the one that ended it).
+    pub at: Option<String>,
+}
+
+fn idle_gaps(p: &Profile, t: &Timeline) -> Vec<Gap> {
+    let events = p.events();
+    let syncs: Vec<&Event> = p.syncs().collect();
+    let copies: Vec<&Event> = events.iter().filter(|e| matches!(e.kind, EventKind::Copy(_))).collect();
+    t.busy
+        .windows(2)
+        .map(|w| {
+            let (start, end) = (w[0].end, w[1].start);
+            let during = |x: &&&Event| x.start_us < end && x.start_us + x.host_us > start;
+            let (a, b) = (&events[w[0].last], &events[w[1].first]);
+            let (kind, waited) = match (syncs.iter().find(during), copies.iter().find(during)) {
+                (Some(s), _) => (Idle::Synchronisation, Some(*s)),
+                (None, Some(c)) => (Idle::Copy, Some(*c)),
+                (None, None) if matches!(b.kind, EventKind::Copy(_)) => (Idle::Copy, Some(b)),
+                _ => (Idle::HostBound, None),
+            };
+            let site = match waited {
+                Some(w) => at(w),
+                None => at(a).or_else(|| at(b)),
+            };
+            Gap { kind, device: b.device, start_us: start, us: end - start, before: named(a), after: named(b), waited_on: waited.map(named), at: site }
+        })
+        .collect()
+}
+
+fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
     let name = "gpu_busy";
     if !gpu {
         return not_applicable(name);
     }
-    let (Some(first), Some(last)) = (busy.first(), busy.last()) else {
+    let (Some(first), Some(last)) = (t.busy.first(), t.busy.last()) else {
         return Item { name, status: Status::NotApplicable, evidence: "no device times were recorded".into(), at: None };
     };
-    let span = last.1 - first.0;
-    let on: f64 = busy.iter().map(|(s, e)| e - s).sum();
-    let syncs: Vec<&Event> = p.syncs().collect();
-    let (mut waiting, mut host_bound) = (0.0, 0.0);
-    let mut largest: Option<(f64, f64)> = None;
-    for w in busy.windows(2) {
-        let (gap_start, gap_end) = (w[0].1, w[1].0);
-        let gap = gap_end - gap_start;
-        // A gap the host spent in a synchronisation is a wait on it; the rest, host-bound.
-        if syncs.iter().any(|s| s.start_us < gap_end && s.start_us + s.host_us > gap_start) {
-            waiting += gap;
-        } else {
-            host_bound += gap;
-        }
-        if largest.is_none_or(|l| gap > l.1 - l.0) {
-            largest = Some((gap_start, gap_end));
+    let span = last.end - first.start;
+    let fraction = t.busy_us() / span.max(1e-9);
+    let per = |x: f64| x / steps as f64;
+    let idle = |k: Idle| gaps.iter().filter(|g| g.kind == k).map(|g| g.us).sum::<f64>();
+    let mut evidence = format!(
+        "the GPU was busy {:.0}% of {:.0} us per step; idle {:.0} us per step waiting on synchronisations, {:.0} us on copies, {:.0} us host-bound",
+        100.0 * fraction,
+        per(span),
+        per(idle(Idle::Synchronisation)),
+        per(idle(Idle::Copy)),
+        per(idle(Idle::HostBound))
+    );
+    // The same gap recurs every step: grouped by kind and the work around it, the costliest first.
+    let mut groups: Vec<(&Gap, f64)> = Vec::new();
+    for g in gaps {
+        match groups.iter_mut().find(|(h, _)| h.kind == g.kind && h.before == g.before && h.after == g.after && h.waited_on == g.waited_on) {
+            Some(x) => x.1 += g.us,
+            None => groups.push((g, g.us)),
         }
     }
-    let fraction = on / span.max(1e-9);
-    let next_launch = largest.and_then(|(_, end)| {
-        p.events().iter().filter(|e| e.device_start_us.is_some_and(|d| d >= end - 1e-3)).min_by(|a, b| a.device_start_us.unwrap_or(0.0).total_cmp(&b.device_start_us.unwrap_or(0.0)))
-    });
-    let mut evidence = format!(
-        "the GPU was busy {:.0}% of {:.0} us per step; idle {:.0} us per step waiting on synchronisations, {:.0} us host-bound",
-        100.0 * fraction,
-        span / steps as f64,
-        waiting / steps as f64,
-        host_bound / steps as f64
-    );
-    if let (Some((s, e)), Some(n)) = (largest, next_launch) {
-        evidence.push_str(&format!("; the largest gap ({:.0} us) ends at {}", e - s, n.name));
+    groups.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let large: Vec<String> = groups
+        .iter()
+        .take(3)
+        .filter(|(_, us)| *us >= 0.01 * span)
+        .map(|(g, us)| match &g.waited_on {
+            Some(w) => format!("{:.0} us per step {} ({w}), before {}", per(*us), g.kind.words(), g.after),
+            None => format!("{:.0} us per step {} after {}, until {}", per(*us), g.kind.words(), g.before, g.after),
+        })
+        .collect();
+    if !large.is_empty() {
+        evidence.push_str(&format!("; the largest gaps: {}", large.join("; ")));
     }
     let status = if fraction >= 0.85 { Status::Passed } else { Status::Failed };
-    let at = largest.and_then(|(s, e)| syncs.iter().find(|x| x.start_us < e && x.start_us + x.host_us > s).and_then(|x| at(x)));
-    Item { name, status, evidence, at }
+    Item { name, status, evidence, at: groups.first().and_then(|(g, _)| g.at.clone()) }
 }
 
 fn compilation(p: &Profile, steps: usize, before: &crate::compile::Activity, after: &crate::compile::Activity) -> Item {
@@ -287,56 +462,79 @@ fn compilation(p: &Profile, steps: usize, before: &crate::compile::Activity, aft
     Item { name, status: Status::Passed, evidence: format!("compiled, no recompiles ({calls} calls, {kernels:.0} kernels per step)"), at: None }
 }
 
-fn precision(p: &Profile, gpu: bool) -> Item {
+/// The library calls (cuBLAS products, cuDNN convolutions and attention) in `dtype`: they are
+/// named after it (`cublas_gemm_float32`, `cudnn_conv_fwd_float16`).
+fn products(p: &Profile, dtype: crate::DType) -> Vec<&Event> {
+    let suffix = format!("_{}", dtype.torch_name());
+    p.kernels().filter(|e| e.device.is_cuda() && (e.name.starts_with("cublas") || e.name.starts_with("cudnn")) && e.name.ends_with(&suffix)).collect()
+}
+
+fn precision(p: &Profile, t: &Timeline, gpu: bool, used_backward: bool, used_scaler: bool) -> Item {
     let name = "precision";
     if !gpu {
         return not_applicable(name);
     }
-    // Library calls are named after their dtype (`cublas_gemm_float32`, ...).
-    let f32_name = crate::DType::F32.torch_name();
-    let ks: Vec<&Event> = p.kernels().filter(|e| e.device.is_cuda() && (e.name.starts_with("cublas") || e.name.starts_with("cudnn")) && e.name.ends_with(f32_name)).collect();
-    let (n32, us32): (usize, f64) = (ks.len(), ks.iter().filter_map(|e| e.device_us).sum());
-    let total: f64 = p.kernels().filter_map(|e| e.device_us).sum();
+    let passed = |evidence: String| Item { name, status: Status::Passed, evidence, at: None };
+    let f32s = products(p, crate::DType::F32);
+    let f16s = products(p, crate::DType::F16);
+    // F16 has 5 exponent bits: gradients below 6e-8 flush to zero unless the loss is scaled.
+    if !f16s.is_empty() && used_backward && !used_scaler {
+        return Item {
+            name,
+            status: Status::Failed,
+            evidence: format!("{} F16 products or convolutions in a step with backward and no gradient scaler: small gradients underflow F16; scale the loss with optim::GradScaler, or autocast to BF16, which needs none", f16s.len()),
+            at: f16s.iter().find_map(|e| at(e)),
+        };
+    }
+    let f16_note = match (f16s.len(), used_backward) {
+        (0, _) => String::new(),
+        (n, true) => format!("; {n} F16 products or convolutions, with a gradient scaler"),
+        (n, false) => format!("; {n} F16 products or convolutions (no backward)"),
+    };
+    let n32 = f32s.len();
     if n32 == 0 {
-        return Item { name, status: Status::Passed, evidence: "no F32 products or convolutions".into(), at: None };
+        return passed(format!("no F32 products or convolutions{f16_note}"));
     }
     if crate::cuda::allow_tf32() {
-        return Item { name, status: Status::Passed, evidence: format!("{n32} F32 products or convolutions run on TF32 tensor cores (allow_tf32)"), at: None };
+        return passed(format!("{n32} F32 products or convolutions run on TF32 tensor cores (allow_tf32){f16_note}"));
     }
     // Tensor cores came with compute capability 7.0 (`sm_70`).
-    let tensor_cores = ks.iter().filter_map(|e| match e.device {
-        Device::Cuda(n) => crate::backend::cuda::device(n).ok(),
-        Device::Cpu => None,
-    })
-    .any(|d| d.arch.trim_start_matches("sm_").parse::<u32>().is_ok_and(|cc| cc >= 70));
+    let tensor_cores = f32s
+        .iter()
+        .filter_map(|e| match e.device {
+            Device::Cuda(n) => crate::backend::cuda::device(n).ok(),
+            Device::Cpu => None,
+        })
+        .any(|d| d.arch.trim_start_matches("sm_").parse::<u32>().is_ok_and(|cc| cc >= 70));
     if !tensor_cores {
-        return Item { name, status: Status::Passed, evidence: format!("{n32} F32 products or convolutions on a GPU without tensor cores"), at: None };
+        return passed(format!("{n32} F32 products or convolutions on a GPU without tensor cores{f16_note}"));
     }
+    let us32: f64 = f32s.iter().filter_map(|e| t.device_us(e)).sum();
+    let total: f64 = p.kernels().filter_map(|e| t.device_us(e)).sum();
     // Inside a replayed CUDA graph the kernels have no device times of their own.
     let share = if total > 0.0 { format!(" take {:.0}% of the device time", 100.0 * us32 / total) } else { " run inside a CUDA graph".into() };
     Item {
         name,
         status: Status::Failed,
         evidence: format!("{n32} F32 products or convolutions{share}; this GPU has tensor cores: run the step under amp::autocast(&dev, DType::BF16, ..)"),
-        at: None,
+        at: f32s.iter().find_map(|e| at(e)),
     }
 }
 
-fn launches(p: &Profile, busy: &[(f64, f64)], steps: usize, gpu: bool) -> Item {
+fn launches(p: &Profile, t: &Timeline, steps: usize, gpu: bool) -> Item {
     let name = "launches";
     if !gpu {
         return not_applicable(name);
     }
     let replays = p.events().iter().filter(|e| e.kind == EventKind::Graph).count();
-    let launched: Vec<&Event> = p.kernels().filter(|e| e.device.is_cuda() && e.device_us.is_some()).collect();
-    let short = launched.iter().filter(|e| e.device_us.is_some_and(|d| d < e.host_us)).count();
+    let launched: Vec<(&Event, f64)> = p.kernels().filter(|e| e.device.is_cuda()).filter_map(|e| Some((e, t.device_us(e)?))).collect();
+    let short = launched.iter().filter(|(e, d)| *d < e.host_us).count();
     let host: f64 = p.events().iter().filter(|e| e.device.is_cuda() && matches!(e.kind, EventKind::Kernel | EventKind::Graph)).map(|e| e.host_us).sum();
-    let device: f64 = busy.iter().map(|(s, e)| e - s).sum();
+    let device = t.busy_us();
     let per = |x: f64| x / steps as f64;
     if replays > 0 && launched.is_empty() {
         return Item { name, status: Status::Passed, evidence: format!("the step replays as a CUDA graph ({} replays per step, {:.0} us of device work)", replays / steps, per(device)), at: None };
     }
-    let host_bound = host > device;
     let evidence = format!(
         "{:.0} launches per step, {:.0} shorter than their launch; {:.0} us of launch time for {:.0} us of device work per step",
         per(launched.len() as f64),
@@ -344,7 +542,7 @@ fn launches(p: &Profile, busy: &[(f64, f64)], steps: usize, gpu: bool) -> Item {
         per(host),
         per(device)
     );
-    if host_bound {
+    if host > device {
         return Item { name, status: Status::Failed, evidence: format!("{evidence}: the step is bound by the host; compile it with Mode::ReduceOverhead to replay it as one CUDA graph"), at: None };
     }
     Item { name, status: Status::Passed, evidence, at: None }

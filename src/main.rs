@@ -1,7 +1,7 @@
 //! The `kiln` program: the training demo by default, `kiln bench` for the shared side-by-side
 //! benchmark, `kiln profile` for one bench workload under the profiler, `kiln generate` for
-//! text from a `transformers` model directory, `kiln launch` for the ranks of a distributed job, `kiln doctor` for the production checklist on
-//! the demo's step.
+//! text from a `transformers` model directory, `kiln launch` for the ranks of a distributed job,
+//! `kiln doctor` for the production checklist on the demo's step or a bench workload.
 
 mod cli;
 
@@ -95,8 +95,11 @@ enum Cmd {
         compile: bool,
     },
     /// Checks the production checklist (synchronisations, GPU busy time, compilation,
-    /// precision, launches) on the demo's MLP training step.
+    /// precision, launches, loader) on a bench workload, or by default the demo's MLP
+    /// training step.
     Doctor {
+        /// `demo` (the default) or a bench workload, by its name in the bench schema.
+        workload: Option<String>,
         /// Check the step compiled in this mode (default, reduce-overhead, max-autotune).
         #[arg(long, num_args = 0..=1, default_missing_value = "default")]
         compiled: Option<String>,
@@ -145,7 +148,7 @@ fn main() {
                 Err(e) => Err(e),
             }
         }
-        Some(Cmd::Doctor { compiled, json, trace }) => cli::doctor::run(compiled.as_deref(), json, trace.as_deref()),
+        Some(Cmd::Doctor { workload, compiled, json, trace }) => cli::doctor::run(workload.as_deref(), compiled.as_deref(), json, trace.as_deref()),
         Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
         Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, compile }) => (|| {
             let device = match device.as_str() {

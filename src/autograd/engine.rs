@@ -14,14 +14,28 @@ pub struct BackwardOptions {
     pub retain_graph: bool,
 }
 
+thread_local! {
+    /// `backward` calls on this thread, traced ones included (`kiln::doctor` reads it).
+    static BACKWARD_CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread has called `backward` so far.
+pub(crate) fn backward_calls() -> usize {
+    BACKWARD_CALLS.with(|n| n.get())
+}
+
 impl Tensor {
     /// Gradients of this scalar with respect to every leaf that requires grad, added to `.grad`.
+    #[track_caller]
     pub fn backward(&self) -> Result<()> {
         self.backward_with(BackwardOptions::default())
     }
 
     /// Backward ops keep the forward's dtypes: autocast is suspended while it runs.
+    #[track_caller]
     pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        BACKWARD_CALLS.with(|n| n.set(n.get() + 1));
         crate::compile::trace::note_backward();
         crate::amp::suspended(|| self.backward_inner(opts))
     }

@@ -8,6 +8,7 @@ mod gradcheck;
 mod mode;
 
 pub use engine::{queue_callback, BackwardOptions};
+pub(crate) use engine::backward_calls;
 pub use function::{Ctx, Function};
 pub use gradcheck::{gradcheck, GradcheckOptions};
 pub use mode::{enable_grad, inference_mode, is_grad_enabled, no_grad};

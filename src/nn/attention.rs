@@ -41,12 +41,14 @@ pub struct MultiheadAttention {
 
 impl MultiheadAttention {
     /// With bias, no dropout, sequence-first inputs.
+    #[track_caller]
     pub fn new(embed_dim: usize, num_heads: usize, dev: &Device) -> Result<Self> {
         Self::with_options(embed_dim, num_heads, 0.0, true, false, dev)
     }
 
     /// PyTorch's initialisation: out_proj as a Linear (its bias then zeroed), in_proj_weight
     /// xavier uniform, in_proj_bias zeros.
+    #[track_caller]
     pub fn with_options(embed_dim: usize, num_heads: usize, dropout: f64, bias: bool, batch_first: bool, dev: &Device) -> Result<Self> {
         if num_heads == 0 || embed_dim == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(Error::arg("MultiheadAttention", format!("embed_dim {embed_dim} must be a positive multiple of num_heads {num_heads}")));
@@ -66,6 +68,7 @@ impl MultiheadAttention {
     /// Attention of `query` `[L, N, E]` over `key`/`value` `[S, N, E]` (`[N, L, E]` with
     /// `batch_first`; `[L, E]` unbatched). Returns the output, shaped like `query`, and the
     /// weights when `need_weights`.
+    #[track_caller]
     pub fn attend(&self, query: &Tensor, key: &Tensor, value: &Tensor, args: AttnArgs) -> Result<(Tensor, Option<Tensor>)> {
         let op = "multi_head_attention";
         F::same_device(op, query, &[Some(key), Some(value), Some(&self.in_proj_weight), args.attn_mask, args.key_padding_mask])?;

@@ -49,6 +49,7 @@ fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
 }
 
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
+#[track_caller]
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("softmax", x)?;
     crate::layout::norm_dim("softmax", dim, x.ndim())?;
@@ -64,6 +65,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 }
 
 /// `x - max - log(sum(exp(x - max)))` along `dim`.
+#[track_caller]
 pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
     float_input("log_softmax", x)?;
     crate::layout::norm_dim("log_softmax", dim, x.ndim())?;
@@ -80,6 +82,7 @@ pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 
 /// Normalises over the trailing `normalized_shape` dims, then scales and shifts
 /// (`F.layer_norm`; biased variance, as PyTorch).
+#[track_caller]
 pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
     float_input("layer_norm", x)?;
     let x = &crate::amp::fp32(x)?;
@@ -122,6 +125,7 @@ pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor
 }
 
 /// `x @ weight^T + bias` with `weight` of shape [out, in] (`F.linear`).
+#[track_caller]
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     if weight.ndim() != 2 {
         return Err(Error::shape("linear", format!("weight must be 2-D [out, in], got {:?}", weight.shape())));
@@ -151,6 +155,7 @@ pub struct SdpaOptions<'a> {
 /// `softmax(q k^T * scale + mask) v` over `q` `[N, H, L, D]` and `k`, `v` `[N, H, S, D]`
 /// (`F.scaled_dot_product_attention`). One fused kernel (and two for its gradient) where the
 /// head dim allows, else matmul and softmax; the result is `[N, H, L, D]`.
+#[track_caller]
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Tensor> {
     let op = "scaled_dot_product_attention";
     same_device(op, q, &[Some(k), Some(v), opts.attn_mask])?;
@@ -236,6 +241,7 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
 
 /// Zeroes each element with probability `p` and scales the rest by `1 / (1 - p)` when
 /// `training`; the identity otherwise (`F.dropout`). Draws from the global generator.
+#[track_caller]
 pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
     if !(0.0..=1.0).contains(&p) {
         return Err(Error::arg("dropout", format!("probability must be in [0, 1], got {p}")));
@@ -266,21 +272,25 @@ impl Default for CrossEntropyOptions {
 }
 
 /// Cross-entropy of logits `[N, C]` (or `[C]`, or `[N, C, d1, ...]`) against class indices.
+#[track_caller]
 pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
     cross_entropy_with(input, target, &CrossEntropyOptions::default())
 }
 
+#[track_caller]
 pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
     class_loss("cross_entropy", input, target, opts, false)
 }
 
 /// Negative log-likelihood of log-probabilities `[N, C]` (or `[C]`, `[N, C, d1, ...]`) against
 /// class indices (`F.nll_loss`).
+#[track_caller]
 pub fn nll_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
     nll_loss_with(input, target, &CrossEntropyOptions::default())
 }
 
 /// `nll_loss` with class weights, `ignore_index` and reduction (label smoothing must be 0).
+#[track_caller]
 pub fn nll_loss_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
     if opts.label_smoothing != 0.0 {
         return Err(Error::arg("nll_loss", "label smoothing is a cross_entropy option"));
@@ -418,6 +428,7 @@ fn softplus_exact(x: &Tensor) -> Result<Tensor> {
 /// (`F.binary_cross_entropy_with_logits`): `softplus(x) - x y`, computed without overflow;
 /// `pos_weight` scales the positive term: `(1 - y) x + (1 + (pw - 1) y) softplus(-x)`;
 /// `weight` (broadcast to the input) scales each element's loss before the reduction.
+#[track_caller]
 pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, weight: Option<&Tensor>, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
     float_input("binary_cross_entropy_with_logits", input)?;
     let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
@@ -449,6 +460,7 @@ pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, weight:
 }
 
 /// Mean (or sum, or elementwise) squared error (`F.mse_loss`); shapes broadcast.
+#[track_caller]
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
     float_input("mse_loss", input)?;
     let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
@@ -463,10 +475,12 @@ pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result
 
 impl Tensor {
     /// See [`softmax`].
+    #[track_caller]
     pub fn softmax(&self, dim: i64) -> Result<Tensor> {
         softmax(self, dim)
     }
     /// See [`log_softmax`].
+    #[track_caller]
     pub fn log_softmax(&self, dim: i64) -> Result<Tensor> {
         log_softmax(self, dim)
     }

@@ -4,6 +4,8 @@
 use crate::{no_grad, Error, Result, Tensor};
 
 pub trait Module: Send + Sync {
+    /// `#[track_caller]`, so that the profiler can name the caller's line for the work it queues.
+    #[track_caller]
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 
     /// This module's own parameters (not its children's), by local name.

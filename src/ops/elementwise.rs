@@ -84,6 +84,7 @@ macro_rules! unary_methods {
     ($($(#[$doc:meta])* $name:ident => $op:ident),* $(,)?) => {
         impl Tensor {$(
             $(#[$doc])*
+            #[track_caller]
             pub fn $name(&self) -> Result<Tensor> {
                 self.unary(UnaryOp::$op)
             }
@@ -119,9 +120,11 @@ pub enum RoundingMode {
 macro_rules! binary_methods {
     ($($name:ident, $scalar:ident => $op:ident),* $(,)?) => {
         impl Tensor {$(
+            #[track_caller]
             pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
                 self.binary(BinaryOp::$op, other)
             }
+            #[track_caller]
             pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
                 self.binary_scalar(BinaryOp::$op, other.into(), false)
             }
@@ -150,6 +153,7 @@ impl Tensor {
 
     /// Rounds half to even at `decimals` digits after the point (before it when negative), as
     /// `torch.round(x, decimals=d)`: `round(x * 10^d) / 10^d`.
+    #[track_caller]
     pub fn round_decimals(&self, decimals: i64) -> Result<Tensor> {
         if decimals == 0 || !self.dtype().is_float() {
             return self.round();
@@ -164,9 +168,11 @@ impl Tensor {
 
     /// The quotient rounded as `mode` says (`torch.div(a, b, rounding_mode=...)`); integer
     /// operands give integers, and an integer division by zero is an error on the CPU.
+    #[track_caller]
     pub fn div_mode(&self, other: &Tensor, mode: RoundingMode) -> Result<Tensor> {
         self.binary(rounding_op(mode), other)
     }
+    #[track_caller]
     pub fn div_mode_scalar(&self, other: impl Into<Scalar>, mode: RoundingMode) -> Result<Tensor> {
         self.binary_scalar(rounding_op(mode), other.into(), false)
     }
@@ -189,18 +195,22 @@ impl Tensor {
     }
 
     /// `s - self`.
+    #[track_caller]
     pub fn rsub_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
         self.binary_scalar(BinaryOp::Sub, s.into(), true)
     }
     /// `s / self`.
+    #[track_caller]
     pub fn rdiv_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
         self.binary_scalar(BinaryOp::Div, s.into(), true)
     }
     /// `1 / self`.
+    #[track_caller]
     pub fn reciprocal(&self) -> Result<Tensor> {
         self.rdiv_scalar(1.0)
     }
     /// `self * self`; bools square in I64, as in PyTorch.
+    #[track_caller]
     pub fn square(&self) -> Result<Tensor> {
         if self.dtype() == DType::Bool {
             return self.to_dtype(DType::I64)?.square();
@@ -210,6 +220,7 @@ impl Tensor {
 
     /// Limits values to `[min, max]` (either bound optional). The gradient passes where the input
     /// is within the bounds, inclusive, as in PyTorch; NaN stays NaN.
+    #[track_caller]
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
@@ -234,6 +245,7 @@ impl Tensor {
     /// `clamp` with tensor bounds (either optional), broadcast together with the input
     /// (`torch.clamp(x, min_tensor, max_tensor)`): `min(max(x, lo), hi)`, a NaN bound gives NaN.
     /// The gradient goes to the input within the bounds (inclusive), else to the bound that won.
+    #[track_caller]
     pub fn clamp_tensor(&self, min: Option<&Tensor>, max: Option<&Tensor>) -> Result<Tensor> {
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
@@ -292,6 +304,7 @@ impl Tensor {
 
     /// `self ? a : b` elementwise, with broadcasting and promotion of `a` and `b`
     /// (`torch.where(self, a, b)`).
+    #[track_caller]
     pub fn where_(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         if self.dtype() != DType::Bool {
             return Err(Error::dtype("where", self.dtype(), "the condition must be a Bool tensor"));
@@ -304,6 +317,7 @@ impl Tensor {
 
     /// `value` where `mask` is true (`masked_fill`); the tensor and the mask broadcast together,
     /// and the result takes their broadcast shape. A value the dtype cannot hold is an error.
+    #[track_caller]
     pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
         if mask.dtype() != DType::Bool {
             return Err(Error::dtype("masked_fill", mask.dtype(), "the mask must be a Bool tensor"));
@@ -315,6 +329,7 @@ impl Tensor {
     }
 
     /// Converts to `dtype` (no copy when it already is).
+    #[track_caller]
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
@@ -323,6 +338,7 @@ impl Tensor {
     }
 
     /// A contiguous tensor with the same values: the tensor itself when it already is.
+    #[track_caller]
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
             return Ok(self.clone());
@@ -331,11 +347,13 @@ impl Tensor {
     }
 
     /// Always a new contiguous copy (differentiable, like `clone()` in PyTorch).
+    #[track_caller]
     pub fn copy_contiguous(&self) -> Result<Tensor> {
         apply(Op::Cast(self.dtype()), &[self])
     }
 
     /// Whether every element is within `atol + rtol * |other|` of `other` (`torch.allclose`).
+    #[track_caller]
     pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> Result<bool> {
         let shape = broadcast_shapes("allclose", self.shape(), other.shape())?;
         let a = crate::no_grad(|| self.broadcast_to(&shape)?.to_dtype(DType::F64)?.to_vec::<f64>())?;
@@ -411,6 +429,7 @@ fn binary_promoted(op: BinaryOp, a: &Tensor, b: &Tensor, promoted: DType) -> Res
 }
 
 /// `torch.where(cond, a, b)`.
+#[track_caller]
 pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     cond.where_(a, b)
 }

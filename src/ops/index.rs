@@ -14,6 +14,7 @@ fn check_index_dtype(op: &'static str, index: &Tensor) -> Result<Tensor> {
 
 impl Tensor {
     /// The entries of `dim` listed by the 1-D `index` (`torch.index_select`).
+    #[track_caller]
     pub fn index_select(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
         let d = norm_dim("index_select", dim, self.ndim())?;
         let index = check_index_dtype("index_select", index)?;
@@ -32,6 +33,7 @@ impl Tensor {
 
     /// `out[i][j] = self[index[i][j]][j]` for dim 0, and likewise for other dims
     /// (`torch.gather`). The output has the index's shape.
+    #[track_caller]
     pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
         let d = norm_dim("gather", dim, self.ndim())?;
         let index = check_index_dtype("gather", index)?;
@@ -52,6 +54,7 @@ impl Tensor {
 
     /// A copy of `self` with `src[i][j]` added at row `index[i][j]` (dim 0; likewise for other
     /// dims) (`torch.scatter_add`).
+    #[track_caller]
     pub fn scatter_add(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
         let d = norm_dim("scatter_add", dim, self.ndim())?;
         let index = check_index_dtype("scatter_add", index)?;
@@ -72,6 +75,7 @@ impl Tensor {
     }
 
     /// Class indices to one-hot rows (`F.one_hot`), I64; `num_classes` None means max + 1.
+    #[track_caller]
     pub fn one_hot(&self, num_classes: Option<usize>) -> Result<Tensor> {
         if !self.dtype().is_int() {
             return Err(Error::dtype("one_hot", self.dtype(), "class values must be an integer tensor"));

@@ -64,34 +64,44 @@ impl Tensor {
         self.assign(op, &value.broadcast_to(self.shape())?)
     }
 
+    #[track_caller]
     pub fn add_(&self, other: &Tensor) -> Result<()> {
         self.update_with("add_", Some(other), |x| x.add(other))
     }
+    #[track_caller]
     pub fn sub_(&self, other: &Tensor) -> Result<()> {
         self.update_with("sub_", Some(other), |x| x.sub(other))
     }
+    #[track_caller]
     pub fn mul_(&self, other: &Tensor) -> Result<()> {
         self.update_with("mul_", Some(other), |x| x.mul(other))
     }
+    #[track_caller]
     pub fn div_(&self, other: &Tensor) -> Result<()> {
         self.update_with("div_", Some(other), |x| x.div(other))
     }
+    #[track_caller]
     pub fn add_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
         self.update("add_", |x| x.add_scalar(s))
     }
+    #[track_caller]
     pub fn sub_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
         self.update("sub_", |x| x.sub_scalar(s))
     }
+    #[track_caller]
     pub fn mul_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
         self.update("mul_", |x| x.mul_scalar(s))
     }
+    #[track_caller]
     pub fn div_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
         self.update("div_", |x| x.div_scalar(s))
     }
+    #[track_caller]
     pub fn clamp_(&self, min: Option<f64>, max: Option<f64>) -> Result<()> {
         self.update("clamp_", |x| x.clamp(min, max))
     }
     /// Copies `src` (broadcast, converted to this dtype) into this tensor.
+    #[track_caller]
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
         if src.device() != self.device() {
             return Err(Error::DeviceMismatch { op: "copy_", a: self.device(), b: src.device() });
@@ -102,10 +112,12 @@ impl Tensor {
         }
         self.assign("copy_", &src.broadcast_to(self.shape())?)
     }
+    #[track_caller]
     pub fn fill_(&self, value: f64) -> Result<()> {
         let v = Tensor::full(self.shape(), value, self.dtype(), &self.device())?;
         self.assign("fill_", &v)
     }
+    #[track_caller]
     pub fn zero_(&self) -> Result<()> {
         self.fill_(0.0)
     }

@@ -31,6 +31,16 @@ impl Default for GradScaler {
     }
 }
 
+thread_local! {
+    /// Losses this thread has scaled, traced ones included (`kiln::doctor` reads it).
+    static SCALED_LOSSES: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many losses this thread has scaled with a `GradScaler` so far.
+pub(crate) fn scaled_losses() -> usize {
+    SCALED_LOSSES.with(|n| n.get())
+}
+
 impl GradScaler {
     pub fn new() -> GradScaler {
         GradScaler::with_options(65536.0, 2.0, 0.5, 2000)
@@ -44,13 +54,18 @@ impl GradScaler {
     }
 
     /// `loss * scale`.
+    #[track_caller]
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        SCALED_LOSSES.with(|n| n.set(n.get() + 1));
         loss.mul_scalar(self.scale)
     }
 
     /// Divides the optimiser's gradients by the scale in place and records whether any is
     /// inf/NaN (`unscale_`, for clipping before `step`). At most once per optimiser and step.
+    #[track_caller]
     pub fn unscale_<O: Optimizer + ?Sized>(&mut self, opt: &O) -> Result<()> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         if self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
             return Err(Error::arg("GradScaler::unscale_", "already called for this optimiser since the last update()"));
         }
@@ -71,7 +86,9 @@ impl GradScaler {
 
     /// Unscales (unless `unscale_` already did) and runs `opt.step()` only if every gradient
     /// is finite.
+    #[track_caller]
     pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<()> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         if !self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
             self.unscale_(opt)?;
         }

@@ -9,6 +9,7 @@ mod scheduler;
 mod state;
 
 pub use grad_scaler::GradScaler;
+pub(crate) use grad_scaler::scaled_losses;
 pub use scheduler::{CosineAnnealingLr, LinearWarmup, LrScheduler, StepLr};
 
 use crate::{no_grad, Result, Tensor};
@@ -16,6 +17,7 @@ use state::{entry, hyper, Reader, StateDict};
 
 pub trait Optimizer {
     /// One update from the parameters' current `.grad` (parameters without one are skipped).
+    #[track_caller]
     fn step(&mut self) -> Result<()>;
     /// Clears every parameter's gradient (set to none, PyTorch's default).
     fn zero_grad(&mut self);
@@ -120,6 +122,7 @@ impl AdamConfig {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         self.validate()?;
         no_grad(|| {
             let done = foreach::sgd(self)?;
@@ -237,7 +240,9 @@ impl AdamCore {
         AdamCore { params, cfg, decoupled, foreach: true, state: vec![None; n] }
     }
 
+    #[track_caller]
     fn step(&mut self) -> Result<()> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let c = self.cfg;
         c.validate(if self.decoupled { "adamw" } else { "adam" })?;
         no_grad(|| {

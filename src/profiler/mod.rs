@@ -33,8 +33,9 @@ mod sync;
 mod table;
 mod trace;
 
-pub(crate) use record::{blas, copy, cpu_op, cudnn, graph_replay, kernel, memory, memset};
+pub(crate) use record::{blas, call_site, copy, cpu_op, cudnn, graph_replay, kernel, memory, memset};
 pub(crate) use sync::sync;
+pub(crate) use trace::Mark;
 pub use sync::{set_sync_debug_mode, sync_debug_mode, with_sync_debug_mode, SyncDebug};
 pub use cupti::DeviceKernel;
 pub use table::{KernelStats, KeyAverages, SortBy};
@@ -87,8 +88,8 @@ pub fn set_cupti_detach(on: bool) {
 pub fn profile_with<T>(options: ProfileOptions, f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
     let rec = record::Recording::start(options.device_kernels)?;
     let value = f()?;
-    let (events, wall_us, cupti_missing) = rec.finish()?;
-    Ok((value, Profile { events, wall_us, cupti_missing }))
+    let record::Recorded { events, wall_us, cupti_missing, foreign_work } = rec.finish()?;
+    Ok((value, Profile { events, wall_us, cupti_missing, foreign_work }))
 }
 
 /// What was recorded, in the order the host issued it.
@@ -97,6 +98,7 @@ pub struct Profile {
     events: Vec<Event>,
     wall_us: f64,
     cupti_missing: Option<String>,
+    foreign_work: usize,
 }
 
 /// One recorded thing. Times are µs; `start_us` counts from the start of `profile`.
@@ -126,7 +128,9 @@ pub struct Event {
     pub bytes: usize,
     /// After an allocation or free: the device's bytes allocated.
     pub bytes_in_use: Option<usize>,
-    /// A synchronisation's call site.
+    /// The line of the caller's code that issued it: a synchronisation's call site; for device
+    /// work, the call into kiln that queued it (an op, `backward`, an optimiser's `step`, a
+    /// compiled function's `call`, a copy), where kiln's entry points know it.
     pub location: Option<&'static Location<'static>>,
     /// The kernels the GPU ran for this launch, as CUPTI saw them (empty without CUPTI): one
     /// for a generated kernel, the library's own for a cuBLAS or cuDNN call, every kernel of a
@@ -181,6 +185,14 @@ impl CopyKind {
 impl Profile {
     pub fn events(&self) -> &[Event] {
         &self.events
+    }
+
+    /// Device work other threads queued, while this profile recorded, on the devices it used.
+    /// They share the devices' streams, so their kernels may run between this thread's and
+    /// inside its device times (the kernels CUPTI reports, [`Event::device_kernels`], are this
+    /// thread's own).
+    pub fn foreign_work(&self) -> usize {
+        self.foreign_work
     }
 
     /// Host time of the whole profiled closure, µs.
@@ -244,13 +256,22 @@ impl Profile {
 
     /// The Chrome trace as JSON (see [`Profile::export_chrome_trace`]).
     pub fn chrome_trace(&self) -> serde_json::Value {
-        trace::chrome_trace(&self.events)
+        trace::chrome_trace(&self.events, &[], "")
+    }
+
+    /// The Chrome trace with `marks` laid over the devices' timelines on a track named `track`.
+    pub(crate) fn chrome_trace_marked(&self, marks: &[Mark], track: &str) -> serde_json::Value {
+        trace::chrome_trace(&self.events, marks, track)
     }
 
     /// Writes the trace for chrome://tracing or ui.perfetto.dev.
     pub fn export_chrome_trace(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        let path = path.as_ref();
-        let text = serde_json::to_string(&self.chrome_trace()).expect("a JSON value serialises");
-        std::fs::write(path, text).map_err(|e| Error::Io { op: "export_chrome_trace", msg: format!("writing {}: {e}", path.display()) })
+        write_trace(path.as_ref(), &self.chrome_trace())
     }
+}
+
+/// Writes a Chrome trace as JSON to `path`.
+pub(crate) fn write_trace(path: &std::path::Path, trace: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string(trace).expect("a JSON value serialises");
+    std::fs::write(path, text).map_err(|e| Error::Io { op: "export_chrome_trace", msg: format!("writing {}: {e}", path.display()) })
 }

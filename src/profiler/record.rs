@@ -21,6 +21,15 @@ const NOT_ASKED: &str = "device kernels were not asked for (ProfileOptions::devi
 /// Threads profiling now.
 static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 
+/// Device work queued by any thread while some thread profiles, per device ordinal (the last
+/// slot shared by ordinals past it): a profile compares it with its own to see other threads'
+/// work, which shares the devices' streams and so lands inside its timings.
+static QUEUED: [AtomicUsize; 16] = [const { AtomicUsize::new(0) }; 16];
+
+fn queued(ordinal: usize) -> &'static AtomicUsize {
+    &QUEUED[ordinal.min(QUEUED.len() - 1)]
+}
+
 #[inline(always)]
 fn active() -> bool {
     ACTIVE.load(Ordering::Relaxed) != 0
@@ -43,6 +52,9 @@ struct Session {
     cupti: Option<std::result::Result<cupti::Collecting, String>>,
     /// The kiln correlation id each device event's launches ran under.
     correlated: Vec<(usize, u64)>,
+    /// `QUEUED` when recording began, and the device work this session queued, per ordinal.
+    queued_before: Vec<usize>,
+    own: Vec<usize>,
 }
 
 impl Session {
@@ -72,20 +84,22 @@ impl Recording {
             if s.is_some() {
                 return Err(Error::arg("profile", "this thread is already being profiled; profiles do not nest"));
             }
-            *s = Some(Session { t0: Instant::now(), events: Vec::new(), timings: Vec::new(), bases: Vec::new(), cupti: if device_kernels { None } else { Some(Err(NOT_ASKED.into())) }, correlated: Vec::new() });
+            *s = Some(Session { t0: Instant::now(), events: Vec::new(), timings: Vec::new(), bases: Vec::new(), cupti: if device_kernels { None } else { Some(Err(NOT_ASKED.into())) }, correlated: Vec::new(), queued_before: QUEUED.iter().map(|q| q.load(Ordering::Relaxed)).collect(), own: vec![0; QUEUED.len()] });
             Ok(())
         })?;
         ACTIVE.fetch_add(1, Ordering::Relaxed);
         Ok(Recording(()))
     }
 
-    /// Stops recording and returns the events with their device times, read after one
-    /// synchronisation per device that was used, the kernels CUPTI saw each launch run, and why
-    /// there are none where CUPTI was not used for device work.
-    pub(super) fn finish(self) -> Result<(Vec<Event>, f64, Option<String>)> {
+    /// Stops recording and returns what was recorded: the events with their device times, read
+    /// after one synchronisation per device that was used, the kernels CUPTI saw each launch
+    /// run, why there are none where CUPTI was not used for device work, and other threads'
+    /// work on the devices this thread used.
+    pub(super) fn finish(self) -> Result<Recorded> {
         let s = SESSION.with(|s| s.borrow_mut().take()).expect("a recording has a session");
         let wall_us = s.now_us();
         drop(self);
+        let foreign_work = (0..QUEUED.len()).filter(|&i| s.own[i] > 0).map(|i| QUEUED[i].load(Ordering::Relaxed).wrapping_sub(s.queued_before[i]).saturating_sub(s.own[i])).sum();
         let mut events = s.events;
         let cuda_err = |ordinal, e| Error::Cuda { op: "profile", device: Device::Cuda(ordinal), msg: format!("{e:?}") };
         // Each end event is waited for, not the whole context: another thread may be capturing
@@ -111,7 +125,50 @@ impl Recording {
             Some(Err(why)) if !s.timings.is_empty() => Some(why.clone()),
             _ => None,
         };
-        Ok((events, wall_us, cupti_missing))
+        Ok(Recorded { events, wall_us, cupti_missing, foreign_work })
+    }
+}
+
+/// What a finished recording hands the profile.
+pub(super) struct Recorded {
+    pub(super) events: Vec<Event>,
+    pub(super) wall_us: f64,
+    pub(super) cupti_missing: Option<String>,
+    pub(super) foreign_work: usize,
+}
+
+thread_local! {
+    /// The caller's line the device work queued now was asked for at (see [`call_site`]).
+    static SITE: std::cell::Cell<Option<&'static Location<'static>>> = const { std::cell::Cell::new(None) };
+}
+
+/// While the guard lives, device work this thread queues is recorded as issued at `at`, unless
+/// an outer guard already named a site: the outermost entry into kiln (the user's call) wins
+/// over the entries kiln makes inside it. Costs one relaxed load when nothing is profiled.
+#[must_use]
+pub(crate) struct SiteGuard(bool);
+
+#[inline]
+pub(crate) fn call_site(at: &'static Location<'static>) -> SiteGuard {
+    if !active() || inside_the_library(at) {
+        return SiteGuard(false);
+    }
+    SiteGuard(SITE.try_with(|s| s.get().is_none() && { s.set(Some(at)); true }).unwrap_or(false))
+}
+
+/// Whether `at` is a line of kiln's library itself, reached where a chain of `#[track_caller]`
+/// functions from the user's call is broken: such a line names no caller, so it is not recorded.
+/// The `kiln` program's own files (`cli/`, `main.rs`) are callers like any other.
+fn inside_the_library(at: &Location) -> bool {
+    let root = file!().strip_suffix("profiler/record.rs").unwrap_or("");
+    at.file().strip_prefix(root).is_some_and(|rest| !rest.starts_with("cli/") && !rest.starts_with("cli\\") && rest != "main.rs")
+}
+
+impl Drop for SiteGuard {
+    fn drop(&mut self) {
+        if self.0 {
+            let _ = SITE.try_with(|s| s.set(None));
+        }
     }
 }
 
@@ -207,9 +264,12 @@ fn event(kind: EventKind, name: String, device: Device) -> Event {
 }
 
 fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name: String, bytes: usize) -> Span {
+    queued(dev.ordinal).fetch_add(1, Ordering::Relaxed);
+    with_session(|s| s.own[dev.ordinal.min(QUEUED.len() - 1)] += 1);
     let mut e = event(kind, name, dev.kiln_device());
     e.stream = Some(stream.cu_stream() as u64);
     e.bytes = bytes;
+    e.location = SITE.try_with(|s| s.get()).ok().flatten();
     Span::on_device(e, dev, stream)
 }
 

@@ -2,7 +2,8 @@
 //! launches, copies, syncs, CPU kernels) and one track per CUDA stream (pid 1 + device ordinal),
 //! with, where CUPTI reported them, the kernels each launch ran on tracks of their own (a
 //! library's kernels, every kernel of a graph replay), "C" counters for the device memory in
-//! use, "M" records naming the tracks.
+//! use, "M" records naming the tracks, and a track of marks a tool laid over the timeline (the
+//! doctor's idle gaps).
 
 use super::{Event, EventKind};
 use crate::Device;
@@ -14,6 +15,16 @@ use serde_json::{json, Map, Value};
 enum Track {
     Launches(u64),
     Kernels(u32),
+    Marks,
+}
+
+/// A slice a tool marks on a device's timeline, on a track of its own.
+pub(crate) struct Mark {
+    pub device: Device,
+    pub name: String,
+    pub start_us: f64,
+    pub us: f64,
+    pub args: Value,
 }
 
 /// The track number of `key` on its device's process, numbered in order of appearance.
@@ -52,7 +63,8 @@ fn args(e: &Event) -> Value {
     Value::Object(a)
 }
 
-pub(super) fn chrome_trace(events: &[Event]) -> Value {
+/// The trace of `events`, with `marks` on a track named `marks_track` of each device's process.
+pub(super) fn chrome_trace(events: &[Event], marks: &[Mark], marks_track: &str) -> Value {
     let mut out = vec![meta("process_name", 0, 0, "host".into()), meta("thread_name", 0, 0, "profiled thread".into())];
     // Tracks become small numbers per device, in order of appearance.
     let mut tracks: Vec<(Device, Track)> = Vec::new();
@@ -78,6 +90,13 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
             devices.push(e.device);
         }
     }
+    for m in marks {
+        let tid = track(&mut tracks, (m.device, Track::Marks));
+        out.push(json!({"name": m.name, "cat": "mark", "ph": "X", "ts": m.start_us, "dur": m.us, "pid": device_pid(m.device), "tid": tid, "args": m.args}));
+        if !devices.contains(&m.device) {
+            devices.push(m.device);
+        }
+    }
     for d in devices {
         out.push(meta("process_name", device_pid(d), 0, d.to_string()));
     }
@@ -85,6 +104,7 @@ pub(super) fn chrome_trace(events: &[Event]) -> Value {
         let name = match t {
             Track::Launches(s) => format!("stream {s:#x}"),
             Track::Kernels(s) => format!("kernels (CUPTI), stream {s}"),
+            Track::Marks => marks_track.to_string(),
         };
         out.push(meta("thread_name", device_pid(*d), tid as u64, name));
     }
@@ -108,7 +128,7 @@ mod tests {
     #[test]
     fn kernels_cupti_saw_get_tracks_apart_from_the_launch_tracks() {
         let events = [launch("replay", 0x10, vec![ran("k1", 7), ran("k2", 7)]), launch("gemm", 0x10, vec![ran("xmma", 9)])];
-        let trace = super::chrome_trace(&events);
+        let trace = super::chrome_trace(&events, &[], "");
         let all = trace["traceEvents"].as_array().unwrap();
         let tid = |name: &str| all.iter().find(|e| e["name"] == name && e["pid"] == 1).map(|e| e["tid"].as_u64().unwrap());
         // The launches share their stream's track; CUPTI's streams 7 and 9 get one each.
@@ -116,5 +136,17 @@ mod tests {
         let names: Vec<&str> = all.iter().filter(|e| e["name"] == "thread_name" && e["pid"] == 1).map(|e| e["args"]["name"].as_str().unwrap()).collect();
         assert_eq!(names, ["stream 0x10", "kernels (CUPTI), stream 7", "kernels (CUPTI), stream 9"]);
         assert!(all.iter().any(|e| e["name"] == "k1" && e["args"]["launched by"] == "replay" && e["args"]["in a CUDA graph"] == true));
+    }
+
+    #[test]
+    fn marks_go_on_a_named_track_of_their_device() {
+        let events = [launch("gemm", 0x10, vec![])];
+        let marks = [super::Mark { device: Device::Cuda(0), name: "idle".into(), start_us: 5.0, us: 4.0, args: serde_json::json!({"look at": "a.rs:3"}) }];
+        let trace = super::chrome_trace(&events, &marks, "gaps");
+        let all = trace["traceEvents"].as_array().unwrap();
+        let mark = all.iter().find(|e| e["name"] == "idle").unwrap();
+        assert_eq!((mark["pid"].as_u64(), mark["tid"].as_u64(), mark["ts"].as_f64(), mark["dur"].as_f64()), (Some(1), Some(1), Some(5.0), Some(4.0)));
+        assert_eq!(mark["args"]["look at"], "a.rs:3");
+        assert!(all.iter().any(|e| e["name"] == "thread_name" && e["pid"] == 1 && e["tid"] == 1 && e["args"]["name"] == "gaps"));
     }
 }

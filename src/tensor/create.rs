@@ -11,6 +11,7 @@ use crate::{DType, Device, Error, Result};
 
 impl Tensor {
     /// A tensor of `shape` with every element `value` (converted to `dtype`).
+    #[track_caller]
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("full", *device)?;
         let n = checked_numel("full", shape, dtype)?;
@@ -23,6 +24,7 @@ impl Tensor {
         crate::backend::cpu::ensure_host_memory("full", n * dtype.size_in_bytes())?;
         Ok(Tensor::from_cpu(with_dtype!(dtype, T => T::wrap(vec![T::from_f64(value); n])), shape))
     }
+    #[track_caller]
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("zeros", *device)?;
         if device.is_cuda() || crate::compile::trace::active() {
@@ -30,24 +32,30 @@ impl Tensor {
         }
         Ok(Tensor::from_cpu(CpuStorage::zeros(dtype, host_numel("zeros", shape, dtype)?), shape))
     }
+    #[track_caller]
     pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype, device)
     }
+    #[track_caller]
     pub fn zeros_like(&self) -> Result<Tensor> {
         Tensor::zeros(self.shape(), self.dtype(), &self.device())
     }
+    #[track_caller]
     pub fn ones_like(&self) -> Result<Tensor> {
         Tensor::ones(self.shape(), self.dtype(), &self.device())
     }
+    #[track_caller]
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
         Tensor::full(self.shape(), value, self.dtype(), &self.device())
     }
     /// A 0-dimensional tensor.
+    #[track_caller]
     pub fn scalar(value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         Tensor::full(&[], value, dtype, device)
     }
 
     /// Values `start, start + step, ...` below `end` (`torch.arange`).
+    #[track_caller]
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("arange", *device)?;
         if step == 0.0 || !((end - start) / step).is_finite() {
@@ -66,6 +74,7 @@ impl Tensor {
     }
 
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
+    #[track_caller]
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("linspace", *device)?;
         host_numel("linspace", &[steps], dtype)?;
@@ -82,6 +91,7 @@ impl Tensor {
     }
 
     /// The n×n identity.
+    #[track_caller]
     pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         check_device("eye", *device)?;
         host_numel("eye", &[n, n], dtype)?;
@@ -93,6 +103,7 @@ impl Tensor {
     }
 
     /// Uniform in [0, 1) from the global generator (`torch.rand`).
+    #[track_caller]
     pub fn rand(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("rand", dtype)?;
         let bits = match dtype {
@@ -118,6 +129,7 @@ impl Tensor {
     }
 
     /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
+    #[track_caller]
     pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
         float_only("randn", dtype)?;
         if crate::compile::trace::active() {
@@ -134,6 +146,7 @@ impl Tensor {
     }
 
     /// Integers uniform in [low, high) (`torch.randint`), I64.
+    #[track_caller]
     pub fn randint(low: i64, high: i64, shape: &[usize], device: &Device) -> Result<Tensor> {
         if high <= low {
             return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
@@ -159,6 +172,7 @@ impl Tensor {
     }
 
     /// A tensor of `shape` holding `data` (row-major).
+    #[track_caller]
     pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
         if data.len() != checked_numel("from_vec", shape, T::DTYPE)? {
             return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
@@ -166,6 +180,7 @@ impl Tensor {
         check_device("from_vec", *device)?;
         Tensor::from_cpu(T::wrap(data), shape).placed(device)
     }
+    #[track_caller]
     pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
         Tensor::from_vec(data.to_vec(), shape, device)
     }

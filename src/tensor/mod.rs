@@ -98,6 +98,7 @@ impl Tensor {
 
     /// A copy in page-locked host memory, so `to_device_async` can copy it without staging
     /// (`pin_memory`). Needs a CUDA driver.
+    #[track_caller]
     pub fn pin_memory(&self) -> Result<Tensor> {
         let host = self.to_host()?;
         let s = crate::backend::cpu::cast(&host, self.dtype());
@@ -113,6 +114,7 @@ impl Tensor {
     /// Like `to_device`, but a host-to-GPU copy is queued without waiting for it: later work on
     /// the GPU is ordered after it, and the source may be dropped at once. A pinned source is
     /// copied directly; any other through a pinned staging buffer. To the host it is `to_device`.
+    #[track_caller]
     pub fn to_device_async(&self, device: &Device) -> Result<Tensor> {
         match (self.device(), device) {
             (Device::Cpu, Device::Cuda(_)) => crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device, non_blocking: true }, &[self]),

@@ -138,3 +138,83 @@ fn an_unpinned_loader_with_blocking_copies_fails_the_loader_item_and_a_pinned_on
         gpu_items_not_applicable(&good);
     }
 }
+
+#[test]
+fn f16_products_with_backward_and_no_scaler_fail_precision_and_a_scaled_loss_passes() {
+    let d = dev();
+    let x = Tensor::randn(&[256, 256], DType::F16, &d).unwrap();
+    let w = Tensor::randn(&[256, 256], DType::F16, &d).unwrap().requires_grad();
+    let scaler = optim::GradScaler::new();
+    let step = |scaled: bool| {
+        let loss = x.matmul(&w)?.to_dtype(DType::F32)?.mean_all()?;
+        let loss = if scaled { scaler.scale(&loss)? } else { loss };
+        loss.backward()?;
+        w.clear_grad();
+        Ok::<(), kiln::Error>(())
+    };
+    let line = line!() - 6;
+    let bad = doctor::check(|| step(false)).unwrap();
+    let good = doctor::check(|| step(true)).unwrap();
+    if d.is_cuda() {
+        let p = bad.item("precision").unwrap();
+        assert!(p.failed() && p.evidence.contains("GradScaler"), "{}", bad.table());
+        assert_eq!(p.at.as_deref(), Some(format!("tests/all/doctor.rs:{line}").as_str()), "{}", bad.table());
+        assert!(good.item("precision").unwrap().passed(), "{}", good.table());
+    } else {
+        gpu_items_not_applicable(&bad);
+        gpu_items_not_applicable(&good);
+    }
+}
+
+#[test]
+fn a_host_bound_gap_names_the_line_before_it_and_is_marked_in_the_trace() {
+    let d = dev();
+    let x = Tensor::randn(&[1 << 16], DType::F32, &d).unwrap();
+    let line = line!() + 2;
+    let r = doctor::check(|| {
+        let a = x.exp()?;
+        std::thread::sleep(std::time::Duration::from_micros(500)); // host work between launches
+        a.sin().map(drop)
+    })
+    .unwrap();
+    if d.is_cuda() {
+        let site = format!("tests/all/doctor.rs:{line}");
+        let b = r.item("gpu_busy").unwrap();
+        assert!(b.failed() && b.evidence.contains("host-bound after"), "{}", r.table());
+        assert_eq!(b.at.as_deref(), Some(site.as_str()), "{}", r.table());
+        let trace = r.chrome_trace();
+        let marks: Vec<&serde_json::Value> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "mark").collect();
+        assert!(marks.iter().any(|m| m["name"] == "idle: host-bound" && m["args"]["look at"] == site.as_str() && m["dur"].as_f64().unwrap() >= 400.0), "{marks:?}");
+        assert!(trace["traceEvents"].as_array().unwrap().iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "idle gaps (kiln doctor)"));
+    } else {
+        assert!(r.gaps.is_empty());
+        gpu_items_not_applicable(&r);
+    }
+}
+
+#[test]
+fn other_threads_gpu_work_during_the_check_is_left_out_of_its_timings() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let d = dev();
+    if !d.is_cuda() {
+        return; // no shared device on the CPU
+    }
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || -> kiln::Result<()> {
+            let m = Tensor::randn(&[2048, 2048], DType::F32, &d)?;
+            while !stop.load(Ordering::Relaxed) {
+                m.matmul(&m)?.sum_all()?.item::<f32>()?;
+            }
+            Ok(())
+        })
+    };
+    let x = Tensor::randn(&[64], DType::F32, &d).unwrap();
+    let r = doctor::check(|| (0..20).try_fold(x.clone(), |a, _| a.mul_scalar(1.01)?.add_scalar(0.1)).map(drop));
+    stop.store(true, Ordering::Relaxed);
+    busy.join().unwrap().unwrap();
+    let r = r.unwrap();
+    let l = r.item("launches").unwrap();
+    assert!(l.failed() && l.evidence.contains("other threads"), "{}", r.table());
+}
