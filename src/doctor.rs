@@ -5,13 +5,19 @@
 //! - `synchronisation`: implicit host synchronisations in the step (`.item()`, `to_vec`, a
 //!   host copy), each with its call site and how long the host waited;
 //! - `gpu_busy`: the fraction of the step the GPU was busy, the idle time split into waits on
-//!   synchronisations and host-bound gaps, the largest gap named by the launch that ended it;
+//!   synchronisations, waits on copies and host-bound gaps, the costliest gaps named by the
+//!   work around them and the lines that queued it;
 //! - `compilation`: whether the step runs compiled, and every recompile with its reason;
-//! - `precision`: F32 products on a GPU with tensor cores (autocast to BF16 pays there);
+//! - `precision`: F32 products on a GPU with tensor cores (autocast to BF16 pays there), F16
+//!   products in a step with backward and no gradient scaler;
 //! - `launches`: kernels shorter than their launch, and whether the step is bound by the host
 //!   (then a CUDA graph, `Mode::ReduceOverhead`, pays);
 //! - `loader`: whether the step's batches were pinned and their copies asynchronous (and so
 //!   free to overlap compute), with the loader's workers.
+//!
+//! Device work carries the line of the outermost call into kiln that queued it (the entry
+//! points are `#[track_caller]`). The idle gaps are kept in the report and marked in its Chrome
+//! trace.
 //!
 //! On the CPU the GPU items are not applicable.
 //!
