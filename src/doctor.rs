@@ -126,7 +126,7 @@ impl Report {
                 name: format!("idle: {}", g.kind.words()),
                 start_us: g.start_us,
                 us: g.us,
-                args: json!({"idle us": g.us, "before": g.before, "after": g.after, "waited on": g.waited_on, "look at": g.at}),
+                args: json!({"idle us": g.us - g.other_us, "other threads' kernels us": g.other_us, "before": g.before, "after": g.after, "waited on": g.waited_on, "look at": g.at}),
             })
             .collect();
         self.profile.chrome_trace_marked(&marks, "idle gaps (kiln doctor)")
@@ -362,6 +362,9 @@ pub struct Gap {
     pub device: Device,
     pub start_us: f64,
     pub us: f64,
+    /// Of `us`, the time the device ran other threads' kernels (seen by CUPTI): not idle, but
+    /// not this step's work either.
+    pub other_us: f64,
     /// The work that ran before the gap and the work that ended it, each named with the line
     /// that queued it where known (`cublas_gemm_float32 at src/train.rs:41`).
     pub before: String,
@@ -393,9 +396,24 @@ fn idle_gaps(p: &Profile, t: &Timeline) -> Vec<Gap> {
                 Some(w) => at(w),
                 None => at(a).or_else(|| at(b)),
             };
-            Gap { kind, device: b.device, start_us: start, us: end - start, before: named(a), after: named(b), waited_on: waited.map(named), at: site }
+            let other_us = overlap(p.other_kernels(), start, end);
+            Gap { kind, device: b.device, start_us: start, us: end - start, other_us, before: named(a), after: named(b), waited_on: waited.map(named), at: site }
         })
         .collect()
+}
+
+/// How much of `[start, end]` the intervals cover, counting each instant once.
+fn overlap(intervals: &[(f64, f64)], start: f64, end: f64) -> f64 {
+    let mut cut: Vec<(f64, f64)> = intervals.iter().map(|&(s, e)| (s.max(start), e.min(end))).filter(|(s, e)| s < e).collect();
+    cut.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut covered, mut reach) = (0.0, start);
+    for (s, e) in cut {
+        if e > reach {
+            covered += e - s.max(reach);
+            reach = e;
+        }
+    }
+    covered
 }
 
 fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
@@ -407,9 +425,10 @@ fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
         return Item { name, status: Status::NotApplicable, evidence: "no device times were recorded".into(), at: None };
     };
     let span = last.end - first.start;
-    let fraction = t.busy_us() / span.max(1e-9);
+    let others: f64 = gaps.iter().map(|g| g.other_us).sum();
+    let fraction = (t.busy_us() + others) / span.max(1e-9);
     let per = |x: f64| x / steps as f64;
-    let idle = |k: Idle| gaps.iter().filter(|g| g.kind == k).map(|g| g.us).sum::<f64>();
+    let idle = |k: Idle| gaps.iter().filter(|g| g.kind == k).fold(0.0, |sum, g| sum + g.us - g.other_us);
     let mut evidence = format!(
         "the GPU was busy {:.0}% of {:.0} us per step; idle {:.0} us per step waiting on synchronisations, {:.0} us on copies, {:.0} us host-bound",
         100.0 * fraction,
@@ -418,12 +437,17 @@ fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
         per(idle(Idle::Copy)),
         per(idle(Idle::HostBound))
     );
-    // The same gap recurs every step: grouped by kind and the work around it, the costliest first.
+    if others > 0.0 {
+        evidence.push_str(&format!("; {:.0} us per step between the step's kernels ran other threads' kernels", per(others)));
+    }
+    // The same gap recurs every step: grouped by kind and the work around it, the costliest
+    // (in idle time) first.
     let mut groups: Vec<(&Gap, f64)> = Vec::new();
     for g in gaps {
+        let idle = g.us - g.other_us;
         match groups.iter_mut().find(|(h, _)| h.kind == g.kind && h.before == g.before && h.after == g.after && h.waited_on == g.waited_on) {
-            Some(x) => x.1 += g.us,
-            None => groups.push((g, g.us)),
+            Some(x) => x.1 += idle,
+            None => groups.push((g, idle)),
         }
     }
     groups.sort_by(|a, b| b.1.total_cmp(&a.1));
@@ -453,7 +477,7 @@ fn compilation(p: &Profile, steps: usize, before: &crate::compile::Activity, aft
         return Item { name, status: Status::Failed, evidence: format!("the step runs eagerly ({kernels:.0} kernels per step): compile it with kiln::compile::compile"), at: None };
     }
     if eager > 0 {
-        return Item { name, status: Status::Failed, evidence: format!("{eager} compiled calls ran eagerly: the function reached its recompile limit (mark changing sizes dynamic, or pad them to a few buckets)"), at: None };
+        return Item { name, status: Status::Failed, evidence: format!("{eager} compiled calls ran eagerly: the function reached its recompile limit, recompiling for every new shape (mark changing sizes dynamic, or pad them to a few buckets)"), at: None };
     }
     if !traces.is_empty() {
         let mut reasons: Vec<&str> = traces.iter().map(String::as_str).collect();

@@ -326,6 +326,7 @@ fn visit_stack<L: Module>(layers: &mut [L], norm: &mut Option<LayerNorm>, f: &mu
 
 impl Module for TransformerEncoderLayer {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         self.forward_masked(x, None, None)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -382,6 +383,7 @@ impl Module for TransformerDecoderLayer {
 
 impl Module for TransformerEncoder {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         self.forward_masked(x, None, None)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {

@@ -338,10 +338,14 @@ pub(super) fn pop() {
     let _ = unsafe { cr::activity::pop_external_correlation_id(cs::CUpti_ExternalCorrelationKind::CUPTI_EXTERNAL_CORRELATION_KIND_CUSTOM0, &mut last) };
 }
 
+/// The kernels each launch ran, by its kiln correlation id.
+pub(super) type Claimed = HashMap<u64, Vec<DeviceKernel>>;
+
 impl Collecting {
     /// The kernels run for each of `ids` (in the order they started), once the device has
-    /// finished the work they were launched for.
-    pub(super) fn take(&self, ids: &[u64]) -> HashMap<u64, Vec<DeviceKernel>> {
+    /// finished the work they were launched for; and when every other kernel CUPTI has seen ran
+    /// (start and end, µs on the profile's timeline), left for the profiles that own them.
+    pub(super) fn take(&self, ids: &[u64]) -> (Claimed, Vec<(f64, f64)>) {
         // Not with RECORDS held: the flush hands buffers to the callback, which takes it.
         let _ = cr::activity::flush_all(FLUSH_FORCED);
         let mut r = records();
@@ -354,7 +358,7 @@ impl Collecting {
             }
             !mine
         });
-        let mut out: HashMap<u64, Vec<DeviceKernel>> = HashMap::new();
+        let mut out: Claimed = HashMap::new();
         let at = |ns: u64| self.t0_host_us + (ns as f64 - self.t0_ns as f64) / 1e3;
         r.kernels.retain(|(corr, raw, _)| {
             let Some(ext) = owner.get(corr) else { return true };
@@ -366,6 +370,7 @@ impl Collecting {
         for ks in out.values_mut() {
             ks.sort_by(|a, b| a.device_start_us.total_cmp(&b.device_start_us));
         }
-        out
+        let others = r.kernels.iter().map(|(_, raw, _)| (at(raw.start_ns), at(raw.end_ns))).collect();
+        (out, others)
     }
 }

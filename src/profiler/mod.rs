@@ -88,8 +88,8 @@ pub fn set_cupti_detach(on: bool) {
 pub fn profile_with<T>(options: ProfileOptions, f: impl FnOnce() -> Result<T>) -> Result<(T, Profile)> {
     let rec = record::Recording::start(options.device_kernels)?;
     let value = f()?;
-    let record::Recorded { events, wall_us, cupti_missing, foreign_work } = rec.finish()?;
-    Ok((value, Profile { events, wall_us, cupti_missing, foreign_work }))
+    let record::Recorded { events, wall_us, cupti_missing, foreign_work, other_kernels } = rec.finish()?;
+    Ok((value, Profile { events, wall_us, cupti_missing, foreign_work, other_kernels }))
 }
 
 /// What was recorded, in the order the host issued it.
@@ -99,6 +99,7 @@ pub struct Profile {
     wall_us: f64,
     cupti_missing: Option<String>,
     foreign_work: usize,
+    other_kernels: Vec<(f64, f64)>,
 }
 
 /// One recorded thing. Times are µs; `start_us` counts from the start of `profile`.
@@ -193,6 +194,12 @@ impl Profile {
     /// thread's own).
     pub fn foreign_work(&self) -> usize {
         self.foreign_work
+    }
+
+    /// When kernels of other threads ran during the profile (start and end, µs), as CUPTI saw
+    /// them; empty without CUPTI.
+    pub(crate) fn other_kernels(&self) -> &[(f64, f64)] {
+        &self.other_kernels
     }
 
     /// Host time of the whole profiled closure, µs.

@@ -112,20 +112,22 @@ impl Recording {
             events[*i].device_start_us = Some(base.host_us + offset_ms * 1e3);
             events[*i].device_us = Some(ms * 1e3);
         }
+        let mut other_kernels = Vec::new();
         let cupti_missing = match &s.cupti {
             Some(Ok(c)) => {
                 let ids: Vec<u64> = s.correlated.iter().map(|&(_, id)| id).collect();
-                let mut ran = c.take(&ids);
+                let (mut ran, others) = c.take(&ids);
                 for (i, id) in &s.correlated {
                     events[*i].device_kernels = ran.remove(id).unwrap_or_default();
                 }
+                other_kernels = others.into_iter().filter(|&(start, end)| end > 0.0 && start < wall_us).collect();
                 None
             }
             // Said only where there was device work to see.
             Some(Err(why)) if !s.timings.is_empty() => Some(why.clone()),
             _ => None,
         };
-        Ok(Recorded { events, wall_us, cupti_missing, foreign_work })
+        Ok(Recorded { events, wall_us, cupti_missing, foreign_work, other_kernels })
     }
 }
 
@@ -135,6 +137,7 @@ pub(super) struct Recorded {
     pub(super) wall_us: f64,
     pub(super) cupti_missing: Option<String>,
     pub(super) foreign_work: usize,
+    pub(super) other_kernels: Vec<(f64, f64)>,
 }
 
 thread_local! {
@@ -321,6 +324,7 @@ pub(crate) fn graph_replay(dev: &CudaDevice, kernels: &[String]) -> Span {
     for name in kernels {
         let mut e = event(EventKind::Kernel, name.clone(), dev.kiln_device());
         e.stream = Some(dev.stream.cu_stream() as u64);
+        e.location = SITE.try_with(|s| s.get()).ok().flatten();
         drop(Span::open(e));
     }
     device_work(dev, &dev.stream, EventKind::Graph, "cuda_graph_replay".to_string(), 0)

@@ -3,7 +3,7 @@
 
 use crate::common::*;
 use kiln::compile::{compile, compile_with, CompileOptions, Mode};
-use kiln::doctor::{self, Report, Status};
+use kiln::doctor::{self, Idle, Report, Status};
 use kiln::prelude::*;
 
 fn failed(r: &Report) -> Vec<&'static str> {
@@ -45,7 +45,8 @@ fn a_recompiling_step_names_its_recompiles() {
     })
     .unwrap();
     let c = r.item("compilation").unwrap();
-    assert!(c.failed() && c.evidence.contains("recompiles"), "{}", r.table());
+    // Recompiles, or, once they reach the limit (a re-timed check runs more steps), eager calls.
+    assert!(c.failed() && c.evidence.contains("recompil"), "{}", r.table());
 }
 
 #[test]
@@ -179,12 +180,18 @@ fn a_host_bound_gap_names_the_line_before_it_and_is_marked_in_the_trace() {
     .unwrap();
     if d.is_cuda() {
         let site = format!("tests/all/doctor.rs:{line}");
-        let b = r.item("gpu_busy").unwrap();
-        assert!(b.failed() && b.evidence.contains("host-bound after"), "{}", r.table());
-        assert_eq!(b.at.as_deref(), Some(site.as_str()), "{}", r.table());
+        let gap = r.gaps.iter().find(|g| g.kind == Idle::HostBound && g.us >= 400.0).expect("the sleep's gap");
+        assert_eq!(gap.at.as_deref(), Some(site.as_str()), "{gap:?}");
+        assert!(gap.before.starts_with("exp") && gap.after.starts_with("sin"), "{gap:?}");
+        // Other threads' kernels (tests side by side) may fill the gap; alone it is the finding.
+        if r.gaps.iter().all(|g| g.other_us == 0.0) {
+            let b = r.item("gpu_busy").unwrap();
+            assert!(b.failed() && b.evidence.contains("host-bound after"), "{}", r.table());
+            assert_eq!(b.at.as_deref(), Some(site.as_str()), "{}", r.table());
+        }
         let trace = r.chrome_trace();
         let marks: Vec<&serde_json::Value> = trace["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "mark").collect();
-        assert!(marks.iter().any(|m| m["name"] == "idle: host-bound" && m["args"]["look at"] == site.as_str() && m["dur"].as_f64().unwrap() >= 400.0), "{marks:?}");
+        assert!(marks.iter().any(|m| m["name"] == "idle: host-bound" && m["args"]["look at"] == site.as_str() && m["dur"] == gap.us), "{marks:?}");
         assert!(trace["traceEvents"].as_array().unwrap().iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "idle gaps (kiln doctor)"));
     } else {
         assert!(r.gaps.is_empty());
