@@ -42,6 +42,7 @@ pub trait CausalLm: crate::nn::Module {
     /// already in `cache` (none without one; the new keys and values are written into it).
     /// `mask` `[B, cache.len() + T]` (bool or integer, 1 for a real token) marks left padding;
     /// positions count real tokens only, as `transformers` counts them.
+    #[track_caller]
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor>;
     /// One decode step with fixed shapes: logits `[B, 1, vocab]` for `ids` `[B, 1]` at
     /// `positions` `[B]` (I64 on the model's device). The keys and values are written at those

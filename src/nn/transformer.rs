@@ -122,7 +122,9 @@ impl TransformerEncoderLayer {
     }
 
     /// `src_mask` and `src_key_padding_mask` as in [`AttnArgs`].
+    #[track_caller]
     pub fn forward_masked(&self, src: &Tensor, src_mask: Option<&Tensor>, src_key_padding_mask: Option<&Tensor>) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let sa = |x: &Tensor| self_attention(&self.self_attn, x, src_mask, src_key_padding_mask, &self.dropout1);
         let ff = |x: &Tensor| self.ff.forward(x, &self.dropout2);
         if self.cfg.norm_first {
@@ -178,7 +180,9 @@ impl TransformerDecoderLayer {
     }
 
     /// Uses the `tgt_*` and `memory_*` masks of `masks`.
+    #[track_caller]
     pub fn forward_memory(&self, tgt: &Tensor, memory: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let sa = |x: &Tensor| self_attention(&self.self_attn, x, masks.tgt_mask, masks.tgt_key_padding_mask, &self.dropout1);
         let mha = |x: &Tensor| {
             let args = AttnArgs { attn_mask: masks.memory_mask, key_padding_mask: masks.memory_key_padding_mask, need_weights: false, ..Default::default() };
@@ -224,7 +228,9 @@ impl TransformerEncoder {
         let cfg = layer.cfg;
         Ok(TransformerEncoder { layers: clones(layer, num_layers, || TransformerEncoderLayer::new(&cfg, dev))?, norm })
     }
+    #[track_caller]
     pub fn forward_masked(&self, src: &Tensor, mask: Option<&Tensor>, src_key_padding_mask: Option<&Tensor>) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let mut x = src.clone();
         for l in &self.layers {
             x = l.forward_masked(&x, mask, src_key_padding_mask)?;
@@ -247,7 +253,9 @@ impl TransformerDecoder {
         let cfg = layer.cfg;
         Ok(TransformerDecoder { layers: clones(layer, num_layers, || TransformerDecoderLayer::new(&cfg, dev))?, norm })
     }
+    #[track_caller]
     pub fn forward_memory(&self, tgt: &Tensor, memory: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let mut x = tgt.clone();
         for l in &self.layers {
             x = l.forward_memory(&x, memory, masks)?;
@@ -288,7 +296,9 @@ impl Transformer {
 
     /// `src` `[S, N, E]` and `tgt` `[T, N, E]` (`[N, S, E]`, `[N, T, E]` with `batch_first`;
     /// or unbatched `[S, E]`, `[T, E]`) to the decoder's output, shaped like `tgt`.
+    #[track_caller]
     pub fn forward_src_tgt(&self, src: &Tensor, tgt: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
+        let _site = crate::profiler::call_site(std::panic::Location::caller());
         let batch_dim = if self.cfg.batch_first { 0 } else { 1 };
         if src.ndim() != tgt.ndim() || !(2..=3).contains(&src.ndim()) || (src.ndim() == 3 && src.shape()[batch_dim] != tgt.shape()[batch_dim]) {
             return Err(Error::shape("Transformer", format!("src {:?} and tgt {:?} must both be 3-D with the same batch size (or both 2-D)", src.shape(), tgt.shape())));

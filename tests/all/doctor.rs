@@ -107,7 +107,15 @@ fn a_good_compiled_step_passes_every_item() {
     let x = Tensor::randn(&[n, n], DType::BF16, &d).unwrap();
     let step = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |x: &Tensor| (0..8).try_fold(x.clone(), |a, _| a.matmul(&w)?.relu()));
     let r = doctor::check(|| step.call(&x).map(drop)).unwrap();
-    assert!(failed(&r).is_empty(), "{}", r.table());
+    if r.profile.foreign_work() == 0 {
+        assert!(failed(&r).is_empty(), "{}", r.table());
+    } else {
+        // Beside other threads' GPU work (tests side by side) this thread's host may be slowed
+        // between replays, which gpu_busy rightly reports; every other item still holds.
+        let b = r.item("gpu_busy").unwrap();
+        assert!(b.evidence.contains("other threads"), "{}", r.table());
+        assert!(failed(&r).iter().all(|f| *f == "gpu_busy"), "{}", r.table());
+    }
     if !d.is_cuda() {
         gpu_items_not_applicable(&r);
     }
