@@ -280,6 +280,8 @@ struct Timeline {
     /// stream, whose times include other threads' kernels queued between.
     cupti: bool,
     busy: Vec<Busy>,
+    /// When other threads' kernels ran (CUPTI), sorted and merged into disjoint intervals.
+    others: Vec<(f64, f64)>,
 }
 
 /// A stretch the device was busy, with the indices of the events whose work began and ended it.
@@ -317,7 +319,22 @@ impl Timeline {
                 _ => busy.push(Busy { start, end, first: i, last: i }),
             }
         }
-        Timeline { cupti, busy }
+        let mut others = p.other_kernels().to_vec();
+        others.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut merged: Vec<(f64, f64)> = Vec::new();
+        for (start, end) in others {
+            match merged.last_mut() {
+                Some(m) if start <= m.1 => m.1 = m.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        Timeline { cupti, busy, others: merged }
+    }
+
+    /// How much of `[start, end]` other threads' kernels covered.
+    fn others_within(&self, start: f64, end: f64) -> f64 {
+        let first = self.others.partition_point(|&(_, e)| e <= start);
+        self.others[first..].iter().take_while(|&&(s, _)| s < end).fold(0.0, |sum, &(s, e)| sum + e.min(end) - s.max(start))
     }
 
     /// The device time of one launch: its own kernels' with CUPTI, else its events'.
@@ -396,24 +413,10 @@ fn idle_gaps(p: &Profile, t: &Timeline) -> Vec<Gap> {
                 Some(w) => at(w),
                 None => at(a).or_else(|| at(b)),
             };
-            let other_us = overlap(p.other_kernels(), start, end);
+            let other_us = t.others_within(start, end);
             Gap { kind, device: b.device, start_us: start, us: end - start, other_us, before: named(a), after: named(b), waited_on: waited.map(named), at: site }
         })
         .collect()
-}
-
-/// How much of `[start, end]` the intervals cover, counting each instant once.
-fn overlap(intervals: &[(f64, f64)], start: f64, end: f64) -> f64 {
-    let mut cut: Vec<(f64, f64)> = intervals.iter().map(|&(s, e)| (s.max(start), e.min(end))).filter(|(s, e)| s < e).collect();
-    cut.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let (mut covered, mut reach) = (0.0, start);
-    for (s, e) in cut {
-        if e > reach {
-            covered += e - s.max(reach);
-            reach = e;
-        }
-    }
-    covered
 }
 
 fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
