@@ -165,22 +165,24 @@ pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> 
     let mut run = profiled(&mut step, steps, ProfileOptions::new())?;
     let gpu = run.profile.events().iter().any(|e| e.device.is_cuda());
     let foreign = run.profile.foreign_work();
-    let mut cupti = false;
+    // Whether the steps were re-timed with CUPTI, or why they could not be.
+    let mut cupti: std::result::Result<(), String> = Err("not re-timed".into());
     if gpu && foreign > 0 {
         let again = profiled(&mut step, steps, ProfileOptions::new().device_kernels(true))?;
-        if again.profile.cupti().is_ok() {
-            (run, cupti) = (again, true);
+        cupti = again.profile.cupti().map_err(str::to_string);
+        if cupti.is_ok() {
+            run = again;
         }
     }
     let used_backward = crate::autograd::backward_calls() > backwards;
     let used_scaler = crate::optim::scaled_losses() > scaled;
     let p = &run.profile;
-    let timeline = Timeline::new(p, cupti);
+    let timeline = Timeline::new(p, cupti.is_ok());
     let gaps = if gpu { idle_gaps(p, &timeline) } else { Vec::new() };
-    let shared = match (foreign, cupti) {
+    let shared = match (foreign, &cupti) {
         (0, _) => None,
-        (n, true) => Some(format!("timed by CUPTI, since {n} launches from other threads shared the device")),
-        (n, false) => Some(format!("{n} launches from other threads shared the device and are inside these times ({})", p.cupti().err().unwrap_or("CUPTI unavailable"))),
+        (n, Ok(())) => Some(format!("timed by CUPTI, since {n} launches from other threads shared the device")),
+        (n, Err(why)) => Some(format!("{n} launches from other threads shared the device and are inside these times (CUPTI could not separate them: {why})")),
     };
     let mut items = vec![
         synchronisation(p, steps, gpu),
