@@ -114,7 +114,16 @@ fn step_row(dev: &Device, f: &mut dyn FnMut() -> Result<Tensor>, variants: &mut 
 
 /// The compiled variants of a step workload built by `make` (None = eager).
 fn variants(make: impl Fn(Option<Mode>) -> Result<Call>) -> Result<Vec<(&'static str, Call)>> {
-    Ok(vec![("compiled", make(Some(Mode::Default))?), ("reduce_overhead", make(Some(Mode::ReduceOverhead))?), ("max_autotune", make(Some(Mode::MaxAutotune))?)])
+    [Mode::Default, Mode::ReduceOverhead, Mode::MaxAutotune].into_iter().map(|m| Ok((variant_name(m), make(Some(m))?))).collect()
+}
+
+/// The name a step workload's compiled variant in `mode` has in the bench's rows.
+pub fn variant_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Default => "compiled",
+        Mode::ReduceOverhead => "reduce_overhead",
+        Mode::MaxAutotune => "max_autotune",
+    }
 }
 
 fn mlp(dev: &Device) -> Result<nn::Sequential> {

@@ -70,11 +70,7 @@ fn workload_report(name: &str, dev: &Device, mode: Option<Mode>) -> Result<kiln:
         (None, ..) => &mut w.call,
         (Some(Mode::Default), Some(c), _) => c,
         (Some(m), _, bench::Measure::Step(v)) => {
-            let variant = match m {
-                Mode::Default => "compiled",
-                Mode::ReduceOverhead => "reduce_overhead",
-                Mode::MaxAutotune => "max_autotune",
-            };
+            let variant = bench::variant_name(m);
             match v.iter_mut().find(|(n, _)| *n == variant) {
                 Some((_, c)) => c,
                 None => return Err(Error::Arg { op: "doctor", msg: format!("{name} has no {variant} variant in the bench") }),
