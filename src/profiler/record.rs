@@ -26,8 +26,9 @@ static ACTIVE: AtomicUsize = AtomicUsize::new(0);
 /// work, which shares the devices' streams and so lands inside its timings.
 static QUEUED: [AtomicUsize; 16] = [const { AtomicUsize::new(0) }; 16];
 
-fn queued(ordinal: usize) -> &'static AtomicUsize {
-    &QUEUED[ordinal.min(QUEUED.len() - 1)]
+/// The slot of `QUEUED` (and of a session's `own`) that counts device `ordinal`'s work.
+fn slot(ordinal: usize) -> usize {
+    ordinal.min(QUEUED.len() - 1)
 }
 
 #[inline(always)]
@@ -167,6 +168,11 @@ fn inside_the_library(at: &Location) -> bool {
     at.file().strip_prefix(root).is_some_and(|rest| !rest.starts_with("cli/") && !rest.starts_with("cli\\") && rest != "main.rs")
 }
 
+/// The line the device work queued now was asked for at, if a guard named one.
+fn current_site() -> Option<&'static Location<'static>> {
+    SITE.try_with(|s| s.get()).ok().flatten()
+}
+
 impl Drop for SiteGuard {
     fn drop(&mut self) {
         if self.0 {
@@ -267,12 +273,12 @@ fn event(kind: EventKind, name: String, device: Device) -> Event {
 }
 
 fn device_work(dev: &CudaDevice, stream: &Arc<CudaStream>, kind: EventKind, name: String, bytes: usize) -> Span {
-    queued(dev.ordinal).fetch_add(1, Ordering::Relaxed);
-    with_session(|s| s.own[dev.ordinal.min(QUEUED.len() - 1)] += 1);
+    QUEUED[slot(dev.ordinal)].fetch_add(1, Ordering::Relaxed);
+    with_session(|s| s.own[slot(dev.ordinal)] += 1);
     let mut e = event(kind, name, dev.kiln_device());
     e.stream = Some(stream.cu_stream() as u64);
     e.bytes = bytes;
-    e.location = SITE.try_with(|s| s.get()).ok().flatten();
+    e.location = current_site();
     Span::on_device(e, dev, stream)
 }
 
@@ -324,7 +330,7 @@ pub(crate) fn graph_replay(dev: &CudaDevice, kernels: &[String]) -> Span {
     for name in kernels {
         let mut e = event(EventKind::Kernel, name.clone(), dev.kiln_device());
         e.stream = Some(dev.stream.cu_stream() as u64);
-        e.location = SITE.try_with(|s| s.get()).ok().flatten();
+        e.location = current_site();
         drop(Span::open(e));
     }
     device_work(dev, &dev.stream, EventKind::Graph, "cuda_graph_replay".to_string(), 0)
