@@ -34,7 +34,7 @@ impl Tensor {
     /// Backward ops keep the forward's dtypes: autocast is suspended while it runs.
     #[track_caller]
     pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         BACKWARD_CALLS.with(|n| n.set(n.get() + 1));
         crate::compile::trace::note_backward();
         crate::amp::suspended(|| self.backward_inner(opts))

@@ -442,21 +442,21 @@ pub struct Compiled<F, A> {
 impl<F: TraceFn<(Tensor,)>> Compiled<F, (Tensor,)> {
     #[track_caller]
     pub fn call(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Ok(self.run(std::slice::from_ref(x))?.remove(0))
     }
 }
 impl<F: TraceFn<(Tensor, Tensor)>> Compiled<F, (Tensor, Tensor)> {
     #[track_caller]
     pub fn call(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Ok(self.run(&[x.clone(), y.clone()])?.remove(0))
     }
 }
 impl<F: TraceFn<Vec<Tensor>>> Compiled<F, Vec<Tensor>> {
     #[track_caller]
     pub fn call(&self, xs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.run(xs)
     }
 }

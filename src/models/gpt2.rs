@@ -180,7 +180,7 @@ impl Gpt2 {
 
 impl crate::nn::Module for Gpt2 {
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.forward_ids(ids, None, None)
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
@@ -202,7 +202,7 @@ impl crate::nn::Module for Gpt2 {
 
 impl CausalLm for Gpt2 {
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.run(ids, Step::new(ids, cache, mask)?)
     }
     fn decode_step(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Result<Tensor> {

@@ -130,7 +130,7 @@ struct Proj {
 
 impl Proj {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         F::linear(x, &self.weight, self.bias.as_ref())
     }
 }
@@ -284,7 +284,7 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 impl crate::nn::Module for Llama {
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.forward_ids(ids, None, None)
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
@@ -318,7 +318,7 @@ impl crate::nn::Module for Llama {
 
 impl CausalLm for Llama {
     fn forward_ids(&self, ids: &Tensor, cache: Option<&mut KvCache>, mask: Option<&Tensor>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.run(ids, Step::new(ids, cache, mask)?)
     }
     fn decode_step(&self, ids: &Tensor, positions: &Tensor, cache: &KvCache) -> Result<Tensor> {

@@ -43,7 +43,7 @@ impl MultiheadAttention {
     /// With bias, no dropout, sequence-first inputs.
     #[track_caller]
     pub fn new(embed_dim: usize, num_heads: usize, dev: &Device) -> Result<Self> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Self::with_options(embed_dim, num_heads, 0.0, true, false, dev)
     }
 
@@ -51,7 +51,7 @@ impl MultiheadAttention {
     /// xavier uniform, in_proj_bias zeros.
     #[track_caller]
     pub fn with_options(embed_dim: usize, num_heads: usize, dropout: f64, bias: bool, batch_first: bool, dev: &Device) -> Result<Self> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if num_heads == 0 || embed_dim == 0 || !embed_dim.is_multiple_of(num_heads) {
             return Err(Error::arg("MultiheadAttention", format!("embed_dim {embed_dim} must be a positive multiple of num_heads {num_heads}")));
         }
@@ -72,7 +72,7 @@ impl MultiheadAttention {
     /// weights when `need_weights`.
     #[track_caller]
     pub fn attend(&self, query: &Tensor, key: &Tensor, value: &Tensor, args: AttnArgs) -> Result<(Tensor, Option<Tensor>)> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let op = "multi_head_attention";
         F::same_device(op, query, &[Some(key), Some(value), Some(&self.in_proj_weight), args.attn_mask, args.key_padding_mask])?;
         let batched = query.ndim() == 3;
@@ -187,7 +187,7 @@ impl MultiheadAttention {
 impl Module for MultiheadAttention {
     /// Self-attention of `x` without masks; the output only.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Ok(self.attend(x, x, x, AttnArgs { need_weights: false, ..Default::default() })?.0)
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {

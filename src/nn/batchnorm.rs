@@ -194,7 +194,7 @@ impl BatchNorm2d {
 
 impl Module for BatchNorm2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if x.ndim() != 4 {
             return Err(Error::shape("BatchNorm2d", format!("expected a 4-D [N, C, H, W] input, got {:?}", x.shape())));
         }

@@ -321,7 +321,7 @@ impl Conv2d {
 
 impl Module for Conv2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         conv2d(x, &self.weight, self.bias.as_ref(), self.args)
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
@@ -346,7 +346,7 @@ impl MaxPool2d {
 
 impl Module for MaxPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         max_pool2d_with(x, &self.0)
     }
 }
@@ -370,7 +370,7 @@ impl AvgPool2d {
 
 impl Module for AvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         avg_pool2d(x, self.kernel, self.stride, self.padding, self.ceil_mode, self.count_include_pad)
     }
 }
@@ -381,7 +381,7 @@ pub struct AdaptiveAvgPool2d(pub (usize, usize));
 
 impl Module for AdaptiveAvgPool2d {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         adaptive_avg_pool2d(x, self.0)
     }
 }
@@ -401,7 +401,7 @@ impl Default for Flatten {
 
 impl Module for Flatten {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         x.flatten(self.start_dim, self.end_dim)
     }
 }

@@ -160,7 +160,7 @@ impl<M: Module> Drop for DistributedDataParallel<M> {
 
 impl<M: Module> Module for DistributedDataParallel<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.broadcast_buffers && !self.buffers.is_empty() && self.reducer.group.world_size() > 1 {
             no_grad(|| {
                 let works = self.buffers.iter().map(|b| self.reducer.group.broadcast(b, 0)).collect::<Result<Vec<_>>>()?;

@@ -51,7 +51,7 @@ fn line_max(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// `exp(x - max) / sum(exp(x - max))` along `dim`.
 #[track_caller]
 pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     float_input("softmax", x)?;
     crate::layout::norm_dim("softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
@@ -68,7 +68,7 @@ pub fn softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// `x - max - log(sum(exp(x - max)))` along `dim`.
 #[track_caller]
 pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     float_input("log_softmax", x)?;
     crate::layout::norm_dim("log_softmax", dim, x.ndim())?;
     let x = &crate::amp::fp32(x)?;
@@ -86,7 +86,7 @@ pub fn log_softmax(x: &Tensor, dim: i64) -> Result<Tensor> {
 /// (`F.layer_norm`; biased variance, as PyTorch).
 #[track_caller]
 pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     float_input("layer_norm", x)?;
     let x = &crate::amp::fp32(x)?;
     let k = normalized_shape.len();
@@ -130,7 +130,7 @@ pub fn layer_norm(x: &Tensor, normalized_shape: &[usize], weight: Option<&Tensor
 /// `x @ weight^T + bias` with `weight` of shape [out, in] (`F.linear`).
 #[track_caller]
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     if weight.ndim() != 2 {
         return Err(Error::shape("linear", format!("weight must be 2-D [out, in], got {:?}", weight.shape())));
     }
@@ -161,7 +161,7 @@ pub struct SdpaOptions<'a> {
 /// head dim allows, else matmul and softmax; the result is `[N, H, L, D]`.
 #[track_caller]
 pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &SdpaOptions) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     let op = "scaled_dot_product_attention";
     same_device(op, q, &[Some(k), Some(v), opts.attn_mask])?;
     if q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3 {
@@ -248,7 +248,7 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
 /// `training`; the identity otherwise (`F.dropout`). Draws from the global generator.
 #[track_caller]
 pub fn dropout(x: &Tensor, p: f64, training: bool) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     if !(0.0..=1.0).contains(&p) {
         return Err(Error::arg("dropout", format!("probability must be in [0, 1], got {p}")));
     }
@@ -280,13 +280,13 @@ impl Default for CrossEntropyOptions {
 /// Cross-entropy of logits `[N, C]` (or `[C]`, or `[N, C, d1, ...]`) against class indices.
 #[track_caller]
 pub fn cross_entropy(input: &Tensor, target: &Tensor) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     cross_entropy_with(input, target, &CrossEntropyOptions::default())
 }
 
 #[track_caller]
 pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     class_loss("cross_entropy", input, target, opts, false)
 }
 
@@ -294,14 +294,14 @@ pub fn cross_entropy_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOp
 /// class indices (`F.nll_loss`).
 #[track_caller]
 pub fn nll_loss(input: &Tensor, target: &Tensor) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     nll_loss_with(input, target, &CrossEntropyOptions::default())
 }
 
 /// `nll_loss` with class weights, `ignore_index` and reduction (label smoothing must be 0).
 #[track_caller]
 pub fn nll_loss_with(input: &Tensor, target: &Tensor, opts: &CrossEntropyOptions) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     if opts.label_smoothing != 0.0 {
         return Err(Error::arg("nll_loss", "label smoothing is a cross_entropy option"));
     }
@@ -440,7 +440,7 @@ fn softplus_exact(x: &Tensor) -> Result<Tensor> {
 /// `weight` (broadcast to the input) scales each element's loss before the reduction.
 #[track_caller]
 pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, weight: Option<&Tensor>, pos_weight: Option<&Tensor>, reduction: Reduction) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     float_input("binary_cross_entropy_with_logits", input)?;
     let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
     if input.shape() != target.shape() {
@@ -473,7 +473,7 @@ pub fn binary_cross_entropy_with_logits(input: &Tensor, target: &Tensor, weight:
 /// Mean (or sum, or elementwise) squared error (`F.mse_loss`); shapes broadcast.
 #[track_caller]
 pub fn mse_loss(input: &Tensor, target: &Tensor, reduction: Reduction) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     float_input("mse_loss", input)?;
     let (input, target) = (&crate::amp::fp32(input)?, &crate::amp::fp32(target)?);
     let d = input.sub(target)?;
@@ -489,13 +489,13 @@ impl Tensor {
     /// See [`softmax`].
     #[track_caller]
     pub fn softmax(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         softmax(self, dim)
     }
     /// See [`log_softmax`].
     #[track_caller]
     pub fn log_softmax(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         log_softmax(self, dim)
     }
 }

@@ -31,7 +31,7 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         F::linear(x, &self.weight, self.bias.as_ref())
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
@@ -49,7 +49,7 @@ macro_rules! activation {
         pub struct $name;
         impl Module for $name {
             fn forward(&self, x: &Tensor) -> Result<Tensor> {
-                let _site = crate::profiler::call_site(std::panic::Location::caller());
+                let _site = crate::profiler::call_site();
                 ($f)(x)
             }
         }
@@ -92,7 +92,7 @@ impl Sequential {
 
 impl Module for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut y = x.clone();
         for l in &self.layers {
             y = l.forward(&y)?;
@@ -124,7 +124,7 @@ impl Dropout {
 
 impl Module for Dropout {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         F::dropout(x, self.p, self.training.load(Ordering::Relaxed))
     }
     fn set_training(&self, training: bool) {
@@ -154,7 +154,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         F::layer_norm(x, &self.normalized_shape, Some(&self.weight), Some(&self.bias), self.eps)
     }
     fn own_parameters(&self) -> Vec<(String, Tensor)> {
@@ -180,7 +180,7 @@ impl Embedding {
 impl Module for Embedding {
     /// Integer indices of any shape to vectors: the result has shape `indices.shape + [dim]`.
     fn forward(&self, indices: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut shape: Vec<i64> = indices.shape().iter().map(|&d| d as i64).collect();
         shape.push(self.weight.shape()[1] as i64);
         self.weight.index_select(0, &indices.reshape(&[-1])?)?.reshape(&shape)

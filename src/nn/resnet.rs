@@ -51,7 +51,7 @@ impl Bottleneck {
 
 impl Module for Bottleneck {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
         let out = self.bn2.forward(&self.conv2.forward(&out)?)?.relu()?;
         let out = self.bn3.forward(&self.conv3.forward(&out)?)?;
@@ -128,7 +128,7 @@ pub fn resnet50(num_classes: usize, dev: &Device) -> Result<ResNet> {
 impl Module for ResNet {
     /// `[N, 3, H, W]` images to `[N, num_classes]` logits.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut y = self.maxpool.forward(&self.bn1.forward(&self.conv1.forward(x)?)?.relu()?)?;
         for l in &self.layers {
             y = l.forward(&y)?;

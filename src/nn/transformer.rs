@@ -124,7 +124,7 @@ impl TransformerEncoderLayer {
     /// `src_mask` and `src_key_padding_mask` as in [`AttnArgs`].
     #[track_caller]
     pub fn forward_masked(&self, src: &Tensor, src_mask: Option<&Tensor>, src_key_padding_mask: Option<&Tensor>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let sa = |x: &Tensor| self_attention(&self.self_attn, x, src_mask, src_key_padding_mask, &self.dropout1);
         let ff = |x: &Tensor| self.ff.forward(x, &self.dropout2);
         if self.cfg.norm_first {
@@ -182,7 +182,7 @@ impl TransformerDecoderLayer {
     /// Uses the `tgt_*` and `memory_*` masks of `masks`.
     #[track_caller]
     pub fn forward_memory(&self, tgt: &Tensor, memory: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let sa = |x: &Tensor| self_attention(&self.self_attn, x, masks.tgt_mask, masks.tgt_key_padding_mask, &self.dropout1);
         let mha = |x: &Tensor| {
             let args = AttnArgs { attn_mask: masks.memory_mask, key_padding_mask: masks.memory_key_padding_mask, need_weights: false, ..Default::default() };
@@ -230,7 +230,7 @@ impl TransformerEncoder {
     }
     #[track_caller]
     pub fn forward_masked(&self, src: &Tensor, mask: Option<&Tensor>, src_key_padding_mask: Option<&Tensor>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut x = src.clone();
         for l in &self.layers {
             x = l.forward_masked(&x, mask, src_key_padding_mask)?;
@@ -255,7 +255,7 @@ impl TransformerDecoder {
     }
     #[track_caller]
     pub fn forward_memory(&self, tgt: &Tensor, memory: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut x = tgt.clone();
         for l in &self.layers {
             x = l.forward_memory(&x, memory, masks)?;
@@ -298,7 +298,7 @@ impl Transformer {
     /// or unbatched `[S, E]`, `[T, E]`) to the decoder's output, shaped like `tgt`.
     #[track_caller]
     pub fn forward_src_tgt(&self, src: &Tensor, tgt: &Tensor, masks: &TransformerMasks) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let batch_dim = if self.cfg.batch_first { 0 } else { 1 };
         if src.ndim() != tgt.ndim() || !(2..=3).contains(&src.ndim()) || (src.ndim() == 3 && src.shape()[batch_dim] != tgt.shape()[batch_dim]) {
             return Err(Error::shape("Transformer", format!("src {:?} and tgt {:?} must both be 3-D with the same batch size (or both 2-D)", src.shape(), tgt.shape())));
@@ -336,7 +336,7 @@ fn visit_stack<L: Module>(layers: &mut [L], norm: &mut Option<LayerNorm>, f: &mu
 
 impl Module for TransformerEncoderLayer {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.forward_masked(x, None, None)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
@@ -393,7 +393,7 @@ impl Module for TransformerDecoderLayer {
 
 impl Module for TransformerEncoder {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.forward_masked(x, None, None)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {

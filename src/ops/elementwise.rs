@@ -86,7 +86,7 @@ macro_rules! unary_methods {
             $(#[$doc])*
             #[track_caller]
             pub fn $name(&self) -> Result<Tensor> {
-                let _site = crate::profiler::call_site(std::panic::Location::caller());
+                let _site = crate::profiler::call_site();
                 self.unary(UnaryOp::$op)
             }
         )*}
@@ -123,12 +123,12 @@ macro_rules! binary_methods {
         impl Tensor {$(
             #[track_caller]
             pub fn $name(&self, other: &Tensor) -> Result<Tensor> {
-                let _site = crate::profiler::call_site(std::panic::Location::caller());
+                let _site = crate::profiler::call_site();
                 self.binary(BinaryOp::$op, other)
             }
             #[track_caller]
             pub fn $scalar(&self, other: impl Into<Scalar>) -> Result<Tensor> {
-                let _site = crate::profiler::call_site(std::panic::Location::caller());
+                let _site = crate::profiler::call_site();
                 self.binary_scalar(BinaryOp::$op, other.into(), false)
             }
         )*}
@@ -158,7 +158,7 @@ impl Tensor {
     /// `torch.round(x, decimals=d)`: `round(x * 10^d) / 10^d`.
     #[track_caller]
     pub fn round_decimals(&self, decimals: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if decimals == 0 || !self.dtype().is_float() {
             return self.round();
         }
@@ -174,12 +174,12 @@ impl Tensor {
     /// operands give integers, and an integer division by zero is an error on the CPU.
     #[track_caller]
     pub fn div_mode(&self, other: &Tensor, mode: RoundingMode) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.binary(rounding_op(mode), other)
     }
     #[track_caller]
     pub fn div_mode_scalar(&self, other: impl Into<Scalar>, mode: RoundingMode) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.binary_scalar(rounding_op(mode), other.into(), false)
     }
 
@@ -203,25 +203,25 @@ impl Tensor {
     /// `s - self`.
     #[track_caller]
     pub fn rsub_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.binary_scalar(BinaryOp::Sub, s.into(), true)
     }
     /// `s / self`.
     #[track_caller]
     pub fn rdiv_scalar(&self, s: impl Into<Scalar>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.binary_scalar(BinaryOp::Div, s.into(), true)
     }
     /// `1 / self`.
     #[track_caller]
     pub fn reciprocal(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.rdiv_scalar(1.0)
     }
     /// `self * self`; bools square in I64, as in PyTorch.
     #[track_caller]
     pub fn square(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.dtype() == DType::Bool {
             return self.to_dtype(DType::I64)?.square();
         }
@@ -232,7 +232,7 @@ impl Tensor {
     /// is within the bounds, inclusive, as in PyTorch; NaN stays NaN.
     #[track_caller]
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
         }
@@ -258,7 +258,7 @@ impl Tensor {
     /// The gradient goes to the input within the bounds (inclusive), else to the bound that won.
     #[track_caller]
     pub fn clamp_tensor(&self, min: Option<&Tensor>, max: Option<&Tensor>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if min.is_none() && max.is_none() {
             return Err(Error::arg("clamp", "at least one of min and max must be given"));
         }
@@ -318,7 +318,7 @@ impl Tensor {
     /// (`torch.where(self, a, b)`).
     #[track_caller]
     pub fn where_(&self, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.dtype() != DType::Bool {
             return Err(Error::dtype("where", self.dtype(), "the condition must be a Bool tensor"));
         }
@@ -332,7 +332,7 @@ impl Tensor {
     /// and the result takes their broadcast shape. A value the dtype cannot hold is an error.
     #[track_caller]
     pub fn masked_fill(&self, mask: &Tensor, value: impl Into<Scalar>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if mask.dtype() != DType::Bool {
             return Err(Error::dtype("masked_fill", mask.dtype(), "the mask must be a Bool tensor"));
         }
@@ -345,7 +345,7 @@ impl Tensor {
     /// Converts to `dtype` (no copy when it already is).
     #[track_caller]
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
@@ -355,7 +355,7 @@ impl Tensor {
     /// A contiguous tensor with the same values: the tensor itself when it already is.
     #[track_caller]
     pub fn contiguous(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.is_contiguous() {
             return Ok(self.clone());
         }
@@ -365,14 +365,14 @@ impl Tensor {
     /// Always a new contiguous copy (differentiable, like `clone()` in PyTorch).
     #[track_caller]
     pub fn copy_contiguous(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         apply(Op::Cast(self.dtype()), &[self])
     }
 
     /// Whether every element is within `atol + rtol * |other|` of `other` (`torch.allclose`).
     #[track_caller]
     pub fn allclose(&self, other: &Tensor, rtol: f64, atol: f64) -> Result<bool> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let shape = broadcast_shapes("allclose", self.shape(), other.shape())?;
         let a = crate::no_grad(|| self.broadcast_to(&shape)?.to_dtype(DType::F64)?.to_vec::<f64>())?;
         let b = crate::no_grad(|| other.broadcast_to(&shape)?.to_dtype(DType::F64)?.to_vec::<f64>())?;
@@ -449,7 +449,7 @@ fn binary_promoted(op: BinaryOp, a: &Tensor, b: &Tensor, promoted: DType) -> Res
 /// `torch.where(cond, a, b)`.
 #[track_caller]
 pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     cond.where_(a, b)
 }
 

@@ -16,7 +16,7 @@ impl Tensor {
     /// The entries of `dim` listed by the 1-D `index` (`torch.index_select`).
     #[track_caller]
     pub fn index_select(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("index_select", dim, self.ndim())?;
         let index = check_index_dtype("index_select", index)?;
         if index.ndim() > 1 {
@@ -36,7 +36,7 @@ impl Tensor {
     /// (`torch.gather`). The output has the index's shape.
     #[track_caller]
     pub fn gather(&self, dim: i64, index: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("gather", dim, self.ndim())?;
         let index = check_index_dtype("gather", index)?;
         if self.ndim() == 0 && index.ndim() <= 1 {
@@ -58,7 +58,7 @@ impl Tensor {
     /// dims) (`torch.scatter_add`).
     #[track_caller]
     pub fn scatter_add(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("scatter_add", dim, self.ndim())?;
         let index = check_index_dtype("scatter_add", index)?;
         if src.dtype() != self.dtype() {
@@ -80,7 +80,7 @@ impl Tensor {
     /// Class indices to one-hot rows (`F.one_hot`), I64; `num_classes` None means max + 1.
     #[track_caller]
     pub fn one_hot(&self, num_classes: Option<usize>) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if !self.dtype().is_int() {
             return Err(Error::dtype("one_hot", self.dtype(), "class values must be an integer tensor"));
         }

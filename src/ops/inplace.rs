@@ -66,53 +66,53 @@ impl Tensor {
 
     #[track_caller]
     pub fn add_(&self, other: &Tensor) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update_with("add_", Some(other), |x| x.add(other))
     }
     #[track_caller]
     pub fn sub_(&self, other: &Tensor) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update_with("sub_", Some(other), |x| x.sub(other))
     }
     #[track_caller]
     pub fn mul_(&self, other: &Tensor) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update_with("mul_", Some(other), |x| x.mul(other))
     }
     #[track_caller]
     pub fn div_(&self, other: &Tensor) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update_with("div_", Some(other), |x| x.div(other))
     }
     #[track_caller]
     pub fn add_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update("add_", |x| x.add_scalar(s))
     }
     #[track_caller]
     pub fn sub_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update("sub_", |x| x.sub_scalar(s))
     }
     #[track_caller]
     pub fn mul_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update("mul_", |x| x.mul_scalar(s))
     }
     #[track_caller]
     pub fn div_scalar_(&self, s: impl Into<Scalar>) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update("div_", |x| x.div_scalar(s))
     }
     #[track_caller]
     pub fn clamp_(&self, min: Option<f64>, max: Option<f64>) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.update("clamp_", |x| x.clamp(min, max))
     }
     /// Copies `src` (broadcast, converted to this dtype) into this tensor.
     #[track_caller]
     pub fn copy_(&self, src: &Tensor) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if src.device() != self.device() {
             return Err(Error::DeviceMismatch { op: "copy_", a: self.device(), b: src.device() });
         }
@@ -124,13 +124,13 @@ impl Tensor {
     }
     #[track_caller]
     pub fn fill_(&self, value: f64) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let v = Tensor::full(self.shape(), value, self.dtype(), &self.device())?;
         self.assign("fill_", &v)
     }
     #[track_caller]
     pub fn zero_(&self) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.fill_(0.0)
     }
 }

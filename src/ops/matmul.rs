@@ -37,7 +37,7 @@ impl Tensor {
     /// Under `amp::autocast` both operands are cast to the autocast dtype first.
     #[track_caller]
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let (a, b) = crate::amp::cast_pair(self, other)?;
         let (a, b) = (&a, &b);
         if a.ndim() == 0 || b.ndim() == 0 {
@@ -89,7 +89,7 @@ impl Tensor {
     /// The product of two matrices (`torch.mm`): both must be 2-D.
     #[track_caller]
     pub fn mm(&self, other: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.ndim() != 2 || other.ndim() != 2 {
             return Err(Error::shape("mm", format!("both arguments must be 2-D matrices, got {:?} and {:?}", self.shape(), other.shape())));
         }
@@ -99,7 +99,7 @@ impl Tensor {
     /// Batched products of 3-D tensors with one batch size (`torch.bmm`; no broadcasting).
     #[track_caller]
     pub fn bmm(&self, other: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.ndim() != 3 || other.ndim() != 3 || self.shape()[0] != other.shape()[0] {
             return Err(Error::shape("bmm", format!("both arguments must be 3-D with the same batch size, got {:?} and {:?}", self.shape(), other.shape())));
         }
@@ -110,7 +110,7 @@ impl Tensor {
     /// shape; with `beta == 0` it is not read (its NaNs do not propagate), as in PyTorch.
     #[track_caller]
     pub fn addmm(&self, m1: &Tensor, m2: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let p = m1.mm(m2).map_err(|e| match e {
             Error::Shape { msg, .. } => Error::shape("addmm", msg),
             e => e,

@@ -459,7 +459,7 @@ fn head_dim_contiguous(t: &Tensor) -> Result<Tensor> {
 /// Runs a primitive op and records it for autograd.
 #[track_caller]
 pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     // Inside a function being compiled the op is recorded, not run.
     let out = if crate::compile::trace::active() { crate::compile::trace::record(op.clone(), inputs)? } else { op.forward(inputs)? };
     crate::autograd::record(op, inputs, out)

@@ -10,7 +10,7 @@ impl Tensor {
     /// the strides allow it, else a copy (`torch.reshape`).
     #[track_caller]
     pub fn reshape(&self, shape: &[i64]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let shape = infer_shape("reshape", self, shape)?;
         self.reshape_usize(&shape)
     }
@@ -18,7 +18,7 @@ impl Tensor {
     /// Like `reshape`, but an error instead of a copy when no view exists (`torch.Tensor.view`).
     #[track_caller]
     pub fn view(&self, shape: &[i64]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let shape = infer_shape("view", self, shape)?;
         if self.layout().view_strides(&shape).is_none() {
             return Err(Error::shape("view", format!(
@@ -42,7 +42,7 @@ impl Tensor {
     /// Reorders dims: `permute(&[1, 0])` is a transpose. A view.
     #[track_caller]
     pub fn permute(&self, dims: &[i64]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if dims.len() != self.ndim() {
             return Err(Error::shape("permute", format!("{} dims given for a tensor of {} dims ({:?})", dims.len(), self.ndim(), self.shape())));
         }
@@ -66,7 +66,7 @@ impl Tensor {
     /// Swaps two dims. A view.
     #[track_caller]
     pub fn transpose(&self, d0: i64, d1: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let (a, b) = (norm_dim("transpose", d0, self.ndim())?, norm_dim("transpose", d1, self.ndim())?);
         if self.ndim() < 2 {
             return Ok(self.clone());
@@ -79,7 +79,7 @@ impl Tensor {
     /// The transpose of a matrix (`.t()`); vectors are returned as they are.
     #[track_caller]
     pub fn t(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.ndim() > 2 {
             return Err(Error::shape("t", format!("expects a tensor of at most 2 dims, got shape {:?}", self.shape())));
         }
@@ -89,7 +89,7 @@ impl Tensor {
     /// Broadcasts to `shape` without copying; -1 keeps a dim (`torch.Tensor.expand`).
     #[track_caller]
     pub fn expand(&self, shape: &[i64]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if shape.len() < self.ndim() {
             return Err(Error::shape("expand", format!("the target {shape:?} has fewer dims than the tensor's shape {:?}", self.shape())));
         }
@@ -109,7 +109,7 @@ impl Tensor {
     /// Broadcasts to `shape` by NumPy rules, without copying.
     #[track_caller]
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if shape == self.shape() {
             return Ok(self.clone());
         }
@@ -141,7 +141,7 @@ impl Tensor {
     /// `len` elements from `start` along `dim`. A view.
     #[track_caller]
     pub fn narrow(&self, dim: i64, start: usize, len: usize) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("narrow", dim, self.ndim())?;
         if self.ndim() == 0 || start.checked_add(len).is_none_or(|end| end > self.shape()[d]) {
             return Err(Error::shape("narrow", format!("start {start} + length {len} exceeds size {} of dim {d} (shape {:?})", self.shape().get(d).copied().unwrap_or(0), self.shape())));
@@ -153,7 +153,7 @@ impl Tensor {
     /// out-of-range bounds are clamped. A view.
     #[track_caller]
     pub fn slice(&self, dim: i64, start: i64, end: i64, step: usize) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("slice", dim, self.ndim())?;
         if step == 0 {
             return Err(Error::arg("slice", "step must be positive"));
@@ -180,7 +180,7 @@ impl Tensor {
     /// Removes `dim` if it has size 1 (otherwise returns the tensor as it is, like PyTorch).
     #[track_caller]
     pub fn squeeze(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("squeeze", dim, self.ndim())?;
         if self.ndim() == 0 || self.shape()[d] != 1 {
             return Ok(self.clone());
@@ -193,7 +193,7 @@ impl Tensor {
     /// Removes every size-1 dim.
     #[track_caller]
     pub fn squeeze_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let s: Vec<usize> = self.shape().iter().copied().filter(|&d| d != 1).collect();
         self.reshape_usize(&s)
     }
@@ -201,7 +201,7 @@ impl Tensor {
     /// Inserts a size-1 dim at `dim` (which may be `ndim`, or negative counting from `ndim + 1`).
     #[track_caller]
     pub fn unsqueeze(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("unsqueeze", dim, self.ndim() + 1)?;
         let mut s = self.shape().to_vec();
         s.insert(d, 1);
@@ -211,7 +211,7 @@ impl Tensor {
     /// Merges dims `start..=end` into one.
     #[track_caller]
     pub fn flatten(&self, start: i64, end: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.ndim() == 0 {
             return self.reshape_usize(&[1]);
         }
@@ -228,7 +228,7 @@ impl Tensor {
     /// Splits into pieces of `size` along `dim` (the last may be smaller). Views.
     #[track_caller]
     pub fn split(&self, size: usize, dim: i64) -> Result<Vec<Tensor>> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("split", dim, self.ndim())?;
         if size == 0 {
             return Err(Error::arg("split", "split size must be positive"));
@@ -244,7 +244,7 @@ impl Tensor {
     /// (`torch.split` with a list). Views.
     #[track_caller]
     pub fn split_sizes(&self, sizes: &[usize], dim: i64) -> Result<Vec<Tensor>> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("split", dim, self.ndim())?;
         if self.ndim() == 0 {
             return Err(Error::shape("split", "split expects at least a 1-dimensional tensor"));
@@ -267,7 +267,7 @@ impl Tensor {
     /// Removes each of `dims` that has size 1 (`torch.squeeze(x, dims)`); others stay.
     #[track_caller]
     pub fn squeeze_dims(&self, dims: &[i64]) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let mut drop = vec![false; self.ndim()];
         for &dim in dims {
             let d = norm_dim("squeeze", dim, self.ndim())?;
@@ -282,7 +282,7 @@ impl Tensor {
     /// Splits into `chunks` nearly equal pieces along `dim` (`torch.chunk`). Views.
     #[track_caller]
     pub fn chunk(&self, chunks: usize, dim: i64) -> Result<Vec<Tensor>> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let d = norm_dim("chunk", dim, self.ndim())?;
         if chunks == 0 {
             return Err(Error::arg("chunk", "number of chunks must be positive"));
@@ -297,7 +297,7 @@ impl Tensor {
     /// Negative amounts crop.
     #[track_caller]
     pub fn pad(&self, pads: &[i64], value: f64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if !pads.len().is_multiple_of(2) || pads.len() / 2 > self.ndim() {
             return Err(Error::arg("pad", format!("{} padding values for a tensor of {} dims: give pairs, at most two per dim", pads.len(), self.ndim())));
         }
@@ -328,13 +328,13 @@ impl Tensor {
     /// Lower triangle of the last two dims (`torch.tril`): keeps `j - i <= k`.
     #[track_caller]
     pub fn tril(&self, k: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.triangle("tril", k, true)
     }
     /// Upper triangle of the last two dims (`torch.triu`): keeps `j - i >= k`.
     #[track_caller]
     pub fn triu(&self, k: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.triangle("triu", k, false)
     }
     fn triangle(&self, op: &'static str, k: i64, lower: bool) -> Result<Tensor> {
@@ -381,7 +381,7 @@ fn infer_shape(op: &'static str, t: &Tensor, shape: &[i64]) -> Result<Vec<usize>
 /// Concatenates along `dim`; dtypes promote, other dims must match (`torch.cat`).
 #[track_caller]
 pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     // 1-D tensors of size 0 join any others (PyTorch's legacy rule): each takes the shape of the
     // first other tensor with nothing along `dim`, so it still gets its (empty) gradient.
     let legacy_empty = |t: &&Tensor| t.shape() == [0];
@@ -416,7 +416,7 @@ pub fn cat(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
 /// Joins along a new dim `dim` (`torch.stack`); all shapes must be equal.
 #[track_caller]
 pub fn stack(ts: &[&Tensor], dim: i64) -> Result<Tensor> {
-    let _site = crate::profiler::call_site(std::panic::Location::caller());
+    let _site = crate::profiler::call_site();
     let first = ts.first().ok_or_else(|| Error::arg("stack", "needs at least one tensor"))?;
     for (i, t) in ts.iter().enumerate() {
         if t.shape() != first.shape() {

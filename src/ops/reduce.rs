@@ -268,18 +268,18 @@ impl Tensor {
     /// Sum over `dims` (all when empty); integer and bool inputs sum to I64. F32 under autocast.
     #[track_caller]
     pub fn sum(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         crate::amp::fp32(self)?.reduce(ReduceOp::Sum, norm_dims("sum", dims, self.ndim())?, keepdim)
     }
     #[track_caller]
     pub fn sum_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.sum(&[], false)
     }
     /// Mean over `dims` (all when empty); floating-point only, as in PyTorch. F32 under autocast.
     #[track_caller]
     pub fn mean(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if !self.dtype().is_float() {
             return Err(Error::dtype("mean", self.dtype(), "mean needs a floating-point input; convert with to_dtype"));
         }
@@ -289,51 +289,51 @@ impl Tensor {
     }
     #[track_caller]
     pub fn mean_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.mean(&[], false)
     }
     #[track_caller]
     pub fn prod(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::Prod, vec![norm_dim("prod", dim, self.ndim())?], keepdim)
     }
     #[track_caller]
     pub fn prod_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::Prod, (0..self.ndim()).collect(), false)
     }
     /// Maximum values over `dims` (all when empty); ties share the gradient (`torch.amax`).
     #[track_caller]
     pub fn amax(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::Max, norm_dims("amax", dims, self.ndim())?, keepdim)
     }
     #[track_caller]
     pub fn amin(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::Min, norm_dims("amin", dims, self.ndim())?, keepdim)
     }
     /// The largest element (`torch.max(x)`).
     #[track_caller]
     pub fn max_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.amax(&[], false)
     }
     #[track_caller]
     pub fn min_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.amin(&[], false)
     }
     /// Values and indices of the maximum along `dim` (`torch.max(x, dim)`); the gradient goes
     /// to the returned index only.
     #[track_caller]
     pub fn max(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor)> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.extreme_along(dim, keepdim, ReduceOp::ArgMax)
     }
     #[track_caller]
     pub fn min(&self, dim: i64, keepdim: bool) -> Result<(Tensor, Tensor)> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.extreme_along(dim, keepdim, ReduceOp::ArgMin)
     }
     fn extreme_along(&self, dim: i64, keepdim: bool, op: ReduceOp) -> Result<(Tensor, Tensor)> {
@@ -352,35 +352,35 @@ impl Tensor {
     /// Index of the first maximum along `dim`.
     #[track_caller]
     pub fn argmax(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::ArgMax, vec![norm_dim("argmax", dim, self.ndim())?], keepdim)
     }
     #[track_caller]
     pub fn argmin(&self, dim: i64, keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.reduce(ReduceOp::ArgMin, vec![norm_dim("argmin", dim, self.ndim())?], keepdim)
     }
     /// Index of the first maximum of the flattened tensor.
     #[track_caller]
     pub fn argmax_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.flatten(0, -1)?.argmax(0, false)
     }
     #[track_caller]
     pub fn argmin_all(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.flatten(0, -1)?.argmin(0, false)
     }
     /// Running sums along `dim` (`torch.cumsum`); integer and bool inputs sum to I64.
     #[track_caller]
     pub fn cumsum(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.scan("cumsum", dim, false)
     }
     /// Running products along `dim` (`torch.cumprod`); integer and bool inputs multiply in I64.
     #[track_caller]
     pub fn cumprod(&self, dim: i64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.scan("cumprod", dim, true)
     }
     /// An inclusive scan as a decomposition (Hillis-Steele: log2(n) steps, each combining the
@@ -409,7 +409,7 @@ impl Tensor {
     /// Variance over `dims` (all when empty) with `correction` (1 = unbiased, as PyTorch's default).
     #[track_caller]
     pub fn var(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if !self.dtype().is_float() {
             return Err(Error::dtype("var", self.dtype(), "var needs a floating-point input"));
         }
@@ -426,7 +426,7 @@ impl Tensor {
     }
     #[track_caller]
     pub fn std(&self, dims: &[i64], correction: f64, keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let dt = self.dtype();
         if !dt.is_float() {
             return Err(Error::dtype("std", dt, "std needs a floating-point input"));
@@ -440,7 +440,7 @@ impl Tensor {
     /// `log(sum(exp(x)))` over `dims`, computed stably (the max is subtracted first).
     #[track_caller]
     pub fn logsumexp(&self, dims: &[i64], keepdim: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let x = if self.dtype().is_float() { self.clone() } else { self.to_dtype(crate::dtype::DEFAULT_FLOAT)? };
         let dims = norm_dims("logsumexp", dims, x.ndim())?;
         let dims_i: Vec<i64> = dims.iter().map(|&d| d as i64).collect();

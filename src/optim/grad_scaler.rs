@@ -56,7 +56,7 @@ impl GradScaler {
     /// `loss * scale`.
     #[track_caller]
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         SCALED_LOSSES.with(|n| n.set(n.get() + 1));
         loss.mul_scalar(self.scale)
     }
@@ -65,7 +65,7 @@ impl GradScaler {
     /// inf/NaN (`unscale_`, for clipping before `step`). At most once per optimiser and step.
     #[track_caller]
     pub fn unscale_<O: Optimizer + ?Sized>(&mut self, opt: &O) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
             return Err(Error::arg("GradScaler::unscale_", "already called for this optimiser since the last update()"));
         }
@@ -88,7 +88,7 @@ impl GradScaler {
     /// is finite.
     #[track_caller]
     pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if !self.unscaled.iter().any(|(k, _)| *k == key(opt)) {
             self.unscale_(opt)?;
         }

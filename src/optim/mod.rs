@@ -122,7 +122,7 @@ impl AdamConfig {
 
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.validate()?;
         no_grad(|| {
             let done = foreach::sgd(self)?;
@@ -242,7 +242,7 @@ impl AdamCore {
 
     #[track_caller]
     fn step(&mut self) -> Result<()> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let c = self.cfg;
         c.validate(if self.decoupled { "adamw" } else { "adam" })?;
         no_grad(|| {

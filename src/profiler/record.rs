@@ -146,14 +146,20 @@ thread_local! {
     static SITE: std::cell::Cell<Option<&'static Location<'static>>> = const { std::cell::Cell::new(None) };
 }
 
-/// While the guard lives, device work this thread queues is recorded as issued at `at`, unless
-/// an outer guard already named a site: the outermost entry into kiln (the user's call) wins
-/// over the entries kiln makes inside it. Costs one relaxed load when nothing is profiled.
+/// While the guard lives, device work this thread queues is recorded as issued at the line
+/// [`call_site`] names, unless an outer guard already named one: the outermost entry into kiln
+/// (the user's call) wins over the entries kiln makes inside it. Costs one relaxed load when
+/// nothing is profiled.
 #[must_use]
 pub(crate) struct SiteGuard(bool);
 
+/// Names the caller's line for the device work queued while the guard lives. Itself
+/// `#[track_caller]` and called first thing in `#[track_caller]` entry points, so the line is
+/// the one that called the entry point.
 #[inline]
-pub(crate) fn call_site(at: &'static Location<'static>) -> SiteGuard {
+#[track_caller]
+pub(crate) fn call_site() -> SiteGuard {
+    let at = Location::caller();
     if !active() || inside_the_library(at) {
         return SiteGuard(false);
     }

@@ -13,7 +13,7 @@ impl Tensor {
     /// A tensor of `shape` with every element `value` (converted to `dtype`).
     #[track_caller]
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         check_device("full", *device)?;
         let n = checked_numel("full", shape, dtype)?;
         if crate::compile::trace::active() {
@@ -27,7 +27,7 @@ impl Tensor {
     }
     #[track_caller]
     pub fn zeros(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         check_device("zeros", *device)?;
         if device.is_cuda() || crate::compile::trace::active() {
             return Tensor::full(shape, 0.0, dtype, device);
@@ -36,35 +36,35 @@ impl Tensor {
     }
     #[track_caller]
     pub fn ones(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::full(shape, 1.0, dtype, device)
     }
     #[track_caller]
     pub fn zeros_like(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::zeros(self.shape(), self.dtype(), &self.device())
     }
     #[track_caller]
     pub fn ones_like(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::ones(self.shape(), self.dtype(), &self.device())
     }
     #[track_caller]
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::full(self.shape(), value, self.dtype(), &self.device())
     }
     /// A 0-dimensional tensor.
     #[track_caller]
     pub fn scalar(value: f64, dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::full(&[], value, dtype, device)
     }
 
     /// Values `start, start + step, ...` below `end` (`torch.arange`).
     #[track_caller]
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         check_device("arange", *device)?;
         if step == 0.0 || !((end - start) / step).is_finite() {
             return Err(Error::arg("arange", format!("step must be non-zero and the range finite (start {start}, end {end}, step {step})")));
@@ -84,7 +84,7 @@ impl Tensor {
     /// `steps` values evenly spaced from `start` to `end` inclusive (`torch.linspace`).
     #[track_caller]
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         check_device("linspace", *device)?;
         host_numel("linspace", &[steps], dtype)?;
         let step = if steps > 1 { (end - start) / (steps - 1) as f64 } else { 0.0 };
@@ -102,7 +102,7 @@ impl Tensor {
     /// The n×n identity.
     #[track_caller]
     pub fn eye(n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         check_device("eye", *device)?;
         host_numel("eye", &[n, n], dtype)?;
         Tensor::from_cpu(
@@ -115,7 +115,7 @@ impl Tensor {
     /// Uniform in [0, 1) from the global generator (`torch.rand`).
     #[track_caller]
     pub fn rand(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         float_only("rand", dtype)?;
         let bits = match dtype {
             DType::F64 => 53,
@@ -142,7 +142,7 @@ impl Tensor {
     /// Standard normal from the global generator (`torch.randn`), by Box–Muller.
     #[track_caller]
     pub fn randn(shape: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         float_only("randn", dtype)?;
         if crate::compile::trace::active() {
             return crate::compile::trace::random(RandomKind::Normal, shape, dtype, *device);
@@ -160,7 +160,7 @@ impl Tensor {
     /// Integers uniform in [low, high) (`torch.randint`), I64.
     #[track_caller]
     pub fn randint(low: i64, high: i64, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if high <= low {
             return Err(Error::arg("randint", format!("empty range: low {low} >= high {high}")));
         }
@@ -187,7 +187,7 @@ impl Tensor {
     /// A tensor of `shape` holding `data` (row-major).
     #[track_caller]
     pub fn from_vec<T: WithDType>(data: Vec<T>, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if data.len() != checked_numel("from_vec", shape, T::DTYPE)? {
             return Err(Error::shape("from_vec", format!("{} values cannot fill shape {shape:?} ({} elements)", data.len(), numel(shape))));
         }
@@ -196,7 +196,7 @@ impl Tensor {
     }
     #[track_caller]
     pub fn from_slice<T: WithDType>(data: &[T], shape: &[usize], device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         Tensor::from_vec(data.to_vec(), shape, device)
     }
 }

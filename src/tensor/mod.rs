@@ -86,7 +86,7 @@ impl Tensor {
     /// is explicit, and rare enough for this).
     #[track_caller]
     pub(crate) fn copy_to_device(&self, device: Device, non_blocking: bool) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if let (true, Device::Cpu, Device::Cuda(n)) = (non_blocking, self.device(), device) {
             return crate::backend::upload(self, n, true);
         }
@@ -101,7 +101,7 @@ impl Tensor {
     /// (`pin_memory`). Needs a CUDA driver.
     #[track_caller]
     pub fn pin_memory(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         let host = self.to_host()?;
         let s = crate::backend::cpu::cast(&host, self.dtype());
         let st = Storage::cpu_pinned(s)?;
@@ -118,7 +118,7 @@ impl Tensor {
     /// copied directly; any other through a pinned staging buffer. To the host it is `to_device`.
     #[track_caller]
     pub fn to_device_async(&self, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         match (self.device(), device) {
             (Device::Cpu, Device::Cuda(_)) => crate::ops::apply(crate::ops::Op::ToDevice { from: self.device(), to: *device, non_blocking: true }, &[self]),
             _ => self.to_device(device),
@@ -128,7 +128,7 @@ impl Tensor {
     /// This tensor's values on the host (a copy when it lives on a GPU; synchronises).
     #[track_caller]
     pub(crate) fn to_host(&self) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         crate::compile::trace::before_host_read(self, "a host read")?;
         match self.device() {
             Device::Cpu => Ok(self.clone()),
@@ -204,7 +204,7 @@ impl Tensor {
     /// Copies the elements to the host as `T`, which must be the tensor's dtype. Synchronises.
     #[track_caller]
     pub fn to_vec<T: WithDType>(&self) -> Result<Vec<T>> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.check_read::<T>("to_vec")?;
         crate::compile::trace::before_host_read(self, "to_vec")?;
         Ok(cpu::to_vec_as::<T>(&self.to_host()?))
@@ -213,7 +213,7 @@ impl Tensor {
     /// The single element of a one-element tensor. Synchronises.
     #[track_caller]
     pub fn item<T: WithDType>(&self) -> Result<T> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         self.check_read::<T>("item")?;
         if self.numel() != 1 {
             return Err(Error::shape("item", format!("a tensor with {} elements (shape {:?}) cannot be converted to a scalar", self.numel(), self.shape())));
@@ -234,7 +234,7 @@ impl Tensor {
     /// Moves the tensor to `device` (a no-op when it is already there). Synchronous.
     #[track_caller]
     pub fn to_device(&self, device: &Device) -> Result<Tensor> {
-        let _site = crate::profiler::call_site(std::panic::Location::caller());
+        let _site = crate::profiler::call_site();
         if *device == self.device() {
             return Ok(self.clone());
         }
