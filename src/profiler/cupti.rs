@@ -360,6 +360,9 @@ impl Collecting {
         });
         let mut out: Claimed = HashMap::new();
         let at = |ns: u64| self.t0_host_us + (ns as f64 - self.t0_ns as f64) / 1e3;
+        // A record CUPTI could not time carries zero timestamps: it is dropped, not placed at the
+        // clock's origin.
+        r.kernels.retain(|(_, raw, _)| raw.start_ns != 0 && raw.end_ns >= raw.start_ns);
         r.kernels.retain(|(corr, raw, _)| {
             let Some(ext) = owner.get(corr) else { return true };
             let mut k = raw.kernel.clone();

@@ -215,16 +215,19 @@ fn other_threads_gpu_work_during_the_check_is_left_out_of_its_timings() {
         return; // no shared device on the CPU
     }
     let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (started, running) = std::sync::mpsc::channel();
     let busy = {
         let stop = stop.clone();
         std::thread::spawn(move || -> kiln::Result<()> {
             let m = Tensor::randn(&[2048, 2048], DType::F32, &d)?;
             while !stop.load(Ordering::Relaxed) {
                 m.matmul(&m)?.sum_all()?.item::<f32>()?;
+                let _ = started.send(()); // past cuBLAS's first-call set-up: launching steadily
             }
             Ok(())
         })
     };
+    running.recv().expect("the other thread runs");
     let x = Tensor::randn(&[64], DType::F32, &d).unwrap();
     let r = doctor::check(|| (0..20).try_fold(x.clone(), |a, _| a.mul_scalar(1.01)?.add_scalar(0.1)).map(drop));
     stop.store(true, Ordering::Relaxed);
