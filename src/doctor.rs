@@ -153,36 +153,36 @@ pub fn check(step: impl FnMut() -> Result<()>) -> Result<Report> {
 
 /// Runs `opts.warmup` steps, then `opts.steps` under the profiler, and judges them.
 ///
-/// Other threads' device work shares the device's streams, so where some ran during the
-/// profiled steps, the steps are profiled again with CUPTI, whose kernel records are this
-/// thread's own, and judged on those.
+/// On a GPU the steps' kernels are timed by CUPTI: CUDA events around each launch read a
+/// kernel of a few microseconds as several times longer, and their times include other
+/// threads' kernels queued on the same stream, while CUPTI's records are the kernels' own and
+/// say which launch ran them. Where CUPTI cannot be used the events' times are judged, and
+/// the evidence says so. CUPTI stays attached to the process afterwards, collecting nothing
+/// (see [`profiler::set_cupti_detach`]).
 pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> Result<Report> {
     let steps = opts.steps.max(1);
     let (backwards, scaled) = (crate::autograd::backward_calls(), crate::optim::scaled_losses());
     for _ in 0..opts.warmup {
         step()?;
     }
-    let mut run = profiled(&mut step, steps, ProfileOptions::new())?;
-    let gpu = run.profile.events().iter().any(|e| e.device.is_cuda());
-    let foreign = run.profile.foreign_work();
-    // Whether the steps were re-timed with CUPTI, or why they could not be.
-    let mut cupti: std::result::Result<(), String> = Err("not re-timed".into());
-    if gpu && foreign > 0 {
-        let again = profiled(&mut step, steps, ProfileOptions::new().device_kernels(true))?;
-        cupti = again.profile.cupti().map_err(str::to_string);
-        if cupti.is_ok() {
-            run = again;
-        }
-    }
+    // The warm-up opened the devices the step uses.
+    let on_gpu = !cuda_devices_in_use().is_empty();
+    let run = profiled(&mut step, steps, ProfileOptions::new().device_kernels(on_gpu))?;
     let used_backward = crate::autograd::backward_calls() > backwards;
     let used_scaler = crate::optim::scaled_losses() > scaled;
     let p = &run.profile;
+    let gpu = p.events().iter().any(|e| e.device.is_cuda());
+    let cupti = p.cupti();
     let timeline = Timeline::new(p, cupti.is_ok());
     let gaps = if gpu { idle_gaps(p, &timeline) } else { Vec::new() };
-    let shared = match (foreign, &cupti) {
-        (0, _) => None,
-        (n, Ok(())) => Some(format!("timed by CUPTI, since {n} launches from other threads shared the device")),
-        (n, Err(why)) => Some(format!("{n} launches from other threads shared the device and are inside these times (CUPTI could not separate them: {why})")),
+    // Other threads' work: the launches they queued while the steps ran, and the kernels of
+    // theirs CUPTI saw.
+    let (foreign, theirs) = (p.foreign_work(), p.other_kernels().len());
+    let shared = match &cupti {
+        Ok(()) if foreign + theirs > 0 => Some(format!("timed by CUPTI, which left out the {theirs} kernels of other threads that shared the device ({foreign} launches)")),
+        Ok(()) => None,
+        Err(why) if foreign > 0 => Some(format!("timed by CUDA events, which include the {foreign} launches of other threads that shared the device, since CUPTI could not be used: {why}")),
+        Err(why) => Some(format!("timed by CUDA events, which read kernels of a few microseconds as longer, since CUPTI could not be used: {why}")),
     };
     let mut items = vec![
         synchronisation(p, steps, gpu),

@@ -11,6 +11,8 @@ use kiln::Error;
 pub fn run(workload: Option<&str>, compiled: Option<&str>, json: bool, trace: Option<&std::path::Path>) -> Result<()> {
     let mode = compiled.map(parse_mode).transpose()?;
     let dev = Device::cuda_if_available(0);
+    // One thread works on the GPU here, so CUPTI may be detached after the check.
+    kiln::profiler::set_cupti_detach(true);
     let report = match workload {
         None | Some("demo") => demo(&dev, mode)?,
         Some(name) => workload_report(name, &dev, mode)?,

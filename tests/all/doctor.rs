@@ -107,13 +107,11 @@ fn a_good_compiled_step_passes_every_item() {
     let x = Tensor::randn(&[n, n], DType::BF16, &d).unwrap();
     let step = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |x: &Tensor| (0..8).try_fold(x.clone(), |a, _| a.matmul(&w)?.relu()));
     let r = doctor::check(|| step.call(&x).map(drop)).unwrap();
-    if r.profile.foreign_work() == 0 {
+    if !r.item("gpu_busy").unwrap().evidence.contains("other threads") {
         assert!(failed(&r).is_empty(), "{}", r.table());
     } else {
         // Beside other threads' GPU work (tests side by side) this thread's host may be slowed
         // between replays, which gpu_busy rightly reports; every other item still holds.
-        let b = r.item("gpu_busy").unwrap();
-        assert!(b.evidence.contains("other threads"), "{}", r.table());
         assert!(failed(&r).iter().all(|f| *f == "gpu_busy"), "{}", r.table());
     }
     if !d.is_cuda() {
@@ -219,10 +217,11 @@ fn other_threads_gpu_work_during_the_check_is_left_out_of_its_timings() {
     let busy = {
         let stop = stop.clone();
         std::thread::spawn(move || -> kiln::Result<()> {
-            let m = Tensor::randn(&[2048, 2048], DType::F32, &d)?;
+            let m = Tensor::randn(&[1 << 20], DType::F32, &d)?;
             while !stop.load(Ordering::Relaxed) {
-                m.matmul(&m)?.sum_all()?.item::<f32>()?;
-                let _ = started.send(()); // past cuBLAS's first-call set-up: launching steadily
+                // Launches queued back to back, read once in a while to bound the queue.
+                (0..64).try_fold(m.clone(), |a, _| a.sin())?.sum_all()?.item::<f32>()?;
+                let _ = started.send(());
             }
             Ok(())
         })
