@@ -69,15 +69,21 @@ pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &cra
 /// What a multi-tensor optimiser update computes (the slots and scalars each rule reads).
 pub(crate) use cuda::kernels::foreach::Rule as UpdateRule;
 
-/// Whether `device` updates parameters of `dtype` in multi-tensor kernels (CUDA only).
+/// Whether `device` updates parameters of `dtype` in one multi-tensor update.
 pub(crate) fn multi_tensor_update_supports(device: Device, dtype: crate::DType) -> bool {
-    device.is_cuda() && cuda::kernels::foreach::supports(dtype)
+    match device {
+        Device::Cuda(_) => cuda::kernels::foreach::supports(dtype),
+        Device::Cpu => cpu::foreach::supports(dtype),
+    }
 }
 
 /// Applies `rule` to every entry (its slots, of `dtype`, on one device `multi_tensor_update_supports`
 /// accepts) in as few launches as a launch's table holds.
 pub(crate) fn multi_tensor_update(rule: UpdateRule, dtype: crate::DType, entries: &[Vec<&crate::Tensor>], scalars: &[f64], first: bool) -> Result<()> {
-    cuda::kernels::foreach::launch(rule, dtype, entries, scalars, first)
+    match entries.first().map(|e| e[0].device()) {
+        Some(Device::Cpu) => cpu::foreach::update(rule, dtype, entries, scalars, first),
+        _ => cuda::kernels::foreach::launch(rule, dtype, entries, scalars, first),
+    }
 }
 
 /// A contiguous tensor of `shape` and `dtype` on `like`'s device whose values are not set

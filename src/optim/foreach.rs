@@ -1,9 +1,9 @@
 //! The multi-tensor form of `step()` (PyTorch's `foreach`): in eager code, parameters on a
 //! CUDA device are updated by one generated kernel per group of (device, dtype, and for SGD
 //! whether the momentum buffer is new, for Adam the step count), or a few when a group is longer
-//! than one launch holds (backend/cuda/foreach.rs). The results are the per-tensor path's, bit
-//! for bit. What does not fit runs the per-tensor path afterwards: CPU parameters,
-//! non-contiguous tensors, a gradient of another dtype or shape, dtypes other than
+//! than one launch holds (backend/cuda/foreach.rs); on the host, in one pass over each
+//! parameter (backend/cpu/foreach.rs). The results are the per-tensor path's, bit for bit. What
+//! does not fit runs the per-tensor path afterwards: non-contiguous tensors, a gradient of another dtype or shape, dtypes other than
 //! F32/F64/F16/BF16, empty parameters, Adam state with a device step count (made inside a
 //! compiled function), and every parameter when tensors written by the update share memory. A
 //! function being traced always takes the per-tensor path, which the compiler records.
@@ -43,7 +43,7 @@ fn group<K: PartialEq>(keys: impl IntoIterator<Item = K>) -> Vec<(K, Vec<usize>)
 
 /// Whether `step()` may try the kernels at all.
 fn enabled(foreach: bool, params: &[Tensor]) -> bool {
-    foreach && !crate::compile::tracing() && params.iter().any(|p| p.device().is_cuda())
+    foreach && !crate::compile::tracing() && !params.is_empty()
 }
 
 /// SGD's update of the parameters that fit; returns which parameters it updated.

@@ -3,6 +3,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod cgen;
+pub(crate) mod foreach;
 pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod jit;
@@ -74,6 +75,7 @@ pub(crate) use with_dtype;
 pub trait HostElem: Elem {
     fn wrap(v: Vec<Self>) -> CpuStorage;
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
 }
 macro_rules! host_elem {
     ($t:ty, $v:ident) => {
@@ -82,6 +84,9 @@ macro_rules! host_elem {
                 CpuStorage::$v(v)
             }
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                if let CpuStorage::$v(v) = s { Some(v) } else { None }
+            }
+            fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]> {
                 if let CpuStorage::$v(v) = s { Some(v) } else { None }
             }
         }

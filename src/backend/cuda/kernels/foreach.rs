@@ -55,7 +55,8 @@ impl Rule {
             Rule::Adam { .. } => 9,
         }
     }
-    fn name(self, dtype: DType) -> String {
+    /// The update's kernel name (`foreach_sgd_m_f32`), on either device.
+    pub(crate) fn name(self, dtype: DType) -> String {
         let flags = match self {
             Rule::Sgd { weight_decay, momentum, nesterov } => format!("sgd{}{}{}", if momentum { "_m" } else { "" }, if nesterov { "_n" } else { "" }, if weight_decay { "_wd" } else { "" }),
             Rule::Adam { weight_decay, decoupled } => format!("{}{}", if decoupled { "adamw" } else { "adam" }, if weight_decay { "_wd" } else { "" }),

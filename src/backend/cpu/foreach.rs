@@ -1,0 +1,185 @@
+//! The multi-tensor optimiser update on the host: each parameter read and written once, with
+//! its gradient and state, instead of one pass (and one fresh buffer) per eager op of the
+//! per-tensor step. Every value is rounded to the parameter's dtype where an eager op would
+//! round it, in the order of the CUDA kernel (`cuda/kernels/foreach.cu`), so the results are the
+//! per-tensor step's bit for bit. Large parameters are split across cores.
+
+use super::{HostElem, PAR_THRESHOLD};
+use crate::backend::UpdateRule as Rule;
+use crate::storage::BackendStorage;
+use crate::{DType, Result, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// The type an update computes in: F32 for the 16-bit dtypes, as the eager ops do.
+trait Real: Copy + Send + Sync + std::ops::Add<Output = Self> + std::ops::Sub<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> {
+    fn of(x: f64) -> Self;
+    fn sqrt(self) -> Self;
+}
+
+impl Real for f32 {
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+    fn sqrt(self) -> Self {
+        f32::sqrt(self)
+    }
+}
+
+impl Real for f64 {
+    fn of(x: f64) -> Self {
+        x
+    }
+    fn sqrt(self) -> Self {
+        f64::sqrt(self)
+    }
+}
+
+/// A stored element type and how it is computed on: loaded into `T`, and stored back (the
+/// rounding of one eager op's result).
+trait Stored: HostElem + Send + Sync {
+    type T: Real;
+    fn ld(self) -> Self::T;
+    fn st(x: Self::T) -> Self;
+    /// `x` rounded as an eager op's result is.
+    fn kr(x: Self::T) -> Self::T {
+        Self::st(x).ld()
+    }
+}
+
+impl Stored for f32 {
+    type T = f32;
+    fn ld(self) -> f32 {
+        self
+    }
+    fn st(x: f32) -> f32 {
+        x
+    }
+}
+
+impl Stored for f64 {
+    type T = f64;
+    fn ld(self) -> f64 {
+        self
+    }
+    fn st(x: f64) -> f64 {
+        x
+    }
+}
+
+impl Stored for f16 {
+    type T = f32;
+    fn ld(self) -> f32 {
+        self.to_f32()
+    }
+    fn st(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+}
+
+impl Stored for bf16 {
+    type T = f32;
+    fn ld(self) -> f32 {
+        self.to_f32()
+    }
+    fn st(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+}
+
+/// Whether the host updates parameters of `dtype` in one pass: the dtypes the device does.
+pub(crate) use crate::backend::cuda::kernels::foreach::supports;
+
+/// Applies `rule` to every entry: its slots (parameter, gradient, state; contiguous, of
+/// `dtype`, the written ones in storages of their own), with `scalars` as `Rule` documents.
+pub(crate) fn update(rule: Rule, dtype: DType, entries: &[Vec<&Tensor>], scalars: &[f64], first: bool) -> Result<()> {
+    let _rec = crate::profiler::record::cpu_kernel(&rule.name(dtype));
+    for slots in entries {
+        match dtype {
+            DType::F32 => entry::<f32>(rule, slots, scalars, first),
+            DType::F64 => entry::<f64>(rule, slots, scalars, first),
+            DType::F16 => entry::<f16>(rule, slots, scalars, first),
+            DType::BF16 => entry::<bf16>(rule, slots, scalars, first),
+            d => return Err(crate::Error::arg("optimizer step", format!("no multi-tensor update for {d:?} on the host"))),
+        }
+    }
+    Ok(())
+}
+
+fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool) {
+    let range = |t: &Tensor| t.storage_offset()..t.storage_offset() + t.numel();
+    // The gradient is read, the rest written; `foreach` checked they share no storage.
+    let g_guard = slots[1].storage().data.read_recursive();
+    let BackendStorage::Cpu(gs) = &*g_guard else { unreachable!("a host update of a device tensor") };
+    let g = &S::slice(gs).expect("the gradient has the update's dtype")[range(slots[1])];
+    let mut guards: Vec<_> = [0].into_iter().chain(2..slots.len()).map(|i| (i, slots[i].storage().data.write())).collect();
+    let mut written: Vec<&mut [S]> = guards
+        .iter_mut()
+        .map(|(i, w)| {
+            let BackendStorage::Cpu(s) = &mut **w else { unreachable!("a host update of a device tensor") };
+            &mut S::slice_mut(s).expect("the slot has the update's dtype")[range(slots[*i])]
+        })
+        .collect();
+    let s = |i: usize| S::T::of(scalars[i]);
+    let kr = S::kr;
+    match rule {
+        Rule::Sgd { weight_decay, momentum, nesterov } => {
+            let (lr, wd, mom, keep) = (s(0), s(1), s(2), s(3));
+            let one = move |p: &mut S, g: S, buf: Option<&mut S>| {
+                let (pv, mut gv) = (p.ld(), g.ld());
+                if weight_decay {
+                    gv = kr(gv + kr(pv * wd));
+                }
+                if let Some(b) = buf {
+                    let bv = if first { gv } else { kr(kr(b.ld() * mom) + kr(gv * keep)) };
+                    *b = S::st(bv);
+                    gv = if nesterov { kr(gv + kr(bv * mom)) } else { bv };
+                }
+                *p = S::st(pv - kr(gv * lr));
+            };
+            if momentum {
+                let [p, b] = &mut written[..] else { unreachable!("SGD with momentum has two written slots") };
+                chunked3(p, g, b, |p, g, b| p.iter_mut().zip(g).zip(b.iter_mut()).for_each(|((p, g), b)| one(p, *g, Some(b))));
+            } else {
+                chunked(&mut written[0], g, |p, g| p.iter_mut().zip(g).for_each(|(p, g)| one(p, *g, None)));
+            }
+        }
+        Rule::Adam { weight_decay, decoupled } => {
+            let (wd, decay, beta1, keep1, beta2, keep2, bc2s, eps, step_size) = (s(0), s(1), s(2), s(3), s(4), s(5), s(6), s(7), s(8));
+            let [p, m, v] = &mut written[..] else { unreachable!("Adam has three written slots") };
+            let mut pm: Vec<(&mut S, &mut S)> = p.iter_mut().zip(m.iter_mut()).collect();
+            chunked3(&mut pm, g, v, |pm, g, v| {
+                for (((p, m), g), v) in pm.iter_mut().zip(g).zip(v.iter_mut()) {
+                    let (mut pv, mut gv) = (p.ld(), g.ld());
+                    if weight_decay && decoupled {
+                        pv = kr(pv * decay);
+                    } else if weight_decay {
+                        gv = kr(gv + kr(pv * wd));
+                    }
+                    let mv = kr(kr(m.ld() * beta1) + kr(gv * keep1));
+                    let vv = kr(kr(v.ld() * beta2) + kr(kr(gv * gv) * keep2));
+                    let denom = kr(kr(kr(vv.sqrt()) / bc2s) + eps);
+                    **p = S::st(pv - kr(kr(mv / denom) * step_size));
+                    (**m, *v) = (S::st(mv), S::st(vv));
+                }
+            });
+        }
+    }
+}
+
+/// Elements per core's share below which one thread updates the whole parameter.
+const CHUNK: usize = 4 * PAR_THRESHOLD;
+
+fn chunked<A: Send, B: Sync>(a: &mut [A], b: &[B], f: impl Fn(&mut [A], &[B]) + Sync) {
+    if a.len() < 2 * CHUNK {
+        return f(a, b);
+    }
+    a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).for_each(|(a, b)| f(a, b));
+}
+
+fn chunked3<A: Send, B: Sync, C: Send>(a: &mut [A], b: &[B], c: &mut [C], f: impl Fn(&mut [A], &[B], &mut [C]) + Sync) {
+    if a.len() < 2 * CHUNK {
+        return f(a, b, c);
+    }
+    a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).zip(c.par_chunks_mut(CHUNK)).for_each(|((a, b), c)| f(a, b, c));
+}
