@@ -192,8 +192,9 @@ pub(super) struct Collecting {
     t0_host_us: f64,
 }
 
-/// Starts collecting for a profile at host time `now_us`, or says why it cannot.
-pub(super) fn start(now_us: f64) -> Result<Collecting, String> {
+/// Starts collecting for a profile, or says why it cannot; `now_us` reads the profile's host
+/// time, taken with CUPTI's clock once collection is on.
+pub(super) fn start(now_us: impl FnOnce() -> f64) -> Result<Collecting, String> {
     let mut c = control();
     if let Some(why) = &c.broken {
         return Err(why.clone());
@@ -208,7 +209,7 @@ pub(super) fn start(now_us: f64) -> Result<Collecting, String> {
     let mut t0_ns = 0u64;
     // SAFETY: a plain out-parameter.
     let _ = unsafe { cs::cuptiGetTimestamp(&mut t0_ns) };
-    Ok(Collecting { t0_ns, t0_host_us: now_us })
+    Ok(Collecting { t0_ns, t0_host_us: now_us() })
 }
 
 /// Turns collection on for the first profile that asks.

@@ -222,6 +222,12 @@ impl Span {
 
     /// Device work queued on `stream`: timed by events around it.
     fn on_device(event: Event, dev: &CudaDevice, stream: &Arc<CudaStream>) -> Span {
+        // CUPTI starts before the span opens: attaching it takes milliseconds, which are not
+        // this launch's.
+        let collecting = with_session(|s| {
+            let t0 = s.t0;
+            s.cupti.get_or_insert_with(|| cupti::start(|| t0.elapsed().as_secs_f64() * 1e6)).is_ok()
+        });
         let mut span = Span::open(event);
         if let Some(o) = span.0.as_mut() {
             let timed = Some(ds::CUevent_flags::CU_EVENT_DEFAULT);
@@ -233,10 +239,6 @@ impl Span {
                 }
             }
             o.timing = stream.record_event(timed).ok().map(|e| (stream.clone(), e));
-            let collecting = with_session(|s| {
-                let now = s.now_us();
-                s.cupti.get_or_insert_with(|| cupti::start(now)).is_ok()
-            });
             if collecting == Some(true) {
                 o.correlation = cupti::push();
             }
