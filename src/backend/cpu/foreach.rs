@@ -141,7 +141,7 @@ fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool)
                 let [p, b] = &mut written[..] else { unreachable!("SGD with momentum has two written slots") };
                 chunked3(p, g, b, |p, g, b| p.iter_mut().zip(g).zip(b.iter_mut()).for_each(|((p, g), b)| one(p, *g, Some(b))));
             } else {
-                chunked(&mut written[0], g, |p, g| p.iter_mut().zip(g).for_each(|(p, g)| one(p, *g, None)));
+                chunked(written[0], g, |p, g| p.iter_mut().zip(g).for_each(|(p, g)| one(p, *g, None)));
             }
         }
         Rule::Adam { weight_decay, decoupled } => {
