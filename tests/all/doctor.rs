@@ -45,7 +45,7 @@ fn a_recompiling_step_names_its_recompiles() {
     })
     .unwrap();
     let c = r.item("compilation").unwrap();
-    // Recompiles, or, once they reach the limit (a re-timed check runs more steps), eager calls.
+    // Recompiles, or, once they reach the recompile limit, eager calls.
     assert!(c.failed() && c.evidence.contains("recompil"), "{}", r.table());
 }
 

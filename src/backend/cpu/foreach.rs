@@ -47,45 +47,37 @@ trait Stored: HostElem + Send + Sync {
     }
 }
 
-impl Stored for f32 {
-    type T = f32;
-    fn ld(self) -> f32 {
-        self
-    }
-    fn st(x: f32) -> f32 {
-        x
-    }
+/// F32 and F64 compute in themselves.
+macro_rules! native_stored {
+    ($($t:ty),*) => {$(
+        impl Stored for $t {
+            type T = $t;
+            fn ld(self) -> $t {
+                self
+            }
+            fn st(x: $t) -> $t {
+                x
+            }
+        }
+    )*};
 }
+native_stored!(f32, f64);
 
-impl Stored for f64 {
-    type T = f64;
-    fn ld(self) -> f64 {
-        self
-    }
-    fn st(x: f64) -> f64 {
-        x
-    }
+/// The 16-bit dtypes compute in F32.
+macro_rules! half_stored {
+    ($($t:ty),*) => {$(
+        impl Stored for $t {
+            type T = f32;
+            fn ld(self) -> f32 {
+                self.to_f32()
+            }
+            fn st(x: f32) -> $t {
+                <$t>::from_f32(x)
+            }
+        }
+    )*};
 }
-
-impl Stored for f16 {
-    type T = f32;
-    fn ld(self) -> f32 {
-        self.to_f32()
-    }
-    fn st(x: f32) -> f16 {
-        f16::from_f32(x)
-    }
-}
-
-impl Stored for bf16 {
-    type T = f32;
-    fn ld(self) -> f32 {
-        self.to_f32()
-    }
-    fn st(x: f32) -> bf16 {
-        bf16::from_f32(x)
-    }
-}
+half_stored!(f16, bf16);
 
 /// Whether the host updates parameters of `dtype` in one pass: the dtypes the device does.
 pub(crate) use crate::backend::cuda::kernels::foreach::supports;
