@@ -297,12 +297,13 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
         // SAFETY: `native` was built from a row kernel's source, whose signature this is.
         let f: RowsFn = unsafe { std::mem::transmute::<usize, RowsFn>(native.sym) };
         let per = (CHUNK / cols.max(1)).max(1);
-        (0..rows.div_ceil(per)).into_par_iter().for_each(|b| {
+        // Scratch (f64s: aligned for every value type the arrays hold) made once per worker's
+        // share of the tasks, not once per task: zeroing it for every few rows cost as much as
+        // a tenth of a softmax.
+        (0..rows.div_ceil(per)).into_par_iter().for_each_init(|| vec![0f64; scratch_per_col * cols / 8], |scratch, b| {
             let (r0, r1) = (b * per, ((b + 1) * per).min(rows));
             let ins: Vec<*const u8> = ops.iter().map(|o| o.ptr as *const u8).collect();
             let outp: Vec<*mut u8> = outs.iter().map(|o| o.ptr as *mut u8).collect();
-            // f64s: aligned for every value type the arrays hold.
-            let mut scratch = vec![0f64; scratch_per_col * cols / 8];
             // SAFETY: each task writes rows r0..r1 of the outputs (disjoint), reads inputs
             // within their views, and its own scratch.
             unsafe { f(r0 as i64, r1 as i64, cols as i64, ins.as_ptr(), strides.as_ptr(), outp.as_ptr(), scratch.as_mut_ptr() as *mut u8) };
