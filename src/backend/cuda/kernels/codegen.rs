@@ -89,6 +89,9 @@ pub(crate) enum Class {
 /// cudaMemcpy's 127.8), 512 and 1024 slower (`tools/maps/NOTES.md`).
 pub(crate) const MAP_THREADS: u32 = 128;
 
+/// Elements a thread of a map kernel without vector loads takes per step.
+pub(crate) const MAP_ILP: usize = 4;
+
 /// Most dims a strided map kernel takes after coalescing.
 pub(crate) const MAX_DIMS: usize = 8;
 /// Where parameters (`P(k)` in expressions) start in the argument block.
@@ -267,20 +270,54 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "    *(VO{m}*)(out{m} + {}) = r{m};", out_at("base"));
         }
         let _ = writeln!(c, "  }}\n  const IDX start = nv * {};", s.vec);
-    } else {
-        let _ = writeln!(c, "  const IDX start = 0;");
+        // The few elements past the vectors, one per thread.
+        let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
+        offsets(&mut c, "i");
+        body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
+        for (m, r) in results.iter().enumerate() {
+            match once(m) {
+                true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
+                false => writeln!(c, "    out{m}[{}] = {r};", out_at("i")),
+            }
+            .expect("writing to a String");
+        }
+        let _ = writeln!(c, "  }}\n}}");
+        return c;
     }
-    let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
+    // Without vector loads each thread takes MAP_ILP elements a step apart (coalesced for each
+    // j), every load issued before the first store: one 2-byte load in flight per thread left
+    // a strided bf16 map at a third of the copy bandwidth.
+    let _ = writeln!(c, "  for (IDX i0 = tid; i0 < n; i0 = n - i0 > {MAP_ILP} * step ? i0 + {MAP_ILP} * step : n) {{");
+    let walked: Vec<usize> = (0..s.inputs.len()).filter(|&k| walks(s.inputs[k].2)).collect();
+    for &k in &walked {
+        let _ = writeln!(c, "    {} x{k}[{MAP_ILP}];", s.inputs[k].1.name());
+    }
+    if strided_out {
+        let _ = writeln!(c, "    IDX at0[{MAP_ILP}];");
+    }
+    let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {MAP_ILP}; j++) {{\n    if ((IDX)j * step >= n - i0) break;\n    const IDX i = i0 + (IDX)j * step;");
     offsets(&mut c, "i");
-    body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
+    for &k in &walked {
+        let (d, t, _) = s.inputs[k];
+        let _ = writeln!(c, "    x{k}[j] = {};", load(d, t, &format!("p{k}[{}]", at(k, "i"))));
+    }
+    if strided_out {
+        let _ = writeln!(c, "    at0[j] = o0;");
+    }
+    let _ = writeln!(c, "    }}\n    #pragma unroll\n    for (int j = 0; j < {MAP_ILP}; j++) {{\n    if ((IDX)j * step >= n - i0) break;\n    const IDX i = i0 + (IDX)j * step; (void)i;");
+    for (k, (d, t, cls)) in s.inputs.iter().enumerate() {
+        let v = if walks(*cls) { format!("x{k}[j]") } else { load(*d, *t, &format!("p{k}[0]")) };
+        let _ = writeln!(c, "    const {} v{k} = {v};", t.name());
+    }
+    c.push_str(&s.body);
     for (m, r) in results.iter().enumerate() {
         match once(m) {
             true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
-            false => writeln!(c, "    out{m}[{}] = {r};", out_at("i")),
+            false => writeln!(c, "    out{m}[{}] = {r};", if strided_out { "at0[j]" } else { "i" }),
         }
         .expect("writing to a String");
     }
-    let _ = writeln!(c, "  }}\n}}");
+    let _ = writeln!(c, "    }}\n  }}\n}}");
     c
 }
 
@@ -665,6 +702,29 @@ mod tests {
         let (exact, partial) = (row_index(true), row_index(false));
         assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"), "{exact}\n{partial}");
         assert!(row_full(8192, 512, 16) && !row_full(1000, 64, 16));
+    }
+
+    #[test]
+    fn a_map_without_vectors_loads_all_its_elements_before_storing_any() {
+        use super::{gen_map, Class, MapSpec, MAP_ILP};
+        use crate::dtype::CType;
+        use crate::DType;
+        let spec = MapSpec {
+            name: "mul".into(),
+            inputs: vec![(DType::BF16, CType::F32, Class::Strided), (DType::F32, CType::F32, Class::Scalar)],
+            outs: vec![(DType::BF16, CType::F32, "v0 * v1".into(), false)],
+            out_class: Class::Strided,
+            body: String::new(),
+            ndim: 2,
+            vec: 1,
+            idx64: false,
+        };
+        let src = gen_map(&spec);
+        let body = &src[src.find("__global__").unwrap()..];
+        assert_eq!(body.matches('{').count(), body.matches('}').count(), "{body}");
+        let (load, store) = (body.find("x0[j] =").unwrap(), body.find("out0[at0[j]] =").unwrap());
+        assert!(load < store, "{body}");
+        assert!(body.contains(&format!("for (int j = 0; j < {MAP_ILP}; j++)")), "{body}");
     }
 
     #[test]

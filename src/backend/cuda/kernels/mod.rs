@@ -216,7 +216,8 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
         }
         a
     };
-    let grid = grid_for(n / vec, codegen::MAP_THREADS);
+    // Vectors per thread, or without them MAP_ILP elements per thread.
+    let grid = grid_for(if vec > 1 { n / vec } else { n.div_ceil(codegen::MAP_ILP) }, codegen::MAP_THREADS);
     if let Some(m) = memo {
         let found = m.0.lock().iter().find(|(w, _, _)| w.is(out_class, &classes[nout..], ndim, vec, idx64)).map(|(_, k, words)| (*k, fill(words)));
         if let Some((k, a)) = found {
