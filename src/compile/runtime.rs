@@ -31,12 +31,15 @@ fn same_view(a: &Tensor, b: &Tensor) -> bool {
 }
 
 /// Writes the new values of captured tensors written in place into them (those a kernel
-/// already wrote in place only get their version bumped).
+/// already wrote in place only get their version bumped). A host value that nothing else
+/// reads (not returned, not written to a second tensor, no other tensor holding its storage)
+/// hands its buffer over instead of being copied.
 fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
     for (k, v) in &g.mutations {
         let target = &inputs[g.n_args + k];
         let value = env[*v].as_ref().expect("computed");
-        if same_view(value, target) {
+        let sole = !g.outputs.contains(v) && g.mutations.iter().filter(|m| m.1 == *v).count() == 1;
+        if same_view(value, target) || (sole && crate::backend::cpu::move_into(target, value)) {
             target.storage().bump_version();
             continue;
         }

@@ -391,6 +391,46 @@ fn in_place_writes_to_captured_tensors_are_written_back() -> Result<()> {
     Ok(())
 }
 
+/// A written-back update keeps the captured tensor's storage (on the host its new buffer is
+/// handed over, not copied): views taken before see the values, the version moves, and a
+/// value that is also returned is returned intact.
+#[test]
+fn a_written_back_update_keeps_the_tensors_storage_and_returned_values_intact() -> Result<()> {
+    let p = randn(&[64, 32], 7);
+    let view = p.narrow(0, 0, 8)?;
+    let (q, start) = (p.clone(), vals(&p));
+    let f = compile(move |g: &Tensor| {
+        let next = q.sub(&g.mul_scalar(0.5)?)?;
+        kiln::no_grad(|| q.copy_(&next))?;
+        Ok(next)
+    });
+    let g = randn(&[64, 32], 8);
+    let v0 = p.version();
+    let mut want: Vec<f64> = start.clone();
+    for _ in 0..3 {
+        let out = f.call(&g)?;
+        want = want.iter().zip(vals(&g)).map(|(w, g)| (w - g * 0.5) as f32 as f64).collect();
+        assert_close(&vals(&p), &want, 1e-6, 1e-6);
+        assert_close(&vals(&out), &want, 1e-6, 1e-6);
+        assert_close(&vals(&view), &want[..8 * 32], 1e-6, 1e-6);
+    }
+    assert!(p.version() > v0);
+    // The update not returned: its buffer is what the host hands over.
+    let q = p.clone();
+    let f = compile(move |g: &Tensor| {
+        let next = q.sub(&g.mul_scalar(0.5)?)?;
+        kiln::no_grad(|| q.copy_(&next))?;
+        g.sum_all()
+    });
+    for _ in 0..3 {
+        f.call(&g)?;
+        want = want.iter().zip(vals(&g)).map(|(w, g)| (w - g * 0.5) as f32 as f64).collect();
+        assert_close(&vals(&p), &want, 1e-6, 1e-6);
+        assert_close(&vals(&view), &want[..8 * 32], 1e-6, 1e-6);
+    }
+    Ok(())
+}
+
 #[test]
 fn simplify_removes_identities_and_dead_code() -> Result<()> {
     let seen: Arc<Mutex<String>> = Arc::default();

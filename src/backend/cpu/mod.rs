@@ -342,6 +342,23 @@ pub(crate) fn copy_contiguous_into(dst: &Tensor, src: &Tensor) -> bool {
     true
 }
 
+/// Hands `src`'s buffer to `dst` in place of copying it: `src` is a value no other tensor holds,
+/// and both cover their whole (unpinned) host storages contiguously, with one dtype and shape.
+/// `dst` keeps its storage (its views see the new values); its old buffer goes with `src`, back
+/// to the host cache when `src` is dropped. False where that does not apply.
+pub(crate) fn move_into(dst: &Tensor, src: &Tensor) -> bool {
+    let whole = |t: &Tensor| {
+        let st = t.storage();
+        st.device == crate::Device::Cpu && !st.is_pinned() && t.is_contiguous() && t.storage_offset() == 0 && matches!(&*st.data.read_recursive(), BackendStorage::Cpu(s) if s.len() == t.numel())
+    };
+    if dst.dtype() != src.dtype() || dst.shape() != src.shape() || dst.shares_storage_with(src) || std::sync::Arc::strong_count(src.storage()) != 1 || !whole(dst) || !whole(src) {
+        return false;
+    }
+    let (mut d, mut s) = (dst.storage().data.write(), src.storage().data.write());
+    std::mem::swap(&mut *d, &mut *s);
+    true
+}
+
 /// Writes row-major `src` (of the tensor's shape) into the tensor's strided elements, in place.
 pub(crate) fn write_into(t: &Tensor, src: &CpuStorage) {
     let mut guard = t.storage().data.write();
