@@ -385,19 +385,20 @@ impl Program {
                 Step::Kernel(k) => {
                     let kern = &self.schedule.kernels[*k];
                     let ins: Vec<Tensor> = kern.inputs.iter().map(|i| env[i.node].clone().expect("computed before use")).collect();
+                    // Outputs the plan writes into captured tensors in place.
+                    let into: Vec<Option<Tensor>> = kern
+                        .outputs
+                        .iter()
+                        .map(|(_, node)| {
+                            let t = &inputs[g.n_args + *self.in_place.get(node)?];
+                            (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
+                        })
+                        .collect();
                     let outs = if kern.device.is_cuda() {
-                        let into: Vec<Option<Tensor>> = kern
-                            .outputs
-                            .iter()
-                            .map(|(_, node)| {
-                                let t = &inputs[g.n_args + *self.in_place.get(node)?];
-                                (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
-                            })
-                            .collect();
                         crate::backend::cuda::kernels::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
                     } else {
                         let _rec = crate::profiler::record::cpu_kernel(&kern.name);
-                        crate::backend::cpu::fused::run(kern, &kern.shape, &ins)?
+                        crate::backend::cpu::fused::run(kern, &kern.shape, &ins, &into)?
                     };
                     for ((_, node), t) in kern.outputs.iter().zip(outs) {
                         let shape = &g.nodes[*node].shape;
@@ -712,7 +713,7 @@ mod tests {
         let mut cpu = kernel.clone();
         cpu.device = Device::Cpu;
         let ins: Vec<Tensor> = cpu.inputs.iter().map(|i| if g.nodes[i.node].numel() == 1 { Tensor::full(&[], 2.0, DType::F32, &Device::Cpu).unwrap() } else { Tensor::randn(&g.nodes[i.node].shape, DType::F32, &Device::Cpu).unwrap() }).collect();
-        let outs = crate::backend::cpu::fused::run(&cpu, &cpu.shape, &ins).unwrap();
+        let outs = crate::backend::cpu::fused::run(&cpu, &cpu.shape, &ins, &[]).unwrap();
         let m = single.iter().position(|&s| s).unwrap();
         assert_eq!(outs[m].numel(), 1);
         assert_eq!(outs[m].to_vec::<f32>().unwrap(), vec![3.0]);

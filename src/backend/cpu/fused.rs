@@ -95,8 +95,8 @@ fn operand<C: Copy>(v: &[C], n: usize) -> Operand<'_, C> {
 }
 
 /// Runs a fused kernel on the host; returns its outputs (flat, or [rows, cols] / [rows]).
-pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-    if let Some(outs) = super::jit::run(k, shape, inputs) {
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+    if let Some(outs) = super::jit::run(k, shape, inputs, into) {
         return outs;
     }
     super::jit::count_interpreted();

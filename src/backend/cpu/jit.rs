@@ -174,9 +174,7 @@ struct Operand {
 
 /// `t` seen as `view` (its element count), if its strides allow: the last dim is the run; a
 /// flat view of one dim is one run split into chunks, of two, one run per row.
-fn operand(t: &Tensor, storage: &BackendStorage, view: &[usize], row_kernel: bool, row_value: bool) -> Option<Operand> {
-    let BackendStorage::Cpu(s) = storage else { return None };
-    let base = with_storage!(s, v => v.as_ptr() as usize);
+fn operand(t: &Tensor, base: usize, view: &[usize], row_kernel: bool, row_value: bool) -> Option<Operand> {
     let ptr = base + t.layout().offset * t.dtype().size_in_bytes();
     if t.numel() == 1 {
         return Some(Operand { ptr, walk: Walk::Broadcast, stride: 0, outer: 0 });
@@ -201,8 +199,33 @@ fn operand(t: &Tensor, storage: &BackendStorage, view: &[usize], row_kernel: boo
     Some(Operand { ptr, walk, stride: inner as i64, outer: outer as i64 })
 }
 
-/// Runs `k` as native code, if it can: None means the interpreter should.
-pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option<Result<Vec<Tensor>>> {
+/// A storage held while native code reads it, or (an output written in place) writes it.
+enum Held<'a> {
+    Read(parking_lot::RwLockReadGuard<'a, BackendStorage>),
+    Write(parking_lot::RwLockWriteGuard<'a, BackendStorage>),
+}
+
+impl Held<'_> {
+    /// The address of the storage's first element (None: not host memory).
+    fn base(&mut self) -> Option<usize> {
+        match self {
+            Held::Read(g) => match &**g {
+                BackendStorage::Cpu(s) => Some(with_storage!(s, v => v.as_ptr() as usize)),
+                _ => None,
+            },
+            Held::Write(g) => match &mut **g {
+                BackendStorage::Cpu(s) => Some(with_storage!(s, v => v.as_mut_ptr() as usize)),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// Runs `k` as native code, if it can: None means the interpreter should. `into[m]`, where
+/// given, is the tensor a flat kernel's output m is written into in place (contiguous, of its
+/// shape and dtype; inputs on its storage are read at the elements written, as the compiler's
+/// in-place plan ensures): it is then that output.
+pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>]) -> Option<Result<Vec<Tensor>>> {
     let (rows, cols) = match k.space {
         Space::Flat { numel } => (1, numel),
         Space::Rows { rows, cols } => (rows, cols),
@@ -217,14 +240,40 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
         return None;
     }
     let row_kernel = matches!(k.space, Space::Rows { .. });
-    // Inputs stay readable (and alive) from their addresses being taken until the code has run.
-    let held: Vec<_> = inputs.iter().map(|t| t.storage().data.read_recursive()).collect();
+    let same_storage = |a: &Tensor, b: &Tensor| std::sync::Arc::ptr_eq(a.storage(), b.storage());
+    // In-place outputs: flat, contiguous, of the output's dtype and size, on the host, and read
+    // by the kernel (if at all) at exactly the elements written.
+    let into: Vec<Option<&Tensor>> = (0..k.outputs.len())
+        .map(|m| {
+            let t = into.get(m)?.as_ref()?;
+            let ok = !row_kernel && !k.single[m] && t.device() == crate::Device::Cpu && t.is_contiguous() && t.dtype() == k.ops[k.outputs[m].0].dtype && t.numel() == size;
+            let read_alike = inputs.iter().all(|i| !same_storage(i, t) || (i.layout() == t.layout()));
+            let once = (0..m).all(|j| into.get(j).and_then(|o| o.as_ref()).is_none_or(|o| !same_storage(o, t)));
+            (ok && read_alike && once).then_some(t)
+        })
+        .collect();
+    // Storages stay readable (and alive) from their addresses being taken until the code has
+    // run; those written in place are held for writing, once each.
+    let mut written: Vec<(&Tensor, Held)> = into.iter().flatten().map(|t| (*t, Held::Write(t.storage().data.write()))).collect();
+    let mut held: Vec<Option<Held>> = inputs.iter().map(|t| (!written.iter().any(|(w, _)| same_storage(w, t))).then(|| Held::Read(t.storage().data.read_recursive()))).collect();
+    let mut bases: Vec<usize> = Vec::with_capacity(inputs.len());
+    for (t, h) in inputs.iter().zip(held.iter_mut()) {
+        let base = match h {
+            Some(h) => h.base(),
+            None => written.iter_mut().find(|(w, _)| same_storage(w, t)).and_then(|(_, h)| h.base()),
+        };
+        bases.push(base?);
+    }
+    let out_ptrs: Vec<Option<usize>> = into
+        .iter()
+        .map(|t| t.and_then(|t| written.iter_mut().find(|(w, _)| same_storage(w, t)).and_then(|(_, h)| h.base()).map(|b| b + t.storage_offset() * t.dtype().size_in_bytes())))
+        .collect();
     // Row inputs as [rows, cols] or [rows]; flat inputs as one run where each one's strides
     // allow, else as runs along the kernel's last dim (a broadcast bias, a transpose).
     let view_all = |flat: &[usize]| -> Option<Vec<Operand>> {
-        k.inputs.iter().zip(inputs).zip(&held).map(|((inp, t), g)| {
+        k.inputs.iter().zip(inputs).zip(&bases).map(|((inp, t), &base)| {
             let view: Vec<usize> = if !row_kernel { flat.to_vec() } else if inp.row { vec![rows] } else { vec![rows, cols] };
-            operand(t, g, &view, row_kernel, inp.row)
+            operand(t, base, &view, row_kernel, inp.row)
         }).collect()
     };
     let last = shape.last().copied().unwrap_or(1).max(1);
@@ -252,14 +301,15 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor]) -> Option
             }
         }
     };
-    let outs = launch(k, shape, rows, cols, &ops, runs, native);
-    drop(held);
-    Some(outs)
+    let outs = launch(k, shape, rows, cols, &ops, runs, native, &out_ptrs);
+    drop((held, written));
+    Some(outs.map(|outs| outs.into_iter().zip(&into).map(|(o, t)| t.map_or(o, |t| t.clone())).collect()))
 }
 
-/// Output m's storage, written by the native code (every element) before it is read.
+/// Output m's storage, written by the native code (every element) before it is read; none
+/// for an output written in place.
 struct Out {
-    storage: CpuStorage,
+    storage: Option<CpuStorage>,
     ptr: usize,
 }
 
@@ -272,11 +322,14 @@ fn fresh(dtype: DType, n: usize) -> Out {
         // elements of these types have no invalid bit patterns the kernel could store
         // (bools are stored as 0 or 1).
         unsafe { v.set_len(n) };
-        Out { storage: <T as super::HostElem>::wrap(v), ptr }
+        Out { storage: Some(<T as super::HostElem>::wrap(v)), ptr }
     })
 }
 
-fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native) -> Result<Vec<Tensor>> {
+/// Runs the native code; output m is written at `into[m]` where given (and is then returned
+/// as an empty placeholder the caller replaces), else into a fresh buffer.
+#[allow(clippy::too_many_arguments)]
+fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native, into: &[Option<usize>]) -> Result<Vec<Tensor>> {
     RUNS.with(|r| r.set((r.get().0 + 1, r.get().1)));
     let row_kernel = matches!(k.space, Space::Rows { .. });
     let outs: Vec<Out> = k
@@ -286,7 +339,10 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
         .map(|(m, (o, _))| {
             let op = &k.ops[*o];
             let n = if k.single[m] { 1 } else if op.row { rows } else { rows * cols };
-            fresh(op.dtype, n)
+            match into.get(m).copied().flatten() {
+                Some(ptr) => Out { storage: None, ptr },
+                None => fresh(op.dtype, n),
+            }
         })
         .collect();
     let strides: Vec<i64> = ops.iter().map(|o| o.stride).collect();
@@ -350,7 +406,10 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
         };
-        res.push(Tensor::from_cpu(o.storage, &s));
+        res.push(match o.storage {
+            Some(storage) => Tensor::from_cpu(storage, &s),
+            None => Tensor::from_cpu(CpuStorage::from_vec_as(Vec::<f32>::new(), op.dtype), &[0]),
+        });
     }
     Ok(res)
 }
