@@ -115,7 +115,8 @@ fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool)
     let s = |i: usize| S::T::of(scalars[i]);
     let kr = S::kr;
     match rule {
-        Rule::Sgd { weight_decay, momentum, nesterov } => {
+        // With momentum the slots hold the buffer too (`Rule::depth`).
+        Rule::Sgd { weight_decay, nesterov, .. } => {
             let (lr, wd, mom, keep) = (s(0), s(1), s(2), s(3));
             let one = move |p: &mut S, g: S, buf: Option<&mut S>| {
                 let (pv, mut gv) = (p.ld(), g.ld());
@@ -129,19 +130,17 @@ fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool)
                 }
                 *p = S::st(pv - kr(gv * lr));
             };
-            if momentum {
-                let [p, b] = &mut written[..] else { unreachable!("SGD with momentum has two written slots") };
-                chunked3(p, g, b, |p, g, b| p.iter_mut().zip(g).zip(b.iter_mut()).for_each(|((p, g), b)| one(p, *g, Some(b))));
-            } else {
-                chunked(written[0], g, |p, g| p.iter_mut().zip(g).for_each(|(p, g)| one(p, *g, None)));
-            }
+            chunked(&mut written, g, |w, g| match w {
+                [p, b] => p.iter_mut().zip(g).zip(b.iter_mut()).for_each(|((p, g), b)| one(p, *g, Some(b))),
+                [p] => p.iter_mut().zip(g).for_each(|(p, g)| one(p, *g, None)),
+                _ => unreachable!("SGD writes the parameter and, with momentum, its buffer"),
+            });
         }
         Rule::Adam { weight_decay, decoupled } => {
             let (wd, decay, beta1, keep1, beta2, keep2, bc2s, eps, step_size) = (s(0), s(1), s(2), s(3), s(4), s(5), s(6), s(7), s(8));
-            let [p, m, v] = &mut written[..] else { unreachable!("Adam has three written slots") };
-            let mut pm: Vec<(&mut S, &mut S)> = p.iter_mut().zip(m.iter_mut()).collect();
-            chunked3(&mut pm, g, v, |pm, g, v| {
-                for (((p, m), g), v) in pm.iter_mut().zip(g).zip(v.iter_mut()) {
+            chunked(&mut written, g, |w, g| {
+                let [p, m, v] = w else { unreachable!("Adam writes the parameter and its two moments") };
+                for (((p, m), g), v) in p.iter_mut().zip(m.iter_mut()).zip(g).zip(v.iter_mut()) {
                     let (mut pv, mut gv) = (p.ld(), g.ld());
                     if weight_decay && decoupled {
                         pv = kr(pv * decay);
@@ -151,8 +150,8 @@ fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool)
                     let mv = kr(kr(m.ld() * beta1) + kr(gv * keep1));
                     let vv = kr(kr(v.ld() * beta2) + kr(kr(gv * gv) * keep2));
                     let denom = kr(kr(kr(vv.sqrt()) / bc2s) + eps);
-                    **p = S::st(pv - kr(kr(mv / denom) * step_size));
-                    (**m, *v) = (S::st(mv), S::st(vv));
+                    *p = S::st(pv - kr(kr(mv / denom) * step_size));
+                    (*m, *v) = (S::st(mv), S::st(vv));
                 }
             });
         }
@@ -162,16 +161,17 @@ fn entry<S: Stored>(rule: Rule, slots: &[&Tensor], scalars: &[f64], first: bool)
 /// Elements per core's share below which one thread updates the whole parameter.
 const CHUNK: usize = 4 * PAR_THRESHOLD;
 
-fn chunked<A: Send, B: Sync>(a: &mut [A], b: &[B], f: impl Fn(&mut [A], &[B]) + Sync) {
-    if a.len() < 2 * CHUNK {
-        return f(a, b);
+/// Runs `f` on matching chunks of the written slots and the gradient: the whole of each below
+/// `2 * CHUNK` elements, else chunks of `CHUNK` split across cores.
+fn chunked<S: Send + Sync>(written: &mut [&mut [S]], g: &[S], f: impl Fn(&mut [&mut [S]], &[S]) + Sync) {
+    if g.len() < 2 * CHUNK {
+        return f(written, g);
     }
-    a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).for_each(|(a, b)| f(a, b));
-}
-
-fn chunked3<A: Send, B: Sync, C: Send>(a: &mut [A], b: &[B], c: &mut [C], f: impl Fn(&mut [A], &[B], &mut [C]) + Sync) {
-    if a.len() < 2 * CHUNK {
-        return f(a, b, c);
+    let mut parts: Vec<Vec<&mut [S]>> = (0..g.len().div_ceil(CHUNK)).map(|_| Vec::with_capacity(written.len())).collect();
+    for w in written.iter_mut() {
+        for (part, c) in parts.iter_mut().zip(w.chunks_mut(CHUNK)) {
+            part.push(c);
+        }
     }
-    a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).zip(c.par_chunks_mut(CHUNK)).for_each(|((a, b), c)| f(a, b, c));
+    parts.into_par_iter().zip(g.par_chunks(CHUNK)).for_each(|(mut w, g)| f(&mut w, g));
 }
