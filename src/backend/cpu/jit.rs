@@ -206,18 +206,19 @@ enum Held<'a> {
 }
 
 impl Held<'_> {
-    /// The address of the storage's first element (None: not host memory).
-    fn base(&mut self) -> Option<usize> {
-        match self {
+    /// The guard with the address of the storage's first element (None: not host memory).
+    fn with_base(mut self) -> Option<(Self, usize)> {
+        let base = match &mut self {
             Held::Read(g) => match &**g {
-                BackendStorage::Cpu(s) => Some(with_storage!(s, v => v.as_ptr() as usize)),
-                _ => None,
+                BackendStorage::Cpu(s) => with_storage!(s, v => v.as_ptr() as usize),
+                _ => return None,
             },
             Held::Write(g) => match &mut **g {
-                BackendStorage::Cpu(s) => Some(with_storage!(s, v => v.as_mut_ptr() as usize)),
-                _ => None,
+                BackendStorage::Cpu(s) => with_storage!(s, v => v.as_mut_ptr() as usize),
+                _ => return None,
             },
-        }
+        };
+        Some((self, base))
     }
 }
 
@@ -240,34 +241,35 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
         return None;
     }
     let row_kernel = matches!(k.space, Space::Rows { .. });
-    let same_storage = |a: &Tensor, b: &Tensor| std::sync::Arc::ptr_eq(a.storage(), b.storage());
     // In-place outputs: flat, contiguous, of the output's dtype and size, on the host, and read
     // by the kernel (if at all) at exactly the elements written.
     let into: Vec<Option<&Tensor>> = (0..k.outputs.len())
         .map(|m| {
             let t = into.get(m)?.as_ref()?;
             let ok = !row_kernel && !k.single[m] && t.device() == crate::Device::Cpu && t.is_contiguous() && t.dtype() == k.ops[k.outputs[m].0].dtype && t.numel() == size;
-            let read_alike = inputs.iter().all(|i| !same_storage(i, t) || (i.layout() == t.layout()));
-            let once = (0..m).all(|j| into.get(j).and_then(|o| o.as_ref()).is_none_or(|o| !same_storage(o, t)));
+            let read_alike = inputs.iter().all(|i| !i.shares_storage_with(t) || i.layout() == t.layout());
+            let once = (0..m).all(|j| into.get(j).and_then(|o| o.as_ref()).is_none_or(|o| !o.shares_storage_with(t)));
             (ok && read_alike && once).then_some(t)
         })
         .collect();
     // Storages stay readable (and alive) from their addresses being taken until the code has
-    // run; those written in place are held for writing, once each.
-    let mut written: Vec<(&Tensor, Held)> = into.iter().flatten().map(|t| (*t, Held::Write(t.storage().data.write()))).collect();
-    let mut held: Vec<Option<Held>> = inputs.iter().map(|t| (!written.iter().any(|(w, _)| same_storage(w, t))).then(|| Held::Read(t.storage().data.read_recursive()))).collect();
+    // run; those written in place are held for writing, once each. Each with its base address.
+    let written: Vec<(&Tensor, Held, usize)> = into.iter().flatten().map(|t| Held::Write(t.storage().data.write()).with_base().map(|(h, b)| (*t, h, b))).collect::<Option<_>>()?;
+    let base_written = |t: &Tensor| written.iter().find(|(w, ..)| w.shares_storage_with(t)).map(|&(_, _, b)| b);
+    let mut held: Vec<Held> = Vec::with_capacity(inputs.len());
     let mut bases: Vec<usize> = Vec::with_capacity(inputs.len());
-    for (t, h) in inputs.iter().zip(held.iter_mut()) {
-        let base = match h {
-            Some(h) => h.base(),
-            None => written.iter_mut().find(|(w, _)| same_storage(w, t)).and_then(|(_, h)| h.base()),
+    for t in inputs {
+        let base = match base_written(t) {
+            Some(b) => b,
+            None => {
+                let (h, b) = Held::Read(t.storage().data.read_recursive()).with_base()?;
+                held.push(h);
+                b
+            }
         };
-        bases.push(base?);
+        bases.push(base);
     }
-    let out_ptrs: Vec<Option<usize>> = into
-        .iter()
-        .map(|t| t.and_then(|t| written.iter_mut().find(|(w, _)| same_storage(w, t)).and_then(|(_, h)| h.base()).map(|b| b + t.storage_offset() * t.dtype().size_in_bytes())))
-        .collect();
+    let in_place: Vec<Option<(&Tensor, usize)>> = into.iter().map(|t| t.and_then(|t| Some((t, base_written(t)? + t.storage_offset() * t.dtype().size_in_bytes())))).collect();
     // Row inputs as [rows, cols] or [rows]; flat inputs as one run where each one's strides
     // allow, else as runs along the kernel's last dim (a broadcast bias, a transpose).
     let view_all = |flat: &[usize]| -> Option<Vec<Operand>> {
@@ -301,19 +303,27 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
             }
         }
     };
-    let outs = launch(k, shape, rows, cols, &ops, runs, native, &out_ptrs);
+    let outs = launch(k, shape, rows, cols, &ops, runs, native, &in_place);
     drop((held, written));
-    Some(outs.map(|outs| outs.into_iter().zip(&into).map(|(o, t)| t.map_or(o, |t| t.clone())).collect()))
+    Some(outs)
 }
 
-/// Output m's storage, written by the native code (every element) before it is read; none
-/// for an output written in place.
-struct Out {
-    storage: Option<CpuStorage>,
-    ptr: usize,
+/// Where output m is written by the native code (every element, before it is read): a fresh
+/// buffer, or the tensor it is written into in place.
+enum Out<'a> {
+    Fresh { storage: CpuStorage, ptr: usize },
+    Into { tensor: &'a Tensor, ptr: usize },
 }
 
-fn fresh(dtype: DType, n: usize) -> Out {
+impl Out<'_> {
+    fn ptr(&self) -> usize {
+        match self {
+            Out::Fresh { ptr, .. } | Out::Into { ptr, .. } => *ptr,
+        }
+    }
+}
+
+fn fresh(dtype: DType, n: usize) -> Out<'static> {
     with_dtype!(dtype, T => {
         let mut v: Vec<T> = pool::take(n);
         v.reserve(n);
@@ -322,14 +332,14 @@ fn fresh(dtype: DType, n: usize) -> Out {
         // elements of these types have no invalid bit patterns the kernel could store
         // (bools are stored as 0 or 1).
         unsafe { v.set_len(n) };
-        Out { storage: Some(<T as super::HostElem>::wrap(v)), ptr }
+        Out::Fresh { storage: <T as super::HostElem>::wrap(v), ptr }
     })
 }
 
-/// Runs the native code; output m is written at `into[m]` where given (and is then returned
-/// as an empty placeholder the caller replaces), else into a fresh buffer.
+/// Runs the native code; output m is written into `into[m]` (the tensor, at its element
+/// address) where given, else into a fresh buffer.
 #[allow(clippy::too_many_arguments)]
-fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native, into: &[Option<usize>]) -> Result<Vec<Tensor>> {
+fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Operand], runs: Option<usize>, native: Native, into: &[Option<(&Tensor, usize)>]) -> Result<Vec<Tensor>> {
     RUNS.with(|r| r.set((r.get().0 + 1, r.get().1)));
     let row_kernel = matches!(k.space, Space::Rows { .. });
     let outs: Vec<Out> = k
@@ -340,7 +350,7 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
             let op = &k.ops[*o];
             let n = if k.single[m] { 1 } else if op.row { rows } else { rows * cols };
             match into.get(m).copied().flatten() {
-                Some(ptr) => Out { storage: None, ptr },
+                Some((tensor, ptr)) => Out::Into { tensor, ptr },
                 None => fresh(op.dtype, n),
             }
         })
@@ -359,7 +369,7 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
         (0..rows.div_ceil(per)).into_par_iter().for_each_init(|| vec![0f64; scratch_per_col * cols / 8], |scratch, b| {
             let (r0, r1) = (b * per, ((b + 1) * per).min(rows));
             let ins: Vec<*const u8> = ops.iter().map(|o| o.ptr as *const u8).collect();
-            let outp: Vec<*mut u8> = outs.iter().map(|o| o.ptr as *mut u8).collect();
+            let outp: Vec<*mut u8> = outs.iter().map(|o| o.ptr() as *mut u8).collect();
             // SAFETY: each task writes rows r0..r1 of the outputs (disjoint), reads inputs
             // within their views, and its own scratch.
             unsafe { f(r0 as i64, r1 as i64, cols as i64, ins.as_ptr(), strides.as_ptr(), outp.as_ptr(), scratch.as_mut_ptr() as *mut u8) };
@@ -390,7 +400,7 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
                 let outp: Vec<*mut u8> = outs
                     .iter()
                     .enumerate()
-                    .map(|(m, o)| if k.single[m] { if start == 0 { o.ptr } else { sink_ptr } } else { o.ptr + start * out_sizes[m] } as *mut u8)
+                    .map(|(m, o)| if k.single[m] { if start == 0 { o.ptr() } else { sink_ptr } } else { o.ptr() + start * out_sizes[m] } as *mut u8)
                     .collect();
                 // SAFETY: each run writes its own range of each output (or the sink, which no
                 // one reads) and reads inputs within their views.
@@ -406,9 +416,9 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
         };
-        res.push(match o.storage {
-            Some(storage) => Tensor::from_cpu(storage, &s),
-            None => Tensor::from_cpu(CpuStorage::from_vec_as(Vec::<f32>::new(), op.dtype), &[0]),
+        res.push(match o {
+            Out::Fresh { storage, .. } => Tensor::from_cpu(storage, &s),
+            Out::Into { tensor, .. } => tensor.clone(),
         });
     }
     Ok(res)
