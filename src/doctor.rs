@@ -126,7 +126,7 @@ impl Report {
                 name: format!("idle: {}", g.kind.words()),
                 start_us: g.start_us,
                 us: g.us,
-                args: json!({"idle us": g.us - g.other_us, "other threads' kernels us": g.other_us, "before": g.before, "after": g.after, "waited on": g.waited_on, "look at": g.at}),
+                args: json!({"idle us": g.idle_us(), "other threads' kernels us": g.other_us, "before": g.before, "after": g.after, "waited on": g.waited_on, "look at": g.at}),
             })
             .collect();
         self.profile.chrome_trace_marked(&marks, "idle gaps (kiln doctor)")
@@ -165,9 +165,7 @@ pub fn check_with(opts: DoctorOptions, mut step: impl FnMut() -> Result<()>) -> 
     for _ in 0..opts.warmup {
         step()?;
     }
-    // The warm-up opened the devices the step uses.
-    let on_gpu = !cuda_devices_in_use().is_empty();
-    let run = profiled(&mut step, steps, ProfileOptions::new().device_kernels(on_gpu))?;
+    let run = profiled(&mut step, steps)?;
     let used_backward = crate::autograd::backward_calls() > backwards;
     let used_scaler = crate::optim::scaled_losses() > scaled;
     let p = &run.profile;
@@ -207,8 +205,10 @@ struct Run {
     loaded: (crate::data::LoaderActivity, crate::data::LoaderActivity),
 }
 
-fn profiled(step: &mut impl FnMut() -> Result<()>, steps: usize, options: ProfileOptions) -> Result<Run> {
+/// The steps under the profiler, their kernels timed by CUPTI where the warm-up opened a GPU.
+fn profiled(step: &mut impl FnMut() -> Result<()>, steps: usize) -> Result<Run> {
     let devices = cuda_devices_in_use();
+    let options = ProfileOptions::new().device_kernels(!devices.is_empty());
     for d in &devices {
         crate::cuda::synchronize(d)?;
     }
@@ -395,6 +395,13 @@ pub struct Gap {
     pub at: Option<String>,
 }
 
+impl Gap {
+    /// The part of the gap the device was idle: less what other threads' kernels filled.
+    pub fn idle_us(&self) -> f64 {
+        self.us - self.other_us
+    }
+}
+
 fn idle_gaps(p: &Profile, t: &Timeline) -> Vec<Gap> {
     let events = p.events();
     let syncs: Vec<&Event> = p.syncs().collect();
@@ -433,7 +440,7 @@ fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
     let others: f64 = gaps.iter().map(|g| g.other_us).sum();
     let fraction = (t.busy_us() + others) / span.max(1e-9);
     let per = |x: f64| x / steps as f64;
-    let idle = |k: Idle| gaps.iter().filter(|g| g.kind == k).fold(0.0, |sum, g| sum + g.us - g.other_us);
+    let idle = |k: Idle| gaps.iter().filter(|g| g.kind == k).map(Gap::idle_us).sum::<f64>();
     let mut evidence = format!(
         "the GPU was busy {:.0}% of {:.0} us per step; idle {:.0} us per step waiting on synchronisations, {:.0} us on copies, {:.0} us host-bound",
         100.0 * fraction,
@@ -449,7 +456,7 @@ fn gpu_busy(t: &Timeline, gaps: &[Gap], steps: usize, gpu: bool) -> Item {
     // (in idle time) first.
     let mut groups: Vec<(&Gap, f64)> = Vec::new();
     for g in gaps {
-        let idle = g.us - g.other_us;
+        let idle = g.idle_us();
         match groups.iter_mut().find(|(h, _)| h.kind == g.kind && h.before == g.before && h.after == g.after && h.waited_on == g.waited_on) {
             Some(x) => x.1 += idle,
             None => groups.push((g, idle)),
