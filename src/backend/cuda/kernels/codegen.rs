@@ -235,14 +235,27 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         Class::Strided => format!("o{}", k + 1),
     };
     let out_at = |i: &str| if strided_out { "o0".to_string() } else { i.to_string() };
-    let body = |c: &mut String, elem: &dyn Fn(usize) -> String| {
-        for (k, (d, t, _)) in s.inputs.iter().enumerate() {
-            let _ = writeln!(c, "    const {} v{k} = {};", t.name(), load(*d, *t, &elem(k)));
+    // The inputs' values v{k} (`value(k)`: input k's value as its compute type), then the body.
+    let body = |c: &mut String, value: &dyn Fn(usize) -> String| {
+        for (k, (_, t, _)) in s.inputs.iter().enumerate() {
+            let _ = writeln!(c, "    const {} v{k} = {};", t.name(), value(k));
         }
         c.push_str(&s.body);
     };
+    // Input k's stored element `elem`, as its compute type.
+    let loaded = |k: usize, elem: &str| load(s.inputs[k].0, s.inputs[k].1, elem);
     let results: Vec<String> = s.outs.iter().map(|(d, t, e, _)| store(*d, *t, e)).collect();
     let once = |m: usize| s.outs[m].3;
+    // One element's outputs, the others stored at `idx` (element 0 alone stores a one-value output).
+    let store_outs = |c: &mut String, idx: &str| {
+        for (m, r) in results.iter().enumerate() {
+            match once(m) {
+                true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
+                false => writeln!(c, "    out{m}[{idx}] = {r};"),
+            }
+            .expect("writing to a String");
+        }
+    };
     if s.vec > 1 {
         // Strided operands qualify only with unit inner stride and vector-aligned runs (checked
         // at launch), so one offset computation serves a whole vector.
@@ -257,7 +270,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "    VO{m} r{m};");
         }
         let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
-        body(&mut c, &|k| if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") });
+        body(&mut c, &|k| loaded(k, &if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") }));
         for (m, r) in results.iter().enumerate() {
             match once(m) {
                 true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
@@ -273,14 +286,8 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         // The few elements past the vectors, one per thread.
         let _ = writeln!(c, "  for (IDX i = start + tid; i < n; i += step) {{");
         offsets(&mut c, "i");
-        body(&mut c, &|k| format!("p{k}[{}]", at(k, "i")));
-        for (m, r) in results.iter().enumerate() {
-            match once(m) {
-                true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
-                false => writeln!(c, "    out{m}[{}] = {r};", out_at("i")),
-            }
-            .expect("writing to a String");
-        }
+        body(&mut c, &|k| loaded(k, &format!("p{k}[{}]", at(k, "i"))));
+        store_outs(&mut c, &out_at("i"));
         let _ = writeln!(c, "  }}\n}}");
         return c;
     }
@@ -298,25 +305,14 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {MAP_ILP}; j++) {{\n    if ((IDX)j * step >= n - i0) break;\n    const IDX i = i0 + (IDX)j * step;");
     offsets(&mut c, "i");
     for &k in &walked {
-        let (d, t, _) = s.inputs[k];
-        let _ = writeln!(c, "    x{k}[j] = {};", load(d, t, &format!("p{k}[{}]", at(k, "i"))));
+        let _ = writeln!(c, "    x{k}[j] = {};", loaded(k, &format!("p{k}[{}]", at(k, "i"))));
     }
     if strided_out {
         let _ = writeln!(c, "    at0[j] = o0;");
     }
     let _ = writeln!(c, "    }}\n    #pragma unroll\n    for (int j = 0; j < {MAP_ILP}; j++) {{\n    if ((IDX)j * step >= n - i0) break;\n    const IDX i = i0 + (IDX)j * step; (void)i;");
-    for (k, (d, t, cls)) in s.inputs.iter().enumerate() {
-        let v = if walks(*cls) { format!("x{k}[j]") } else { load(*d, *t, &format!("p{k}[0]")) };
-        let _ = writeln!(c, "    const {} v{k} = {v};", t.name());
-    }
-    c.push_str(&s.body);
-    for (m, r) in results.iter().enumerate() {
-        match once(m) {
-            true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),
-            false => writeln!(c, "    out{m}[{}] = {r};", if strided_out { "at0[j]" } else { "i" }),
-        }
-        .expect("writing to a String");
-    }
+    body(&mut c, &|k| if walks(s.inputs[k].2) { format!("x{k}[j]") } else { loaded(k, &format!("p{k}[0]")) });
+    store_outs(&mut c, if strided_out { "at0[j]" } else { "i" });
     let _ = writeln!(c, "    }}\n  }}\n}}");
     c
 }
