@@ -8,7 +8,7 @@
 use crate::backend::cexpr::{arg, lower, value_names};
 use crate::backend::cuda::kernels::codegen::{convert, load, storage_type, store};
 use crate::dtype::CType;
-use crate::kir::{FusedKernel, KKind, RowPass, RowPlan, Space};
+use crate::kir::{FusedKernel, KKind, RowPass, RowPlan, Space, ValueRef};
 use crate::ops::{ReduceOp, UnaryOp};
 use std::fmt::Write;
 
@@ -272,14 +272,28 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 // each vector of them (independent chains): the interpreter's order, so the
                 // same bits.
                 let w = super::fused::FOLD_LANES;
-                let _ = writeln!(c, "    while (c{i} + {w} <= K) {{\n      long long n{i} = (K - c{i}) & ~{}LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};\n      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", w - 1, tn = t.name());
+                // Values already in memory one column apart (a row of an input, or an array
+                // this pass or an earlier one fills) fold from there, not from a copy.
+                let direct = match op.args[0] {
+                    ValueRef::In(j) if !k.inputs[j].row && walks[j] != Walk::Broadcast && storage_type(k.inputs[j].dtype) == t.name() => Some(format!("r{j}[c{i} + ")),
+                    ValueRef::Op(o) if plan.op_array[o] && vals[o].0 == t => Some(format!("at{o}[c{i} + ")),
+                    _ => None,
+                };
+                let _ = writeln!(c, "    while (c{i} + {w} <= K) {{\n      long long n{i} = (K - c{i}) & ~{}LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};", w - 1);
+                if direct.is_none() {
+                    let _ = writeln!(c, "      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", tn = t.name());
+                }
                 if pass == 1 {
                     c.push_str(&prefetch_next_row(k, walks, &plan, &format!("c{i}"), &format!("n{i}")));
                 }
                 let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e++) {{\n        const long long q = c{i} + e;");
                 c.push_str(&element(p, &filled));
-                let _ = writeln!(c, "        b{i}[e] = {v};\n      }}");
-                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e += {w}) for (int u = 0; u < {LANE_VECTORS}; u++) {{\n        {vt} v{i};\n        for (int j = 0; j < 8; j++) v{i}[j] = {};\n        {}\n      }}\n      c{i} += n{i};\n    }}", convert(t, at, &format!("b{i}[e + 8 * u + j]")), lanes(r, at, &format!("l{i}[u]"), &format!("v{i}")));
+                if direct.is_none() {
+                    let _ = writeln!(c, "        b{i}[e] = {v};");
+                }
+                c.push_str("      }\n");
+                let folded = format!("{}e + 8 * u + j]", direct.unwrap_or_else(|| format!("b{i}[")));
+                let _ = writeln!(c, "      for (long long e = 0; e < n{i}; e += {w}) for (int u = 0; u < {LANE_VECTORS}; u++) {{\n        {vt} v{i};\n        for (int j = 0; j < 8; j++) v{i}[j] = {};\n        {}\n      }}\n      c{i} += n{i};\n    }}", convert(t, at, &folded), lanes(r, at, &format!("l{i}[u]"), &format!("v{i}")));
                 let _ = writeln!(c, "    {a} a{i} = {id};\n    for (int e = 0; e < {w}; e++) a{i} = {};", combine(r, &format!("a{i}"), &format!("l{i}[e >> 3][e & 7]")), a = at.name());
                 let _ = writeln!(c, "    for (; c{i} < K; c{i}++) {{\n      {{\n        const long long q = c{i};");
                 c.push_str(&element(p, &filled));

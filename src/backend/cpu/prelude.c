@@ -142,16 +142,17 @@ KLANES(kv8l, kv8l, kmin8_i, <)
 
 // F32 functions as ops::pointwise defines them for the CPU (exp_f32, ln_f32, sincos_f32,
 // tanh_f32), with the same constants.
-static inline float kpow2(int k) { return kfrom(((unsigned int)(k + 127)) << 23); }
+static inline float kpow2(int k) { return kfrom(((unsigned int)k + 127u) << 23); }
 static inline float kexpf(float x) {
   const float round = 12582912.0f;
   float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  float n = (xc * 1.44269504088896340735992468100189214f + round) - round;
+  float t = xc * 1.44269504088896340735992468100189214f + round;
+  float n = t - round;
   float r = (xc - n * 0.6933594f) - n * -2.1219444e-4f;
   float p = (((((1.9875691e-4f * r + 1.3981999e-3f) * r + 8.333452e-3f) * r + 4.1665796e-2f) * r + 0.16666665f) * r + 0.5f) * (r * r) + r + 1.0f;
-  int ni = n == n ? (int)n : 0;
+  int ni = (int)(kbits(t) - kbits(round));
   int half = ni >> 1;
-  return p * kpow2(half) * kpow2(ni - half);
+  return p * kpow2(half) * kpow2((int)((unsigned int)ni - (unsigned int)half));
 }
 static inline float klogf(float x) {
   bool tiny = x < 1.17549435e-38f;
