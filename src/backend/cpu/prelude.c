@@ -3,7 +3,8 @@
 // CPU's semantics: F16 / BF16 conversions rounding as the `half` crate does, integer and
 // rounded arithmetic as the eager loops compute it, and F32 exp, log, sin, cos and tanh by the
 // same branch-free polynomials as the eager functions (so compiled and eager agree and loops
-// over them vectorise). Compiled with FP contraction off: no FMA the eager code does not do.
+// over them vectorise). Compiled with FP contraction off: no FMA the eager code does not do
+// (exp fuses its products with `fmaf` where the eager one calls `mul_add`).
 #include <math.h>
 #include <stdbool.h>
 #include <string.h>
@@ -145,14 +146,15 @@ KLANES(kv8l, kv8l, kmin8_i, <)
 static inline float kpow2(int k) { return kfrom(((unsigned int)k + 127u) << 23); }
 static inline float kexpf(float x) {
   const float round = 12582912.0f;
-  float xc = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  float t = xc * 1.44269504088896340735992468100189214f + round;
+  float t = fmaf(x, 1.44269504088896340735992468100189214f, round);
   float n = t - round;
-  float r = (xc - n * 0.6933594f) - n * -2.1219444e-4f;
-  float p = (((((1.9875691e-4f * r + 1.3981999e-3f) * r + 8.333452e-3f) * r + 4.1665796e-2f) * r + 0.16666665f) * r + 0.5f) * (r * r) + r + 1.0f;
+  float r = fmaf(n, 2.1219444e-4f, fmaf(n, -0.6933594f, x));
+  float p = fmaf(fmaf(fmaf(fmaf(fmaf(fmaf(1.9875691e-4f, r, 1.3981999e-3f), r, 8.333452e-3f), r, 4.1665796e-2f), r, 0.16666665f), r, 0.5f), r * r, r) + 1.0f;
   int ni = (int)(kbits(t) - kbits(round));
   int half = ni >> 1;
-  return p * kpow2(half) * kpow2((int)((unsigned int)ni - (unsigned int)half));
+  float y = p * kpow2(half) * kpow2((int)((unsigned int)ni - (unsigned int)half));
+  y = x < -104.0f ? 0.0f : y;
+  return x > 89.0f ? __int_as_float(0x7f800000) : y;
 }
 static inline float klogf(float x) {
   bool tiny = x < 1.17549435e-38f;
