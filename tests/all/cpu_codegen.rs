@@ -127,3 +127,62 @@ fn row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged() {
         assert_close_named(&format!("layer_norm {dt:?}"), &p, &q, 0.0, 0.0);
     }
 }
+
+/// Run as a child process without a C compiler by the test below: a compiled softmax against
+/// the eager one, and this process's native and interpreted runs.
+#[test]
+#[ignore = "run as a child process by without_a_c_compiler_kernels_are_interpreted_with_one_warning_and_the_same_results"]
+fn no_compiler_child() {
+    let x = host(host_rand(64 * 300, 9), &[64, 300], DType::F32);
+    let f = compile(|x: &Tensor| F::softmax(&x.exp()?, -1));
+    let got = vals(&f.call(&x).unwrap());
+    assert_close(&got, &vals(&kiln::no_grad(|| F::softmax(&x.exp()?, -1)).unwrap()), 0.0, 0.0);
+    let c = cpu_codegen_counts();
+    println!("KILN_NO_CC native={} interpreted={}", c.native_runs, c.interpreted_runs);
+}
+
+#[test]
+fn without_a_c_compiler_kernels_are_interpreted_with_one_warning_and_the_same_results() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["cpu_codegen::no_compiler_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("CC", "/nonexistent/cc")
+        .env_remove("KILN_LOG")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    let counts = stdout.lines().find_map(|l| l.split_once("KILN_NO_CC ").map(|(_, r)| r.to_string())).unwrap_or_else(|| panic!("no counts:\n{stdout}"));
+    assert!(counts.starts_with("native=0 ") && !counts.ends_with("interpreted=0"), "{counts}");
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("no C compiler")).collect();
+    assert_eq!(warnings.len(), 1, "one line says why:\n{stderr}");
+}
+
+#[test]
+fn sizes_around_every_vector_width_block_and_chunk_boundary_match_the_interpreter() {
+    // Flat: the vector widths (4, 8, 16 lanes), four-wide unrolling, the tasks' chunks (16384)
+    // and the parallel threshold (32768); a broadcast row and a strided (transposed) operand.
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for n in [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 16383, 16384, 16385, 32767, 32768, 32769, 65537] {
+            let x = host(host_rand(n, n as u64), &[n], dt);
+            let (a, b) = both(std::slice::from_ref(&x), |xs| xs[0].exp()?.mul(&xs[0].sin()?)?.add_scalar(0.5));
+            assert_close_named(&format!("flat {dt:?} {n}"), &a, &b, 0.0, 0.0);
+        }
+        for (r, c) in [(3, 17), (17, 33), (129, 257), (2, 16385)] {
+            let x = host(host_rand(r * c, 7), &[r, c], dt);
+            let row = host(host_rand(c, 8), &[c], dt);
+            let xt = host(host_rand(r * c, 9), &[c, r], dt);
+            let (a, b) = both(&[x, row, xt], |xs| xs[0].mul(&xs[1])?.add(&xs[2].t()?)?.relu());
+            assert_close_named(&format!("broadcast and strided {dt:?} {r}x{c}"), &a, &b, 0.0, 0.0);
+        }
+    }
+    // Rows: the 32 lanes a reduction folds into, its blocks of 256, and the rows per task.
+    for dt in [DType::F32, DType::F64, DType::BF16] {
+        for cols in [1, 2, 31, 32, 33, 255, 256, 257, 513] {
+            for rows in [1, 7, 9] {
+                let x = host(host_rand(rows * cols, (rows * cols) as u64), &[rows, cols], dt);
+                let (p, q) = both(std::slice::from_ref(&x), |xs| F::log_softmax(&xs[0], -1)?.add(&xs[0].sum(&[-1], true)?));
+                assert_close_named(&format!("rows {dt:?} {rows}x{cols}"), &p, &q, 0.0, 0.0);
+            }
+        }
+    }
+}

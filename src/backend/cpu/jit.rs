@@ -111,7 +111,11 @@ fn compiler() -> Option<&'static (String, String)> {
     static C: OnceLock<Option<(String, String)>> = OnceLock::new();
     C.get_or_init(|| {
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-        let out = std::process::Command::new(&cc).arg("--version").output().ok().filter(|o| o.status.success())?;
+        let Some(out) = std::process::Command::new(&cc).arg("--version").output().ok().filter(|o| o.status.success()) else {
+            // Said once, whatever KILN_LOG holds: every compiled CPU kernel is slower from here.
+            crate::logging::warn(crate::logging::Topic::Kernels, &format!("no C compiler ({cc} --version failed; set CC): compiled CPU kernels run in the interpreter, with the same results"));
+            return None;
+        };
         let version = String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string();
         let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(str::to_string)).unwrap_or_default();
         Some((cc, format!("{version}\n{cpu}")))
