@@ -6,7 +6,20 @@ use kiln::distributed::{Backend, InitOptions, ProcessGroup, ReduceOp};
 use kiln::prelude::*;
 use std::time::Duration;
 
+/// A port for one test's store, free when chosen. Ports below the kernel's ephemeral range
+/// (where outgoing connections take theirs: a port found free by binding port 0 was once
+/// taken by another test's connection before the store bound it), spread by process and
+/// counted within one, so that tests side by side, in one process or several, ask for
+/// different ones.
 pub fn free_port() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    for _ in 0..64 {
+        let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let port = (20_000 + (std::process::id() % 500) * 24 + k % 24) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
