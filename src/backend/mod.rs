@@ -36,6 +36,17 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
     }
 }
 
+/// `torch.scatter` written into `dst` (contiguous) itself: only the elements `index` names
+/// change (a compiled program's in-place scatter into a captured tensor).
+pub(crate) fn scatter_into(dst: &crate::Tensor, dim: usize, index: &crate::Tensor, src: &crate::Tensor) -> Result<()> {
+    let src = if src.shares_storage_with(dst) { src.copy_contiguous()? } else { src.clone() };
+    if dst.device().is_cuda() {
+        cuda::kernels::scatter_into(dst, dim, index, &src)
+    } else {
+        cpu::index::scatter_into(dst, dim, index, &src)
+    }
+}
+
 /// A convolution pass by the device's library (cuDNN) where it takes it, else None (the
 /// caller computes it as im2col and a product). `shapes`: input, weight, output.
 pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize]) -> Result<Option<crate::Tensor>> {

@@ -71,7 +71,7 @@ impl Node {
                 Op::Reduce(_, dims, keep) => format!("[dims={dims:?}{}]", if *keep { ", keepdim" } else { "" }),
                 Op::Reshape(s) | Op::Expand(s) | Op::Permute(s) => format!("{s:?}"),
                 Op::Slice { dim, start, len, step } => format!("[dim={dim}, start={start}, len={len}, step={step}]"),
-                Op::Cat(d) | Op::IndexSelect(d) | Op::Gather(d) | Op::ScatterAdd(d) => format!("[dim={d}]"),
+                Op::Cat(d) | Op::IndexSelect(d) | Op::Gather(d) | Op::ScatterAdd(d) | Op::Scatter(d) => format!("[dim={d}]"),
                 Op::Pad(p, v) => format!("[{p:?}, value={v}]"),
                 Op::ToDevice { to, .. } => format!("[{to}]"),
                 Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),

@@ -363,7 +363,17 @@ impl Program {
                                 }
                             }
                         }
-                        None => run_node(g, *i, inputs, &env)?,
+                        None => match self.in_place.get(i).map(|&k| &inputs[g.n_args + k]) {
+                            // A scatter the plan writes into its captured tensor: only the indexed
+                            // elements are stored, and the tensor is the value.
+                            Some(t) if t.is_contiguous() => {
+                                let (NodeOp::Prim(crate::ops::Op::Scatter(dim)), [_, index, src]) = (&g.nodes[*i].op, g.nodes[*i].args.as_slice()) else { unreachable!("the plan writes nodes in place only for scatters") };
+                                let arg = |a: &NodeId| env[*a].as_ref().expect("computed before use");
+                                crate::backend::scatter_into(t, *dim, arg(index), arg(src))?;
+                                t.clone()
+                            }
+                            _ => run_node(g, *i, inputs, &env)?,
+                        },
                     })
                 }
                 Step::Gemm(j) => {
@@ -502,7 +512,7 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     };
     let known = |op: &crate::ops::Op| {
         use crate::ops::Op;
-        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
     };
     if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || matches!(g.nodes[*i].op, NodeOp::Full(_)))) {
         return Footprint::barrier(what);
@@ -619,7 +629,7 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     p
 }
 
-/// Which written-back values a flat fused kernel can store straight into their captured tensor:
+/// Which written-back values a flat fused kernel (or a scatter) can store straight into their captured tensor:
 /// every other read of that tensor (through views too) must come in an earlier step, the
 /// kernel must read it directly (element i read and written by the same thread), not a view,
 /// and the kernel must run over exactly the tensor's elements (a one-element value, such as an
@@ -653,14 +663,24 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     }
     let captured: std::collections::HashMap<usize, NodeId> =
         g.nodes.iter().enumerate().filter_map(|(i, n)| if let NodeOp::Captured(k) = n.op { Some((k, i)) } else { None }).collect();
+    let step_of_node: std::collections::HashMap<NodeId, usize> =
+        step_of_view.iter().map(|(&k, &i)| (i, k)).collect();
     let mut out = std::collections::HashMap::new();
     for &(k, v) in &g.mutations {
-        let (Some(&(at, j)), Some(&c)) = (made_by.get(&v), captured.get(&k)) else { continue };
-        let flat = matches!(s.kernels[j].space, crate::kir::Space::Flat { numel } if numel == g.nodes[v].numel());
+        let Some(&c) = captured.get(&k) else { continue };
+        // A flat kernel over exactly the tensor's elements, or a scatter into the tensor itself.
+        let at = match made_by.get(&v) {
+            Some(&(at, j)) if matches!(s.kernels[j].space, crate::kir::Space::Flat { numel } if numel == g.nodes[v].numel()) => at,
+            Some(_) => continue,
+            None => match (step_of_node.get(&v), &g.nodes[v].op) {
+                (Some(&at), NodeOp::Prim(crate::ops::Op::Scatter(_))) if g.nodes[v].args[0] == c => at,
+                _ => continue,
+            },
+        };
         let same = g.nodes[v].shape == g.nodes[c].shape && g.nodes[v].dtype == g.nodes[c].dtype;
         let once = g.mutations.iter().filter(|m| m.0 == k).count() == 1;
         let returned = g.outputs.contains(&c) || g.outputs.contains(&v);
-        if flat && same && once && !returned && before(g, &reads, &step_of_view, c, at, true) {
+        if same && once && !returned && before(g, &reads, &step_of_view, c, at, true) {
             out.insert(v, k);
         }
     }
@@ -672,6 +692,43 @@ mod tests {
     use crate::compile::{compile_with, Backend, CompileOptions};
     use crate::{DType, Device, Tensor};
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn a_scatter_into_a_captured_tensor_nothing_reads_after_is_planned_in_place() {
+        // A decode step's cache write: the scatter's value is read, the cache itself is not.
+        let graph_of = |read_old: bool| {
+            let cache = Tensor::zeros(&[1, 2, 8, 4], DType::F32, &Device::Cpu).unwrap();
+            let seen = Arc::new(Mutex::new(None));
+            let s2 = seen.clone();
+            let backend = Backend::custom(move |g, _| {
+                *s2.lock().unwrap() = Some(g.clone());
+                Ok(g.eager_runner())
+            });
+            let c2 = cache.clone();
+            compile_with(CompileOptions::new().backend(backend), move |pos: &Tensor, k: &Tensor| {
+                crate::no_grad(|| {
+                    let old = c2.mul_scalar(2.0)?;
+                    let at = pos.reshape(&[1, 1, 1, 1])?.broadcast_to(&[1, 2, 1, 4])?;
+                    c2.scatter_(2, &at, k)?;
+                    let y = c2.sum_all()?;
+                    if read_old { y.add(&old.sum_all()?) } else { Ok(y) }
+                })
+            })
+            .call(&Tensor::full(&[1], 3.0, DType::I64, &Device::Cpu).unwrap(), &Tensor::ones(&[1, 2, 1, 4], DType::F32, &Device::Cpu).unwrap())
+            .unwrap();
+            let g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
+            let s = crate::compile::fuse::schedule(&g);
+            let scatters: Vec<usize> = (0..g.nodes.len()).filter(|&i| matches!(g.nodes[i].op, crate::compile::graph::NodeOp::Prim(crate::ops::Op::Scatter(_)))).collect();
+            (super::plan_in_place(&g, &s), scatters)
+        };
+        let (plan, scatters) = graph_of(false);
+        assert_eq!(scatters.len(), 1);
+        assert!(plan.contains_key(&scatters[0]), "{plan:?}");
+        // Whether the old cache's other read lets it is the schedule's to say (`before`); that
+        // the values stay right either way is `compile::a_scatter_into_a_captured_cache...`.
+        let (_, scatters) = graph_of(true);
+        assert_eq!(scatters.len(), 1);
+    }
 
     #[test]
     fn a_one_element_value_computed_in_a_larger_kernel_is_not_written_in_place() {

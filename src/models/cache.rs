@@ -68,15 +68,16 @@ impl KvCache {
         Ok((keys.narrow(2, 0, self.len + t)?, values.narrow(2, 0, self.len + t)?))
     }
 
-    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence
-    /// where `here` `[B, 1, capacity, 1]` is true; returns the layer's whole buffers. Every slot
-    /// is rewritten (kept or replaced by a select), so the shapes are the same at every position.
-    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, here: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence at
+    /// the slots `at` `[B, H_kv, 1, D]` (each sequence's position, broadcast); returns the
+    /// layer's whole buffers. A scatter: compiled, only those slots are written, and the shapes
+    /// are the same at every position.
+    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, at: &Tensor) -> Result<(Tensor, Tensor)> {
         let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
             return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
         };
         for (buf, new) in [(keys, k), (values, v)] {
-            buf.copy_(&crate::where_(here, &new.to_dtype(buf.dtype())?, buf)?)?;
+            buf.scatter_(2, at, &new.to_dtype(buf.dtype())?)?;
         }
         Ok((keys.clone(), values.clone()))
     }
@@ -109,8 +110,8 @@ enum Place<'a> {
     /// One position per sequence given as a device tensor `[B]` (I64): the new keys and values
     /// are written there and every position of the cache is attended under a mask, so the
     /// shapes never change from one position to the next (a compiled decode step replays).
-    /// `here` `[B, 1, capacity, 1]` is true at each sequence's position.
-    Device { positions: Tensor, here: Tensor, cache: &'a KvCache },
+    /// `at` `[B, H_kv, 1, D]` holds each sequence's position (the slot its key is written to).
+    Device { positions: Tensor, at: Tensor, cache: &'a KvCache },
 }
 
 impl<'a> Step<'a> {
@@ -159,10 +160,11 @@ impl<'a> Step<'a> {
         let cap = cache.capacity();
         let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
         let pos = positions.unsqueeze(1)?;
-        let here = slots.eq(&pos)?.reshape(&[b as i64, 1, cap as i64, 1])?;
+        let kv = cache.keys.first().map_or(&[][..], |k| k.shape());
+        let at = positions.reshape(&[b as i64, 1, 1, 1])?.broadcast_to(&[b, kv[1], 1, kv[3]])?;
         // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
         let attn_mask = slots.le(&pos)?.reshape(&[b as i64, 1, 1, cap as i64])?;
-        Ok(Step { place: Place::Device { positions: positions.clone(), here, cache }, attn_mask: Some(attn_mask) })
+        Ok(Step { place: Place::Device { positions: positions.clone(), at, cache }, attn_mask: Some(attn_mask) })
     }
 
     /// The first new position when it is known on the host (the model checks its limit).
@@ -192,7 +194,7 @@ impl<'a> Step<'a> {
         let (k, v) = match &mut self.place {
             Place::Host { cache: Some(c), .. } => c.write(layer, k, v)?,
             Place::Host { cache: None, .. } => (k.clone(), v.clone()),
-            Place::Device { here, cache, .. } => cache.write_at(layer, k, v, here)?,
+            Place::Device { at, cache, .. } => cache.write_at(layer, k, v, at)?,
         };
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
         let causal = self.attn_mask.is_none() && self.start() == Some(0) && t > 1;

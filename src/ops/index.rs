@@ -1,4 +1,4 @@
-//! Indexing: index_select, gather, scatter_add, one_hot.
+//! Indexing: index_select, gather, scatter, scatter_add, one_hot.
 
 use super::{apply, Op};
 use crate::layout::norm_dim;
@@ -75,6 +75,36 @@ impl Tensor {
         }
         check_index_shape("scatter_add", self.shape(), index.shape(), d, src.shape())?;
         apply(Op::ScatterAdd(d), &[self, &index, src])
+    }
+
+    /// A copy of `self` with `src[i][j]` written at row `index[i][j]` (dim 0; likewise for other
+    /// dims) (`torch.scatter`). Where an index repeats, which of its values lands is not
+    /// specified (as in PyTorch).
+    #[track_caller]
+    pub fn scatter(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        let _site = crate::profiler::call_site();
+        let d = norm_dim("scatter", dim, self.ndim())?;
+        let index = check_index_dtype("scatter", index)?;
+        if src.dtype() != self.dtype() {
+            return Err(Error::dtype("scatter", src.dtype(), format!("src must have the tensor's dtype {:?}", self.dtype())));
+        }
+        if self.ndim() == 0 && index.ndim() <= 1 && src.ndim() <= 1 {
+            let (i, s) = (index.reshape_usize(&[index.numel()])?, src.reshape_usize(&[src.numel()])?);
+            return self.reshape_usize(&[1])?.scatter(0, &i, &s)?.reshape_usize(&[]);
+        }
+        if index.numel() == 0 {
+            return self.copy_contiguous();
+        }
+        check_index_shape("scatter", self.shape(), index.shape(), d, src.shape())?;
+        apply(Op::Scatter(d), &[self, &index, src])
+    }
+
+    /// `scatter` in place (`Tensor.scatter_`). Inside a compiled function, a scatter into a
+    /// captured tensor that nothing reads afterwards writes only the indexed elements.
+    #[track_caller]
+    pub fn scatter_(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<()> {
+        let _site = crate::profiler::call_site();
+        self.update_with("scatter_", Some(src), |x| x.scatter(dim, index, src))
     }
 
     /// Class indices to one-hot rows (`F.one_hot`), I64; `num_classes` None means max + 1.

@@ -50,7 +50,7 @@ impl Tensor {
 
     /// `update` for an op with a tensor operand `other`: when only `other` requires grad, the
     /// op's backward may save this tensor too (`c.mul_(w)` saves `c` for `w`'s gradient).
-    fn update_with(&self, op: &'static str, other: Option<&Tensor>, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
+    pub(crate) fn update_with(&self, op: &'static str, other: Option<&Tensor>, f: impl FnOnce(&Tensor) -> Result<Tensor>) -> Result<()> {
         let tracked = if self.is_requires_grad() { !self.is_leaf() } else { other.is_some_and(|o| o.is_requires_grad()) };
         let base = if is_grad_enabled() && tracked { self.copy_contiguous()? } else { self.clone() };
         let value = f(&base)?;

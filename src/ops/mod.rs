@@ -45,6 +45,8 @@ pub enum Op {
     IndexSelect(usize),
     Gather(usize),
     ScatterAdd(usize),
+    /// `torch.scatter` along the dim: a copy of the base with src written at the index.
+    Scatter(usize),
     /// [B, M, K] @ [B, K, N].
     Matmul,
     /// 2-D cross-correlation of [N, C, H, W] by [O, C / groups, KH, KW] -> [N, O, OH, OW]
@@ -106,6 +108,7 @@ impl Op {
             Op::IndexSelect(_) => "index_select",
             Op::Gather(_) => "gather",
             Op::ScatterAdd(_) => "scatter_add",
+            Op::Scatter(_) => "scatter",
             Op::Matmul => "matmul",
             Op::Conv2d(_) => "conv2d",
             Op::Conv2dGradInput(..) => "conv2d_grad_input",
@@ -134,7 +137,7 @@ impl Op {
             Op::Where(_) => vec![false, true, true],
             Op::Reduce(r, ..) => vec![r.differentiable()],
             Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
-            Op::ScatterAdd(_) => vec![true, false, true],
+            Op::ScatterAdd(_) | Op::Scatter(_) => vec![true, false, true],
             Op::Attention { .. } => (0..n).map(|i| i < 3).collect(),
             Op::AttentionBackward { .. } => vec![false; n],
             _ => vec![true; n],
@@ -156,7 +159,7 @@ impl Op {
             Op::Reduce(ReduceOp::Sum, ..) => (vec![false], false),
             Op::Reduce(..) => (vec![true], true),
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
-            Op::ScatterAdd(_) => (vec![false, true, false], false),
+            Op::ScatterAdd(_) | Op::Scatter(_) => (vec![false, true, false], false),
             Op::Attention { .. } => (vec![true; n], true),
             Op::Matmul | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => (vec![true, true], false),
             _ => (vec![false; n], false),
@@ -195,7 +198,7 @@ impl Op {
                 (s, dt)
             }
             Op::Gather(_) => (xs[1].0.to_vec(), dt),
-            Op::ScatterAdd(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
+            Op::ScatterAdd(_) | Op::Scatter(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
             Op::Attention { .. } => (shape.to_vec(), dt),
             Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], dt),
@@ -282,6 +285,7 @@ impl Op {
             Op::IndexSelect(dim) => run!(cpu::index::index_select(x, *dim, xs[1])?, cuda::kernels::index_select(x, *dim, xs[1])),
             Op::Gather(dim) => run!(cpu::index::gather_dim(x, *dim, xs[1])?, cuda::kernels::gather_dim("gather", x, *dim, xs[1])),
             Op::ScatterAdd(dim) => run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])),
+            Op::Scatter(dim) => run!(cpu::index::scatter(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter(x, *dim, xs[1], xs[2])),
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
             Op::Attention { scale, causal } => {
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
@@ -361,7 +365,7 @@ impl Op {
                 let base = Tensor::zeros(in_shape, g.dtype(), &g.device())?;
                 Ok(vec![Some(base.scatter_add(*dim as i64, idx, g)?), None])
             }
-            Op::ScatterAdd(dim) => {
+            Op::ScatterAdd(dim) | Op::Scatter(dim) => {
                 let idx = xs[1].as_ref().expect("index saved");
                 let gs = if want[2] {
                     let part = g.gather(*dim as i64, idx)?;
@@ -371,7 +375,13 @@ impl Op {
                 } else {
                     None
                 };
-                Ok(vec![Some(g.clone()), None, gs])
+                // Scatter's overwritten elements take no gradient back to the base.
+                let gb = match self {
+                    Op::Scatter(_) if want[0] => Some(g.scatter(*dim as i64, idx, &Tensor::zeros(idx.shape(), g.dtype(), &g.device())?)?),
+                    Op::Scatter(_) => None,
+                    _ => Some(g.clone()),
+                };
+                Ok(vec![gb, None, gs])
             }
             Op::Matmul => {
                 let (a, b) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));

@@ -676,6 +676,13 @@ fn gradcheck_indexing() {
         let s = idx(&[0, 1, 1, 0], &[2, 2]);
         gc.check("scatter_add non-contiguous", move |xs| xs[0].t()?.scatter_add(0, &s, &xs[1].t()?), &[rnd(&[2, 2], 15), rnd(&[2, 2], 16)]);
     }
+    {
+        // Scatter with distinct indices per row (repeats leave which value lands unspecified).
+        let s = idx(&[3, 0, 1, 2, 0, 3], &[2, 3]);
+        gc.check("scatter dim 1 (self and src)", move |xs| xs[0].scatter(1, &s, &xs[1]), &[rnd(&[2, 4], 17), rnd(&[2, 3], 18)]);
+        let s = idx(&[2, 0, 1, 2], &[2, 2]);
+        gc.check("scatter dim 0 src larger than index", move |xs| xs[0].scatter(0, &s, &xs[1]), &[rnd(&[3, 3], 19), rnd(&[3, 4], 20)]);
+    }
     gc.finish();
 }
 

@@ -391,6 +391,39 @@ fn in_place_writes_to_captured_tensors_are_written_back() -> Result<()> {
     Ok(())
 }
 
+/// A scatter into a captured tensor (a static cache written at a device position): the
+/// compiled calls equal eager ones at every position, a view taken before sees the writes, the
+/// tensor keeps its storage, and a function that also reads the old values gets them.
+#[test]
+fn a_scatter_into_a_captured_cache_equals_eager_and_keeps_its_storage() -> Result<()> {
+    for read_old in [false, true] {
+        let (cache, eager_cache) = (Tensor::zeros(&[2, 3, 8, 4], DType::F32, &dev())?, Tensor::zeros(&[2, 3, 8, 4], DType::F32, &dev())?);
+        let view = cache.narrow(2, 0, 4)?;
+        let step = |c: &Tensor, pos: &Tensor, k: &Tensor| -> Result<Tensor> {
+            kiln::no_grad(|| {
+                let old = c.mul_scalar(2.0)?;
+                let at = pos.reshape(&[2, 1, 1, 1])?.broadcast_to(&[2, 3, 1, 4])?;
+                c.scatter_(2, &at, k)?;
+                let y = c.sum(&[2], false)?;
+                if read_old { y.add(&old.sum(&[2], false)?) } else { Ok(y) }
+            })
+        };
+        let c2 = cache.clone();
+        let f = compile(move |pos: &Tensor, k: &Tensor| step(&c2, pos, k));
+        for p in 0..6 {
+            let pos = Tensor::from_vec(vec![p as f64, (7 - p) as f64], &[2], &dev())?.to_dtype(DType::I64)?;
+            let k = randn(&[2, 3, 1, 4], 40 + p as u64);
+            let got = f.call(&pos, &k)?;
+            let want = step(&eager_cache, &pos, &k)?;
+            assert_close(&vals(&got), &vals(&want), 0.0, 0.0);
+            assert_close(&vals(&cache), &vals(&eager_cache), 0.0, 0.0);
+        }
+        assert!(view.shares_storage_with(&cache));
+        assert_close(&vals(&view), &vals(&eager_cache.narrow(2, 0, 4)?), 0.0, 0.0);
+    }
+    Ok(())
+}
+
 /// A written-back update keeps the captured tensor's storage (on the host its new buffer is
 /// handed over, not copied): views taken before see the values, the version moves, and a
 /// value that is also returned is returned intact.

@@ -102,6 +102,41 @@ fn scatter_add_with_repeated_indices() {
 }
 
 #[test]
+fn scatter_writes_src_at_the_index_and_scatter_in_place_too() {
+    for dt in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64] {
+        let d = dom(dt);
+        let (base, bv) = inputs(&[3, 5], 5, dt, &d);
+        let idx = [0i64, 1, 4, 2, 3, 2, 0, 4, 4, 3, 1, 0];
+        for lay in [Lay::Contig, Lay::Transposed] {
+            let (src, sv) = make2(3, 4, lay, dt, 6, &d);
+            // dim 1: out[i][idx[i][j]] = src[i][j]
+            let mut want = bv.clone();
+            for f in 0..12 {
+                want[(f / 4) * 5 + idx[f] as usize] = sv[f];
+            }
+            check(&format!("scatter dim 1 {dt:?} {lay:?}"), &base.scatter(1, &ti64(&idx, &[3, 4]), &src).unwrap(), &[3, 5], dt, &want, 0.0, 0.0);
+            let inplace = base.copy_contiguous().unwrap();
+            inplace.scatter_(1, &ti64(&idx, &[3, 4]), &src).unwrap();
+            check(&format!("scatter_ dim 1 {dt:?} {lay:?}"), &inplace, &[3, 5], dt, &want, 0.0, 0.0);
+        }
+        // dim 0 with a broadcast (expanded) index and src larger than the index.
+        let (src, sv) = inputs(&[3, 5], 7, dt, &d);
+        let row = ti64(&[2], &[1, 1]).broadcast_to(&[2, 5]).unwrap();
+        let mut want = bv.clone();
+        for j in 0..5 {
+            want[2 * 5 + j] = sv[5 + j]; // the second of the two writes to row 2, as a loop over the index does
+        }
+        let got = base.scatter(0, &row.narrow(0, 1, 1).unwrap(), &src.narrow(0, 1, 1).unwrap()).unwrap();
+        check(&format!("scatter dim 0 broadcast index {dt:?}"), &got, &[3, 5], dt, &want, 0.0, 0.0);
+        close("scatter leaves base", &vals(&base), &bv, 0.0, 0.0);
+    }
+    let z = Tensor::zeros(&[4], DType::F32, &dev()).unwrap();
+    assert!(z.scatter(0, &ti64(&[0], &[1]), &t(&[1.0], &[1], DType::F64)).is_err(), "src dtype must match");
+    assert!(z.scatter(0, &ti64(&[0, 1], &[2]), &t(&[1.0], &[1], DType::F32)).is_err(), "src smaller than the index");
+    assert!(matches!(z.scatter(0, &ti64(&[4], &[1]), &t(&[1.0], &[1], DType::F32)).and_then(|y| y.to_device(&kiln::Device::Cpu)), Err(Error::Index { .. })));
+}
+
+#[test]
 fn cat_values_and_promotion() {
     let (a, av) = inputs(&[2, 3], 1, DType::F32, |r| r);
     let (b, bv) = make2(4, 3, Lay::Transposed, DType::F32, 2, |r| r);

@@ -111,24 +111,55 @@ pub(crate) fn gather_dim(x: &Tensor, dim: usize, index: &Tensor) -> Result<CpuSt
     }))
 }
 
+/// src's values at the index's positions: its leading index-shaped block (src may be larger).
+fn scattered<T: HostElem>(index: &Tensor, src: &Tensor) -> Vec<T> {
+    let sub = Layout { shape: index.shape().to_vec(), strides: src.layout().strides.clone(), offset: src.layout().offset };
+    let guard = src.storage().data.read_recursive();
+    let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
+    with_storage!(s, v => gather(v, &sub))
+}
+
+/// `out = base; out[index[i][j]][j] = src[i][j]` (for dim 0).
+pub(crate) fn scatter(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CpuStorage> {
+    let offsets = gather_offsets("scatter", base.shape(), dim, index)?;
+    Ok(with_dtype!(base.dtype(), T => {
+        let mut out = contiguous::<T>(base);
+        for (&o, v) in offsets.iter().zip(scattered::<T>(index, src)) {
+            out[o] = v;
+        }
+        T::wrap(out)
+    }))
+}
+
+/// `scatter` into the contiguous `target` itself: only the indexed elements are written.
+pub(crate) fn scatter_into(target: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<()> {
+    let offsets = gather_offsets("scatter_", target.shape(), dim, index)?;
+    let at = target.layout().offset;
+    with_dtype!(target.dtype(), T => {
+        let vals = scattered::<T>(index, src);
+        let mut guard = target.storage().data.write();
+        let BackendStorage::Cpu(s) = &mut *guard else { unreachable!("CPU kernel on a CUDA tensor") };
+        let out = T::slice_mut(s).expect("the tensor's own dtype");
+        for (&o, v) in offsets.iter().zip(vals) {
+            out[at + o] = v;
+        }
+    });
+    Ok(())
+}
+
 /// `out = base; out[index[i][j]][j] += src[i][j]` (for dim 0).
 pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CpuStorage> {
     let offsets = gather_offsets("scatter_add", base.shape(), dim, index)?;
-    // src may be larger than index: only its leading index-shaped block takes part.
-    let sub = Layout { shape: index.shape().to_vec(), strides: src.layout().strides.clone(), offset: src.layout().offset };
-    fn go<C: HostElem + std::ops::Add<Output = C>>(base: &Tensor, src: &Tensor, sub: &Layout, offsets: &[usize]) -> CpuStorage {
+    fn go<C: HostElem + std::ops::Add<Output = C>>(base: &Tensor, index: &Tensor, src: &Tensor, offsets: &[usize]) -> CpuStorage {
         let mut out = to_vec_as::<C>(base);
-        let guard = src.storage().data.read_recursive();
-        let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
-        let vals: Vec<C> = with_storage!(s, v => gather(v, sub));
-        for (&o, v) in offsets.iter().zip(vals) {
+        for (&o, v) in offsets.iter().zip(scattered::<C>(index, src)) {
             out[o] = out[o] + v;
         }
         CpuStorage::from_vec_as(out, base.dtype())
     }
     Ok(match base.dtype() {
-        DType::F64 => go::<f64>(base, src, &sub, &offsets),
-        d if d.is_float() => go::<f32>(base, src, &sub, &offsets),
-        _ => go::<i64>(base, src, &sub, &offsets),
+        DType::F64 => go::<f64>(base, index, src, &offsets),
+        d if d.is_float() => go::<f32>(base, index, src, &offsets),
+        _ => go::<i64>(base, index, src, &offsets),
     })
 }

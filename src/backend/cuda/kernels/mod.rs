@@ -520,35 +520,55 @@ pub(crate) fn index_select(x: &Tensor, dim: usize, index: &Tensor) -> Result<Cud
 }
 
 pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CudaStorage> {
-    let dev = dev_of(base)?;
     let t = match CType::of(base.dtype()) {
         CType::Bool => CType::I64,
         t => t,
     };
     let acc = cast(base, t.dtype())?;
-    let nd = index.ndim();
-    if index.numel() > 0 {
-        let (name, code) = codegen::gen_scatter_add(src.dtype(), t, nd.max(1), dim);
-        let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
-        let (error_word, error_op) = index_error_words(&dev, "scatter_add")?;
-        let mut a = ScatterAddArgs { n: index.numel() as i64, acc: acc.ptr(), src: data_ptr(src)?, idx: data_ptr(index)?, dim_size: base.shape()[dim] as i64, error_word, error_op, ..Default::default() };
-        let acc_strides = contiguous_strides(base.shape());
-        for (d, &acc) in acc_strides.iter().enumerate().take(nd) {
-            a.sizes[d] = index.shape()[d] as i64;
-            a.idx_strides[d] = index.strides()[d] as i64;
-            a.src_strides[d] = src.strides()[d] as i64;
-            a.acc_strides[d] = acc as i64;
-        }
-        if nd == 0 {
-            a.sizes[0] = 1;
-        }
-        dev.launch(kern, (grid_for(index.numel(), THREADS), 1, 1), (THREADS, 1, 1), &a)?;
-    }
+    launch_scatter(acc.ptr(), base.shape(), dim, index, src, Some(t))?;
     if t.dtype() == base.dtype() {
         return Ok(acc);
     }
     let acc_t = Tensor::from_parts(Arc::new(crate::storage::Storage::cuda(acc)), Layout::contiguous(base.shape()), t.dtype(), false);
     cast(&acc_t, base.dtype())
+}
+
+/// A copy of `base` with `src`'s elements written where `index` says (`torch.scatter`).
+pub(crate) fn scatter(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<CudaStorage> {
+    let out = cast(base, base.dtype())?;
+    launch_scatter(out.ptr(), base.shape(), dim, index, src, None)?;
+    Ok(out)
+}
+
+/// `scatter` written into `target` (contiguous) itself: only the indexed elements are stored.
+pub(crate) fn scatter_into(target: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -> Result<()> {
+    launch_scatter(data_ptr(target)?, target.shape(), dim, index, src, None)
+}
+
+/// The scatter kernel over `index` into `acc` (contiguous, of `shape`): adding in compute type
+/// `add` where given, else storing.
+fn launch_scatter(acc: u64, shape: &[usize], dim: usize, index: &Tensor, src: &Tensor, add: Option<CType>) -> Result<()> {
+    let dev = dev_of(src)?;
+    let nd = index.ndim();
+    if index.numel() == 0 {
+        return Ok(());
+    }
+    let op = if add.is_some() { "scatter_add" } else { "scatter" };
+    let (name, code) = codegen::gen_scatter(src.dtype(), add.unwrap_or(CType::of(src.dtype())), nd.max(1), dim, add.is_some());
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
+    let (error_word, error_op) = index_error_words(&dev, op)?;
+    let mut a = ScatterAddArgs { n: index.numel() as i64, acc, src: data_ptr(src)?, idx: data_ptr(index)?, dim_size: shape[dim] as i64, error_word, error_op, ..Default::default() };
+    let acc_strides = contiguous_strides(shape);
+    for (d, &stride) in acc_strides.iter().enumerate().take(nd) {
+        a.sizes[d] = index.shape()[d] as i64;
+        a.idx_strides[d] = index.strides()[d] as i64;
+        a.src_strides[d] = src.strides()[d] as i64;
+        a.acc_strides[d] = stride as i64;
+    }
+    if nd == 0 {
+        a.sizes[0] = 1;
+    }
+    dev.launch(kern, (grid_for(index.numel(), THREADS), 1, 1), (THREADS, 1, 1), &a)
 }
 
 /// Concatenation: each input is copied into its slice of the output.
