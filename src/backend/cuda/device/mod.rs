@@ -758,7 +758,7 @@ pub(crate) fn note_replayed_word(ordinal: usize, w: &Arc<ErrorWord>) {
 }
 
 /// Ops whose kernels report bad indices, by code.
-pub(crate) const INDEX_OPS: [&str; 3] = ["gather", "index_select", "scatter_add"];
+pub(crate) const INDEX_OPS: [&str; 4] = ["gather", "index_select", "scatter_add", "scatter"];
 
 impl ErrorWord {
     fn new() -> std::result::Result<ErrorWord, ds::CUresult> {
