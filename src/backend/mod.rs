@@ -39,11 +39,13 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
 /// `torch.scatter` written into `dst` (contiguous) itself: only the elements `index` names
 /// change (a compiled program's in-place scatter into a captured tensor).
 pub(crate) fn scatter_into(dst: &crate::Tensor, dim: usize, index: &crate::Tensor, src: &crate::Tensor) -> Result<()> {
-    let src = if src.shares_storage_with(dst) { src.copy_contiguous()? } else { src.clone() };
+    // Operands that alias `dst` are copied first: one kernel must not read what it writes.
+    let own = |t: &crate::Tensor| if t.shares_storage_with(dst) { t.copy_contiguous() } else { Ok(t.clone()) };
+    let (index, src) = (own(index)?, own(src)?);
     if dst.device().is_cuda() {
-        cuda::kernels::scatter_into(dst, dim, index, &src)
+        cuda::kernels::scatter_into(dst, dim, &index, &src)
     } else {
-        cpu::index::scatter_into(dst, dim, index, &src)
+        cpu::index::scatter_into(dst, dim, &index, &src)
     }
 }
 

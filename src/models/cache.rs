@@ -69,15 +69,16 @@ impl KvCache {
     }
 
     /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence at
-    /// the slots `at` `[B, H_kv, 1, D]` (each sequence's position, broadcast); returns the
-    /// layer's whole buffers. A scatter: compiled, only those slots are written, and the shapes
-    /// are the same at every position.
-    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, at: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `positions` `[B]`; returns the layer's whole buffers. A scatter: compiled, only those
+    /// slots are written, and the shapes are the same at every position.
+    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
         let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
             return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
         };
+        let s = keys.shape();
+        let at = positions.reshape(&[s[0] as i64, 1, 1, 1])?.broadcast_to(&[s[0], s[1], 1, s[3]])?;
         for (buf, new) in [(keys, k), (values, v)] {
-            buf.scatter_(2, at, &new.to_dtype(buf.dtype())?)?;
+            buf.scatter_(2, &at, &new.to_dtype(buf.dtype())?)?;
         }
         Ok((keys.clone(), values.clone()))
     }
@@ -110,8 +111,7 @@ enum Place<'a> {
     /// One position per sequence given as a device tensor `[B]` (I64): the new keys and values
     /// are written there and every position of the cache is attended under a mask, so the
     /// shapes never change from one position to the next (a compiled decode step replays).
-    /// `at` `[B, H_kv, 1, D]` holds each sequence's position (the slot its key is written to).
-    Device { positions: Tensor, at: Tensor, cache: &'a KvCache },
+    Device { positions: Tensor, cache: &'a KvCache },
 }
 
 impl<'a> Step<'a> {
@@ -160,11 +160,9 @@ impl<'a> Step<'a> {
         let cap = cache.capacity();
         let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
         let pos = positions.unsqueeze(1)?;
-        let kv = cache.keys.first().map_or(&[][..], |k| k.shape());
-        let at = positions.reshape(&[b as i64, 1, 1, 1])?.broadcast_to(&[b, kv[1], 1, kv[3]])?;
         // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
         let attn_mask = slots.le(&pos)?.reshape(&[b as i64, 1, 1, cap as i64])?;
-        Ok(Step { place: Place::Device { positions: positions.clone(), at, cache }, attn_mask: Some(attn_mask) })
+        Ok(Step { place: Place::Device { positions: positions.clone(), cache }, attn_mask: Some(attn_mask) })
     }
 
     /// The first new position when it is known on the host (the model checks its limit).
@@ -194,7 +192,7 @@ impl<'a> Step<'a> {
         let (k, v) = match &mut self.place {
             Place::Host { cache: Some(c), .. } => c.write(layer, k, v)?,
             Place::Host { cache: None, .. } => (k.clone(), v.clone()),
-            Place::Device { at, cache, .. } => cache.write_at(layer, k, v, at)?,
+            Place::Device { positions, cache } => cache.write_at(layer, k, v, positions)?,
         };
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
         let causal = self.attn_mask.is_none() && self.start() == Some(0) && t > 1;

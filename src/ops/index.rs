@@ -59,7 +59,7 @@ impl Tensor {
     #[track_caller]
     pub fn scatter_add(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        self.scatter_op("scatter_add", dim, index, src)
+        self.scatter_op(Op::ScatterAdd, dim, index, src)
     }
 
     /// A copy of `self` with `src[i][j]` written at row `index[i][j]` (dim 0; likewise for other
@@ -68,11 +68,12 @@ impl Tensor {
     #[track_caller]
     pub fn scatter(&self, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        self.scatter_op("scatter", dim, index, src)
+        self.scatter_op(Op::Scatter, dim, index, src)
     }
 
-    /// `scatter_add` or `scatter` (`op`), checked as PyTorch checks them.
-    fn scatter_op(&self, op: &'static str, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+    /// `scatter_add` or `scatter` (`make` its op along a dim), checked as PyTorch checks them.
+    fn scatter_op(&self, make: fn(usize) -> Op, dim: i64, index: &Tensor, src: &Tensor) -> Result<Tensor> {
+        let op = make(0).name();
         let d = norm_dim(op, dim, self.ndim())?;
         let index = check_index_dtype(op, index)?;
         if src.dtype() != self.dtype() {
@@ -81,14 +82,14 @@ impl Tensor {
         if self.ndim() == 0 && index.ndim() <= 1 && src.ndim() <= 1 {
             // A 0-dim tensor takes its one element's values, and stays 0-dim.
             let (i, s) = (index.reshape_usize(&[index.numel()])?, src.reshape_usize(&[src.numel()])?);
-            return self.reshape_usize(&[1])?.scatter_op(op, 0, &i, &s)?.reshape_usize(&[]);
+            return self.reshape_usize(&[1])?.scatter_op(make, 0, &i, &s)?.reshape_usize(&[]);
         }
         if index.numel() == 0 {
             // Nothing is written (PyTorch skips its shape checks): a copy, as always.
             return self.copy_contiguous();
         }
         check_index_shape(op, self.shape(), index.shape(), d, src.shape())?;
-        apply(if op == "scatter" { Op::Scatter(d) } else { Op::ScatterAdd(d) }, &[self, &index, src])
+        apply(make(d), &[self, &index, src])
     }
 
     /// `scatter` in place (`Tensor.scatter_`). Inside a compiled function, a scatter into a

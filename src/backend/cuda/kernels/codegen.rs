@@ -571,15 +571,18 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
     (name, c)
 }
 
-/// `acc[... index ...] += src[...]` with atomics (`add`; `acc` is contiguous in compute type
-/// `t`), or `acc[... index ...] = src[...]` (`acc` is in `src`'s own storage type, `t` unused),
+/// `acc[... index ...] += src[...]` with atomics in compute type `add` (`acc` contiguous in that
+/// type), or without it `acc[... index ...] = src[...]` (`acc` in `src`'s own storage type),
 /// over the index's elements.
-pub(crate) fn gen_scatter(src: DType, t: CType, ndim: usize, dim: usize, add: bool) -> (String, String) {
-    let name = if add { format!("scatter_add_{}_{}_{ndim}d_dim{dim}", short(src), short(t.dtype())) } else { format!("scatter_{}_{ndim}d_dim{dim}", short(src)) };
+pub(crate) fn gen_scatter(src: DType, ndim: usize, dim: usize, add: Option<CType>) -> (String, String) {
+    let name = match add {
+        Some(t) => format!("scatter_add_{}_{}_{ndim}d_dim{dim}", short(src), short(t.dtype())),
+        None => format!("scatter_{}_{ndim}d_dim{dim}", short(src)),
+    };
     let mut c = String::from(PRELUDE);
     c.push_str(ScatterAddArgs::C_DECL);
     let st = storage_type(src);
-    let tn = if add { t.name() } else { st };
+    let tn = add.map_or(st, |t| t.name());
     let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ScatterAddArgs a) {{");
     let _ = writeln!(c, "  const long long n = a.n; {tn}* acc = ({tn}*)a.acc; const {st}* src = (const {st}*)a.src; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
@@ -590,11 +593,12 @@ pub(crate) fn gen_scatter(src: DType, t: CType, ndim: usize, dim: usize, add: bo
             let _ = writeln!(c, "    oa += q * a.acc_strides[{d}];");
         }
     }
-    let write = if !add {
-        "acc[oa] = src[os]".to_string()
-    } else {
-        let v = load(src, t, "src[os]");
-        if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") }
+    let write = match add {
+        None => "acc[oa] = src[os]".to_string(),
+        Some(t) => {
+            let v = load(src, t, "src[os]");
+            if t == CType::I64 { format!("atomicAdd((unsigned long long*)&acc[oa], (unsigned long long)({v}))") } else { format!("atomicAdd(&acc[oa], {v})") }
+        }
     };
     let _ = writeln!(c, "    long long j = idx[oi];\n    if (j < 0 || j >= a.dim_size) {{ kbad_index(a.error_word, a.error_op, idx[oi], (u64)a.dim_size); continue; }}\n    oa += j * a.acc_strides[{dim}];\n    {write};\n  }}\n}}");
     (name, c)

@@ -554,7 +554,7 @@ fn launch_scatter(acc: u64, shape: &[usize], dim: usize, index: &Tensor, src: &T
         return Ok(());
     }
     let op = if add.is_some() { "scatter_add" } else { "scatter" };
-    let (name, code) = codegen::gen_scatter(src.dtype(), add.unwrap_or(CType::of(src.dtype())), nd.max(1), dim, add.is_some());
+    let (name, code) = codegen::gen_scatter(src.dtype(), nd.max(1), dim, add);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name, code))?;
     let (error_word, error_op) = index_error_words(&dev, op)?;
     let mut a = ScatterAddArgs { n: index.numel() as i64, acc, src: data_ptr(src)?, idx: data_ptr(index)?, dim_size: shape[dim] as i64, error_word, error_op, ..Default::default() };
