@@ -53,6 +53,12 @@ pub(crate) fn cudnn_attention_off() -> bool {
     *V.get_or_init(|| is("KILN_CUDNN_ATTENTION", "0"))
 }
 
+/// `KILN_GEMV=0`: products of one row go to cuBLASLt instead of kiln's matrix-vector kernels.
+pub(crate) fn gemv_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_GEMV", "0"))
+}
+
 /// `KILN_CUDNN_MIN_KEYS`: the fewest keys for which attention runs through cuDNN.
 pub(crate) fn cudnn_min_keys() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

@@ -4,6 +4,7 @@
 use crate::common::*;
 use crate::ops::*;
 use kiln::prelude::*;
+use kiln::nn::functional as F;
 use kiln::Error;
 
 /// NumPy broadcast of two (valid) shapes.
@@ -265,6 +266,62 @@ fn gradients_of_transposed_operands_come_in_their_operands_layout() -> Result<()
         let gw2 = w2.grad().expect("the compiled step's gradient");
         assert!(gw2.is_contiguous(), "compiled: {:?}", gw2.strides());
         assert_product_close("compiled dW", &gw2, &want_w, &mag_w);
+    }
+    Ok(())
+}
+
+/// A row times a matrix (every linear layer of a one-token decode step), in both storage
+/// orders of the matrix, at sizes around the 16-byte vector, long rows and wide outputs, from
+/// offsets that break alignment; with a bias and ReLU through `compile`. On CUDA the aligned
+/// ones run kiln's matrix-vector kernels (checked by name) and the rest cuBLASLt.
+#[test]
+fn products_of_one_row_in_both_storage_orders() -> Result<()> {
+    let d = dev();
+    let names = |f: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, Vec<String>)> {
+        let (out, p) = kiln::profiler::profile_value(f)?;
+        Ok((out, p.kernel_names().iter().map(|s| s.to_string()).collect()))
+    };
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let vw = 16 / dt.size_in_bytes();
+        for (k, n) in [(8, 8), (768, 2304), (3072, 768), (1000, 24), (24, 1000), (13, 17), (4096, 50), (64, 50257)] {
+            for transposed in [false, true] {
+                // The matrix stored [K, N], or [N, K] and read through its transpose.
+                let (bv, bs) = (host_rand(k * n, 7 + k as u64), if transposed { [n, k] } else { [k, n] });
+                let b = t(&bv, &bs, dt);
+                let b = if transposed { b.t()? } else { b };
+                let bvals = vals(&b);
+                for offset in [0, 1] {
+                    let av = host_rand(k + offset, 3);
+                    let a = t(&av, &[1, k + offset], dt).slice(1, offset as i64, (k + offset) as i64, 1)?;
+                    let ctx = format!("{dt:?} [1,{k}] @ [{k},{n}] transposed={transposed} offset={offset}");
+                    let (y, kernels) = names(&|| a.matmul(&b))?;
+                    let (want, mag, _) = reference(&vals(&a), &[1, k], &bvals, &[k, n]);
+                    let rtol = mm_rtol(dt);
+                    for (i, ((x, y), m)) in vals(&y).iter().zip(&want).zip(&mag).enumerate() {
+                        assert!((x - y).abs() <= rtol * (m + y.abs()), "{ctx}: element {i}: got {x}, expected {y}");
+                    }
+                    if d.is_cuda() {
+                        let aligned = offset == 0 || !transposed;
+                        let takes = aligned && if transposed { k % vw == 0 && k > 1 } else { n % vw == 0 && n > 1 };
+                        let ours = kernels.iter().any(|s| s.starts_with("gemv_"));
+                        assert_eq!(ours, takes, "{ctx}: {kernels:?}");
+                    }
+                }
+            }
+        }
+        // A linear layer with its bias and ReLU on one row, compiled (the library product's
+        // epilogue) and eager.
+        let (w, bias) = (t(&host_rand(96 * 64, 1), &[96, 64], dt), t(&host_rand(96, 2), &[96], dt));
+        let x = t(&host_rand(64, 3), &[1, 64], dt);
+        let (w2, b2) = (w.clone(), bias.clone());
+        let f = kiln::compile::compile(move |x: &Tensor| F::linear(x, &w2, Some(&b2))?.relu());
+        let got = f.call(&x)?;
+        let eager = F::linear(&x, &w, Some(&bias))?.relu()?;
+        let f64s = |t: &Tensor| t.to_dtype(DType::F64);
+        let want = F::linear(&f64s(&x)?, &f64s(&w)?, Some(&f64s(&bias)?))?.relu()?;
+        let tol = if dt == DType::F32 { 1e-5 } else { 2e-2 };
+        assert_close_named(&format!("{dt:?} compiled"), &vals(&got), &vals(&want), tol, tol * 8.0);
+        assert_close_named(&format!("{dt:?} eager"), &vals(&eager), &vals(&want), tol, tol * 8.0);
     }
     Ok(())
 }

@@ -560,3 +560,36 @@ fn arg_reductions_over_a_few_long_rows_pick_the_first_extreme() -> Result<()> {
     }
     Ok(())
 }
+
+/// Arg reductions of a few long rows (a vocabulary's logits), which CUDA reads 16 bytes at a
+/// time: rows of a multiple of the vector and not, one row of 50257, ties across vectors and
+/// in the tail, a NaN, and a row starting past an aligned address.
+#[test]
+fn arg_reductions_of_long_rows() {
+    for dt in FLOATS {
+        for (rows, cols) in [(1, 50257), (3, 8192), (2, 4099)] {
+            // integers in [-50, 50]: ties between vectors
+            let mut xv: Vec<f64> = host_rand(rows * cols, 11).iter().map(|r| (r * 25.0).round()).collect();
+            // the maximum again in the row's last element (a tie in the tail) and a larger one
+            // at its end in the last row
+            for r in 0..rows {
+                xv[r * cols + cols - 1] = 50.0;
+            }
+            xv[rows * cols - 2] = 60.0;
+            let x = t(&xv, &[rows, cols], dt);
+            let g: Vec<Vec<f64>> = vals(&x).chunks(cols).map(|c| c.to_vec()).collect();
+            let ctx = format!("{dt:?} [{rows}, {cols}]");
+            check(&format!("argmax {ctx}"), &x.argmax(1, false).unwrap(), &[rows], DType::I64, &g.iter().map(|g| ref_argmax(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            check(&format!("argmin {ctx}"), &x.argmin(1, false).unwrap(), &[rows], DType::I64, &g.iter().map(|g| ref_argmin(g)).collect::<Vec<_>>(), 0.0, 0.0);
+            // one element in: the row no longer starts on a vector
+            let s = x.reshape(&[(rows * cols) as i64]).unwrap().slice(0, 1, (rows * cols) as i64, 1).unwrap();
+            let sv = &vals(&x)[1..];
+            check(&format!("argmax offset {ctx}"), &s.argmax(0, false).unwrap(), &[], DType::I64, &[ref_argmax(sv)], 0.0, 0.0);
+            // a NaN counts as the maximum
+            let mut nv = vals(&x);
+            nv[cols / 2] = f64::NAN;
+            let n = t(&nv, &[rows, cols], dt);
+            check(&format!("argmax NaN {ctx}"), &n.argmax(1, false).unwrap(), &[rows], DType::I64, &nv.chunks(cols).map(ref_argmax).collect::<Vec<_>>(), 0.0, 0.0);
+        }
+    }
+}

@@ -6,7 +6,6 @@ use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{DType, Tensor};
 use gemm::Parallelism;
-use half::f16;
 use rayon::prelude::*;
 
 /// `a` [B, M, K] @ `b` [B, K, N] -> contiguous [B, M, N], all of dtype `dtype`.
@@ -16,11 +15,11 @@ pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> CpuStorage {
     match dtype {
         DType::F32 => CpuStorage::F32(gemm_strided::<f32>(a, b, bs, m, k, n)),
         DType::F64 => CpuStorage::F64(gemm_strided::<f64>(a, b, bs, m, k, n)),
-        DType::F16 => CpuStorage::F16(gemm_strided::<f16>(a, b, bs, m, k, n)),
-        // bf16 accumulates in f32, like PyTorch's CPU path.
-        DType::BF16 => {
+        // f16 and bf16 accumulate in f32, like PyTorch's CPU path (the gemm crate's f16
+        // kernels lose more than the result's own rounding on 768-term sums).
+        DType::F16 | DType::BF16 => {
             let (a32, b32) = (a.to_dtype(DType::F32).expect("cast"), b.to_dtype(DType::F32).expect("cast"));
-            CpuStorage::from_vec_as(gemm_strided::<f32>(&a32, &b32, bs, m, k, n), DType::BF16)
+            CpuStorage::from_vec_as(gemm_strided::<f32>(&a32, &b32, bs, m, k, n), dtype)
         }
         _ => CpuStorage::from_vec_as(int_bmm(a, b, bs, m, k, n), dtype),
     }

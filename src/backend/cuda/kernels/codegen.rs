@@ -334,7 +334,8 @@ pub(crate) struct ReduceSpec {
     pub out: DType,
     pub layout: ReduceLayout,
     pub idx64: bool,
-    /// Adjacent columns a thread reads with one load (`Cols` only; 1 for `Rows`).
+    /// Adjacent elements a thread reads with one load: columns (`Cols`), or a row's (`Rows` of
+    /// one chunk, for a few long rows).
     pub vec: usize,
     /// Rows a `Cols` block reads at once (threads in y: 8, or 32 for an unsplit reduction that
     /// has a block for every SM; 1 for `Rows`).
@@ -462,12 +463,22 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let lv = load(s.input, s.acc, "x[X]");
     match s.layout {
         ReduceLayout::Rows => {
+            // At VEC > 1 (one chunk, rows VEC-aligned) a thread reads VEC elements at a time and
+            // the loop after it takes the row's last K % VEC.
+            let vector = if s.vec > 1 {
+                format!(
+                    "    const IDX tail = K - K % VEC;\n    for (IDX k = threadIdx.x * VEC; k < tail; k += blockDim.x * VEC) {{\n      const VX q = *(const VX*)(x + row * K + k);\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc, ai, v, k + e); }}\n    }}\n",
+                    lv = lv.replace("x[X]", "q.v[e]")
+                )
+            } else {
+                "    const IDX tail = 0;\n".to_string()
+            };
             let _ = writeln!(c, r#"  __shared__ {t} sa[32]; __shared__ long long si[32];
   const IDX ch = blockIdx.y;
   const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
-    for (IDX k = lo + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
+{vector}    for (IDX k = lo + tail + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
     for (int off = 16; off > 0; off >>= 1) {{
       const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
       if ((threadIdx.x & 31) + off < 32) kcomb(acc, ai, v, k);
@@ -481,7 +492,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     }}
     __syncthreads();
   }}
-}}"#, lv = lv.replace("x[X]", if s.strided { "x[(k / Q) * (M * Q) + row * Q + k % Q]" } else { "x[row * K + k]" }));
+}}"#, lv = lv.replace("x[X]", if s.strided { "x[(k / Q) * (M * Q) + row * Q + k % Q]" } else { "x[row * K + k]" }), vector = vector);
         }
         ReduceLayout::Cols => {
             // A block is 32 x TY threads over 32 * VEC columns: each thread reads VEC adjacent

@@ -8,6 +8,7 @@ pub(crate) mod codegen;
 pub(crate) mod custom;
 pub(crate) mod foreach;
 pub(crate) mod fused;
+pub(crate) mod gemv;
 
 use crate::dtype::CType;
 use codegen::{gen_map, gen_reduce, Class, GatherArgs, IntBmmArgs, MapSpec, ReduceArgs, ReduceLayout, ReduceSpec, ScatterAddArgs, MAX_DIMS, PARAM_BASE};
@@ -400,7 +401,14 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
             let v = (16 / size).min(4);
             if q.unwrap_or(m).is_multiple_of(v) && ptr % (v * size) as u64 == 0 { v } else { 1 }
         }
-        ReduceLayout::Rows => 1,
+        // An arg reduction of a few long rows (greedy sampling's one row of logits) is one
+        // block per row (never split) whose threads wait on their loads one after another: 16
+        // bytes per load instead of one element, where every row starts aligned.
+        ReduceLayout::Rows => {
+            let v = 16 / input.dtype().size_in_bytes();
+            let few = arg && m < dev.sm_count && k >= 4096 && q.is_none();
+            if few && (m == 1 || k.is_multiple_of(v)) && ptr % 16 == 0 { v } else { 1 }
+        }
     };
     // Columns enough for a block on (nearly) every SM: blocks of 32 x 32 threads over 32 or 64
     // columns, each reading every row, with no split and no fold; 8192 x 8192 f32 then reads at
@@ -463,7 +471,7 @@ fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, [m, k
     let a = ReduceArgs { x, out: y, m: m as i64, k: k as i64, chunks: chunks as i64, q: q as i64, part: split.0, count: split.1 };
     match spec.layout {
         ReduceLayout::Rows => {
-            let per = k.div_ceil(chunks);
+            let per = k.div_ceil(chunks).div_ceil(spec.vec);
             // An arg reduction is never split, so a few long rows (greedy sampling's one row of
             // logits) get whole blocks: 256 threads alone wait on hundreds of loads each.
             let most = if spec.op.is_arg() && m < dev.sm_count { 1024 } else { 256 };
@@ -604,12 +612,32 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>, tune: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
+    let vector = match bias {
+        Some((t, relu)) => blas::bias_vector(t, shape[2])?.map(|v| (v, relu)),
+        None => None,
+    };
+    if bias.is_none() || vector.is_some() {
+        if let Some(s) = row_product(&dev, a, b, dtype, vector.as_ref().map(|(v, r)| (v, *r)))? {
+            return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+        }
+    }
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
+}
+
+/// A product of one row by `gemv`'s kernels, unless `KILN_GEMV=0` or they do not take it.
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>) -> Result<Option<CudaStorage>> {
+    if crate::switches::gemv_off() {
+        return Ok(None);
+    }
+    gemv::product(dev, a, b, dtype, bias)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
+        if let Some(s) = row_product(&dev, a, b, dtype, None)? {
+            return Ok(s);
+        }
         return blas::bmm(&dev, a, b, dtype);
     }
     let (bs, m, k, n) = (a.shape()[0], a.shape()[1], a.shape()[2], b.shape()[2]);

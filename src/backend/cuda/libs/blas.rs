@@ -165,7 +165,7 @@ pub(crate) fn bmm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType) -
 
 /// The bias vector a broadcast view reads: `t` is [.., N] with every dim but the last of stride
 /// 0 (or size 1). Packed and 16-byte aligned (copied when not); None when `t` is no such view.
-fn bias_vector(t: &Tensor, n: usize) -> Result<Option<Tensor>> {
+pub(crate) fn bias_vector(t: &Tensor, n: usize) -> Result<Option<Tensor>> {
     let nd = t.ndim();
     if nd == 0 || t.shape()[nd - 1] != n || !(0..nd - 1).all(|d| t.strides()[d] == 0 || t.shape()[d] == 1) {
         return Ok(None);

@@ -1,0 +1,99 @@
+// Matrix-vector products out[n] = x · W(:, n) (+ bias[n], then ReLU when asked), F32
+// accumulation. After the prelude, the argument struct and the #defines of `gemv.rs`: T (storage
+// type), VW (elements per 16-byte vector), LD/ST (element load and store as float), and one of
+// GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
+// TX vectors of columns per block).
+
+// The VW elements of a 16-byte vector as floats.
+__device__ __forceinline__ void kunpack(const uint4 u, float* f) {
+  const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#if VW == 8 && defined(GEMV_BF16)
+#pragma unroll
+  for (int i = 0; i < 4; i++) { f[2 * i] = __uint_as_float(w[i] << 16); f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u); }
+#elif VW == 8
+#pragma unroll
+  for (int i = 0; i < 4; i++) { f[2 * i] = kh2f((unsigned short)(w[i] & 0xffffu)); f[2 * i + 1] = kh2f((unsigned short)(w[i] >> 16)); }
+#else
+#pragma unroll
+  for (int i = 0; i < 4; i++) f[i] = __uint_as_float(w[i]);
+#endif
+}
+
+// Weights are read once per product: streamed past L1.
+__device__ __forceinline__ uint4 kstream(const uint4* p) { return __ldcs(p); }
+
+__device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
+  if (a.bias) acc += LD(((const T*)a.bias)[n]);
+  if (a.relu) acc = fmaxf(acc, 0.0f);
+  ((T*)a.out)[n] = ST(acc);
+}
+
+#ifdef GEMV_ROWS
+// One warp per output: its lanes walk the row and x in 16-byte vectors, then sum by shuffles.
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+  const int lane = threadIdx.x & 31;
+  const long long n = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (n >= a.n) return;
+  const uint4* x = (const uint4*)a.x;
+  const uint4* w = (const uint4*)((const T*)a.w + n * a.ldw);
+  const long long vectors = a.k / VW;
+  float acc = 0.0f;
+#pragma unroll 4
+  for (long long v = lane; v < vectors; v += 32) {
+    float xf[VW], wf[VW];
+    kunpack(__ldg(x + v), xf);
+    kunpack(kstream(w + v), wf);
+#pragma unroll
+    for (int j = 0; j < VW; j++) acc = fmaf(xf[j], wf[j], acc);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) kstore_out(a, n, acc);
+}
+#endif
+
+#ifdef GEMV_COLS
+// A block owns TX * VW columns and all of K: TX adjacent lanes read one row's columns as
+// vectors, the warp's 32 / TX lane groups and the WARPS warps take rows in turn; the partial
+// sums meet by shuffles inside a warp, then in shared memory across warps.
+#define KY (32 / TX)
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+  __shared__ float part[WARPS][TX * VW];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int tx = lane % TX, ky = lane / TX;
+  const long long col = ((long long)blockIdx.x * TX + tx) * VW;
+  const bool live = col < a.n;
+  const T* x = (const T*)a.x;
+  const T* w = (const T*)a.w + col;
+  float acc[VW];
+#pragma unroll
+  for (int j = 0; j < VW; j++) acc[j] = 0.0f;
+  if (live) {
+#pragma unroll 4
+    for (long long r = (long long)warp * KY + ky; r < a.k; r += WARPS * KY) {
+      float wf[VW];
+      kunpack(kstream((const uint4*)(w + r * a.ldw)), wf);
+      const float xr = LD(__ldg(x + r));
+#pragma unroll
+      for (int j = 0; j < VW; j++) acc[j] = fmaf(xr, wf[j], acc[j]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < VW; j++) {
+#pragma unroll
+    for (int o = 16; o >= TX; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+  }
+  if (ky == 0) {
+#pragma unroll
+    for (int j = 0; j < VW; j++) part[warp][tx * VW + j] = acc[j];
+  }
+  __syncthreads();
+  if (threadIdx.x < TX * VW) {
+    const long long n = (long long)blockIdx.x * TX * VW + threadIdx.x;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < WARPS; i++) s += part[i][threadIdx.x];
+    if (n < a.n) kstore_out(a, n, s);
+  }
+}
+#endif

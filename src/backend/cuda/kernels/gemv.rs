@@ -1,0 +1,129 @@
+//! Products of one row by a matrix (`[1, K] @ [K, N]`, a decode step's every linear layer), with
+//! the library product's bias and ReLU epilogue. A row's product is bound by reading the matrix
+//! once; cuBLASLt's kernels for it are tiled for many rows and run well below that. Two kernels
+//! (`gemv.cu`): where the matrix is stored `[N, K]` (a linear layer's `x @ W^T`, a tied output
+//! head) one warp reads each output's row; where it is stored `[K, N]` (GPT-2's `Conv1D`) a
+//! block reads a strip of columns down all of K. Both read 16-byte vectors and accumulate in
+//! F32, as cuBLASLt does for F16 and BF16 (F32 stays FP32-accurate); operands they cannot read
+//! so (unaligned, a K or N that is no multiple of the vector) go to the library.
+
+use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
+use crate::backend::cuda::kernels::data_ptr;
+use crate::backend::cuda::{kernel_args, CudaDevice, CudaStorage, KernelKey};
+use crate::dtype::CType;
+use crate::{DType, Result, Tensor};
+use std::fmt::Write;
+use std::sync::Arc;
+
+const SOURCE: &str = include_str!("gemv.cu");
+/// Warps per block of both kernels.
+const WARPS: usize = 8;
+/// Blocks the column kernel wants at least (the H200 has 132 SMs): below this a block takes
+/// fewer columns.
+const MIN_BLOCKS: usize = 132;
+
+kernel_args! {
+    /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
+    /// bias (or 0) and whether ReLU follows, and the contiguous output of N.
+    GemvArgs {
+        x: u64, w: u64, bias: u64, out: u64,
+        n: i64, k: i64, ldw: i64, relu: i64,
+    }
+}
+
+/// How the matrix is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Walk {
+    /// Stored `[N, K]`: a warp per output.
+    Rows,
+    /// Stored `[K, N]`: a block per `tx` vectors of columns.
+    Cols { tx: usize },
+}
+
+/// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
+/// buffer, or None where these kernels do not take the product (the library then runs it).
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>) -> Result<Option<CudaStorage>> {
+    let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
+    let n = b.shape()[2];
+    if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
+        return Ok(None);
+    }
+    let vw = 16 / dtype.size_in_bytes();
+    let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
+    let (rs, cs) = (b.strides()[1], b.strides()[2]);
+    let walk = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
+        (Walk::Cols { tx: columns_per_block(n, vw) }, rs)
+    } else if rs == 1 && k > 1 && cs % vw == 0 && k.is_multiple_of(vw) {
+        (Walk::Rows, cs)
+    } else {
+        return Ok(None);
+    };
+    // The row is read in vectors by the row kernel, element by element by the column kernel.
+    if (a.strides()[2] != 1 && k > 1) || !aligned(b)? || (walk.0 == Walk::Rows && !aligned(a)?) {
+        return Ok(None);
+    }
+    let bias_ptr = match bias {
+        Some((t, _)) if t.dtype() != dtype || t.numel() != n || (t.strides()[0] != 1 && n > 1) => return Ok(None),
+        Some((t, _)) => data_ptr(t)?,
+        None => 0,
+    };
+    let out = CudaStorage::new(dev, dtype, n)?;
+    let (walk, ldw) = walk;
+    let name = kernel_name(walk, dtype);
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
+    let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, relu: bias.is_some_and(|(_, r)| r) as i64 };
+    let blocks = match walk {
+        Walk::Rows => n.div_ceil(WARPS),
+        Walk::Cols { tx } => n.div_ceil(tx * vw),
+    };
+    dev.launch(kern, (blocks as u32, 1, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    Ok(Some(out))
+}
+
+/// Vectors of columns per block of the column kernel: as many (4, 2 or 1) as keep `MIN_BLOCKS`
+/// blocks.
+fn columns_per_block(n: usize, vw: usize) -> usize {
+    [4, 2].into_iter().find(|tx| (n / vw).div_ceil(*tx) >= MIN_BLOCKS).unwrap_or(1)
+}
+
+/// A kernel's name, which says all its source depends on.
+fn kernel_name(walk: Walk, dtype: DType) -> String {
+    match walk {
+        Walk::Rows => format!("gemv_rows_{}", dtype.torch_name()),
+        Walk::Cols { tx } => format!("gemv_cols{tx}_{}", dtype.torch_name()),
+    }
+}
+
+fn source(name: &str, walk: Walk, dtype: DType) -> String {
+    let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
+    let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
+    let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
+    let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
+    let _ = writeln!(c, "#define ST(e) ({})", codegen::store(dtype, CType::F32, "(e)"));
+    if dtype == DType::BF16 {
+        c.push_str("#define GEMV_BF16\n");
+    }
+    match walk {
+        Walk::Rows => c.push_str("#define GEMV_ROWS\n"),
+        Walk::Cols { tx } => {
+            let _ = writeln!(c, "#define GEMV_COLS\n#define TX {tx}");
+        }
+    }
+    c.push_str(SOURCE);
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_blocks_narrow_for_narrow_matrices() {
+        // GPT-2's qkv (N = 2304), MLP up (3072) and projections (768), in BF16.
+        assert_eq!(columns_per_block(2304, 8), 2);
+        assert_eq!(columns_per_block(3072, 8), 2);
+        assert_eq!(columns_per_block(768, 8), 1);
+        assert_eq!(columns_per_block(3072 * 4, 8), 4);
+        assert_eq!(columns_per_block(8 * 132 * 2, 8), 2);
+    }
+}
