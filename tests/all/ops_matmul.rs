@@ -283,7 +283,7 @@ fn products_of_one_row_in_both_storage_orders() -> Result<()> {
     };
     for dt in [DType::F32, DType::F16, DType::BF16] {
         let vw = 16 / dt.size_in_bytes();
-        for (k, n) in [(8, 8), (768, 2304), (3072, 768), (1000, 24), (24, 1000), (13, 17), (4096, 50), (64, 50257)] {
+        for (k, n) in [(8, 8), (768, 2304), (3072, 768), (8192, 64), (1000, 24), (24, 1000), (13, 17), (4096, 50), (64, 50257)] {
             for transposed in [false, true] {
                 // The matrix stored [K, N], or [N, K] and read through its transpose.
                 let (bv, bs) = (host_rand(k * n, 7 + k as u64), if transposed { [n, k] } else { [k, n] });

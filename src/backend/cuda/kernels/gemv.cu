@@ -2,7 +2,7 @@
 // accumulation. After the prelude, the argument struct and the #defines of `gemv.rs`: T (storage
 // type), VW (elements per 16-byte vector), LD/ST (element load and store as float), and one of
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
-// TX vectors of columns per block).
+// TX vectors of columns per block, RPT rows per thread where K is short enough).
 
 // The VW elements of a 16-byte vector as floats.
 __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
@@ -68,6 +68,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
   float acc[VW];
 #pragma unroll
   for (int j = 0; j < VW; j++) acc[j] = 0.0f;
+#ifdef RPT
+  // RPT rows per thread cover K: every load is issued before the first product, so a thread
+  // waits on memory once.
+  uint4 q[RPT];
+  float xr[RPT];
+#pragma unroll
+  for (int i = 0; i < RPT; i++) {
+    const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
+    const bool in = live && r < a.k;
+    q[i] = in ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
+    xr[i] = in ? LD(__ldg(x + r)) : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < RPT; i++) {
+    float wf[VW];
+    kunpack(q[i], wf);
+#pragma unroll
+    for (int j = 0; j < VW; j++) acc[j] = fmaf(xr[i], wf[j], acc[j]);
+  }
+#else
   if (live) {
 #pragma unroll 4
     for (long long r = (long long)warp * KY + ky; r < a.k; r += WARPS * KY) {
@@ -78,6 +98,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
       for (int j = 0; j < VW; j++) acc[j] = fmaf(xr, wf[j], acc[j]);
     }
   }
+#endif
 #pragma unroll
   for (int j = 0; j < VW; j++) {
 #pragma unroll

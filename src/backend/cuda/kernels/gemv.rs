@@ -21,6 +21,8 @@ const WARPS: usize = 8;
 /// Blocks the column kernel wants at least (the H200 has 132 SMs): below this a block takes
 /// fewer columns.
 const MIN_BLOCKS: usize = 132;
+/// Most rows a thread of the column kernel loads at once (four registers each).
+const MAX_ROWS_PER_THREAD: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
@@ -36,8 +38,9 @@ kernel_args! {
 enum Walk {
     /// Stored `[N, K]`: a warp per output.
     Rows,
-    /// Stored `[K, N]`: a block per `tx` vectors of columns.
-    Cols { tx: usize },
+    /// Stored `[K, N]`: a block per `tx` vectors of columns, each thread taking `rows` rows
+    /// (all loaded before they are multiplied; 0: a loop over K).
+    Cols { tx: usize, rows: usize },
 }
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
@@ -52,7 +55,9 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
     let (rs, cs) = (b.strides()[1], b.strides()[2]);
     let walk = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
-        (Walk::Cols { tx: columns_per_block(n, vw) }, rs)
+        let tx = columns_per_block(n, vw);
+        let rows = k.div_ceil(WARPS * 32 / tx);
+        (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs)
     } else if rs == 1 && k > 1 && cs % vw == 0 && k.is_multiple_of(vw) {
         (Walk::Rows, cs)
     } else {
@@ -74,7 +79,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, relu: bias.is_some_and(|(_, r)| r) as i64 };
     let blocks = match walk {
         Walk::Rows => n.div_ceil(WARPS),
-        Walk::Cols { tx } => n.div_ceil(tx * vw),
+        Walk::Cols { tx, .. } => n.div_ceil(tx * vw),
     };
     dev.launch(kern, (blocks as u32, 1, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
     Ok(Some(out))
@@ -90,7 +95,8 @@ fn columns_per_block(n: usize, vw: usize) -> usize {
 fn kernel_name(walk: Walk, dtype: DType) -> String {
     match walk {
         Walk::Rows => format!("gemv_rows_{}", dtype.torch_name()),
-        Walk::Cols { tx } => format!("gemv_cols{tx}_{}", dtype.torch_name()),
+        Walk::Cols { tx, rows: 0 } => format!("gemv_cols{tx}_{}", dtype.torch_name()),
+        Walk::Cols { tx, rows } => format!("gemv_cols{tx}_r{rows}_{}", dtype.torch_name()),
     }
 }
 
@@ -105,8 +111,11 @@ fn source(name: &str, walk: Walk, dtype: DType) -> String {
     }
     match walk {
         Walk::Rows => c.push_str("#define GEMV_ROWS\n"),
-        Walk::Cols { tx } => {
+        Walk::Cols { tx, rows } => {
             let _ = writeln!(c, "#define GEMV_COLS\n#define TX {tx}");
+            if rows > 0 {
+                let _ = writeln!(c, "#define RPT {rows}");
+            }
         }
     }
     c.push_str(SOURCE);
