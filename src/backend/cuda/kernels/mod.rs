@@ -1,7 +1,8 @@
 //! The CUDA twins of the CPU backend's functions: each builds a spec, gets its kernel from the
 //! device cache (generating it on first use) and launches it on the device's stream. The
 //! generators: `codegen` (eager maps, reductions, rows), `fused` (the compiler's kernels),
-//! `foreach` (multi-tensor optimiser updates), `attention`, `custom` (users' kernels).
+//! `foreach` (multi-tensor optimiser updates), `attention`, `gemv` (products of one row),
+//! `custom` (users' kernels).
 
 pub(crate) mod attention;
 pub(crate) mod codegen;
