@@ -54,7 +54,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let vw = 16 / dtype.size_in_bytes();
     let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
     let (rs, cs) = (b.strides()[1], b.strides()[2]);
-    let walk = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
+    let (walk, ldw) = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
         let tx = columns_per_block(n, vw);
         let rows = k.div_ceil(WARPS * 32 / tx);
         (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs)
@@ -64,7 +64,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         return Ok(None);
     };
     // The row is read in vectors by the row kernel, element by element by the column kernel.
-    if (a.strides()[2] != 1 && k > 1) || !aligned(b)? || (walk.0 == Walk::Rows && !aligned(a)?) {
+    if (a.strides()[2] != 1 && k > 1) || !aligned(b)? || (walk == Walk::Rows && !aligned(a)?) {
         return Ok(None);
     }
     let bias_ptr = match bias {
@@ -73,7 +73,6 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         None => 0,
     };
     let out = CudaStorage::new(dev, dtype, n)?;
-    let (walk, ldw) = walk;
     let name = kernel_name(walk, dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
     let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, relu: bias.is_some_and(|(_, r)| r) as i64 };

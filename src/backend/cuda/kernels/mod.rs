@@ -613,14 +613,17 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>, tune: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
-    let vector = match bias {
-        Some((t, relu)) => blas::bias_vector(t, shape[2])?.map(|v| (v, relu)),
+    // The bias packed once for both paths (no epilogue runs a bias that is no broadcast vector).
+    let packed = match bias {
+        Some((t, relu)) => match blas::bias_vector(t, shape[2])? {
+            Some(v) => Some((v, relu)),
+            None => return Ok(None),
+        },
         None => None,
     };
-    if bias.is_none() || vector.is_some() {
-        if let Some(s) = row_product(&dev, a, b, dtype, vector.as_ref().map(|(v, r)| (v, *r)))? {
-            return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
-        }
+    let bias = packed.as_ref().map(|(v, relu)| (v, *relu));
+    if let Some(s) = row_product(&dev, a, b, dtype, bias)? {
+        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
 }
