@@ -1,7 +1,8 @@
 //! Convolution and pooling over `[N, C, H, W]`. conv2d checks its arguments and applies the
 //! `Conv2d` primitive (cuDNN on CUDA, im2col + one matmul elsewhere: `ops::conv`), then adds
-//! the bias as a separate op the compiler can fuse. Pooling is a composition of primitives:
-//! padding and the window's strided views, stacked, then argmax + gather (max) or a sum (mean).
+//! the bias as a separate op the compiler can fuse. Max pooling is a primitive (`ops::pool`), its
+//! indices (`return_indices`) and mean pooling compositions: padding and the window's strided
+//! views, stacked, then argmax + gather, or summed.
 
 use super::{init, Module};
 use crate::ops::conv::{check_positive, out_len};
@@ -9,6 +10,7 @@ use crate::ops::{apply, Op};
 use crate::{DType, Device, Error, Result, Tensor};
 
 pub use crate::ops::conv::Conv2dArgs;
+pub use crate::ops::MaxPool2dArgs;
 
 /// 4-D input (or 3-D unbatched, given a batch dim of 1); whether it was unbatched.
 fn batched(op: &'static str, x: &Tensor) -> Result<(Tensor, bool)> {
@@ -64,24 +66,6 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     }
 }
 
-/// Options of 2-D max pooling, PyTorch's names; `MaxPool2dArgs::new(kernel, stride, padding)`
-/// has no dilation and floor mode.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct MaxPool2dArgs {
-    pub kernel: (usize, usize),
-    pub stride: (usize, usize),
-    pub padding: (usize, usize),
-    pub dilation: (usize, usize),
-    /// Rounds the output size up, so a last window may start in the padding's right half.
-    pub ceil_mode: bool,
-}
-
-impl MaxPool2dArgs {
-    pub fn new(kernel: (usize, usize), stride: (usize, usize), padding: (usize, usize)) -> MaxPool2dArgs {
-        MaxPool2dArgs { kernel, stride, padding, dilation: (1, 1), ceil_mode: false }
-    }
-}
-
 /// `x` padded with `value` by `pad` before each spatial dim, and after it as far as the last
 /// window of `out` windows reaches (beyond `pad` in ceil mode, less where the last window stops short).
 fn pad_for_windows(x: &Tensor, pad: (usize, usize), span: (usize, usize), stride: (usize, usize), out: (usize, usize), value: f64) -> Result<Tensor> {
@@ -134,15 +118,15 @@ fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(T
     let op = "max_pool2d";
     let (x, unbatched) = batched(op, x)?;
     let (oh, ow) = pool_geometry(op, &x, args, false)?;
-    let (k, s, d) = (args.kernel, args.stride, args.dilation);
-    let span = (d.0 * (k.0 - 1) + 1, d.1 * (k.1 - 1) + 1);
-    let padded = pad_for_windows(&x, args.padding, span, s, (oh, ow), f64::NEG_INFINITY)?;
-    let (y, idx) = if indices || (crate::is_grad_enabled() && x.is_requires_grad()) {
+    let (y, idx) = if indices {
         // Windows `[N, C, OH, OW, KH * KW]` stacked from strided views, then the first maximum
-        // of each: its position is where PyTorch sends the gradient, and the index it returns.
+        // of each: its position is the index PyTorch returns (and where the gradient goes).
         // Stacked views (not a gather of overlapping windows) keep the backward a sum of padded
         // slices, the same bits on every run, where a scatter of overlapping windows would add
         // in the order atomics land.
+        let (k, s, d) = (args.kernel, args.stride, args.dilation);
+        let span = (d.0 * (k.0 - 1) + 1, d.1 * (k.1 - 1) + 1);
+        let padded = pad_for_windows(&x, args.padding, span, s, (oh, ow), f64::NEG_INFINITY)?;
         let views: Vec<Tensor> = (0..k.0).flat_map(|i| (0..k.1).map(move |j| (i, j))).map(|(i, j)| strided_window(&padded, (i * d.0, j * d.1), s, (oh, ow))).collect::<Result<_>>()?;
         let ws = crate::ops::movement::stack(&views.iter().collect::<Vec<_>>(), 4)?;
         let first_max = crate::no_grad(|| ws.argmax(4, true))?;
@@ -150,19 +134,8 @@ fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(T
         let idx = if indices { Some(window_positions(&x, args, (oh, ow), &first_max)?) } else { None };
         (y, idx)
     } else {
-        // Values only: the maximum of the window's kh * kw strided views of the input, each
-        // pass reading the input in place (no window copy, no index search).
-        let mut m: Option<Tensor> = None;
-        for i in 0..k.0 {
-            for j in 0..k.1 {
-                let v = strided_window(&padded, (i * d.0, j * d.1), s, (oh, ow))?;
-                m = Some(match m {
-                    None => v,
-                    Some(m) => m.maximum(&v)?,
-                });
-            }
-        }
-        (m.expect("a kernel of at least one element").contiguous()?, None)
+        // One kernel reading the input in place; its gradient one more (`ops::pool`).
+        (apply(Op::MaxPool2d(*args), &[&x])?, None)
     };
     if unbatched {
         Ok((y.squeeze(0)?, idx.map(|i| i.squeeze(0)).transpose()?))

@@ -9,10 +9,12 @@ pub(crate) mod inplace;
 pub(crate) mod matmul;
 pub(crate) mod movement;
 pub mod pointwise;
+pub(crate) mod pool;
 pub(crate) mod reduce;
 pub(crate) mod rows;
 
 pub use conv::Conv2dArgs;
+pub use pool::MaxPool2dArgs;
 pub use pointwise::{BinaryOp, UnaryOp};
 pub use reduce::ReduceOp;
 
@@ -57,6 +59,10 @@ pub enum Op {
     Conv2dGradInput(Conv2dArgs, (usize, usize)),
     /// `Conv2d`'s gradient for its weight, from (input, grad of the output); the kernel's (KH, KW).
     Conv2dGradWeight(Conv2dArgs, (usize, usize)),
+    /// The maximum of each window of [N, C, H, W] (`ops::pool`) -> [N, C, OH, OW].
+    MaxPool2d(MaxPool2dArgs),
+    /// `MaxPool2d`'s gradient for its input, from (input, grad of the output).
+    MaxPool2dBackward(MaxPool2dArgs),
     /// A copy on another device.
     ToDevice { from: crate::Device, to: crate::Device, non_blocking: bool },
     /// softmax(scale q k^T + mask) v over q `[L, B, H, D]`, k and v `[S, B, H, D]` and an
@@ -113,6 +119,8 @@ impl Op {
             Op::Conv2d(_) => "conv2d",
             Op::Conv2dGradInput(..) => "conv2d_grad_input",
             Op::Conv2dGradWeight(..) => "conv2d_grad_weight",
+            Op::MaxPool2d(_) => "max_pool2d",
+            Op::MaxPool2dBackward(_) => "max_pool2d_backward",
             Op::ToDevice { .. } => "to_device",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
@@ -139,7 +147,7 @@ impl Op {
             Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
             Op::ScatterAdd(_) | Op::Scatter(_) => vec![true, false, true],
             Op::Attention { .. } => (0..n).map(|i| i < 3).collect(),
-            Op::AttentionBackward { .. } => vec![false; n],
+            Op::AttentionBackward { .. } | Op::MaxPool2dBackward(_) => vec![false; n],
             _ => vec![true; n],
         }
     }
@@ -161,6 +169,7 @@ impl Op {
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
             Op::ScatterAdd(_) | Op::Scatter(_) => (vec![false, true, false], false),
             Op::Attention { .. } => (vec![true; n], true),
+            Op::MaxPool2d(_) => (vec![true], false),
             Op::Matmul | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => (vec![true, true], false),
             _ => (vec![false; n], false),
         }
@@ -205,6 +214,11 @@ impl Op {
             Op::Conv2d(a) => (conv::out_shape(a, shape, xs[1].0)?, dt),
             Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
             Op::Conv2dGradWeight(a, k) => (vec![xs[1].0[1], shape[1] / a.groups.max(1), k.0, k.1], dt),
+            Op::MaxPool2d(a) => {
+                let (oh, ow) = a.out_hw("max_pool2d", shape[2], shape[3])?;
+                (vec![shape[0], shape[1], oh, ow], dt)
+            }
+            Op::MaxPool2dBackward(_) => (shape.to_vec(), dt),
         })
     }
 
@@ -297,6 +311,8 @@ impl Op {
                 let mask = xs.get(5).copied();
                 run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
+            Op::MaxPool2d(a) => run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape)),
+            Op::MaxPool2dBackward(a) => run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a)),
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
             Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),
         };
@@ -449,6 +465,8 @@ impl Op {
                 let gdy = if want[1] { Some(apply(Op::Conv2d(*a), &[x, g])?) } else { None };
                 Ok(vec![gx, gdy])
             }
+            Op::MaxPool2d(a) => one(apply(Op::MaxPool2dBackward(*a), &[xs[0].as_ref().expect("saved"), g])),
+            Op::MaxPool2dBackward(_) => Err(Error::arg("max_pool2d_backward", "max pooling's gradient is not differentiable again")),
         }
     }
 }

@@ -649,16 +649,45 @@ fn inputs_on_another_device_name_the_op_and_both_devices() {
 }
 
 #[test]
-fn max_pool_without_gradients_gives_the_same_values() {
-    // Inference takes the maximum of strided views; with gradients, the window search.
-    for (k, s, p) in [((3, 3), (2, 2), (1, 1)), ((3, 2), (1, 2), (1, 0)), ((2, 2), (2, 2), (0, 0)), ((1, 1), (2, 1), (0, 0))] {
-        for dt in [DType::F32, DType::BF16] {
-            let x = rand_t(&[2, 3, 9, 8], 11, dt);
-            let fast = F::max_pool2d(&x, k, s, p).unwrap();
-            let with_grad = F::max_pool2d(&x.to_dtype(DType::F32).unwrap().requires_grad(), k, s, p).unwrap();
-            assert_eq!(fast.shape(), with_grad.shape());
+fn max_pool_matches_its_window_search_definition() {
+    // The primitive (one kernel each way) against the composition `return_indices` keeps:
+    // stacked windows, argmax, gather. Inputs with ties (values on a grid of 0.5, as after a
+    // ReLU), a NaN and -inf, read through a transposed view; every option; the gradient of a sum
+    // of integers is exact in every dtype, so values and gradients must be equal.
+    let d = dev();
+    let cases = [
+        F::MaxPool2dArgs::new((3, 3), (2, 2), (1, 1)),
+        F::MaxPool2dArgs::new((3, 2), (1, 2), (1, 0)),
+        F::MaxPool2dArgs::new((2, 2), (2, 2), (0, 0)),
+        F::MaxPool2dArgs::new((1, 1), (2, 1), (0, 0)),
+        F::MaxPool2dArgs { dilation: (2, 1), ceil_mode: true, ..F::MaxPool2dArgs::new((2, 3), (2, 2), (1, 1)) },
+        F::MaxPool2dArgs { ceil_mode: true, ..F::MaxPool2dArgs::new((3, 3), (2, 2), (0, 1)) },
+    ];
+    let mut grid: Vec<f64> = host_rand(2 * 3 * 9 * 8, 11).iter().map(|v| (v * 4.0).round() / 2.0).collect();
+    grid[5] = f64::NAN;
+    grid[40] = f64::NEG_INFINITY;
+    for a in cases {
+        for dt in [DType::F32, DType::BF16, DType::F64] {
+            // [2, 3, 9, 8] stored as [2, 3, 8, 9]: the kernels read it through its strides.
+            let x = Tensor::from_vec(grid.clone(), &[2, 3, 8, 9], &Device::Cpu).unwrap().to_device(&d).unwrap().to_dtype(dt).unwrap().transpose(2, 3).unwrap();
+            let what = format!("{a:?} {dt:?}");
+            let fast = F::max_pool2d_with(&x, &a).unwrap();
+            let (slow, _) = F::max_pool2d_with_indices(&x, &a).unwrap();
+            assert_eq!(fast.shape(), slow.shape(), "{what}");
             assert_eq!(fast.dtype(), dt);
-            assert_eq!(vals(&fast), vals(&with_grad.to_dtype(dt).unwrap()), "kernel {k:?} stride {s:?} padding {p:?} {dt:?}");
+            let bits = |t: &Tensor| vals(t).iter().map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() }).collect::<Vec<_>>();
+            assert_eq!(bits(&fast), bits(&slow), "values, {what}");
+            let grad = |indices: bool| {
+                let xg = x.detach().requires_grad();
+                let y = if indices { F::max_pool2d_with_indices(&xg, &a).unwrap().0 } else { F::max_pool2d_with(&xg, &a).unwrap() };
+                // Weights 1..=7 by window: a gradient sent to the wrong position shows, and the
+                // sums stay exact in BF16.
+                let w: Vec<f64> = (0..y.numel()).map(|i| (i % 7 + 1) as f64).collect();
+                let w = Tensor::from_vec(w, y.shape(), &Device::Cpu).unwrap().to_device(&d).unwrap().to_dtype(dt).unwrap();
+                y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+                xg.grad().unwrap()
+            };
+            assert_eq!(vals(&grad(false)), vals(&grad(true)), "gradients, {what}");
         }
     }
 }

@@ -8,6 +8,7 @@ pub(crate) mod fused;
 pub(crate) mod index;
 pub(crate) mod jit;
 pub(crate) mod matmul;
+pub(crate) mod maxpool;
 pub(crate) mod pointwise;
 pub(crate) mod pool;
 pub(crate) mod reduce;
