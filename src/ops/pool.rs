@@ -3,8 +3,8 @@
 //! positions it covers (padding is never a candidate); its maximum is the first largest value,
 //! or its last NaN; an input position's gradient is the sum, in F32 (F64 for F64) and in window
 //! order, of the gradients of the windows whose maximum it is (F64 on the host), rounded once. The backward finds
-//! each window's maximum again from the input instead of keeping indices: the same bytes read,
-//! nothing stored between the passes.
+//! each window's maximum again from the input instead of keeping indices from the forward: the
+//! forward stores nothing beside its values, and inference and training run the same kernel.
 
 use super::conv::out_len;
 use crate::Result;

@@ -1,62 +1,73 @@
-// Max pooling (`ops::pool`): MAXPOOL_FWD stores each window's maximum (a thread per window),
-// MAXPOOL_BWD each input position's gradient (a thread per position, summing in window order
-// the gradients of the windows whose maximum it is, each window's maximum found again). After the
-// prelude, the argument struct and the #defines of `maxpool.rs`: NAME, T (storage type), ACC
-// (compute type), LD / ST (element load and store as ACC).
+// Max pooling (`ops::pool`), a thread per window or per input position. MAXPOOL_FWD stores each
+// window's maximum; MAXPOOL_ARG its position y * W + x in the plane (int); MAXPOOL_BWD each input
+// position's gradient: the sum, in window order, of the gradients of the windows whose position
+// (from MAXPOOL_ARG, in `at`) it is. After the prelude, the argument struct and the #defines of
+// `maxpool.rs`: NAME, IDX (int, or long long for large tensors), T (storage type), ACC (compute
+// type), LD / ST (element load and store as ACC).
 
-// The flat position y * W + x of window (oh, ow)'s maximum in the plane at `x + base`, its value
-// in *m: a larger value or a NaN takes over, as PyTorch's.
-__device__ __forceinline__ long long kwindow_max(const MaxPoolArgs& a, const T* x, long long base, long long oh, long long ow, ACC* m) {
-  const long long hs = oh * a.sh - a.ph, ws = ow * a.sw - a.pw;
-  long long at = -1;
+// The position of window (oh, ow)'s maximum in the plane at `x + base`, its value in *m: a
+// larger value or a NaN takes over, as PyTorch's.
+__device__ __forceinline__ IDX kwindow_max(const MaxPoolArgs& a, const T* x, IDX base, IDX oh, IDX ow, ACC* m) {
+  const IDX hs = oh * (IDX)a.sh - (IDX)a.ph, ws = ow * (IDX)a.sw - (IDX)a.pw;
+  const IDX H = (IDX)a.h, W = (IDX)a.w;
+  IDX at = -1;
   ACC best = 0;
-  for (long long i = 0; i < a.kh; i++) {
-    const long long y = hs + i * a.dh;
-    if (y < 0 || y >= a.h) continue;
-    for (long long j = 0; j < a.kw; j++) {
-      const long long c = ws + j * a.dw;
-      if (c < 0 || c >= a.w) continue;
-      const ACC v = LD(x[base + y * a.xs[2] + c * a.xs[3]]);
-      if (at < 0 || v > best || isnan(v)) { best = v; at = y * a.w + c; }
+  for (IDX i = 0; i < (IDX)a.kh; i++) {
+    const IDX y = hs + i * (IDX)a.dh;
+    if (y < 0 || y >= H) continue;
+    for (IDX j = 0; j < (IDX)a.kw; j++) {
+      const IDX c = ws + j * (IDX)a.dw;
+      if (c < 0 || c >= W) continue;
+      const ACC v = LD(x[base + y * (IDX)a.xs[2] + c * (IDX)a.xs[3]]);
+      if (at < 0 || v > best || isnan(v)) { best = v; at = y * W + c; }
     }
   }
   *m = best;
   return at;
 }
 
+// The first window along a dim whose span reaches position `pos` (PyTorch's p_start).
+__device__ __forceinline__ IDX kfirst_window(IDX pos, IDX pad, IDX k, IDX dil, IDX stride) {
+  const IDX span = (k - 1) * dil + 1;
+  return pos + pad < span ? 0 : (pos + pad - span) / stride + 1;
+}
+
 extern "C" __global__ void NAME(const MaxPoolArgs a) {
   const T* __restrict__ x = (const T*)a.x;
-  T* __restrict__ out = (T*)a.out;
-  const long long step = (long long)gridDim.x * blockDim.x;
-#ifdef MAXPOOL_FWD
-  const long long total = a.planes * a.oh * a.ow;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += step) {
-    const long long ow = i % a.ow, t = i / a.ow, oh = t % a.oh, p = t / a.oh;
+  const IDX step = (IDX)gridDim.x * blockDim.x;
+  const IDX OH = (IDX)a.oh, OW = (IDX)a.ow, C = (IDX)a.c;
+#ifndef MAXPOOL_BWD
+  const IDX total = (IDX)a.planes * OH * OW;
+  for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
+    const IDX ow = i % OW, t = i / OW, oh = t % OH, p = t / OH;
     ACC m;
-    kwindow_max(a, x, (p / a.c) * a.xs[0] + (p % a.c) * a.xs[1], oh, ow, &m);
-    out[i] = ST(m);
+    const IDX at = kwindow_max(a, x, (p / C) * (IDX)a.xs[0] + (p % C) * (IDX)a.xs[1], oh, ow, &m);
+#ifdef MAXPOOL_FWD
+    ((T*)a.out)[i] = ST(m);
+    (void)at;
+#else
+    ((int*)a.out)[i] = (int)at;
+#endif
   }
 #else
   const T* __restrict__ dy = (const T*)a.dy;
-  const long long total = a.planes * a.h * a.w;
-  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += step) {
-    const long long c = i % a.w, t = i / a.w, y = t % a.h, p = t / a.h;
-    const long long bx = (p / a.c) * a.xs[0] + (p % a.c) * a.xs[1], bg = (p / a.c) * a.gs[0] + (p % a.c) * a.gs[1];
+  const int* __restrict__ pos = (const int*)a.x;
+  const IDX H = (IDX)a.h, W = (IDX)a.w;
+  const IDX total = (IDX)a.planes * H * W;
+  for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
+    const IDX c = i % W, t = i / W, y = t % H, p = t / H;
+    const IDX bg = (p / C) * (IDX)a.gs[0] + (p % C) * (IDX)a.gs[1];
+    const int* at = pos + p * OH * OW;
+    const IDX here = y * W + c;
+    const IDX oh1 = min((y + (IDX)a.ph) / (IDX)a.sh + 1, OH), ow0 = kfirst_window(c, a.pw, a.kw, a.dw, a.sw);
+    const IDX ow1 = min((c + (IDX)a.pw) / (IDX)a.sw + 1, OW);
     ACC g = 0;
-    // Windows in increasing (oh, ow): the kernel offsets from the last down.
-    for (long long ki = a.kh - 1; ki >= 0; ki--) {
-      const long long th = y + a.ph - ki * a.dh;
-      if (th < 0 || th % a.sh != 0 || th / a.sh >= a.oh) continue;
-      const long long oh = th / a.sh;
-      for (long long kj = a.kw - 1; kj >= 0; kj--) {
-        const long long tw = c + a.pw - kj * a.dw;
-        if (tw < 0 || tw % a.sw != 0 || tw / a.sw >= a.ow) continue;
-        const long long ow = tw / a.sw;
-        ACC m;
-        if (kwindow_max(a, x, bx, oh, ow, &m) == y * a.w + c) g += LD(dy[bg + oh * a.gs[2] + ow * a.gs[3]]);
+    for (IDX oh = kfirst_window(y, a.ph, a.kh, a.dh, a.sh); oh < oh1; oh++) {
+      for (IDX ow = ow0; ow < ow1; ow++) {
+        if (at[oh * OW + ow] == here) g += LD(dy[bg + oh * (IDX)a.gs[2] + ow * (IDX)a.gs[3]]);
       }
     }
-    out[i] = ST(g);
+    ((T*)a.out)[i] = ST(g);
   }
 #endif
 }

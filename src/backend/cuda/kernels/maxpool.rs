@@ -1,5 +1,6 @@
-//! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window, the
-//! backward a thread per input position; inputs of any strides, outputs contiguous.
+//! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window; the
+//! backward a pass per window (its maximum's position) and one per input position (the sum over
+//! the windows that chose it). Inputs of any strides, outputs contiguous.
 
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::backend::cuda::kernels::{data_ptr, dev_of};
@@ -25,31 +26,61 @@ kernel_args! {
 
 /// The maximum of every window of `x` `[N, C, H, W]`: a new `out` `[N, C, OH, OW]`.
 pub(crate) fn max_pool2d(x: &Tensor, a: &MaxPool2dArgs, out: &[usize]) -> Result<CudaStorage> {
-    run(x, None, a, out)
+    let dev = dev_of(x)?;
+    let res = CudaStorage::new(&dev, x.dtype(), out.iter().product())?;
+    launch(&dev, Pass::Max, x, None, a, out, res.ptr())?;
+    Ok(res)
 }
 
 /// `max_pool2d`'s gradient for `x` from the output's gradient `dy`: a new buffer of x's shape.
+/// Two passes: each window's maximum found again (its position kept as an int), then each
+/// input position's sum over the windows that chose it.
 pub(crate) fn max_pool2d_backward(x: &Tensor, dy: &Tensor, a: &MaxPool2dArgs) -> Result<CudaStorage> {
-    run(x, Some(dy), a, dy.shape())
+    let dev = dev_of(x)?;
+    let at = CudaStorage::new(&dev, DType::I32, dy.numel())?;
+    launch(&dev, Pass::Position, x, None, a, dy.shape(), at.ptr())?;
+    let res = CudaStorage::new(&dev, x.dtype(), x.numel())?;
+    launch(&dev, Pass::Backward(at.ptr()), x, Some(dy), a, dy.shape(), res.ptr())?;
+    Ok(res)
 }
 
-fn run(x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize]) -> Result<CudaStorage> {
-    let dev = dev_of(x)?;
+/// What one launch computes.
+#[derive(Clone, Copy, PartialEq)]
+enum Pass {
+    /// Each window's maximum.
+    Max,
+    /// Each window's maximum's position in its plane.
+    Position,
+    /// Each input position's gradient, from the positions at this address.
+    Backward(u64),
+}
+
+fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize], out: u64) -> Result<()> {
     let dtype = x.dtype();
     let s = x.shape();
-    let n = if dy.is_some() { x.numel() } else { windows.iter().product() };
-    let res = CudaStorage::new(&dev, dtype, n)?;
+    let n = if matches!(pass, Pass::Backward(_)) { x.numel() } else { windows.iter().product() };
     if n == 0 {
-        return Ok(res);
+        return Ok(());
     }
-    let name = format!("max_pool2d{}_{}", if dy.is_some() { "_backward" } else { "" }, dtype.torch_name());
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, dy.is_none())))?;
+    // 32-bit index arithmetic unless an index or an offset could pass 2^31.
+    let reach = |t: &Tensor| t.shape().iter().zip(t.strides()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>();
+    let wide = [x.numel(), windows.iter().product(), reach(x), dy.map_or(0, reach)].iter().any(|&v| v >= i32::MAX as usize);
+    let what = match pass {
+        Pass::Max => "",
+        Pass::Position => "_argmax",
+        Pass::Backward(_) => "_backward",
+    };
+    let name = format!("max_pool2d{what}_{}{}", dtype.torch_name(), if wide { "_i64" } else { "" });
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide)))?;
     let strides = |t: &Tensor| -> [i64; 4] { std::array::from_fn(|d| t.strides()[d] as i64) };
     let i = |v: usize| v as i64;
     let args = MaxPoolArgs {
-        x: data_ptr(x)?,
+        x: match pass {
+            Pass::Backward(at) => at,
+            _ => data_ptr(x)?,
+        },
         dy: dy.map(data_ptr).transpose()?.unwrap_or(0),
-        out: res.ptr(),
+        out,
         planes: i(s[0] * s[1]),
         c: i(s[1]),
         h: i(s[2]),
@@ -68,18 +99,19 @@ fn run(x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize]) ->
         gs: dy.map(strides).unwrap_or_default(),
     };
     let blocks = n.div_ceil(THREADS).min(1 << 30);
-    dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)?;
-    Ok(res)
+    dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)
 }
 
-fn source(name: &str, dtype: DType, forward: bool) -> String {
+fn source(name: &str, dtype: DType, pass: Pass, wide: bool) -> String {
     let acc = if dtype == DType::F64 { CType::F64 } else { CType::F32 };
     let mut c = format!("{PRELUDE}{}", MaxPoolArgs::C_DECL);
-    let _ = writeln!(c, "#define NAME {name}\n#define T {}\n#define ACC {}", codegen::storage_type(dtype), acc.name());
+    let _ = writeln!(c, "#define NAME {name}\n#define IDX {}\n#define T {}\n#define ACC {}", if wide { "long long" } else { "int" }, codegen::storage_type(dtype), acc.name());
     let _ = writeln!(c, "#define LD(e) ({})\n#define ST(e) ({})", codegen::load(dtype, acc, "(e)"), codegen::store(dtype, acc, "(e)"));
-    if forward {
-        c.push_str("#define MAXPOOL_FWD\n");
-    }
+    c.push_str(match pass {
+        Pass::Max => "#define MAXPOOL_FWD\n",
+        Pass::Position => "#define MAXPOOL_ARG\n",
+        Pass::Backward(_) => "#define MAXPOOL_BWD\n",
+    });
     c.push_str(SOURCE);
     c
 }
