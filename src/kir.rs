@@ -29,6 +29,10 @@ pub(crate) enum Space {
     Flat { numel: usize },
     /// Full values have rows × cols elements, row values one per row.
     Rows { rows: usize, cols: usize },
+    /// Full values have outer × rows × inner elements, row values one per middle index: the
+    /// reductions sum over the outer and inner dims (batch norm's statistics of `[N, C, H, W]`
+    /// per channel). One pass over the full values; no full value reads a row value. CUDA only.
+    Mid { outer: usize, rows: usize, inner: usize },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -153,6 +157,7 @@ impl FusedKernel {
             let mut s = match self.space {
                 Space::Flat { .. } => "flat:".to_string(),
                 Space::Rows { .. } => "rows:".to_string(),
+                Space::Mid { .. } => "mid:".to_string(),
             };
             for i in &self.inputs {
                 let _ = write!(s, " {:?}{}", i.dtype, if i.row { "(row)" } else { "" });

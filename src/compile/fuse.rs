@@ -130,6 +130,9 @@ pub(crate) fn spread_vector(g: &Graph, operand: NodeId) -> NodeId {
     }
 }
 
+/// Shortest inner dim of a mid reduction (`Kind::MidReduce`).
+const MID_MIN_INNER: usize = 32;
+
 /// What a node can be inside a fused kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -137,6 +140,8 @@ enum Kind {
     Reshape,
     /// A reduction over trailing dims: (rows, cols).
     Reduce(usize, usize),
+    /// A reduction over the dims before and after a kept run (`Space::Mid`): (outer, rows, inner).
+    MidReduce(usize, usize, usize),
     /// An expand of a row value over trailing dims: (rows, cols).
     Expand(usize, usize),
     Other,
@@ -157,7 +162,17 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             let cols: usize = x[first..].iter().product();
             let rows: usize = x[..first].iter().product();
             if trailing && cols > 1 && cols <= MAX_LOOPED_ROW && rows > 0 {
-                Kind::Reduce(rows, cols)
+                return Kind::Reduce(rows, cols);
+            }
+            // Kept dims one run with reduced dims on both sides, on the GPU: a mid reduction.
+            // Its threads walk the inner dim, so that dim must be long enough to be read a
+            // warp's width at a time.
+            let kept: Vec<usize> = (0..x.len()).filter(|d| !dims.contains(d)).collect();
+            let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Kind::Other };
+            let (outer, rows, inner): (usize, usize, usize) = (x[..a].iter().product(), x[a..=b].iter().product(), x[b + 1..].iter().product());
+            let one_run = b - a + 1 == kept.len();
+            if n.device.is_cuda() && one_run && outer > 1 && inner >= MID_MIN_INNER && rows > 1 && outer.checked_mul(inner).is_some_and(|k| k <= MAX_LOOPED_ROW) {
+                Kind::MidReduce(outer, rows, inner)
             } else {
                 Kind::Other
             }
@@ -190,6 +205,8 @@ struct Group {
     /// Element count of its values, for a group without reductions.
     numel: usize,
     rows: Option<(usize, usize)>,
+    /// A mid reduction's (outer, rows, inner) (`rows` is then (rows, outer * inner)).
+    mid: Option<(usize, usize, usize)>,
 }
 
 impl Group {
@@ -200,19 +217,22 @@ impl Group {
             None => numel == self.numel,
         }
     }
-    fn merge_space(a: &Group, b: &Group) -> Option<(usize, Option<(usize, usize)>)> {
+    /// The space of `a` and `b` merged, if they share one: (numel, rows, mid).
+    #[allow(clippy::type_complexity)]
+    fn merge_space(a: &Group, b: &Group) -> Option<(usize, Option<(usize, usize)>, Option<(usize, usize, usize)>)> {
         // One-element values (constants) are the same for every element of any group.
         if a.rows.is_none() && a.numel == 1 {
-            return Some((b.numel, b.rows));
+            return Some((b.numel, b.rows, b.mid));
         }
         if b.rows.is_none() && b.numel == 1 {
-            return Some((a.numel, a.rows));
+            return Some((a.numel, a.rows, a.mid));
         }
         match (a.rows, b.rows) {
-            (Some(x), Some(y)) => (x == y).then_some((a.numel, Some(x))),
-            (Some(x), None) => a.fits(b.numel).then_some((a.numel, Some(x))),
-            (None, Some(y)) => b.fits(a.numel).then_some((b.numel, Some(y))),
-            (None, None) => (a.numel == b.numel).then_some((a.numel, None)),
+            // Row and mid spaces index their row values differently.
+            (Some(x), Some(y)) => (x == y && a.mid == b.mid).then_some((a.numel, Some(x), a.mid)),
+            (Some(x), None) => a.fits(b.numel).then_some((a.numel, Some(x), a.mid)),
+            (None, Some(y)) => b.fits(a.numel).then_some((b.numel, Some(y), b.mid)),
+            (None, None) => (a.numel == b.numel).then_some((a.numel, None, None)),
         }
     }
 }
@@ -246,14 +266,15 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
         if gemm_of[i].is_some() {
             continue;
         }
-        let (numel, rows) = match kinds[i] {
+        let (numel, rows, mid) = match kinds[i] {
             Kind::Other => continue,
-            Kind::Reduce(r, c) => (r * c, Some((r, c))),
-            Kind::Expand(r, c) => (r * c, Some((r, c))),
-            Kind::Pointwise | Kind::Reshape => (node.numel(), None),
+            Kind::Reduce(r, c) => (r * c, Some((r, c)), None),
+            Kind::MidReduce(o, r, q) => (o * r * q, Some((r, o * q)), Some((o, r, q))),
+            Kind::Expand(r, c) => (r * c, Some((r, c)), None),
+            Kind::Pointwise | Kind::Reshape => (node.numel(), None, None),
         };
         // A reduction's group holds its input's values; an expand's holds its output's.
-        groups.push(Some(Group { members: vec![i], numel, rows }));
+        groups.push(Some(Group { members: vec![i], numel, rows, mid }));
         let mine = groups.len() - 1;
         group_of[i] = Some(mine);
         for &a in &node.args {
@@ -266,6 +287,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             let ok_edge = match kinds[i] {
                 Kind::Pointwise | Kind::Reshape => true,
                 Kind::Reduce(r, c) => g.nodes[a].numel() == r * c,
+                Kind::MidReduce(o, r, q) => g.nodes[a].numel() == o * r * q,
                 Kind::Expand(r, _) => g.nodes[a].numel() == r,
                 Kind::Other => false,
             };
@@ -278,7 +300,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     // Siblings: groups reading the same value over the same space become one kernel (the value
     // is loaded once, one launch instead of two), unless that would make a cycle. Groups that
     // are only views or broadcasts stay as they are (a lone reshape is no kernel at all).
-    let computes = |grp: &Group| grp.members.iter().any(|&m| matches!(kinds[m], Kind::Pointwise | Kind::Reduce(..)));
+    let computes = |grp: &Group| grp.members.iter().any(|&m| matches!(kinds[m], Kind::Pointwise | Kind::Reduce(..) | Kind::MidReduce(..)));
     for v in 0..n {
         let mut sibs: Vec<usize> = node_readers[v].iter().filter_map(|&r| group_of[r]).filter(|&h| Some(h) != group_of[v]).collect();
         sibs.sort_unstable();
@@ -366,10 +388,10 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
 /// limit and no step outside would both feed and read it; whether it did.
 fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group>], group_of: &mut [Option<usize>], a: usize, b: usize) -> bool {
     let (ga, gb) = (groups[a].as_ref().expect("live"), groups[b].as_ref().expect("live"));
-    let Some((numel, rows)) = Group::merge_space(ga, gb) else { return false };
+    let Some((numel, rows, mid)) = Group::merge_space(ga, gb) else { return false };
     let mut members: Vec<NodeId> = ga.members.iter().chain(&gb.members).copied().collect();
     members.sort_unstable();
-    if too_many_operands(g, node_readers, &members) {
+    if too_many_operands(g, node_readers, &members, if mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS }) {
         return false;
     }
     // The two groups being merged are not "other groups" for the check.
@@ -383,7 +405,7 @@ fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group
     for &m in &members {
         group_of[m] = Some(a);
     }
-    groups[a] = Some(Group { members, numel, rows });
+    groups[a] = Some(Group { members, numel, rows, mid });
     groups[b] = None;
     true
 }
@@ -392,14 +414,17 @@ fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group
 /// words in the launch's fixed block (addresses, and strides when strided).
 const MAX_OPERANDS: usize = 20;
 
-fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], members: &[NodeId]) -> bool {
+/// The same for a mid reduction, whose inputs take four words each (three strides).
+const MAX_MID_OPERANDS: usize = 12;
+
+fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], members: &[NodeId], most: usize) -> bool {
     let inside = |x: NodeId| members.binary_search(&x).is_ok();
     let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
     inputs.sort_unstable();
     inputs.dedup();
     // Outputs: members some node outside reads (graph outputs are not known here; they add few).
     let outputs = members.iter().filter(|&&m| readers[m].iter().any(|&j| !inside(j))).count();
-    inputs.len() + outputs > MAX_OPERANDS
+    inputs.len() + outputs > most
 }
 
 /// Whether some step outside `members` both reads from and feeds the group (it could then run
@@ -441,11 +466,16 @@ fn creates_cycle(g: &Graph, members: &[NodeId], group_of: &[Option<usize>], n_gr
 
 fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usize], readers: &[Vec<NodeId>], counter: usize) -> FusedKernel {
     let me = group_of[grp.members[0]];
-    let space = match grp.rows {
-        Some((rows, cols)) => Space::Rows { rows, cols },
-        None => Space::Flat { numel: grp.numel },
+    let space = match (grp.mid, grp.rows) {
+        (Some((outer, rows, inner)), _) => Space::Mid { outer, rows, inner },
+        (None, Some((rows, cols))) => Space::Rows { rows, cols },
+        (None, None) => Space::Flat { numel: grp.numel },
     };
-    let is_row = |numel: usize| matches!(space, Space::Rows { rows, cols } if numel == rows && numel != rows * cols);
+    let is_row = |numel: usize| match space {
+        Space::Rows { rows, cols } => numel == rows && numel != rows * cols,
+        Space::Mid { outer, rows, inner } => numel == rows && numel != outer * rows * inner,
+        Space::Flat { .. } => false,
+    };
     let mut inputs: Vec<KInput> = vec![];
     let mut ops: Vec<KOp> = vec![];
     let mut val: std::collections::HashMap<NodeId, ValueRef> = Default::default();

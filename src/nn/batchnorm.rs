@@ -47,10 +47,12 @@ pub fn batch_norm(
         }
         let dims: Vec<i64> = (0..x.ndim() as i64).filter(|&d| d != 1).collect();
         // The batch's statistics, two passes in F32; their gradient is part of BatchNormTrain's.
+        // Half inputs are converted where they are read (the cast feeds the mean alone, and the
+        // centred values promote against the F32 mean): compiled, each pass is one reduction
+        // kernel reading x, with no F32 copy of x between them.
         let (mean, var) = no_grad(|| -> Result<(Tensor, Tensor)> {
-            let xf = x.to_dtype(x.dtype().compute_dtype())?;
-            let mean = xf.mean(&dims, true)?;
-            let centered = xf.sub(&mean)?;
+            let mean = x.to_dtype(x.dtype().compute_dtype())?.mean(&dims, true)?;
+            let centered = x.sub(&mean)?;
             Ok((mean, centered.mul(&centered)?.mean(&dims, true)?))
         })?;
         if let (Some(rm), Some(rv)) = (running_mean, running_var) {
@@ -123,7 +125,8 @@ struct BatchNormTrain {
 impl crate::autograd::Function for BatchNormTrain {
     fn forward(&self, ctx: &mut crate::autograd::Ctx, xs: &[&Tensor]) -> Result<Tensor> {
         let (x, mean, invstd) = (xs[0], xs[1], xs[2]);
-        let mut y = x.to_dtype(x.dtype().compute_dtype())?.sub(mean)?.mul(&scale(invstd, self.weight.then(|| xs[3]), x)?)?;
+        // x promotes against the F32 statistics: no cast of its own.
+        let mut y = x.sub(mean)?.mul(&scale(invstd, self.weight.then(|| xs[3]), x)?)?;
         if self.bias.is_some() {
             y = y.add(&per_channel(xs[xs.len() - 1], x)?)?;
         }
@@ -138,15 +141,16 @@ impl crate::autograd::Function for BatchNormTrain {
     fn backward(&self, ctx: &crate::autograd::Ctx, dy: &Tensor) -> Result<Vec<Option<Tensor>>> {
         let s = ctx.saved();
         let (x, mean, invstd) = (&s[0], &s[1], &s[2]);
+        // Half dy and x promote against the F32 statistics where they are read; the one cast
+        // feeds sum(dy) alone, so compiled, both sums are one reduction kernel.
         let cd = x.dtype().compute_dtype();
-        let dyf = dy.to_dtype(cd)?;
-        let xhat = x.to_dtype(cd)?.sub(mean)?.mul(invstd)?;
-        let sum_dy = dyf.sum(&self.dims, true)?;
-        let sum_dy_xhat = dyf.mul(&xhat)?.sum(&self.dims, true)?;
+        let xhat = x.sub(mean)?.mul(invstd)?;
+        let sum_dy = dy.to_dtype(cd)?.sum(&self.dims, true)?;
+        let sum_dy_xhat = dy.mul(&xhat)?.sum(&self.dims, true)?;
         let k = scale(invstd, self.weight.then(|| &s[3]), x)?;
         // dx = w / std * (dy - mean(dy) - xhat * mean(dy * xhat))
         let inv_n = 1.0 / self.n as f64;
-        let dx = dyf.sub(&sum_dy.mul_scalar(inv_n)?)?.sub(&xhat.mul(&sum_dy_xhat.mul_scalar(inv_n)?)?)?.mul(&k)?.to_dtype(x.dtype())?;
+        let dx = dy.sub(&sum_dy.mul_scalar(inv_n)?)?.sub(&xhat.mul(&sum_dy_xhat.mul_scalar(inv_n)?)?)?.mul(&k)?.to_dtype(x.dtype())?;
         let mut grads = vec![Some(dx), None, None];
         if self.weight {
             grads.push(Some(sum_dy_xhat.reshape_usize(&[self.c])?.to_dtype(s[3].dtype())?));

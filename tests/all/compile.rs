@@ -1267,3 +1267,40 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
     assert!(step.trace_count() <= 2, "traced {} times", step.trace_count());
     Ok(())
 }
+
+#[test]
+fn reductions_over_outer_and_inner_dims_fuse_with_the_work_around_them() -> Result<()> {
+    // Batch norm's statistics: sums over N, H, W of [N, C, H, W]. The pointwise work before
+    // them is their prologue (the BF16 input converted where it is read), sibling reductions of
+    // one input share a kernel, and the per-channel work after them is their epilogue: on the
+    // GPU one kernel per call, which splits each channel over blocks for large inputs (64 x 8 x
+    // 32 x 32) and stores a prologue value that is also returned. Tolerances: F32 sums of up to
+    // 65536 terms in other orders.
+    for (shape, seed) in [([4usize, 6, 7, 9], 1u64), ([64, 8, 32, 32], 2), ([3, 5, 1, 40], 3)] {
+        let c = shape[1];
+        let x = randn(&shape, seed).to_dtype(DType::BF16)?;
+        let b = randn(&[1, c, 1, 1], seed + 10);
+        let f = move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let xf = xs[0].to_dtype(DType::F32)?;
+            let twice = xf.mul_scalar(2.0)?;
+            let s = twice.add_scalar(1.0)?.sum(&[0, 2, 3], true)?;
+            let q = xf.mul(&xf)?.sum(&[0, 2, 3], false)?;
+            let m = xf.amax(&[0, 2, 3], true)?.reshape(&[c as i64])?;
+            Ok(vec![s.mul_scalar(0.5)?.add(&xs[1])?, q, m, twice])
+        };
+        let cf = compile(f);
+        let got = cf.call(&[x.clone(), b.clone()])?;
+        let want = f(&[x.clone(), b.clone()])?;
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.shape(), w.shape(), "output {k} of {shape:?}");
+            assert_close_named(&format!("output {k} of {shape:?}"), &vals(g), &vals(w), 1e-5, 1e-4);
+        }
+        if dev().is_cuda() {
+            assert_eq!(cf.kernels_per_call(), Some(1), "{shape:?}");
+            let (_, prof) = kiln::profiler::profile_value(|| cf.call(&[x.clone(), b.clone()]))?;
+            let names = prof.kernel_names();
+            assert!(names.len() == 1 && names[0].contains("_mid"), "{shape:?}: {names:?}");
+        }
+    }
+    Ok(())
+}

@@ -61,14 +61,17 @@ pub(crate) fn source(k: &FusedKernel, walks: &[Walk]) -> String {
     let body = match k.space {
         Space::Flat { .. } => flat_body(k, walks),
         Space::Rows { .. } => rows_body(k, walks),
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     };
     let args = match k.space {
         Space::Flat { .. } => "long long n, const void* const* in, const long long* st, void* const* out, void* scratch",
         Space::Rows { .. } => "long long r0, long long r1, long long K, const void* const* in, const long long* st, void* const* out, void* scratch",
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     };
     let call = match k.space {
         Space::Flat { .. } => "n, in, st, out, scratch",
         Space::Rows { .. } => "r0, r1, K, in, st, out, scratch",
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     };
     if has_trig(k) {
         let _ = writeln!(c, "#define sinf(x) ksinf_fast(x, &kbad)\n#define cosf(x) kcosf_fast(x, &kbad)");
@@ -359,5 +362,6 @@ pub(crate) fn scratch_per_col(k: &FusedKernel) -> usize {
             8 * (RowPlan::new(k).op_array.iter().filter(|&&a| a).count() + outs)
         }
         Space::Flat { .. } => 0,
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     }
 }

@@ -96,6 +96,9 @@ fn operand<C: Copy>(v: &[C], n: usize) -> Operand<'_, C> {
 
 /// Runs a fused kernel on the host; returns its outputs (flat, or [rows, cols] / [rows]).
 pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
+    if matches!(k.space, Space::Mid { .. }) {
+        return Err(crate::Error::Compile(format!("{}: mid reductions are fused on CUDA only", k.name)));
+    }
     if let Some(outs) = super::jit::run(k, shape, inputs, into) {
         return outs;
     }
@@ -103,6 +106,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
     let (rows, cols) = match k.space {
         Space::Flat { numel } => (1, numel),
         Space::Rows { rows, cols } => (rows, cols),
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     };
     // Output m holds `len(m)` values; every block writes its own range of each, in place.
     let len = |m: usize| if k.single[m] { 1 } else if k.ops[k.outputs[m].0].row { rows } else { rows * cols };
@@ -131,6 +135,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
                 }
             })
         }
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     }
     let mut outs = vec![];
     for (m, buf) in bufs.into_iter().enumerate() {
@@ -140,6 +145,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
             Space::Flat { .. } if k.single[m] => vec![1],
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
+            Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
         };
         outs.push(Tensor::from_cpu(storage, &s));
     }

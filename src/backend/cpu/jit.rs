@@ -234,6 +234,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
     let (rows, cols) = match k.space {
         Space::Flat { numel } => (1, numel),
         Space::Rows { rows, cols } => (rows, cols),
+        Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
     };
     let size = rows * cols;
     match choice() {
@@ -419,6 +420,7 @@ fn launch(k: &FusedKernel, shape: &[usize], rows: usize, cols: usize, ops: &[Ope
             Space::Flat { .. } if k.single[m] => vec![1],
             Space::Flat { .. } => shape.to_vec(),
             Space::Rows { rows, cols } => if op.row { vec![rows] } else { vec![rows, cols] },
+            Space::Mid { .. } => unreachable!("mid kernels are scheduled on CUDA only"),
         };
         res.push(match o {
             Out::Fresh { storage, .. } => Tensor::from_cpu(storage, &s),

@@ -24,6 +24,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
     match k.space {
         Space::Flat { numel } => run_flat(&dev, k, shape, numel, inputs, into),
         Space::Rows { rows, cols } => run_rows(&dev, k, rows, cols, inputs, tune),
+        Space::Mid { outer, rows, inner } => run_mid(&dev, k, [outer, rows, inner], inputs),
     }
 }
 
@@ -80,6 +81,8 @@ struct CudaMemo {
     row_launches: RowLaunches,
     /// A flat kernel's loaded functions by how its operands are walked.
     flat_launches: MapLaunches,
+    /// A mid kernel's loaded function (by index width: 32 or 64 bits).
+    mid_launches: crate::backend::cuda::Loaded<(bool, crate::backend::cuda::Kernel)>,
 }
 
 fn memo(k: &FusedKernel) -> Result<&CudaMemo> {
@@ -511,6 +514,201 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     let tuned = if tune && !looped { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
     launch(tuned.unwrap_or_else(|| if looped { LOOPED_THREADS } else { row_shape(cols, vec).0 }))?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
+}
+
+/// Launch words of a mid kernel (`gen_fused_mid`): sizes, the split's counters, a partials
+/// buffer per reduction, outputs, then four words per input (address; outer, row and inner
+/// strides).
+struct MidWords {
+    reductions: usize,
+    outputs: usize,
+}
+
+impl MidWords {
+    const SIZES: usize = 0; // P, M, Q, chunks
+    const COUNT: usize = 4;
+    fn part(&self, r: usize) -> usize {
+        5 + r
+    }
+    fn output(&self, m: usize) -> usize {
+        5 + self.reductions + m
+    }
+    fn input(&self, j: usize) -> usize {
+        5 + self.reductions + self.outputs + 4 * j
+    }
+}
+
+/// Threads of a mid kernel's block, and loads each thread has in flight.
+const MID_THREADS: usize = 256;
+const MID_ILP: usize = 4;
+
+/// A mid kernel (`Space::Mid`): a block per (row, chunk of the outer x inner values). Each
+/// thread walks its chunk's values a block apart, `MID_ILP` loads in flight, folding each
+/// reduction's argument into an accumulator and storing full outputs; the block reduces its
+/// accumulators; with chunks, each block leaves its partials and the last one of a row to
+/// finish folds them in chunk order (the same bits on every run), then computes the row ops.
+fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
+    let mut c = String::from(PRELUDE);
+    let idx = if wide { "long long" } else { "int" };
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}");
+    c.push_str("__device__ __forceinline__ void kadv(IDX& p, IDX& q, IDX dp, IDX dq, IDX Q) { q += dq; p += dp; if (q >= Q) { q -= Q; p++; } }\n");
+    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let mut helpers = vec![];
+    for &i in &reduces {
+        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
+        let t = CType::of(k.ops[i].dtype);
+        if !helpers.contains(&(r, t)) {
+            helpers.push((r, t));
+            c.push_str(&block_reduce(r, t));
+        }
+    }
+    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{");
+    let s = MidWords::SIZES;
+    let _ = writeln!(c, "  const IDX P = (IDX)a.w[{}], M = (IDX)a.w[{}], Q = (IDX)a.w[{}], C = (IDX)a.w[{}]; (void)P;", s, s + 1, s + 2, s + 3);
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
+    }
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let w = words.input(j);
+        let _ = writeln!(c, "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{w}]; const IDX ps{j} = (IDX)a.w[{}], ms{j} = (IDX)a.w[{}], qs{j} = (IDX)a.w[{}]; (void)ps{j}; (void)qs{j};", w + 1, w + 2, w + 3, t = storage_type(inp.dtype));
+    }
+    let (ins, vals) = value_names(k);
+    let _ = writeln!(c, "  const IDX row = blockIdx.x, ch = blockIdx.y, T = blockDim.x;");
+    let _ = writeln!(c, "  const IDX n = P * Q, lo = (IDX)(((long long)n * ch) / C), hi = (IDX)(((long long)n * (ch + 1)) / C);");
+    for &i in &reduces {
+        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
+        let t = CType::of(k.ops[i].dtype);
+        let _ = writeln!(c, "  {} acc{i} = {};", t.name(), r.cuda_identity(t));
+    }
+    let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
+    let _ = writeln!(c, "  const IDX dp = T / Q, dq = T % Q;\n  IDX pp = (lo + (IDX)threadIdx.x) / Q, qq = (lo + (IDX)threadIdx.x) % Q;");
+    let _ = writeln!(c, "  for (IDX base = lo + (IDX)threadIdx.x; base < hi; base += ILP * T) {{\n    IDX pu[ILP], qu[ILP];");
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq; kadv(pp, qq, dp, dq, Q); }}");
+    for &j in &full_in {
+        let st = storage_type(k.inputs[j].dtype);
+        let _ = writeln!(c, "    {st} l{j}[ILP];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * T < hi) l{j}[u] = p{j}[pu[u] * ps{j} + row * ms{j} + qu[u] * qs{j}];");
+    }
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;");
+    for &j in &full_in {
+        let t = ins[j].0;
+        let _ = writeln!(c, "      const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &format!("l{j}[u]")));
+    }
+    // Full ops (no row value is among their arguments: the scheduler sees to that).
+    let full_op = |i: usize| !k.ops[i].row && !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
+    for i in (0..k.ops.len()).filter(|&i| full_op(i)) {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        let _ = writeln!(c, "      const {} t{i} = {e};", t.name());
+    }
+    for &i in &reduces {
+        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
+        let t = CType::of(k.ops[i].dtype);
+        let a = arg(&k.ops[i].args[0], &ins, &vals);
+        let _ = writeln!(c, "      acc{i} = {}(acc{i}, {});", comb_name(r, t), convert(a.0, t, &a.1));
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if !k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "      out{m}[((long long)pu[u] * M + row) * Q + qu[u]] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+    c.push_str("    }\n  }\n");
+    for &i in &reduces {
+        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
+        let _ = writeln!(c, "  acc{i} = {}(acc{i});", block_name(r, CType::of(k.ops[i].dtype)));
+    }
+    // Split rows: partials, then the last block of the row folds them.
+    c.push_str("  if (C > 1) {\n");
+    for (r_, &i) in reduces.iter().enumerate() {
+        let _ = writeln!(c, "    if (threadIdx.x == 0) (({t}*)a.w[{}])[ch * M + row] = acc{i};", words.part(r_), t = CType::of(k.ops[i].dtype).name());
+    }
+    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if (threadIdx.x == 0) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
+    c.push_str("      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[row]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[row] = 0;\n    }\n    __syncthreads();\n    if (!last) return;\n");
+    for (r_, &i) in reduces.iter().enumerate() {
+        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
+        let t = CType::of(k.ops[i].dtype);
+        let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(r_), comb_name(r, t), tn = t.name());
+    }
+    c.push_str("  }\n  if (threadIdx.x != 0) return;\n");
+    for &i in &reduces {
+        let _ = writeln!(c, "  const {} t{i} = acc{i};", CType::of(k.ops[i].dtype).name());
+    }
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if inp.row {
+            let t = CType::of(inp.dtype);
+            let _ = writeln!(c, "  const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[row * ms{j}]")));
+        }
+    }
+    for (i, op) in k.ops.iter().enumerate() {
+        if op.row && !matches!(op.kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast) {
+            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
+            let (t, e) = lower(op, &args);
+            let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
+        }
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "  out{m}[row] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+    c.push_str("}\n");
+    c
+}
+
+fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    let mut views = vec![];
+    for (inp, t) in k.inputs.iter().zip(inputs) {
+        views.push(if inp.row { view_as(t, &[1, m, 1])? } else { view_as(t, &[p, m, q])? });
+    }
+    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
+    if words.input(views.len()) > LaunchArgs::default().w.len() {
+        return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
+    }
+    let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
+    // About eight blocks per SM, each reading at least 2048 values.
+    let chunks = (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1));
+    let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&i| CudaStorage::new(dev, k.ops[i].dtype, chunks * m)).collect::<Result<_>>()? } else { vec![] };
+    let mut a = LaunchArgs::default();
+    a.w[MidWords::SIZES..MidWords::SIZES + 4].copy_from_slice(&[p as u64, m as u64, q as u64, chunks as u64]);
+    if chunks > 1 {
+        a.w[MidWords::COUNT] = dev.reduce_counters(m)?;
+    }
+    for (r, s) in parts.iter().enumerate() {
+        a.w[words.part(r)] = s.ptr();
+    }
+    for (j, s) in outs.iter().enumerate() {
+        a.w[words.output(j)] = s.ptr();
+    }
+    let mut reach = p * m * q;
+    for (j, t) in views.iter().enumerate() {
+        let w = words.input(j);
+        a.w[w] = data_ptr(t)?;
+        for d in 0..3 {
+            a.w[w + 1 + d] = t.strides()[d] as u64;
+        }
+        reach = reach.max(t.shape().iter().zip(t.strides()).map(|(n, s)| n.saturating_sub(1) * s).sum::<usize>());
+    }
+    let wide = reach + MID_ILP * MID_THREADS >= i32::MAX as usize;
+    let launches = &memo(k)?.mid_launches;
+    let cached = launches.0.lock().iter().find(|(w, _)| *w == wide).map(|(_, f)| *f);
+    let kern = match cached {
+        Some(f) => f,
+        None => {
+            let signature = k.signature();
+            let name = format!("{}_mid{}", k.code_name(signature), if wide { "_i64" } else { "" });
+            let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || (name.clone(), gen_fused_mid(k, &name, wide)))?;
+            if !f.is_rehearsed() {
+                launches.0.lock().push((wide, f));
+            }
+            f
+        }
+    };
+    dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?;
+    drop(parts);
+    Ok(wrap(outs, |j| if k.ops[k.outputs[j].0].row { vec![m] } else { vec![p * m * q] }))
 }
 
 /// Max-autotune for a row kernel: the remembered thread count for this kernel, rows and layout,
