@@ -582,6 +582,20 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
         let _ = writeln!(c, "  {} acc{i} = {};", t.name(), r.cuda_identity(t));
     }
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
+    // Ops on full values run per element; constants (and ops of constants alone) once, here.
+    let mut elem = vec![false; k.ops.len()];
+    for (i, op) in k.ops.iter().enumerate() {
+        elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| match a {
+            ValueRef::In(j) => !k.inputs[*j].row,
+            ValueRef::Op(j) => elem[*j],
+        });
+    }
+    let computed = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
+    for i in (0..k.ops.len()).filter(|&i| computed(i) && !elem[i] && !k.ops[i].row) {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
+    }
     let _ = writeln!(c, "  const IDX dp = T / Q, dq = T % Q;\n  IDX pp = (lo + (IDX)threadIdx.x) / Q, qq = (lo + (IDX)threadIdx.x) % Q;");
     let _ = writeln!(c, "  for (IDX base = lo + (IDX)threadIdx.x; base < hi; base += ILP * T) {{\n    IDX pu[ILP], qu[ILP];");
     let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq; kadv(pp, qq, dp, dq, Q); }}");
@@ -595,8 +609,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
         let _ = writeln!(c, "      const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &format!("l{j}[u]")));
     }
     // Full ops (no row value is among their arguments: the scheduler sees to that).
-    let full_op = |i: usize| !k.ops[i].row && !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
-    for i in (0..k.ops.len()).filter(|&i| full_op(i)) {
+    for i in (0..k.ops.len()).filter(|&i| computed(i) && elem[i]) {
         let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
         let (t, e) = lower(&k.ops[i], &args);
         let _ = writeln!(c, "      const {} t{i} = {e};", t.name());
@@ -641,7 +654,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
         }
     }
     for (i, op) in k.ops.iter().enumerate() {
-        if op.row && !matches!(op.kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast) {
+        if op.row && computed(i) {
             let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
             let (t, e) = lower(op, &args);
             let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
