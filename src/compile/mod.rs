@@ -21,6 +21,7 @@ pub(crate) mod autodiff;
 pub(crate) mod fuse;
 pub mod graph;
 pub(crate) mod merge;
+pub(crate) mod recompute;
 pub(crate) mod runtime;
 pub(crate) mod simplify;
 pub(crate) mod trace;
@@ -662,7 +663,7 @@ pub(crate) fn program_of(args: &[Tensor], f: &mut dyn FnMut(&[Tensor]) -> Result
 /// Turns a traced graph into something that runs, with the chosen backend.
 /// The graph passes between capture (and autodiff) and scheduling.
 fn optimise(g: &Graph) -> Graph {
-    merge::merge_products(&simplify::simplify(g))
+    recompute::recompute_cheap(&merge::merge_products(&simplify::simplify(g)))
 }
 
 fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {
