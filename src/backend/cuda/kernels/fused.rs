@@ -81,8 +81,9 @@ struct CudaMemo {
     row_launches: RowLaunches,
     /// A flat kernel's loaded functions by how its operands are walked.
     flat_launches: MapLaunches,
-    /// A mid kernel's loaded function (by index width: 32 or 64 bits).
-    mid_launches: crate::backend::cuda::Loaded<(bool, crate::backend::cuda::Kernel)>,
+    /// A mid kernel's loaded functions by (64-bit indices, inner values per position, which
+    /// inputs load them as one vector).
+    mid_launches: crate::backend::cuda::Loaded<((bool, usize, u64), crate::backend::cuda::Kernel)>,
 }
 
 fn memo(k: &FusedKernel) -> Result<&CudaMemo> {
@@ -547,10 +548,15 @@ const MID_ILP: usize = 4;
 /// reduction's argument into an accumulator and storing full outputs; the block reduces its
 /// accumulators; with chunks, each block leaves its partials and the last one of a row to
 /// finish folds them in chunk order (the same bits on every run), then computes the row ops.
-fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
+fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[bool]) -> String {
     let mut c = String::from(PRELUDE);
     let idx = if wide { "long long" } else { "int" };
-    let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}");
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}\n#define VEC {vec}");
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if !inp.row && vector[j] {
+            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
+        }
+    }
     c.push_str("__device__ __forceinline__ void kadv(IDX& p, IDX& q, IDX dp, IDX dq, IDX Q) { q += dq; p += dp; if (q >= Q) { q -= Q; p++; } }\n");
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
     let mut helpers = vec![];
@@ -575,7 +581,8 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
     }
     let (ins, vals) = value_names(k);
     let _ = writeln!(c, "  const IDX row = blockIdx.x, ch = blockIdx.y, T = blockDim.x;");
-    let _ = writeln!(c, "  const IDX n = P * Q, lo = (IDX)(((long long)n * ch) / C), hi = (IDX)(((long long)n * (ch + 1)) / C);");
+    // Positions count vectors of VEC inner values (Q is a multiple of VEC).
+    let _ = writeln!(c, "  const IDX Qv = Q / VEC, n = P * Qv, lo = (IDX)(((long long)n * ch) / C), hi = (IDX)(((long long)n * (ch + 1)) / C);");
     for &i in &reduces {
         let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
         let t = CType::of(k.ops[i].dtype);
@@ -596,17 +603,24 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
         let (t, e) = lower(&k.ops[i], &args);
         let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
     }
-    let _ = writeln!(c, "  const IDX dp = T / Q, dq = T % Q;\n  IDX pp = (lo + (IDX)threadIdx.x) / Q, qq = (lo + (IDX)threadIdx.x) % Q;");
+    let _ = writeln!(c, "  const IDX dp = T / Qv, dq = T % Qv;\n  IDX pp = (lo + (IDX)threadIdx.x) / Qv, qq = (lo + (IDX)threadIdx.x) % Qv;");
     let _ = writeln!(c, "  for (IDX base = lo + (IDX)threadIdx.x; base < hi; base += ILP * T) {{\n    IDX pu[ILP], qu[ILP];");
-    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq; kadv(pp, qq, dp, dq, Q); }}");
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq * VEC; kadv(pp, qq, dp, dq, Qv); }}");
+    // Every load of the step is issued before the first value is used.
     for &j in &full_in {
-        let st = storage_type(k.inputs[j].dtype);
-        let _ = writeln!(c, "    {st} l{j}[ILP];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * T < hi) l{j}[u] = p{j}[pu[u] * ps{j} + row * ms{j} + qu[u] * qs{j}];");
+        let at = format!("pu[u] * ps{j} + row * ms{j}");
+        if vector[j] {
+            let _ = writeln!(c, "    VI{j} l{j}[ILP];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * T < hi) l{j}[u] = *(const VI{j}*)(p{j} + {at} + qu[u]);");
+        } else {
+            let st = storage_type(k.inputs[j].dtype);
+            let _ = writeln!(c, "    {st} l{j}[ILP][VEC];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * T < hi) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) l{j}[u][e] = p{j}[{at} + (qu[u] + e) * qs{j}]; }}");
+        }
     }
-    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;");
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
     for &j in &full_in {
         let t = ins[j].0;
-        let _ = writeln!(c, "      const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &format!("l{j}[u]")));
+        let v = if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
+        let _ = writeln!(c, "      const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &v));
     }
     // Full ops (no row value is among their arguments: the scheduler sees to that).
     for i in (0..k.ops.len()).filter(|&i| computed(i) && elem[i]) {
@@ -623,10 +637,10 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool) -> String {
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if !k.ops[*o].row {
             let v = &vals[*o];
-            let _ = writeln!(c, "      out{m}[((long long)pu[u] * M + row) * Q + qu[u]] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+            let _ = writeln!(c, "      out{m}[((long long)pu[u] * M + row) * Q + qu[u] + e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
         }
     }
-    c.push_str("    }\n  }\n");
+    c.push_str("      }\n    }\n  }\n");
     for &i in &reduces {
         let KKind::Reduce(r) = k.ops[i].kind else { unreachable!() };
         let _ = writeln!(c, "  acc{i} = {}(acc{i});", block_name(r, CType::of(k.ops[i].dtype)));
@@ -704,17 +718,30 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         }
         reach = reach.max(t.shape().iter().zip(t.strides()).map(|(n, s)| n.saturating_sub(1) * s).sum::<usize>());
     }
-    let wide = reach + MID_ILP * MID_THREADS >= i32::MAX as usize;
+    let wide = reach + MID_ILP * MID_THREADS * 8 >= i32::MAX as usize;
+    // VEC inner values per position: 16 bytes of the widest full input, where the inner dim
+    // divides by it; inputs whose inner values are contiguous and aligned load them as one.
+    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
+    let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && q.is_multiple_of(v)).unwrap_or(1);
+    let mut vector = vec![];
+    for (inp, t) in k.inputs.iter().zip(&views) {
+        let s = t.strides();
+        let ok = !inp.row && vec > 1 && s[2] == 1 && s[1] % vec == 0 && s[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
+        vector.push(ok);
+    }
+    let mask = vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64)));
+    let shape = (wide, vec, mask);
     let launches = &memo(k)?.mid_launches;
-    let cached = launches.0.lock().iter().find(|(w, _)| *w == wide).map(|(_, f)| *f);
+    let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
     let kern = match cached {
         Some(f) => f,
         None => {
             let signature = k.signature();
-            let name = format!("{}_mid{}", k.code_name(signature), if wide { "_i64" } else { "" });
-            let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || (name.clone(), gen_fused_mid(k, &name, wide)))?;
+            let loads: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
+            let name = format!("{}_mid{vec}{}_{loads}", k.code_name(signature), if wide { "_i64" } else { "" });
+            let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || (name.clone(), gen_fused_mid(k, &name, wide, vec, &vector)))?;
             if !f.is_rehearsed() {
-                launches.0.lock().push((wide, f));
+                launches.0.lock().push((shape, f));
             }
             f
         }
