@@ -688,3 +688,31 @@ fn integer_pow() {
     assert_eq!(i64s(&ti64(&[2, -3], &[2]).pow_scalar(3i64).unwrap()), vec![8, -27]);
     check("int pow 0.5", &ti64(&[4, 2], &[2]).pow_scalar(0.5).unwrap(), &[2], DType::F32, &[2.0, 2f64.sqrt()], F32_RTOL, 0.0);
 }
+
+#[test]
+fn per_channel_operands_spread_over_images_match_the_host() {
+    // x * scale + shift with [1, C, 1, 1] operands over [N, C, H, W]: on the GPU such operands
+    // are read once per vector of the image's values (16-byte vectors over 56 x 56, 8-byte ones
+    // over 14 x 14, none over 7 x 7), in eager ops and compiled kernels. Eager ops round as the
+    // host does (no contraction), so they must match it exactly; the compiled kernel within
+    // one F32 rounding of its fused multiply-add.
+    let d = dev();
+    for (hw, seed) in [(56usize, 1u64), (14, 2), (7, 3)] {
+        let shape = [2usize, 3, hw, hw];
+        let n: usize = shape.iter().product();
+        let host = |v: &[f64], s: &[usize], dt: DType| Tensor::from_vec(v.to_vec(), s, &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+        let (xv, sv, bv) = (host_rand(n, seed), host_rand(3, seed + 1), host_rand(3, seed + 2));
+        let (xh, sh, bh) = (host(&xv, &shape, DType::BF16), host(&sv, &[1, 3, 1, 1], DType::F32), host(&bv, &[1, 3, 1, 1], DType::F32));
+        let want = xh.mul(&sh).unwrap().add(&bh).unwrap().relu().unwrap().to_dtype(DType::BF16).unwrap();
+        let (x, s, b) = (xh.to_device(&d).unwrap(), sh.to_device(&d).unwrap(), bh.to_device(&d).unwrap());
+        let got = x.mul(&s).unwrap().add(&b).unwrap().relu().unwrap().to_dtype(DType::BF16).unwrap();
+        assert_eq!(vals(&got), vals(&want), "eager, {hw} x {hw}");
+        let f = kiln::compile::compile(|x: &Tensor, s: &Tensor| x.mul(s)?.add_scalar(0.5)?.relu()?.to_dtype(DType::BF16));
+        let got = f.call(&x, &s).unwrap();
+        let want = xh.mul(&sh).unwrap().add_scalar(0.5).unwrap().relu().unwrap();
+        let bf16_ulp = |v: f64| v.abs().max(1e-30) * 2f64.powi(-8);
+        for (i, (g, w)) in vals(&got).iter().zip(vals(&want)).enumerate() {
+            assert!((g - w).abs() <= bf16_ulp(w), "compiled, {hw} x {hw}, element {i}: {g} against {w}");
+        }
+    }
+}

@@ -81,6 +81,9 @@ pub(crate) enum Class {
     Scalar,
     /// Arbitrary strides, offsets computed from the linear index.
     Strided,
+    /// Strided and the same along each vector of a vectorised kernel (inner stride 0, a
+    /// per-channel value spread over an image): one element loaded per vector.
+    Splat,
 }
 
 /// Threads per block of a map kernel. Blocks of 128 keep as many threads per SM as blocks of
@@ -143,7 +146,7 @@ impl MapSpec {
         let classes = std::iter::repeat_n(self.out_class, o).chain(self.inputs.iter().map(|x| x.2));
         let strides = classes
             .map(|c| {
-                (c == Class::Strided && self.ndim > 0).then(|| {
+                (matches!(c, Class::Strided | Class::Splat) && self.ndim > 0).then(|| {
                     next += self.ndim;
                     next - self.ndim
                 })
@@ -186,7 +189,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
         }
         for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
-            if walks(*cls) {
+            if walks(*cls) && *cls != Class::Splat {
                 let _ = writeln!(c, "struct __align__({}) VI{k} {{ {} v[{}]; }};", s.vec * d.size_in_bytes(), storage_type(*d), s.vec);
             }
         }
@@ -232,7 +235,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
     let at = |k: usize, i: &str| match s.inputs[k].2 {
         Class::Contig => i.to_string(),
         Class::Scalar => "0".to_string(),
-        Class::Strided => format!("o{}", k + 1),
+        Class::Strided | Class::Splat => format!("o{}", k + 1),
     };
     let out_at = |i: &str| if strided_out { "o0".to_string() } else { i.to_string() };
     // The inputs' values v{k} (`value(k)`: input k's value as its compute type), then the body.
@@ -257,12 +260,14 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
         }
     };
     if s.vec > 1 {
-        // Strided operands qualify only with unit inner stride and vector-aligned runs (checked
-        // at launch), so one offset computation serves a whole vector.
+        // Strided operands qualify only with unit inner stride and vector-aligned runs, or as
+        // splats (checked at launch), so one offset computation serves a whole vector.
         let _ = writeln!(c, "  const IDX nv = n / {v};\n  for (IDX t = tid; t < nv; t += step) {{\n    const IDX base = t * {v};", v = s.vec);
         offsets(&mut c, "base");
-        for (k, (_, _, cls)) in s.inputs.iter().enumerate() {
-            if walks(*cls) {
+        for (k, (d, _, cls)) in s.inputs.iter().enumerate() {
+            if *cls == Class::Splat {
+                let _ = writeln!(c, "    const {} x{k} = p{k}[{}];", storage_type(*d), at(k, "base"));
+            } else if walks(*cls) {
                 let _ = writeln!(c, "    const VI{k} x{k} = *(const VI{k}*)(p{k} + {});", at(k, "base"));
             }
         }
@@ -270,7 +275,16 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             let _ = writeln!(c, "    VO{m} r{m};");
         }
         let _ = writeln!(c, "    #pragma unroll\n    for (int j = 0; j < {}; j++) {{\n    const IDX i = base + j;", s.vec);
-        body(&mut c, &|k| loaded(k, &if walks(s.inputs[k].2) { format!("x{k}.v[j]") } else { format!("p{k}[0]") }));
+        body(&mut c, &|k| {
+            loaded(
+                k,
+                &match s.inputs[k].2 {
+                    Class::Splat => format!("x{k}"),
+                    Class::Scalar => format!("p{k}[0]"),
+                    _ => format!("x{k}.v[j]"),
+                },
+            )
+        });
         for (m, r) in results.iter().enumerate() {
             match once(m) {
                 true => writeln!(c, "    if (i == 0) out{m}[0] = {r};"),

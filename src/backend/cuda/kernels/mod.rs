@@ -177,14 +177,21 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
     let max_off = strides.iter().map(|s| s.iter().zip(&cshape).map(|(st, d)| st * (d - 1)).sum::<usize>()).max().unwrap_or(0);
     let idx64 = n >= i32::MAX as usize || max_off >= i32::MAX as usize;
     // Vector loads when every operand that is walked is aligned and, if strided, has unit inner
-    // stride with runs that are whole vectors (a broadcast bias row, a transposed block).
+    // stride with runs that are whole vectors (a broadcast bias row, a transposed block), or is
+    // the same along its inner dim, a whole number of vectors long (a splat: batch norm's
+    // per-channel scale over an image). Inner dims that take no 16-byte vector (14 x 14 bf16
+    // values) take 8- or 4-byte ones.
+    let inner = *cshape.last().unwrap_or(&1);
+    let splat = |st: &[usize]| strided && st.last() == Some(&0) && st.iter().any(|&x| x != 0);
     let vec = {
         let walked: Vec<(&Operand, &Vec<usize>)> = ops.iter().zip(&strides).zip(&classes).filter(|(_, c)| **c != Class::Scalar).map(|(o, _)| o).collect();
         let widest = walked.iter().map(|(o, _)| o.dtype.size_in_bytes()).max().unwrap_or(1);
-        let inner = *cshape.last().unwrap_or(&1);
         let fits = |v: usize| {
             n >= v
                 && walked.iter().all(|(o, st)| {
+                    if splat(st) {
+                        return inner.is_multiple_of(v);
+                    }
                     let aligned = o.ptr % (v * o.dtype.size_in_bytes()) as u64 == 0;
                     let runs = !strided || (st.last() == Some(&1) && inner.is_multiple_of(v) && st[..st.len() - 1].iter().all(|&x| x % v == 0));
                     aligned && runs
@@ -193,8 +200,9 @@ pub(crate) fn map_launch(dev: &Arc<CudaDevice>, name: &str, inputs: &[(&Tensor, 
         // Large maps take two 16-byte vectors per thread: half the threads, and index
         // arithmetic (a broadcast operand's offset) once per two vectors.
         let bytes = if n >= LARGE_MAP { map_vector_bytes() } else { 16 };
-        [bytes / widest, 16 / widest].into_iter().map(|v| v.clamp(1, 32)).find(|&v| v > 1 && fits(v)).unwrap_or(1)
+        [bytes / widest, 16 / widest, 8 / widest, 4 / widest].into_iter().map(|v| v.clamp(1, 32)).find(|&v| v > 1 && fits(v)).unwrap_or(1)
     };
+    let classes: Vec<Class> = classes.iter().zip(&strides).map(|(&c, st)| if vec > 1 && c == Class::Strided && splat(st) { Class::Splat } else { c }).collect();
     let ndim = if strided { cshape.len() } else { 0 };
     let fill = |words: &codegen::MapWords| {
         let mut a = LaunchArgs::default();
