@@ -612,6 +612,47 @@ mod tests {
     }
 
     #[test]
+    fn batch_norm_statistics_are_mid_kernels_on_the_gpu_alone() {
+        // Training-mode batch norm of BF16 [8, 4, 6, 6]: on the GPU the mean and the variance are
+        // one mid kernel each (the running statistics' update in the second's epilogue), storing
+        // per-channel values only; the normalisation reads x itself. On the host the
+        // reductions stay eager steps.
+        let (rm, rv, w, b) = (r(&[4], DType::F32), r(&[4], DType::F32).abs().unwrap(), r(&[4], DType::F32), r(&[4], DType::F32));
+        let bn = move |xs: &[Tensor]| Ok(vec![F::batch_norm(&xs[0], Some(&rm), Some(&rv), Some(&w), Some(&b), true, 0.1, 1e-5)?]);
+        let g = crate::compile::recompute::recompute_cheap(&crate::compile::simplify::simplify(&graph_of(&[r(&[8, 4, 6, 6], DType::BF16)], bn.clone())));
+        let s = schedule(&g);
+        let mids: Vec<&FusedKernel> = s.kernels.iter().filter(|k| matches!(k.space, Space::Mid { outer: 8, rows: 4, inner: 36 })).collect();
+        let all = || s.kernels.iter().map(|k| k.describe().to_string()).collect::<Vec<_>>();
+        assert_eq!(mids.len(), 2, "{:?}", all());
+        for k in &mids {
+            assert!(k.outputs.iter().all(|(o, _)| k.ops[*o].row), "{}", k.describe());
+        }
+        // Every full-size value a kernel reads is the input itself.
+        let x = g.input_nodes()[0];
+        for k in &s.kernels {
+            for i in k.inputs.iter().filter(|i| !i.row && g.nodes[i.node].numel() == 8 * 4 * 36) {
+                let mut n = i.node;
+                while let NodeOp::Prim(Op::Reshape(_) | Op::Expand(_)) = g.nodes[n].op {
+                    n = g.nodes[n].args[0];
+                }
+                assert!(n == x || g.nodes[n].numel() < 8 * 4 * 36, "{} reads %{}: {:?}", k.describe(), i.node, all());
+            }
+        }
+        let host = crate::compile::simplify::simplify(&{
+            let seen = Arc::new(Mutex::new(None));
+            let s2 = seen.clone();
+            let backend = Backend::custom(move |g, _| {
+                *s2.lock().unwrap() = Some(g.clone());
+                Ok(g.eager_runner())
+            });
+            compile_with(CompileOptions::new().backend(backend), bn).call(&[r(&[8, 4, 6, 6], DType::BF16)]).unwrap();
+            let traced = seen.lock().unwrap().take();
+            traced.unwrap()
+        });
+        assert!(schedule(&host).kernels.iter().all(|k| !matches!(k.space, Space::Mid { .. })));
+    }
+
+    #[test]
     fn row_kernels_that_differ_in_where_a_view_sits_share_one_code() {
         // The first softmax's output is reshaped into the product (a view at its end), the
         // second reads the product's result through a reshape (a view at its start): one
