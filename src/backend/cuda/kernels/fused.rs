@@ -539,6 +539,19 @@ impl MidWords {
     }
 }
 
+/// A mid kernel's reductions: (op index, reduction, accumulator type), the accumulator as the
+/// reduction's definition says (F32 sums in F64, as eager ones).
+fn mid_reductions(k: &FusedKernel) -> Vec<(usize, crate::ops::ReduceOp, CType)> {
+    k.ops
+        .iter()
+        .enumerate()
+        .filter_map(|(i, op)| match op.kind {
+            KKind::Reduce(r) => Some((i, r, r.acc_type(op.dtype))),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Threads of a mid kernel's block, and loads each thread has in flight.
 const MID_THREADS: usize = 256;
 const MID_ILP: usize = 4;
@@ -558,15 +571,9 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         }
     }
     c.push_str("__device__ __forceinline__ void kadv(IDX& p, IDX& q, IDX dp, IDX dq, IDX Q) { q += dq; p += dp; if (q >= Q) { q -= Q; p++; } }\n");
-    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let reduces = mid_reductions(k);
     let mut helpers = vec![];
-    // Each reduction accumulates in its definition's type (F32 sums in F64, as eager ones).
-    let acc_of = |i: usize| {
-        let KKind::Reduce(r) = k.ops[i].kind else { unreachable!("a reduction") };
-        (r, r.acc_type(k.ops[i].dtype))
-    };
-    for &i in &reduces {
-        let (r, t) = acc_of(i);
+    for &(_, r, t) in &reduces {
         if !helpers.contains(&(r, t)) {
             helpers.push((r, t));
             c.push_str(&block_reduce(r, t));
@@ -587,8 +594,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     let _ = writeln!(c, "  const IDX row = blockIdx.x, ch = blockIdx.y, T = blockDim.x;");
     // Positions count vectors of VEC inner values (Q is a multiple of VEC).
     let _ = writeln!(c, "  const IDX Qv = Q / VEC, n = P * Qv, lo = (IDX)(((long long)n * ch) / C), hi = (IDX)(((long long)n * (ch + 1)) / C);");
-    for &i in &reduces {
-        let (r, t) = acc_of(i);
+    for &(i, r, t) in &reduces {
         let _ = writeln!(c, "  {} acc{i} = {};", t.name(), r.cuda_identity(t));
     }
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
@@ -631,8 +637,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         let (t, e) = lower(&k.ops[i], &args);
         let _ = writeln!(c, "      const {} t{i} = {e};", t.name());
     }
-    for &i in &reduces {
-        let (r, t) = acc_of(i);
+    for &(i, r, t) in &reduces {
         let a = arg(&k.ops[i].args[0], &ins, &vals);
         let _ = writeln!(c, "      acc{i} = {}(acc{i}, {});", comb_name(r, t), convert(a.0, t, &a.1));
     }
@@ -643,25 +648,23 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         }
     }
     c.push_str("      }\n    }\n  }\n");
-    for &i in &reduces {
-        let (r, t) = acc_of(i);
+    for &(i, r, t) in &reduces {
         let _ = writeln!(c, "  acc{i} = {}(acc{i});", block_name(r, t));
     }
     // Split rows: partials, then the last block of the row folds them.
     c.push_str("  if (C > 1) {\n");
-    for (r_, &i) in reduces.iter().enumerate() {
-        let _ = writeln!(c, "    if (threadIdx.x == 0) (({t}*)a.w[{}])[ch * M + row] = acc{i};", words.part(r_), t = acc_of(i).1.name());
+    for (n, &(i, _, t)) in reduces.iter().enumerate() {
+        let _ = writeln!(c, "    if (threadIdx.x == 0) (({t}*)a.w[{}])[ch * M + row] = acc{i};", words.part(n), t = t.name());
     }
     let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if (threadIdx.x == 0) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
     c.push_str("      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[row]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[row] = 0;\n    }\n    __syncthreads();\n    if (!last) return;\n");
-    for (r_, &i) in reduces.iter().enumerate() {
-        let (r, t) = acc_of(i);
-        let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(r_), comb_name(r, t), tn = t.name());
+    for (n, &(i, r, t)) in reduces.iter().enumerate() {
+        let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(n), comb_name(r, t), tn = t.name());
     }
     c.push_str("  }\n  if (threadIdx.x != 0) return;\n");
-    for &i in &reduces {
+    for &(i, _, acc) in &reduces {
         let t = CType::of(k.ops[i].dtype);
-        let _ = writeln!(c, "  const {} t{i} = {};", t.name(), convert(acc_of(i).1, t, &format!("acc{i}")));
+        let _ = writeln!(c, "  const {} t{i} = {};", t.name(), convert(acc, t, &format!("acc{i}")));
     }
     for (j, inp) in k.inputs.iter().enumerate() {
         if inp.row {
@@ -691,7 +694,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     for (inp, t) in k.inputs.iter().zip(inputs) {
         views.push(if inp.row { view_as(t, &[1, m, 1])? } else { view_as(t, &[p, m, q])? });
     }
-    let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let reduces = mid_reductions(k);
     let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
     if words.input(views.len()) > LaunchArgs::default().w.len() {
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
@@ -699,11 +702,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
     // About eight blocks per SM, each reading at least 2048 values.
     let chunks = (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1));
-    let acc = |i: usize| match k.ops[i].kind {
-        KKind::Reduce(r) => r.acc_type(k.ops[i].dtype).dtype(),
-        _ => unreachable!("a reduction"),
-    };
-    let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&i| CudaStorage::new(dev, acc(i), chunks * m)).collect::<Result<_>>()? } else { vec![] };
+    let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&(_, _, acc)| CudaStorage::new(dev, acc.dtype(), chunks * m)).collect::<Result<_>>()? } else { vec![] };
     let mut a = LaunchArgs::default();
     a.w[MidWords::SIZES..MidWords::SIZES + 4].copy_from_slice(&[p as u64, m as u64, q as u64, chunks as u64]);
     if chunks > 1 {
