@@ -131,8 +131,7 @@ fn max_pool2d_impl(x: &Tensor, args: &MaxPool2dArgs, indices: bool) -> Result<(T
         let ws = crate::ops::movement::stack(&views.iter().collect::<Vec<_>>(), 4)?;
         let first_max = crate::no_grad(|| ws.argmax(4, true))?;
         let y = ws.gather(4, &first_max)?.squeeze(4)?;
-        let idx = if indices { Some(window_positions(&x, args, (oh, ow), &first_max)?) } else { None };
-        (y, idx)
+        (y, Some(window_positions(&x, args, (oh, ow), &first_max)?))
     } else {
         // One kernel reading the input in place; its gradient one more (`ops::pool`).
         (apply(Op::MaxPool2d(*args), &[&x])?, None)

@@ -33,8 +33,8 @@ impl MaxPool2dArgs {
     }
 
     /// The flat position `y * w + x` of the maximum of window (oh, ow) in an `h` x `w` plane read
-    /// through `at(y, x)`, and that value (PyTorch's rule: a larger value or a NaN takes over).
-    pub(crate) fn window_max(&self, (h, w): (usize, usize), (oh, ow): (usize, usize), at: impl Fn(usize, usize) -> f64) -> (usize, f64) {
+    /// through `at(y, x)` (PyTorch's rule: a larger value or a NaN takes over).
+    pub(crate) fn window_max(&self, (h, w): (usize, usize), (oh, ow): (usize, usize), at: impl Fn(usize, usize) -> f64) -> usize {
         let (k, s, p, d) = (self.kernel, self.stride, self.padding, self.dilation);
         let (hs, ws) = ((oh * s.0) as isize - p.0 as isize, (ow * s.1) as isize - p.1 as isize);
         let mut best: Option<(usize, f64)> = None;
@@ -55,6 +55,6 @@ impl MaxPool2dArgs {
             }
         }
         // Padding at most half the kernel leaves every window an input position.
-        best.expect("a window covers at least one input position")
+        best.expect("a window covers at least one input position").0
     }
 }

@@ -16,7 +16,7 @@ pub(crate) fn max_pool2d(x: &Tensor, a: &MaxPool2dArgs, out: &[usize]) -> CpuSto
             y.par_chunks_mut(ohw.0 * ohw.1).zip(src.par_chunks(hw.0 * hw.1)).for_each(|(yp, xp)| {
                 for oh in 0..ohw.0 {
                     for ow in 0..ohw.1 {
-                        let (at, _) = a.window_max(hw, (oh, ow), |r, c| xp[r * hw.1 + c].to_f64());
+                        let at = a.window_max(hw, (oh, ow), |r, c| xp[r * hw.1 + c].to_f64());
                         yp[oh * ohw.1 + ow] = xp[at];
                     }
                 }
@@ -38,7 +38,7 @@ pub(crate) fn max_pool2d_backward(x: &Tensor, dy: &Tensor, a: &MaxPool2dArgs) ->
             dx.par_chunks_mut(hw.0 * hw.1).zip(src.par_chunks(hw.0 * hw.1)).zip(g.par_chunks(ohw.0 * ohw.1)).for_each(|((dp, xp), gp)| {
                 for oh in 0..ohw.0 {
                     for ow in 0..ohw.1 {
-                        let (at, _) = a.window_max(hw, (oh, ow), |r, c| xp[r * hw.1 + c].to_f64());
+                        let at = a.window_max(hw, (oh, ow), |r, c| xp[r * hw.1 + c].to_f64());
                         dp[at] += gp[oh * ohw.1 + ow];
                     }
                 }
