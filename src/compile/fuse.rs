@@ -558,16 +558,15 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::compile::{compile_with, Backend, CompileOptions};
     use crate::nn::functional as F;
     use crate::{Device, Result, Tensor};
     use std::sync::{Arc, Mutex};
 
-    /// The graph `f` traces to on the CPU, with every node moved to the GPU (scheduling is pure:
-    /// it only reads the graph, so it runs without one).
-    fn graph_of(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Graph {
+    /// The graph `f` traces to on the CPU.
+    pub(crate) fn host_graph_of(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Graph {
         let seen = Arc::new(Mutex::new(None));
         let s2 = seen.clone();
         let backend = Backend::custom(move |g, _| {
@@ -575,7 +574,14 @@ mod tests {
             Ok(g.eager_runner())
         });
         compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
-        let mut g = seen.lock().unwrap().take().unwrap();
+        let traced = seen.lock().unwrap().take();
+        traced.unwrap()
+    }
+
+    /// The graph `f` traces to on the CPU, with every node moved to the GPU (scheduling is pure:
+    /// it only reads the graph, so it runs without one).
+    pub(crate) fn graph_of(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Graph {
+        let mut g = host_graph_of(args, f);
         for n in &mut g.nodes {
             n.device = Device::Cuda(0);
         }
@@ -638,17 +644,7 @@ mod tests {
                 assert!(n == x || g.nodes[n].numel() < 8 * 4 * 36, "{} reads %{}: {:?}", k.describe(), i.node, all());
             }
         }
-        let host = crate::compile::simplify::simplify(&{
-            let seen = Arc::new(Mutex::new(None));
-            let s2 = seen.clone();
-            let backend = Backend::custom(move |g, _| {
-                *s2.lock().unwrap() = Some(g.clone());
-                Ok(g.eager_runner())
-            });
-            compile_with(CompileOptions::new().backend(backend), bn).call(&[r(&[8, 4, 6, 6], DType::BF16)]).unwrap();
-            let traced = seen.lock().unwrap().take();
-            traced.unwrap()
-        });
+        let host = crate::compile::simplify::simplify(&host_graph_of(&[r(&[8, 4, 6, 6], DType::BF16)], bn));
         assert!(schedule(&host).kernels.iter().all(|k| !matches!(k.space, Space::Mid { .. })));
     }
 
