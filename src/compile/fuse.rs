@@ -348,14 +348,28 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             readers[d].push(u);
         }
     }
-    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(NodeId, usize)>> =
-        (0..units.len()).filter(|&u| indeg[u] == 0).map(|u| std::cmp::Reverse((units[u][0], u))).collect();
+    // A collective's result, or a view of one: its readers go as late as the original order
+    // allows (each keyed by its last node, not its first), so that the work between a DDP
+    // bucket's all-reduce and its optimiser update overlaps the communication.
+    let mut communicated = vec![false; n];
+    for i in 0..n {
+        communicated[i] = match &g.nodes[i].op {
+            NodeOp::Collective(_) => true,
+            NodeOp::Prim(op) if op.is_view() => communicated[g.nodes[i].args[0]],
+            _ => false,
+        };
+    }
+    let key = |u: usize| {
+        let reads_comm = units[u].iter().any(|&m| !communicated[m] && g.nodes[m].args.iter().any(|&a| communicated[a]));
+        std::cmp::Reverse((if reads_comm { *units[u].iter().max().expect("a unit has nodes") } else { units[u][0] }, u))
+    };
+    let mut ready: std::collections::BinaryHeap<std::cmp::Reverse<(NodeId, usize)>> = (0..units.len()).filter(|&u| indeg[u] == 0).map(key).collect();
     let (mut counter, mut emitted) = (0, 0);
     while let Some(std::cmp::Reverse((_, u))) = ready.pop() {
         for &r in &readers[u] {
             indeg[r] -= 1;
             if indeg[r] == 0 {
-                ready.push(std::cmp::Reverse((units[r][0], r)));
+                ready.push(key(r));
             }
         }
         emitted += 1;

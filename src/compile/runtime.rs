@@ -340,7 +340,17 @@ impl Program {
                 env[*v] = Some(t.clone());
             }
         }
+        // Collectives started and not yet waited for (not while a CUDA graph is captured, where
+        // each step's place in the graph comes from what it touches).
+        let overlap = pass == RunScope::Full && crate::backend::cuda::device::graph::capturing().is_none();
+        let mut in_flight = InFlight::default();
         for (s, step) in self.schedule.steps.iter().enumerate() {
+            let view = matches!(step, Step::Node(i) if matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()));
+            if !view {
+                for r in step_reads(g, &self.schedule, step) {
+                    in_flight.wait_for(r)?;
+                }
+            }
             let hoisted = h.steps.get(s).copied().unwrap_or(false);
             // Inputs, constants and views of what is at hand cost no kernel.
             let free = matches!(step, Step::Node(i)
@@ -372,7 +382,24 @@ impl Program {
                                 crate::backend::scatter_into(t, *dim, arg(index), arg(src))?;
                                 t.clone()
                             }
-                            _ => run_node(g, *i, inputs, &env)?,
+                            _ => match &g.nodes[*i].op {
+                                NodeOp::Collective(c) if overlap => {
+                                    let (t, w) = c.start(env[g.nodes[*i].args[0]].as_ref().expect("computed before use"))?;
+                                    in_flight.start(*i, w);
+                                    t
+                                }
+                                _ if view => {
+                                    let a = g.nodes[*i].args[0];
+                                    let v = run_node(g, *i, inputs, &env)?;
+                                    if !in_flight.alias(*i, a, v.shares_storage_with(env[a].as_ref().expect("computed before use")))? {
+                                        // A reshape that copied read the values: once more, after them.
+                                        run_node(g, *i, inputs, &env)?
+                                    } else {
+                                        v
+                                    }
+                                }
+                                _ => run_node(g, *i, inputs, &env)?,
+                            },
                         },
                     })
                 }
@@ -432,6 +459,7 @@ impl Program {
                 env[*f] = None;
             }
         }
+        in_flight.wait_all()?;
         if hoisted_only {
             return Ok(vec![]);
         }
@@ -470,6 +498,51 @@ impl Program {
         c.versions = versions;
         c.sources = sources;
         Ok(())
+    }
+}
+
+/// Collectives a program has started and not yet waited for: a step that reads one of their
+/// values (or a view of one) waits for it first, so the steps between overlap the
+/// communication, as backward's earlier layers overlap a DDP bucket's all-reduce.
+#[derive(Default)]
+struct InFlight {
+    works: Vec<Option<crate::distributed::Work>>,
+    /// Per value not yet complete: the work it waits for.
+    pending: std::collections::HashMap<NodeId, usize>,
+}
+
+impl InFlight {
+    fn start(&mut self, node: NodeId, w: crate::distributed::Work) {
+        self.pending.insert(node, self.works.len());
+        self.works.push(Some(w));
+    }
+
+    /// Waits for the work `node`'s value depends on, if any.
+    fn wait_for(&mut self, node: NodeId) -> Result<()> {
+        match self.pending.remove(&node).and_then(|k| self.works[k].take()) {
+            Some(w) => w.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// View `node` of `of` was made: when `of` is pending, a view sharing its storage is pending
+    /// on the same work; one that copied has read incomplete values, so the work is waited for
+    /// and false returned (make the view again).
+    fn alias(&mut self, node: NodeId, of: NodeId, shares: bool) -> Result<bool> {
+        let Some(&k) = self.pending.get(&of) else { return Ok(true) };
+        if self.works[k].is_none() {
+            return Ok(true);
+        }
+        if shares {
+            self.pending.insert(node, k);
+            return Ok(true);
+        }
+        self.wait_for(of)?;
+        Ok(false)
+    }
+
+    fn wait_all(self) -> Result<()> {
+        self.works.into_iter().flatten().try_for_each(crate::distributed::Work::wait)
     }
 }
 

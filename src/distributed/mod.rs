@@ -334,13 +334,21 @@ impl Collective {
     /// The node's value at run time: a copy of `x` combined over the ranks (the input may be a
     /// captured tensor, written back only through the graph's mutations).
     pub(crate) fn run(&self, x: &Tensor) -> Result<Tensor> {
+        let (out, w) = self.start(x)?;
+        w.wait()?;
+        Ok(out)
+    }
+
+    /// Starts the collective on a copy of `x` and returns that copy with its handle: the value
+    /// may be read only after `wait`, so a program goes on with work that does not need it
+    /// (backward's earlier layers while a bucket's gradients travel).
+    pub(crate) fn start(&self, x: &Tensor) -> Result<(Tensor, Work)> {
         let out = x.copy_contiguous()?;
         let w = match self.kind {
             CollectiveKind::AllReduce(op) => self.group.all_reduce(&out, op)?,
             CollectiveKind::Broadcast(src) => self.group.broadcast(&out, src)?,
         };
-        w.wait()?;
-        Ok(out)
+        Ok((out, w))
     }
 }
 

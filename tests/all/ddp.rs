@@ -2,7 +2,7 @@
 //! the launcher, running the ignored `ddp_rank` test), and in-process groups of one rank for
 //! the errors.
 
-use super::distributed::{free_port, options};
+use super::distributed::{free_port, on_ranks, options};
 use kiln::data::DistributedSampler;
 use kiln::distributed::{self as dist, Backend, ProcessGroup};
 use kiln::nn::{DdpOptions, DistributedDataParallel, Linear, Module, ReLU, Sequential};
@@ -301,6 +301,80 @@ fn the_first_bucket_is_on_its_way_before_backward_reaches_the_first_layer() {
     assert!(at_first_layer >= 1, "no bucket had started when backward reached the first layer");
     assert!(at_first_layer < buckets, "the first layer's bucket cannot have started before its gradient");
     assert_eq!(launched.lock().unwrap().len(), buckets, "every bucket once");
+}
+
+/// Compiled steps overlap as eager ones do: a program starts each bucket's all-reduce and goes
+/// on with backward, waiting only where the reduced gradients are read. Observed with two ranks
+/// in this process: rank 1 starts each step only once rank 0's backward has reached its first
+/// layer, which rank 0 can do only with its first bucket's all-reduce still in flight (waited
+/// for at once, that all-reduce would wait for rank 1 until the timeout).
+#[test]
+fn a_compiled_ddp_step_goes_on_with_backward_while_its_first_bucket_travels() {
+    use kiln::CustomOp;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc, Mutex};
+    const CALLS: usize = 3;
+    /// Identity in both directions; its backward (the gradient reaching the first layer) runs `on_backward`.
+    struct Probe(CustomOp);
+    impl Module for Probe {
+        fn forward(&self, x: &Tensor) -> kiln::Result<Tensor> {
+            self.0.call(&[x])
+        }
+    }
+    fn probe(rank: usize, on_backward: impl Fn() + Send + Sync + 'static) -> kiln::Result<Probe> {
+        let copy = |ins: &[kiln::HostTensor], out: &mut kiln::HostTensor| {
+            out.copy_from_slice(&ins[0]);
+            Ok(())
+        };
+        let reached = CustomOp::new(&format!("reached_first_layer_{rank}")).inputs(1).output_like(0).cpu(move |ins, out| {
+            on_backward();
+            copy(ins, out)
+        });
+        let reached = reached.build()?;
+        let op = CustomOp::new(&format!("probe_{rank}")).inputs(1).output_like(0).cpu(copy).backward(move |_, g| Ok(vec![Some(reached.call(&[g])?)]));
+        Ok(Probe(op.build()?))
+    }
+    let (tx, rx) = mpsc::channel::<()>();
+    let (tx, rx) = (Mutex::new(tx), Mutex::new(rx));
+    let reached = Arc::new(AtomicUsize::new(0));
+    let params = on_ranks(2, |g| {
+        let rank = g.rank();
+        let d = Device::Cpu;
+        let p = match rank {
+            0 => {
+                let (tx, reached) = (tx.lock().unwrap().clone(), reached.clone());
+                probe(rank, move || {
+                    reached.fetch_add(1, Ordering::SeqCst);
+                    tx.send(()).unwrap();
+                })?
+            }
+            _ => probe(rank, || {})?,
+        };
+        let m = Sequential::new().add(Linear::new(12, 16, &d)?).add(p).add(ReLU).add(Linear::new(16, 16, &d)?).add(ReLU).add(Linear::new(16, 4, &d)?);
+        let ddp = DistributedDataParallel::with_options(m, DdpOptions { group: Some(g.clone()), bucket_cap_mib: 1.0 / 1024.0, first_bucket_mib: 1.0 / 1024.0, ..DdpOptions::default() })?;
+        assert!(ddp.bucket_names().len() >= 3, "{:?}", ddp.bucket_names());
+        let params = ddp.parameters();
+        let mut opt = Sgd::new(ddp.parameters(), 0.1);
+        let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| {
+            let l = loss(&ddp, x, y)?;
+            l.backward()?;
+            opt.step()?;
+            opt.zero_grad();
+            Ok(l)
+        });
+        let (x, y) = data(8);
+        let (x, y) = (x.narrow(0, rank * 4, 4)?, y.narrow(0, rank * 4, 4)?);
+        for call in 0..CALLS {
+            if rank == 1 {
+                rx.lock().unwrap().recv_timeout(Duration::from_secs(15)).unwrap_or_else(|_| panic!("call {call}: rank 0's backward did not reach its first layer while its first bucket's all-reduce waited for rank 1"));
+            }
+            step.call(&x, &y)?;
+        }
+        Ok(params.iter().flat_map(|p| p.to_vec::<f32>().unwrap()).collect::<Vec<f32>>())
+    });
+    let params: Vec<Vec<f32>> = params.into_iter().map(|r| r.unwrap()).collect();
+    assert_eq!(reached.load(Ordering::SeqCst), CALLS, "the probe's backward runs once per compiled call");
+    assert_eq!(params[0], params[1], "the ranks end with the same parameters");
 }
 
 /// The test device and a one-rank group for it: NCCL on a GPU, TCP on the CPU.

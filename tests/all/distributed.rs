@@ -34,7 +34,7 @@ pub fn options(backend: Backend, rank: usize, world: usize, port: u16, timeout: 
 }
 
 /// Runs `f` on `world` TCP ranks at once and returns their results in rank order.
-fn on_ranks<T: Send>(world: usize, f: impl Fn(&ProcessGroup) -> kiln::Result<T> + Sync) -> Vec<kiln::Result<T>> {
+pub fn on_ranks<T: Send>(world: usize, f: impl Fn(&ProcessGroup) -> kiln::Result<T> + Sync) -> Vec<kiln::Result<T>> {
     let port = free_port();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
