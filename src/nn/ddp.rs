@@ -9,6 +9,12 @@
 //! once, while backward goes on with the earlier layers; each `.grad` becomes a view of it.
 //! Buckets are launched in the same order on every rank. When backward ends, it waits for them
 //! all. Inside `compile` the same code records each bucket's all-reduce as a graph node.
+//!
+//! The first backward also records the order its gradients arrived in; the next forward packs
+//! the buckets anew in that order (rank 0's, broadcast, so that every rank agrees), as
+//! PyTorch's reducer does once, so that a model whose layers are used in another order than
+//! they were registered in still starts communicating early. Not with
+//! `find_unused_parameters` (the order may differ from pass to pass), as in PyTorch.
 
 use crate::autograd::HookHandle;
 use crate::distributed::{self, ProcessGroup, ReduceOp, Work};
@@ -61,14 +67,25 @@ struct Reducer {
     group: ProcessGroup,
     names: Vec<String>,
     params: Vec<Tensor>,
-    buckets: Vec<Bucket>,
-    /// Each parameter's bucket.
-    bucket_of: Vec<usize>,
+    first_bucket_bytes: usize,
+    bucket_bytes: usize,
     find_unused: bool,
     comm_hook: Option<CommHook>,
     /// Off inside `no_sync`: gradients accumulate locally.
     sync: AtomicBool,
-    pass: Mutex<Pass>,
+    state: Mutex<State>,
+}
+
+struct State {
+    buckets: Buckets,
+    pass: Pass,
+    rebuild: Rebuild,
+}
+
+/// The parameters in buckets, and each parameter's bucket.
+struct Buckets {
+    list: Vec<Bucket>,
+    bucket_of: Vec<usize>,
 }
 
 /// Parameters packed together, in launch order within the bucket.
@@ -76,11 +93,23 @@ struct Bucket {
     params: Vec<usize>,
 }
 
+/// Where the one rebuild of the buckets stands.
+enum Rebuild {
+    /// The next synchronised backward records its gradients' order.
+    Record,
+    /// That order, for the next forward to pack the buckets in.
+    Recorded(Vec<usize>),
+    /// Rebuilt, or never to be (unused parameters are looked for).
+    Done,
+}
+
 /// The state of one backward pass.
 #[derive(Default)]
 struct Pass {
     active: bool,
     ready: Vec<bool>,
+    /// The parameters in the order their gradients arrived.
+    arrived: Vec<usize>,
     waiting: Vec<usize>,
     next: usize,
     works: Vec<Work>,
@@ -113,11 +142,14 @@ impl<M: Module> DistributedDataParallel<M> {
             let works = named.iter().map(|(_, p)| p).chain(&buffers).map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>>>()?;
             works.into_iter().try_for_each(Work::wait)
         })?;
-        let (buckets, bucket_of) = assign_buckets(&named, opts.first_bucket_mib, opts.bucket_cap_mib);
         let n = named.len();
+        let (first_bucket_bytes, bucket_bytes) = ((opts.first_bucket_mib * 1048576.0) as usize, (opts.bucket_cap_mib * 1048576.0) as usize);
         // Named as `DistributedDataParallel::named_parameters` names them.
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().map(|(n, p)| (format!("module.{n}"), p)).unzip();
-        let reducer = Arc::new(Reducer { group, names, params, buckets, bucket_of, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), pass: Mutex::new(Pass::default()) });
+        let buckets = assign_buckets(&params, (0..n).rev(), first_bucket_bytes, bucket_bytes);
+        let rebuild = if opts.find_unused_parameters { Rebuild::Done } else { Rebuild::Record };
+        let state = Mutex::new(State { buckets, pass: Pass::default(), rebuild });
+        let reducer = Arc::new(Reducer { group, names, params, first_bucket_bytes, bucket_bytes, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), state });
         let mut hooks = Vec::with_capacity(n);
         for (i, p) in reducer.params.iter().enumerate() {
             let weak: Weak<Reducer> = Arc::downgrade(&reducer);
@@ -146,7 +178,7 @@ impl<M: Module> DistributedDataParallel<M> {
 
     /// The buckets' parameter names, in launch order (for tests and `KILN_LOG`).
     pub fn bucket_names(&self) -> Vec<Vec<String>> {
-        self.reducer.buckets.iter().map(|b| b.params.iter().map(|&i| self.reducer.names[i].clone()).collect()).collect()
+        self.reducer.state.lock().buckets.list.iter().map(|b| b.params.iter().map(|&i| self.reducer.names[i].clone()).collect()).collect()
     }
 }
 
@@ -161,6 +193,7 @@ impl<M: Module> Drop for DistributedDataParallel<M> {
 impl<M: Module> Module for DistributedDataParallel<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
+        self.reducer.rebuild_buckets()?;
         if self.broadcast_buffers && !self.buffers.is_empty() && self.reducer.group.world_size() > 1 {
             no_grad(|| {
                 let works = self.buffers.iter().map(|b| self.reducer.group.broadcast(b, 0)).collect::<Result<Vec<_>>>()?;
@@ -180,28 +213,52 @@ impl Reducer {
         if !self.sync.load(Ordering::Acquire) {
             return Ok(());
         }
-        let mut pass = self.pass.lock();
+        let mut state = self.state.lock();
+        let State { buckets, pass, .. } = &mut *state;
         if !pass.active {
-            *pass = Pass { active: true, ready: vec![false; self.params.len()], waiting: self.buckets.iter().map(|b| b.params.len()).collect(), ..Pass::default() };
+            *pass = Pass { active: true, ready: vec![false; self.params.len()], waiting: buckets.list.iter().map(|b| b.params.len()).collect(), ..Pass::default() };
             let me = self.clone();
             crate::autograd::queue_callback(move || me.finish());
         }
         if pass.ready[i] {
             return Ok(());
         }
-        self.mark(&mut pass, i)
+        self.mark(buckets, pass, i);
+        Ok(())
     }
 
-    fn mark(&self, pass: &mut Pass, i: usize) -> Result<()> {
+    fn mark(&self, buckets: &Buckets, pass: &mut Pass, i: usize) {
         pass.ready[i] = true;
-        pass.waiting[self.bucket_of[i]] -= 1;
+        pass.arrived.push(i);
+        pass.waiting[buckets.bucket_of[i]] -= 1;
         // Buckets start in order on every rank (the backends match collectives by order).
-        while pass.next < self.buckets.len() && pass.waiting[pass.next] == 0 {
-            if let Err(e) = self.launch(pass, pass.next) {
+        while pass.next < buckets.list.len() && pass.waiting[pass.next] == 0 {
+            if let Err(e) = self.launch(&buckets.list[pass.next], pass) {
                 pass.error.get_or_insert(e.to_string());
             }
             pass.next += 1;
         }
+    }
+
+    /// Before a forward: packs the buckets in the order the first backward's gradients arrived
+    /// in, rank 0's order on every rank (once; outside any trace, since every rank does it at
+    /// the same call, and the order is a fact of the run, not of the graph).
+    fn rebuild_buckets(&self) -> Result<()> {
+        let mut state = self.state.lock();
+        let Rebuild::Recorded(order) = &state.rebuild else { return Ok(()) };
+        let _real = crate::compile::trace::Suspend::new();
+        let order = no_grad(|| {
+            let t = Tensor::from_vec(order.iter().map(|&i| i as i64).collect::<Vec<_>>(), &[order.len()], &Device::Cpu)?.to_device(&self.group.device())?;
+            self.group.broadcast(&t, 0)?.wait()?;
+            t.to_vec::<i64>()
+        })?;
+        let n = self.params.len();
+        let mut seen = vec![false; n];
+        if order.len() != n || !order.iter().all(|&i| usize::try_from(i).is_ok_and(|i| i < n && !std::mem::replace(&mut seen[i], true))) {
+            return Err(Error::dist("DistributedDataParallel", format!("rank 0's gradient order {order:?} is no order of this rank's {n} parameters")));
+        }
+        state.buckets = assign_buckets(&self.params, order.into_iter().map(|i| i as usize), self.first_bucket_bytes, self.bucket_bytes);
+        state.rebuild = Rebuild::Done;
         Ok(())
     }
 
@@ -209,8 +266,8 @@ impl Reducer {
     /// starts its all-reduce, and points each `.grad` at its part. Inside `compile` the same
     /// calls record the bucket's all-reduce as a node of the graph, where its gradients become
     /// ready.
-    fn launch(&self, pass: &mut Pass, b: usize) -> Result<()> {
-        let members = &self.buckets[b].params;
+    fn launch(&self, bucket: &Bucket, pass: &mut Pass) -> Result<()> {
+        let members = &bucket.params;
         let parts = members
             .iter()
             .map(|&i| {
@@ -242,10 +299,16 @@ impl Reducer {
 
     /// The end of backward: unused parameters, then every bucket's all-reduce waited for.
     fn finish(&self) -> Result<()> {
-        let mut pass = std::mem::take(&mut *self.pass.lock());
-        let unused: Vec<usize> = (0..self.params.len()).filter(|&i| !pass.ready[i]).collect();
-        if !unused.is_empty() {
-            if !self.find_unused {
+        let mut pass = {
+            let mut state = self.state.lock();
+            let State { buckets, pass, rebuild } = &mut *state;
+            let mut pass = std::mem::take(pass);
+            let unused: Vec<usize> = (0..self.params.len()).filter(|&i| !pass.ready[i]).collect();
+            if unused.is_empty() && matches!(rebuild, Rebuild::Record) {
+                *rebuild = Rebuild::Recorded(std::mem::take(&mut pass.arrived));
+            }
+            if !unused.is_empty() && !self.find_unused {
+                drop(state);
                 let names: Vec<&str> = unused.iter().map(|&i| self.names[i].as_str()).collect();
                 let e = Error::Autograd(format!(
                     "DDP: parameters {names:?} received no gradient in this backward, so their buckets never started and the ranks would disagree; \
@@ -257,9 +320,10 @@ impl Reducer {
                 return Err(e);
             }
             for i in unused {
-                self.mark(&mut pass, i)?;
+                self.mark(buckets, &mut pass, i);
             }
-        }
+            pass
+        };
         let mut first = pass.error.take().map(|e| Error::dist("all_reduce", e));
         for w in pass.works.drain(..) {
             if let Err(e) = w.wait() {
@@ -270,9 +334,9 @@ impl Reducer {
     }
 }
 
-/// Parameters in reverse order, packed into buckets of one dtype and device each: the first up
-/// to `first_mib`, the rest up to `cap_mib`.
-fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> (Vec<Bucket>, Vec<usize>) {
+/// Parameters taken in `order`, packed into buckets of one dtype and device each: the first up
+/// to `first_bytes`, the rest up to `cap_bytes`.
+fn assign_buckets(params: &[Tensor], order: impl IntoIterator<Item = usize>, first_bytes: usize, cap_bytes: usize) -> Buckets {
     /// The bucket being filled for one dtype and device, and how many it closed before.
     struct Filling {
         key: (DType, Device),
@@ -280,11 +344,11 @@ fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> (
         bytes: usize,
         closed: usize,
     }
-    let limit = |closed: usize| ((if closed == 0 { first_mib } else { cap_mib }) * 1048576.0) as usize;
+    let limit = |closed: usize| if closed == 0 { first_bytes } else { cap_bytes };
     let mut filling: Vec<Filling> = Vec::new();
-    let mut buckets: Vec<Bucket> = Vec::new();
-    for i in (0..named.len()).rev() {
-        let p = &named[i].1;
+    let mut list: Vec<Bucket> = Vec::new();
+    for i in order {
+        let p = &params[i];
         let key = (p.dtype(), p.device());
         let bytes = p.numel() * p.dtype().size_in_bytes();
         let f = match filling.iter().position(|f| f.key == key) {
@@ -295,20 +359,20 @@ fn assign_buckets(named: &[(String, Tensor)], first_mib: f64, cap_mib: f64) -> (
             }
         };
         if !f.params.is_empty() && f.bytes + bytes > limit(f.closed) {
-            buckets.push(Bucket { params: std::mem::take(&mut f.params) });
+            list.push(Bucket { params: std::mem::take(&mut f.params) });
             (f.bytes, f.closed) = (0, f.closed + 1);
         }
         f.params.push(i);
         f.bytes += bytes;
     }
-    buckets.extend(filling.into_iter().filter(|f| !f.params.is_empty()).map(|f| Bucket { params: f.params }));
-    let mut bucket_of = vec![0; named.len()];
-    for (b, bucket) in buckets.iter().enumerate() {
+    list.extend(filling.into_iter().filter(|f| !f.params.is_empty()).map(|f| Bucket { params: f.params }));
+    let mut bucket_of = vec![0; params.len()];
+    for (b, bucket) in list.iter().enumerate() {
         for &i in &bucket.params {
             bucket_of[i] = b;
         }
     }
-    (buckets, bucket_of)
+    Buckets { list, bucket_of }
 }
 
 /// The same parameters (count, shapes, dtypes) on every rank, or an error before any

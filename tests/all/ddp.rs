@@ -200,6 +200,81 @@ fn buckets_go_in_reverse_parameter_order_and_a_parameter_used_twice_is_reduced_o
     }
 }
 
+/// Layers registered in one order and used in another: the first backward's gradients arrive
+/// in the order of use, and the next forward packs the buckets so (rank 0's order on every
+/// rank), as PyTorch's reducer does after its first iteration; training goes on unchanged.
+#[test]
+fn buckets_are_packed_anew_in_the_order_the_first_backward_produced_gradients() {
+    /// `last` is registered first but applied last.
+    struct Reordered {
+        last: Linear,
+        first: Linear,
+    }
+    impl Module for Reordered {
+        fn forward(&self, x: &Tensor) -> kiln::Result<Tensor> {
+            self.last.forward(&self.first.forward(x)?.relu()?)
+        }
+        fn children(&self) -> Vec<(String, &dyn Module)> {
+            vec![("last".into(), &self.last as &dyn Module), ("first".into(), &self.first)]
+        }
+    }
+    let d = Device::Cpu;
+    let make = || {
+        let m = Reordered { last: Linear::new(16, 4, &d).unwrap(), first: Linear::new(12, 16, &d).unwrap() };
+        no_grad(|| {
+            for (k, p) in m.parameters().iter().enumerate() {
+                let v: Vec<f32> = (0..p.numel()).map(|i| ((i * 5 + k * 11) as f32 * 0.29).sin() * 0.3).collect();
+                p.copy_(&Tensor::from_vec(v, p.shape(), &d)?)?;
+            }
+            Ok::<_, kiln::Error>(())
+        })
+        .unwrap();
+        m
+    };
+    // Buckets of one tensor each (the smallest is 16 bytes).
+    let opts = |g: &ProcessGroup| DdpOptions { group: Some(g.clone()), bucket_cap_mib: 8.0 / 1048576.0, first_bucket_mib: 8.0 / 1048576.0, ..DdpOptions::default() };
+    let (x, y) = data(8);
+    let results = on_ranks(2, |g| {
+        let ddp = DistributedDataParallel::with_options(make(), opts(g))?;
+        // Reverse registration order: the first layer's parameters first.
+        let before = ddp.bucket_names();
+        let mut opt = Sgd::new(ddp.parameters(), 0.1).momentum(0.9);
+        let (x, y) = (x.narrow(0, g.rank() * 4, 4)?, y.narrow(0, g.rank() * 4, 4)?);
+        let mut after = vec![];
+        for step in 0..3 {
+            loss(&ddp, &x, &y)?.backward()?;
+            opt.step()?;
+            opt.zero_grad();
+            if step == 0 {
+                // Not yet: the next forward rebuilds.
+                assert_eq!(ddp.bucket_names(), before);
+            } else {
+                after = ddp.bucket_names();
+            }
+        }
+        Ok((before, after, flat_params(&ddp)))
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    let one = |names: &[&str]| names.iter().map(|n| vec![n.to_string()]).collect::<Vec<_>>();
+    let (before, after, params) = &results[0];
+    assert_eq!(before, &one(&["module.first.bias", "module.first.weight", "module.last.bias", "module.last.weight"]));
+    assert_eq!(&after[..2].concat().iter().map(|n| n.starts_with("module.last.")).collect::<Vec<_>>(), &[true, true], "{after:?}");
+    assert_eq!(after.concat().len(), 4, "{after:?}");
+    assert_eq!(&results[1].1, after, "rank 1 packs as rank 0 does");
+    assert_eq!(&results[1].2, params, "the ranks end with the same parameters");
+    // One process on the whole batch.
+    let m = make();
+    let mut opt = Sgd::new(m.parameters(), 0.1).momentum(0.9);
+    for _ in 0..3 {
+        loss(&m, &x, &y).unwrap().backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad();
+    }
+    for (i, (a, b)) in params.iter().zip(flat_params(&m)).enumerate() {
+        assert!((a - b).abs() <= 1e-5 + 1e-5 * b.abs(), "parameter value {i}: {a} against one process's {b}");
+    }
+}
+
 #[test]
 fn the_launcher_stops_every_rank_when_one_fails_and_prefixes_their_output() {
     let start = std::time::Instant::now();
