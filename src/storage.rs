@@ -29,7 +29,7 @@ impl Drop for Storage {
             crate::backend::cuda::unpin(p as *const u8);
         }
         // Host buffers go back to the caching allocator (an empty Vec allocates nothing).
-        if let BackendStorage::Cpu(s) = std::mem::replace(self.data.get_mut(), BackendStorage::Cpu(CpuStorage::U8(Vec::new()))) {
+        if let BackendStorage::Cpu(s) = std::mem::replace(self.data.get_mut(), BackendStorage::Cpu(CpuStorage::U8(Default::default()))) {
             s.recycle();
         }
     }
@@ -55,7 +55,7 @@ impl Storage {
     }
     /// Host storage page-locked in place (its Vec never reallocates).
     pub(crate) fn cpu_pinned(s: CpuStorage) -> crate::Result<Self> {
-        let (ptr, bytes) = crate::backend::cpu::with_storage!(&s, v => (v.as_ptr().cast::<u8>(), std::mem::size_of_val(v.as_slice())));
+        let (ptr, bytes) = crate::backend::cpu::with_storage!(&s, v => (v.as_ptr().cast::<u8>(), std::mem::size_of_val(&v[..])));
         if bytes > 0 {
             crate::backend::cuda::pin(ptr, bytes)?;
         }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// writes go through the slice it dereferences to.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
-    data: Vec<f64>,
+    data: cpu::HostBuf<f64>,
     shape: Vec<usize>,
 }
 
@@ -38,7 +38,7 @@ impl DerefMut for HostTensor {
 pub(super) fn run(name: &str, f: &super::CpuFn, inputs: &[&Tensor], shape: &[usize], dtype: DType) -> Result<Tensor> {
     let _rec = crate::profiler::record::cpu_kernel(name);
     let hosts: Vec<HostTensor> = inputs.iter().map(|t| HostTensor { data: cpu::to_vec_as::<f64>(t), shape: t.shape().to_vec() }).collect();
-    let mut out = HostTensor { data: vec![0.0; shape.iter().product()], shape: shape.to_vec() };
+    let mut out = HostTensor { data: vec![0.0; shape.iter().product()].into(), shape: shape.to_vec() };
     f(&hosts, &mut out)?;
     let storage = CpuStorage::from_vec_as(out.data, dtype);
     Ok(Tensor::from_parts(Arc::new(Storage::cpu(storage)), Layout::contiguous(shape), dtype, false))

@@ -1,6 +1,6 @@
 //! State dicts as safetensors files (the format PyTorch exports with `safetensors.torch`).
 
-use crate::backend::cpu::{with_storage, CpuStorage, HostElem};
+use crate::backend::cpu::{with_storage, CpuStorage, HostBuf, HostElem};
 use crate::{DType, Device, Error, Result, Tensor};
 use safetensors::tensor::Dtype;
 use std::borrow::Cow;
@@ -67,9 +67,9 @@ pub fn save(sd: &[(String, Tensor)], path: impl AsRef<Path>) -> Result<()> {
     crate::files::write_atomically(path, &bytes).map_err(|e| io(path, e))
 }
 
-fn typed<T: HostElem>(data: &[u8]) -> Vec<T> {
+fn typed<T: HostElem>(data: &[u8]) -> HostBuf<T> {
     let n = data.len() / std::mem::size_of::<T>();
-    let mut v: Vec<T> = Vec::with_capacity(n);
+    let mut v: HostBuf<T> = HostBuf::with_capacity(n);
     // SAFETY: the file's bytes for n elements of T (checked by `entry` against the shape),
     // copied into aligned storage; bools are validated by the caller.
     unsafe {

@@ -1,6 +1,7 @@
 //! Pointwise primitives, each defined once: name, dtype rule, scalar semantics (the closures the
 //! backends' loops are instantiated with) and gradient (written with other ops).
 
+use crate::backend::cpu::HostBuf;
 use crate::dtype::DEFAULT_FLOAT;
 use crate::{DType, Error, Result, Tensor};
 
@@ -35,14 +36,14 @@ pub enum UnaryOp {
 
 /// A loop over one operand that a backend provides; the op supplies the scalar function.
 pub(crate) trait MapUnary<A, B> {
-    fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B>;
+    fn run(self, f: impl Fn(A) -> B + Sync) -> HostBuf<B>;
     /// `fast` over every value (a loop without branches, which vectorises), then `exact` again
     /// for the few values `fast` does not cover (`covered` false).
-    fn run_covered(self, fast: impl Fn(A) -> B + Sync, covered: impl Fn(A) -> bool + Sync, exact: impl Fn(A) -> B + Sync) -> Vec<B>;
+    fn run_covered(self, fast: impl Fn(A) -> B + Sync, covered: impl Fn(A) -> bool + Sync, exact: impl Fn(A) -> B + Sync) -> HostBuf<B>;
 }
 /// A loop over two operands of the same shape.
 pub(crate) trait MapBinary<A, B> {
-    fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B>;
+    fn run(self, f: impl Fn(A, A) -> B + Sync) -> HostBuf<B>;
 }
 
 /// Floating-point compute types (f32, f64): the scalar functions pointwise ops are written in.
@@ -294,7 +295,7 @@ impl UnaryOp {
     }
 
     /// The scalar function in floating point.
-    pub(crate) fn real<F: Real>(self, m: impl MapUnary<F, F>) -> Vec<F> {
+    pub(crate) fn real<F: Real>(self, m: impl MapUnary<F, F>) -> HostBuf<F> {
         use UnaryOp::*;
         let c = F::c;
         match self {
@@ -329,7 +330,7 @@ impl UnaryOp {
     }
 
     /// The scalar function on integers (only for ops that keep integers).
-    pub(crate) fn int(self, m: impl MapUnary<i64, i64>) -> Vec<i64> {
+    pub(crate) fn int(self, m: impl MapUnary<i64, i64>) -> HostBuf<i64> {
         match self {
             UnaryOp::Neg => m.run(|x| x.wrapping_neg()),
             UnaryOp::Abs => m.run(|x| x.wrapping_abs()),
@@ -340,7 +341,7 @@ impl UnaryOp {
         }
     }
 
-    pub(crate) fn logical(self, m: impl MapUnary<bool, bool>) -> Vec<bool> {
+    pub(crate) fn logical(self, m: impl MapUnary<bool, bool>) -> HostBuf<bool> {
         debug_assert_eq!(self, UnaryOp::LogicalNot);
         m.run(|x| !x)
     }
@@ -496,7 +497,7 @@ impl BinaryOp {
         }
     }
 
-    pub(crate) fn real<F: Real>(self, m: impl MapBinary<F, F>) -> Vec<F> {
+    pub(crate) fn real<F: Real>(self, m: impl MapBinary<F, F>) -> HostBuf<F> {
         use BinaryOp::*;
         match self {
             Add => m.run(|a, b| a + b),
@@ -517,7 +518,7 @@ impl BinaryOp {
         }
     }
 
-    pub(crate) fn int(self, m: impl MapBinary<i64, i64>) -> Vec<i64> {
+    pub(crate) fn int(self, m: impl MapBinary<i64, i64>) -> HostBuf<i64> {
         use BinaryOp::*;
         match self {
             Add => m.run(|a, b| a.wrapping_add(b)),
@@ -558,7 +559,7 @@ impl BinaryOp {
         }
     }
 
-    pub(crate) fn compare<T: PartialOrd>(self, m: impl MapBinary<T, bool>) -> Vec<bool> {
+    pub(crate) fn compare<T: PartialOrd>(self, m: impl MapBinary<T, bool>) -> HostBuf<bool> {
         use BinaryOp::*;
         match self {
             Eq => m.run(|a, b| a == b),
@@ -571,7 +572,7 @@ impl BinaryOp {
         }
     }
 
-    pub(crate) fn logical(self, m: impl MapBinary<bool, bool>) -> Vec<bool> {
+    pub(crate) fn logical(self, m: impl MapBinary<bool, bool>) -> HostBuf<bool> {
         use BinaryOp::*;
         match self {
             LogicalAnd => m.run(|a, b| a && b),

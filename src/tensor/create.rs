@@ -75,7 +75,7 @@ impl Tensor {
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         host_numel("arange", &[n], dtype)?;
         Tensor::from_cpu(
-            with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect())),
+            with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect::<Vec<_>>())),
             &[n],
         )
         .placed(device)
@@ -93,7 +93,7 @@ impl Tensor {
         Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..steps).map(|i| {
                 T::from_f64(if i < half { start + step * i as f64 } else { end - step * (steps - 1 - i) as f64 })
-            }).collect())),
+            }).collect::<Vec<_>>())),
             &[steps],
         )
         .placed(device)
@@ -106,7 +106,7 @@ impl Tensor {
         check_device("eye", *device)?;
         host_numel("eye", &[n, n], dtype)?;
         Tensor::from_cpu(
-            with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect())),
+            with_dtype!(dtype, T => T::wrap((0..n * n).map(|i| T::from_bool(i / n == i % n)).collect::<Vec<_>>())),
             &[n, n],
         )
         .placed(device)
@@ -175,7 +175,7 @@ impl Tensor {
         }
         crate::backend::cpu::ensure_host_memory("randint", n * DType::I64.size_in_bytes())?;
         let (seed, first) = reserve(n as u64);
-        let v: Vec<i64> = fill_new(n, |start, out| {
+        let v: crate::backend::cpu::HostBuf<i64> = fill_new(n, |start, out| {
             for (k, o) in out.iter_mut().enumerate() {
                 let w = philox(seed, first + (start + k) as u64);
                 o.write(low.wrapping_add(((((w[0] as u64) << 32) | w[1] as u64) % span) as i64));

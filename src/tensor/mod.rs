@@ -207,7 +207,7 @@ impl Tensor {
         let _site = crate::profiler::call_site();
         self.check_read::<T>("to_vec")?;
         crate::compile::trace::before_host_read(self, "to_vec")?;
-        Ok(cpu::to_vec_as::<T>(&self.to_host()?))
+        Ok(cpu::to_plain_vec_as::<T>(&self.to_host()?))
     }
 
     /// The single element of a one-element tensor. Synchronises.
@@ -347,9 +347,9 @@ impl std::fmt::Display for Tensor {
             return write!(f, "{self:?}");
         };
         let values = match self.dtype() {
-            d if d.is_float() => Values::Float(cpu::to_vec_as::<f64>(&host)),
-            DType::Bool => Values::Bool(cpu::to_vec_as::<bool>(&host)),
-            _ => Values::Int(cpu::to_vec_as::<i64>(&host)),
+            d if d.is_float() => Values::Float(cpu::to_plain_vec_as::<f64>(&host)),
+            DType::Bool => Values::Bool(cpu::to_plain_vec_as::<bool>(&host)),
+            _ => Values::Int(cpu::to_plain_vec_as::<i64>(&host)),
         };
         // In torch's order: device, size (of empty tensors), dtype, autograd.
         let mut suffixes = Vec::new();

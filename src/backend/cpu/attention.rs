@@ -2,16 +2,16 @@
 //! against. Layouts as `Op::Attention`: q `[L, B, H, D]`, k and v `[S, B, H, D]`, the additive
 //! mask `[B, H, L, S]` (any strides), the output `[L, B, H, D]`.
 
-use super::{to_vec_as, CpuStorage};
+use super::{to_vec_as, CpuStorage, HostBuf};
 use crate::ops::AttnDims;
 use crate::Tensor;
 use rayon::prelude::*;
 
 struct Inputs {
-    q: Vec<f64>,
-    k: Vec<f64>,
-    v: Vec<f64>,
-    mask: Option<Vec<f64>>,
+    q: HostBuf<f64>,
+    k: HostBuf<f64>,
+    v: HostBuf<f64>,
+    mask: Option<HostBuf<f64>>,
     n: AttnDims,
     scale: f64,
     causal: bool,
@@ -73,7 +73,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
 /// vector `[dq | dk | dv | lse | delta]` (see `Op::AttentionBackward`).
 pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> CpuStorage {
     let x = Inputs::new(q, k, v, mask, scale, causal);
-    let g: Vec<f64> = to_vec_as(g);
+    let g: HostBuf<f64> = to_vec_as(g);
     let n = x.n;
     let AttnDims { l: nl, s: ns, b: nb, h: nh, d } = n;
     // Where row t of head (b, h) starts in a [T, B, H, D] tensor.

@@ -5,7 +5,7 @@
 
 use super::pointwise::{Map1, Map2};
 use super::pool::{self, Pooled};
-use super::{with_storage, CpuStorage, Operand};
+use super::{with_storage, CpuStorage, HostBuf, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
 use crate::dtype::Elem;
@@ -20,10 +20,10 @@ const CHUNK: usize = 4096;
 /// A value over a chunk; one element stands for the whole chunk (a constant, a row value).
 #[derive(Clone)]
 enum Val {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    I64(Vec<i64>),
-    Bool(Vec<bool>),
+    F32(HostBuf<f32>),
+    F64(HostBuf<f64>),
+    I64(HostBuf<i64>),
+    Bool(HostBuf<bool>),
 }
 
 macro_rules! with_val {
@@ -38,17 +38,18 @@ macro_rules! with_val {
 }
 
 impl Val {
-    fn from_vec<C: Elem>(v: Vec<C>, t: CType) -> Val {
+    fn from_vec<C: Elem>(v: impl AsRef<[C]>, t: CType) -> Val {
+        let v = v.as_ref();
         match t {
-            CType::F32 => Val::F32(v.into_iter().map(|x| x.cast()).collect()),
-            CType::F64 => Val::F64(v.into_iter().map(|x| x.cast()).collect()),
-            CType::I64 => Val::I64(v.into_iter().map(|x| x.cast()).collect()),
-            CType::Bool => Val::Bool(v.into_iter().map(|x| x.cast()).collect()),
+            CType::F32 => Val::F32(v.iter().map(|x| x.cast()).collect()),
+            CType::F64 => Val::F64(v.iter().map(|x| x.cast()).collect()),
+            CType::I64 => Val::I64(v.iter().map(|x| x.cast()).collect()),
+            CType::Bool => Val::Bool(v.iter().map(|x| x.cast()).collect()),
         }
     }
     /// `n` zeros, in a buffer from the host caching allocator where it has one.
     fn zeros(t: CType, n: usize) -> Val {
-        fn z<T: Pooled + Default + Clone>(n: usize) -> Vec<T> {
+        fn z<T: Pooled + Default + Clone>(n: usize) -> HostBuf<T> {
             let mut v = pool::take(n);
             v.resize(n, T::default());
             v
@@ -73,13 +74,13 @@ impl Val {
         if self.ctype() == t {
             return std::borrow::Cow::Borrowed(self);
         }
-        std::borrow::Cow::Owned(with_val!(self, v => Val::from_vec(v.clone(), t)))
+        std::borrow::Cow::Owned(with_val!(self, v => Val::from_vec(v, t)))
     }
     fn into_type(self, t: CType) -> Val {
         if self.ctype() == t {
             return self;
         }
-        with_val!(self, v => Val::from_vec(v, t))
+        with_val!(self, v => Val::from_vec(&v, t))
     }
     fn as_vec<C: Elem>(&self) -> Vec<C> {
         with_val!(self, v => v.iter().map(|x| x.cast()).collect())
@@ -218,7 +219,7 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
             let s = slot_of(&op.args[0], &slots);
             if s.val(&ins, &vals).ctype() == CType::of(op.dtype) {
                 slots.push(s);
-                vals.push(Val::F32(Vec::new()));
+                vals.push(Val::F32(HostBuf::default()));
                 continue;
             }
         }
@@ -240,9 +241,9 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
             let len = with_val!(v, x => x.len());
             if single {
                 // (Ops compute over the chunk whatever their operands' lengths.)
-                with_val!(v, x => Val::from_vec(vec![x[0]], v.ctype()))
+                with_val!(v, x => Val::from_vec(&[x[0]], v.ctype()))
             } else if !k.ops[*o].row && len == 1 && n > 1 {
-                with_val!(v, x => Val::from_vec(vec![x[0]; n], v.ctype()))
+                with_val!(v, x => Val::from_vec(&vec![x[0]; n], v.ctype()))
             } else {
                 v.clone()
             }
@@ -267,13 +268,13 @@ fn load(t: &Tensor, start: usize, end: usize, ctype: CType) -> Val {
         out
     }
     if t.numel() == 1 {
-        return with_storage!(s, v => Val::from_vec(vec![v[layout.offset]], ctype));
+        return with_storage!(s, v => Val::from_vec(&[v[layout.offset]], ctype));
     }
     match ctype {
-        CType::F32 => Val::F32(with_storage!(s, v => go(v, layout, start, end))),
-        CType::F64 => Val::F64(with_storage!(s, v => go(v, layout, start, end))),
-        CType::I64 => Val::I64(with_storage!(s, v => go(v, layout, start, end))),
-        CType::Bool => Val::Bool(with_storage!(s, v => go(v, layout, start, end))),
+        CType::F32 => Val::F32(with_storage!(s, v => go(v, layout, start, end)).into()),
+        CType::F64 => Val::F64(with_storage!(s, v => go(v, layout, start, end)).into()),
+        CType::I64 => Val::I64(with_storage!(s, v => go(v, layout, start, end)).into()),
+        CType::Bool => Val::Bool(with_storage!(s, v => go(v, layout, start, end)).into()),
     }
 }
 
@@ -327,12 +328,12 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
                 let r: Vec<f64> = match d {
                     DType::F16 => x.iter().map(|v| v.cast::<half::f16>().to_f64()).collect(),
                     DType::BF16 => x.iter().map(|v| v.cast::<half::bf16>().to_f64()).collect(),
-                    DType::I32 => return Val::from_vec(x.iter().map(|v| v.cast::<i32>()).collect(), out),
-                    DType::U8 => return Val::from_vec(x.iter().map(|v| v.cast::<u8>()).collect(), out),
-                    DType::Bool => return Val::from_vec(x.iter().map(|v| v.cast::<bool>()).collect(), out),
-                    DType::F32 => return Val::from_vec(x.iter().map(|v| v.cast::<f32>()).collect(), out),
-                    DType::I64 => return Val::from_vec(x.iter().map(|v| v.cast::<i64>()).collect(), out),
-                    DType::F64 => return Val::from_vec(x.iter().map(|v| v.cast::<f64>()).collect(), out),
+                    DType::I32 => return Val::from_vec(x.iter().map(|v| v.cast::<i32>()).collect::<Vec<i32>>(), out),
+                    DType::U8 => return Val::from_vec(x.iter().map(|v| v.cast::<u8>()).collect::<Vec<u8>>(), out),
+                    DType::Bool => return Val::from_vec(x.iter().map(|v| v.cast::<bool>()).collect::<Vec<bool>>(), out),
+                    DType::F32 => return Val::from_vec(x.iter().map(|v| v.cast::<f32>()).collect::<Vec<f32>>(), out),
+                    DType::I64 => return Val::from_vec(x.iter().map(|v| v.cast::<i64>()).collect::<Vec<i64>>(), out),
+                    DType::F64 => return Val::from_vec(x.iter().map(|v| v.cast::<f64>()).collect::<Vec<f64>>(), out),
                 };
                 Val::from_vec(r, out)
             })
@@ -357,11 +358,11 @@ fn eval(op: &KOp, args: &[&Val], n: usize) -> Val {
 /// its accumulator type: f32 sums and products in f64, as the eager reductions.
 fn reduce(r: ReduceOp, v: &Val) -> Val {
     match v {
-        Val::F32(x) if r.acc_type(DType::F32) == CType::F64 => Val::F32(vec![fold(r, x, |b| b as f64) as f32]),
-        Val::F32(x) => Val::F32(vec![fold(r, x, |b| b)]),
-        Val::F64(x) => Val::F64(vec![fold(r, x, |b| b)]),
-        Val::I64(x) => Val::I64(vec![fold(r, x, |b| b)]),
-        Val::Bool(x) => Val::Bool(vec![fold(r, x, |b| b)]),
+        Val::F32(x) if r.acc_type(DType::F32) == CType::F64 => Val::F32(vec![fold(r, x, |b| b as f64) as f32].into()),
+        Val::F32(x) => Val::F32(vec![fold(r, x, |b| b)].into()),
+        Val::F64(x) => Val::F64(vec![fold(r, x, |b| b)].into()),
+        Val::I64(x) => Val::I64(vec![fold(r, x, |b| b)].into()),
+        Val::Bool(x) => Val::Bool(vec![fold(r, x, |b| b)].into()),
     }
 }
 

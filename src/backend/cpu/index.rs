@@ -1,14 +1,14 @@
 //! Joining, padding and indexing loops. They move elements without arithmetic (scatter_add
 //! excepted), so they are generic over the storage type itself.
 
-use super::{gather, to_vec_as, with_dtype, with_storage, CpuStorage, HostElem};
+use super::{gather, to_vec_as, with_dtype, with_storage, CpuStorage, HostBuf, HostElem};
 use crate::dtype::Elem;
 use crate::layout::{contiguous_strides, numel, Layout};
 use crate::storage::BackendStorage;
 use crate::{DType, Error, Result, Tensor};
 
 /// The tensor's elements, row-major, in its own dtype.
-fn contiguous<T: HostElem>(t: &Tensor) -> Vec<T> {
+fn contiguous<T: HostElem>(t: &Tensor) -> HostBuf<T> {
     to_vec_as::<T>(t)
 }
 
@@ -18,7 +18,7 @@ pub(crate) fn cat(ts: &[&Tensor], dim: usize, out_shape: &[usize], dtype: DType)
         let outer: usize = out_shape[..dim].iter().product();
         let inner: usize = out_shape[dim + 1..].iter().product();
         let mut out: Vec<T> = Vec::with_capacity(numel(out_shape));
-        let parts: Vec<(Vec<T>, usize)> = ts.iter().map(|t| (contiguous::<T>(t), t.shape()[dim] * inner)).collect();
+        let parts: Vec<(HostBuf<T>, usize)> = ts.iter().map(|t| (contiguous::<T>(t), t.shape()[dim] * inner)).collect();
         for o in 0..outer {
             for (v, block) in &parts {
                 out.extend_from_slice(&v[o * block..(o + 1) * block]);
@@ -84,7 +84,7 @@ fn gather_offsets(op: &'static str, x_shape: &[usize], dim: usize, index: &Tenso
     let ishape = index.shape();
     let mut offsets = Vec::with_capacity(idx.len());
     let mut multi = vec![0usize; ishape.len()];
-    for &i in &idx {
+    for &i in idx.iter() {
         let j = check_index(op, i, x_shape[dim])?;
         let mut off = 0;
         for d in 0..ishape.len() {
@@ -107,12 +107,12 @@ pub(crate) fn gather_dim(x: &Tensor, dim: usize, index: &Tensor) -> Result<CpuSt
     let offsets = gather_offsets("gather", x.shape(), dim, index)?;
     Ok(with_dtype!(x.dtype(), T => {
         let src = contiguous::<T>(x);
-        T::wrap(offsets.iter().map(|&o| src[o]).collect())
+        T::wrap(offsets.iter().map(|&o| src[o]).collect::<Vec<_>>())
     }))
 }
 
 /// src's values at the index's positions: its leading index-shaped block (src may be larger).
-fn scattered<T: HostElem>(index: &Tensor, src: &Tensor) -> Vec<T> {
+fn scattered<T: HostElem>(index: &Tensor, src: &Tensor) -> HostBuf<T> {
     let sub = Layout { shape: index.shape().to_vec(), strides: src.layout().strides.clone(), offset: src.layout().offset };
     let guard = src.storage().data.read_recursive();
     let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
@@ -124,7 +124,7 @@ pub(crate) fn scatter(base: &Tensor, dim: usize, index: &Tensor, src: &Tensor) -
     let offsets = gather_offsets("scatter", base.shape(), dim, index)?;
     Ok(with_dtype!(base.dtype(), T => {
         let mut out = contiguous::<T>(base);
-        for (&o, v) in offsets.iter().zip(scattered::<T>(index, src)) {
+        for (&o, &v) in offsets.iter().zip(scattered::<T>(index, src).iter()) {
             out[o] = v;
         }
         T::wrap(out)
@@ -140,7 +140,7 @@ pub(crate) fn scatter_into(target: &Tensor, dim: usize, index: &Tensor, src: &Te
         let mut guard = target.storage().data.write();
         let BackendStorage::Cpu(s) = &mut *guard else { unreachable!("CPU kernel on a CUDA tensor") };
         let out = T::slice_mut(s).expect("the tensor's own dtype");
-        for (&o, v) in offsets.iter().zip(vals) {
+        for (&o, &v) in offsets.iter().zip(vals.iter()) {
             out[at + o] = v;
         }
     });
@@ -152,7 +152,7 @@ pub(crate) fn scatter_add(base: &Tensor, dim: usize, index: &Tensor, src: &Tenso
     let offsets = gather_offsets("scatter_add", base.shape(), dim, index)?;
     fn go<C: HostElem + std::ops::Add<Output = C>>(base: &Tensor, index: &Tensor, src: &Tensor, offsets: &[usize]) -> CpuStorage {
         let mut out = to_vec_as::<C>(base);
-        for (&o, v) in offsets.iter().zip(scattered::<C>(index, src)) {
+        for (&o, &v) in offsets.iter().zip(scattered::<C>(index, src).iter()) {
             out[o] = out[o] + v;
         }
         CpuStorage::from_vec_as(out, base.dtype())

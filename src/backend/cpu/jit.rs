@@ -7,7 +7,7 @@
 //! least `MIN_ELEMENTS` values (smaller ones are not worth a compile).
 
 use super::cgen::{self, Walk};
-use super::{pool, with_dtype, with_storage, CpuStorage};
+use super::{pool, with_dtype, with_storage, CpuStorage, HostBuf};
 use crate::kir::{FusedKernel, Space};
 use crate::storage::BackendStorage;
 use crate::{DType, Result, Tensor};
@@ -330,8 +330,7 @@ impl Out<'_> {
 
 fn fresh(dtype: DType, n: usize) -> Out<'static> {
     with_dtype!(dtype, T => {
-        let mut v: Vec<T> = pool::take(n);
-        v.reserve(n);
+        let mut v: HostBuf<T> = pool::take(n);
         let ptr = v.as_mut_ptr() as usize;
         // SAFETY: the kernel writes all n elements before anyone reads them (`launch`), and
         // elements of these types have no invalid bit patterns the kernel could store

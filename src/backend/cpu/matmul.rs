@@ -1,7 +1,7 @@
 //! Batched matrix products through the `gemm` crate, which takes arbitrary strides, so
 //! transposed and broadcast operands are read in place.
 
-use super::{with_operand, CpuStorage, HostElem, Operand};
+use super::{with_operand, CpuStorage, HostBuf, HostElem, Operand};
 use crate::layout::Layout;
 use crate::storage::BackendStorage;
 use crate::{DType, Tensor};
@@ -29,7 +29,7 @@ fn strides(l: &Layout) -> (usize, isize, isize) {
     (l.strides[0], l.strides[1] as isize, l.strides[2] as isize)
 }
 
-fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize, m: usize, k: usize, n: usize) -> Vec<T> {
+fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize, m: usize, k: usize, n: usize) -> HostBuf<T> {
     let mut out = super::pool::take(bs * m * n);
     out.resize(bs * m * n, T::zero());
     if k == 0 || out.is_empty() {

@@ -48,6 +48,6 @@ pub(crate) fn max_pool2d_backward(x: &Tensor, dy: &Tensor, a: &MaxPool2dArgs) ->
     });
     match x.dtype() {
         DType::F64 => f64::wrap(dx),
-        d => with_dtype!(d, T => T::wrap(dx.into_iter().map(T::from_f64).collect())),
+        d => with_dtype!(d, T => T::wrap(dx.iter().map(|&v| T::from_f64(v)).collect::<Vec<_>>())),
     }
 }

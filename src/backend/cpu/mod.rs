@@ -2,6 +2,7 @@
 //! tensors, with contiguous fast paths.
 
 pub(crate) mod attention;
+mod buf;
 pub(crate) mod cgen;
 pub(crate) mod foreach;
 pub(crate) mod fused;
@@ -21,21 +22,23 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
+pub use buf::HostBuf;
+
 /// Below this many elements a loop runs on one thread: spawning costs more than it saves.
 pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
 const CHUNK: usize = 1 << 14;
 
-/// A host buffer of one dtype.
+/// A host buffer of one dtype (64-byte aligned where kiln allocated it).
 #[derive(Clone, Debug)]
 pub enum CpuStorage {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-    I64(Vec<i64>),
-    I32(Vec<i32>),
-    U8(Vec<u8>),
-    Bool(Vec<bool>),
+    F32(HostBuf<f32>),
+    F64(HostBuf<f64>),
+    F16(HostBuf<f16>),
+    BF16(HostBuf<bf16>),
+    I64(HostBuf<i64>),
+    I32(HostBuf<i32>),
+    U8(HostBuf<u8>),
+    Bool(HostBuf<bool>),
 }
 
 /// Runs `$body` with `$v` bound to the typed Vec of a `CpuStorage` (one arm per dtype).
@@ -74,15 +77,15 @@ pub(crate) use with_dtype;
 
 /// Typed access to a `CpuStorage`.
 pub trait HostElem: Elem {
-    fn wrap(v: Vec<Self>) -> CpuStorage;
+    fn wrap(v: impl Into<HostBuf<Self>>) -> CpuStorage;
     fn slice(s: &CpuStorage) -> Option<&[Self]>;
     fn slice_mut(s: &mut CpuStorage) -> Option<&mut [Self]>;
 }
 macro_rules! host_elem {
     ($t:ty, $v:ident) => {
         impl HostElem for $t {
-            fn wrap(v: Vec<Self>) -> CpuStorage {
-                CpuStorage::$v(v)
+            fn wrap(v: impl Into<HostBuf<Self>>) -> CpuStorage {
+                CpuStorage::$v(v.into())
             }
             fn slice(s: &CpuStorage) -> Option<&[Self]> {
                 if let CpuStorage::$v(v) = s { Some(v) } else { None }
@@ -118,7 +121,8 @@ impl CpuStorage {
         with_dtype!(dtype, T => T::wrap(vec![T::default(); n]))
     }
     /// A storage of `dtype` from values computed in `C` (converting unless they already match).
-    pub(crate) fn from_vec_as<C: HostElem>(v: Vec<C>, dtype: DType) -> CpuStorage {
+    pub(crate) fn from_vec_as<C: HostElem>(v: impl Into<HostBuf<C>>, dtype: DType) -> CpuStorage {
+        let v = v.into();
         if C::DTYPE == dtype {
             return C::wrap(v);
         }
@@ -131,7 +135,7 @@ fn elem_dtype<T: Elem>(_: &[T]) -> DType {
 }
 
 /// `f` over a slice into a new Vec, in parallel when large.
-pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync) -> Vec<B> {
+pub(crate) fn par_map_slice<A: Elem, B: Elem>(a: &[A], f: impl Fn(A) -> B + Sync) -> HostBuf<B> {
     fill_new(a.len(), |start, out| {
         let end = start + out.len();
         for (o, &x) in out.iter_mut().zip(&a[start..end]) {
@@ -203,8 +207,8 @@ pub(crate) fn wide<R>(body: impl FnOnce() -> R) -> R {
 /// A new Vec of `n` elements whose chunks `fill(start, chunk)` writes, in parallel when large
 /// (each chunk under `wide`).
 /// Every element must be written by `fill`.
-pub(crate) fn fill_new<T: Send + Sync + 'static>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> Vec<T> {
-    let mut v: Vec<T> = pool::take(n);
+pub(crate) fn fill_new<T: Send + Sync + 'static>(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync) -> HostBuf<T> {
+    let mut v: HostBuf<T> = pool::take(n);
     {
         let spare = &mut v.spare_capacity_mut()[..n];
         if n >= PAR_THRESHOLD {
@@ -251,13 +255,13 @@ pub(crate) fn with_operand<C: HostElem, R>(t: &Tensor, f: impl FnOnce(Operand<'_
             return f(Operand::Slice(&sl[layout.offset..layout.offset + layout.numel()]));
         }
     }
-    let v: Vec<C> = with_storage!(s, v => gather(v, layout));
+    let v: HostBuf<C> = with_storage!(s, v => gather(v, layout));
     drop(guard);
     f(Operand::Slice(&v))
 }
 
 /// The tensor's elements in row-major order, converted to `C`.
-pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
+pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> HostBuf<C> {
     with_operand::<C, _>(t, |op| match op {
         Operand::Slice(s) => {
             let mut v = pool::take(s.len());
@@ -272,8 +276,17 @@ pub(crate) fn to_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
     })
 }
 
+/// The tensor's elements in row-major order, converted to `C`, as a `Vec` (what
+/// `Tensor::to_vec` hands out: one copy, not an aligned buffer copied again).
+pub(crate) fn to_plain_vec_as<C: HostElem>(t: &Tensor) -> Vec<C> {
+    with_operand::<C, _>(t, |op| match op {
+        Operand::Slice(s) => s.to_vec(),
+        Operand::Scalar(c) => vec![c; t.numel()],
+    })
+}
+
 /// Row-major copy of the strided elements of `src` described by `layout`, converted to `C`.
-pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> Vec<C> {
+pub(crate) fn gather<T: Elem, C: Elem>(src: &[T], layout: &Layout) -> HostBuf<C> {
     fill_new(layout.numel(), |start, out| {
         layout.for_each_run(start, start + out.len(), |pos, off, stride, len| {
             let o = &mut out[pos - start..pos - start + len];

@@ -1,6 +1,6 @@
 //! Pointwise loops: the ops module supplies the scalar function, these supply the iteration.
 
-use super::{fill_new, to_vec_as, with_operand, CpuStorage, HostElem, Operand};
+use super::{fill_new, to_vec_as, with_operand, CpuStorage, HostBuf, HostElem, Operand};
 use crate::ops::pointwise::{BinaryOp, MapBinary, MapUnary, UnaryOp};
 use crate::{DType, Tensor};
 
@@ -9,7 +9,7 @@ pub(crate) struct Map1<'a, A> {
     pub(crate) n: usize,
 }
 impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapUnary<A, B> for Map1<'_, A> {
-    fn run(self, f: impl Fn(A) -> B + Sync) -> Vec<B> {
+    fn run(self, f: impl Fn(A) -> B + Sync) -> HostBuf<B> {
         match self.x {
             Operand::Slice(s) => fill_new(self.n, |start, out| {
                 let end = start + out.len();
@@ -17,10 +17,10 @@ impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapUnary<A, B> for Map1<'_
                     o.write(f(x));
                 }
             }),
-            Operand::Scalar(c) => vec![f(c); self.n],
+            Operand::Scalar(c) => vec![f(c); self.n].into(),
         }
     }
-    fn run_covered(self, fast: impl Fn(A) -> B + Sync, covered: impl Fn(A) -> bool + Sync, exact: impl Fn(A) -> B + Sync) -> Vec<B> {
+    fn run_covered(self, fast: impl Fn(A) -> B + Sync, covered: impl Fn(A) -> bool + Sync, exact: impl Fn(A) -> B + Sync) -> HostBuf<B> {
         match self.x {
             Operand::Slice(s) => fill_new(self.n, |start, out| {
                 let x = &s[start..start + out.len()];
@@ -33,7 +33,7 @@ impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapUnary<A, B> for Map1<'_
                     }
                 }
             }),
-            Operand::Scalar(c) => vec![if covered(c) { fast(c) } else { exact(c) }; self.n],
+            Operand::Scalar(c) => vec![if covered(c) { fast(c) } else { exact(c) }; self.n].into(),
         }
     }
 }
@@ -44,7 +44,7 @@ pub(crate) struct Map2<'a, A> {
     pub(crate) n: usize,
 }
 impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapBinary<A, B> for Map2<'_, A> {
-    fn run(self, f: impl Fn(A, A) -> B + Sync) -> Vec<B> {
+    fn run(self, f: impl Fn(A, A) -> B + Sync) -> HostBuf<B> {
         use Operand::*;
         match (self.a, self.b) {
             (Slice(a), Slice(b)) => fill_new(self.n, |start, out| {
@@ -65,7 +65,7 @@ impl<A: Copy + Sync, B: Send + Sync + Copy + 'static> MapBinary<A, B> for Map2<'
                     o.write(f(x, y));
                 }
             }),
-            (Scalar(x), Scalar(y)) => vec![f(x, y); self.n],
+            (Scalar(x), Scalar(y)) => vec![f(x, y); self.n].into(),
         }
     }
 }

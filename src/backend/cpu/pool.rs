@@ -5,6 +5,7 @@
 //! At most `MAX_CACHED` bytes are kept: a buffer that would pass it frees the least recently
 //! used sizes first, so a program whose shapes change keeps caching the shapes it uses now.
 
+use super::HostBuf;
 use parking_lot::Mutex;
 use std::any::{Any, TypeId};
 use std::collections::BTreeMap;
@@ -69,18 +70,18 @@ impl Pool {
     }
 
     /// A cached buffer of `n` elements of `T`, if one is held.
-    fn take<T: Pooled>(&mut self, n: usize) -> Option<Vec<T>> {
+    fn take<T: Pooled>(&mut self, n: usize) -> Option<HostBuf<T>> {
         self.clock += 1;
         let class = self.classes.get_mut(&(TypeId::of::<T>(), n))?;
         class.last_used = self.clock;
         let v = class.free.pop()?;
         self.cached -= class.bytes;
-        v.downcast::<Vec<T>>().ok().map(|v| *v)
+        v.downcast::<HostBuf<T>>().ok().map(|v| *v)
     }
 
     /// Keeps `v` (cleared), first freeing the least recently used other sizes' buffers while
     /// it would not fit; a buffer larger than the whole limit is freed instead.
-    fn give<T: Pooled>(&mut self, mut v: Vec<T>) {
+    fn give<T: Pooled>(&mut self, mut v: HostBuf<T>) {
         let bytes = v.capacity() * std::mem::size_of::<T>();
         let key = (TypeId::of::<T>(), v.capacity());
         while self.cached + bytes > self.limit {
@@ -102,8 +103,8 @@ impl Pool {
     }
 }
 
-/// An empty Vec with room for `n` elements: a cached buffer of that capacity where there is one.
-pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
+/// An empty buffer with room for `n` elements: a cached buffer of that capacity where there is one.
+pub(crate) fn take<T: Pooled>(n: usize) -> HostBuf<T> {
     if n * std::mem::size_of::<T>() >= MIN_BYTES {
         if let Some(v) = POOL.lock().take(n) {
             HITS.fetch_add(1, Ordering::Relaxed);
@@ -111,11 +112,11 @@ pub(crate) fn take<T: Pooled>(n: usize) -> Vec<T> {
         }
         MISSES.fetch_add(1, Ordering::Relaxed);
     }
-    Vec::with_capacity(n)
+    HostBuf::with_capacity(n)
 }
 
 /// Keeps `v`'s memory for a later `take` of its capacity, or frees it if it is small.
-pub(crate) fn give<T: Pooled>(v: Vec<T>) {
+pub(crate) fn give<T: Pooled>(v: HostBuf<T>) {
     if v.capacity() * std::mem::size_of::<T>() >= MIN_BYTES {
         POOL.lock().give(v);
     }
@@ -128,13 +129,13 @@ mod tests {
     #[test]
     fn a_freed_buffer_serves_the_next_of_its_size_and_small_ones_are_left_to_malloc() {
         let n = 1 << 20; // 4 MiB of f32: no other test uses this size
-        let v: Vec<f32> = take(n);
+        let v: HostBuf<f32> = take(n);
         let p = v.as_ptr();
         give(v);
-        let again: Vec<f32> = take(n);
+        let again: HostBuf<f32> = take(n);
         assert_eq!(again.as_ptr(), p, "the same memory");
         assert!(again.is_empty() && again.capacity() >= n);
-        give(vec![0u8; 16]); // below MIN_BYTES: freed
+        give(HostBuf::from(vec![0u8; 16])); // below MIN_BYTES: freed
         assert!(!POOL.lock().classes.contains_key(&(TypeId::of::<u8>(), 16)));
     }
 
@@ -142,13 +143,13 @@ mod tests {
     fn a_full_cache_frees_its_least_recently_used_sizes_to_keep_the_new_one() {
         let mut pool = Pool::new(4 << 10);
         for n in [1000, 1001, 1002, 1003] {
-            pool.give(Vec::<f32>::with_capacity(n)); // four sizes of about 4 KiB: only one fits
+            pool.give(HostBuf::<f32>::with_capacity(n)); // four sizes of about 4 KiB: only one fits
         }
-        pool.give(Vec::<f32>::with_capacity(999));
+        pool.give(HostBuf::<f32>::with_capacity(999));
         assert!(pool.take::<f32>(1003).is_none(), "the older size was freed to make room");
         assert!(pool.take::<f32>(999).is_some(), "the newest size was kept");
         assert_eq!(pool.cached, 0);
-        pool.give(Vec::<u8>::with_capacity(8 << 10));
+        pool.give(HostBuf::<u8>::with_capacity(8 << 10));
         assert!(pool.take::<u8>(8 << 10).is_none(), "a buffer past the whole limit is not kept");
     }
 }

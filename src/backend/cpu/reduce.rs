@@ -1,6 +1,6 @@
 //! Reductions over some dims: the kept dims become rows, the reduced dims columns.
 
-use super::{fill_new, gather, with_storage, CpuStorage, HostElem, PAR_THRESHOLD};
+use super::{fill_new, gather, with_storage, CpuStorage, HostBuf, HostElem, PAR_THRESHOLD};
 use crate::layout::Layout;
 use crate::dtype::CType;
 use crate::ops::reduce::{beats, Accumulate, ReduceOp};
@@ -27,7 +27,7 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Cp
                 DType::F32 | DType::F16 | DType::BF16 => run_arg::<f32>(x, dims, max),
                 _ => run_arg::<i64>(x, dims, max),
             };
-            CpuStorage::I64(v)
+            CpuStorage::I64(v.into())
         }
         // Elements of `C` accumulate in the op's accumulator type `A` (`ReduceOp::acc_type`).
         _ => match (compute, op.acc_type(compute)) {
@@ -83,7 +83,7 @@ fn run<C: HostElem, A: Copy + Send + Sync + 'static, O: Send + Sync>(
     };
     let guard = x.storage().data.read_recursive();
     let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
-    let owned: Vec<C>;
+    let owned: HostBuf<C>;
     let data: &[C] = match C::slice(s) {
         Some(sl) if pl.is_contiguous() => &sl[pl.offset..pl.offset + pl.numel()],
         _ => {
@@ -91,8 +91,8 @@ fn run<C: HostElem, A: Copy + Send + Sync + 'static, O: Send + Sync>(
             &owned
         }
     };
-    let acc = if leading { reduce_cols(data, k, m, &r) } else { reduce_rows(data, m, k, &r) };
-    acc.into_iter().map(finish).collect()
+    let acc = if leading { reduce_cols(data, k, m, &r) } else { reduce_rows(data, m, k, &r).into() };
+    acc.iter().map(|&a| finish(a)).collect()
 }
 
 /// `data` is m rows of k: one result per row.
@@ -135,7 +135,7 @@ fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync + 'static>(
     k: usize,
     m: usize,
     r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
-) -> Vec<A> {
+) -> HostBuf<A> {
     const COLS: usize = 1024;
     fill_new(m, |start, out| {
         // Blocks of columns keep the accumulators in cache while rows stream past.
