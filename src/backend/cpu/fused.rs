@@ -241,9 +241,9 @@ fn eval_chunk(k: &FusedKernel, inputs: &[Tensor], start: usize, end: usize, row:
             let len = with_val!(v, x => x.len());
             if single {
                 // (Ops compute over the chunk whatever their operands' lengths.)
-                with_val!(v, x => Val::from_vec(&[x[0]], v.ctype()))
+                with_val!(v, x => Val::from_vec([x[0]], v.ctype()))
             } else if !k.ops[*o].row && len == 1 && n > 1 {
-                with_val!(v, x => Val::from_vec(&vec![x[0]; n], v.ctype()))
+                with_val!(v, x => Val::from_vec(vec![x[0]; n], v.ctype()))
             } else {
                 v.clone()
             }
@@ -268,7 +268,7 @@ fn load(t: &Tensor, start: usize, end: usize, ctype: CType) -> Val {
         out
     }
     if t.numel() == 1 {
-        return with_storage!(s, v => Val::from_vec(&[v[layout.offset]], ctype));
+        return with_storage!(s, v => Val::from_vec([v[layout.offset]], ctype));
     }
     match ctype {
         CType::F32 => Val::F32(with_storage!(s, v => go(v, layout, start, end)).into()),
