@@ -17,15 +17,20 @@ const STEPS: usize = 4;
 fn model() -> Sequential {
     let d = Device::Cpu;
     let m = Sequential::new().add(Linear::new(12, 16, &d).unwrap()).add(ReLU).add(Linear::new(16, 16, &d).unwrap()).add(ReLU).add(Linear::new(16, 4, &d).unwrap());
+    set_by_position(&m);
+    m
+}
+
+/// Every parameter's values from its position alone (the same on every process).
+fn set_by_position(m: &dyn Module) {
     no_grad(|| {
         for (k, p) in m.parameters().iter().enumerate() {
             let v: Vec<f32> = (0..p.numel()).map(|i| ((i * 7 + k * 13) as f32 * 0.37).sin() * 0.3).collect();
-            p.copy_(&Tensor::from_vec(v, p.shape(), &d)?)?;
+            p.copy_(&Tensor::from_vec(v, p.shape(), &Device::Cpu)?)?;
         }
         Ok::<_, kiln::Error>(())
     })
     .unwrap();
-    m
 }
 
 fn data(n: usize) -> (Tensor, Tensor) {
@@ -36,6 +41,15 @@ fn data(n: usize) -> (Tensor, Tensor) {
 
 fn loss(m: &dyn Module, x: &Tensor, y: &Tensor) -> kiln::Result<Tensor> {
     nn::functional::cross_entropy(&m.forward(x)?, y)
+}
+
+/// Forward, backward and an optimiser step; the loss.
+fn sgd_step(m: &dyn Module, opt: &mut Sgd, x: &Tensor, y: &Tensor) -> kiln::Result<Tensor> {
+    let l = loss(m, x, y)?;
+    l.backward()?;
+    opt.step()?;
+    opt.zero_grad();
+    Ok(l)
 }
 
 /// The `kiln` program: the one cargo built beside this test, or `KILN_BIN` where the test
@@ -87,13 +101,7 @@ fn ddp_rank() -> kiln::Result<()> {
     let ddp = DistributedDataParallel::with_options(model(), DdpOptions { bucket_cap_mib: 0.001, first_bucket_mib: 0.0005, ..DdpOptions::default() })?;
     let params = ddp.parameters();
     let mut opt = Sgd::new(ddp.parameters(), 0.1).momentum(0.9);
-    let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| {
-        let l = loss(&ddp, x, y)?;
-        l.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(l)
-    });
+    let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| sgd_step(&ddp, &mut opt, x, y));
     for _ in 0..STEPS {
         step.call(&x, &y)?;
     }
@@ -221,14 +229,7 @@ fn buckets_are_packed_anew_in_the_order_the_first_backward_produced_gradients() 
     let d = Device::Cpu;
     let make = || {
         let m = Reordered { last: Linear::new(16, 4, &d).unwrap(), first: Linear::new(12, 16, &d).unwrap() };
-        no_grad(|| {
-            for (k, p) in m.parameters().iter().enumerate() {
-                let v: Vec<f32> = (0..p.numel()).map(|i| ((i * 5 + k * 11) as f32 * 0.29).sin() * 0.3).collect();
-                p.copy_(&Tensor::from_vec(v, p.shape(), &d)?)?;
-            }
-            Ok::<_, kiln::Error>(())
-        })
-        .unwrap();
+        set_by_position(&m);
         m
     };
     // Buckets of one tensor each (the smallest is 16 bytes).
@@ -430,13 +431,7 @@ fn a_compiled_ddp_step_goes_on_with_backward_while_its_first_bucket_travels() {
         assert!(ddp.bucket_names().len() >= 3, "{:?}", ddp.bucket_names());
         let params = ddp.parameters();
         let mut opt = Sgd::new(ddp.parameters(), 0.1);
-        let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| {
-            let l = loss(&ddp, x, y)?;
-            l.backward()?;
-            opt.step()?;
-            opt.zero_grad();
-            Ok(l)
-        });
+        let step = kiln::compile::compile(move |x: &Tensor, y: &Tensor| sgd_step(&ddp, &mut opt, x, y));
         let (x, y) = data(8);
         let (x, y) = (x.narrow(0, rank * 4, 4)?, y.narrow(0, rank * 4, 4)?);
         for call in 0..CALLS {
