@@ -7,7 +7,8 @@
 //! libraries) and [`Backend::Tcp`] for host tensors, over TCP between every pair of ranks (what
 //! gloo is to PyTorch). Rank 0 serves the rendezvous [`Store`]; the others find it at
 //! `MASTER_ADDR:MASTER_PORT`. A rank that never arrives, dies or calls a different collective
-//! makes the others fail with an error naming it after the group's timeout, never hang.
+//! makes the others fail with an error naming it after the group's timeout, never hang (for
+//! NCCL through a watchdog thread that aborts the communicator: `watchdog.rs`).
 //!
 //! ```no_run
 //! use kiln::distributed as dist;
@@ -22,6 +23,7 @@
 pub(crate) mod nccl;
 mod store;
 mod tcp;
+mod watchdog;
 
 pub use store::Store;
 
@@ -77,8 +79,9 @@ struct Group {
     world: usize,
     backend: Backend,
     imp: Imp,
-    /// Kept open so that rank 0's store server lives as long as the group.
-    _store: Store,
+    /// Kept open so that rank 0's store server lives as long as the group (the NCCL
+    /// backend's watchdog publishes its progress there too).
+    _store: Arc<Store>,
 }
 
 enum Imp {
@@ -117,10 +120,10 @@ impl ProcessGroup {
                 Err(_) => return Err(Error::dist("init", "MASTER_PORT is not set: start the program with `kiln launch` or pass InitOptions::master_port")),
             },
         };
-        let store = if rank == 0 { Store::serve(&addr, port, opts.timeout)? } else { Store::connect(&addr, port, opts.timeout)? };
+        let store = Arc::new(if rank == 0 { Store::serve(&addr, port, opts.timeout)? } else { Store::connect(&addr, port, opts.timeout)? });
         let imp = match opts.backend {
             Backend::Tcp => Imp::Tcp(tcp::TcpGroup::connect(&store, "pg0", rank, world, opts.timeout)?),
-            Backend::Nccl => Imp::Nccl(nccl::NcclGroup::connect(&store, "pg0", rank, world, local_rank_from_env(rank)?)?),
+            Backend::Nccl => Imp::Nccl(nccl::NcclGroup::connect(&store, "pg0", rank, world, local_rank_from_env(rank)?, opts.timeout)?),
         };
         let g = ProcessGroup(Arc::new(Group { rank, world, backend: opts.backend, imp, _store: store }));
         // Nobody leaves the rendezvous before everyone has joined (rank 0's store must outlive it).
@@ -277,8 +280,13 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<()> {
         let t = Tensor::zeros(&[1], DType::U8, &self.device())?;
         self.all_reduce(&t, ReduceOp::Sum)?.wait()?;
-        // The NCCL all-reduce is queued on the GPU: wait for it, as PyTorch's barrier does.
-        t.to_vec::<u8>().map(|_| ())
+        // The NCCL all-reduce is queued on the GPU: wait for it, as PyTorch's barrier does
+        // (a collective the watchdog aborted ends too, and then the barrier fails).
+        t.to_vec::<u8>()?;
+        match &self.0.imp {
+            Imp::Tcp(_) => Ok(()),
+            Imp::Nccl(g) => g.check("barrier"),
+        }
     }
 
     fn check_peer(&self, op: &'static str, r: usize) -> Result<()> {

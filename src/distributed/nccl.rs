@@ -5,7 +5,10 @@
 //! the device's kernels and the communication overlap, as DDP's buckets need. The tensor is
 //! kept alive until then, so its memory is not reused while NCCL still reads or writes it.
 //! libnccl is loaded at run time; a machine without it gets an error naming the library.
+//! A watchdog (`watchdog.rs`) follows the collectives queued outside CUDA graph capture and
+//! aborts the communicator when one outlives the group's timeout or NCCL reports an error.
 
+use super::watchdog::{Progress, Watchdog};
 use super::{ReduceOp, Work};
 use crate::backend::cuda::device::CudaDevice;
 use crate::storage::BackendStorage;
@@ -16,20 +19,56 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 pub(crate) struct NcclGroup {
-    comm: Mutex<Comm>,
+    comm: Arc<Mutex<Comm>>,
     dev: Arc<CudaDevice>,
     stream: Arc<cudarc::driver::CudaStream>,
+    /// Its closures hold the communicator too, so it is destroyed only once this thread stops.
+    watchdog: Watchdog,
 }
 
-struct Comm(sys::ncclComm_t);
+struct Comm {
+    raw: sys::ncclComm_t,
+    /// `ncclCommAbort` freed it: nothing may use it again.
+    aborted: bool,
+}
 // SAFETY: a communicator may be used from any thread, one call at a time (the Mutex above).
 unsafe impl Send for Comm {}
 
+impl Comm {
+    /// Ends the collectives in flight and frees the communicator (the watchdog's last resort).
+    fn abort(&mut self) {
+        if !self.aborted {
+            self.aborted = true;
+            // SAFETY: the communicator was initialised and is not used after this.
+            unsafe {
+                let _ = result::comm_abort(self.raw);
+            }
+        }
+    }
+
+    /// The error NCCL found on its own (a peer's connection lost, say), if any.
+    fn async_error(&self) -> Option<String> {
+        if self.aborted {
+            return None;
+        }
+        let mut e = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the communicator is live; `e` is written by NCCL.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.raw, &mut e) };
+        match (r, e) {
+            (sys::ncclResult_t::ncclSuccess, sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress) => None,
+            (sys::ncclResult_t::ncclSuccess, e) => Some(format!("{e:?}")),
+            (r, _) => Some(format!("ncclCommGetAsyncError: {r:?}")),
+        }
+    }
+}
+
 impl Drop for Comm {
     fn drop(&mut self) {
-        // SAFETY: the communicator was initialised and is no longer used.
-        unsafe {
-            let _ = result::comm_destroy(self.0);
+        if !self.aborted {
+            // SAFETY: the communicator was initialised and is no longer used.
+            unsafe {
+                let _ = result::comm_destroy(self.raw);
+            }
         }
     }
 }
@@ -41,7 +80,7 @@ fn nccl_err(op: &'static str, e: impl std::fmt::Debug) -> Error {
 impl NcclGroup {
     /// Rank 0 makes the unique id and publishes it in `store`; every rank then joins the
     /// communicator on GPU `local_rank`.
-    pub(crate) fn connect(store: &super::store::Store, prefix: &str, rank: usize, world: usize, local_rank: usize) -> Result<NcclGroup> {
+    pub(crate) fn connect(store: &Arc<super::store::Store>, prefix: &str, rank: usize, world: usize, local_rank: usize, timeout: std::time::Duration) -> Result<NcclGroup> {
         // SAFETY: only probes whether the library can be loaded.
         if !unsafe { sys::is_culib_present() } {
             return Err(Error::dist("init", "the NCCL backend needs libnccl.so.2, which this machine does not have (the TCP backend needs nothing)"));
@@ -68,7 +107,16 @@ impl NcclGroup {
         // SAFETY: `comm` is written by NCCL; every rank passes the same id and world size.
         unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }.map_err(|e| nccl_err("init", e))?;
         let stream = dev.ctx.new_stream().map_err(|e| dev.err("stream", e))?;
-        Ok(NcclGroup { comm: Mutex::new(Comm(comm)), dev, stream })
+        let comm = Arc::new(Mutex::new(Comm { raw: comm, aborted: false }));
+        let (health, abort) = (comm.clone(), comm.clone());
+        let poll = std::time::Duration::from_millis(100);
+        let watchdog = Watchdog::start(store.clone(), &format!("{prefix}/nccl"), rank, world, timeout, poll, move || health.lock().async_error(), move || abort.lock().abort())?;
+        Ok(NcclGroup { comm, dev, stream, watchdog })
+    }
+
+    /// The group's error, once its watchdog has aborted it.
+    pub(crate) fn check(&self, op: &'static str) -> Result<()> {
+        self.watchdog.check(op)
     }
 
     pub(crate) fn ordinal(&self) -> usize {
@@ -78,14 +126,24 @@ impl NcclGroup {
     /// Runs `f` with the communicator on the group's stream, once the work queued so far on
     /// this thread's stream is done (nothing in a rehearsal, which runs the host side only).
     fn queue(&self, op: &'static str, t: &Tensor, f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> std::result::Result<result::NcclStatus, result::NcclError>) -> Result<Work> {
+        self.watchdog.check(op)?;
         self.dev.bind()?;
         let Some(work) = self.dev.work().stream() else { return Ok(Work::queued()) };
         self.stream.join(work).map_err(|e| self.dev.err("stream wait", e))?;
         {
             let comm = self.comm.lock();
-            f(comm.0, self.stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
+            f(comm.raw, self.stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
         }
         let done = self.stream.record_event(None).map_err(|e| self.dev.err("event", e))?;
+        // Captured into a CUDA graph, the call runs at each replay: nothing to follow now.
+        if crate::backend::cuda::device::graph::capturing().is_none() {
+            let followed = self.stream.record_event(None).map_err(|e| self.dev.err("event", e))?;
+            self.watchdog.issued(op, move || match followed.try_is_complete() {
+                Ok(true) => Progress::Done,
+                Ok(false) => Progress::Running,
+                Err(e) => Progress::Failed(format!("CUDA: {e:?}")),
+            });
+        }
         Ok(Work::on_stream(done, work.clone(), t.clone()))
     }
 

@@ -63,6 +63,12 @@ impl Store {
         }
     }
 
+    /// The port this rank's server listens on (rank 0's store only).
+    #[cfg(test)]
+    pub(crate) fn server_port(&self) -> Option<u16> {
+        self.server.as_ref().map(|s| s.addr.port())
+    }
+
     /// The address the store's connection leaves from: the interface other ranks can reach.
     pub(crate) fn local_ip(&self) -> Result<std::net::IpAddr> {
         Ok(self.conn.lock().local_addr()?.ip())
