@@ -81,7 +81,7 @@ struct Group {
     imp: Imp,
     /// Kept open so that rank 0's store server lives as long as the group (the NCCL
     /// backend's watchdog publishes its progress there too).
-    _store: Arc<Store>,
+    _store: Store,
 }
 
 enum Imp {
@@ -120,7 +120,7 @@ impl ProcessGroup {
                 Err(_) => return Err(Error::dist("init", "MASTER_PORT is not set: start the program with `kiln launch` or pass InitOptions::master_port")),
             },
         };
-        let store = Arc::new(if rank == 0 { Store::serve(&addr, port, opts.timeout)? } else { Store::connect(&addr, port, opts.timeout)? });
+        let store = if rank == 0 { Store::serve(&addr, port, opts.timeout)? } else { Store::connect(&addr, port, opts.timeout)? };
         let imp = match opts.backend {
             Backend::Tcp => Imp::Tcp(tcp::TcpGroup::connect(&store, "pg0", rank, world, opts.timeout)?),
             Backend::Nccl => Imp::Nccl(nccl::NcclGroup::connect(&store, "pg0", rank, world, local_rank_from_env(rank)?, opts.timeout)?),

@@ -16,10 +16,11 @@ use crate::{DType, Error, Result, Tensor};
 use cudarc::nccl::{result, sys};
 use parking_lot::Mutex;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 pub(crate) struct NcclGroup {
-    comm: Arc<Mutex<Comm>>,
+    comm: Arc<Comm>,
     dev: Arc<CudaDevice>,
     stream: Arc<cudarc::driver::CudaStream>,
     /// Its closures hold the communicator too, so it is destroyed only once this thread stops.
@@ -28,27 +29,36 @@ pub(crate) struct NcclGroup {
 
 struct Comm {
     raw: sys::ncclComm_t,
+    /// Held while a call uses the communicator (one at a time).
+    calls: Mutex<()>,
     /// `ncclCommAbort` freed it: nothing may use it again.
-    aborted: bool,
+    aborted: AtomicBool,
 }
-// SAFETY: a communicator may be used from any thread, one call at a time (the Mutex above).
+// SAFETY: calls on the communicator take `calls`, but for the watchdog's abort of last resort,
+// which NCCL allows from another thread while a call is blocked.
 unsafe impl Send for Comm {}
+// SAFETY: as above.
+unsafe impl Sync for Comm {}
 
 impl Comm {
-    /// Ends the collectives in flight and frees the communicator (the watchdog's last resort).
-    fn abort(&mut self) {
-        if !self.aborted {
-            self.aborted = true;
-            // SAFETY: the communicator was initialised and is not used after this.
+    /// Ends the collectives in flight and frees the communicator (the watchdog's last resort,
+    /// after it has set the group's error). Waits a moment for a call in progress; one blocked
+    /// on a dead peer is what the abort ends, so it does not wait for that.
+    fn abort(&self) {
+        let _call = self.calls.try_lock_for(std::time::Duration::from_secs(1));
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the communicator was initialised; `aborted` keeps every later call off it.
             unsafe {
                 let _ = result::comm_abort(self.raw);
             }
         }
     }
 
-    /// The error NCCL found on its own (a peer's connection lost, say), if any.
+    /// The error NCCL found on its own (a peer's connection lost, say), if any; not asked
+    /// while a call holds the communicator (the next poll asks).
     fn async_error(&self) -> Option<String> {
-        if self.aborted {
+        let _call = self.calls.try_lock()?;
+        if self.aborted.load(Ordering::Acquire) {
             return None;
         }
         let mut e = sys::ncclResult_t::ncclSuccess;
@@ -64,7 +74,7 @@ impl Comm {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if !self.aborted {
+        if !*self.aborted.get_mut() {
             // SAFETY: the communicator was initialised and is no longer used.
             unsafe {
                 let _ = result::comm_destroy(self.raw);
@@ -80,7 +90,7 @@ fn nccl_err(op: &'static str, e: impl std::fmt::Debug) -> Error {
 impl NcclGroup {
     /// Rank 0 makes the unique id and publishes it in `store`; every rank then joins the
     /// communicator on GPU `local_rank`.
-    pub(crate) fn connect(store: &Arc<super::store::Store>, prefix: &str, rank: usize, world: usize, local_rank: usize, timeout: std::time::Duration) -> Result<NcclGroup> {
+    pub(crate) fn connect(store: &super::store::Store, prefix: &str, rank: usize, world: usize, local_rank: usize, timeout: std::time::Duration) -> Result<NcclGroup> {
         // SAFETY: only probes whether the library can be loaded.
         if !unsafe { sys::is_culib_present() } {
             return Err(Error::dist("init", "the NCCL backend needs libnccl.so.2, which this machine does not have (the TCP backend needs nothing)"));
@@ -107,10 +117,10 @@ impl NcclGroup {
         // SAFETY: `comm` is written by NCCL; every rank passes the same id and world size.
         unsafe { result::comm_init_rank(&mut comm, world as i32, id, rank as i32) }.map_err(|e| nccl_err("init", e))?;
         let stream = dev.ctx.new_stream().map_err(|e| dev.err("stream", e))?;
-        let comm = Arc::new(Mutex::new(Comm { raw: comm, aborted: false }));
+        let comm = Arc::new(Comm { raw: comm, calls: Mutex::new(()), aborted: AtomicBool::new(false) });
         let (health, abort) = (comm.clone(), comm.clone());
         let poll = std::time::Duration::from_millis(100);
-        let watchdog = Watchdog::start(store.clone(), &format!("{prefix}/nccl"), rank, world, timeout, poll, move || health.lock().async_error(), move || abort.lock().abort())?;
+        let watchdog = Watchdog::start(store, &format!("{prefix}/nccl"), rank, world, timeout, poll, move || health.async_error(), move || abort.abort())?;
         Ok(NcclGroup { comm, dev, stream, watchdog })
     }
 
@@ -131,8 +141,12 @@ impl NcclGroup {
         let Some(work) = self.dev.work().stream() else { return Ok(Work::queued()) };
         self.stream.join(work).map_err(|e| self.dev.err("stream wait", e))?;
         {
-            let comm = self.comm.lock();
-            f(comm.raw, self.stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
+            let _call = self.comm.calls.lock();
+            if self.comm.aborted.load(Ordering::Acquire) {
+                // The watchdog set the group's error before aborting.
+                return Err(self.watchdog.check(op).err().unwrap_or_else(|| Error::dist(op, "the communicator was aborted")));
+            }
+            f(self.comm.raw, self.stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_err(op, e))?;
         }
         let done = self.stream.record_event(None).map_err(|e| self.dev.err("event", e))?;
         // Captured into a CUDA graph, the call runs at each replay: nothing to follow now.

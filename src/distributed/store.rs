@@ -69,6 +69,13 @@ impl Store {
         self.server.as_ref().map(|s| s.addr.port())
     }
 
+    /// A second client of the same server, with a connection and `timeout` of its own (for a
+    /// thread that must neither wait behind another's request nor as long).
+    pub(crate) fn another_client(&self, timeout: Duration) -> Result<Store> {
+        let server = self.conn.lock().peer_addr()?;
+        Store::connect(&server.ip().to_string(), server.port(), timeout)
+    }
+
     /// The address the store's connection leaves from: the interface other ranks can reach.
     pub(crate) fn local_ip(&self) -> Result<std::net::IpAddr> {
         Ok(self.conn.lock().local_addr()?.ip())

@@ -39,7 +39,8 @@ struct State {
     timeout: Duration,
     /// Store key of rank r's count of issued collectives: `{key}{r}`.
     key: String,
-    store: Arc<Store>,
+    /// The watchdog's own connection, with a short timeout.
+    store: Store,
     pending: Mutex<VecDeque<Issued>>,
     issued: AtomicU64,
     error: Mutex<Option<String>>,
@@ -61,7 +62,7 @@ impl Watchdog {
     /// Starts the watchdog of rank `rank` of `world`, polling every `poll`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn start(
-        store: Arc<Store>,
+        store: &Store,
         prefix: &str,
         rank: usize,
         world: usize,
@@ -71,6 +72,7 @@ impl Watchdog {
         abort: impl Fn() + Send + Sync + 'static,
     ) -> Result<Watchdog> {
         let key = format!("{prefix}/issued/");
+        let store = store.another_client(timeout.min(Duration::from_secs(10)))?;
         store.set(&format!("{key}{rank}"), &0u64.to_le_bytes())?;
         let state = Arc::new(State {
             rank,
@@ -119,15 +121,16 @@ impl State {
         let mut published = 0;
         while !self.stop.load(Ordering::Acquire) {
             std::thread::sleep(poll);
+            if let Some(why) = self.verdict() {
+                crate::logging::warn(crate::logging::Topic::Sync, &format!("rank {}: {why}", self.rank));
+                // Set first: a call that finds the communicator aborted returns this error.
+                *self.error.lock() = Some(why);
+                (self.abort)();
+                return;
+            }
             let issued = self.issued.load(Ordering::Acquire);
             if issued != published && self.store.set(&format!("{}{}", self.key, self.rank), &issued.to_le_bytes()).is_ok() {
                 published = issued;
-            }
-            if let Some(why) = self.verdict() {
-                (self.abort)();
-                crate::logging::warn(crate::logging::Topic::Sync, &format!("rank {}: {why}", self.rank));
-                *self.error.lock() = Some(why);
-                return;
             }
         }
     }
@@ -183,13 +186,13 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
 
-    fn store_pair() -> (Arc<Store>, Arc<Store>) {
+    fn store_pair() -> (Store, Store) {
         let server = Store::serve("127.0.0.1", 0, Duration::from_secs(5)).unwrap();
         let port = server.server_port().expect("serving");
-        (Arc::new(server), Arc::new(Store::connect("127.0.0.1", port, Duration::from_secs(5)).unwrap()))
+        (server, Store::connect("127.0.0.1", port, Duration::from_secs(5)).unwrap())
     }
 
-    fn dog(store: Arc<Store>, rank: usize, aborted: Arc<AtomicUsize>) -> Watchdog {
+    fn dog(store: &Store, rank: usize, aborted: Arc<AtomicUsize>) -> Watchdog {
         let poll = Duration::from_millis(5);
         Watchdog::start(store, "t", rank, 2, Duration::from_millis(400), poll, || None, move || {
             aborted.fetch_add(1, Ordering::SeqCst);
@@ -201,7 +204,7 @@ mod tests {
     fn a_collective_another_rank_never_issued_aborts_the_group_naming_that_rank() {
         let (s0, s1) = store_pair();
         let (a0, a1) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-        let (w0, w1) = (dog(s0, 0, a0.clone()), dog(s1, 1, a1.clone()));
+        let (w0, w1) = (dog(&s0, 0, a0.clone()), dog(&s1, 1, a1.clone()));
         // Both ranks issue two collectives that complete; rank 0 issues a third, which waits for rank 1.
         for w in [&w0, &w1] {
             w.issued("all_reduce", || Progress::Done);
@@ -220,14 +223,14 @@ mod tests {
     fn a_collective_every_rank_issued_blames_the_device_or_network_and_backend_errors_abort_at_once() {
         let (s0, s1) = store_pair();
         let a = Arc::new(AtomicUsize::new(0));
-        let (w0, w1) = (dog(s0, 0, a.clone()), dog(s1, 1, Arc::new(AtomicUsize::new(0))));
+        let (w0, w1) = (dog(&s0, 0, a.clone()), dog(&s1, 1, Arc::new(AtomicUsize::new(0))));
         w0.issued("all_reduce", || Progress::Running);
         w1.issued("all_reduce", || Progress::Done);
         std::thread::sleep(Duration::from_millis(1200));
         let e = w0.check("barrier").unwrap_err().to_string();
         assert!(e.contains("every rank issued it"), "{e}");
         // The backend's own error needs no timeout.
-        let failed = Watchdog::start(Arc::new(Store::serve("127.0.0.1", 0, Duration::from_secs(5)).unwrap()), "u", 0, 1, Duration::from_secs(60), Duration::from_millis(5), || Some("ncclRemoteError".into()), || {}).unwrap();
+        let failed = Watchdog::start(&Store::serve("127.0.0.1", 0, Duration::from_secs(5)).unwrap(), "u", 0, 1, Duration::from_secs(60), Duration::from_millis(5), || Some("ncclRemoteError".into()), || {}).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         assert!(failed.check("send").unwrap_err().to_string().contains("ncclRemoteError"));
     }
@@ -236,7 +239,7 @@ mod tests {
     fn completed_collectives_never_trip_the_watchdog() {
         let (s0, _s1) = store_pair();
         let a = Arc::new(AtomicUsize::new(0));
-        let w = dog(s0, 0, a.clone());
+        let w = dog(&s0, 0, a.clone());
         let t0 = Instant::now();
         // Done after 100 ms: within the timeout.
         w.issued("all_reduce", move || if t0.elapsed() > Duration::from_millis(100) { Progress::Done } else { Progress::Running });

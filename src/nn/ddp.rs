@@ -242,10 +242,19 @@ impl Reducer {
 
     /// Before a forward: packs the buckets in the order the first backward's gradients arrived
     /// in, rank 0's order on every rank (once; outside any trace, since every rank does it at
-    /// the same call, and the order is a fact of the run, not of the graph).
+    /// the same call, and the order is a fact of the run, not of the graph). Only before a
+    /// forward that trains, as PyTorch's: an evaluation forward (without gradients, or in
+    /// `no_sync`) may run on some ranks alone, and a pass still in progress counts by the
+    /// buckets it started with.
     fn rebuild_buckets(&self) -> Result<()> {
+        if !crate::is_grad_enabled() || !self.sync.load(Ordering::Acquire) {
+            return Ok(());
+        }
         let mut state = self.state.lock();
         let Rebuild::Recorded(order) = &state.rebuild else { return Ok(()) };
+        if state.pass.active {
+            return Ok(());
+        }
         let _real = crate::compile::trace::Suspend::new();
         let order = no_grad(|| {
             let t = Tensor::from_vec(order.iter().map(|&i| i as i64).collect::<Vec<_>>(), &[order.len()], &Device::Cpu)?.to_device(&self.group.device())?;
