@@ -47,6 +47,11 @@ impl<T> HostBuf<T> {
         self.cap
     }
 
+    /// Whether kiln allocated it (on `ALIGN` bytes), rather than adopting a `Vec`.
+    pub(crate) fn is_aligned_by_kiln(&self) -> bool {
+        self.align == ALIGN.max(std::mem::align_of::<T>())
+    }
+
     /// The slots after the elements, to be written before `set_len` counts them.
     pub(crate) fn spare_capacity_mut(&mut self) -> &mut [MaybeUninit<T>] {
         // SAFETY: the allocation holds `cap` slots; those past `len` are not initialised.

@@ -115,9 +115,10 @@ pub(crate) fn take<T: Pooled>(n: usize) -> HostBuf<T> {
     HostBuf::with_capacity(n)
 }
 
-/// Keeps `v`'s memory for a later `take` of its capacity, or frees it if it is small.
+/// Keeps `v`'s memory for a later `take` of its capacity, or frees it if it is small or an
+/// adopted `Vec` (whose alignment `take` could not promise).
 pub(crate) fn give<T: Pooled>(v: HostBuf<T>) {
-    if v.capacity() * std::mem::size_of::<T>() >= MIN_BYTES {
+    if v.capacity() * std::mem::size_of::<T>() >= MIN_BYTES && v.is_aligned_by_kiln() {
         POOL.lock().give(v);
     }
 }
@@ -135,8 +136,13 @@ mod tests {
         let again: HostBuf<f32> = take(n);
         assert_eq!(again.as_ptr(), p, "the same memory");
         assert!(again.is_empty() && again.capacity() >= n);
+        assert_eq!(again.as_ptr() as usize % super::super::buf::ALIGN, 0, "aligned");
         give(HostBuf::from(vec![0u8; 16])); // below MIN_BYTES: freed
         assert!(!POOL.lock().classes.contains_key(&(TypeId::of::<u8>(), 16)));
+        // An adopted Vec is freed, not kept: `take` promises aligned buffers.
+        let adopted = 3 << 17; // no other test uses this size either
+        give(HostBuf::from(vec![0f32; adopted]));
+        assert!(!POOL.lock().classes.contains_key(&(TypeId::of::<f32>(), adopted)));
     }
 
     #[test]
