@@ -312,19 +312,27 @@ fn the_distributed_sampler_deals_disjoint_padded_shards_reshuffled_per_epoch() {
 
 #[test]
 fn a_crashed_rank_makes_the_others_fail_naming_it() {
-    // Started directly, not by the launcher (which would stop rank 0 itself).
-    let exe = std::env::current_exe().unwrap();
     let out = std::env::temp_dir().join(format!("kiln-ddp-crash-{}", std::process::id()));
     std::fs::create_dir_all(&out).unwrap();
+    let said = rank_1_dies("ddp::ddp_rank", &[("KILN_DDP_OUT", out.as_os_str()), ("KILN_DDP_CRASH", "1".as_ref())], Duration::from_secs(50));
+    std::fs::remove_dir_all(&out).ok();
+    assert!(said.contains("rank 1 closed its connection"), "{said}");
+}
+
+/// Runs the ignored rank test `name` as ranks 0 and 1 of a job of two processes (started
+/// directly: the launcher would stop rank 0 itself), rank r on GPU r where it uses one, with
+/// `env`. Both must fail (rank 1 dies; rank 0 must notice) within `limit`; returns what rank 0
+/// printed.
+fn rank_1_dies(name: &str, env: &[(&str, &std::ffi::OsStr)], limit: Duration) -> String {
+    let exe = std::env::current_exe().unwrap();
     let port = free_port().to_string();
     let start = std::time::Instant::now();
     let ranks: Vec<_> = (0..2)
         .map(|r| {
             std::process::Command::new(&exe)
-                .args(["ddp::ddp_rank", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
-                .envs([("RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
-                .env("KILN_DDP_OUT", &out)
-                .env("KILN_DDP_CRASH", "1")
+                .args([name, "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
+                .envs([("RANK", r.to_string()), ("LOCAL_RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone())])
+                .envs(env.iter().copied())
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::piped())
                 .spawn()
@@ -332,12 +340,10 @@ fn a_crashed_rank_makes_the_others_fail_naming_it() {
         })
         .collect();
     let outputs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-    std::fs::remove_dir_all(&out).ok();
-    assert!(start.elapsed() < Duration::from_secs(50), "{:?}", start.elapsed());
+    assert!(start.elapsed() < limit, "{:?}", start.elapsed());
     assert!(!outputs[1].status.success());
     assert!(!outputs[0].status.success(), "rank 0 went on without rank 1");
-    let said = format!("{}{}", String::from_utf8_lossy(&outputs[0].stdout), String::from_utf8_lossy(&outputs[0].stderr));
-    assert!(said.contains("rank 1 closed its connection"), "{said}");
+    format!("{}{}", String::from_utf8_lossy(&outputs[0].stdout), String::from_utf8_lossy(&outputs[0].stderr))
 }
 
 /// One rank of the NCCL dead-rank test (ignored when run directly): rank 1 dies after the
@@ -373,25 +379,7 @@ fn an_nccl_collective_waiting_for_a_dead_rank_fails_naming_it() {
         eprintln!("skipped: needs KILN_TEST_DEVICE=cuda and two GPUs ({} here)", kiln::cuda::device_count());
         return;
     }
-    let exe = std::env::current_exe().unwrap();
-    let port = free_port().to_string();
-    let start = std::time::Instant::now();
-    let ranks: Vec<_> = (0..2)
-        .map(|r| {
-            std::process::Command::new(&exe)
-                .args(["ddp::nccl_rank", "--exact", "--ignored", "--nocapture", "--test-threads", "1"])
-                .envs([("RANK", r.to_string()), ("LOCAL_RANK", r.to_string()), ("WORLD_SIZE", "2".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone()), ("NCCL_NVLS_ENABLE", "0".into())])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let outputs: Vec<_> = ranks.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
-    assert!(start.elapsed() < Duration::from_secs(90), "{:?}", start.elapsed());
-    assert!(!outputs[1].status.success());
-    assert!(!outputs[0].status.success(), "rank 0 went on without rank 1");
-    let said = format!("{}{}", String::from_utf8_lossy(&outputs[0].stdout), String::from_utf8_lossy(&outputs[0].stderr));
+    let said = rank_1_dies("ddp::nccl_rank", &[("NCCL_NVLS_ENABLE", "0".as_ref())], Duration::from_secs(90));
     assert!(said.contains("communicator was aborted") || said.contains("communicator failed"), "{said}");
 }
 
