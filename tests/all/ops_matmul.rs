@@ -185,6 +185,20 @@ fn matmul_130x70x90() {
     }
 }
 
+/// Mid-sized products (2M to 8M multiply-adds) are split across the host's cores, by rows
+/// when there are many, else by columns; each split product equals the loops, in the MLP
+/// step's three layouts (x @ W^T, x^T @ dy, dy @ W) and with a transposed output-side operand.
+#[test]
+fn mid_sized_products_split_across_cores_match() {
+    for (m, k, n, la, lb) in [(32, 784, 256, Lay::Contig, Lay::Transposed), (256, 32, 784, Lay::Transposed, Lay::Contig), (32, 256, 300, Lay::Contig, Lay::Contig), (130, 150, 129, Lay::Transposed, Lay::Transposed)] {
+        for dt in [DType::F32, DType::F64] {
+            let (a, av) = make2(m, k, la, dt, 11, |r| r);
+            let (b, bv) = make2(k, n, lb, dt, 12, |r| r);
+            check_mm(&format!("{m}x{k} {la:?} @ {k}x{n} {lb:?} {dt:?}"), &a, &av, &b, &bv, dt);
+        }
+    }
+}
+
 #[test]
 fn matmul_errors() {
     let a = t(&[1.0; 12], &[3, 4], DType::F32);

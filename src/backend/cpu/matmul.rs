@@ -44,20 +44,36 @@ fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize,
     let (ao, bo) = (a.layout().offset, b.layout().offset);
     let flops = m * n * k;
     let threads = rayon::current_num_threads();
-    // Big products parallelise inside gemm; many small ones across the batch. Below about 8M
-    // multiply-adds one thread is faster: handing the work to the pool costs more than it
-    // saves (the MLP training step's 32x784x256 products, on 2 cores).
-    let inner = if flops >= 1 << 23 && bs < threads { Parallelism::Rayon(threads) } else { Parallelism::None };
-    let one = |(i, o): (usize, &mut [T])| unsafe {
+    // Big products parallelise inside gemm; many small ones across the batch. Mid-sized ones
+    // (from about 2M multiply-adds: the MLP step's 32x784x256) are split into single-threaded
+    // products on the spinning helpers (`spin.rs`): gemm's own threading, and waking rayon's
+    // sleeping workers, cost more than a second core saves there.
+    let big = flops >= 1 << 23 && bs < threads;
+    let inner = if big { Parallelism::Rayon(threads) } else { Parallelism::None };
+    // Rows i0..i1 and columns j0..j1 of product i into `o` (its m×n block, row stride n).
+    let block = |i: usize, o: *mut T, (i0, i1): (usize, usize), (j0, j1): (usize, usize)| unsafe {
         // SAFETY: offsets and strides come from layouts that describe in-bounds elements of
-        // these storages; `o` is a contiguous m×n block.
+        // these storages; `o` is a contiguous m×n block, and the ranges lie inside it.
         gemm::gemm(
-            m, n, k,
-            o.as_mut_ptr(), 1, n as isize, false,
-            da.as_ptr().add(ao + i * a_bs), a_cs, a_rs,
-            db.as_ptr().add(bo + i * b_bs), b_cs, b_rs,
+            i1 - i0, j1 - j0, k,
+            o.add(i0 * n + j0), 1, n as isize, false,
+            da.as_ptr().add(ao + i * a_bs).offset(i0 as isize * a_rs), a_cs, a_rs,
+            db.as_ptr().add(bo + i * b_bs).offset(j0 as isize * b_cs), b_cs, b_rs,
             T::zero(), T::one(), false, false, false, inner,
         )
+    };
+    let parts = if !big && bs == 1 && flops >= 1 << 21 { super::spin::parts() } else { 1 };
+    let one = |(i, o): (usize, &mut [T])| {
+        if parts == 1 {
+            return block(i, o.as_mut_ptr(), (0, m), (0, n));
+        }
+        // Each part writes its own rows (or, for few rows, columns) of `o`: disjoint elements.
+        let base = o.as_mut_ptr() as usize;
+        let cut = |len: usize, p: usize| (p * len / parts, (p + 1) * len / parts);
+        super::spin::run(parts, &|p| {
+            let o = base as *mut T;
+            if m >= 64 * parts { block(i, o, cut(m, p), (0, n)) } else { block(i, o, (0, m), cut(n, p)) }
+        });
     };
     if bs > 1 && flops * bs >= 1 << 16 {
         out.par_chunks_mut(m * n).enumerate().for_each(one);

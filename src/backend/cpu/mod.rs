@@ -13,6 +13,7 @@ pub(crate) mod maxpool;
 pub(crate) mod pointwise;
 pub(crate) mod pool;
 pub(crate) mod reduce;
+mod spin;
 
 use crate::dtype::Elem;
 use crate::layout::Layout;
