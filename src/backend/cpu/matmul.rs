@@ -45,7 +45,7 @@ fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize,
     let flops = m * n * k;
     let threads = rayon::current_num_threads();
     // Big products parallelise inside gemm; many small ones across the batch. Mid-sized ones
-    // (from about 2M multiply-adds: the MLP step's 32x784x256) are split into single-threaded
+    // (from 2M multiply-adds: the MLP step's 32x784x256) are split into single-threaded
     // products on the spinning helpers (`spin.rs`): gemm's own threading, and waking rayon's
     // sleeping workers, cost more than a second core saves there.
     let big = flops >= 1 << 23 && bs < threads;

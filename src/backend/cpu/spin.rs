@@ -1,8 +1,8 @@
-//! Fork-join for mid-sized work (a 32x784x256 product: ~100 us on one core), with helper
-//! threads that keep spinning for a while after each job instead of sleeping, as OpenMP's
-//! threads do for PyTorch. A sleeping rayon worker takes tens of microseconds to wake on a
-//! small machine, which is more than a second core saves on such work; a training step calls
-//! again long before the spin window ends, so its helpers are always awake.
+//! Fork-join for mid-sized work (the MLP step's 32x784x256 product), with helper threads that
+//! keep spinning for a while after each job instead of sleeping, as OpenMP's threads do for
+//! PyTorch. Waking a sleeping rayon worker costs a small machine more than a second core saves
+//! on such work (`bench/results/compare-cpu-2026-12-04b.txt`); a training step calls again
+//! long before the spin window ends, so its helpers stay awake.
 //!
 //! One caller at a time: a thread that finds the helpers busy runs every part itself.
 
