@@ -4,7 +4,7 @@
 //! Kernels the native code generator (`jit`) runs never come here.
 
 use super::pointwise::{Map1, Map2};
-use super::pool::{self, Pooled};
+use super::pool;
 use super::{with_storage, CpuStorage, HostBuf, Operand};
 use crate::dtype::CType;
 use crate::kir::{FusedKernel, ValueRef, KKind, KOp, Space};
@@ -49,16 +49,11 @@ impl Val {
     }
     /// `n` zeros, in a buffer from the host caching allocator where it has one.
     fn zeros(t: CType, n: usize) -> Val {
-        fn z<T: Pooled + Default + Clone>(n: usize) -> HostBuf<T> {
-            let mut v = pool::take(n);
-            v.resize(n, T::default());
-            v
-        }
         match t {
-            CType::F32 => Val::F32(z(n)),
-            CType::F64 => Val::F64(z(n)),
-            CType::I64 => Val::I64(z(n)),
-            CType::Bool => Val::Bool(z(n)),
+            CType::F32 => Val::F32(pool::zeros(n)),
+            CType::F64 => Val::F64(pool::zeros(n)),
+            CType::I64 => Val::I64(pool::zeros(n)),
+            CType::Bool => Val::Bool(pool::zeros(n)),
         }
     }
     fn ctype(&self) -> CType {

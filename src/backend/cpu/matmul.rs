@@ -30,8 +30,7 @@ fn strides(l: &Layout) -> (usize, isize, isize) {
 }
 
 fn gemm_strided<T: HostElem + num_zero::Zero>(a: &Tensor, b: &Tensor, bs: usize, m: usize, k: usize, n: usize) -> HostBuf<T> {
-    let mut out = super::pool::take(bs * m * n);
-    out.resize(bs * m * n, T::zero());
+    let mut out = super::pool::zeros(bs * m * n);
     if k == 0 || out.is_empty() {
         return out;
     }

@@ -119,11 +119,7 @@ impl CpuStorage {
         with_storage!(self, v => v.len())
     }
     pub(crate) fn zeros(dtype: DType, n: usize) -> CpuStorage {
-        with_dtype!(dtype, T => {
-            let mut v = pool::take(n);
-            v.resize(n, T::default());
-            T::wrap(v)
-        })
+        with_dtype!(dtype, T => T::wrap(pool::zeros(n)))
     }
     /// A storage of `dtype` from values computed in `C` (converting unless they already match).
     pub(crate) fn from_vec_as<C: HostElem>(v: impl Into<HostBuf<C>>, dtype: DType) -> CpuStorage {

@@ -115,6 +115,13 @@ pub(crate) fn take<T: Pooled>(n: usize) -> HostBuf<T> {
     HostBuf::with_capacity(n)
 }
 
+/// `n` default values (zeros for every element type) in a buffer from `take`.
+pub(crate) fn zeros<T: Pooled + Default + Clone>(n: usize) -> HostBuf<T> {
+    let mut v = take(n);
+    v.resize(n, T::default());
+    v
+}
+
 /// Keeps `v`'s memory for a later `take` of its capacity, or frees it if it is small or an
 /// adopted `Vec` (whose alignment `take` could not promise).
 pub(crate) fn give<T: Pooled>(v: HostBuf<T>) {
