@@ -23,6 +23,13 @@ pub(crate) fn cpu_codegen() -> Option<&'static str> {
     V.get_or_init(|| std::env::var("KILN_CPU_CODEGEN").ok()).as_deref()
 }
 
+/// `KILN_CPU_STREAM_BYTES`: the smallest output a CPU row kernel writes with streaming stores
+/// (`backend::cpu::cgen`; unset: half the last-level cache).
+pub(crate) fn cpu_stream_bytes() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_CPU_STREAM_BYTES"))
+}
+
 /// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.
 pub(crate) fn rows_threads() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

@@ -114,8 +114,10 @@ fn compiled_gradients_are_the_same_natively() {
 }
 
 
+/// Run as a child process by the test below, with 8 MiB as the streaming threshold.
 #[test]
-fn row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged() {
+#[ignore = "run as a child process by row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged"]
+fn streamed_rows_child() {
     // Over 8 MiB of output, in rows whose starts fall at every alignment (odd widths): the
     // streaming stores' unaligned heads and tails.
     for (dt, rows, cols) in [(DType::F32, 1030, 2051), (DType::F64, 520, 2049)] {
@@ -126,6 +128,29 @@ fn row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged() {
         let (p, q) = both(&[x, w], move |xs| F::layer_norm(&xs[0], &[cols], Some(&xs[1]), None, 1e-5));
         assert_close_named(&format!("layer_norm {dt:?}"), &p, &q, 0.0, 0.0);
     }
+}
+
+#[test]
+fn row_kernels_with_outputs_past_the_caches_stream_them_out_unchanged() {
+    if !compiler_found() {
+        return;
+    }
+    // A fresh kernel cache, so every kernel is generated and its source logged.
+    let cache = std::env::temp_dir().join(format!("kiln-stream-test-{}", std::process::id()));
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["cpu_codegen::streamed_rows_child", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KILN_CPU_STREAM_BYTES", (8 << 20).to_string())
+        .env("KILN_CACHE_DIR", &cache)
+        .env("KILN_LOG", "kernels")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "child failed:\n{stdout}\n{stderr}");
+    // The sources the child compiled (each named in its log line) stream their rows out.
+    let sources: Vec<String> = stderr.lines().filter_map(|l| l.rsplit_once('(').and_then(|(_, p)| p.strip_suffix(')')).filter(|p| p.ends_with(".c")).and_then(|p| std::fs::read_to_string(p).ok())).collect();
+    let _ = std::fs::remove_dir_all(&cache);
+    assert!(sources.len() >= 4, "four row kernels compiled:\n{stderr}");
+    assert!(sources.iter().all(|s| s.contains("kstream(o0")), "every row kernel streams its output");
 }
 
 /// Run as a child process without a C compiler by the test below: a compiled softmax against

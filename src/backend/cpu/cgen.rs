@@ -176,15 +176,39 @@ const BLOCK: usize = 256;
 const LANE_VECTORS: usize = super::fused::FOLD_LANES / 8;
 
 /// Bytes a row kernel writes to its full outputs from which it streams them past the caches
-/// (`kstream`): well beyond what the caches could keep for the next kernel.
-const STREAM_BYTES: usize = 8 << 20;
+/// (`kstream`): half the last-level cache, so what the next kernel reads stays there below it
+/// and a large output does not evict everything else above it. Regular stores into a cached
+/// buffer beat streaming ones to memory as long as it fits
+/// (`bench/results/compare-cpu-2026-12-05.txt`).
+fn stream_bytes() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| crate::switches::cpu_stream_bytes().unwrap_or_else(|| last_level_cache_bytes().map_or(8 << 20, |b| b / 2)))
+}
+
+/// The size of the largest cache of CPU 0 as Linux reports it (`/sys/.../cache/index*/size`,
+/// such as `266240K`); None elsewhere.
+fn last_level_cache_bytes() -> Option<usize> {
+    let dirs = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dirs.filter_map(|d| {
+        let size = std::fs::read_to_string(d.ok()?.path().join("size")).ok()?;
+        let size = size.trim();
+        let (digits, scale) = match size.as_bytes().last()? {
+            b'K' => (&size[..size.len() - 1], 1 << 10),
+            b'M' => (&size[..size.len() - 1], 1 << 20),
+            b'G' => (&size[..size.len() - 1], 1 << 30),
+            _ => (size, 1),
+        };
+        digits.parse::<usize>().ok()?.checked_mul(scale)
+    })
+    .max()
+}
 
 /// Whether row kernel `k` writes its full outputs with streaming stores: large outputs, in rows
 /// long enough that the stores stay whole cache lines.
 fn streams(k: &FusedKernel) -> bool {
     let Space::Rows { rows, cols } = k.space else { return false };
     let row_bytes: usize = k.full_outputs().iter().map(|&m| cols * k.ops[k.outputs[m].0].dtype.size_in_bytes()).sum();
-    row_bytes >= 1024 && rows * row_bytes >= STREAM_BYTES
+    row_bytes >= 1024 && rows * row_bytes >= stream_bytes()
 }
 
 /// Statements prefetching the next row's columns `[{from}, {from} + {n})` of every full input
