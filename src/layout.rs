@@ -2,6 +2,22 @@
 
 use crate::{Error, Result};
 
+/// How the elements of a 4-D tensor `[N, C, H, W]` are ordered in memory (PyTorch's
+/// `torch.memory_format`): the shape stays NCHW either way, only the strides differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MemoryFormat {
+    /// Row-major: W fastest, then H, C, N (`torch.contiguous_format`).
+    Contiguous,
+    /// NHWC in memory: C fastest, then W, H, N (`torch.channels_last`), the layout of
+    /// tensor-core convolutions.
+    ChannelsLast,
+}
+
+/// The permutation that turns NCHW dims into NHWC ones, and its inverse: a channels-last tensor
+/// permuted by `TO_NHWC` is contiguous.
+pub(crate) const TO_NHWC: [usize; 4] = [0, 2, 3, 1];
+pub(crate) const FROM_NHWC: [usize; 4] = [0, 3, 1, 2];
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     pub shape: Vec<usize>,
@@ -90,6 +106,45 @@ impl Layout {
         }
         true
     }
+    /// Channels-last strides for a 4-D `shape` (`[N, C, H, W]` stored as NHWC).
+    pub fn channels_last(shape: &[usize]) -> Self {
+        debug_assert_eq!(shape.len(), 4);
+        let nhwc = contiguous_strides(&TO_NHWC.map(|d| shape[d]));
+        Layout { shape: shape.to_vec(), strides: FROM_NHWC.map(|d| nhwc[d]).to_vec(), offset: 0 }
+    }
+
+    /// Whether the elements are dense in `format`'s order (size-1 dims may have any stride, as
+    /// in PyTorch's `is_contiguous(memory_format)`); only 4-D layouts can be channels-last.
+    pub fn is_contiguous_for(&self, format: MemoryFormat) -> bool {
+        match format {
+            MemoryFormat::Contiguous => self.is_contiguous(),
+            MemoryFormat::ChannelsLast => self.ndim() == 4 && self.permuted(&TO_NHWC).is_contiguous(),
+        }
+    }
+
+    /// The format a result computed from this layout keeps (PyTorch's
+    /// `suggest_memory_format`): channels-last when the strides grow in NHWC order (C
+    /// smallest, then W, H, N), dense or not (a window of a channels-last tensor is still
+    /// ordered so); a single channel or a 1x1 image, both orders at once, stays contiguous.
+    pub fn suggested_format(&self) -> MemoryFormat {
+        if self.ndim() != 4 || self.strides[1] == 0 {
+            return MemoryFormat::Contiguous;
+        }
+        let mut min = 0;
+        for d in [1, 3, 2, 0] {
+            if self.shape[d] == 0 || self.strides[d] < min || (d == 0 && min == self.strides[1]) {
+                return MemoryFormat::Contiguous;
+            }
+            min = self.strides[d] * self.shape[d].max(1);
+        }
+        MemoryFormat::ChannelsLast
+    }
+
+    /// The layout with its dims reordered: dim `i` of the result is dim `perm[i]` of this one.
+    pub(crate) fn permuted(&self, perm: &[usize]) -> Layout {
+        Layout { shape: perm.iter().map(|&d| self.shape[d]).collect(), strides: perm.iter().map(|&d| self.strides[d]).collect(), offset: self.offset }
+    }
+
     /// Every element is the same storage element (a broadcast scalar).
     pub fn is_broadcast_scalar(&self) -> bool {
         self.shape.iter().zip(&self.strides).all(|(&d, &s)| d == 1 || s == 0)

@@ -46,6 +46,7 @@ pub use autograd::{enable_grad, gradcheck, inference_mode, is_grad_enabled, no_g
 pub use device::Device;
 pub use dtype::{promote_types, result_type, Category, DType, Tier, WithDType};
 pub use error::{Error, Result};
+pub use layout::MemoryFormat;
 pub use ops::elementwise::{where_, RoundingMode, Scalar};
 pub use ops::movement::{cat, stack};
 pub use profiler::{set_sync_debug_mode, with_sync_debug_mode, SyncDebug};
@@ -57,5 +58,5 @@ pub mod prelude {
     pub use crate::nn::{self, Module};
     pub use crate::optim::{self, Optimizer};
     pub use crate::profiler::{self, SortBy};
-    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, CustomOp, DType, Device, Function, LaunchSpec, Result, SyncDebug, Tensor};
+    pub use crate::{cat, manual_seed, no_grad, stack, Ctx, CustomOp, DType, Device, Function, LaunchSpec, MemoryFormat, Result, SyncDebug, Tensor};
 }

@@ -200,18 +200,26 @@ fn accumulate_leaf(t: &Tensor, g: Tensor) -> Result<()> {
     let mut meta = t.0.meta.lock();
     let new = match &meta.grad {
         Some(prev) => prev.add(&g)?,
-        None => own(g)?,
+        None => own(g, t)?,
     };
     meta.grad = Some(new);
     Ok(())
 }
 
-/// A gradient to store in `.grad`: the tensor itself when nothing else can see it, else a
-/// contiguous copy, so that in-place updates of one `.grad` never change another.
-fn own(g: Tensor) -> Result<Tensor> {
-    if Arc::strong_count(&g.0) == 1 && Arc::strong_count(g.storage()) == 1 && g.is_contiguous() {
+/// A gradient to store in `leaf`'s `.grad`, laid out as the leaf (in its memory format, when
+/// it is dense in it): the tensor itself when nothing else can see it, else a copy, so that
+/// in-place updates of one `.grad` never change another.
+fn own(g: Tensor, leaf: &Tensor) -> Result<Tensor> {
+    let format = match leaf.suggest_memory_format() {
+        f if leaf.is_contiguous_for(f) => f,
+        _ => crate::MemoryFormat::Contiguous,
+    };
+    if Arc::strong_count(&g.0) == 1 && Arc::strong_count(g.storage()) == 1 && g.is_contiguous_for(format) {
         return Ok(g.detach());
     }
-    g.copy_contiguous()
+    match format {
+        crate::MemoryFormat::Contiguous => g.copy_contiguous(),
+        f => crate::ops::apply(crate::ops::Op::Relayout(f), &[&g]),
+    }
 }
 

@@ -51,12 +51,18 @@ pub(crate) fn scatter_into(dst: &crate::Tensor, dim: usize, index: &crate::Tenso
 
 /// A convolution pass by the device's library (cuDNN) where it takes it, else None (the
 /// caller computes it as im2col and a product). `shapes`: input, weight, output.
-pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize]) -> Result<Option<crate::Tensor>> {
+/// The result is stored in `format`'s order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], a: &crate::Tensor, b: &crate::Tensor, out: &[usize], format: crate::MemoryFormat) -> Result<Option<crate::Tensor>> {
     if !a.device().is_cuda() || !cuda::libs::cudnn::usable(a.dtype()) {
         return Ok(None);
     }
-    let s = cuda::libs::cudnn::conv(pass, args, shapes, a, b)?;
-    Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out)))
+    let s = cuda::libs::cudnn::conv(pass, args, shapes, a, b, format)?;
+    let t = crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out);
+    Ok(Some(match format {
+        crate::MemoryFormat::Contiguous => t,
+        crate::MemoryFormat::ChannelsLast => t.relaid(crate::layout::Layout::channels_last(out)),
+    }))
 }
 
 /// `x * scale + shift` (all of x's shape) computed in F32 and stored in x's dtype, in one pass
@@ -64,6 +70,14 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
 pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crate::Tensor) -> Result<Option<crate::Tensor>> {
     if !x.device().is_cuda() {
         return Ok(None);
+    }
+    if x.suggest_memory_format() == crate::MemoryFormat::ChannelsLast {
+        // Over the NHWC views, so the result keeps x's format and x is read in order.
+        use crate::layout::{FROM_NHWC, TO_NHWC};
+        let nhwc = |t: &crate::Tensor| t.view_as_layout(t.layout().permuted(&TO_NHWC));
+        let y = cuda::kernels::scale_shift(&nhwc(x), &nhwc(scale), &nhwc(shift))?;
+        let y = crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), &TO_NHWC.map(|d| x.shape()[d]));
+        return Ok(Some(y.relaid(y.layout().permuted(&FROM_NHWC))));
     }
     let y = cuda::kernels::scale_shift(x, scale, shift)?;
     Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), x.shape())))

@@ -74,6 +74,7 @@ impl Node {
                 Op::Cat(d) | Op::IndexSelect(d) | Op::Gather(d) | Op::ScatterAdd(d) | Op::Scatter(d) => format!("[dim={d}]"),
                 Op::Pad(p, v) => format!("[{p:?}, value={v}]"),
                 Op::ToDevice { to, .. } => format!("[{to}]"),
+                Op::Relayout(f) => format!("[{f:?}]"),
                 Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),
                 Op::Unary(_) | Op::Matmul => String::new(),
                 Op::Conv2d(a) => conv_params(a, ""),

@@ -22,8 +22,8 @@ fn batched(op: &'static str, x: &Tensor) -> Result<(Tensor, bool)> {
 }
 
 /// 2-D cross-correlation (`F.conv2d`): `x` `[N, C, H, W]`, `weight` `[O, C / groups, KH, KW]`,
-/// `bias` `[O]`, giving `[N, O, OH, OW]` (contiguous from cuDNN; elsewhere a view over the
-/// channels-last rows of the im2col product).
+/// `bias` `[O]`, giving `[N, O, OH, OW]`: channels-last when `x` or `weight` is
+/// (`MemoryFormat`), else contiguous.
 pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dArgs) -> Result<Tensor> {
     let op = "conv2d";
     super::functional::same_device(op, x, &[Some(weight), bias])?;

@@ -39,6 +39,13 @@ pub trait Module: Send + Sync {
         self.visit_tensors_mut(&mut |t| if t.dtype().is_float() { replace(t, |x| x.to_dtype(dtype)) } else { Ok(()) })
     }
 
+    /// Stores every 4-D floating-point parameter and buffer (convolution weights) in `format`
+    /// (`module.to(memory_format=...)`); a channels-last network then computes channels-last
+    /// when its input is.
+    fn to_memory_format(&mut self, format: crate::MemoryFormat) -> Result<()> {
+        self.visit_tensors_mut(&mut |t| if t.ndim() == 4 && t.dtype().is_float() { replace(t, |x| x.to_memory_format(format)) } else { Ok(()) })
+    }
+
     /// Every parameter with its dotted path (`"0.weight"`), depth first, as PyTorch orders them.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = self.own_parameters();

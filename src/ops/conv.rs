@@ -6,7 +6,7 @@
 //! transposed, plus one scatter-add (col2im) for the input.
 
 use super::Op;
-use crate::{Device, Error, Result, Tensor};
+use crate::{Device, Error, MemoryFormat, Result, Tensor};
 
 /// Options of a 2-D convolution: `(height, width)` pairs and groups, PyTorch's defaults.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -154,7 +154,10 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
         Op::Conv2dGradWeight(args, _) => (ConvPass::GradWeight, args, a.shape(), out, b.shape()),
         _ => unreachable!("{} is not a convolution", op.name()),
     };
-    if let Some(t) = crate::backend::conv_library(pass, args, [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]), a, b, out)? {
+    // The result's memory format: channels-last when either operand is (as PyTorch's), so a
+    // channels-last network stays channels-last through its convolutions and their gradients.
+    let format = if [a, b].iter().any(|t| t.suggest_memory_format() == MemoryFormat::ChannelsLast) { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+    if let Some(t) = crate::backend::conv_library(pass, args, [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]), a, b, out, format)? {
         return Ok(t);
     }
     let geo = Geom::new(x, w, y, args.groups);
@@ -162,10 +165,14 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     // by a tracer) or cast by autocast; this op is the one that was.
     let _off = crate::compile::trace::Suspend::new();
     crate::amp::suspended(|| {
-        crate::no_grad(|| match pass {
-            ConvPass::Forward => forward(a, b, args, &geo),
-            ConvPass::GradInput => grad_input(a, b, args, &geo),
-            ConvPass::GradWeight => grad_weight(a, b, args, &geo),
+        crate::no_grad(|| {
+            // Each product comes out over channels-last memory (the columns' order).
+            let t = match pass {
+                ConvPass::Forward => forward(a, b, args, &geo),
+                ConvPass::GradInput => grad_input(a, b, args, &geo),
+                ConvPass::GradWeight => grad_weight(a, b, args, &geo),
+            }?;
+            t.to_memory_format(format)
         })
     })
 }

@@ -5,7 +5,7 @@ use super::pointwise::{BinaryOp, UnaryOp};
 use super::{apply, Op};
 use crate::dtype::{result_type, Tier};
 use crate::layout::broadcast_shapes;
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Error, MemoryFormat, Result, Tensor};
 
 /// A plain number in an op with a tensor. Its kind (bool, integer, float) takes part in type
 /// promotion, its width does not: `int_tensor + 2.5` is F32, `f16_tensor * 2.0` stays F16.
@@ -360,6 +360,26 @@ impl Tensor {
             return Ok(self.clone());
         }
         self.copy_contiguous()
+    }
+
+    /// The same values stored in `format`'s order: the tensor itself when it already is, else
+    /// a differentiable copy (`x.to(memory_format=...)`; `contiguous()` for
+    /// `MemoryFormat::Contiguous`). Channels-last needs a 4-D `[N, C, H, W]` tensor.
+    #[track_caller]
+    pub fn to_memory_format(&self, format: MemoryFormat) -> Result<Tensor> {
+        let _site = crate::profiler::call_site();
+        match format {
+            MemoryFormat::Contiguous => self.contiguous(),
+            MemoryFormat::ChannelsLast => {
+                if self.ndim() != 4 {
+                    return Err(Error::shape("to_memory_format", format!("channels-last needs a 4-D [N, C, H, W] tensor, got shape {:?}", self.shape())));
+                }
+                if self.is_contiguous_for(format) {
+                    return Ok(self.clone());
+                }
+                apply(Op::Relayout(format), &[self])
+            }
+        }
     }
 
     /// Always a new contiguous copy (differentiable, like `clone()` in PyTorch).

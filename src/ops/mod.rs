@@ -20,7 +20,7 @@ pub use reduce::ReduceOp;
 
 use crate::backend::{check_device, cpu, cuda};
 use crate::storage::BackendStorage;
-use crate::layout::Layout;
+use crate::layout::{Layout, MemoryFormat, FROM_NHWC, TO_NHWC};
 use crate::{DType, Error, Result, Tensor};
 
 /// A primitive op with its static arguments. Inputs are tensors passed beside it.
@@ -31,7 +31,11 @@ pub enum Op {
     Binary(BinaryOp, DType),
     /// `cond ? a : b` on same-shape operands, producing the given dtype.
     Where(DType),
+    /// A conversion to another dtype, in the input's memory format; to the same dtype, a
+    /// contiguous copy (`Tensor::copy_contiguous`).
     Cast(DType),
+    /// A copy stored densely in the format (`Tensor::to_memory_format`).
+    Relayout(MemoryFormat),
     /// Reduces sorted `dims`; `keepdim` keeps them as size 1.
     Reduce(ReduceOp, Vec<usize>, bool),
     /// A view with a new shape (a copy first when the strides do not allow one).
@@ -104,6 +108,7 @@ impl Op {
             Op::Binary(b, _) => b.name(),
             Op::Where(_) => "where",
             Op::Cast(_) => "to_dtype",
+            Op::Relayout(_) => "to_memory_format",
             Op::Reduce(r, ..) => r.name(),
             Op::Reshape(_) => "reshape",
             Op::Permute(_) => "permute",
@@ -184,6 +189,7 @@ impl Op {
             Op::Binary(b, c) => (shape.to_vec(), b.out_dtype(*c)),
             Op::Where(d) => (xs[1].0.to_vec(), *d),
             Op::Cast(d) => (shape.to_vec(), *d),
+            Op::Relayout(_) => (shape.to_vec(), dt),
             Op::Reduce(r, dims, keepdim) => (reduce::reduced_shape(shape, dims, *keepdim), r.out_dtype(dt)),
             Op::Reshape(s) | Op::Expand(s) => (s.clone(), dt),
             Op::Permute(perm) => (perm.iter().map(|&d| shape[d]).collect(), dt),
@@ -224,6 +230,22 @@ impl Op {
 
     /// Runs the op on its inputs' device. Arguments were validated by the caller.
     #[track_caller]
+    /// Whether this op's result is channels-last because its inputs are (PyTorch's elementwise
+    /// ops and padding preserve the format): the first input not broadcast along any dim
+    /// decides. A cast to the same dtype is a contiguous copy (`Tensor::copy_contiguous`).
+    fn keeps_channels_last(&self, xs: &[&Tensor]) -> bool {
+        let elementwise = match self {
+            Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Pad(..) => true,
+            Op::Cast(dt) => *dt != xs[0].dtype(),
+            _ => false,
+        };
+        if !elementwise || xs[0].ndim() != 4 {
+            return false;
+        }
+        let full = |t: &&&Tensor| t.shape().iter().zip(t.strides()).all(|(&d, &s)| d <= 1 || s != 0);
+        xs.iter().find(full).is_some_and(|t| t.layout().suggested_format() == MemoryFormat::ChannelsLast)
+    }
+
     pub(crate) fn forward(&self, xs: &[&Tensor]) -> Result<Tensor> {
         let _rec = crate::profiler::cpu_op(self, xs);
         let device = xs[0].device();
@@ -246,14 +268,7 @@ impl Op {
                     }
                 });
             }
-            Op::Permute(perm) => {
-                let l = x.layout();
-                return Ok(x.view_as_layout(Layout {
-                    shape: perm.iter().map(|&d| l.shape[d]).collect(),
-                    strides: perm.iter().map(|&d| l.strides[d]).collect(),
-                    offset: l.offset,
-                }));
-            }
+            Op::Permute(perm) => return Ok(x.view_as_layout(x.layout().permuted(perm))),
             Op::Expand(shape) => {
                 let l = x.layout();
                 let strides = shape.iter().zip(&l.shape).zip(&l.strides).map(|((&s, &d), &st)| if s == d { st } else { 0 }).collect();
@@ -272,6 +287,23 @@ impl Op {
             _ => {}
         }
         check_device(self.name(), device)?;
+        if self.keeps_channels_last(xs) {
+            // Computed over the NHWC views, where every operand is as the plain kernels want it,
+            // and handed back as NCHW over that memory.
+            let views: Vec<Tensor> = xs.iter().map(|t| t.view_as_layout(t.layout().permuted(&TO_NHWC))).collect();
+            let op = match self {
+                Op::Pad(pads, value) => Op::Pad(TO_NHWC.iter().map(|&d| pads[d]).collect(), *value),
+                op => op.clone(),
+            };
+            let y = op.compute(&views.iter().collect::<Vec<_>>())?;
+            return Ok(y.relaid(y.layout().permuted(&FROM_NHWC)));
+        }
+        self.compute(xs)
+    }
+
+    /// `forward` of an op that needs a backend, on inputs on one (checked) device.
+    fn compute(&self, xs: &[&Tensor]) -> Result<Tensor> {
+        let (x, device) = (xs[0], xs[0].device());
         let metas: Vec<(&[usize], DType)> = xs.iter().map(|t| (t.shape(), t.dtype())).collect();
         let (shape, dtype) = self.out_meta(&metas)?;
         let n = crate::layout::checked_numel(self.name(), &shape, dtype.size_in_bytes())?;
@@ -293,6 +325,7 @@ impl Op {
             Op::Binary(b, c) => run!(cpu::pointwise::binary(*b, x, xs[1], *c), cuda::kernels::binary(*b, x, xs[1], *c)),
             Op::Where(dt) => run!(cpu::pointwise::where_(x, xs[1], xs[2], *dt), cuda::kernels::where_(x, xs[1], xs[2], *dt)),
             Op::Cast(dt) => run!(cpu::cast(x, *dt), cuda::kernels::cast(x, *dt)),
+            Op::Relayout(format) => return dense_copy(x, *format),
             Op::Reduce(r, dims, _) => run!(cpu::reduce::reduce(*r, x, dims, dtype), cuda::kernels::reduce(*r, x, dims, dtype)),
             Op::Cat(dim) => run!(cpu::index::cat(xs, *dim, &shape, x.dtype()), cuda::kernels::cat(xs, *dim, &shape, x.dtype())),
             Op::Pad(pads, value) => run!(cpu::index::pad(x, pads, *value, &shape), cuda::kernels::pad(x, pads, *value, &shape)),
@@ -311,8 +344,14 @@ impl Op {
                 let mask = xs.get(5).copied();
                 run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
-            Op::MaxPool2d(a) => run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape)),
-            Op::MaxPool2dBackward(a) => run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a)),
+            Op::MaxPool2d(a) => {
+                let y = Tensor::from_backend(run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape)), &shape);
+                return in_format_of(y, x);
+            }
+            Op::MaxPool2dBackward(a) => {
+                let dx = Tensor::from_backend(run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a)), &shape);
+                return in_format_of(dx, x);
+            }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
             Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),
         };
@@ -338,7 +377,7 @@ impl Op {
                 let c = xs[0].as_ref().expect("condition saved");
                 Ok(vec![None, Some(g.masked_fill(&c.logical_not()?, 0.0)?), Some(g.masked_fill(c, 0.0)?)])
             }
-            Op::Cast(_) => one(Ok(g.clone())),
+            Op::Cast(_) | Op::Relayout(_) => one(Ok(g.clone())),
             Op::ToDevice { from, .. } => one(g.to_device(from)),
             Op::Reduce(r, dims, keepdim) => one(r.backward(xs[0].as_ref(), y, g, in_shape, dims, *keepdim)),
             Op::Reshape(_) => one(g.reshape_usize(in_shape)),
@@ -482,6 +521,25 @@ fn head_dim_contiguous(t: &Tensor) -> Result<Tensor> {
     } else {
         t.copy_contiguous()
     }
+}
+
+/// `y` (contiguous) as PyTorch's pooling returns it: in the memory format of its input `x`.
+fn in_format_of(y: Tensor, x: &Tensor) -> Result<Tensor> {
+    match x.suggest_memory_format() {
+        MemoryFormat::Contiguous => Ok(y),
+        format => dense_copy(&y, format),
+    }
+}
+
+/// A copy of `t` stored densely in `format`'s order, computed without recording anything (for
+/// backends and ops that want their operands or results in one layout).
+pub(crate) fn dense_copy(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    let (order, back) = match format {
+        MemoryFormat::Contiguous => return Op::Cast(t.dtype()).compute(&[t]),
+        MemoryFormat::ChannelsLast => (TO_NHWC, FROM_NHWC),
+    };
+    let copy = Op::Cast(t.dtype()).compute(&[&t.view_as_layout(t.layout().permuted(&order))])?;
+    Ok(copy.relaid(copy.layout().permuted(&back)))
 }
 
 /// Runs a primitive op and records it for autograd.

@@ -3,7 +3,7 @@
 //! whether the momentum buffer is new, for Adam the step count), or a few when a group is longer
 //! than one launch holds (backend/cuda/foreach.rs); on the host, in one pass over each
 //! parameter (backend/cpu/foreach.rs). The results are the per-tensor path's, bit for bit. What
-//! does not fit runs the per-tensor path afterwards: non-contiguous tensors, a gradient of another dtype or shape, dtypes other than
+//! does not fit runs the per-tensor path afterwards: tensors not dense in the parameter's memory format, a gradient of another dtype or shape, dtypes other than
 //! F32/F64/F16/BF16, empty parameters, Adam state with a device step count (made inside a
 //! compiled function), and every parameter when tensors written by the update share memory. A
 //! function being traced always takes the per-tensor path, which the compiler records.
@@ -14,12 +14,14 @@ use crate::{DType, Device, Result, Tensor};
 use std::collections::HashSet;
 use std::sync::Arc;
 
-/// Whether parameter `p` with gradient `g` and its existing `state` can be updated by a kernel.
+/// Whether parameter `p` with gradient `g` and its existing `state` can be updated by a kernel:
+/// all dense in one memory format (the kernels walk their storage in order).
 fn fits(p: &Tensor, g: &Tensor, state: &[&Tensor]) -> bool {
+    let format = p.suggest_memory_format();
     multi_tensor_update_supports(p.device(), p.dtype())
         && p.numel() > 0
-        && p.is_contiguous()
-        && std::iter::once(g).chain(state.iter().copied()).all(|t| t.device() == p.device() && t.dtype() == p.dtype() && t.shape() == p.shape() && t.is_contiguous())
+        && p.is_contiguous_for(format)
+        && std::iter::once(g).chain(state.iter().copied()).all(|t| t.device() == p.device() && t.dtype() == p.dtype() && t.shape() == p.shape() && t.is_contiguous_for(format))
 }
 
 /// Whether the tensors an update writes (parameters, state) share no memory with each other or
@@ -79,7 +81,12 @@ pub(super) fn sgd(o: &mut Sgd) -> Result<Vec<bool>> {
         if first {
             for &k in &members {
                 let p = &o.params[items[k].0];
-                new_bufs.push(crate::backend::uninit_like(p, p.shape(), p.dtype())?);
+                let buf = crate::backend::uninit_like(p, p.shape(), p.dtype())?;
+                // Written in the parameter's storage order.
+                new_bufs.push(match p.suggest_memory_format() {
+                    crate::MemoryFormat::ChannelsLast => buf.relaid(crate::layout::Layout::channels_last(p.shape())),
+                    crate::MemoryFormat::Contiguous => buf,
+                });
             }
         }
         let entries: Vec<Vec<&Tensor>> = members

@@ -39,20 +39,30 @@ impl Tensor {
         let _site = crate::profiler::call_site();
         Tensor::full(shape, 1.0, dtype, device)
     }
+    /// Zeros of this tensor's shape, dtype and device, in its memory format (PyTorch's
+    /// `preserve_format`), as are `ones_like` and `full_like`.
     #[track_caller]
     pub fn zeros_like(&self) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        Tensor::zeros(self.shape(), self.dtype(), &self.device())
+        self.in_my_format(Tensor::zeros(self.shape(), self.dtype(), &self.device())?)
     }
     #[track_caller]
     pub fn ones_like(&self) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        Tensor::ones(self.shape(), self.dtype(), &self.device())
+        self.in_my_format(Tensor::ones(self.shape(), self.dtype(), &self.device())?)
     }
     #[track_caller]
     pub fn full_like(&self, value: f64) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        Tensor::full(self.shape(), value, self.dtype(), &self.device())
+        self.in_my_format(Tensor::full(self.shape(), value, self.dtype(), &self.device())?)
+    }
+    /// `filled` (a fresh constant tensor of this shape) laid out in this tensor's memory format:
+    /// the same values, so only the strides change.
+    fn in_my_format(&self, filled: Tensor) -> Result<Tensor> {
+        if self.suggest_memory_format() == crate::MemoryFormat::ChannelsLast && !crate::compile::trace::active() {
+            return Ok(filled.relaid(crate::layout::Layout::channels_last(self.shape())));
+        }
+        Ok(filled)
     }
     /// A 0-dimensional tensor.
     #[track_caller]

@@ -7,7 +7,7 @@ pub(crate) mod random;
 use crate::autograd::Node;
 use crate::backend::cpu::{self, CpuStorage};
 use crate::dtype::WithDType;
-use crate::layout::Layout;
+use crate::layout::{Layout, MemoryFormat};
 use crate::storage::Storage;
 use crate::{DType, Device, Error, Result};
 use parking_lot::Mutex;
@@ -141,6 +141,12 @@ impl Tensor {
         Tensor::from_parts(self.0.storage.clone(), layout, self.0.dtype, true)
     }
 
+    /// A result over this (fresh) tensor's storage with another layout: not a view, since
+    /// nothing else holds the storage.
+    pub(crate) fn relaid(&self, layout: Layout) -> Tensor {
+        Tensor::from_parts(self.0.storage.clone(), layout, self.0.dtype, false)
+    }
+
     /// The same data without autograd history (`torch.Tensor.detach`).
     pub fn detach(&self) -> Tensor {
         Tensor::from_parts(self.0.storage.clone(), self.0.layout.clone(), self.0.dtype, self.0.is_view)
@@ -191,6 +197,16 @@ impl Tensor {
     }
     pub fn is_contiguous(&self) -> bool {
         self.0.layout.is_contiguous()
+    }
+    /// Whether the elements are dense in `format`'s order (`is_contiguous(memory_format=...)`).
+    pub fn is_contiguous_for(&self, format: MemoryFormat) -> bool {
+        self.0.layout.is_contiguous_for(format)
+    }
+    /// The memory format results computed from this tensor keep: channels-last for a 4-D
+    /// tensor stored NHWC (and not also plain contiguous), else contiguous
+    /// (`suggest_memory_format`).
+    pub fn suggest_memory_format(&self) -> MemoryFormat {
+        self.0.layout.suggested_format()
     }
     /// The storage's version counter, bumped by every in-place write to it or any of its views.
     pub fn version(&self) -> u64 {

@@ -2,6 +2,7 @@
 //! area. Device-generic tests take their device from `KILN_TEST_DEVICE` (`cpu` when unset).
 
 mod attention;
+mod channels_last;
 mod autograd;
 mod common;
 mod compile;

@@ -1,13 +1,13 @@
 //! Convolutions through cuDNN (loaded at run time, like every CUDA library here): the forward
 //! product and the two gradients (backward data, backward filter) of the `Conv2d*` ops, on
-//! contiguous NCHW tensors. F32 uses FMA math — no TF32 unless `allow_tf32` is on — and F16 /
+//! NCHW tensors, or NHWC ones (channels-last, the layout of the tensor-core kernels). F32 uses FMA math — no TF32 unless `allow_tf32` is on — and F16 /
 //! BF16 use tensor cores with F32 accumulation. Algorithms are cuDNN's heuristic choice, kept
 //! per geometry on the device; each call's workspace comes from the caching allocator (from the
 //! graph's pool while a CUDA graph is captured), and calls run on the thread's work stream.
 
 use crate::backend::cuda::{kernels, CudaStorage};
 use crate::ops::conv::{Conv2dArgs, ConvPass};
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Error, MemoryFormat, Result, Tensor};
 use cudarc::cudnn::{result as cr, sys as cs};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -93,6 +93,7 @@ struct Key {
     x: [usize; 4],
     w: [usize; 4],
     args: Conv2dArgs,
+    format: MemoryFormat,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -164,9 +165,14 @@ fn i32s(s: [usize; 4]) -> [i32; 4] {
 }
 
 impl Descs {
-    fn new(dtype: DType, args: &Conv2dArgs, [x, w, y]: [[usize; 4]; 3], math: cs::cudnnMathType_t) -> std::result::Result<Descs, cr::CudnnError> {
+    /// Input, weight and output are all stored in `format`'s order (the weight as KRSC for
+    /// channels-last); the dims are given as NCHW either way.
+    fn new(dtype: DType, args: &Conv2dArgs, [x, w, y]: [[usize; 4]; 3], math: cs::cudnnMathType_t, format: MemoryFormat) -> std::result::Result<Descs, cr::CudnnError> {
         let dt = data_type(dtype);
-        let nchw = cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
+        let nchw = match format {
+            MemoryFormat::Contiguous => cs::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+            MemoryFormat::ChannelsLast => cs::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+        };
         // SAFETY: each descriptor is freshly created and owned by its guard; the sizes were
         // checked to fit in i32.
         unsafe {
@@ -285,13 +291,13 @@ unsafe fn execute(h: cs::cudnnHandle_t, algo: Algo, d: &Descs, p: Ptrs, ws: u64,
     }
 }
 
-/// An operand as cuDNN reads it: contiguous, 16-byte aligned (a copy otherwise).
-fn operand(t: &Tensor) -> Result<Tensor> {
-    if t.is_contiguous() && kernels::data_ptr(t)? % 16 == 0 {
+/// An operand as cuDNN reads it: dense in `format`'s order, 16-byte aligned (a copy otherwise:
+/// a fresh block, aligned by the allocator).
+fn operand(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+    if t.is_contiguous_for(format) && kernels::data_ptr(t)? % 16 == 0 {
         return Ok(t.clone());
     }
-    // A fresh block (aligned by the allocator), contiguous.
-    Ok(Tensor::from_backend(crate::storage::BackendStorage::Cuda(kernels::cast(t, t.dtype())?), t.shape()))
+    crate::ops::dense_copy(t, format)
 }
 
 fn pass_name(pass: ConvPass) -> &'static str {
@@ -305,8 +311,8 @@ fn pass_name(pass: ConvPass) -> &'static str {
 /// One convolution product through cuDNN. `shapes` are the input `[N, C, H, W]`, weight
 /// `[O, C / groups, KH, KW]` and output `[N, O, OH, OW]` of the forward convolution; `a`, `b`
 /// are the op's operands in its order ((x, w), (dy, w) or (x, dy)). Returns the pass's result,
-/// contiguous.
-pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &Tensor, b: &Tensor) -> Result<CudaStorage> {
+/// dense in `format`'s order (as are the operands cuDNN reads).
+pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a: &Tensor, b: &Tensor, format: MemoryFormat) -> Result<CudaStorage> {
     let dev = kernels::dev_of(a)?;
     let dtype = a.dtype();
     let [x, w, y] = shapes;
@@ -330,10 +336,10 @@ pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a
     if big.is_some() {
         return Err(Error::arg("conv2d", format!("{}: cuDNN takes tensors of at most 2^31 - 1 elements; split the batch", describe())));
     }
-    let (a, b) = (operand(a)?, operand(b)?);
+    let (a, b) = (operand(a, format)?, operand(b, format)?);
     let ptrs = Ptrs { a: kernels::data_ptr(&a)?, b: kernels::data_ptr(&b)?, out: out.ptr() };
     let tf32 = crate::backend::cuda::allow_tf32();
-    let key = Key { pass, dtype, tf32, deterministic: crate::backend::cuda::device::cudnn_deterministic(), x, w, args: *args };
+    let key = Key { pass, dtype, tf32, deterministic: crate::backend::cuda::device::cudnn_deterministic(), x, w, args: *args, format };
     let fail = |call: &str, e: &dyn std::fmt::Debug| Error::Cuda { op: "conv2d", device: dev.kiln_device(), msg: format!("{call} failed ({e:?}) for {}", describe()) };
 
     session(&dev, "conv2d", |st| run_conv(&dev, st, pass, dtype, &key, &shapes, &ptrs, &fail, &describe))?;
@@ -363,7 +369,7 @@ pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'stat
 fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: ConvPass, dtype: DType, key: &Key, shapes: &[[usize; 4]; 3], ptrs: &Ptrs, fail: &dyn Fn(&str, &dyn std::fmt::Debug) -> Error, describe: &dyn Fn() -> String) -> Result<()> {
     let (args, tf32, shapes, ptrs) = (&key.args, key.tf32, *shapes, *ptrs);
     let h = st.handle;
-    let descs = Descs::new(dtype, args, shapes, base_math(dtype, tf32)).map_err(|e| fail("creating descriptors", &e))?;
+    let descs = Descs::new(dtype, args, shapes, base_math(dtype, tf32), key.format).map_err(|e| fail("creating descriptors", &e))?;
 
     // Runs one algorithm with a workspace from the caching allocator.
     let attempt = |c: Choice| -> Result<()> {
