@@ -30,6 +30,17 @@ pub(crate) fn cpu_stream_bytes() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_CPU_STREAM_BYTES"))
 }
 
+/// `KILN_CHANNELS_LAST` (`0` or `1`): whether compiled conv nets run channels-last
+/// (`compile::layout`; unset: on the CPU, or when an input is).
+pub(crate) fn channels_last() -> Option<bool> {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    *V.get_or_init(|| match std::env::var("KILN_CHANNELS_LAST").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    })
+}
+
 /// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.
 pub(crate) fn rows_threads() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

@@ -229,11 +229,14 @@ fn gpt2_decode(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     })
 }
 
+/// ResNet-50 inference at batch 128 (3x224x224) under bf16 autocast, channels-last as
+/// `torch_reference.py` (model and input).
 fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
     manual_seed(0);
-    let rn = nn::resnet50(1000, dev)?;
+    let mut rn = nn::resnet50(1000, dev)?;
     rn.eval();
-    let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?;
+    rn.to_memory_format(MemoryFormat::ChannelsLast)?;
+    let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?.to_memory_format(MemoryFormat::ChannelsLast)?;
     let d = *dev;
     let run = move |x: &Tensor| kiln::amp::autocast(&d, DType::BF16, || no_grad(|| rn.forward(x)));
     Ok(match mode {
@@ -246,13 +249,17 @@ fn resnet50(dev: &Device, mode: Option<Mode>) -> Result<Call> {
 }
 
 /// One ResNet-50 training step at batch 128 (3x224x224) under bf16 autocast, as
-/// `torch_reference.py`: forward, cross-entropy in F32, backward, SGD (lr 0.1, momentum 0.9,
-/// weight decay 1e-4), grads cleared; batch norm in training mode.
+/// `torch_reference.py`: channels-last model and input, forward, cross-entropy in F32,
+/// backward, SGD (lr 0.1, momentum 0.9, weight decay 1e-4), grads cleared; batch norm in
+/// training mode.
 pub(super) fn resnet50_train(dev: &Device, mode: Option<Mode>, ddp: bool) -> Result<Call> {
     manual_seed(0);
-    let rn = replica(nn::resnet50(1000, dev)?, ddp)?;
+    let mut rn = nn::resnet50(1000, dev)?;
+    rn.to_memory_format(MemoryFormat::ChannelsLast)?;
+    let rn = replica(rn, ddp)?;
     let mut opt = optim::Sgd::new(rn.parameters(), 0.1).momentum(0.9).weight_decay(1e-4);
-    let (x, y) = (Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?, Tensor::randint(0, 1000, &[128], dev)?);
+    let x = Tensor::randn(&[128, 3, 224, 224], DType::F32, dev)?.to_memory_format(MemoryFormat::ChannelsLast)?;
+    let y = Tensor::randint(0, 1000, &[128], dev)?;
     let d = *dev;
     Ok(training_call(x, y, mode, move |x: &Tensor, y: &Tensor| {
         let logits = kiln::amp::autocast(&d, DType::BF16, || rn.forward(x))?;

@@ -149,11 +149,25 @@ impl ProcessGroup {
         }
     }
 
-    /// A tensor this group can exchange: contiguous, on its device.
+    /// A tensor this group can exchange element for element with the same tensor of every
+    /// rank: dense in its memory format (contiguous or channels-last, as PyTorch's c10d
+    /// takes), on its device.
     fn check(&self, op: &'static str, t: &Tensor) -> Result<()> {
+        if !t.is_contiguous_for(t.suggest_memory_format()) {
+            return Err(Error::dist(op, format!("tensors must be dense in a memory format (shape {:?}, strides {:?}); call contiguous() first", t.shape(), t.strides())));
+        }
+        self.check_device(op, t)
+    }
+
+    /// A tensor whose blocks this group exchanges (all_gather, reduce_scatter): contiguous.
+    fn check_blocked(&self, op: &'static str, t: &Tensor) -> Result<()> {
         if !t.is_contiguous() {
             return Err(Error::dist(op, format!("tensors must be contiguous (shape {:?}, strides {:?})", t.shape(), t.strides())));
         }
+        self.check_device(op, t)
+    }
+
+    fn check_device(&self, op: &'static str, t: &Tensor) -> Result<()> {
         if t.device() != self.device() {
             return Err(Error::dist(op, format!("a tensor on {} in a {:?} group on rank {} (the TCP backend takes host tensors; NCCL this rank's GPU)", t.device(), self.0.backend, self.0.rank)));
         }
@@ -232,8 +246,8 @@ impl ProcessGroup {
     /// (PyTorch's `all_gather_into_tensor`): `out` has `world_size` times `input`'s elements.
     pub fn all_gather(&self, out: &Tensor, input: &Tensor) -> Result<Work> {
         self.not_traced("all_gather")?;
-        self.check("all_gather", out)?;
-        self.check("all_gather", input)?;
+        self.check_blocked("all_gather", out)?;
+        self.check_blocked("all_gather", input)?;
         self.check_blocks("all_gather", "output", out, input)?;
         match &self.0.imp {
             Imp::Tcp(g) => g.all_gather(out, input),
@@ -246,7 +260,8 @@ impl ProcessGroup {
     pub fn reduce_scatter(&self, out: &Tensor, input: &Tensor, op: ReduceOp) -> Result<Work> {
         self.check_op("reduce_scatter", out, op)?;
         self.not_traced("reduce_scatter")?;
-        self.check("reduce_scatter", input)?;
+        self.check_blocked("reduce_scatter", out)?;
+        self.check_blocked("reduce_scatter", input)?;
         self.check_blocks("reduce_scatter", "input", input, out)?;
         match &self.0.imp {
             Imp::Tcp(g) => g.reduce_scatter(out, input, op),

@@ -283,9 +283,10 @@ impl Reducer {
                 let p = &self.params[i];
                 let g = match p.grad() {
                     Some(g) => g,
-                    None => Tensor::zeros(p.shape(), p.dtype(), &p.device())?,
+                    None => p.zeros_like()?,
                 };
-                g.reshape(&[-1])
+                // In the parameter's storage order, so that its `.grad` view is laid out as it.
+                if stored_nhwc(p) { g.permute(&[0, 2, 3, 1])?.reshape(&[-1]) } else { g.reshape(&[-1]) }
             })
             .collect::<Result<Vec<_>>>()?;
         let flat = crate::cat(&parts.iter().collect::<Vec<_>>(), 0)?;
@@ -300,7 +301,9 @@ impl Reducer {
         for &i in members {
             let p = &self.params[i];
             let shape: Vec<i64> = p.shape().iter().map(|&d| d as i64).collect();
-            p.set_grad(Some(flat.narrow(0, off, p.numel())?.reshape(&shape)?))?;
+            let part = flat.narrow(0, off, p.numel())?;
+            let grad = if stored_nhwc(p) { part.reshape(&[shape[0], shape[2], shape[3], shape[1]])?.permute(&[0, 3, 1, 2])? } else { part.reshape(&shape)? };
+            p.set_grad(Some(grad))?;
             off += p.numel();
         }
         Ok(())
@@ -398,4 +401,10 @@ fn verify_same_model(group: &ProcessGroup, named: &[(String, Tensor)]) -> Result
         return Err(Error::arg("DistributedDataParallel", format!("rank {} has {} parameters, or shapes and dtypes, that differ from another rank's: every rank must build the same model", group.rank(), named.len())));
     }
     Ok(())
+}
+
+/// Whether `p` is a channels-last parameter (a convolution's weight after
+/// `Module::to_memory_format`): its gradient travels in NHWC order.
+fn stored_nhwc(p: &Tensor) -> bool {
+    p.suggest_memory_format() == crate::MemoryFormat::ChannelsLast && p.is_contiguous_for(crate::MemoryFormat::ChannelsLast)
 }

@@ -557,3 +557,33 @@ fn a_compiled_ddp_step_replays_whole_with_its_all_reduces_inside() {
         assert!((a - b).abs() <= 1e-6 + 1e-5 * b.abs(), "parameter value {i}: {a} against {b}");
     }
 }
+
+/// A channels-last conv block on one rank of the test device: each weight's gradient is a
+/// channels-last view of its bucket (the bucket holds it in NHWC order), so the optimiser's
+/// multi-tensor update takes it, and training equals the plain channels-last block's.
+#[test]
+fn channels_last_weights_get_channels_last_views_of_their_buckets() {
+    let (d, group) = one_rank_on_test_device();
+    let cl = MemoryFormat::ChannelsLast;
+    let mut plain = kiln::nn::Bottleneck::new(8, 4, 2, &d).unwrap();
+    let mut inner = kiln::nn::Bottleneck::new(8, 4, 2, &d).unwrap();
+    inner.load_state_dict(&plain.state_dict()).unwrap();
+    plain.to_memory_format(cl).unwrap();
+    inner.to_memory_format(cl).unwrap();
+    let ddp = DistributedDataParallel::with_options(inner, DdpOptions { group: Some(group), bucket_cap_mib: 0.002, first_bucket_mib: 0.001, ..DdpOptions::default() }).unwrap();
+    let x = Tensor::randn(&[2, 8, 10, 10], DType::F32, &d).unwrap().to_memory_format(cl).unwrap();
+    for m in [&ddp as &dyn Module, &plain] {
+        let mut opt = Sgd::new(m.parameters(), 0.05).momentum(0.9);
+        for _ in 0..2 {
+            m.forward(&x).unwrap().square().unwrap().mean_all().unwrap().backward().unwrap();
+            if std::ptr::eq(m as *const dyn Module as *const u8, &ddp as *const _ as *const u8) {
+                for (name, p) in ddp.named_parameters().iter().filter(|(_, p)| p.ndim() == 4) {
+                    assert!(p.grad().unwrap().is_contiguous_for(cl), "{name}: gradient strides {:?}", p.grad().unwrap().strides());
+                }
+            }
+            opt.step().unwrap();
+            opt.zero_grad();
+        }
+    }
+    assert_eq!(flat_params(&ddp), flat_params(&plain));
+}

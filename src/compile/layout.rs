@@ -1,0 +1,259 @@
+//! Layout: the memory format each 4-D value of a conv net is computed in. Convolutions run
+//! channels-last (cuDNN's tensor-core kernels read NHWC; the CPU's im2col product is NHWC), so
+//! the values around them are computed in NHWC order too, as Inductor's layout optimisation
+//! does: a pointwise op or a reduction whose first full operand is channels-last is rewritten
+//! over the NHWC views of its operands (an `[N, H, W, C]` node, contiguous when it runs), and
+//! an op that wants NCHW reads a permuted view of it. The one copy is where a contiguous value
+//! first meets a convolution.
+
+use super::graph::{Graph, Node, NodeId, NodeOp};
+use crate::layout::{FROM_NHWC, TO_NHWC};
+use crate::ops::Op;
+use crate::{Device, MemoryFormat, Tensor};
+#[cfg(test)]
+use crate::DType;
+
+/// How the rewritten graph holds an original 4-D value.
+#[derive(Clone, Copy, Debug)]
+enum Form {
+    /// As the original node: NCHW, laid out as its op makes it (contiguous for a kernel's).
+    Plain(NodeId),
+    /// An NCHW node that runs channels-last (a convolution's result, a channels-last input).
+    ChannelsLast(NodeId),
+    /// An `[N, H, W, C]` node holding the value's elements in NHWC order.
+    Nhwc(NodeId),
+}
+
+/// Whether the compiler lays out `g`'s convolutions channels-last: on the CPU always (the
+/// product is NHWC anyway), on CUDA when an input already is; `KILN_CHANNELS_LAST` (`0` or `1`)
+/// decides instead. (On CUDA, batch norm's statistics over NHWC reduce the leading dims, which
+/// the fused mid-reduction kernels do not cover yet: the choice waits for that kernel.)
+fn wanted(g: &Graph, inputs: &[Tensor]) -> bool {
+    let mut convs = g.nodes.iter().filter(|n| matches!(&n.op, NodeOp::Prim(op) if op.is_conv())).peekable();
+    if convs.peek().is_none() {
+        return false;
+    }
+    if let Some(on) = crate::switches::channels_last() {
+        return on;
+    }
+    inputs.iter().any(is_channels_last) || convs.any(|n| n.device == Device::Cpu)
+}
+
+/// An input the caller laid out channels-last.
+fn is_channels_last(t: &Tensor) -> bool {
+    t.suggest_memory_format() == MemoryFormat::ChannelsLast && t.is_contiguous_for(MemoryFormat::ChannelsLast)
+}
+
+/// `g` with its convolutions and the 4-D work around them channels-last, where `wanted` says so;
+/// `inputs` (arguments, then captured tensors) are what the program will be called with.
+pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
+    if !wanted(g, inputs) {
+        return g.clone();
+    }
+    let mut r = Rewrite { out: Graph::default(), forms: Vec::with_capacity(g.nodes.len()), nhwc_of: Default::default(), nchw_of: Default::default() };
+    let input_nodes = g.input_nodes();
+    for (i, n) in g.nodes.iter().enumerate() {
+        let form = match &n.op {
+            NodeOp::Arg(_) | NodeOp::Captured(_) => {
+                let id = r.push(n.op.clone(), vec![], n);
+                // Dense in NHWC order (a 1x1 image or a single channel is in both orders).
+                let t = input_nodes.iter().position(|&k| k == i).and_then(|k| inputs.get(k));
+                if t.is_some_and(|t| t.ndim() == 4 && t.is_contiguous_for(MemoryFormat::ChannelsLast)) {
+                    Form::ChannelsLast(id)
+                } else {
+                    Form::Plain(id)
+                }
+            }
+            NodeOp::Prim(op) if op.is_conv() || matches!(op, Op::MaxPool2d(_) | Op::MaxPool2dBackward(_)) => {
+                // Convolutions read channels-last operands (a copy where one is not) and so
+                // return channels-last; pooling follows its input.
+                let follow = op.is_conv() || n.args.iter().any(|&a| r.is_nhwc(a));
+                let args: Vec<NodeId> = n.args.iter().map(|&a| if follow && g.nodes[a].shape.len() == 4 { r.channels_last(a, g) } else { r.nchw(a) }).collect();
+                let id = r.push(n.op.clone(), args, n);
+                if follow {
+                    Form::ChannelsLast(id)
+                } else {
+                    Form::Plain(id)
+                }
+            }
+            NodeOp::Prim(op @ (Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_))) if n.shape.len() == 4 && r.decides_nhwc(g, &n.args, &n.shape) => {
+                let args: Vec<NodeId> = n.args.iter().map(|&a| r.nhwc(a, g)).collect();
+                Form::Nhwc(r.push_shaped(NodeOp::Prim(op.clone()), args, n, TO_NHWC.map(|d| n.shape[d]).to_vec()))
+            }
+            NodeOp::Prim(Op::Reduce(red, dims, keep)) if g.nodes[n.args[0]].shape.len() == 4 && r.is_nhwc(n.args[0]) => {
+                // Reduced over the same dims at their NHWC positions.
+                let pos = |d: usize| TO_NHWC.iter().position(|&t| t == d).expect("a permutation");
+                let mut nd: Vec<usize> = dims.iter().map(|&d| pos(d)).collect();
+                nd.sort_unstable();
+                let src = r.nhwc(n.args[0], g);
+                let in_nhwc = &r.out.nodes[src].shape.clone();
+                let shape = crate::ops::reduce::reduced_shape(in_nhwc, &nd, *keep);
+                let id = r.push_shaped(NodeOp::Prim(Op::Reduce(*red, nd.clone(), *keep)), vec![src], n, shape);
+                if *keep {
+                    Form::Nhwc(id)
+                } else {
+                    // The kept dims in NHWC order, put back in NCHW order.
+                    let kept_nchw: Vec<usize> = (0..4).filter(|d| !dims.contains(d)).collect();
+                    let kept_nhwc: Vec<usize> = TO_NHWC.iter().copied().filter(|d| !dims.contains(d)).collect();
+                    let perm: Vec<usize> = kept_nchw.iter().map(|d| kept_nhwc.iter().position(|k| k == d).expect("kept")).collect();
+                    if perm.iter().enumerate().all(|(i, &p)| i == p) {
+                        Form::Plain(id)
+                    } else {
+                        Form::Plain(r.push_shaped(NodeOp::Prim(Op::Permute(perm)), vec![id], n, n.shape.clone()))
+                    }
+                }
+            }
+            _ => {
+                let args: Vec<NodeId> = n.args.iter().map(|&a| r.nchw(a)).collect();
+                Form::Plain(r.push(n.op.clone(), args, n))
+            }
+        };
+        r.forms.push(form);
+    }
+    let mut out = std::mem::take(&mut r.out);
+    out.outputs = g.outputs.iter().map(|&o| r.nchw_in(&mut out, o)).collect();
+    out.mutations = g.mutations.iter().map(|&(k, v)| (k, r.nchw_in(&mut out, v))).collect();
+    out
+}
+
+struct Rewrite {
+    out: Graph,
+    /// Per original node, how the rewritten graph holds it.
+    forms: Vec<Form>,
+    /// Views made so far: an original node's NHWC view, its NCHW view.
+    nhwc_of: std::collections::HashMap<NodeId, NodeId>,
+    nchw_of: std::collections::HashMap<NodeId, NodeId>,
+}
+
+impl Rewrite {
+    fn push(&mut self, op: NodeOp, args: Vec<NodeId>, like: &Node) -> NodeId {
+        self.out.push(op, args, like.shape.clone(), like.dtype, like.device)
+    }
+
+    fn push_shaped(&mut self, op: NodeOp, args: Vec<NodeId>, like: &Node, shape: Vec<usize>) -> NodeId {
+        self.out.push(op, args, shape, like.dtype, like.device)
+    }
+
+    /// A view or copy of `args[0]` (its dtype and device) of `shape`.
+    fn push_from(&mut self, op: NodeOp, args: Vec<NodeId>, shape: Vec<usize>) -> NodeId {
+        let (dtype, device) = (self.out.nodes[args[0]].dtype, self.out.nodes[args[0]].device);
+        self.out.push(op, args, shape, dtype, device)
+    }
+
+    /// Whether `a`'s elements sit in NHWC order when the program runs.
+    fn is_nhwc(&self, a: NodeId) -> bool {
+        matches!(self.forms[a], Form::ChannelsLast(_) | Form::Nhwc(_))
+    }
+
+    /// Whether an elementwise op of `shape` over `args` is computed in NHWC: its first operand
+    /// that is neither broadcast nor a constant decides, as eager ops decide.
+    fn decides_nhwc(&self, g: &Graph, args: &[NodeId], shape: &[usize]) -> bool {
+        let full = |a: &&NodeId| g.nodes[**a].shape == shape && !matches!(g.nodes[**a].op, NodeOp::Full(_) | NodeOp::Prim(Op::Expand(_)));
+        args.iter().find(full).is_some_and(|&a| self.is_nhwc(a))
+    }
+
+    /// `a` as an NCHW node (a view of its NHWC node where it has one).
+    fn nchw(&mut self, a: NodeId) -> NodeId {
+        let mut out = std::mem::take(&mut self.out);
+        let id = self.nchw_in(&mut out, a);
+        self.out = out;
+        id
+    }
+
+    fn nchw_in(&mut self, out: &mut Graph, a: NodeId) -> NodeId {
+        match self.forms[a] {
+            Form::Plain(id) | Form::ChannelsLast(id) => id,
+            Form::Nhwc(id) => *self.nchw_of.entry(a).or_insert_with(|| {
+                let n = &out.nodes[id];
+                let shape = FROM_NHWC.map(|d| n.shape[d]).to_vec();
+                let (dtype, device) = (n.dtype, n.device);
+                out.push(NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())), vec![id], shape, dtype, device)
+            }),
+        }
+    }
+
+    /// `a` as an `[N, H, W, C]` node: its NHWC node, or a permuted view of its NCHW one (which
+    /// reads a contiguous value out of order: only operands that do not decide come here so).
+    fn nhwc(&mut self, a: NodeId, g: &Graph) -> NodeId {
+        let id = match self.forms[a] {
+            Form::Nhwc(id) => return id,
+            Form::Plain(id) | Form::ChannelsLast(id) => id,
+        };
+        if let Some(&v) = self.nhwc_of.get(&a) {
+            return v;
+        }
+        let shape = TO_NHWC.map(|d| g.nodes[a].shape[d]).to_vec();
+        let v = self.push_from(NodeOp::Prim(Op::Permute(TO_NHWC.to_vec())), vec![id], shape);
+        self.nhwc_of.insert(a, v);
+        v
+    }
+
+    /// `a` as an NCHW node that runs channels-last: a view of its NHWC node, or a copy of a
+    /// plain value in NHWC order (made once, and then also its NHWC node).
+    fn channels_last(&mut self, a: NodeId, g: &Graph) -> NodeId {
+        match self.forms[a] {
+            Form::ChannelsLast(id) => id,
+            Form::Nhwc(_) => self.nchw(a),
+            Form::Plain(_) => {
+                let view = self.nhwc(a, g);
+                let dtype = g.nodes[a].dtype;
+                let copy = self.push_from(NodeOp::Prim(Op::Cast(dtype)), vec![view], self.out.nodes[view].shape.clone());
+                self.forms[a] = Form::Nhwc(copy);
+                self.nhwc_of.remove(&a);
+                self.nchw(a)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{BinaryOp, Conv2dArgs, ReduceOp, UnaryOp};
+
+    /// conv -> per-channel shift -> relu -> sum over (N, H, W) -> conv, on the CPU.
+    fn conv_net() -> Graph {
+        let mut g = Graph::default();
+        let d = Device::Cpu;
+        let f = DType::F32;
+        let x = g.push(NodeOp::Arg(0), vec![], vec![2, 3, 8, 8], f, d);
+        let w1 = g.push(NodeOp::Captured(0), vec![], vec![4, 3, 3, 3], f, d);
+        let w2 = g.push(NodeOp::Captured(1), vec![], vec![5, 4, 1, 1], f, d);
+        let b = g.push(NodeOp::Captured(2), vec![], vec![1, 4, 1, 1], f, d);
+        let c1 = g.push(NodeOp::Prim(Op::Conv2d(Conv2dArgs { padding: (1, 1), ..Default::default() })), vec![x, w1], vec![2, 4, 8, 8], f, d);
+        let bb = g.push(NodeOp::Prim(Op::Expand(vec![2, 4, 8, 8])), vec![b], vec![2, 4, 8, 8], f, d);
+        let s = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Add, f)), vec![c1, bb], vec![2, 4, 8, 8], f, d);
+        let a = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Relu)), vec![s], vec![2, 4, 8, 8], f, d);
+        let m = g.push(NodeOp::Prim(Op::Reduce(ReduceOp::Sum, vec![0, 2, 3], false)), vec![a], vec![4], f, d);
+        let c2 = g.push(NodeOp::Prim(Op::Conv2d(Conv2dArgs::default())), vec![a, w2], vec![2, 5, 8, 8], f, d);
+        g.outputs = vec![c2, m];
+        g
+    }
+
+    #[test]
+    fn the_work_between_convolutions_runs_over_nhwc_views_and_the_input_is_copied_once() {
+        let g = conv_net();
+        let inputs: Vec<Tensor> = g.input_nodes().iter().map(|&i| Tensor::zeros(&g.nodes[i].shape, DType::F32, &Device::Cpu).unwrap()).collect();
+        let h = channels_last(&g, &inputs);
+        let text = h.to_string();
+        // The add and the relu run on [N, H, W, C]; the sum reduces NHWC dims (0, 1, 2).
+        let adds: Vec<&Node> = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Binary(..)) | NodeOp::Prim(Op::Unary(_)))).collect();
+        assert!(adds.len() == 2 && adds.iter().all(|n| n.shape == [2, 8, 8, 4]), "{text}");
+        assert!(h.nodes.iter().any(|n| n.op == NodeOp::Prim(Op::Reduce(ReduceOp::Sum, vec![0, 1, 2], false)) && n.shape == [4]), "{text}");
+        // Copies into NHWC order: the argument and the 3x3 weight (a contiguous 1x1 weight is in
+        // both orders).
+        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cast(_)))).count();
+        assert_eq!(copies, 2, "{text}");
+        // Both convolutions read permuted views of NHWC nodes (or the 1x1 weight as it is).
+        for n in h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Conv2d(_)))) {
+            for &a in &n.args {
+                assert!(h.nodes[a].op == NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())) || h.nodes[a].op == NodeOp::Captured(1), "{text}");
+            }
+        }
+        // Channels-last inputs need no copy.
+        let cl: Vec<Tensor> = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::ChannelsLast).unwrap()).collect();
+        let h = channels_last(&g, &cl);
+        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cast(_)))).count();
+        assert_eq!(copies, 0, "{h}");
+    }
+}
