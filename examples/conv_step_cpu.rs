@@ -28,8 +28,9 @@ fn main() -> Result<()> {
     let d = Device::Cpu;
     manual_seed(3);
     let model = Arc::new(ResNet::bottleneck([1, 1, 1, 1], 10, &d)?);
-    let x = Tensor::randn(&[8, 3, 64, 64], DType::F32, &d)?;
-    let y = Tensor::from_vec(vec![3i64, 7, 0, 5, 1, 2, 3, 4], &[8], &d)?;
+    let n: usize = std::env::var("BATCH").ok().and_then(|b| b.parse().ok()).unwrap_or(8);
+    let x = Tensor::randn(&[n, 3, 64, 64], DType::F32, &d)?;
+    let y = Tensor::from_vec((0..n as i64).map(|i| i % 10).collect(), &[n], &d)?;
     let sgd = |m: &ResNet| Sgd::new(m.parameters(), 0.01).momentum(0.9).weight_decay(1e-4);
     let step_of = |m: &ResNet, opt: &mut Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
         let loss = F::cross_entropy(&m.forward(x)?, y)?;

@@ -130,6 +130,9 @@ pub(crate) fn spread_vector(g: &Graph, operand: NodeId) -> NodeId {
     }
 }
 
+/// Farthest apart (in node positions) two sibling groups may start and still be merged.
+const MAX_SIBLING_SPAN: usize = 64;
+
 /// Shortest inner dim of a mid reduction (`Kind::MidReduce`).
 const MID_MIN_INNER: usize = 32;
 
@@ -308,6 +311,12 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
         sibs.retain(|&h| groups[h].as_ref().is_some_and(computes) && g.nodes[groups[h].as_ref().expect("live").members[0]].device == g.nodes[v].device);
         if let Some((&first, rest)) = sibs.split_first() {
             for &other in rest {
+                // Not across phases: a backward kernel merged into a forward one would compute
+                // its values there and keep them alive across the gap (undoing `remat`).
+                let start = |h: usize| groups[h].as_ref().map_or(0, |grp| grp.members[0]);
+                if start(other).abs_diff(start(first)) > MAX_SIBLING_SPAN {
+                    continue;
+                }
                 if try_merge(g, &node_readers, &mut groups, &mut group_of, first, other) {
                     sched.notes.push(format!("siblings reading %{v} fused into one kernel"));
                 }

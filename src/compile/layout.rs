@@ -50,7 +50,7 @@ pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
     if !wanted(g, inputs) {
         return g.clone();
     }
-    let mut r = Rewrite { out: Graph::default(), forms: Vec::with_capacity(g.nodes.len()), nhwc_of: Default::default(), nchw_of: Default::default() };
+    let mut r = Rewrite { out: Graph::default(), forms: Vec::with_capacity(g.nodes.len()), nhwc_of: Default::default(), nchw_of: Default::default(), copies: Default::default() };
     let input_nodes = g.input_nodes();
     for (i, n) in g.nodes.iter().enumerate() {
         let form = match &n.op {
@@ -123,6 +123,8 @@ struct Rewrite {
     /// Views made so far: an original node's NHWC view, its NCHW view.
     nhwc_of: std::collections::HashMap<NodeId, NodeId>,
     nchw_of: std::collections::HashMap<NodeId, NodeId>,
+    /// Channels-last copies of inputs.
+    copies: std::collections::HashMap<NodeId, NodeId>,
 }
 
 impl Rewrite {
@@ -134,22 +136,20 @@ impl Rewrite {
         self.out.push(op, args, shape, like.dtype, like.device)
     }
 
-    /// A view or copy of `args[0]` (its dtype and device) of `shape`.
-    fn push_from(&mut self, op: NodeOp, args: Vec<NodeId>, shape: Vec<usize>) -> NodeId {
-        let (dtype, device) = (self.out.nodes[args[0]].dtype, self.out.nodes[args[0]].device);
-        self.out.push(op, args, shape, dtype, device)
-    }
 
     /// Whether `a`'s elements sit in NHWC order when the program runs.
     fn is_nhwc(&self, a: NodeId) -> bool {
         matches!(self.forms[a], Form::ChannelsLast(_) | Form::Nhwc(_))
     }
 
-    /// Whether an elementwise op of `shape` over `args` is computed in NHWC: its first operand
-    /// that is neither broadcast nor a constant decides, as eager ops decide.
+    /// Whether an elementwise op of `shape` over `args` is computed in NHWC: when every operand
+    /// that is neither broadcast nor a constant is in NHWC order. (Eager ops let the first one
+    /// decide; here a contiguous operand, such as a parameter an optimiser updates, would be
+    /// read out of order and its update could not be stored in place.)
     fn decides_nhwc(&self, g: &Graph, args: &[NodeId], shape: &[usize]) -> bool {
         let full = |a: &&NodeId| g.nodes[**a].shape == shape && !matches!(g.nodes[**a].op, NodeOp::Full(_) | NodeOp::Prim(Op::Expand(_)));
-        args.iter().find(full).is_some_and(|&a| self.is_nhwc(a))
+        let mut full_args = args.iter().filter(full).peekable();
+        full_args.peek().is_some() && full_args.all(|&a| self.is_nhwc(a))
     }
 
     /// `a` as an NCHW node (a view of its NHWC node where it has one).
@@ -183,24 +183,42 @@ impl Rewrite {
             return v;
         }
         let shape = TO_NHWC.map(|d| g.nodes[a].shape[d]).to_vec();
-        let v = self.push_from(NodeOp::Prim(Op::Permute(TO_NHWC.to_vec())), vec![id], shape);
+        // A constant or a broadcast is made in NHWC shape itself, so that kernels still hold it
+        // inline instead of reading a permuted view of a stored one.
+        let v = match &g.nodes[a].op {
+            NodeOp::Full(x) => self.push_shaped(NodeOp::Full(*x), vec![], &g.nodes[a], shape),
+            // At most one dim past 1 (a per-channel vector, a scalar): the same order, reshaped.
+            _ if g.nodes[a].shape.iter().filter(|&&d| d > 1).count() <= 1 => self.push_shaped(NodeOp::Prim(Op::Reshape(shape.clone())), vec![id], &g.nodes[a], shape),
+            NodeOp::Prim(Op::Expand(_)) if g.nodes[g.nodes[a].args[0]].shape.len() == 4 => {
+                let src = self.nhwc(g.nodes[a].args[0], g);
+                self.push_shaped(NodeOp::Prim(Op::Expand(shape.clone())), vec![src], &g.nodes[a], shape)
+            }
+            _ => self.push_shaped(NodeOp::Prim(Op::Permute(TO_NHWC.to_vec())), vec![id], &g.nodes[a], shape),
+        };
         self.nhwc_of.insert(a, v);
         v
     }
 
     /// `a` as an NCHW node that runs channels-last: a view of its NHWC node, or a copy of a
-    /// plain value in NHWC order (made once, and then also its NHWC node).
+    /// plain value in NHWC order (`Op::Relayout`, made once). A computed value is then held by
+    /// its copy; an input keeps its own form for its other readers (an optimiser updating a
+    /// parameter in place reads the parameter itself).
     fn channels_last(&mut self, a: NodeId, g: &Graph) -> NodeId {
         match self.forms[a] {
             Form::ChannelsLast(id) => id,
             Form::Nhwc(_) => self.nchw(a),
-            Form::Plain(_) => {
-                let view = self.nhwc(a, g);
-                let dtype = g.nodes[a].dtype;
-                let copy = self.push_from(NodeOp::Prim(Op::Cast(dtype)), vec![view], self.out.nodes[view].shape.clone());
-                self.forms[a] = Form::Nhwc(copy);
-                self.nhwc_of.remove(&a);
-                self.nchw(a)
+            Form::Plain(id) => {
+                if let Some(&c) = self.copies.get(&a) {
+                    return c;
+                }
+                let copy = self.push(NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)), vec![id], &g.nodes[a]);
+                if matches!(g.nodes[a].op, NodeOp::Arg(_) | NodeOp::Captured(_)) {
+                    self.copies.insert(a, copy);
+                } else {
+                    self.forms[a] = Form::ChannelsLast(copy);
+                    self.nhwc_of.remove(&a);
+                }
+                copy
             }
         }
     }
@@ -242,18 +260,20 @@ mod tests {
         assert!(h.nodes.iter().any(|n| n.op == NodeOp::Prim(Op::Reduce(ReduceOp::Sum, vec![0, 1, 2], false)) && n.shape == [4]), "{text}");
         // Copies into NHWC order: the argument and the 3x3 weight (a contiguous 1x1 weight is in
         // both orders).
-        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cast(_)))).count();
+        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Relayout(_)))).count();
         assert_eq!(copies, 2, "{text}");
-        // Both convolutions read permuted views of NHWC nodes (or the 1x1 weight as it is).
+        // Both convolutions read channels-last copies or permuted views of NHWC nodes (or the
+        // 1x1 weight as it is).
         for n in h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Conv2d(_)))) {
             for &a in &n.args {
-                assert!(h.nodes[a].op == NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())) || h.nodes[a].op == NodeOp::Captured(1), "{text}");
+                let op = &h.nodes[a].op;
+                assert!(*op == NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())) || *op == NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)) || *op == NodeOp::Captured(1), "{text}");
             }
         }
         // Channels-last inputs need no copy.
         let cl: Vec<Tensor> = inputs.iter().map(|t| t.to_memory_format(MemoryFormat::ChannelsLast).unwrap()).collect();
         let h = channels_last(&g, &cl);
-        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cast(_)))).count();
+        let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Relayout(_)))).count();
         assert_eq!(copies, 0, "{h}");
     }
 }

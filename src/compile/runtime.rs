@@ -6,7 +6,7 @@ use super::fuse::{self, Schedule, Step};
 use crate::logging::Topic;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
 use crate::backend::cuda::device::graph::Footprint;
-use crate::layout::Layout;
+use crate::layout::{Layout, FROM_NHWC, TO_NHWC};
 use crate::{Result, Tensor};
 
 fn input_of(g: &Graph, n: &Node, inputs: &[Tensor]) -> Option<Tensor> {
@@ -428,7 +428,13 @@ impl Program {
                         .iter()
                         .map(|(_, node)| {
                             let t = &inputs[g.n_args + *self.in_place.get(node)?];
-                            (t.is_contiguous() && t.shape() == g.nodes[*node].shape.as_slice()).then(|| t.clone())
+                            let shape = g.nodes[*node].shape.as_slice();
+                            if t.is_contiguous() && t.shape() == shape {
+                                return Some(t.clone());
+                            }
+                            // A channels-last tensor, written by a kernel over its NHWC view.
+                            let nhwc = (t.ndim() == 4).then(|| t.view_as_layout(t.layout().permuted(&TO_NHWC)))?;
+                            (nhwc.is_contiguous() && nhwc.shape() == shape).then_some(nhwc)
                         })
                         .collect();
                     let outs = if kern.device.is_cuda() {
@@ -644,12 +650,19 @@ struct PlannedPeak {
     at: usize,
     what: String,
     inputs: usize,
+    /// The largest values alive at the peak: (node, its op, bytes).
+    largest: Vec<(NodeId, String, usize)>,
 }
 
 impl std::fmt::Display for PlannedPeak {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let size = |b: usize| if b < 1 << 20 { format!("{:.1} KiB", b as f64 / 1024.0) } else { format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64) };
-        write!(f, "program of {} steps: planned peak {} of computed values at step {} ({}), beside {} of inputs (library workspaces not counted)", self.steps, size(self.peak), self.at, self.what, size(self.inputs))
+        write!(f, "program of {} steps: planned peak {} of computed values at step {} ({}), beside {} of inputs (library workspaces not counted)", self.steps, size(self.peak), self.at, self.what, size(self.inputs))?;
+        if !self.largest.is_empty() {
+            let l: Vec<String> = self.largest.iter().map(|(i, op, b)| format!("%{i} {op} {}", size(*b))).collect();
+            write!(f, "; largest there: {}", l.join(", "))?;
+        }
+        Ok(())
     }
 }
 
@@ -671,7 +684,7 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     }
     let inputs = g.nodes.iter().enumerate().filter(|(_, x)| matches!(x.op, NodeOp::Arg(_) | NodeOp::Captured(_))).map(|(i, _)| bytes(i)).sum();
     let mut holders = vec![0usize; n];
-    let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs });
+    let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
         for v in step_outputs(s, step) {
             if let Some(r) = root[v] {
@@ -689,6 +702,9 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
                 Step::Kernel(j) => s.kernels[*j].name.clone(),
                 Step::Gemm(_) => "matmul".into(),
             };
+            let mut held: Vec<NodeId> = (0..n).filter(|&r| holders[r] > 0).collect();
+            held.sort_by_key(|&r| std::cmp::Reverse(bytes(r)));
+            p.largest = held.into_iter().take(5).map(|r| (r, g.nodes[r].name(), bytes(r))).collect();
         }
         for &f in &frees[k] {
             if let Some(r) = root[f] {
@@ -723,13 +739,16 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
         s.steps.iter().enumerate().filter_map(|(k, st)| if let Step::Node(i) = st { Some((k, *i)) } else { None }).collect();
     // Every read of `node` (following views) happens before step `at`, or is `at` reading it
     // directly when `direct`.
-    fn before(g: &Graph, reads: &[Vec<usize>], views: &std::collections::HashMap<usize, NodeId>, node: NodeId, at: usize, direct: bool) -> bool {
+    // With `nhwc`, the kernel reads the tensor through its NHWC view, which it may read
+    // directly (element i of that view is element i of the kernel's output).
+    fn before(g: &Graph, reads: &[Vec<usize>], views: &std::collections::HashMap<usize, NodeId>, node: NodeId, at: usize, direct: bool, nhwc: bool) -> bool {
         reads[node].iter().all(|&k| {
             if k == at {
                 return direct;
             }
             match views.get(&k).map(|&i| (i, &g.nodes[i].op)) {
-                Some((i, NodeOp::Prim(op))) if op.is_view() => before(g, reads, views, i, at, false),
+                Some((i, NodeOp::Prim(crate::ops::Op::Permute(p)))) if nhwc && p.as_slice() == TO_NHWC => before(g, reads, views, i, at, true, false),
+                Some((i, NodeOp::Prim(op))) if op.is_view() => before(g, reads, views, i, at, false, false),
                 _ => k < at,
             }
         })
@@ -741,6 +760,13 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
     let mut out = std::collections::HashMap::new();
     for &(k, v) in &g.mutations {
         let Some(&c) = captured.get(&k) else { continue };
+        // The NCHW view of an NHWC kernel output (a channels-last parameter's update): the
+        // kernel can write into the tensor's NHWC view.
+        let written = v;
+        let (v, nhwc) = match &g.nodes[v].op {
+            NodeOp::Prim(crate::ops::Op::Permute(p)) if p.as_slice() == FROM_NHWC && made_by.contains_key(&g.nodes[v].args[0]) => (g.nodes[v].args[0], true),
+            _ => (v, false),
+        };
         // A flat kernel over exactly the tensor's elements, or a scatter into the tensor itself.
         let at = match made_by.get(&v) {
             Some(&(at, j)) if matches!(s.kernels[j].space, crate::kir::Space::Flat { numel } if numel == g.nodes[v].numel()) => at,
@@ -750,10 +776,12 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
                 _ => continue,
             },
         };
-        let same = g.nodes[v].shape == g.nodes[c].shape && g.nodes[v].dtype == g.nodes[c].dtype;
+        let shape_of_c: Vec<usize> = if nhwc { TO_NHWC.iter().map(|&d| g.nodes[c].shape[d]).collect() } else { g.nodes[c].shape.clone() };
+        let same = g.nodes[v].shape == shape_of_c && g.nodes[v].dtype == g.nodes[c].dtype;
         let once = g.mutations.iter().filter(|m| m.0 == k).count() == 1;
-        let returned = g.outputs.contains(&c) || g.outputs.contains(&v);
-        if same && once && !returned && before(g, &reads, &step_of_view, c, at, true) {
+        let returned = g.outputs.contains(&c) || g.outputs.contains(&v) || g.outputs.contains(&written);
+        // Over the NHWC view, the kernel must not read the tensor in NCHW order itself.
+        if same && once && !returned && before(g, &reads, &step_of_view, c, at, !nhwc, nhwc) {
             out.insert(v, k);
         }
     }

@@ -1,0 +1,199 @@
+//! Rematerialisation: which values a training step keeps from its forward to its backward. A
+//! full-size value that is a short pointwise chain over values kept anyway (batch norm's
+//! normalised-and-ReLU'd output over the convolution's, which its backward keeps) is computed
+//! again where the backward reads it, instead of being kept alive across the gap: AOTAutograd's
+//! min-cut choice of recomputing cheap pointwise work rather than saving it. The memory plan
+//! then frees the value after its last forward reader.
+
+use super::graph::{Graph, NodeId, NodeOp};
+#[cfg(test)]
+use crate::ops::Op;
+
+/// Fewest nodes between two readers for the later ones to count as another phase (a backward).
+const MIN_GAP: usize = 32;
+/// Most pointwise ops copied per recomputed value.
+const MAX_CHAIN: usize = 8;
+/// Fewest elements of a value worth recomputing.
+const MIN_NUMEL: usize = 4096;
+
+/// `g` with each late reader of a recomputable value reading a fresh copy of its chain, made
+/// just before the first of them.
+pub(crate) fn rematerialize(g: &Graph) -> Graph {
+    let n = g.nodes.len();
+    let readers = g.readers();
+    // The last position each value is read at (outputs and write-backs: the end).
+    let mut last = vec![0usize; n];
+    for (i, rs) in readers.iter().enumerate() {
+        last[i] = rs.iter().copied().max().unwrap_or(i);
+    }
+    for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, o)| o)) {
+        last[o] = n;
+    }
+    // Each view's root and the readers of a value through its views.
+    let root = |mut i: NodeId| {
+        while matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+            i = g.nodes[i].args[0];
+        }
+        i
+    };
+    let mut reads: Vec<Vec<NodeId>> = vec![vec![]; n];
+    for (i, node) in g.nodes.iter().enumerate() {
+        if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
+            continue;
+        }
+        for &a in &node.args {
+            reads[root(a)].push(i);
+        }
+    }
+    for r in reads.iter_mut() {
+        r.sort_unstable();
+        r.dedup();
+    }
+    let kept: Vec<bool> = (0..n).map(|i| last[i] == n).collect();
+
+    // Per value: the position from which its readers recompute it, and its chain.
+    let mut from: Vec<Option<usize>> = vec![None; n];
+    let mut in_chain = vec![false; n];
+    for v in 0..n {
+        let node = &g.nodes[v];
+        if !node.is_pointwise() || matches!(node.op, NodeOp::Full(_)) || node.numel() < MIN_NUMEL || kept[v] || reads[v].is_empty() {
+            continue;
+        }
+        // The widest gap between v (or a reader) and the next reader splits early from late.
+        let mut at = v;
+        let mut best = (0, 0);
+        for &r in &reads[v] {
+            if r - at > best.0 {
+                best = (r - at, r);
+            }
+            at = r;
+        }
+        let (gap, first_late) = best;
+        if gap < MIN_GAP || first_late == reads[v][0] {
+            continue;
+        }
+        // The chain stops at values alive at the first late reader anyway (inputs, small
+        // per-channel values, values read there or later); it must reach them within
+        // MAX_CHAIN ops, through same-size pointwise ops only.
+        let alive = |x: NodeId| {
+            let x = root(x);
+            matches!(g.nodes[x].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late
+        };
+        let (mut nodes, mut stack, mut ok) = (vec![], vec![v], true);
+        while let Some(x) = stack.pop() {
+            if nodes.contains(&x) {
+                continue;
+            }
+            nodes.push(x);
+            for &a in &g.nodes[x].args {
+                let an = &g.nodes[a];
+                if alive(a) {
+                    continue;
+                }
+                if an.is_pointwise() && an.numel() == node.numel() && nodes.len() < MAX_CHAIN {
+                    stack.push(a);
+                } else {
+                    ok = false;
+                }
+            }
+        }
+        if ok {
+            from[v] = Some(first_late);
+            for x in nodes {
+                in_chain[x] = true;
+            }
+        }
+    }
+    if from.iter().all(Option::is_none) {
+        return g.clone();
+    }
+
+    let mut out = Graph::default();
+    let mut map: Vec<NodeId> = vec![usize::MAX; n];
+    // The copy of each recomputed value (and of the views of it) made for its late readers.
+    let mut copies: std::collections::HashMap<NodeId, NodeId> = Default::default();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let is_view = matches!(&node.op, NodeOp::Prim(op) if op.is_view());
+        let args: Vec<NodeId> = node
+            .args
+            .iter()
+            .map(|&a| match from[root(a)] {
+                Some(f) if f <= i && !is_view => late_copy(g, &mut out, &map, &in_chain, &mut copies, a),
+                _ => map[a],
+            })
+            .collect();
+        map[i] = out.push(node.op.clone(), args, node.shape.clone(), node.dtype, node.device);
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
+    out.mutations = g.mutations.iter().map(|&(k, o)| (k, map[o])).collect();
+    out
+}
+
+/// What a late reader reads instead of `a`: a copy of `a`'s chain (or a view of one), made once.
+fn late_copy(g: &Graph, out: &mut Graph, map: &[NodeId], in_chain: &[bool], copies: &mut std::collections::HashMap<NodeId, NodeId>, a: NodeId) -> NodeId {
+    if let Some(&c) = copies.get(&a) {
+        return c;
+    }
+    let node = &g.nodes[a];
+    let args: Vec<NodeId> = if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
+        vec![late_copy(g, out, map, in_chain, copies, node.args[0])]
+    } else {
+        node.args.iter().map(|&x| if in_chain[x] { late_copy(g, out, map, in_chain, copies, x) } else { map[x] }).collect()
+    };
+    let c = out.push(node.op.clone(), args, node.shape.clone(), node.dtype, node.device);
+    copies.insert(a, c);
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::{BinaryOp, UnaryOp};
+    use crate::{DType, Device};
+
+    /// a2 = sum of an argument over its last dim (a value computed by something other than a
+    /// pointwise op); y = relu(a2 * s); early reader z = y + 1; 40 unrelated nodes; late
+    /// readers y * w and a2 - that (so a2 is alive there anyway).
+    fn phases() -> (Graph, NodeId) {
+        let mut g = Graph::default();
+        let (f, d, sh) = (DType::F32, Device::Cpu, vec![64, 128]);
+        let a = g.push(NodeOp::Arg(0), vec![], vec![64, 128, 2], f, d);
+        let a2 = g.push(NodeOp::Prim(Op::Reduce(crate::ops::ReduceOp::Sum, vec![2], false)), vec![a], sh.clone(), f, d);
+        let s = g.push(NodeOp::Full(0.5), vec![], sh.clone(), f, d);
+        let m = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Mul, f)), vec![a2, s], sh.clone(), f, d);
+        let y = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Relu)), vec![m], sh.clone(), f, d);
+        let one = g.push(NodeOp::Full(1.0), vec![], sh.clone(), f, d);
+        let z = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Add, f)), vec![y, one], sh.clone(), f, d);
+        let mut w = z;
+        for _ in 0..40 {
+            w = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Neg)), vec![w], sh.clone(), f, d);
+        }
+        let late = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Mul, f)), vec![y, w], sh.clone(), f, d);
+        let la = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Sub, f)), vec![a2, late], sh.clone(), f, d);
+        g.outputs = vec![la];
+        (g, y)
+    }
+
+    #[test]
+    fn a_late_reader_recomputes_a_cheap_chain_over_values_alive_anyway() {
+        let (g, _) = phases();
+        let r = rematerialize(&g);
+        let relus: Vec<NodeId> = (0..r.nodes.len()).filter(|&i| r.nodes[i].op == NodeOp::Prim(Op::Unary(UnaryOp::Relu))).collect();
+        assert_eq!(relus.len(), 2, "{r}");
+        // The copy comes right before its reader, after the 40 nodes between.
+        let readers = r.readers();
+        assert_eq!(readers[relus[0]].len(), 1, "the original now has its early reader only: {r}");
+        assert!(relus[1] > 40 && readers[relus[1]][0] > relus[1], "{r}");
+    }
+
+    #[test]
+    fn a_chain_over_a_value_that_would_have_died_is_kept_instead() {
+        // Without the late `a2 - ...`, recomputing y would keep a2 alive across the gap instead.
+        let (mut g, _) = phases();
+        let last = g.nodes.len() - 1;
+        g.outputs = vec![g.nodes[last].args[1]];
+        g.nodes.pop();
+        let r = rematerialize(&g);
+        assert_eq!(r.nodes.iter().filter(|n| n.op == NodeOp::Prim(Op::Unary(UnaryOp::Relu))).count(), 1, "{r}");
+    }
+}
