@@ -584,6 +584,37 @@ fn fuzz_random_graphs_compiled_equals_eager() -> Result<()> {
     Ok(())
 }
 
+/// The fuzzer's random graphs compiled for the CPU: the generated C gives the interpreter's
+/// values (the interpreter is the reference the C is written against).
+#[test]
+fn fuzz_random_graphs_generated_c_equals_the_interpreter() -> Result<()> {
+    use kiln::cpu::{set_cpu_codegen, CpuCodegen};
+    if dev().is_cuda() {
+        return Ok(());
+    }
+    let cases: usize = std::env::var("KILN_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(40) / 2;
+    for case in 0..cases {
+        let (mut next, r, c) = fuzz_case(case + 104729);
+        let ops: Vec<usize> = (0..3 + next(8)).map(|_| next(FUZZ_OPS)).collect();
+        let (w1, w2) = fuzz_weights(case, c)?;
+        let (x, y) = (randn(&[r, c], case as u64 * 2), randn(&[r, c], case as u64 * 2 + 1));
+        let scale = largest(&fuzz_values(&ops, &x, &y, None, &w1, &w2)?);
+        let run = |how: CpuCodegen| -> Result<Tensor> {
+            let prev = set_cpu_codegen(Some(how));
+            let (ops, w1, w2) = (ops.clone(), w1.clone(), w2.clone());
+            let f = compile(move |x: &Tensor, y: &Tensor| {
+                let vals = fuzz_values(&ops, x, y, None, &w1, &w2)?;
+                vals.last().unwrap().add(&vals[1])
+            });
+            let out = f.call(&x, &y);
+            set_cpu_codegen(prev);
+            out
+        };
+        fuzz_check(case, scale, &run(CpuCodegen::C)?, &run(CpuCodegen::Interpret)?);
+    }
+    Ok(())
+}
+
 /// The fuzzer's random graphs, with a captured state that some steps read and others update in
 /// place, as several outputs, called repeatedly: compiled equals eager, by default and replayed
 /// as a CUDA graph (whose steps run side by side where they touch different memory: every
