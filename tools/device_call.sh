@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -339,6 +339,17 @@ if [[ " $* " == *" logs "* ]]; then
   gzip -f $OUT/log-*.txt
 fi
 if [[ " $* " == *" sanhelp "* ]]; then compute-sanitizer --version | tail -1; compute-sanitizer --help | grep -B1 -A5 -E "kernel-name|racecheck-" | head -60; fi
+if [[ " $* " == *" layout "* ]]; then
+  # Channels-last on the GPU: its tests on CUDA (conversions, convolutions through cuDNN's NHWC
+  # descriptors, batch norm, pooling, DDP buckets, compiled steps), then the ResNet rows with the
+  # compiler's layout pass on (the default for channels-last inputs) and off, beside PyTorch.
+  KILN_TEST_DEVICE=cuda NCCL_NVLS_ENABLE=0 timeout 400 $(ls .gpu/tests/all-* | head -1) channels_last ddp::channels_last compile::a_compiled_resnet 2>&1 | grep -E "^test |panicked|test result" | head -30
+  for cl in 1 0; do
+    KILN_CHANNELS_LAST=$cl timeout 250 .gpu/bin/kiln bench --only resnet50 --out $OUT/k-cl$cl.json > /dev/null 2>&1
+  done
+  timeout 300 python3 .gpu/bench/torch_reference.py --only resnet50 --out $OUT/t-resnet.json > /dev/null 2>&1
+  for cl in 1 0; do echo "KILN_CHANNELS_LAST=$cl"; python3 .gpu/bench/compare.py $OUT/t-resnet.json $OUT/k-cl$cl.json; done | tee $OUT/compare-layout.txt
+fi
 if [[ " $* " == *" suite "* ]]; then KILN_BIN=$PWD/.gpu/bin/kiln bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then
   # How PyTorch's cudnn-frontend builds cuDNN's attention backward graph here (its logs).
