@@ -1299,6 +1299,58 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
     Ok(())
 }
 
+/// Run as a child process by the test below (alone, so that the host's allocation statistics
+/// are this step's): the host memory a ResNet-style training step has in use at its peak,
+/// beyond what is in use before it, eager and compiled (after warm-up calls).
+#[test]
+#[ignore = "run as a child process by a_compiled_conv_net_training_step_peaks_below_eager"]
+fn conv_step_peaks_child() -> Result<()> {
+    use kiln::nn::Module;
+    use kiln::optim::Optimizer;
+    let d = Device::Cpu;
+    let model = Arc::new(kiln::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &d)?);
+    let x = randn(&[8, 3, 48, 48], 31);
+    let y = Tensor::from_vec((0..8).map(|i| i % 10).collect::<Vec<i64>>(), &[8], &d)?;
+    let sgd = |m: &kiln::nn::ResNet| kiln::optim::Sgd::new(m.parameters(), 0.01).momentum(0.9);
+    let step_of = |m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        let loss = F::cross_entropy(&m.forward(x)?, y)?;
+        loss.backward()?;
+        opt.step()?;
+        opt.zero_grad();
+        Ok(loss)
+    };
+    let peak = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<usize> {
+        for _ in 0..2 {
+            f()?;
+        }
+        kiln::cpu::reset_peak_memory_stats();
+        let before = kiln::cpu::memory_stats().allocated;
+        drop(f()?);
+        Ok(kiln::cpu::memory_stats().peak_allocated - before)
+    };
+    let mut opt = sgd(&model);
+    let eager = peak(&mut || step_of(&model, &mut opt, &x, &y))?;
+    let (m, mut opt) = (model.clone(), sgd(&model));
+    let step = compile(move |x: &Tensor, y: &Tensor| step_of(&m, &mut opt, x, y));
+    let compiled = peak(&mut || step.call(&x, &y))?;
+    println!("PEAKS eager={eager} compiled={compiled}");
+    Ok(())
+}
+
+/// The memory plan (buffers freed at their last reader, updates stored in place, cheap values
+/// recomputed in backward) keeps a compiled training step's peak below eager's.
+#[test]
+fn a_compiled_conv_net_training_step_peaks_below_eager() {
+    if dev().is_cuda() {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("kiln-peaks-{}", std::process::id()));
+    let v = crate::common::child_counts("compile::conv_step_peaks_child", &cache, "PEAKS ", &["eager=", "compiled="]);
+    let _ = std::fs::remove_dir_all(&cache);
+    let (eager, compiled) = (v[0], v[1]);
+    assert!(eager > 0 && compiled < eager, "peak host memory in use: eager {eager} bytes, compiled {compiled}");
+}
+
 #[test]
 fn reductions_over_outer_and_inner_dims_fuse_with_the_work_around_them() -> Result<()> {
     // Batch norm's statistics: sums over N, H, W of [N, C, H, W]. The pointwise work before

@@ -9,9 +9,21 @@ use std::fmt;
 use std::mem::{ManuallyDrop, MaybeUninit};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Alignment of the buffers kiln allocates.
 pub(crate) const ALIGN: usize = 64;
+
+/// Bytes of every live `HostBuf` (kiln's own and adopted `Vec`s, cached ones too), and the most
+/// of them, less the cache's, in use at once (`pool::memory_stats`).
+pub(crate) static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+pub(crate) static PEAK_IN_USE: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts `bytes` more of live buffers.
+fn count(bytes: usize) {
+    let live = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK_IN_USE.fetch_max(live.saturating_sub(super::pool::cached_bytes()), Ordering::Relaxed);
+}
 
 /// A growable host buffer of `T`, like `Vec<T>`, that remembers the alignment it was allocated
 /// with (so that it is freed with the same layout).
@@ -40,6 +52,7 @@ impl<T> HostBuf<T> {
         // SAFETY: the layout has a non-zero size.
         let p = unsafe { std::alloc::alloc(layout) };
         let Some(ptr) = NonNull::new(p.cast::<T>()) else { std::alloc::handle_alloc_error(layout) };
+        count(bytes);
         HostBuf { ptr, len: 0, cap, align }
     }
 
@@ -79,6 +92,7 @@ impl<T> HostBuf<T> {
         T: Clone,
     {
         if self.align == std::mem::align_of::<T>() {
+            LIVE_BYTES.fetch_sub(self.cap * std::mem::size_of::<T>(), Ordering::Relaxed);
             let me = ManuallyDrop::new(self);
             // SAFETY: the memory came from a Vec<T> of this capacity (see `From<Vec<T>>`).
             return unsafe { Vec::from_raw_parts(me.ptr.as_ptr(), me.len, me.cap) };
@@ -115,6 +129,7 @@ impl<T> From<Vec<T>> for HostBuf<T> {
     fn from(v: Vec<T>) -> HostBuf<T> {
         let mut v = ManuallyDrop::new(v);
         let (len, cap) = (v.len(), v.capacity());
+        count(cap * std::mem::size_of::<T>());
         // SAFETY: a Vec's pointer is never null.
         let ptr = unsafe { NonNull::new_unchecked(v.as_mut_ptr()) };
         HostBuf { ptr, len, cap, align: std::mem::align_of::<T>() }
@@ -140,6 +155,7 @@ impl<T> Drop for HostBuf<T> {
         if bytes == 0 {
             return;
         }
+        LIVE_BYTES.fetch_sub(bytes, Ordering::Relaxed);
         // SAFETY: allocated with this size and alignment (by `with_capacity` or by a Vec).
         unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast::<u8>(), Layout::from_size_align_unchecked(bytes, self.align)) };
     }

@@ -9,7 +9,7 @@ use super::HostBuf;
 use parking_lot::Mutex;
 use std::any::{Any, TypeId};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Smallest buffer kept: below it malloc serves from its own free lists without page faults.
 const MIN_BYTES: usize = 128 << 10;
@@ -18,6 +18,13 @@ const MAX_CACHED: usize = 1 << 30;
 
 static HITS: AtomicU64 = AtomicU64::new(0);
 static MISSES: AtomicU64 = AtomicU64::new(0);
+/// `Pool::cached`, readable without the lock.
+static CACHED: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes the cache holds now.
+pub(crate) fn cached_bytes() -> usize {
+    CACHED.load(Ordering::Relaxed)
+}
 
 /// What the host caching allocator holds and how often it served a request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,11 +35,23 @@ pub struct HostMemoryStats {
     pub hits: u64,
     /// Large buffers freshly allocated (no cached buffer of their size).
     pub misses: u64,
+    /// Bytes of host tensor storage in use now (kiln's buffers and the `Vec`s it adopted; not
+    /// the cached ones), as CUDA's `MemoryStats::allocated`.
+    pub allocated: usize,
+    /// The most of `allocated` at once since the start or `reset_peak_memory_stats`.
+    pub peak_allocated: usize,
 }
 
 /// The host caching allocator's statistics, over every thread of the process.
 pub fn memory_stats() -> HostMemoryStats {
-    HostMemoryStats { cached_bytes: POOL.lock().cached, hits: HITS.load(Ordering::Relaxed), misses: MISSES.load(Ordering::Relaxed) }
+    let cached = POOL.lock().cached;
+    let allocated = super::buf::LIVE_BYTES.load(Ordering::Relaxed).saturating_sub(cached);
+    HostMemoryStats { cached_bytes: cached, hits: HITS.load(Ordering::Relaxed), misses: MISSES.load(Ordering::Relaxed), allocated, peak_allocated: super::buf::PEAK_IN_USE.load(Ordering::Relaxed).max(allocated) }
+}
+
+/// Starts `peak_allocated` again from what is in use now.
+pub fn reset_peak_memory_stats() {
+    super::buf::PEAK_IN_USE.store(memory_stats().allocated, Ordering::Relaxed);
 }
 
 /// Returns every cached buffer to the system.
@@ -40,6 +59,7 @@ pub fn empty_cache() {
     let mut pool = POOL.lock();
     pool.classes.clear();
     pool.cached = 0;
+    CACHED.store(0, Ordering::Relaxed);
 }
 
 /// Element types the cache can hold (buffers keep their type: no reinterpretation).
@@ -76,6 +96,9 @@ impl Pool {
         class.last_used = self.clock;
         let v = class.free.pop()?;
         self.cached -= class.bytes;
+        CACHED.store(self.cached, Ordering::Relaxed);
+        let live = super::buf::LIVE_BYTES.load(Ordering::Relaxed);
+        super::buf::PEAK_IN_USE.fetch_max(live.saturating_sub(self.cached), Ordering::Relaxed);
         v.downcast::<HostBuf<T>>().ok().map(|v| *v)
     }
 
@@ -90,6 +113,7 @@ impl Pool {
             let class = self.classes.get_mut(&oldest).expect("the class just found");
             class.free.pop();
             self.cached -= class.bytes;
+            CACHED.store(self.cached, Ordering::Relaxed);
             if class.free.is_empty() {
                 self.classes.remove(&oldest);
             }
@@ -97,6 +121,7 @@ impl Pool {
         v.clear();
         self.clock += 1;
         self.cached += bytes;
+        CACHED.store(self.cached, Ordering::Relaxed);
         let class = self.classes.entry(key).or_insert_with(|| Class { bytes, free: Vec::new(), last_used: 0 });
         class.last_used = self.clock;
         class.free.push(Box::new(v));
