@@ -1248,6 +1248,17 @@ fn replayed_steps_keep_reads_before_in_place_writes_and_independent_work_intact(
     Ok(())
 }
 
+/// One SGD training step of a ResNet on images `x` with labels `y`: its loss.
+fn step_of(m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+    use kiln::nn::Module;
+    use kiln::optim::Optimizer;
+    let loss = F::cross_entropy(&m.forward(x)?, y)?;
+    loss.backward()?;
+    opt.step()?;
+    opt.zero_grad();
+    Ok(loss)
+}
+
 /// A ResNet-style training step (stem, max pool, one bottleneck per stage with downsampling,
 /// batch norm in training mode, SGD with momentum and weight decay) compiled whole: after three
 /// steps the losses, the parameters and batch norm's running statistics equal eager's.
@@ -1268,14 +1279,6 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
     let x = randn(&[4, 3, 64, 64], 17);
     let y = Tensor::from_vec(vec![3i64, 7, 0, 5], &[4], &d)?;
     let sgd = |m: &kiln::nn::ResNet| kiln::optim::Sgd::new(m.parameters(), 0.01).momentum(0.9).weight_decay(1e-4);
-    let step_of = |m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
-        use kiln::optim::Optimizer;
-        let loss = F::cross_entropy(&m.forward(x)?, y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
-    };
     let eager = make()?;
     let init: Vec<Tensor> = eager.state_dict().iter().map(|(_, t)| t.detach().copy_contiguous()).collect::<Result<_>>()?;
     let mut opt = sgd(&eager);
@@ -1306,19 +1309,11 @@ fn a_compiled_resnet_style_training_step_matches_eager() -> Result<()> {
 #[ignore = "run as a child process by a_compiled_conv_net_training_step_peaks_below_eager"]
 fn conv_step_peaks_child() -> Result<()> {
     use kiln::nn::Module;
-    use kiln::optim::Optimizer;
     let d = Device::Cpu;
     let model = Arc::new(kiln::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &d)?);
     let x = randn(&[8, 3, 48, 48], 31);
     let y = Tensor::from_vec((0..8).map(|i| i % 10).collect::<Vec<i64>>(), &[8], &d)?;
     let sgd = |m: &kiln::nn::ResNet| kiln::optim::Sgd::new(m.parameters(), 0.01).momentum(0.9);
-    let step_of = |m: &kiln::nn::ResNet, opt: &mut kiln::optim::Sgd, x: &Tensor, y: &Tensor| -> Result<Tensor> {
-        let loss = F::cross_entropy(&m.forward(x)?, y)?;
-        loss.backward()?;
-        opt.step()?;
-        opt.zero_grad();
-        Ok(loss)
-    };
     let peak = |f: &mut dyn FnMut() -> Result<Tensor>| -> Result<usize> {
         for _ in 0..2 {
             f()?;
