@@ -593,3 +593,28 @@ fn arg_reductions_of_long_rows() {
         }
     }
 }
+
+/// Reductions large enough to be split into parts: over the leading dims with few kept columns
+/// (batch norm's statistics over an NHWC tensor) and over dims on both sides of a kept run (over
+/// NCHW), sums, maxima and an arg reduction down a long column, against the host's. Tolerance:
+/// F32 inputs summed in F64 in another order.
+#[test]
+fn reductions_split_into_parts_match_the_host() {
+    for (shape, dims) in [(vec![16usize, 16, 16, 24], vec![0usize, 1, 2]), (vec![8, 24, 32, 16], vec![0, 2, 3]), (vec![4, 3, 8, 40, 9], vec![0, 1, 4])] {
+        let n: usize = shape.iter().product();
+        let v = host_rand(n, shape[1] as u64);
+        let x = t(&v, &shape, DType::F32);
+        let idims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        let g = groups(&v.iter().map(|&a| a as f32 as f64).collect::<Vec<_>>(), &shape, &dims);
+        let sums: Vec<f64> = g.iter().map(|g| ref_sum(g)).collect();
+        assert_close_named(&format!("sum {shape:?} over {dims:?}"), &vals(&x.sum(&idims, false).unwrap()), &sums, 1e-5, 1e-4);
+        let maxes: Vec<f64> = g.iter().map(|g| ref_max(g)).collect();
+        assert_close_named(&format!("amax {shape:?} over {dims:?}"), &vals(&x.amax(&idims, false).unwrap()), &maxes, 0.0, 0.0);
+    }
+    // Down a long column of few columns: the first maximum of each.
+    let v = host_rand(8192 * 5, 3);
+    let x = t(&v, &[8192, 5], DType::F32);
+    let g = groups(&v.iter().map(|&a| a as f32 as f64).collect::<Vec<_>>(), &[8192, 5], &[0]);
+    let want: Vec<f64> = g.iter().map(|g| ref_argmax(g)).collect();
+    assert_eq!(vals(&x.argmax(0, false).unwrap()), want);
+}

@@ -41,6 +41,11 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Cp
 
 /// A value reduction (`ReduceOp::combine` from `ReduceOp::identity`), elements of `C` into `A`.
 fn run_op<C: HostElem + Into<A>, A: Accumulate + Send + Sync + 'static>(op: ReduceOp, x: &Tensor, dims: &[usize]) -> Vec<A> {
+    if op == ReduceOp::Sum {
+        // Its own loops, free of the per-element choice of op, so that they vectorise.
+        let r = Reducer { init: op.identity::<A>(), step: |a: A, _, v: C| a.add(v.into()), combine: |a: A, b: A| a.add(b) };
+        return run::<C, A, _>(x, dims, r, |v| v);
+    }
     let r = Reducer { init: op.identity::<A>(), step: move |a: A, _, v: C| op.combine(a, v.into()), combine: move |a: A, b: A| op.combine(a, b) };
     run::<C, A, _>(x, dims, r, |v| v)
 }
@@ -83,6 +88,19 @@ fn run<C: HostElem, A: Copy + Send + Sync + 'static, O: Send + Sync>(
     };
     let guard = x.storage().data.read_recursive();
     let BackendStorage::Cpu(s) = &*guard else { unreachable!("CPU kernel on a CUDA tensor") };
+    // Kept dims in one run between reduced ones of a contiguous tensor (batch norm's per-channel
+    // sums over N, H, W): read in place, a run of the inner dims at a time.
+    let one_run = kept.last().zip(kept.first()).is_some_and(|(&b, &a)| b - a + 1 == kept.len());
+    if let (true, true, Some(sl)) = (one_run && !leading && !kept.is_empty() && kept[0] > 0 && kept[kept.len() - 1] + 1 < l.ndim(), l.is_contiguous(), C::slice(s)) {
+        let (a, b) = (kept[0], kept[kept.len() - 1]);
+        let outer: usize = l.shape[..a].iter().product();
+        let inner: usize = l.shape[b + 1..].iter().product();
+        // Short runs are better gathered into rows first.
+        if inner >= MIN_MID_RUN {
+            let data = &sl[l.offset..l.offset + l.numel()];
+            return reduce_mid(data, outer, m, inner, &r).iter().map(|&a| finish(a)).collect();
+        }
+    }
     let owned: HostBuf<C>;
     let data: &[C] = match C::slice(s) {
         Some(sl) if pl.is_contiguous() => &sl[pl.offset..pl.offset + pl.numel()],
@@ -129,6 +147,49 @@ fn reduce_rows<C: Copy + Sync, A: Copy + Send + Sync>(
         .collect()
 }
 
+/// Rows per part when a reduction's reduced rows are split across threads: the parts depend on
+/// the sizes alone, so the result does not depend on the thread count.
+const ROWS_PER_PART: usize = 1024;
+/// Shortest run of inner elements a reduction over dims around a kept run reads in place.
+const MIN_MID_RUN: usize = 256;
+/// Most parts a reduction is split into.
+const MAX_PARTS: usize = 64;
+
+/// Partial results of `parts` consecutive ranges of `0..n`, combined in order.
+fn in_parts<A: Copy + Send + Sync>(n: usize, parts: usize, r: &Reducer<A, impl Sync, impl Fn(A, A) -> A + Sync>, part: impl Fn(usize, usize) -> Vec<A> + Sync) -> Vec<A> {
+    let partials: Vec<Vec<A>> = (0..parts).into_par_iter().map(|p| part(p * n / parts, (p + 1) * n / parts)).collect();
+    let mut it = partials.into_iter();
+    let first = it.next().expect("at least one part");
+    it.fold(first, |acc, p| acc.into_iter().zip(p).map(|(a, b)| (r.combine)(a, b)).collect())
+}
+
+/// `data` is `outer` blocks of `rows` rows of `inner`: one result per row, over the blocks and
+/// the inner elements (element index `o * inner + j` within a row's reduction).
+fn reduce_mid<C: Copy + Sync, A: Copy + Send + Sync>(
+    data: &[C],
+    outer: usize,
+    rows: usize,
+    inner: usize,
+    r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
+) -> Vec<A> {
+    let block = |o0: usize, o1: usize| {
+        let mut acc = vec![r.init; rows];
+        for o in o0..o1 {
+            for (row, a) in acc.iter_mut().enumerate() {
+                let base = (o * rows + row) * inner;
+                for (j, &v) in data[base..base + inner].iter().enumerate() {
+                    *a = (r.step)(*a, o * inner + j, v);
+                }
+            }
+        }
+        acc
+    };
+    if outer * rows * inner < PAR_THRESHOLD {
+        return block(0, outer);
+    }
+    in_parts(outer, outer.clamp(1, MAX_PARTS), r, block)
+}
+
 /// `data` is k rows of m: one result per column.
 fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync + 'static>(
     data: &[C],
@@ -137,6 +198,19 @@ fn reduce_cols<C: Copy + Sync, A: Copy + Send + Sync + 'static>(
     r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
 ) -> HostBuf<A> {
     const COLS: usize = 1024;
+    // Few columns over many rows (batch norm's sums over an NHWC tensor): the rows are split.
+    if m <= COLS && k >= 2 * ROWS_PER_PART && m * k >= PAR_THRESHOLD {
+        let acc = in_parts(k, (k / ROWS_PER_PART).clamp(1, MAX_PARTS), r, |i0, i1| {
+            let mut acc = vec![r.init; m];
+            for i in i0..i1 {
+                for (a, &v) in acc.iter_mut().zip(&data[i * m..(i + 1) * m]) {
+                    *a = (r.step)(*a, i, v);
+                }
+            }
+            acc
+        });
+        return acc.into();
+    }
     fill_new(m, |start, out| {
         // Blocks of columns keep the accumulators in cache while rows stream past.
         for c0 in (0..out.len()).step_by(COLS) {
