@@ -1,7 +1,7 @@
 //! CPU: a ResNet-style training step (stem, max pool, one bottleneck per stage, batch norm in
-//! training mode, SGD with momentum and weight decay) on 8 images of 64x64, eager and compiled:
-//! the best of 5 means of 5 steps after 3 warm-ups. `KILN_CHANNELS_LAST=0` turns the compiler's
-//! channels-last layout off, for comparison.
+//! training mode, SGD with momentum and weight decay) on `BATCH` images of 64x64 (8 unless set),
+//! eager and compiled: the best of 5 means of 5 steps after 3 warm-ups. `KILN_CHANNELS_LAST=0`
+//! turns the compiler's channels-last layout off, for comparison.
 use kiln::compile::compile;
 use kiln::nn::{functional as F, Module, ResNet};
 use kiln::optim::{Optimizer, Sgd};
@@ -44,6 +44,6 @@ fn main() -> Result<()> {
     let compiled = best_ms(&mut || step.call(&x, &y))?;
     let mut opt = sgd(&model);
     let eager = best_ms(&mut || step_of(&model, &mut opt, &x, &y))?;
-    println!("resnet-style train step, 8x3x64x64, CPU: eager {eager:.1} ms, compiled {compiled:.1} ms");
+    println!("resnet-style train step, {n}x3x64x64, CPU: eager {eager:.1} ms, compiled {compiled:.1} ms");
     Ok(())
 }
