@@ -14,6 +14,36 @@ struct Reducer<A, S, M> {
     init: A,
     step: S,
     combine: M,
+    /// Whether a run may be folded in `LANES` interleaved partial results combined at its end
+    /// (value reductions, which are associative; not arg reductions, whose ties need order).
+    lanes: bool,
+}
+
+/// Interleaved partial results per run of a value reduction: independent chains the compiler
+/// vectorises, instead of one chain of dependent steps.
+const LANES: usize = 8;
+
+impl<A: Copy, S, M: Fn(A, A) -> A> Reducer<A, S, M> {
+    /// `a` stepped over `run` (element `j` at index `at + j`; in lanes, which only value
+    /// reductions use, the index is not passed on).
+    fn fold<C: Copy>(&self, a: A, run: &[C], at: usize) -> A
+    where
+        S: Fn(A, usize, C) -> A,
+    {
+        if !self.lanes || run.len() < 2 * LANES {
+            return run.iter().enumerate().fold(a, |a, (j, &v)| (self.step)(a, at + j, v));
+        }
+        let mut l = [self.init; LANES];
+        let chunks = run.chunks_exact(LANES);
+        let rest = chunks.remainder();
+        for c in chunks {
+            for (x, &v) in l.iter_mut().zip(c) {
+                *x = (self.step)(*x, at, v);
+            }
+        }
+        let a = l.into_iter().fold(a, |a, b| (self.combine)(a, b));
+        rest.iter().fold(a, |a, &v| (self.step)(a, at, v))
+    }
 }
 
 /// Reduces the `dims` of `x` into a row-major storage of `out` dtype.
@@ -43,10 +73,10 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Cp
 fn run_op<C: HostElem + Into<A>, A: Accumulate + Send + Sync + 'static>(op: ReduceOp, x: &Tensor, dims: &[usize]) -> Vec<A> {
     if op == ReduceOp::Sum {
         // Its own loops, free of the per-element choice of op, so that they vectorise.
-        let r = Reducer { init: op.identity::<A>(), step: |a: A, _, v: C| a.add(v.into()), combine: |a: A, b: A| a.add(b) };
+        let r = Reducer { init: op.identity::<A>(), step: |a: A, _, v: C| a.add(v.into()), combine: |a: A, b: A| a.add(b), lanes: true };
         return run::<C, A, _>(x, dims, r, |v| v);
     }
-    let r = Reducer { init: op.identity::<A>(), step: move |a: A, _, v: C| op.combine(a, v.into()), combine: move |a: A, b: A| op.combine(a, b) };
+    let r = Reducer { init: op.identity::<A>(), step: move |a: A, _, v: C| op.combine(a, v.into()), combine: move |a: A, b: A| op.combine(a, b), lanes: true };
     run::<C, A, _>(x, dims, r, |v| v)
 }
 
@@ -63,6 +93,7 @@ fn run_arg<C: HostElem>(x: &Tensor, dims: &[usize], max: bool) -> Vec<i64> {
             (a, None) => a,
             (None, b) => b,
         },
+        lanes: false,
     };
     run::<C, Option<(C, usize)>, _>(x, dims, r, |v| v.expect("reduction over a non-empty dim").1 as i64)
 }
@@ -120,13 +151,7 @@ fn reduce_rows<C: Copy + Sync, A: Copy + Send + Sync>(
     k: usize,
     r: &Reducer<A, impl Fn(A, usize, C) -> A + Sync, impl Fn(A, A) -> A + Sync>,
 ) -> Vec<A> {
-    let row = |i: usize, lo: usize, hi: usize| {
-        let mut a = r.init;
-        for (j, &v) in data[i * k + lo..i * k + hi].iter().enumerate() {
-            a = (r.step)(a, lo + j, v);
-        }
-        a
-    };
+    let row = |i: usize, lo: usize, hi: usize| r.fold(r.init, &data[i * k + lo..i * k + hi], lo);
     if m * k < PAR_THRESHOLD {
         return (0..m).map(|i| row(i, 0, k)).collect();
     }
@@ -177,9 +202,7 @@ fn reduce_mid<C: Copy + Sync, A: Copy + Send + Sync>(
         for o in o0..o1 {
             for (row, a) in acc.iter_mut().enumerate() {
                 let base = (o * rows + row) * inner;
-                for (j, &v) in data[base..base + inner].iter().enumerate() {
-                    *a = (r.step)(*a, o * inner + j, v);
-                }
+                *a = r.fold(*a, &data[base..base + inner], o * inner);
             }
         }
         acc
