@@ -210,16 +210,10 @@ fn accumulate_leaf(t: &Tensor, g: Tensor) -> Result<()> {
 /// it is dense in it): the tensor itself when nothing else can see it, else a copy, so that
 /// in-place updates of one `.grad` never change another.
 fn own(g: Tensor, leaf: &Tensor) -> Result<Tensor> {
-    let format = match leaf.suggest_memory_format() {
-        f if leaf.is_contiguous_for(f) => f,
-        _ => crate::MemoryFormat::Contiguous,
-    };
+    let format = leaf.dense_format().unwrap_or(crate::MemoryFormat::Contiguous);
     if Arc::strong_count(&g.0) == 1 && Arc::strong_count(g.storage()) == 1 && g.is_contiguous_for(format) {
         return Ok(g.detach());
     }
-    match format {
-        crate::MemoryFormat::Contiguous => g.copy_contiguous(),
-        f => crate::ops::apply(crate::ops::Op::Relayout(f), &[&g]),
-    }
+    g.copy_in(format)
 }
 

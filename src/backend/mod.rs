@@ -71,16 +71,12 @@ pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crat
     if !x.device().is_cuda() {
         return Ok(None);
     }
+    let run = |v: &[&crate::Tensor]| Ok(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(cuda::kernels::scale_shift(v[0], v[1], v[2])?), v[0].shape()));
     if x.suggest_memory_format() == crate::MemoryFormat::ChannelsLast {
         // Over the NHWC views, so the result keeps x's format and x is read in order.
-        use crate::layout::{FROM_NHWC, TO_NHWC};
-        let nhwc = |t: &crate::Tensor| t.view_as_layout(t.layout().permuted(&TO_NHWC));
-        let y = cuda::kernels::scale_shift(&nhwc(x), &nhwc(scale), &nhwc(shift))?;
-        let y = crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), &TO_NHWC.map(|d| x.shape()[d]));
-        return Ok(Some(y.relaid(y.layout().permuted(&FROM_NHWC))));
+        return crate::ops::over_nhwc(&[x, scale, shift], run).map(Some);
     }
-    let y = cuda::kernels::scale_shift(x, scale, shift)?;
-    Ok(Some(crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(y), x.shape())))
+    run(&[x, scale, shift]).map(Some)
 }
 
 /// Whether the device's fused attention kernels take q, k, v (`[L, B, H, D]`) and beat a

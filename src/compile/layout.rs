@@ -1,8 +1,8 @@
 //! Layout: the memory format each 4-D value of a conv net is computed in. Convolutions run
 //! channels-last (cuDNN's tensor-core kernels read NHWC; the CPU's im2col product is NHWC), so
 //! the values around them are computed in NHWC order too, as Inductor's layout optimisation
-//! does: a pointwise op or a reduction whose first full operand is channels-last is rewritten
-//! over the NHWC views of its operands (an `[N, H, W, C]` node, contiguous when it runs), and
+//! does: a pointwise op whose full operands are all channels-last, or a reduction of a
+//! channels-last value, is rewritten over the NHWC views of its operands (an `[N, H, W, C]` node, contiguous when it runs), and
 //! an op that wants NCHW reads a permuted view of it. The one copy is where a contiguous value
 //! first meets a convolution.
 
@@ -36,12 +36,7 @@ fn wanted(g: &Graph, inputs: &[Tensor]) -> bool {
     if let Some(on) = crate::switches::channels_last() {
         return on;
     }
-    inputs.iter().any(is_channels_last) || convs.any(|n| n.device == Device::Cpu)
-}
-
-/// An input the caller laid out channels-last.
-fn is_channels_last(t: &Tensor) -> bool {
-    t.suggest_memory_format() == MemoryFormat::ChannelsLast && t.is_contiguous_for(MemoryFormat::ChannelsLast)
+    inputs.iter().any(|t| t.dense_format() == Some(MemoryFormat::ChannelsLast)) || convs.any(|n| n.device == Device::Cpu)
 }
 
 /// `g` with its convolutions and the 4-D work around them channels-last, where `wanted` says so;
@@ -110,10 +105,9 @@ pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
         };
         r.forms.push(form);
     }
-    let mut out = std::mem::take(&mut r.out);
-    out.outputs = g.outputs.iter().map(|&o| r.nchw_in(&mut out, o)).collect();
-    out.mutations = g.mutations.iter().map(|&(k, v)| (k, r.nchw_in(&mut out, v))).collect();
-    out
+    let outputs = g.outputs.iter().map(|&o| r.nchw(o)).collect();
+    let mutations = g.mutations.iter().map(|&(k, v)| (k, r.nchw(v))).collect();
+    Graph { outputs, mutations, ..r.out }
 }
 
 struct Rewrite {
@@ -136,7 +130,6 @@ impl Rewrite {
         self.out.push(op, args, shape, like.dtype, like.device)
     }
 
-
     /// Whether `a`'s elements sit in NHWC order when the program runs.
     fn is_nhwc(&self, a: NodeId) -> bool {
         matches!(self.forms[a], Form::ChannelsLast(_) | Form::Nhwc(_))
@@ -154,22 +147,18 @@ impl Rewrite {
 
     /// `a` as an NCHW node (a view of its NHWC node where it has one).
     fn nchw(&mut self, a: NodeId) -> NodeId {
-        let mut out = std::mem::take(&mut self.out);
-        let id = self.nchw_in(&mut out, a);
-        self.out = out;
-        id
-    }
-
-    fn nchw_in(&mut self, out: &mut Graph, a: NodeId) -> NodeId {
-        match self.forms[a] {
-            Form::Plain(id) | Form::ChannelsLast(id) => id,
-            Form::Nhwc(id) => *self.nchw_of.entry(a).or_insert_with(|| {
-                let n = &out.nodes[id];
-                let shape = FROM_NHWC.map(|d| n.shape[d]).to_vec();
-                let (dtype, device) = (n.dtype, n.device);
-                out.push(NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())), vec![id], shape, dtype, device)
-            }),
+        let id = match self.forms[a] {
+            Form::Plain(id) | Form::ChannelsLast(id) => return id,
+            Form::Nhwc(id) => id,
+        };
+        if let Some(&v) = self.nchw_of.get(&a) {
+            return v;
         }
+        let n = &self.out.nodes[id];
+        let (shape, dtype, device) = (FROM_NHWC.map(|d| n.shape[d]).to_vec(), n.dtype, n.device);
+        let v = self.out.push(NodeOp::Prim(Op::Permute(FROM_NHWC.to_vec())), vec![id], shape, dtype, device);
+        self.nchw_of.insert(a, v);
+        v
     }
 
     /// `a` as an `[N, H, W, C]` node: its NHWC node, or a permuted view of its NCHW one (which

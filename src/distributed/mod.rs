@@ -153,7 +153,7 @@ impl ProcessGroup {
     /// rank: dense in its memory format (contiguous or channels-last, as PyTorch's c10d
     /// takes), on its device.
     fn check(&self, op: &'static str, t: &Tensor) -> Result<()> {
-        if !t.is_contiguous_for(t.suggest_memory_format()) {
+        if t.dense_format().is_none() {
             return Err(Error::dist(op, format!("tensors must be dense in a memory format (shape {:?}, strides {:?}); call contiguous() first", t.shape(), t.strides())));
         }
         self.check_device(op, t)

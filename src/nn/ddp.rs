@@ -406,5 +406,5 @@ fn verify_same_model(group: &ProcessGroup, named: &[(String, Tensor)]) -> Result
 /// Whether `p` is a channels-last parameter (a convolution's weight after
 /// `Module::to_memory_format`): its gradient travels in NHWC order.
 fn stored_nhwc(p: &Tensor) -> bool {
-    p.suggest_memory_format() == crate::MemoryFormat::ChannelsLast && p.is_contiguous_for(crate::MemoryFormat::ChannelsLast)
+    p.dense_format() == Some(crate::MemoryFormat::ChannelsLast)
 }

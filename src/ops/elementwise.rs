@@ -377,8 +377,16 @@ impl Tensor {
                 if self.is_contiguous_for(format) {
                     return Ok(self.clone());
                 }
-                apply(Op::Relayout(format), &[self])
+                self.copy_in(format)
             }
+        }
+    }
+
+    /// Always a new copy stored densely in `format`'s order (differentiable).
+    pub(crate) fn copy_in(&self, format: MemoryFormat) -> Result<Tensor> {
+        match format {
+            MemoryFormat::Contiguous => self.copy_contiguous(),
+            MemoryFormat::ChannelsLast => apply(Op::Relayout(format), &[self]),
         }
     }
 

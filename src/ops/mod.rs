@@ -288,15 +288,11 @@ impl Op {
         }
         check_device(self.name(), device)?;
         if self.keeps_channels_last(xs) {
-            // Computed over the NHWC views, where every operand is as the plain kernels want it,
-            // and handed back as NCHW over that memory.
-            let views: Vec<Tensor> = xs.iter().map(|t| t.view_as_layout(t.layout().permuted(&TO_NHWC))).collect();
             let op = match self {
                 Op::Pad(pads, value) => Op::Pad(TO_NHWC.iter().map(|&d| pads[d]).collect(), *value),
                 op => op.clone(),
             };
-            let y = op.compute(&views.iter().collect::<Vec<_>>())?;
-            return Ok(y.relaid(y.layout().permuted(&FROM_NHWC)));
+            return over_nhwc(xs, |views| op.compute(views));
         }
         self.compute(xs)
     }
@@ -531,15 +527,23 @@ fn in_format_of(y: Tensor, x: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// `f` computed over the NHWC views of the 4-D `xs` (where channels-last operands are as the
+/// plain kernels want them), its `[N, H, W, C]` result handed back as NCHW over that memory:
+/// channels-last.
+pub(crate) fn over_nhwc(xs: &[&Tensor], f: impl FnOnce(&[&Tensor]) -> Result<Tensor>) -> Result<Tensor> {
+    let views: Vec<Tensor> = xs.iter().map(|t| t.view_as_layout(t.layout().permuted(&TO_NHWC))).collect();
+    let y = f(&views.iter().collect::<Vec<_>>())?;
+    Ok(y.relaid(y.layout().permuted(&FROM_NHWC)))
+}
+
 /// A copy of `t` stored densely in `format`'s order, computed without recording anything (for
 /// backends and ops that want their operands or results in one layout).
 pub(crate) fn dense_copy(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
-    let (order, back) = match format {
-        MemoryFormat::Contiguous => return Op::Cast(t.dtype()).compute(&[t]),
-        MemoryFormat::ChannelsLast => (TO_NHWC, FROM_NHWC),
-    };
-    let copy = Op::Cast(t.dtype()).compute(&[&t.view_as_layout(t.layout().permuted(&order))])?;
-    Ok(copy.relaid(copy.layout().permuted(&back)))
+    let copy = |xs: &[&Tensor]| Op::Cast(t.dtype()).compute(xs);
+    match format {
+        MemoryFormat::Contiguous => copy(&[t]),
+        MemoryFormat::ChannelsLast => over_nhwc(&[t], copy),
+    }
 }
 
 /// Runs a primitive op and records it for autograd.

@@ -17,10 +17,9 @@ use std::sync::Arc;
 /// Whether parameter `p` with gradient `g` and its existing `state` can be updated by a kernel:
 /// all dense in one memory format (the kernels walk their storage in order).
 fn fits(p: &Tensor, g: &Tensor, state: &[&Tensor]) -> bool {
-    let format = p.suggest_memory_format();
+    let Some(format) = p.dense_format() else { return false };
     multi_tensor_update_supports(p.device(), p.dtype())
         && p.numel() > 0
-        && p.is_contiguous_for(format)
         && std::iter::once(g).chain(state.iter().copied()).all(|t| t.device() == p.device() && t.dtype() == p.dtype() && t.shape() == p.shape() && t.is_contiguous_for(format))
 }
 
@@ -81,12 +80,8 @@ pub(super) fn sgd(o: &mut Sgd) -> Result<Vec<bool>> {
         if first {
             for &k in &members {
                 let p = &o.params[items[k].0];
-                let buf = crate::backend::uninit_like(p, p.shape(), p.dtype())?;
                 // Written in the parameter's storage order.
-                new_bufs.push(match p.suggest_memory_format() {
-                    crate::MemoryFormat::ChannelsLast => buf.relaid(crate::layout::Layout::channels_last(p.shape())),
-                    crate::MemoryFormat::Contiguous => buf,
-                });
+                new_bufs.push(p.in_my_format(crate::backend::uninit_like(p, p.shape(), p.dtype())?)?);
             }
         }
         let entries: Vec<Vec<&Tensor>> = members

@@ -136,7 +136,9 @@ impl Optimizer for Sgd {
                 }
                 if self.momentum != 0.0 {
                     let b = match buf.take() {
-                        None => copy_in_format(&g)?,
+                        // A copy in the gradient's memory format (`torch.clone`), so the buffer
+                        // is laid out as its parameter's gradient.
+                        None => g.copy_in(g.suggest_memory_format())?,
                         Some(b) => {
                             b.mul_scalar_(self.momentum)?;
                             b.add_(&g.mul_scalar(1.0 - self.dampening)?)?;
@@ -396,12 +398,3 @@ adam!(
     /// `torch.optim.AdamW` (decoupled weight decay; default 0.01 with `with_lr`).
     AdamW, true, 0.01
 );
-
-/// A copy of `t` in its own memory format (`torch.clone`), so a state buffer is laid out as its
-/// parameter's gradient.
-fn copy_in_format(t: &Tensor) -> Result<Tensor> {
-    match t.suggest_memory_format() {
-        format @ crate::MemoryFormat::ChannelsLast => crate::ops::apply(crate::ops::Op::Relayout(format), &[t]),
-        crate::MemoryFormat::Contiguous => t.copy_contiguous(),
-    }
-}

@@ -56,9 +56,9 @@ impl Tensor {
         let _site = crate::profiler::call_site();
         self.in_my_format(Tensor::full(self.shape(), value, self.dtype(), &self.device())?)
     }
-    /// `filled` (a fresh constant tensor of this shape) laid out in this tensor's memory format:
-    /// the same values, so only the strides change.
-    fn in_my_format(&self, filled: Tensor) -> Result<Tensor> {
+    /// `filled` (a fresh tensor of this shape: a constant, or a buffer not written yet) laid out
+    /// in this tensor's memory format: the same values, so only the strides change.
+    pub(crate) fn in_my_format(&self, filled: Tensor) -> Result<Tensor> {
         if self.suggest_memory_format() == crate::MemoryFormat::ChannelsLast && !crate::compile::trace::active() {
             return Ok(filled.relaid(crate::layout::Layout::channels_last(self.shape())));
         }

@@ -208,6 +208,12 @@ impl Tensor {
     pub fn suggest_memory_format(&self) -> MemoryFormat {
         self.0.layout.suggested_format()
     }
+    /// The memory format the elements are dense in, if any: storage walked in order is the
+    /// tensor in that format's order (what kernels over flat storage and collectives need).
+    pub(crate) fn dense_format(&self) -> Option<MemoryFormat> {
+        let f = self.suggest_memory_format();
+        self.is_contiguous_for(f).then_some(f)
+    }
     /// The storage's version counter, bumped by every in-place write to it or any of its views.
     pub fn version(&self) -> u64 {
         self.0.storage.version()

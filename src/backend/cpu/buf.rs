@@ -21,8 +21,13 @@ pub(crate) static PEAK_IN_USE: AtomicUsize = AtomicUsize::new(0);
 
 /// Counts `bytes` more of live buffers.
 fn count(bytes: usize) {
-    let live = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    PEAK_IN_USE.fetch_max(live.saturating_sub(super::pool::cached_bytes()), Ordering::Relaxed);
+    LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed);
+    note_in_use(super::pool::cached_bytes());
+}
+
+/// Raises the peak to what is in use now, with `cached` bytes of live buffers in the cache.
+pub(crate) fn note_in_use(cached: usize) {
+    PEAK_IN_USE.fetch_max(LIVE_BYTES.load(Ordering::Relaxed).saturating_sub(cached), Ordering::Relaxed);
 }
 
 /// A growable host buffer of `T`, like `Vec<T>`, that remembers the alignment it was allocated

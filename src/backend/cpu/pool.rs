@@ -97,8 +97,7 @@ impl Pool {
         let v = class.free.pop()?;
         self.cached -= class.bytes;
         CACHED.store(self.cached, Ordering::Relaxed);
-        let live = super::buf::LIVE_BYTES.load(Ordering::Relaxed);
-        super::buf::PEAK_IN_USE.fetch_max(live.saturating_sub(self.cached), Ordering::Relaxed);
+        super::buf::note_in_use(self.cached);
         v.downcast::<HostBuf<T>>().ok().map(|v| *v)
     }
 

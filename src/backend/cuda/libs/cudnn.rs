@@ -1,7 +1,8 @@
 //! Convolutions through cuDNN (loaded at run time, like every CUDA library here): the forward
 //! product and the two gradients (backward data, backward filter) of the `Conv2d*` ops, on
-//! NCHW tensors, or NHWC ones (channels-last, the layout of the tensor-core kernels). F32 uses FMA math — no TF32 unless `allow_tf32` is on — and F16 /
-//! BF16 use tensor cores with F32 accumulation. Algorithms are cuDNN's heuristic choice, kept
+//! NCHW tensors, or NHWC ones (channels-last, the layout of the tensor-core kernels). F32 uses
+//! FMA math — no TF32 unless `allow_tf32` is on — and F16 / BF16 use tensor cores with F32
+//! accumulation. Algorithms are cuDNN's heuristic choice, kept
 //! per geometry on the device; each call's workspace comes from the caching allocator (from the
 //! graph's pool while a CUDA graph is captured), and calls run on the thread's work stream.
 
