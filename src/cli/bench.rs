@@ -335,7 +335,12 @@ pub const NOT_YET: &str = "needs nn modules, optimisers and whole-step compilati
 
 /// The inputs of workload `name` (of [`WORKLOADS`]) on `dev` and the call to measure; None
 /// for workloads kiln cannot run yet.
+/// A `.tf32.` workload allows TF32 products from here on (PyTorch's `allow_tf32`), for itself:
+/// every other row is FP32-accurate unless the bench was asked for TF32.
 pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
+    if name.contains(".tf32.") {
+        cuda::set_allow_tf32(true);
+    }
     let n = 100_000_000usize;
     let r = |shape: &[usize]| Tensor::randn(shape, DType::F32, dev);
     let bw = |bytes, call: Box<dyn FnMut() -> Result<Tensor>>, compiled: Box<dyn FnMut() -> Result<Tensor>>| {
@@ -376,6 +381,8 @@ pub fn setup(name: &str, dev: &Device) -> Result<Option<Workload>> {
         "mlp.train_sgd.bs4096" => step(mlp_train(dev, 4096, None)?, variants(|m| mlp_train(dev, 4096, m))?),
         "transformer.fwd.f32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "transformer.fwd.bf16amp.10x32x512" => step(transformer(dev, true, None)?, variants(|m| transformer(dev, true, m))?),
+        // The f32 transformer with TF32 products (`run` allows them for this row alone).
+        "transformer.fwd.tf32.10x32x512" => step(transformer(dev, false, None)?, variants(|m| transformer(dev, false, m))?),
         "resnet50.infer.bf16amp.bs128" => step(resnet50(dev, None)?, variants(|m| resnet50(dev, m))?),
         "resnet50.train.bf16amp.bs128" => step(resnet50_train(dev, None, false)?, variants(|m| resnet50_train(dev, m, false))?),
         "gpt2.train.bf16amp.8x1024" => step(gpt2_train(dev, None, false)?, variants(|m| gpt2_train(dev, m, false))?),
@@ -404,7 +411,7 @@ fn workload(name: &str, dev: &Device) -> Result<Value> {
     }
 }
 
-pub const WORKLOADS: [&str; 16] = [
+pub const WORKLOADS: [&str; 17] = [
     "pointwise.add_relu.f32.1e8",
     "pointwise.exp_sin_log_cos.f32.1e8",
     "pointwise.bias_gelu.f32.8192x8192",
@@ -417,6 +424,7 @@ pub const WORKLOADS: [&str; 16] = [
     "mlp.train_sgd.bs4096",
     "transformer.fwd.f32.10x32x512",
     "transformer.fwd.bf16amp.10x32x512",
+    "transformer.fwd.tf32.10x32x512",
     "resnet50.infer.bf16amp.bs128",
     "resnet50.train.bf16amp.bs128",
     "gpt2.train.bf16amp.8x1024",
@@ -460,6 +468,8 @@ pub fn run(only: Option<&str>, out: impl AsRef<std::path::Path>, allow_tf32: boo
             continue;
         }
         let row = workload(name, &dev).unwrap_or_else(|e| json!({"error": e.to_string()}));
+        // (a `.tf32.` row's setup allowed TF32 for itself)
+        cuda::set_allow_tf32(allow_tf32);
         println!("{name} {row}");
         rows.insert(name.into(), row);
         cuda::empty_cache(&dev)?;

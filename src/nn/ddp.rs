@@ -74,6 +74,9 @@ struct Reducer {
     /// Off inside `no_sync`: gradients accumulate locally.
     sync: AtomicBool,
     state: Mutex<State>,
+    /// Each bucket's parameters, as `state` has them, for `bucket_names`: a comm hook runs while
+    /// `state` is held, and may ask.
+    published: Mutex<Vec<Vec<usize>>>,
 }
 
 struct State {
@@ -86,6 +89,12 @@ struct State {
 struct Buckets {
     list: Vec<Bucket>,
     bucket_of: Vec<usize>,
+}
+
+impl Buckets {
+    fn members(&self) -> Vec<Vec<usize>> {
+        self.list.iter().map(|b| b.params.clone()).collect()
+    }
 }
 
 /// Parameters packed together, in launch order within the bucket.
@@ -148,8 +157,9 @@ impl<M: Module> DistributedDataParallel<M> {
         let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().map(|(n, p)| (format!("module.{n}"), p)).unzip();
         let buckets = assign_buckets(&params, (0..n).rev(), first_bucket_bytes, bucket_bytes);
         let rebuild = if opts.find_unused_parameters { Rebuild::Done } else { Rebuild::Record };
+        let published = Mutex::new(buckets.members());
         let state = Mutex::new(State { buckets, pass: Pass::default(), rebuild });
-        let reducer = Arc::new(Reducer { group, names, params, first_bucket_bytes, bucket_bytes, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), state });
+        let reducer = Arc::new(Reducer { group, names, params, first_bucket_bytes, bucket_bytes, find_unused: opts.find_unused_parameters, comm_hook: opts.comm_hook.clone(), sync: AtomicBool::new(true), state, published });
         let mut hooks = Vec::with_capacity(n);
         for (i, p) in reducer.params.iter().enumerate() {
             let weak: Weak<Reducer> = Arc::downgrade(&reducer);
@@ -178,7 +188,7 @@ impl<M: Module> DistributedDataParallel<M> {
 
     /// The buckets' parameter names, in launch order (for tests and `KILN_LOG`).
     pub fn bucket_names(&self) -> Vec<Vec<String>> {
-        self.reducer.state.lock().buckets.list.iter().map(|b| b.params.iter().map(|&i| self.reducer.names[i].clone()).collect()).collect()
+        self.reducer.published.lock().iter().map(|b| b.iter().map(|&i| self.reducer.names[i].clone()).collect()).collect()
     }
 }
 
@@ -267,6 +277,7 @@ impl Reducer {
             return Err(Error::dist("DistributedDataParallel", format!("rank 0's gradient order {order:?} is no order of this rank's {n} parameters")));
         }
         state.buckets = assign_buckets(&self.params, order.into_iter().map(|i| i as usize), self.first_bucket_bytes, self.bucket_bytes);
+        *self.published.lock() = state.buckets.members();
         state.rebuild = Rebuild::Done;
         Ok(())
     }

@@ -422,6 +422,37 @@ fn the_first_bucket_is_on_its_way_before_backward_reaches_the_first_layer() {
     assert_eq!(launched.lock().unwrap().len(), buckets, "every bucket once");
 }
 
+/// A comm hook runs while the reducer launches its bucket; asking the model for its buckets
+/// from there answers (it once waited for the lock the launch holds, for ever).
+#[test]
+fn a_comm_hook_may_ask_the_model_for_its_buckets() {
+    use std::sync::{Arc, Mutex, OnceLock, Weak};
+    type Ddp = DistributedDataParallel<Sequential>;
+    let slot: Arc<OnceLock<Weak<Ddp>>> = Arc::new(OnceLock::new());
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let (s, a) = (slot.clone(), asked.clone());
+    let hook: kiln::nn::CommHook = Arc::new(move |g: &ProcessGroup, flat: &Tensor| {
+        if let Some(ddp) = s.get().and_then(Weak::upgrade) {
+            a.lock().unwrap().push(ddp.bucket_names().len());
+        }
+        g.all_reduce(flat, dist::ReduceOp::Avg)
+    });
+    let opts = DdpOptions { group: Some(one_rank()), bucket_cap_mib: 1.0 / 1024.0, first_bucket_mib: 1.0 / 1024.0, comm_hook: Some(hook), ..DdpOptions::default() };
+    let ddp = Arc::new(DistributedDataParallel::with_options(model(), opts).unwrap());
+    slot.set(Arc::downgrade(&ddp)).ok().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let d = ddp.clone();
+    std::thread::spawn(move || {
+        let (x, y) = data(8);
+        tx.send(loss(&*d, &x, &y).and_then(|l| l.backward()).map_err(|e| e.to_string())).ok();
+    });
+    let done = rx.recv_timeout(Duration::from_secs(60)).expect("backward still running after 60 s: the hook waits for the reducer");
+    done.unwrap();
+    let buckets = ddp.bucket_names().len();
+    assert!(buckets > 1);
+    assert_eq!(*asked.lock().unwrap(), vec![buckets; buckets], "each bucket's hook saw every bucket");
+}
+
 /// Compiled steps overlap as eager ones do: a program starts each bucket's all-reduce and goes
 /// on with backward, waiting only where the reduced gradients are read. Observed with two ranks
 /// in this process: rank 1 starts each step only once rank 0's backward has reached its first
