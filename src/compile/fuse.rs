@@ -169,12 +169,15 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             }
             // Kept dims one run with reduced dims on both sides, on the GPU: a mid reduction.
             // Its threads walk the inner dim, so that dim must be long enough to be read a
-            // warp's width at a time.
+            // warp's width at a time, or 1: then they walk the kept dims (channels-last batch
+            // norm's statistics of `[N, H, W, C]`; 4-D values only, so that the column sums of
+            // matrices keep the eager column kernel).
             let kept: Vec<usize> = (0..x.len()).filter(|d| !dims.contains(d)).collect();
             let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Kind::Other };
             let (outer, rows, inner): (usize, usize, usize) = (x[..a].iter().product(), x[a..=b].iter().product(), x[b + 1..].iter().product());
             let one_run = b - a + 1 == kept.len();
-            if n.device.is_cuda() && one_run && outer > 1 && inner >= MID_MIN_INNER && rows > 1 && outer.checked_mul(inner).is_some_and(|k| k <= MAX_LOOPED_ROW) {
+            let walkable = inner >= MID_MIN_INNER || (inner == 1 && x.len() == 4);
+            if n.device.is_cuda() && one_run && outer > 1 && walkable && rows > 1 && outer.checked_mul(inner).is_some_and(|k| k <= MAX_LOOPED_ROW) {
                 Kind::MidReduce(outer, rows, inner)
             } else {
                 Kind::Other
@@ -669,6 +672,27 @@ pub(crate) mod tests {
         }
         let host = crate::compile::simplify::simplify(&host_graph_of(&[r(&[8, 4, 6, 6], DType::BF16)], bn));
         assert!(schedule(&host).kernels.iter().all(|k| !matches!(k.space, Space::Mid { .. })));
+    }
+
+    #[test]
+    fn channels_last_batch_norm_statistics_are_column_mid_kernels_on_the_gpu() {
+        // A convolution laid out channels-last (`layout`), then training-mode batch norm: its
+        // statistics reduce the leading dims of `[N, H, W, C]` values, one mid kernel each with
+        // an inner dim of 1 (the column kernel), storing per-channel values only.
+        let (rm, rv, w, b) = (r(&[4], DType::F32), r(&[4], DType::F32).abs().unwrap(), r(&[4], DType::F32), r(&[4], DType::F32));
+        let x = r(&[8, 3, 6, 6], DType::F32).to_memory_format(crate::MemoryFormat::ChannelsLast).unwrap();
+        let k = r(&[4, 3, 3, 3], DType::F32);
+        let args = [x, k];
+        let f = move |xs: &[Tensor]| Ok(vec![F::batch_norm(&F::conv2d(&xs[0], &xs[1], None, F::Conv2dArgs { padding: (1, 1), ..Default::default() })?, Some(&rm), Some(&rv), Some(&w), Some(&b), true, 0.1, 1e-5)?]);
+        let g = crate::compile::layout::channels_last(&graph_of(&args, f), &args);
+        let g = crate::compile::recompute::recompute_cheap(&crate::compile::simplify::simplify(&g));
+        let s = schedule(&g);
+        let all = || s.kernels.iter().map(|k| k.describe().to_string()).collect::<Vec<_>>();
+        let cols: Vec<&FusedKernel> = s.kernels.iter().filter(|k| matches!(k.space, Space::Mid { outer: 288, rows: 4, inner: 1 })).collect();
+        assert_eq!(cols.len(), 2, "{:?}", all());
+        for k in &cols {
+            assert!(k.outputs.iter().all(|(o, _)| k.ops[*o].row), "{}", k.describe());
+        }
     }
 
     #[test]

@@ -689,6 +689,148 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     c
 }
 
+/// A mid kernel whose inner dim is 1 (`[P, M]`, reduced over P: batch norm's statistics of
+/// channels-last `[N, H, W, C]`): a block per (tile of columns, chunk of P). Its threads are
+/// `COL_TX` x `TY`: each walks its `VEC` adjacent columns down every `TY`-th row of its chunk
+/// (a warp reads whole rows, `MID_ILP` loads in flight), folding each reduction's argument
+/// into one accumulator per column; the block folds its threads' accumulators in row order
+/// through shared memory, and with chunks the last block of a tile folds the tile's partials
+/// in chunk order (the same bits on every run), then computes the column ops.
+fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize, vector: &[bool]) -> String {
+    let ty = MID_THREADS / tx;
+    let mut c = String::from(PRELUDE);
+    let idx = if wide { "long long" } else { "int" };
+    let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}\n#define VEC {vec}\n#define TX {tx}\n#define TY {ty}");
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if !inp.row && vector[j] {
+            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
+        }
+    }
+    let reduces = mid_reductions(k);
+    let mut helpers = vec![];
+    for &(_, r, t) in &reduces {
+        if !helpers.contains(&(r, t)) {
+            helpers.push((r, t));
+            let _ = writeln!(c, "__device__ __forceinline__ {n} {}({n} a, {n} b) {{ return {}; }}", comb_name(r, t), r.cuda_combine(), n = t.name());
+        }
+    }
+    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
+    let widest_acc = reduces.iter().map(|r| r.2.dtype().size_in_bytes()).max().unwrap_or(4);
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{");
+    let s = MidWords::SIZES;
+    let _ = writeln!(c, "  const IDX P = (IDX)a.w[{}], M = (IDX)a.w[{}], C = (IDX)a.w[{}];", s, s + 1, s + 3);
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
+    }
+    for (j, inp) in k.inputs.iter().enumerate() {
+        let w = words.input(j);
+        let _ = writeln!(c, "  const {t}* __restrict__ p{j} = (const {t}*)a.w[{w}]; const IDX ps{j} = (IDX)a.w[{}], ms{j} = (IDX)a.w[{}]; (void)ps{j}; (void)ms{j};", w + 1, w + 2, t = storage_type(inp.dtype));
+    }
+    let (ins, vals) = value_names(k);
+    let _ = writeln!(c, "  const IDX col0 = ((IDX)blockIdx.x * TX + (IDX)threadIdx.x) * VEC, ch = blockIdx.y;");
+    let _ = writeln!(c, "  const IDX lo = (IDX)(((long long)P * ch) / C), hi = (IDX)(((long long)P * (ch + 1)) / C);");
+    for &(i, r, t) in &reduces {
+        let _ = writeln!(c, "  {} acc{i}[VEC];\n  _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {};", t.name(), r.cuda_identity(t));
+    }
+    let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
+    let mut elem = vec![false; k.ops.len()];
+    for (i, op) in k.ops.iter().enumerate() {
+        elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| match a {
+            ValueRef::In(j) => !k.inputs[*j].row,
+            ValueRef::Op(j) => elem[*j],
+        });
+    }
+    let computed = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
+    for i in (0..k.ops.len()).filter(|&i| computed(i) && !elem[i] && !k.ops[i].row) {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
+    }
+    // M is a multiple of VEC: a thread's columns are all in or all out.
+    let _ = writeln!(c, "  if (col0 < M) for (IDX base = lo + (IDX)threadIdx.y; base < hi; base += ILP * TY) {{");
+    for &j in &full_in {
+        let at = |u: &str| format!("(base + {u} * TY) * ps{j}");
+        if vector[j] {
+            let _ = writeln!(c, "    VI{j} l{j}[ILP];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * TY < hi) l{j}[u] = *(const VI{j}*)(p{j} + {} + col0);", at("u"));
+        } else {
+            let st = storage_type(k.inputs[j].dtype);
+            let _ = writeln!(c, "    {st} l{j}[ILP][VEC];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * TY < hi) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) l{j}[u][e] = p{j}[{} + (col0 + e) * ms{j}]; }}", at("u"));
+        }
+    }
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * TY >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
+    for &j in &full_in {
+        let t = ins[j].0;
+        let v = if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
+        let _ = writeln!(c, "        const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &v));
+    }
+    for i in (0..k.ops.len()).filter(|&i| computed(i) && elem[i]) {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        let _ = writeln!(c, "        const {} t{i} = {e};", t.name());
+    }
+    for &(i, r, t) in &reduces {
+        let a = arg(&k.ops[i].args[0], &ins, &vals);
+        let _ = writeln!(c, "        acc{i}[e] = {}(acc{i}[e], {});", comb_name(r, t), convert(a.0, t, &a.1));
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if !k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "        out{m}[(long long)(base + u * TY) * M + col0 + e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+    c.push_str("      }\n    }\n  }\n");
+    // The block's threads folded in row order, one reduction at a time through one shared
+    // buffer: thread row 0 holds the block's result.
+    let _ = writeln!(c, "  __shared__ __align__(8) unsigned char shm[TY * TX * VEC * {widest_acc}];");
+    let mut fold = String::new();
+    for &(i, r, t) in &reduces {
+        let tn = t.name();
+        let _ = writeln!(fold, "  {{\n    {tn}* red = ({tn}*)shm;\n    _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) red[(threadIdx.y * TX + threadIdx.x) * VEC + e] = acc{i}[e];\n    __syncthreads();");
+        let _ = writeln!(fold, "    if (threadIdx.y == 0) for (int y = 1; y < TY; y++) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {}(acc{i}[e], red[(y * TX + threadIdx.x) * VEC + e]); }}\n    __syncthreads();\n  }}", comb_name(r, t));
+    }
+    c.push_str(&fold);
+    // Split rows: partials; the last block of the tile folds them, its thread rows taking every
+    // TY-th chunk, then the same fold as above (a fixed order: the same bits on every run).
+    c.push_str("  if (C > 1) {\n    if (threadIdx.y == 0 && col0 < M) {\n");
+    for (n, &(i, _, t)) in reduces.iter().enumerate() {
+        let _ = writeln!(c, "      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) (({t}*)a.w[{}])[ch * M + col0 + e] = acc{i}[e];", words.part(n), t = t.name());
+    }
+    c.push_str("      __threadfence();\n    }\n");
+    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if (threadIdx.x == 0 && threadIdx.y == 0) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
+    c.push_str("      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[blockIdx.x]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[blockIdx.x] = 0;\n    }\n    __syncthreads();\n    if (!last) return;\n    __threadfence();\n");
+    for (n, &(i, r, t)) in reduces.iter().enumerate() {
+        let _ = writeln!(c, "    {{ const {tn}* part = (const {tn}*)a.w[{}]; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ acc{i}[e] = {}; if (col0 < M) for (IDX q = threadIdx.y; q < C; q += TY) acc{i}[e] = {}(acc{i}[e], __ldcg(part + q * M + col0 + e)); }} }}", words.part(n), r.cuda_identity(t), comb_name(r, t), tn = t.name());
+    }
+    c.push_str(&fold);
+    c.push_str("  }\n");
+    c.push_str("  if (threadIdx.y != 0 || col0 >= M) return;\n  _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n    const IDX col = col0 + e;\n");
+    for &(i, _, acc) in &reduces {
+        let t = CType::of(k.ops[i].dtype);
+        let _ = writeln!(c, "    const {} t{i} = {};", t.name(), convert(acc, t, &format!("acc{i}[e]")));
+    }
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if inp.row {
+            let t = CType::of(inp.dtype);
+            let _ = writeln!(c, "    const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[col * ms{j}]")));
+        }
+    }
+    for (i, op) in k.ops.iter().enumerate() {
+        if op.row && computed(i) {
+            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
+            let (t, e) = lower(op, &args);
+            let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
+        }
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "    out{m}[col] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+    c.push_str("  }\n}\n");
+    c
+}
+
 fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
@@ -700,13 +842,29 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
     }
     let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
-    // About eight blocks per SM, each reading at least 2048 values.
-    let chunks = (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1));
+    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
+    // An inner dim of 1 (channels-last statistics) walks the columns instead (`gen_fused_cols`):
+    // VEC adjacent columns per thread, `tx` threads across a tile of columns.
+    let cols = q == 1;
+    let vec = if cols {
+        [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && m.is_multiple_of(v)).unwrap_or(1)
+    } else {
+        [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && q.is_multiple_of(v)).unwrap_or(1)
+    };
+    let tx = (m / vec).next_power_of_two().min(32);
+    let tiles = if cols { m.div_ceil(tx * vec) } else { m };
+    // About eight blocks per SM, each reading at least 2048 values (a column kernel's chunk at
+    // least `MID_ILP` rows per thread).
+    let chunks = if cols {
+        (dev.sm_count * 8).div_ceil(tiles).clamp(1, (p / (MID_ILP * (MID_THREADS / tx))).max(1))
+    } else {
+        (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1))
+    };
     let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&(_, _, acc)| CudaStorage::new(dev, acc.dtype(), chunks * m)).collect::<Result<_>>()? } else { vec![] };
     let mut a = LaunchArgs::default();
     a.w[MidWords::SIZES..MidWords::SIZES + 4].copy_from_slice(&[p as u64, m as u64, q as u64, chunks as u64]);
     if chunks > 1 {
-        a.w[MidWords::COUNT] = dev.reduce_counters(m)?;
+        a.w[MidWords::COUNT] = dev.reduce_counters(tiles)?;
     }
     for (r, s) in parts.iter().enumerate() {
         a.w[words.part(r)] = s.ptr();
@@ -724,14 +882,14 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         reach = reach.max(t.shape().iter().zip(t.strides()).map(|(n, s)| n.saturating_sub(1) * s).sum::<usize>());
     }
     let wide = reach + MID_ILP * MID_THREADS * 8 >= i32::MAX as usize;
-    // VEC inner values per position: 16 bytes of the widest full input, where the inner dim
-    // divides by it; inputs whose inner values are contiguous and aligned load them as one.
-    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
-    let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && q.is_multiple_of(v)).unwrap_or(1);
+    // VEC inner values (columns) per position: 16 bytes of the widest full input, where the
+    // inner dim (the columns) divides by it; inputs whose values there are contiguous and
+    // aligned load them as one.
     let mut vector = vec![];
     for (inp, t) in k.inputs.iter().zip(&views) {
         let s = t.strides();
-        let ok = !inp.row && vec > 1 && s[2] == 1 && s[1] % vec == 0 && s[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
+        let runs = if cols { s[1] == 1 && s[0] % vec == 0 } else { s[2] == 1 && s[1] % vec == 0 && s[0] % vec == 0 };
+        let ok = !inp.row && vec > 1 && runs && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
     let mask = vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64)));
@@ -743,15 +901,22 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         None => {
             let signature = k.signature();
             let loads: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
-            let name = format!("{}_mid{vec}{}_{loads}", k.code_name(signature), if wide { "_i64" } else { "" });
-            let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || (name.clone(), gen_fused_mid(k, &name, wide, vec, &vector)))?;
+            let kind = if cols { format!("cols{tx}x") } else { "mid".into() };
+            let name = format!("{}_{kind}{vec}{}_{loads}", k.code_name(signature), if wide { "_i64" } else { "" });
+            let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || {
+                (name.clone(), if cols { gen_fused_cols(k, &name, wide, vec, tx, &vector) } else { gen_fused_mid(k, &name, wide, vec, &vector) })
+            })?;
             if !f.is_rehearsed() {
                 launches.0.lock().push((shape, f));
             }
             f
         }
     };
-    dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?;
+    if cols {
+        dev.launch(kern, (tiles as u32, chunks as u32, 1), (tx as u32, (MID_THREADS / tx) as u32, 1), &a)?;
+    } else {
+        dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?;
+    }
     drop(parts);
     Ok(wrap(outs, |j| if k.ops[k.outputs[j].0].row { vec![m] } else { vec![p * m * q] }))
 }
@@ -817,6 +982,36 @@ mod tests {
         compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
         let v = seen.lock().unwrap().clone();
         v
+    }
+
+    #[test]
+    fn a_column_kernel_folds_every_statistic_and_stores_per_channel_values() {
+        // Batch norm's statistics of a channels-last convolution's BF16 output (layout pass):
+        // each is a mid kernel with an inner dim of 1, rendered as the column kernel: 16-byte
+        // loads of 8 channels, a fold through shared memory, the chunks' partials.
+        let x = Tensor::randn(&[8, 3, 6, 16], DType::F32, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap().to_memory_format(crate::MemoryFormat::ChannelsLast).unwrap();
+        let w = Tensor::randn(&[16, 3, 3, 3], DType::F32, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        let args = [x, w];
+        let (rm, rv) = (Tensor::zeros(&[16], DType::F32, &Device::Cpu).unwrap(), Tensor::ones(&[16], DType::F32, &Device::Cpu).unwrap());
+        let f = move |xs: &[Tensor]| Ok(vec![F::batch_norm(&F::conv2d(&xs[0], &xs[1], None, F::Conv2dArgs { padding: (1, 1), ..Default::default() })?, Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)?]);
+        let g = crate::compile::layout::channels_last(&crate::compile::fuse::tests::graph_of(&args, f), &args);
+        let g = crate::compile::recompute::recompute_cheap(&crate::compile::simplify::simplify(&g));
+        let ks: Vec<FusedKernel> = crate::compile::fuse::schedule(&g).kernels.into_iter().filter(|k| matches!(k.space, Space::Mid { inner: 1, .. })).collect();
+        assert_eq!(ks.len(), 2);
+        for k in &ks {
+            let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row).collect();
+            let src = gen_fused_cols(k, "cols", false, 8, 2, &vector);
+            assert_eq!(src.matches('{').count(), src.matches('}').count(), "{src}");
+            assert!(src.contains("#define TX 2") && src.contains("#define TY 128") && src.contains("struct __align__(16)"), "{src}");
+            let reductions = mid_reductions(k).len();
+            assert!(reductions >= 1);
+            // Each reduction folded twice through shared memory (the block, then the partials).
+            assert_eq!(src.matches("* red = (").count(), 2 * reductions, "{src}");
+            assert!(k.outputs.iter().all(|(o, _)| k.ops[*o].row) && src.contains("out0[col] ="), "{src}");
+            if std::env::var("KILN_PRINT_SOURCE").is_ok() {
+                println!("{src}");
+            }
+        }
     }
 
     #[test]
