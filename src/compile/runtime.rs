@@ -423,7 +423,7 @@ impl Program {
                     let kern = &self.schedule.kernels[*k];
                     let ins: Vec<Tensor> = kern.inputs.iter().map(|i| env[i.node].clone().expect("computed before use")).collect();
                     // Outputs the plan writes into captured tensors in place.
-                    let into: Vec<Option<Tensor>> = kern
+                    let mut into: Vec<Option<Tensor>> = kern
                         .outputs
                         .iter()
                         .map(|(_, node)| {
@@ -437,6 +437,16 @@ impl Program {
                             (nhwc.is_contiguous() && nhwc.shape() == shape).then_some(nhwc)
                         })
                         .collect();
+                    // Else, outputs written into the buffers of inputs that die here.
+                    if into.iter().all(Option::is_none) {
+                        for (m, j) in dying_inputs_to_write(kern, &ins, &self.frees[s]).into_iter().enumerate() {
+                            if let Some(j) = j {
+                                into[m] = Some(ins[j].clone());
+                                #[cfg(test)]
+                                WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
+                            }
+                        }
+                    }
                     let outs = if kern.device.is_cuda() {
                         crate::backend::cuda::kernels::fused::run(kern, &kern.shape, &ins, &into, self.tune)?
                     } else {
@@ -553,6 +563,36 @@ impl InFlight {
 }
 
 /// One node run by the eager backend (or an input, which needs nothing).
+#[cfg(test)]
+thread_local! {
+    /// Kernels on this thread that wrote into a dying input's buffer.
+    static WRITES_INTO_DYING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// For each output of flat kernel `kern`, an input whose buffer it may take: a value that dies
+/// at this step (`dying`), of the output's dtype and element count, contiguous, held by nothing
+/// but the program's environment and `ins` (no view of it, not an argument of the call, not
+/// kept for a later call), and taken by no other output. A flat kernel loads each element's
+/// inputs before it stores that element's outputs, at the same index (the captured tensors
+/// a step updates in place rely on the same order).
+fn dying_inputs_to_write(kern: &crate::kir::FusedKernel, ins: &[Tensor], dying: &[NodeId]) -> Vec<Option<usize>> {
+    let crate::kir::Space::Flat { numel } = kern.space else { return vec![None; kern.outputs.len()] };
+    let mut taken: Vec<usize> = vec![];
+    (0..kern.outputs.len())
+        .map(|m| {
+            let dtype = kern.ops[kern.outputs[m].0].dtype;
+            let j = (0..ins.len()).find(|&j| {
+                let t = &ins[j];
+                let copies = ins.iter().filter(|u| u.same_tensor(t)).count();
+                let free = !taken.iter().any(|&k| ins[k].same_tensor(t));
+                !kern.single[m] && free && dying.contains(&kern.inputs[j].node) && t.dtype() == dtype && t.numel() == numel && t.is_contiguous() && t.held_only_by(1 + copies)
+            })?;
+            taken.push(j);
+            Some(j)
+        })
+        .collect()
+}
+
 fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<Tensor> {
     let n = &g.nodes[i];
     let arg = |a: &NodeId| env[*a].as_ref().expect("computed before use");
@@ -686,6 +726,24 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     let mut holders = vec![0usize; n];
     let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
+        // Flat kernels' outputs written into dying inputs' buffers (`dying_inputs_to_write`,
+        // which also checks at run time that each is contiguous and held by nothing else).
+        if let Step::Kernel(j) = step {
+            let kern = &s.kernels[*j];
+            if let crate::kir::Space::Flat { .. } = kern.space {
+                let mut taken = vec![];
+                for (m, (_, out)) in kern.outputs.iter().enumerate() {
+                    let found = kern.inputs.iter().filter_map(|i| root[i.node].filter(|_| frees[k].contains(&i.node))).find(|&r| {
+                        holders[r] == 1 && !taken.contains(&r) && !kern.single[m] && bytes(r) == bytes(*out) && g.nodes[r].dtype == g.nodes[*out].dtype
+                    });
+                    if let (Some(r), Some(was)) = (found, root[*out]) {
+                        taken.push(r);
+                        // (views of the output, later, hold that buffer too)
+                        root.iter_mut().filter(|x| **x == Some(was)).for_each(|x| *x = Some(r));
+                    }
+                }
+            }
+        }
         for v in step_outputs(s, step) {
             if let Some(r) = root[v] {
                 if holders[r] == 0 {
@@ -871,6 +929,51 @@ mod tests {
     /// The planned peak counts each computed value from the step that makes it until it and
     /// its views are dead: exp(x) (1 KiB) lives while the product reads it, the product's
     /// 1 KiB beside it, and the view of the product costs nothing.
+    #[test]
+    fn a_kernel_writes_into_a_dying_value_and_never_into_one_still_held() {
+        use crate::compile::compile;
+        use super::WRITES_INTO_DYING;
+        let writes = || WRITES_INTO_DYING.with(|c| c.get());
+        let d = Device::Cpu;
+        let (x, w) = (Tensor::randn(&[128, 128], DType::F32, &d).unwrap(), Tensor::randn(&[128, 128], DType::F32, &d).unwrap());
+        let x_before = x.to_vec::<f32>().unwrap();
+        // sin(a), computed beside `a` (whose other reader, the product, comes between), dies in
+        // the kernel of `b`: `b` may take its buffer.
+        let body = |x: &Tensor, w: &Tensor| -> crate::Result<(Tensor, Tensor, Tensor)> {
+            let a = x.exp()?.mul_scalar(0.5)?;
+            let m = a.matmul(w)?;
+            let b = a.sin()?.add(&m)?.relu()?;
+            Ok((a, m, b))
+        };
+        let eager = body(&x, &w).unwrap();
+        let close = |got: &Tensor, want: &Tensor| {
+            let (g, e) = (got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+            assert!(g.iter().zip(&e).all(|(a, b)| (a - b).abs() <= 1e-4 * (1.0 + b.abs())));
+        };
+        let f = compile(move |xs: &[Tensor]| {
+            let (_, m, b) = body(&xs[0], &xs[1])?;
+            Ok(vec![m, b])
+        });
+        let before = writes();
+        let out = f.call(&[x.clone(), w.clone()]).unwrap();
+        assert!(writes() > before, "the kernel of b wrote into sin(a)'s buffer");
+        close(&out[0], &eager.1);
+        close(&out[1], &eager.2);
+        // `a` also returned (as a view): it is held, so nothing may write into it (sin(a) still
+        // dies), and every output keeps its values; the call's own arguments are never written.
+        let g = compile(move |xs: &[Tensor]| {
+            let (a, m, b) = body(&xs[0], &xs[1])?;
+            Ok(vec![a.reshape(&[-1])?, m, b])
+        });
+        let out = g.call(&[x.clone(), w.clone()]).unwrap();
+        close(&out[0].reshape(&[128, 128]).unwrap(), &eager.0);
+        close(&out[1], &eager.1);
+        close(&out[2], &eager.2);
+        let h = compile(|xs: &[Tensor]| Ok(vec![xs[0].sin()?.exp()?]));
+        h.call(std::slice::from_ref(&x)).unwrap();
+        assert_eq!(x.to_vec::<f32>().unwrap(), x_before, "an argument is never written");
+    }
+
     #[test]
     fn the_planned_peak_follows_liveness_and_views() {
         let seen = Arc::new(Mutex::new(None));

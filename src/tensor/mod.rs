@@ -218,6 +218,16 @@ impl Tensor {
     pub fn version(&self) -> u64 {
         self.0.storage.version()
     }
+    /// Whether `handles` clones of this tensor are all that refer to its storage (no view of
+    /// it, nothing else holding it): what a compiled program checks before a kernel writes
+    /// into the buffer of a value that dies there.
+    pub(crate) fn held_only_by(&self, handles: usize) -> bool {
+        Arc::strong_count(&self.0.storage) == 1 && Arc::strong_count(&self.0) == handles
+    }
+    /// Whether both are handles of one tensor (not merely views of one storage).
+    pub(crate) fn same_tensor(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
     /// Whether two tensors share storage.
     pub fn shares_storage_with(&self, other: &Tensor) -> bool {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)
