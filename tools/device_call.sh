@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -349,6 +349,29 @@ if [[ " $* " == *" layout "* ]]; then
   done
   timeout 300 python3 .gpu/bench/torch_reference.py --only resnet50 --out $OUT/t-resnet.json > /dev/null 2>&1
   for cl in 1 0; do echo "KILN_CHANNELS_LAST=$cl"; python3 .gpu/bench/compare.py $OUT/t-resnet.json $OUT/k-cl$cl.json; done | tee $OUT/compare-layout.txt
+fi
+if [[ " $* " == *" pair "* ]]; then
+  # kiln and torch bench of each workload of $WORKLOADS, no warm-up (the suite ran first),
+  # each side's rows merged, then compared; KILN_LOG=memory's planned peaks of the kiln runs.
+  for w in $WORKLOADS; do
+    KILN_LOG=memory KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only $w --out $OUT/k-$w.json > /dev/null 2> $OUT/mem-$w.log
+    grep -h "planned peak" $OUT/mem-$w.log | sort | uniq -c | sort -rn | head -4 | cut -c1-400
+    timeout ${PAIR_TORCH_S:-200} python3 .gpu/bench/torch_reference.py --only $w --out $OUT/t-$w.json > /dev/null 2>&1
+  done
+  python3 - $OUT <<'PY'
+import json, sys, glob
+out = sys.argv[1]
+for side in "kt":
+    files = sorted(glob.glob(f"{out}/{side}-*.json"))
+    if not files: continue
+    merged = json.load(open(files[0]))
+    for f in files[1:]:
+        merged["workloads"].update(json.load(open(f))["workloads"])
+    json.dump(merged, open(f"{out}/{'kiln' if side == 'k' else 'torch'}.json", "w"), indent=1)
+    for k, v in merged["workloads"].items(): print(side, k, {a: (round(b, 3) if isinstance(b, float) else b) for a, b in v.items()})
+PY
+  rm -f $OUT/k-*.json $OUT/t-*.json $OUT/mem-*.log
+  python3 .gpu/bench/compare.py $OUT/torch.json $OUT/kiln.json | tee $OUT/compare.txt
 fi
 if [[ " $* " == *" suite "* ]]; then KILN_BIN=$PWD/.gpu/bin/kiln bash .gpu/run.sh $OUT 2>&1 | tail -12; grep -E "FAILED|panicked|failed" $OUT/gpu-tests.log | head -20; fi
 if [[ " $* " == *" cudnnlog "* ]]; then

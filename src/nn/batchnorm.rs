@@ -92,6 +92,39 @@ pub fn batch_norm(
     y.to_dtype(x.dtype())
 }
 
+/// `conv` followed by `bn` in evaluation mode, as one convolution (PyTorch's
+/// `torch.nn.utils.fuse_conv_bn_eval`): each output channel's weights scaled by
+/// `weight / sqrt(running_var + eps)` and its bias moved to
+/// `(bias - running_mean) * that scale + bn.bias`. Computed in F32 (or F64 for F64 weights) and
+/// stored in the convolution's dtype and memory format; the new tensors are leaves that require
+/// gradients when `conv`'s weight does. For inference: a folded network computes one pass less
+/// per convolution, and a training-mode batch norm cannot be folded at all.
+pub fn fuse_conv_bn_eval(conv: &super::Conv2d, bn: &BatchNorm2d) -> Result<super::Conv2d> {
+    let op = "fuse_conv_bn_eval";
+    let out = conv.weight.shape()[0];
+    if bn.running_mean.shape() != [out] {
+        return Err(Error::shape(op, format!("a batch norm of {:?} channels after a convolution of {out} output channels", bn.running_mean.shape())));
+    }
+    if bn.training.load(Ordering::Relaxed) {
+        return Err(Error::arg(op, "the batch norm is in training mode: its batch statistics cannot be folded (call eval() first)"));
+    }
+    let w = &conv.weight;
+    let compute = if w.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    no_grad(|| {
+        let f = |t: &Tensor| t.to_dtype(compute);
+        let scale = f(&bn.running_var)?.add_scalar(bn.eps)?.rsqrt()?.mul(&f(&bn.weight)?)?;
+        let weight = f(w)?.mul(&scale.reshape_usize(&[out, 1, 1, 1])?)?.to_dtype(w.dtype())?.copy_in(w.dense_format().unwrap_or(crate::MemoryFormat::Contiguous))?;
+        let conv_bias = match &conv.bias {
+            Some(b) => f(b)?,
+            None => Tensor::zeros(&[out], compute, &w.device())?,
+        };
+        let bias = conv_bias.sub(&f(&bn.running_mean)?)?.mul(&scale)?.add(&f(&bn.bias)?)?.to_dtype(conv.bias.as_ref().map_or(w.dtype(), |b| b.dtype()))?;
+        let grad = w.is_requires_grad();
+        let leaf = |t: Tensor| if grad { t.requires_grad() } else { t };
+        Ok(super::Conv2d { weight: leaf(weight), bias: Some(leaf(bias)), args: conv.args })
+    })
+}
+
 /// `t` (`[C]`) as `[1, C, 1, ...]` in `like`'s compute dtype, to broadcast against `like`.
 fn per_channel(t: &Tensor, like: &Tensor) -> Result<Tensor> {
     let mut shape = vec![1usize; like.ndim()];

@@ -15,7 +15,7 @@ pub mod safetensors;
 mod transformer;
 
 pub use attention::{AttnArgs, MultiheadAttention};
-pub use batchnorm::BatchNorm2d;
+pub use batchnorm::{fuse_conv_bn_eval, BatchNorm2d};
 pub use ddp::{CommHook, DdpOptions, DistributedDataParallel};
 pub use conv::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Conv2dArgs, Flatten, MaxPool2d, MaxPool2dArgs};
 pub use layers::{Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential, SiLU, Sigmoid, Tanh, GELUTanh, GELU};

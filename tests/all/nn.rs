@@ -290,3 +290,42 @@ fn modules_move_and_convert_their_parameters() {
     lin.forward(&x).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(lin.parameters().iter().all(|p| p.grad().is_some()));
 }
+
+/// A convolution and an evaluation-mode batch norm folded into one convolution compute what
+/// the pair computes (F32: rtol 1e-4, atol 1e-5; only the order of the rounding changes), with
+/// and without the convolution's bias, contiguous and channels-last; a training-mode batch
+/// norm or a channel mismatch is an error.
+#[test]
+fn a_folded_batch_norm_equals_the_convolution_and_batch_norm_it_replaces() {
+    let d = dev();
+    let r = |shape: &[usize], seed: u64| t(&host_rand(shape.iter().product(), seed), shape, DType::F32);
+    let x = r(&[2, 3, 9, 8], 1);
+    for (bias, format) in [(false, MemoryFormat::Contiguous), (true, MemoryFormat::Contiguous), (true, MemoryFormat::ChannelsLast)] {
+        let args = nn::Conv2dArgs { stride: (2, 1), padding: (1, 1), ..Default::default() };
+        let mut conv = nn::Conv2d::with_options(3, 6, (3, 3), args, bias, &d).unwrap();
+        conv.weight = r(&[6, 3, 3, 3], 2).to_memory_format(format).unwrap();
+        if bias {
+            conv.bias = Some(r(&[6], 3));
+        }
+        let bn = nn::BatchNorm2d::new(6, &d).unwrap();
+        no_grad(|| -> Result<()> {
+            bn.weight.copy_(&r(&[6], 4))?;
+            bn.bias.copy_(&r(&[6], 5))?;
+            bn.running_mean.copy_(&r(&[6], 6).mul_scalar(0.3)?)?;
+            bn.running_var.copy_(&r(&[6], 7).abs()?.add_scalar(0.2)?)
+        })
+        .unwrap();
+        assert!(nn::fuse_conv_bn_eval(&conv, &bn).unwrap_err().to_string().contains("training mode"));
+        bn.eval();
+        let x = x.to_memory_format(format).unwrap();
+        let want = bn.forward(&conv.forward(&x).unwrap()).unwrap();
+        let folded = nn::fuse_conv_bn_eval(&conv, &bn).unwrap();
+        assert!(folded.weight.is_contiguous_for(format), "the folded weight keeps the format");
+        let got = folded.forward(&x).unwrap();
+        assert_close_named(&format!("folded (bias {bias}, {format:?})"), &vals(&got), &vals(&want), 1e-4, 1e-5);
+    }
+    let conv = nn::Conv2d::new(3, 5, 3, &d).unwrap();
+    let bn = nn::BatchNorm2d::new(6, &d).unwrap();
+    bn.eval();
+    assert!(nn::fuse_conv_bn_eval(&conv, &bn).unwrap_err().to_string().contains("5 output channels"));
+}
