@@ -562,7 +562,6 @@ impl InFlight {
     }
 }
 
-/// One node run by the eager backend (or an input, which needs nothing).
 #[cfg(test)]
 thread_local! {
     /// Kernels on this thread that wrote into a dying input's buffer.
@@ -593,6 +592,7 @@ fn dying_inputs_to_write(kern: &crate::kir::FusedKernel, ins: &[Tensor], dying: 
         .collect()
 }
 
+/// One node run by the eager backend (or an input, which needs nothing).
 fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<Tensor> {
     let n = &g.nodes[i];
     let arg = |a: &NodeId| env[*a].as_ref().expect("computed before use");

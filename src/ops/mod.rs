@@ -340,12 +340,24 @@ impl Op {
                 let mask = xs.get(5).copied();
                 run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
+            // Channels-last inputs: on CUDA the kernels store NHWC order themselves, on the host
+            // the NCHW result is copied.
             Op::MaxPool2d(a) => {
-                let y = Tensor::from_backend(run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape)), &shape);
+                let nhwc = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+                if nhwc && x.device().is_cuda() {
+                    let y = Tensor::from_backend(BackendStorage::Cuda(cuda::kernels::maxpool::max_pool2d(x, a, &shape, true)?), &shape);
+                    return Ok(y.view_as_layout(Layout::channels_last(&shape)));
+                }
+                let y = Tensor::from_backend(run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape, false)), &shape);
                 return in_format_of(y, x);
             }
             Op::MaxPool2dBackward(a) => {
-                let dx = Tensor::from_backend(run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a)), &shape);
+                let nhwc = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+                if nhwc && x.device().is_cuda() {
+                    let dx = Tensor::from_backend(BackendStorage::Cuda(cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a, true)?), &shape);
+                    return Ok(dx.view_as_layout(Layout::channels_last(&shape)));
+                }
+                let dx = Tensor::from_backend(run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a, false)), &shape);
                 return in_format_of(dx, x);
             }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),

@@ -32,6 +32,9 @@ __device__ __forceinline__ IDX kfirst_window(IDX pos, IDX pad, IDX k, IDX dil, I
   return pos + pad < span ? 0 : (pos + pad - span) / stride + 1;
 }
 
+// With NHWC defined, outputs (maxima, positions, gradients) are stored in [N, H, W, C] order and
+// consecutive threads take consecutive channels (channels-last tensors read and written in
+// whole rows); else in [N, C, H, W] order.
 extern "C" __global__ void NAME(const MaxPoolArgs a) {
   const T* __restrict__ x = (const T*)a.x;
   const IDX step = (IDX)gridDim.x * blockDim.x;
@@ -39,9 +42,13 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
 #ifndef MAXPOOL_BWD
   const IDX total = (IDX)a.planes * OH * OW;
   for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
-    const IDX ow = i % OW, t = i / OW, oh = t % OH, p = t / OH;
+#ifdef NHWC
+    const IDX ch = i % C, t = i / C, ow = t % OW, t2 = t / OW, oh = t2 % OH, n = t2 / OH;
+#else
+    const IDX ow = i % OW, t = i / OW, oh = t % OH, p = t / OH, n = p / C, ch = p % C;
+#endif
     ACC m;
-    const IDX at = kwindow_max(a, x, (p / C) * (IDX)a.xs[0] + (p % C) * (IDX)a.xs[1], oh, ow, &m);
+    const IDX at = kwindow_max(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, &m);
 #ifdef MAXPOOL_FWD
     ((T*)a.out)[i] = ST(m);
     (void)at;
@@ -55,16 +62,24 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
   const IDX H = (IDX)a.h, W = (IDX)a.w;
   const IDX total = (IDX)a.planes * H * W;
   for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
-    const IDX c = i % W, t = i / W, y = t % H, p = t / H;
-    const IDX bg = (p / C) * (IDX)a.gs[0] + (p % C) * (IDX)a.gs[1];
+#ifdef NHWC
+    const IDX ch = i % C, t = i / C, c = t % W, t2 = t / W, y = t2 % H, n = t2 / H;
+    // window (oh, ow)'s position at[(oh * OW + ow) * C]
+    const int* at = pos + n * OH * OW * C + ch;
+    const IDX wstep = C;
+#else
+    const IDX c = i % W, t = i / W, y = t % H, p = t / H, n = p / C, ch = p % C;
     const int* at = pos + p * OH * OW;
+    const IDX wstep = 1;
+#endif
+    const IDX bg = n * (IDX)a.gs[0] + ch * (IDX)a.gs[1];
     const IDX here = y * W + c;
     const IDX oh1 = min((y + (IDX)a.ph) / (IDX)a.sh + 1, OH), ow0 = kfirst_window(c, a.pw, a.kw, a.dw, a.sw);
     const IDX ow1 = min((c + (IDX)a.pw) / (IDX)a.sw + 1, OW);
     ACC g = 0;
     for (IDX oh = kfirst_window(y, a.ph, a.kh, a.dh, a.sh); oh < oh1; oh++) {
       for (IDX ow = ow0; ow < ow1; ow++) {
-        if (at[oh * OW + ow] == here) g += LD(dy[bg + oh * (IDX)a.gs[2] + ow * (IDX)a.gs[3]]);
+        if (at[(oh * OW + ow) * wstep] == here) g += LD(dy[bg + oh * (IDX)a.gs[2] + ow * (IDX)a.gs[3]]);
       }
     }
     ((T*)a.out)[i] = ST(g);

@@ -1,6 +1,7 @@
 //! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window; the
 //! backward a pass per window (its maximum's position) and one per input position (the sum over
-//! the windows that chose it). Inputs of any strides, outputs contiguous.
+//! the windows that chose it). Inputs of any strides; outputs dense in NCHW order, or in NHWC
+//! order (channels-last) when asked.
 
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::backend::cuda::kernels::{data_ptr, dev_of};
@@ -24,23 +25,24 @@ kernel_args! {
     }
 }
 
-/// The maximum of every window of `x` `[N, C, H, W]`: a new `out` `[N, C, OH, OW]`.
-pub(crate) fn max_pool2d(x: &Tensor, a: &MaxPool2dArgs, out: &[usize]) -> Result<CudaStorage> {
+/// The maximum of every window of `x` `[N, C, H, W]`: a new `out` `[N, C, OH, OW]`, its
+/// elements in NHWC order when `nhwc` (channels-last), else in NCHW order.
+pub(crate) fn max_pool2d(x: &Tensor, a: &MaxPool2dArgs, out: &[usize], nhwc: bool) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
     let res = CudaStorage::new(&dev, x.dtype(), out.iter().product())?;
-    launch(&dev, Pass::Max, x, None, a, out, res.ptr())?;
+    launch(&dev, Pass::Max, x, None, a, out, res.ptr(), nhwc)?;
     Ok(res)
 }
 
 /// `max_pool2d`'s gradient for `x` from the output's gradient `dy`: a new buffer of x's shape.
 /// Two passes: each window's maximum found again (its position kept as an int), then each
-/// input position's sum over the windows that chose it.
-pub(crate) fn max_pool2d_backward(x: &Tensor, dy: &Tensor, a: &MaxPool2dArgs) -> Result<CudaStorage> {
+/// input position's sum over the windows that chose it; in NHWC order when `nhwc`.
+pub(crate) fn max_pool2d_backward(x: &Tensor, dy: &Tensor, a: &MaxPool2dArgs, nhwc: bool) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
     let at = CudaStorage::new(&dev, DType::I32, dy.numel())?;
-    launch(&dev, Pass::Position, x, None, a, dy.shape(), at.ptr())?;
+    launch(&dev, Pass::Position, x, None, a, dy.shape(), at.ptr(), nhwc)?;
     let res = CudaStorage::new(&dev, x.dtype(), x.numel())?;
-    launch(&dev, Pass::Backward(at.ptr()), x, Some(dy), a, dy.shape(), res.ptr())?;
+    launch(&dev, Pass::Backward(at.ptr()), x, Some(dy), a, dy.shape(), res.ptr(), nhwc)?;
     Ok(res)
 }
 
@@ -55,7 +57,8 @@ enum Pass {
     Backward(u64),
 }
 
-fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize], out: u64) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize], out: u64, nhwc: bool) -> Result<()> {
     let dtype = x.dtype();
     let s = x.shape();
     let n = if matches!(pass, Pass::Backward(_)) { x.numel() } else { windows.iter().product() };
@@ -70,8 +73,8 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
         Pass::Position => "_argmax",
         Pass::Backward(_) => "_backward",
     };
-    let name = format!("max_pool2d{what}_{}{}", dtype.torch_name(), if wide { "_i64" } else { "" });
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide)))?;
+    let name = format!("max_pool2d{what}_{}{}{}", dtype.torch_name(), if nhwc { "_nhwc" } else { "" }, if wide { "_i64" } else { "" });
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide, nhwc)))?;
     let strides = |t: &Tensor| -> [i64; 4] { std::array::from_fn(|d| t.strides()[d] as i64) };
     let i = |v: usize| v as i64;
     let args = MaxPoolArgs {
@@ -102,7 +105,7 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
     dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)
 }
 
-fn source(name: &str, dtype: DType, pass: Pass, wide: bool) -> String {
+fn source(name: &str, dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> String {
     let acc = if dtype == DType::F64 { CType::F64 } else { CType::F32 };
     let mut c = format!("{PRELUDE}{}", MaxPoolArgs::C_DECL);
     let _ = writeln!(c, "#define NAME {name}\n#define IDX {}\n#define T {}\n#define ACC {}", if wide { "long long" } else { "int" }, codegen::storage_type(dtype), acc.name());
@@ -112,6 +115,9 @@ fn source(name: &str, dtype: DType, pass: Pass, wide: bool) -> String {
         Pass::Position => "#define MAXPOOL_ARG\n",
         Pass::Backward(_) => "#define MAXPOOL_BWD\n",
     });
+    if nhwc {
+        c.push_str("#define NHWC\n");
+    }
     c.push_str(SOURCE);
     c
 }
