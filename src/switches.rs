@@ -41,6 +41,20 @@ pub(crate) fn channels_last() -> Option<bool> {
     })
 }
 
+/// `KILN_MEMORY_REUSE=0`: compiled kernels never write into the buffers of inputs that die
+/// there (`compile::runtime`); for comparing memory and for tracking down a wrong value.
+pub(crate) fn memory_reuse_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_MEMORY_REUSE").as_deref() == Ok("0"))
+}
+
+/// `KILN_REMAT=0`: compiled training steps keep forward values for backward instead of
+/// recomputing cheap ones there (`compile::remat`).
+pub(crate) fn remat_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| std::env::var("KILN_REMAT").as_deref() == Ok("0"))
+}
+
 /// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.
 pub(crate) fn rows_threads() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

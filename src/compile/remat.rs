@@ -19,6 +19,9 @@ const MIN_NUMEL: usize = 4096;
 /// `g` with each late reader of a recomputable value reading a fresh copy of its chain, made
 /// just before the first of them.
 pub(crate) fn rematerialize(g: &Graph) -> Graph {
+    if crate::switches::remat_off() {
+        return g.clone();
+    }
     let n = g.nodes.len();
     let readers = g.readers();
     // The last position each value is read at (outputs and write-backs: the end).

@@ -438,7 +438,7 @@ impl Program {
                         })
                         .collect();
                     // Else, outputs written into the buffers of inputs that die here.
-                    if into.iter().all(Option::is_none) {
+                    if into.iter().all(Option::is_none) && !crate::switches::memory_reuse_off() {
                         for (m, j) in dying_inputs_to_write(kern, &ins, &self.frees[s]).into_iter().enumerate() {
                             if let Some(j) = j {
                                 into[m] = Some(ins[j].clone());
@@ -728,7 +728,7 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     for (k, step) in s.steps.iter().enumerate() {
         // Flat kernels' outputs written into dying inputs' buffers (`dying_inputs_to_write`,
         // which also checks at run time that each is contiguous and held by nothing else).
-        if let Step::Kernel(j) = step {
+        if let (Step::Kernel(j), false) = (step, crate::switches::memory_reuse_off()) {
             let kern = &s.kernels[*j];
             if let crate::kir::Space::Flat { .. } = kern.space {
                 let mut taken = vec![];

@@ -160,7 +160,7 @@ pub(crate) struct SiteGuard(bool);
 #[track_caller]
 pub(crate) fn call_site() -> SiteGuard {
     let at = Location::caller();
-    if !active() || inside_the_library(at) {
+    if !(active() || super::sync::sync_debug_mode() != super::SyncDebug::Off) || inside_the_library(at) {
         return SiteGuard(false);
     }
     SiteGuard(SITE.try_with(|s| s.get().is_none() && { s.set(Some(at)); true }).unwrap_or(false))
@@ -384,6 +384,17 @@ pub(crate) fn cpu_kernel(name: &str) -> Span {
         return Span::OFF;
     }
     Span::open(event(EventKind::Kernel, name.to_string(), Device::Cpu))
+}
+
+/// Where a synchronisation reached at `at` was asked for: `at` itself, unless that is a line of
+/// the library (a chain of `#[track_caller]` broken on the way), then the user's line a guard
+/// recorded, if any.
+pub(super) fn caller_of(at: &'static Location<'static>) -> &'static Location<'static> {
+    if inside_the_library(at) {
+        current_site().unwrap_or(at)
+    } else {
+        at
+    }
 }
 
 /// Hook: a host synchronisation called at `at` (its host time is the wait).

@@ -65,6 +65,7 @@ pub fn with_sync_debug_mode<T>(mode: SyncDebug, f: impl FnOnce() -> T) -> T {
 /// Hook: the host is about to wait for `device` (`what` says why), called from `at`. Reports it
 /// as the mode asks, records it when profiling, and in `Error` mode refuses.
 pub(crate) fn sync(what: &'static str, device: Device, at: &'static Location<'static>) -> Result<Span> {
+    let at = record::caller_of(at);
     let report = || format!("{what} on {device}: host synchronisation at {}:{}:{}", at.file(), at.line(), at.column());
     match sync_debug_mode() {
         SyncDebug::Off => logging::log(Topic::Sync, report),

@@ -35,16 +35,25 @@ pub fn options(backend: Backend, rank: usize, world: usize, port: u16, timeout: 
 
 /// Runs `f` on `world` TCP ranks at once and returns their results in rank order.
 pub fn on_ranks<T: Send>(world: usize, f: impl Fn(&ProcessGroup) -> kiln::Result<T> + Sync) -> Vec<kiln::Result<T>> {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = (0..world)
-            .map(|r| {
-                let f = &f;
-                s.spawn(move || ProcessGroup::new(options(Backend::Tcp, r, world, port, Duration::from_secs(20))).and_then(|g| f(&g)))
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
-    })
+    // A port free when `free_port` looked can be taken before rank 0's store listens on it
+    // (other tests start groups all the time): then the whole group starts again on another.
+    for attempt in 0.. {
+        let port = free_port();
+        let results: Vec<kiln::Result<T>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    let f = &f;
+                    s.spawn(move || ProcessGroup::new(options(Backend::Tcp, r, world, port, Duration::from_secs(20))).and_then(|g| f(&g)))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+        });
+        let taken = results.iter().any(|r| r.as_ref().is_err_and(|e| e.to_string().contains("Address already in use")));
+        if !taken || attempt == 4 {
+            return results;
+        }
+    }
+    unreachable!("the loop returns")
 }
 
 /// Rank r's values: r * 100 + i (distinct across ranks and elements), as f64.
