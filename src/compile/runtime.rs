@@ -571,11 +571,13 @@ thread_local! {
 /// For each output of flat kernel `kern`, an input whose buffer it may take: a value that dies
 /// at this step (`dying`), of the output's dtype and element count, contiguous, held by nothing
 /// but the program's environment and `ins` (no view of it, not an argument of the call, not
-/// kept for a later call), and taken by no other output. A flat kernel loads each element's
-/// inputs before it stores that element's outputs, at the same index (the captured tensors
-/// a step updates in place rely on the same order).
+/// kept for a later call), taken by no other output, and read by no other output: each
+/// element of the output is stored after the loads it depends on, but a generated kernel
+/// (`__restrict__` operands on CUDA) may load an input again after storing an output that does
+/// not depend on it.
 fn dying_inputs_to_write(kern: &crate::kir::FusedKernel, ins: &[Tensor], dying: &[NodeId]) -> Vec<Option<usize>> {
     let crate::kir::Space::Flat { numel } = kern.space else { return vec![None; kern.outputs.len()] };
+    let readers = outputs_reading(kern);
     let mut taken: Vec<usize> = vec![];
     (0..kern.outputs.len())
         .map(|m| {
@@ -584,12 +586,33 @@ fn dying_inputs_to_write(kern: &crate::kir::FusedKernel, ins: &[Tensor], dying: 
                 let t = &ins[j];
                 let copies = ins.iter().filter(|u| u.same_tensor(t)).count();
                 let free = !taken.iter().any(|&k| ins[k].same_tensor(t));
-                !kern.single[m] && free && dying.contains(&kern.inputs[j].node) && t.dtype() == dtype && t.numel() == numel && t.is_contiguous() && t.held_only_by(1 + copies)
+                // Every input holding this tensor feeds output m alone.
+                let only_m = (0..ins.len()).filter(|&k| ins[k].same_tensor(t)).all(|k| readers[k] == [m]);
+                !kern.single[m] && free && only_m && dying.contains(&kern.inputs[j].node) && t.dtype() == dtype && t.numel() == numel && t.is_contiguous() && t.held_only_by(1 + copies)
             })?;
             taken.push(j);
             Some(j)
         })
         .collect()
+}
+
+/// For each input of `kern`, the outputs whose values depend on it.
+fn outputs_reading(kern: &crate::kir::FusedKernel) -> Vec<Vec<usize>> {
+    use crate::kir::ValueRef;
+    // Per op, the inputs it depends on (as a bit set over inputs, in words).
+    let words = kern.inputs.len().div_ceil(64).max(1);
+    let mut deps: Vec<Vec<u64>> = Vec::with_capacity(kern.ops.len());
+    for op in &kern.ops {
+        let mut d = vec![0u64; words];
+        for a in &op.args {
+            match a {
+                ValueRef::In(j) => d[j / 64] |= 1 << (j % 64),
+                ValueRef::Op(o) => d.iter_mut().zip(&deps[*o]).for_each(|(x, y)| *x |= y),
+            }
+        }
+        deps.push(d);
+    }
+    (0..kern.inputs.len()).map(|j| (0..kern.outputs.len()).filter(|&m| deps[kern.outputs[m].0][j / 64] >> (j % 64) & 1 == 1).collect()).collect()
 }
 
 /// One node run by the eager backend (or an input, which needs nothing).
@@ -731,9 +754,10 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
         if let (Step::Kernel(j), false) = (step, crate::switches::memory_reuse_off()) {
             let kern = &s.kernels[*j];
             if let crate::kir::Space::Flat { .. } = kern.space {
-                let mut taken = vec![];
+                let (mut taken, readers) = (vec![], outputs_reading(kern));
                 for (m, (_, out)) in kern.outputs.iter().enumerate() {
-                    let found = kern.inputs.iter().filter_map(|i| root[i.node].filter(|_| frees[k].contains(&i.node))).find(|&r| {
+                    let only_m = |node: NodeId| kern.inputs.iter().enumerate().filter(|(_, i)| i.node == node).all(|(k, _)| readers[k] == [m]);
+                    let found = kern.inputs.iter().filter(|i| only_m(i.node)).filter_map(|i| root[i.node].filter(|_| frees[k].contains(&i.node))).find(|&r| {
                         holders[r] == 1 && !taken.contains(&r) && !kern.single[m] && bytes(r) == bytes(*out) && g.nodes[r].dtype == g.nodes[*out].dtype
                     });
                     if let (Some(r), Some(was)) = (found, root[*out]) {
