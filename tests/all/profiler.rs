@@ -111,7 +111,7 @@ fn a_sync_is_reported_with_the_callers_line() {
         let e = r.unwrap_err().to_string();
         assert!(e.contains(&format!("{}:{line}:", file!())), "{e}");
         let (r, line) = (with_sync_debug_mode(SyncDebug::Error, || x.to_device(&Device::Cpu)), line!());
-        let e = r.err().expect("a synchronisation error").to_string();
+        let e = r.expect_err("a synchronisation error").to_string();
         assert!(e.contains(&format!("{}:{line}:", file!())), "{e}");
     } else {
         assert_eq!(r.unwrap().0, 3.0);

@@ -552,6 +552,74 @@ fn mid_reductions(k: &FusedKernel) -> Vec<(usize, crate::ops::ReduceOp, CType)> 
         .collect()
 }
 
+/// Which ops of a mid kernel run per element (they read a full value); the others run once
+/// (constants) or per row (`KOp::row`).
+fn mid_elementwise(k: &FusedKernel) -> Vec<bool> {
+    let mut elem = vec![false; k.ops.len()];
+    for (i, op) in k.ops.iter().enumerate() {
+        elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| match a {
+            ValueRef::In(j) => !k.inputs[*j].row,
+            ValueRef::Op(j) => elem[*j],
+        });
+    }
+    elem
+}
+
+/// The `const` definitions of the ops of `k` that `pick` selects, in order, at `indent`
+/// (reductions, views and broadcasts name other values and are not written).
+fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], indent: &str, pick: impl Fn(usize) -> bool) {
+    let written = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
+    for i in (0..k.ops.len()).filter(|&i| written(i) && pick(i)) {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, ins, vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        let _ = writeln!(c, "{indent}const {} t{i} = {e};", t.name());
+    }
+}
+
+/// One element of a mid kernel's walk: full input j's stored value `loaded(j)`, the full ops,
+/// each reduction's argument folded into `acc(i)`, the full outputs stored at `out_at`.
+#[allow(clippy::too_many_arguments)]
+fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], elem: &[bool], loaded: &dyn Fn(usize) -> String, acc: &dyn Fn(usize) -> String, out_at: &str, indent: &str) {
+    for j in (0..k.inputs.len()).filter(|&j| !k.inputs[j].row) {
+        let t = ins[j].0;
+        let _ = writeln!(c, "{indent}const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &loaded(j)));
+    }
+    // (no row value is among a full op's arguments: the scheduler sees to that)
+    mid_ops(c, k, ins, vals, indent, |i| elem[i]);
+    for &(i, r, t) in &mid_reductions(k) {
+        let a = arg(&k.ops[i].args[0], ins, vals);
+        let _ = writeln!(c, "{indent}{} = {}({}, {});", acc(i), comb_name(r, t), acc(i), convert(a.0, t, &a.1));
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if !k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "{indent}out{m}[{out_at}] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+}
+
+/// A mid kernel's work per kept index `at` (a row, a column): the reductions' results from
+/// `acc(i)`, the row inputs, the row ops, the row outputs.
+fn mid_row_tail(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], acc: &dyn Fn(usize) -> String, at: &str, indent: &str) {
+    for &(i, _, a) in &mid_reductions(k) {
+        let t = CType::of(k.ops[i].dtype);
+        let _ = writeln!(c, "{indent}const {} t{i} = {};", t.name(), convert(a, t, &acc(i)));
+    }
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if inp.row {
+            let t = CType::of(inp.dtype);
+            let _ = writeln!(c, "{indent}const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[{at} * ms{j}]")));
+        }
+    }
+    mid_ops(c, k, ins, vals, indent, |i| k.ops[i].row);
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if k.ops[*o].row {
+            let v = &vals[*o];
+            let _ = writeln!(c, "{indent}out{m}[{at}] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+        }
+    }
+}
+
 /// Threads of a mid kernel's block, and loads each thread has in flight.
 const MID_THREADS: usize = 256;
 const MID_ILP: usize = 4;
@@ -599,19 +667,8 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     }
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
     // Ops on full values run per element; constants (and ops of constants alone) once, here.
-    let mut elem = vec![false; k.ops.len()];
-    for (i, op) in k.ops.iter().enumerate() {
-        elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| match a {
-            ValueRef::In(j) => !k.inputs[*j].row,
-            ValueRef::Op(j) => elem[*j],
-        });
-    }
-    let computed = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
-    for i in (0..k.ops.len()).filter(|&i| computed(i) && !elem[i] && !k.ops[i].row) {
-        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
-        let (t, e) = lower(&k.ops[i], &args);
-        let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
-    }
+    let elem = mid_elementwise(k);
+    mid_ops(&mut c, k, &ins, &vals, "  ", |i| !elem[i] && !k.ops[i].row);
     let _ = writeln!(c, "  const IDX dp = T / Qv, dq = T % Qv;\n  IDX pp = (lo + (IDX)threadIdx.x) / Qv, qq = (lo + (IDX)threadIdx.x) % Qv;");
     let _ = writeln!(c, "  for (IDX base = lo + (IDX)threadIdx.x; base < hi; base += ILP * T) {{\n    IDX pu[ILP], qu[ILP];");
     let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq * VEC; kadv(pp, qq, dp, dq, Qv); }}");
@@ -626,27 +683,8 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         }
     }
     let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
-    for &j in &full_in {
-        let t = ins[j].0;
-        let v = if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-        let _ = writeln!(c, "      const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &v));
-    }
-    // Full ops (no row value is among their arguments: the scheduler sees to that).
-    for i in (0..k.ops.len()).filter(|&i| computed(i) && elem[i]) {
-        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
-        let (t, e) = lower(&k.ops[i], &args);
-        let _ = writeln!(c, "      const {} t{i} = {e};", t.name());
-    }
-    for &(i, r, t) in &reduces {
-        let a = arg(&k.ops[i].args[0], &ins, &vals);
-        let _ = writeln!(c, "      acc{i} = {}(acc{i}, {});", comb_name(r, t), convert(a.0, t, &a.1));
-    }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        if !k.ops[*o].row {
-            let v = &vals[*o];
-            let _ = writeln!(c, "      out{m}[((long long)pu[u] * M + row) * Q + qu[u] + e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
-        }
-    }
+    let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
+    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}"), "((long long)pu[u] * M + row) * Q + qu[u] + e", "      ");
     c.push_str("      }\n    }\n  }\n");
     for &(i, r, t) in &reduces {
         let _ = writeln!(c, "  acc{i} = {}(acc{i});", block_name(r, t));
@@ -662,29 +700,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(n), comb_name(r, t), tn = t.name());
     }
     c.push_str("  }\n  if (threadIdx.x != 0) return;\n");
-    for &(i, _, acc) in &reduces {
-        let t = CType::of(k.ops[i].dtype);
-        let _ = writeln!(c, "  const {} t{i} = {};", t.name(), convert(acc, t, &format!("acc{i}")));
-    }
-    for (j, inp) in k.inputs.iter().enumerate() {
-        if inp.row {
-            let t = CType::of(inp.dtype);
-            let _ = writeln!(c, "  const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[row * ms{j}]")));
-        }
-    }
-    for (i, op) in k.ops.iter().enumerate() {
-        if op.row && computed(i) {
-            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
-            let (t, e) = lower(op, &args);
-            let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
-        }
-    }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        if k.ops[*o].row {
-            let v = &vals[*o];
-            let _ = writeln!(c, "  out{m}[row] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
-        }
-    }
+    mid_row_tail(&mut c, k, &ins, &vals, &|i| format!("acc{i}"), "row", "  ");
     c.push_str("}\n");
     c
 }
@@ -733,19 +749,8 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
         let _ = writeln!(c, "  {} acc{i}[VEC];\n  _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {};", t.name(), r.cuda_identity(t));
     }
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
-    let mut elem = vec![false; k.ops.len()];
-    for (i, op) in k.ops.iter().enumerate() {
-        elem[i] = !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().any(|a| match a {
-            ValueRef::In(j) => !k.inputs[*j].row,
-            ValueRef::Op(j) => elem[*j],
-        });
-    }
-    let computed = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
-    for i in (0..k.ops.len()).filter(|&i| computed(i) && !elem[i] && !k.ops[i].row) {
-        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
-        let (t, e) = lower(&k.ops[i], &args);
-        let _ = writeln!(c, "  const {} t{i} = {e};", t.name());
-    }
+    let elem = mid_elementwise(k);
+    mid_ops(&mut c, k, &ins, &vals, "  ", |i| !elem[i] && !k.ops[i].row);
     // M is a multiple of VEC: a thread's columns are all in or all out.
     let _ = writeln!(c, "  if (col0 < M) for (IDX base = lo + (IDX)threadIdx.y; base < hi; base += ILP * TY) {{");
     for &j in &full_in {
@@ -758,26 +763,8 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
         }
     }
     let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * TY >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
-    for &j in &full_in {
-        let t = ins[j].0;
-        let v = if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-        let _ = writeln!(c, "        const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &v));
-    }
-    for i in (0..k.ops.len()).filter(|&i| computed(i) && elem[i]) {
-        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
-        let (t, e) = lower(&k.ops[i], &args);
-        let _ = writeln!(c, "        const {} t{i} = {e};", t.name());
-    }
-    for &(i, r, t) in &reduces {
-        let a = arg(&k.ops[i].args[0], &ins, &vals);
-        let _ = writeln!(c, "        acc{i}[e] = {}(acc{i}[e], {});", comb_name(r, t), convert(a.0, t, &a.1));
-    }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        if !k.ops[*o].row {
-            let v = &vals[*o];
-            let _ = writeln!(c, "        out{m}[(long long)(base + u * TY) * M + col0 + e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
-        }
-    }
+    let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
+    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}[e]"), "(long long)(base + u * TY) * M + col0 + e", "        ");
     c.push_str("      }\n    }\n  }\n");
     // The block's threads folded in row order, one reduction at a time through one shared
     // buffer: thread row 0 holds the block's result.
@@ -804,29 +791,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     c.push_str(&fold);
     c.push_str("  }\n");
     c.push_str("  if (threadIdx.y != 0 || col0 >= M) return;\n  _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n    const IDX col = col0 + e;\n");
-    for &(i, _, acc) in &reduces {
-        let t = CType::of(k.ops[i].dtype);
-        let _ = writeln!(c, "    const {} t{i} = {};", t.name(), convert(acc, t, &format!("acc{i}[e]")));
-    }
-    for (j, inp) in k.inputs.iter().enumerate() {
-        if inp.row {
-            let t = CType::of(inp.dtype);
-            let _ = writeln!(c, "    const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[col * ms{j}]")));
-        }
-    }
-    for (i, op) in k.ops.iter().enumerate() {
-        if op.row && computed(i) {
-            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
-            let (t, e) = lower(op, &args);
-            let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
-        }
-    }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        if k.ops[*o].row {
-            let v = &vals[*o];
-            let _ = writeln!(c, "    out{m}[col] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
-        }
-    }
+    mid_row_tail(&mut c, k, &ins, &vals, &|i| format!("acc{i}[e]"), "col", "    ");
     c.push_str("  }\n}\n");
     c
 }
