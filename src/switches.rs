@@ -41,11 +41,16 @@ pub(crate) fn channels_last() -> Option<bool> {
     })
 }
 
-/// `KILN_MEMORY_REUSE=0`: compiled kernels never write into the buffers of inputs that die
-/// there (`compile::runtime`); for comparing memory and for tracking down a wrong value.
-pub(crate) fn memory_reuse_off() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("KILN_MEMORY_REUSE").as_deref() == Ok("0"))
+/// `KILN_MEMORY_REUSE` (`0` or `1`): whether compiled kernels write into the buffers of inputs
+/// that die there (`compile::runtime`); for comparing memory and for tracking down a wrong
+/// value (unset: the runtime's default).
+pub(crate) fn memory_reuse() -> Option<bool> {
+    static V: OnceLock<Option<bool>> = OnceLock::new();
+    *V.get_or_init(|| match std::env::var("KILN_MEMORY_REUSE").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    })
 }
 
 /// `KILN_REMAT=0`: compiled training steps keep forward values for backward instead of

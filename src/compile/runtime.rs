@@ -438,7 +438,7 @@ impl Program {
                         })
                         .collect();
                     // Else, outputs written into the buffers of inputs that die here.
-                    if into.iter().all(Option::is_none) && !crate::switches::memory_reuse_off() {
+                    if into.iter().all(Option::is_none) && reuses_dying_buffers(kern.device) {
                         for (m, j) in dying_inputs_to_write(kern, &ins, &self.frees[s]).into_iter().enumerate() {
                             if let Some(j) = j {
                                 into[m] = Some(ins[j].clone());
@@ -561,6 +561,15 @@ impl InFlight {
         self.works.into_iter().flatten().try_for_each(crate::distributed::Work::wait)
     }
 }
+
+/// Whether kernels on `device` write into the buffers of inputs that die there
+/// (`KILN_MEMORY_REUSE` decides when set).
+fn reuses_dying_buffers(device: crate::Device) -> bool {
+    crate::switches::memory_reuse().unwrap_or(REUSE_BY_DEFAULT || device == crate::Device::Cpu)
+}
+
+/// Whether compiled CUDA kernels reuse dying buffers by default (the host's always do).
+const REUSE_BY_DEFAULT: bool = true;
 
 #[cfg(test)]
 thread_local! {
@@ -751,9 +760,9 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     for (k, step) in s.steps.iter().enumerate() {
         // Flat kernels' outputs written into dying inputs' buffers (`dying_inputs_to_write`,
         // which also checks at run time that each is contiguous and held by nothing else).
-        if let (Step::Kernel(j), false) = (step, crate::switches::memory_reuse_off()) {
+        if let Step::Kernel(j) = step {
             let kern = &s.kernels[*j];
-            if let crate::kir::Space::Flat { .. } = kern.space {
+            if let (crate::kir::Space::Flat { .. }, true) = (kern.space, reuses_dying_buffers(kern.device)) {
                 let (mut taken, readers) = (vec![], outputs_reading(kern));
                 for (m, (_, out)) in kern.outputs.iter().enumerate() {
                     let only_m = |node: NodeId| kern.inputs.iter().enumerate().filter(|(_, i)| i.node == node).all(|(k, _)| readers[k] == [m]);
