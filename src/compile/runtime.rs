@@ -94,6 +94,8 @@ pub(crate) struct Program {
     /// New values of captured tensors that their fused kernel writes straight into them (by
     /// captured index): no copy afterwards.
     in_place: std::collections::HashMap<NodeId, usize>,
+    /// Per fused kernel, per output: the inputs whose buffers it may take (`plan_reuse`).
+    reuse: Vec<Vec<Vec<usize>>>,
     /// Values computed only from captured tensors the graph does not write (parameters under
     /// inference: their casts, transposes, sums), kept between runs.
     hoisted: Hoisted,
@@ -274,10 +276,11 @@ impl Program {
         });
         let frees = plan(&graph, &schedule);
         let in_place = plan_in_place(&graph, &schedule);
-        crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place).to_string());
+        let reuse = plan_reuse(&graph, &schedule, &frees);
+        crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let hoisted = Hoisted::plan(&graph, &schedule);
         let views = CapturedViews::plan(&graph);
-        Program { graph, schedule, tune, frees, in_place, hoisted, rehearsed: Default::default(), views }
+        Program { graph, schedule, tune, frees, in_place, reuse, hoisted, rehearsed: Default::default(), views }
     }
 
     pub(crate) fn has_hoisted(&self) -> bool {
@@ -438,8 +441,8 @@ impl Program {
                         })
                         .collect();
                     // Else, outputs written into the buffers of inputs that die here.
-                    if into.iter().all(Option::is_none) && reuses_dying_buffers(kern.device) {
-                        for (m, j) in dying_inputs_to_write(kern, &ins, &self.frees[s]).into_iter().enumerate() {
+                    if into.iter().all(Option::is_none) {
+                        for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
                             if let Some(j) = j {
                                 into[m] = Some(ins[j].clone());
                                 #[cfg(test)]
@@ -579,27 +582,50 @@ thread_local! {
     static WRITES_INTO_DYING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// For each output of flat kernel `kern`, an input whose buffer it may take: a value that dies
-/// at this step (`dying`), of the output's dtype and element count, contiguous, held by nothing
-/// but the program's environment and `ins` (no view of it, not an argument of the call, not
-/// kept for a later call), taken by no other output, and read by no other output: each
-/// element of the output is stored after the loads it depends on, but a generated kernel
-/// (`__restrict__` operands on CUDA) may load an input again after storing an output that does
-/// not depend on it.
-fn dying_inputs_to_write(kern: &crate::kir::FusedKernel, ins: &[Tensor], dying: &[NodeId]) -> Vec<Option<usize>> {
-    let crate::kir::Space::Flat { numel } = kern.space else { return vec![None; kern.outputs.len()] };
-    let readers = outputs_reading(kern);
+/// Per fused kernel, per output: the inputs whose buffers that output may take, as far as the
+/// schedule tells (`dying_inputs_to_write` checks the tensors at run time): in a flat kernel on
+/// a device that reuses buffers, an input that dies at the kernel's step, of the output's dtype
+/// and size, and read by no other output. Each element of the output is stored after the loads
+/// it depends on, but a generated kernel (`__restrict__` operands on CUDA) may load an input
+/// again after storing an output that does not depend on it.
+fn plan_reuse(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>]) -> Vec<Vec<Vec<usize>>> {
+    let mut reuse: Vec<Vec<Vec<usize>>> = s.kernels.iter().map(|k| vec![vec![]; k.outputs.len()]).collect();
+    for (step, st) in s.steps.iter().enumerate() {
+        let Step::Kernel(kx) = st else { continue };
+        let kern = &s.kernels[*kx];
+        let crate::kir::Space::Flat { numel } = kern.space else { continue };
+        if !reuses_dying_buffers(kern.device) {
+            continue;
+        }
+        let readers = outputs_reading(kern);
+        for (m, (o, _)) in kern.outputs.iter().enumerate().filter(|&(m, _)| !kern.single[m]) {
+            let dtype = kern.ops[*o].dtype;
+            // (every input slot of the value feeds output m alone)
+            let only_m = |node: NodeId| kern.inputs.iter().zip(&readers).filter(|(i, _)| i.node == node).all(|(_, r)| *r == [m]);
+            reuse[*kx][m] = (0..kern.inputs.len())
+                .filter(|&j| {
+                    let node = kern.inputs[j].node;
+                    frees[step].contains(&node) && g.nodes[node].dtype == dtype && g.nodes[node].numel() == numel && only_m(node)
+                })
+                .collect();
+        }
+    }
+    reuse
+}
+
+/// For each output of a flat kernel, given its `candidates` (`plan_reuse`), the input whose
+/// buffer it takes: contiguous, held by nothing but the program's environment and `ins` (no
+/// view of it, not an argument of the call, not kept for a later call), and taken by no other
+/// output.
+fn dying_inputs_to_write(candidates: &[Vec<usize>], ins: &[Tensor]) -> Vec<Option<usize>> {
     let mut taken: Vec<usize> = vec![];
-    (0..kern.outputs.len())
-        .map(|m| {
-            let dtype = kern.ops[kern.outputs[m].0].dtype;
-            let j = (0..ins.len()).find(|&j| {
+    candidates
+        .iter()
+        .map(|cands| {
+            let j = cands.iter().copied().find(|&j| {
                 let t = &ins[j];
                 let copies = ins.iter().filter(|u| u.same_tensor(t)).count();
-                let free = !taken.iter().any(|&k| ins[k].same_tensor(t));
-                // Every input holding this tensor feeds output m alone.
-                let only_m = (0..ins.len()).filter(|&k| ins[k].same_tensor(t)).all(|k| readers[k] == [m]);
-                !kern.single[m] && free && only_m && dying.contains(&kern.inputs[j].node) && t.dtype() == dtype && t.numel() == numel && t.is_contiguous() && t.held_only_by(1 + copies)
+                !taken.iter().any(|&k| ins[k].same_tensor(t)) && t.is_contiguous() && t.held_only_by(1 + copies)
             })?;
             taken.push(j);
             Some(j)
@@ -743,7 +769,7 @@ impl std::fmt::Display for PlannedPeak {
 /// Walks the schedule with the frees of `plan`: each computed value holds its bytes from the
 /// step that makes it until it and every view of it are dead; views, inputs and values stored
 /// straight into captured tensors hold none.
-fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::collections::HashMap<NodeId, usize>) -> PlannedPeak {
+fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::collections::HashMap<NodeId, usize>, reuse: &[Vec<Vec<usize>>]) -> PlannedPeak {
     let n = g.nodes.len();
     let bytes = |i: NodeId| g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes();
     // The value whose storage each node uses (None: an input's).
@@ -760,22 +786,17 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     let mut holders = vec![0usize; n];
     let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
-        // Flat kernels' outputs written into dying inputs' buffers (`dying_inputs_to_write`,
-        // which also checks at run time that each is contiguous and held by nothing else).
+        // Flat kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
+        // each must also be contiguous and held by nothing else).
         if let Step::Kernel(j) = step {
             let kern = &s.kernels[*j];
-            if let (crate::kir::Space::Flat { .. }, true) = (kern.space, reuses_dying_buffers(kern.device)) {
-                let (mut taken, readers) = (vec![], outputs_reading(kern));
-                for (m, (_, out)) in kern.outputs.iter().enumerate() {
-                    let only_m = |node: NodeId| kern.inputs.iter().enumerate().filter(|(_, i)| i.node == node).all(|(k, _)| readers[k] == [m]);
-                    let found = kern.inputs.iter().filter(|i| only_m(i.node)).filter_map(|i| root[i.node].filter(|_| frees[k].contains(&i.node))).find(|&r| {
-                        holders[r] == 1 && !taken.contains(&r) && !kern.single[m] && bytes(r) == bytes(*out) && g.nodes[r].dtype == g.nodes[*out].dtype
-                    });
-                    if let (Some(r), Some(was)) = (found, root[*out]) {
-                        taken.push(r);
-                        // (views of the output, later, hold that buffer too)
-                        root.iter_mut().filter(|x| **x == Some(was)).for_each(|x| *x = Some(r));
-                    }
+            let mut taken = vec![];
+            for (m, (_, out)) in kern.outputs.iter().enumerate() {
+                let found = reuse[*j][m].iter().filter_map(|&i| root[kern.inputs[i].node]).find(|&r| holders[r] == 1 && !taken.contains(&r) && bytes(r) == bytes(*out));
+                if let (Some(r), Some(was)) = (found, root[*out]) {
+                    taken.push(r);
+                    // (views of the output, later, hold that buffer too)
+                    root.iter_mut().filter(|x| **x == Some(was)).for_each(|x| *x = Some(r));
                 }
             }
         }
@@ -961,9 +982,6 @@ mod tests {
         assert_eq!(outs[m].to_vec::<f32>().unwrap(), vec![3.0]);
     }
 
-    /// The planned peak counts each computed value from the step that makes it until it and
-    /// its views are dead: exp(x) (1 KiB) lives while the product reads it, the product's
-    /// 1 KiB beside it, and the view of the product costs nothing.
     #[test]
     fn a_kernel_writes_into_a_dying_value_and_never_into_one_still_held() {
         use crate::compile::compile;
@@ -1009,6 +1027,9 @@ mod tests {
         assert_eq!(x.to_vec::<f32>().unwrap(), x_before, "an argument is never written");
     }
 
+    /// The planned peak counts each computed value from the step that makes it until it and
+    /// its views are dead: exp(x) (1 KiB) lives while the product reads it, the product's
+    /// 1 KiB beside it, and the view of the product costs nothing.
     #[test]
     fn the_planned_peak_follows_liveness_and_views() {
         let seen = Arc::new(Mutex::new(None));
@@ -1025,7 +1046,8 @@ mod tests {
         .unwrap();
         let g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
         let s = crate::compile::fuse::schedule(&g);
-        let p = super::planned_peak(&g, &s, &super::plan(&g, &s), &super::plan_in_place(&g, &s));
+        let frees = super::plan(&g, &s);
+        let p = super::planned_peak(&g, &s, &frees, &super::plan_in_place(&g, &s), &super::plan_reuse(&g, &s, &frees));
         assert_eq!((p.peak, p.inputs), (2 * 16 * 16 * 4, 16 * 16 * 4), "{p}");
     }
 }

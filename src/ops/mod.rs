@@ -343,22 +343,14 @@ impl Op {
             // Channels-last inputs: on CUDA the kernels store NHWC order themselves, on the host
             // the NCHW result is copied.
             Op::MaxPool2d(a) => {
-                let nhwc = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
-                if nhwc && x.device().is_cuda() {
-                    let y = Tensor::from_backend(BackendStorage::Cuda(cuda::kernels::maxpool::max_pool2d(x, a, &shape, true)?), &shape);
-                    return Ok(y.view_as_layout(Layout::channels_last(&shape)));
-                }
-                let y = Tensor::from_backend(run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape, false)), &shape);
-                return in_format_of(y, x);
+                let nhwc = on_cuda && x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+                let y = run!(cpu::maxpool::max_pool2d(x, a, &shape), cuda::kernels::maxpool::max_pool2d(x, a, &shape, nhwc));
+                return pooled(y, &shape, nhwc, x);
             }
             Op::MaxPool2dBackward(a) => {
-                let nhwc = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
-                if nhwc && x.device().is_cuda() {
-                    let dx = Tensor::from_backend(BackendStorage::Cuda(cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a, true)?), &shape);
-                    return Ok(dx.view_as_layout(Layout::channels_last(&shape)));
-                }
-                let dx = Tensor::from_backend(run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a, false)), &shape);
-                return in_format_of(dx, x);
+                let nhwc = on_cuda && x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+                let dx = run!(cpu::maxpool::max_pool2d_backward(x, xs[1], a), cuda::kernels::maxpool::max_pool2d_backward(x, xs[1], a, nhwc));
+                return pooled(dx, &shape, nhwc, x);
             }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
             Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),
@@ -528,6 +520,17 @@ fn head_dim_contiguous(t: &Tensor) -> Result<Tensor> {
         Ok(t.clone())
     } else {
         t.copy_contiguous()
+    }
+}
+
+/// A pooling kernel's result `s` of `shape` in the memory format of its input `x`: stored in
+/// NHWC order already when `nhwc`, else contiguous and copied when `x` is channels-last.
+fn pooled(s: BackendStorage, shape: &[usize], nhwc: bool, x: &Tensor) -> Result<Tensor> {
+    let y = Tensor::from_backend(s, shape);
+    if nhwc {
+        Ok(y.view_as_layout(Layout::channels_last(shape)))
+    } else {
+        in_format_of(y, x)
     }
 }
 

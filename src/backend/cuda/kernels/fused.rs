@@ -620,6 +620,14 @@ fn mid_row_tail(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: 
     }
 }
 
+/// The split reduction's hand-over: after a block left its partials, the `leader` thread counts
+/// it in at `count[counter]` (the launch's counters, `MidWords::COUNT`); every block but the
+/// last of those sharing the counter returns, and the last resets it for the next launch.
+fn last_block_only(c: &mut String, leader: &str, counter: &str) {
+    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if ({leader}) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
+    let _ = writeln!(c, "      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[{counter}]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[{counter}] = 0;\n    }}\n    __syncthreads();\n    if (!last) return;");
+}
+
 /// Threads of a mid kernel's block, and loads each thread has in flight.
 const MID_THREADS: usize = 256;
 const MID_ILP: usize = 4;
@@ -694,8 +702,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     for (n, &(i, _, t)) in reduces.iter().enumerate() {
         let _ = writeln!(c, "    if (threadIdx.x == 0) (({t}*)a.w[{}])[ch * M + row] = acc{i};", words.part(n), t = t.name());
     }
-    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if (threadIdx.x == 0) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
-    c.push_str("      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[row]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[row] = 0;\n    }\n    __syncthreads();\n    if (!last) return;\n");
+    last_block_only(&mut c, "threadIdx.x == 0", "row");
     for (n, &(i, r, t)) in reduces.iter().enumerate() {
         let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(n), comb_name(r, t), tn = t.name());
     }
@@ -783,8 +790,8 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
         let _ = writeln!(c, "      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) (({t}*)a.w[{}])[ch * M + col0 + e] = acc{i}[e];", words.part(n), t = t.name());
     }
     c.push_str("      __threadfence();\n    }\n");
-    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if (threadIdx.x == 0 && threadIdx.y == 0) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
-    c.push_str("      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[blockIdx.x]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[blockIdx.x] = 0;\n    }\n    __syncthreads();\n    if (!last) return;\n    __threadfence();\n");
+    last_block_only(&mut c, "threadIdx.x == 0 && threadIdx.y == 0", "blockIdx.x");
+    c.push_str("    __threadfence();\n");
     for (n, &(i, r, t)) in reduces.iter().enumerate() {
         let _ = writeln!(c, "    {{ const {tn}* part = (const {tn}*)a.w[{}]; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ acc{i}[e] = {}; if (col0 < M) for (IDX q = threadIdx.y; q < C; q += TY) acc{i}[e] = {}(acc{i}[e], __ldcg(part + q * M + col0 + e)); }} }}", words.part(n), r.cuda_identity(t), comb_name(r, t), tn = t.name());
     }
@@ -811,11 +818,8 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     // An inner dim of 1 (channels-last statistics) walks the columns instead (`gen_fused_cols`):
     // VEC adjacent columns per thread, `tx` threads across a tile of columns.
     let cols = q == 1;
-    let vec = if cols {
-        [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && m.is_multiple_of(v)).unwrap_or(1)
-    } else {
-        [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && q.is_multiple_of(v)).unwrap_or(1)
-    };
+    let walked = if cols { m } else { q };
+    let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && walked.is_multiple_of(v)).unwrap_or(1);
     let tx = (m / vec).next_power_of_two().min(32);
     let tiles = if cols { m.div_ceil(tx * vec) } else { m };
     // About eight blocks per SM, each reading at least 2048 values (a column kernel's chunk at
