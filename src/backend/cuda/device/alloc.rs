@@ -1,19 +1,23 @@
 //! A caching device-memory allocator in the manner of PyTorch's CUDACachingAllocator.
 //!
 //! Device allocation calls (cuMemAlloc/cuMemFree) are slow and synchronize the device, so freed
-//! blocks are kept in a cache and handed out again to requests of the same size class. The
-//! allocator knows nothing of CUDA: the device calls come in through [`RawAlloc`], so all of its
-//! bookkeeping is unit-testable on a CPU machine.
+//! blocks are kept in a cache and handed out again. Small requests (up to 1 MiB) are reused by
+//! exact size class. Large ones are cut from segments (device allocations rounded to 2 MiB): a
+//! request takes the smallest free piece that fits, split to its size, and a freed piece merges
+//! with its free neighbours in the segment. So a block counts (in `allocated`) the bytes asked
+//! for, rounded to 512, as PyTorch's do, instead of a whole cached block up to twice the
+//! request. The allocator knows nothing of CUDA: the device calls come in through
+//! [`RawAlloc`], so all of its bookkeeping is unit-testable on a CPU machine.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
-/// Requests up to this size are "small": rounded to [`SMALL_ROUND`] and reused by exact class.
+/// Requests up to this size are "small": rounded to [`ROUND`] and reused by exact class.
 const SMALL_LIMIT: usize = 1 << 20;
-/// Granularity of small classes; also keeps every block 512-byte aligned relative to the device.
-const SMALL_ROUND: usize = 512;
-/// Granularity of large classes: coarse, so freed large blocks fit many later requests.
-const LARGE_ROUND: usize = 2 << 20;
+/// Granularity of every block; keeps every block 512-byte aligned relative to the device.
+const ROUND: usize = 512;
+/// Granularity of the device allocations large blocks are cut from.
+const SEGMENT_ROUND: usize = 2 << 20;
 
 /// The device's own allocation calls (cuMemAlloc/cuMemFree in the CUDA backend; a mock in tests).
 pub(crate) trait RawAlloc: Send {
@@ -92,20 +96,101 @@ fn fmt_bytes(bytes: usize) -> String {
     }
 }
 
-/// The size class of a request of `bytes` (> 0); None when rounding would overflow.
+/// The block size of a request of `bytes` (> 0); None when rounding would overflow.
 fn round_size(bytes: usize) -> Option<usize> {
-    let unit = if bytes <= SMALL_LIMIT { SMALL_ROUND } else { LARGE_ROUND };
-    bytes.checked_next_multiple_of(unit)
+    bytes.checked_next_multiple_of(ROUND)
 }
 
-/// Caches freed device blocks by size class so that steady-state training loops make no device
-/// allocation calls. Blocks are never split or merged: simple, O(1) small and O(log n) large.
+/// A piece of a large segment: its size, whether it is free, and the segment it belongs to
+/// (its base pointer), so that neighbours merge only within one device allocation.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    size: usize,
+    free: bool,
+    segment: u64,
+}
+
+/// Large blocks: the segments obtained from the device, every piece of them by address, and
+/// the free pieces by (size, address) for best-fit lookups.
+#[derive(Default)]
+struct LargePool {
+    /// Segment base -> its size.
+    segments: HashMap<u64, usize>,
+    pieces: BTreeMap<u64, Piece>,
+    free: BTreeSet<(usize, u64)>,
+}
+
+impl LargePool {
+    /// The smallest free piece of at least `size` bytes, taken (split to `size`).
+    fn take(&mut self, size: usize) -> Option<Block> {
+        let &(found, ptr) = self.free.range((size, 0)..).next()?;
+        self.free.remove(&(found, ptr));
+        Some(self.hand_out(ptr, found, size))
+    }
+
+    /// Marks the free piece at `ptr` (of `found` bytes) handed out for a request of `size`;
+    /// the rest, if any, becomes a free piece of its own. (A rest of 1 MiB or less fits no
+    /// large request alone, but merges back when a neighbour is freed.)
+    fn hand_out(&mut self, ptr: u64, found: usize, size: usize) -> Block {
+        let piece = self.pieces.get_mut(&ptr).expect("a free piece is a piece");
+        piece.free = false;
+        if found == size {
+            return Block { ptr, size };
+        }
+        piece.size = size;
+        let segment = piece.segment;
+        let rest = ptr + size as u64;
+        self.pieces.insert(rest, Piece { size: found - size, free: true, segment });
+        self.free.insert((found - size, rest));
+        Block { ptr, size }
+    }
+
+    /// A new segment of `seg_size` bytes at `base`, its first `size` bytes handed out.
+    fn add_segment(&mut self, base: u64, seg_size: usize, size: usize) -> Block {
+        self.segments.insert(base, seg_size);
+        self.pieces.insert(base, Piece { size: seg_size, free: true, segment: base });
+        self.hand_out(base, seg_size, size)
+    }
+
+    /// Frees the handed-out piece `b`, merged with the free pieces on either side of it.
+    fn give_back(&mut self, b: Block) {
+        let Piece { segment, .. } = self.pieces[&b.ptr];
+        let (mut ptr, mut size) = (b.ptr, b.size);
+        let next = ptr + size as u64;
+        if let Some(&n) = self.pieces.get(&next).filter(|n| n.free && n.segment == segment) {
+            self.free.remove(&(n.size, next));
+            self.pieces.remove(&next);
+            size += n.size;
+        }
+        if let Some((&p, &prev)) = self.pieces.range(..ptr).next_back().filter(|(_, p)| p.free && p.segment == segment) {
+            self.free.remove(&(prev.size, p));
+            self.pieces.remove(&ptr);
+            ptr = p;
+            size += prev.size;
+        }
+        self.pieces.insert(ptr, Piece { size, free: true, segment });
+        self.free.insert((size, ptr));
+    }
+
+    /// Takes out every segment that is one free piece, for the device to free: (base, size).
+    fn drain_unused(&mut self) -> Vec<(u64, usize)> {
+        let unused: Vec<(u64, usize)> = self.segments.iter().filter(|(base, size)| self.pieces.get(base).is_some_and(|p| p.free && p.size == **size)).map(|(&b, &s)| (b, s)).collect();
+        for &(base, size) in &unused {
+            self.segments.remove(&base);
+            self.pieces.remove(&base);
+            self.free.remove(&(size, base));
+        }
+        unused
+    }
+}
+
+/// Caches freed device blocks so that steady-state training loops make no device allocation
+/// calls: small blocks by exact class (O(1)), large ones cut from segments (O(log n)).
 pub(crate) struct CachingAllocator<R: RawAlloc> {
     raw: R,
     /// Cached small blocks by exact class (LIFO: the most recently freed block is the warmest).
     small: HashMap<usize, Vec<u64>>,
-    /// Cached large blocks by size, for "smallest block >= request" lookups.
-    large: BTreeMap<usize, Vec<u64>>,
+    large: LargePool,
     /// Blocks handed out now, ptr -> size: catches double frees and foreign blocks, which would
     /// otherwise hand the same memory out twice.
     live: HashMap<u64, usize>,
@@ -114,42 +199,50 @@ pub(crate) struct CachingAllocator<R: RawAlloc> {
 
 impl<R: RawAlloc> CachingAllocator<R> {
     pub(crate) fn new(raw: R) -> Self {
-        Self { raw, small: HashMap::new(), large: BTreeMap::new(), live: HashMap::new(), stats: MemoryStats::default() }
+        Self { raw, small: HashMap::new(), large: LargePool::default(), live: HashMap::new(), stats: MemoryStats::default() }
     }
 
     /// A block of at least `bytes` (0 bytes gives a block of size 0 with ptr 0, no device call).
     ///
-    /// Sizes round up to size classes: multiples of 512 B up to 1 MiB; above, multiples of 2 MiB
-    /// (large blocks). A cached block is reused first (small: exact class; large: the smallest
-    /// cached block >= the class whose size is < 2x the class, so huge blocks are not wasted on
-    /// small requests). On device OOM the whole cache is returned to the device and the call is
-    /// retried once.
+    /// Sizes round up to multiples of 512 B. A small request (up to 1 MiB) reuses a cached
+    /// block of its exact class; a large one the smallest free piece of a segment that fits
+    /// (split to its size), else a new segment (rounded to 2 MiB). On device
+    /// OOM the cache's unused memory is returned to the device and the call retried once.
     pub(crate) fn alloc(&mut self, bytes: usize) -> Result<Block, OutOfMemory> {
         if bytes == 0 {
             return Ok(Block { ptr: 0, size: 0 });
         }
         let oom = |stats| OutOfMemory { requested: bytes, stats };
         let Some(size) = round_size(bytes) else { return Err(oom(self.stats)) };
-
-        let block = if let Some(block) = self.take_cached(size) {
-            self.stats.cache_hits += 1;
-            block
-        } else {
-            let ptr = match self.raw.malloc(size) {
-                Ok(ptr) => ptr,
-                Err(()) => {
-                    let at_failure = self.stats;
-                    if at_failure.reserved == at_failure.allocated {
-                        return Err(oom(at_failure)); // nothing cached: a retry cannot succeed
+        let large = size > SMALL_LIMIT;
+        let cached = if large { self.large.take(size) } else { self.take_small(size) };
+        let block = match cached {
+            Some(block) => {
+                self.stats.cache_hits += 1;
+                block
+            }
+            None => {
+                let Some(device_size) = (if large { size.checked_next_multiple_of(SEGMENT_ROUND) } else { Some(size) }) else { return Err(oom(self.stats)) };
+                let ptr = match self.raw.malloc(device_size) {
+                    Ok(ptr) => ptr,
+                    Err(()) => {
+                        let at_failure = self.stats;
+                        let freed = self.empty_cache();
+                        if freed == 0 {
+                            return Err(oom(at_failure)); // nothing cached: a retry cannot succeed
+                        }
+                        self.raw.malloc(device_size).map_err(|()| oom(at_failure))?
                     }
-                    self.empty_cache();
-                    self.raw.malloc(size).map_err(|()| oom(at_failure))?
+                };
+                self.stats.device_alloc_count += 1;
+                self.stats.reserved += device_size;
+                self.stats.peak_reserved = self.stats.peak_reserved.max(self.stats.reserved);
+                if large {
+                    self.large.add_segment(ptr, device_size, size)
+                } else {
+                    Block { ptr, size }
                 }
-            };
-            self.stats.device_alloc_count += 1;
-            self.stats.reserved += size;
-            self.stats.peak_reserved = self.stats.peak_reserved.max(self.stats.reserved);
-            Block { ptr, size }
+            }
         };
 
         let prev = self.live.insert(block.ptr, block.size);
@@ -160,26 +253,14 @@ impl<R: RawAlloc> CachingAllocator<R> {
         Ok(block)
     }
 
-    /// A cached block for class `size`, removed from the cache.
-    fn take_cached(&mut self, size: usize) -> Option<Block> {
-        if size <= SMALL_LIMIT {
-            let ptrs = self.small.get_mut(&size)?;
-            let ptr = ptrs.pop()?;
-            if ptrs.is_empty() {
-                self.small.remove(&size);
-            }
-            return Some(Block { ptr, size });
-        }
-        // The smallest cached large block >= size; if even that one is 2x too big, none fits.
-        let (&found, ptrs) = self.large.range_mut(size..).next()?;
-        if found >= size.saturating_mul(2) {
-            return None;
-        }
+    /// A cached block of small class `size`, removed from the cache.
+    fn take_small(&mut self, size: usize) -> Option<Block> {
+        let ptrs = self.small.get_mut(&size)?;
         let ptr = ptrs.pop()?;
         if ptrs.is_empty() {
-            self.large.remove(&found);
+            self.small.remove(&size);
         }
-        Some(Block { ptr, size: found })
+        Some(Block { ptr, size })
     }
 
     /// Returns a block to the cache (not to the device).
@@ -202,20 +283,22 @@ impl<R: RawAlloc> CachingAllocator<R> {
         if block.size <= SMALL_LIMIT {
             self.small.entry(block.size).or_default().push(block.ptr);
         } else {
-            self.large.entry(block.size).or_default().push(block.ptr);
+            self.large.give_back(block);
         }
     }
 
-    /// Returns every cached (not handed-out) block to the device.
-    pub(crate) fn empty_cache(&mut self) {
-        let small = std::mem::take(&mut self.small);
-        let large = std::mem::take(&mut self.large);
-        for (size, ptrs) in small.into_iter().chain(large) {
-            for ptr in ptrs {
-                self.raw.free(ptr);
-                self.stats.reserved -= size;
-            }
+    /// Returns every cached small block and every segment with nothing handed out to the
+    /// device; the bytes returned.
+    pub(crate) fn empty_cache(&mut self) -> usize {
+        let small = std::mem::take(&mut self.small).into_iter().flat_map(|(size, ptrs)| ptrs.into_iter().map(move |p| (p, size)));
+        let unused: Vec<(u64, usize)> = small.chain(self.large.drain_unused()).collect();
+        let mut freed = 0;
+        for (ptr, size) in unused {
+            self.raw.free(ptr);
+            self.stats.reserved -= size;
+            freed += size;
         }
+        freed
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
@@ -301,35 +384,56 @@ mod tests {
         (CachingAllocator::new(mock.clone()), mock)
     }
 
+    /// The pieces of every segment tile it exactly, neighbouring free pieces are merged, and
+    /// the free set lists exactly the free pieces.
+    fn check_pieces<R: RawAlloc>(a: &CachingAllocator<R>) {
+        let pool = &a.large;
+        for (&base, &size) in &pool.segments {
+            let mut at = base;
+            let mut last_free = false;
+            for (&p, piece) in pool.pieces.range(base..base + size as u64) {
+                assert_eq!(p, at, "pieces of segment {base:#x} leave a gap or overlap at {p:#x}");
+                assert_eq!(piece.segment, base);
+                assert!(!(last_free && piece.free), "two neighbouring free pieces at {p:#x}");
+                last_free = piece.free;
+                at = p + piece.size as u64;
+            }
+            assert_eq!(at, base + size as u64, "segment {base:#x} not covered");
+        }
+        let free: BTreeSet<(usize, u64)> = pool.pieces.iter().filter(|(_, p)| p.free).map(|(&ptr, p)| (p.size, ptr)).collect();
+        assert_eq!(free, pool.free);
+        assert_eq!(pool.pieces.values().map(|p| p.size).sum::<usize>(), pool.segments.values().sum::<usize>());
+    }
+
     #[test]
-    fn size_classes() {
+    fn sizes_round_to_512_bytes_and_segments_to_2_mib() {
         let cases = [
-            (1, 512),
-            (511, 512),
-            (512, 512),
-            (513, 1024),
-            (1000, 1024),
-            (4 * KIB + 1, 4 * KIB + 512),
-            (MIB - 1, MIB),
-            (MIB, MIB),
-            (MIB + 1, 2 * MIB),
-            (2 * MIB, 2 * MIB),
-            (2 * MIB + 1, 4 * MIB),
-            (5 * MIB, 6 * MIB),
-            (100 * MIB + 3, 102 * MIB),
+            (1, 512, 512),
+            (511, 512, 512),
+            (512, 512, 512),
+            (513, 1024, 1024),
+            (4 * KIB + 1, 4 * KIB + 512, 4 * KIB + 512),
+            (MIB - 1, MIB, MIB),
+            (MIB, MIB, MIB),
+            (MIB + 1, MIB + 512, 2 * MIB),
+            (2 * MIB, 2 * MIB, 2 * MIB),
+            (5 * MIB, 5 * MIB, 6 * MIB),
+            (100 * MIB + 3, 100 * MIB + 512, 102 * MIB),
         ];
-        for (bytes, class) in cases {
-            assert_eq!(round_size(bytes), Some(class), "class of {bytes}");
+        for (bytes, block, _) in cases {
+            assert_eq!(round_size(bytes), Some(block), "block of {bytes}");
         }
         assert_eq!(round_size(usize::MAX), None);
 
-        let (mut a, mock) = setup(usize::MAX);
-        for (bytes, class) in cases {
+        for (bytes, block, device) in cases {
+            let (mut a, mock) = setup(usize::MAX);
             let b = a.alloc(bytes).unwrap();
-            assert_eq!(b.size, class, "block for {bytes}");
-            assert_eq!(mock.dev().live[&b.ptr], class, "device size for {bytes}");
+            assert_eq!(b.size, block, "block for {bytes}");
+            assert_eq!(mock.dev().live[&b.ptr], device, "device allocation for {bytes}");
+            assert_eq!((a.stats().allocated, a.stats().reserved), (block, device));
         }
     }
+
 
     #[test]
     fn small_block_reused_by_exact_class() {
@@ -365,44 +469,80 @@ mod tests {
     }
 
     #[test]
-    fn large_block_reuse_rule() {
+    fn a_large_request_takes_the_smallest_free_piece_split_to_its_size() {
         let (mut a, mock) = setup(usize::MAX);
-        let big = a.alloc(8 * MIB).unwrap();
+        let big = a.alloc(40 * MIB).unwrap();
         a.free(big);
-
-        // 1 MiB is a small class: not served from the large cache.
+        // 1 MiB is small: never cut from a segment.
         let small = a.alloc(MIB).unwrap();
         assert_ne!(small.ptr, big.ptr);
-        assert_eq!(small.size, MIB);
-        // 4 MiB class: 8 MiB is not < 2 x 4 MiB, so a new block.
-        let four = a.alloc(3 * MIB).unwrap();
-        assert_ne!(four.ptr, big.ptr);
-        assert_eq!(four.size, 4 * MIB);
-        assert_eq!(mock.dev().mallocs, 3);
-        assert_eq!(a.stats().cache_hits, 0);
 
-        // 6 MiB: the cached 8 MiB block is >= and < 12 MiB; handed out whole.
-        let six = a.alloc(6 * MIB).unwrap();
-        assert_eq!(six, Block { ptr: big.ptr, size: 8 * MIB });
+        // 10 MiB from the free 40: the first 10 handed out, 30 left free behind it.
+        let ten = a.alloc(10 * MIB).unwrap();
+        assert_eq!(ten, Block { ptr: big.ptr, size: 10 * MIB });
+        assert_eq!(a.stats().allocated, MIB + 10 * MIB, "counts what was asked, not the cached block");
+        let twenty = a.alloc(20 * MIB).unwrap();
+        assert_eq!(twenty, Block { ptr: big.ptr + 10 * MIB as u64, size: 20 * MIB });
+        check_pieces(&a);
+        // 10 MiB left in the segment; 12 do not fit: a new segment.
+        let twelve = a.alloc(12 * MIB).unwrap();
+        assert_eq!(mock.dev().live[&twelve.ptr], 12 * MIB);
         assert_eq!(mock.dev().mallocs, 3);
-        assert_eq!(a.stats().cache_hits, 1);
-        assert_eq!(a.stats().allocated, MIB + 4 * MIB + 8 * MIB);
+        // The 10 left give 9.5 MiB; 512 KiB stay free behind them.
+        let nine = a.alloc(9 * MIB + 512 * KIB).unwrap();
+        assert_eq!(nine, Block { ptr: big.ptr + 30 * MIB as u64, size: 9 * MIB + 512 * KIB });
+        assert_eq!(a.stats().cache_hits, 3);
+        check_pieces(&a);
 
-        // Smaller than any cached block of the right range: the smallest that fits is chosen.
-        a.free(four);
-        a.free(six);
-        let c = a.alloc(4 * MIB).unwrap();
-        assert_eq!(c, four);
-        let d = a.alloc(5 * MIB).unwrap(); // 6 MiB class; 8 MiB fits
-        assert_eq!(d, Block { ptr: big.ptr, size: 8 * MIB });
-        assert_eq!(mock.dev().mallocs, 3);
+        // Best fit: of free pieces of 30 MiB (twenty, nine and the rest merged) and 12 MiB
+        // (twelve's segment), 11 MiB comes from the 12.
+        a.free(twenty);
+        a.free(nine);
+        a.free(twelve);
+        check_pieces(&a);
+        let eleven = a.alloc(11 * MIB).unwrap();
+        assert_eq!(eleven, Block { ptr: twelve.ptr, size: 11 * MIB });
+        check_pieces(&a);
+        for b in [small, ten, eleven] {
+            a.free(b);
+        }
+        check_pieces(&a);
+        a.empty_cache();
+        assert_eq!(mock.dev().live_bytes, 0);
+    }
 
-        // A large request never takes a block smaller than itself.
-        a.free(c);
-        let e = a.alloc(6 * MIB).unwrap();
-        assert_ne!(e.ptr, four.ptr);
-        assert_eq!(e.size, 6 * MIB);
-        assert_eq!(mock.dev().mallocs, 4);
+    #[test]
+    fn freed_pieces_merge_with_free_neighbours_and_empty_segments_go_back() {
+        let (mut a, mock) = setup(usize::MAX);
+        let seg = a.alloc(30 * MIB).unwrap();
+        a.free(seg);
+        let x = a.alloc(10 * MIB).unwrap();
+        let y = a.alloc(10 * MIB).unwrap();
+        let z = a.alloc(10 * MIB).unwrap();
+        assert_eq!([x.ptr, y.ptr, z.ptr], [seg.ptr, seg.ptr + 10 * MIB as u64, seg.ptr + 20 * MIB as u64]);
+        // A segment with anything handed out stays.
+        a.free(x);
+        a.free(z);
+        check_pieces(&a);
+        assert_eq!(a.empty_cache(), 0);
+        assert_eq!(mock.dev().frees, 0);
+        // y between two free pieces: all three merge, and 30 MiB fit again without the device.
+        a.free(y);
+        check_pieces(&a);
+        assert_eq!(a.large.pieces.len(), 1);
+        let again = a.alloc(30 * MIB).unwrap();
+        assert_eq!(again, seg);
+        assert_eq!(mock.dev().mallocs, 1);
+        a.free(again);
+        // Pieces of two segments never merge, though their addresses might touch.
+        let other = a.alloc(40 * MIB).unwrap();
+        a.free(other);
+        assert_eq!(a.large.pieces.len(), 2);
+        assert_eq!(a.empty_cache(), 30 * MIB + 40 * MIB);
+        let d = mock.dev();
+        assert_eq!((d.frees, d.live_bytes), (2, 0));
+        drop(d);
+        assert!(a.large.pieces.is_empty() && a.large.free.is_empty() && a.large.segments.is_empty());
     }
 
     #[test]
@@ -411,7 +551,7 @@ mod tests {
         assert_eq!(a.stats(), MemoryStats::default());
 
         let x = a.alloc(1000).unwrap(); // 1 KiB
-        let y = a.alloc(3 * MIB).unwrap(); // 4 MiB
+        let y = a.alloc(4 * MIB).unwrap(); // one 4 MiB segment
         let s = a.stats();
         assert_eq!(s.allocated, KIB + 4 * MIB);
         assert_eq!(s.reserved, KIB + 4 * MIB);
@@ -605,7 +745,8 @@ mod tests {
         assert_eq!(fmt_bytes(3 << 29), "1.50 GiB");
     }
 
-    /// A long random-ish workload: the allocator's figures always agree with the device's.
+    /// A long random-ish workload: the allocator's figures always agree with the device's, no
+    /// two blocks handed out overlap, and the segments' pieces stay consistent.
     #[test]
     fn randomized_consistency() {
         let (mut a, mock) = setup(64 * MIB);
@@ -622,7 +763,7 @@ mod tests {
             match r % 5 {
                 0..=2 => {
                     let bytes =
-                        if r % 7 == 0 { (next() % (12 * MIB as u64)) as usize } else { (next() % 4096) as usize };
+                        if r % 3 == 0 { (next() % (12 * MIB as u64)) as usize } else { (next() % 4096) as usize };
                     if let Ok(b) = a.alloc(bytes) {
                         assert!(b.size >= bytes);
                         if bytes > 0 {
@@ -634,12 +775,18 @@ mod tests {
                     let i = (next() % held.len() as u64) as usize;
                     a.free(held.swap_remove(i));
                 }
-                _ if r % 97 == 0 => a.empty_cache(),
+                _ if r % 97 == 0 => {
+                    a.empty_cache();
+                }
                 _ => {}
             }
             let s = a.stats();
             assert_eq!(s.allocated, held.iter().map(|b| b.size).sum::<usize>());
             assert_eq!(s.reserved, mock.dev().live_bytes);
+            check_pieces(&a);
+            let mut by_ptr: Vec<Block> = held.clone();
+            by_ptr.sort_by_key(|b| b.ptr);
+            assert!(by_ptr.windows(2).all(|w| w[0].ptr + w[0].size as u64 <= w[1].ptr), "two blocks handed out overlap");
             assert!(s.allocated <= s.reserved && s.peak_allocated >= s.allocated && s.peak_reserved >= s.reserved);
         }
         let ptrs: HashSet<u64> = held.iter().map(|b| b.ptr).collect();
