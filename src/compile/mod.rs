@@ -668,7 +668,7 @@ pub(crate) fn program_of(args: &[Tensor], f: &mut dyn FnMut(&[Tensor]) -> Result
 /// The graph passes between capture (and autodiff) and scheduling; `inputs` are the tensors
 /// the program is first called with, where known.
 fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
-    remat::rematerialize(&recompute::recompute_cheap(&merge::merge_products(&simplify::simplify(&layout::channels_last(g, inputs)))))
+    recompute::recompute_cheap(&remat::rematerialize(&merge::merge_products(&simplify::simplify(&layout::channels_last(g, inputs)))))
 }
 
 fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {

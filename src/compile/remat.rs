@@ -33,12 +33,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         last[o] = n;
     }
     // Each view's root and the readers of a value through its views.
-    let root = |mut i: NodeId| {
-        while matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
-            i = g.nodes[i].args[0];
-        }
-        i
-    };
+    let root = |i: NodeId| view_root(g, i);
     let mut reads: Vec<Vec<NodeId>> = vec![vec![]; n];
     for (i, node) in g.nodes.iter().enumerate() {
         if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
@@ -77,12 +72,16 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         }
         // The chain stops at values alive at the first late reader anyway (inputs, small
         // per-channel values, values read there or later); it must reach them within
-        // MAX_CHAIN ops, through same-size pointwise ops only.
+        // MAX_CHAIN ops, through same-size pointwise ops only. Any other value it stops at
+        // (a convolution's output under batch norm's F32 `x - mean`) is kept alive until then
+        // instead: worth it when such values take fewer bytes than the one recomputed (the
+        // min-cut choice, made one value at a time).
+        let bytes = |x: NodeId| g.nodes[x].numel() * g.nodes[x].dtype.size_in_bytes();
         let alive = |x: NodeId| {
             let x = root(x);
             matches!(g.nodes[x].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late
         };
-        let (mut nodes, mut stack, mut ok) = (vec![], vec![v], true);
+        let (mut nodes, mut stack, mut kept_longer) = (vec![], vec![v], vec![]);
         while let Some(x) = stack.pop() {
             if nodes.contains(&x) {
                 continue;
@@ -95,15 +94,18 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
                 }
                 if an.is_pointwise() && an.numel() == node.numel() && nodes.len() < MAX_CHAIN {
                     stack.push(a);
-                } else {
-                    ok = false;
+                } else if !kept_longer.contains(&root(a)) {
+                    kept_longer.push(root(a));
                 }
             }
         }
-        if ok {
+        if kept_longer.iter().map(|&x| bytes(x)).sum::<usize>() < bytes(v) {
             from[v] = Some(first_late);
             for x in nodes {
                 in_chain[x] = true;
+            }
+            for x in kept_longer {
+                last[x] = last[x].max(first_late);
             }
         }
     }
@@ -121,7 +123,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
             .args
             .iter()
             .map(|&a| match from[root(a)] {
-                Some(f) if f <= i && !is_view => late_copy(g, &mut out, &map, &in_chain, &mut copies, a),
+                Some(f) if f <= i && !is_view => late_copy(g, &mut out, &map, &Recomputed { in_chain: &in_chain, from: &from, at: i }, &mut copies, a),
                 _ => map[a],
             })
             .collect();
@@ -132,16 +134,34 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
     out
 }
 
+/// The value whose storage the view `i` (or value `i`) reads.
+fn view_root(g: &Graph, mut i: NodeId) -> NodeId {
+    while matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+        i = g.nodes[i].args[0];
+    }
+    i
+}
+
+/// What the late copies are made of: the nodes of recomputed chains, where each recomputed
+/// value's late readers start, and the position of the reader a copy is made for.
+struct Recomputed<'a> {
+    in_chain: &'a [bool],
+    from: &'a [Option<usize>],
+    at: NodeId,
+}
+
 /// What a late reader reads instead of `a`: a copy of `a`'s chain (or a view of one), made once.
-fn late_copy(g: &Graph, out: &mut Graph, map: &[NodeId], in_chain: &[bool], copies: &mut std::collections::HashMap<NodeId, NodeId>, a: NodeId) -> NodeId {
+/// A chain that stops at another recomputed value reads that value's copy.
+fn late_copy(g: &Graph, out: &mut Graph, map: &[NodeId], r: &Recomputed, copies: &mut std::collections::HashMap<NodeId, NodeId>, a: NodeId) -> NodeId {
     if let Some(&c) = copies.get(&a) {
         return c;
     }
     let node = &g.nodes[a];
+    let recomputed_by_now = |x: NodeId| r.from[view_root(g, x)].is_some_and(|f| f <= r.at);
     let args: Vec<NodeId> = if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
-        vec![late_copy(g, out, map, in_chain, copies, node.args[0])]
+        vec![late_copy(g, out, map, r, copies, node.args[0])]
     } else {
-        node.args.iter().map(|&x| if in_chain[x] { late_copy(g, out, map, in_chain, copies, x) } else { map[x] }).collect()
+        node.args.iter().map(|&x| if r.in_chain[x] || recomputed_by_now(x) { late_copy(g, out, map, r, copies, x) } else { map[x] }).collect()
     };
     let c = out.push(node.op.clone(), args, node.shape.clone(), node.dtype, node.device);
     copies.insert(a, c);
@@ -198,5 +218,53 @@ mod tests {
         g.nodes.pop();
         let r = rematerialize(&g);
         assert_eq!(r.nodes.iter().filter(|n| n.op == NodeOp::Prim(Op::Unary(UnaryOp::Relu))).count(), 1, "{r}");
+    }
+
+    /// x = a half-precision value made by something other than a pointwise op (a convolution's
+    /// output); s = x - m in F32 (batch norm's) and y = relu(s), each read early and after 40
+    /// unrelated nodes.
+    fn half_precision_leaf() -> (Graph, NodeId, NodeId, NodeId) {
+        let mut g = Graph::default();
+        let (f, h, d, sh) = (DType::F32, DType::BF16, Device::Cpu, vec![64, 128]);
+        let a = g.push(NodeOp::Arg(0), vec![], vec![64, 128, 2], h, d);
+        let x = g.push(NodeOp::Prim(Op::Reduce(crate::ops::ReduceOp::Sum, vec![2], false)), vec![a], sh.clone(), h, d);
+        let m = g.push(NodeOp::Full(0.5), vec![], sh.clone(), f, d);
+        let s = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Sub, f)), vec![x, m], sh.clone(), f, d);
+        let y = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Relu)), vec![s], sh.clone(), f, d);
+        let mut w = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Add, f)), vec![s, y], sh.clone(), f, d);
+        for _ in 0..40 {
+            w = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Neg)), vec![w], sh.clone(), f, d);
+        }
+        let late = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Mul, f)), vec![s, w], sh.clone(), f, d);
+        let late = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Mul, f)), vec![y, late], sh.clone(), f, d);
+        g.outputs = vec![late];
+        (g, x, s, y)
+    }
+
+    #[test]
+    fn a_value_is_recomputed_from_a_smaller_one_kept_longer_for_it() {
+        // Recomputing s keeps x (half its bytes) alive across the gap instead of s; y's copy
+        // reads s's copy, so neither original is read late.
+        let (g, x, s, y) = half_precision_leaf();
+        let r = rematerialize(&g);
+        let subs: Vec<NodeId> = (0..r.nodes.len()).filter(|&i| matches!(r.nodes[i].op, NodeOp::Prim(Op::Binary(BinaryOp::Sub, _)))).collect();
+        let relus: Vec<NodeId> = (0..r.nodes.len()).filter(|&i| r.nodes[i].op == NodeOp::Prim(Op::Unary(UnaryOp::Relu))).collect();
+        assert_eq!((subs.len(), relus.len()), (2, 2), "{r}");
+        let readers = r.readers();
+        let late = r.nodes.len() - 40;
+        // Nothing is moved before x, s and y: their ids are unchanged in the copy.
+        assert!(readers[s].iter().chain(&readers[y]).all(|&i| i < late), "the originals are read early only: {r}");
+        assert!(readers[x].iter().any(|&i| i > late), "x is read by the late copy of s: {r}");
+        assert_eq!(r.nodes[relus[1]].args, vec![subs[1]], "y's copy reads s's copy: {r}");
+    }
+
+    #[test]
+    fn a_value_is_kept_when_what_it_needs_kept_longer_is_as_large() {
+        // x in F32 takes as many bytes as s: recomputing s saves nothing.
+        let (mut g, x, ..) = half_precision_leaf();
+        g.nodes[x].dtype = DType::F32;
+        g.nodes[x - 1].dtype = DType::F32;
+        let r = rematerialize(&g);
+        assert_eq!(r.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Binary(BinaryOp::Sub, _)))).count(), 1, "{r}");
     }
 }

@@ -752,6 +752,8 @@ struct PlannedPeak {
     inputs: usize,
     /// The largest values alive at the peak: (node, its op, bytes).
     largest: Vec<(NodeId, String, usize)>,
+    /// What is alive at the peak by the op that made it: (op, values, bytes), most bytes first.
+    by_op: Vec<(String, usize, usize)>,
 }
 
 impl std::fmt::Display for PlannedPeak {
@@ -761,6 +763,10 @@ impl std::fmt::Display for PlannedPeak {
         if !self.largest.is_empty() {
             let l: Vec<String> = self.largest.iter().map(|(i, op, b)| format!("%{i} {op} {}", size(*b))).collect();
             write!(f, "; largest there: {}", l.join(", "))?;
+        }
+        if !self.by_op.is_empty() {
+            let l: Vec<String> = self.by_op.iter().map(|(op, k, b)| format!("{op} {} in {k}", size(*b))).collect();
+            write!(f, "; there by op: {}", l.join(", "))?;
         }
         Ok(())
     }
@@ -784,7 +790,7 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     }
     let inputs = g.nodes.iter().enumerate().filter(|(_, x)| matches!(x.op, NodeOp::Arg(_) | NodeOp::Captured(_))).map(|(i, _)| bytes(i)).sum();
     let mut holders = vec![0usize; n];
-    let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![] });
+    let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![], by_op: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
         // Flat kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
         // each must also be contiguous and held by nothing else).
@@ -818,7 +824,18 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
             };
             let mut held: Vec<NodeId> = (0..n).filter(|&r| holders[r] > 0).collect();
             held.sort_by_key(|&r| std::cmp::Reverse(bytes(r)));
-            p.largest = held.into_iter().take(5).map(|r| (r, g.nodes[r].name(), bytes(r))).collect();
+            let mut by_op: Vec<(String, usize, usize)> = vec![];
+            for &r in &held {
+                let name = g.nodes[r].name();
+                match by_op.iter_mut().find(|(op, ..)| *op == name) {
+                    Some((_, k, b)) => (*k, *b) = (*k + 1, *b + bytes(r)),
+                    None => by_op.push((name, 1, bytes(r))),
+                }
+            }
+            by_op.sort_by_key(|&(_, _, b)| std::cmp::Reverse(b));
+            by_op.truncate(6);
+            p.by_op = by_op;
+            p.largest = held.into_iter().take(3).map(|r| (r, g.nodes[r].name(), bytes(r))).collect();
         }
         for &f in &frees[k] {
             if let Some(r) = root[f] {
