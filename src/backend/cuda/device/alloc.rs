@@ -97,7 +97,7 @@ fn fmt_bytes(bytes: usize) -> String {
 }
 
 /// The block size of a request of `bytes` (> 0); None when rounding would overflow.
-fn round_size(bytes: usize) -> Option<usize> {
+pub(crate) fn round_size(bytes: usize) -> Option<usize> {
     bytes.checked_next_multiple_of(ROUND)
 }
 
@@ -110,10 +110,11 @@ struct Piece {
     segment: u64,
 }
 
-/// Large blocks: the segments obtained from the device, every piece of them by address, and
-/// the free pieces by (size, address) for best-fit lookups.
+/// Pieces cut from segments: the segments (device allocations here; a captured CUDA graph's
+/// blocks in its capture pool), every piece of them by address, and the free pieces by (size,
+/// address) for best-fit lookups.
 #[derive(Default)]
-struct LargePool {
+pub(crate) struct LargePool {
     /// Segment base -> its size.
     segments: HashMap<u64, usize>,
     pieces: BTreeMap<u64, Piece>,
@@ -122,7 +123,7 @@ struct LargePool {
 
 impl LargePool {
     /// The smallest free piece of at least `size` bytes, taken (split to `size`).
-    fn take(&mut self, size: usize) -> Option<Block> {
+    pub(crate) fn take(&mut self, size: usize) -> Option<Block> {
         let &(found, ptr) = self.free.range((size, 0)..).next()?;
         self.free.remove(&(found, ptr));
         Some(self.hand_out(ptr, found, size))
@@ -146,14 +147,19 @@ impl LargePool {
     }
 
     /// A new segment of `seg_size` bytes at `base`, its first `size` bytes handed out.
-    fn add_segment(&mut self, base: u64, seg_size: usize, size: usize) -> Block {
+    pub(crate) fn add_segment(&mut self, base: u64, seg_size: usize, size: usize) -> Block {
         self.segments.insert(base, seg_size);
         self.pieces.insert(base, Piece { size: seg_size, free: true, segment: base });
         self.hand_out(base, seg_size, size)
     }
 
+    /// Whether `ptr` starts a piece handed out from this pool.
+    pub(crate) fn hands_out(&self, ptr: u64) -> bool {
+        self.pieces.get(&ptr).is_some_and(|p| !p.free)
+    }
+
     /// Frees the handed-out piece `b`, merged with the free pieces on either side of it.
-    fn give_back(&mut self, b: Block) {
+    pub(crate) fn give_back(&mut self, b: Block) {
         let Piece { segment, .. } = self.pieces[&b.ptr];
         let (mut ptr, mut size) = (b.ptr, b.size);
         let next = ptr + size as u64;

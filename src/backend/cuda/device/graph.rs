@@ -203,22 +203,30 @@ pub(crate) fn capture_error_word(ordinal: usize) -> Option<u64> {
     CAPTURE_WORD.with(|w| w.borrow().as_ref().map(|w| w.dev_ptr))
 }
 
-/// The blocks a capture allocated, and those of them free again for later steps of the capture.
+/// The blocks a capture took from the caching allocator (the graph keeps them), cut into pieces
+/// for the captured steps: a step's buffer is the smallest free piece that fits, cut to size,
+/// and a piece freed during the capture merges with its free neighbours for later steps, so
+/// the graph holds about what its steps hold at their peak.
 #[derive(Default)]
 pub(crate) struct CapturePool {
     pub(crate) blocks: Vec<Block>,
-    free: Vec<Block>,
+    pieces: crate::backend::cuda::device::alloc::LargePool,
 }
 
 impl CapturePool {
-    /// A free block that fits `bytes` without wasting more than half of it.
+    /// A free piece for `bytes` (> 0), cut to size.
     pub(crate) fn take(&mut self, bytes: usize) -> Option<Block> {
-        let i = self.free.iter().position(|b| b.size >= bytes && b.size <= 2 * bytes.max(512))?;
-        Some(self.free.swap_remove(i))
+        self.pieces.take(crate::backend::cuda::device::alloc::round_size(bytes)?)
+    }
+    /// Keeps `block`, just taken from the caching allocator, and hands out its first `bytes`.
+    pub(crate) fn adopt(&mut self, block: Block, bytes: usize) -> Block {
+        self.blocks.push(block);
+        let size = crate::backend::cuda::device::alloc::round_size(bytes).unwrap_or(block.size).min(block.size);
+        self.pieces.add_segment(block.ptr, block.size, size)
     }
     pub(crate) fn give_back(&mut self, b: Block) {
-        if self.blocks.iter().any(|x| x.ptr == b.ptr) {
-            self.free.push(b);
+        if self.pieces.hands_out(b.ptr) {
+            self.pieces.give_back(b);
         }
     }
 }
@@ -272,7 +280,11 @@ pub(crate) fn capture<T>(dev: &Arc<CudaDevice>, f: impl FnOnce() -> Result<T>) -
     let pool = dev.capture.lock().take().unwrap_or_default();
     let kernels = crate::backend::cuda::launch_count() - launches;
     let e = match (r, ended) {
-        (Ok(value), Ok((graph, exec))) => return Ok((CudaGraph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value)),
+        (Ok(value), Ok((graph, exec))) => {
+            let held: usize = pool.blocks.iter().map(|b| b.size).sum();
+            crate::logging::log(crate::logging::Topic::Memory, || format!("CUDA graph captured: {kernels} kernels; it holds {:.1} MiB in {} blocks for its replays", held as f64 / (1u64 << 20) as f64, pool.blocks.len()));
+            return Ok((CudaGraph { graph, exec, blocks: pool.blocks, dev: dev.clone(), kernels, work, word }, value));
+        }
         (Err(e), _) => e,
         // The value's tensors go first: dropped while their blocks still belong to the graph,
         // they give nothing back (the blocks go back once, below).
@@ -501,7 +513,30 @@ pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_chain, step_dependencies, Footprint};
+    use super::{longest_chain, step_dependencies, CapturePool, Footprint};
+    use crate::backend::cuda::device::alloc::Block;
+
+    #[test]
+    fn a_capture_cuts_its_blocks_to_size_and_reuses_freed_pieces() {
+        const MIB: usize = 1 << 20;
+        let mut pool = CapturePool::default();
+        assert_eq!(pool.take(MIB), None, "nothing adopted yet");
+        // A step's 8 MiB buffer, freed within the capture: later steps' 3 and 5 MiB fit in it.
+        let first = pool.adopt(Block { ptr: 0x10_0000_0000, size: 8 * MIB }, 8 * MIB);
+        assert_eq!(first, Block { ptr: 0x10_0000_0000, size: 8 * MIB });
+        pool.give_back(first);
+        let three = pool.take(3 * MIB - 100).unwrap();
+        assert_eq!(three, Block { ptr: first.ptr, size: 3 * MIB });
+        let five = pool.take(5 * MIB).unwrap();
+        assert_eq!(five, Block { ptr: first.ptr + 3 * MIB as u64, size: 5 * MIB });
+        assert_eq!(pool.take(512), None, "all handed out");
+        // Freed pieces merge again; a block the graph does not hand out is ignored.
+        pool.give_back(Block { ptr: 0x99, size: 512 });
+        pool.give_back(five);
+        pool.give_back(three);
+        assert_eq!(pool.take(8 * MIB), Some(first));
+        assert_eq!(pool.blocks, vec![first]);
+    }
 
     fn fp(reads: &[u64], writes: &[u64]) -> Footprint {
         // Each address stands for a 16-byte buffer.

@@ -179,9 +179,10 @@ pub(crate) struct CudaDevice {
     pub(crate) capture_turn: Mutex<()>,
     /// While a CUDA graph is being captured: the blocks it allocates (they belong to the graph).
     pub(crate) capture: Mutex<Option<crate::backend::cuda::device::graph::CapturePool>>,
-    /// Blocks owned by live graphs: the graph still reads and writes them at each replay, so a
-    /// tensor over one that is dropped does not give it back to the allocator.
-    pub(crate) graph_blocks: Mutex<std::collections::HashSet<u64>>,
+    /// Blocks owned by live graphs (base -> size): the graph still reads and writes them at each
+    /// replay, so a tensor over a piece of one that is dropped does not give it back to the
+    /// allocator.
+    pub(crate) graph_blocks: Mutex<std::collections::BTreeMap<u64, usize>>,
     pub(crate) arch: String,
     pub(crate) sm_count: usize,
     /// Shared memory per SM in bytes (0 where the driver does not say).
@@ -304,19 +305,18 @@ impl CudaDevice {
 
     /// A device buffer of `bytes`; out of memory is an error carrying the allocator's figures.
     pub(crate) fn alloc(self: &Arc<Self>, bytes: usize) -> Result<Block> {
-        if crate::backend::cuda::device::graph::capturing() != Some(self.ordinal) {
+        if bytes == 0 || crate::backend::cuda::device::graph::capturing() != Some(self.ordinal) {
             return self.alloc_block(bytes);
         }
         // The step being captured writes whatever it is handed (so a later step given the
-        // same block waits for it).
+        // same memory waits for it).
         let b = match self.capture.lock().as_mut() {
             Some(pool) => match pool.take(bytes) {
                 Some(b) => b,
                 None => {
                     let b = self.alloc_block(bytes)?;
-                    pool.blocks.push(b);
-                    self.graph_blocks.lock().insert(b.ptr);
-                    b
+                    self.graph_blocks.lock().insert(b.ptr, b.size);
+                    pool.adopt(b, bytes)
                 }
             },
             None => self.alloc_block(bytes)?,
@@ -333,7 +333,7 @@ impl CudaDevice {
     }
 
     pub(crate) fn free(&self, block: Block) {
-        let owned_by_graph = self.graph_blocks.lock().contains(&block.ptr);
+        let owned_by_graph = self.graph_blocks.lock().range(..=block.ptr).next_back().is_some_and(|(&base, &size)| block.ptr < base + size as u64);
         if owned_by_graph {
             // Inside a capture the block is free for the graph's later steps; after it, the
             // graph keeps it.
