@@ -3,12 +3,12 @@
 use crate::nn::functional::{scaled_dot_product_attention, SdpaOptions};
 use crate::{DType, Device, Error, Result, Tensor};
 
-/// Keys and values of the positions a model has seen, per layer `[B, H_kv, capacity, D]` each,
-/// allocated once: decoding writes each new position in place, so shapes never change as the
-/// cache fills.
+/// Keys and values of the positions a model has seen, per layer one `[2, B, H_kv, capacity, D]`
+/// buffer (keys, then values), allocated once: decoding writes each new position in place, so
+/// shapes never change as the cache fills, and a layer's new keys and values go in with one
+/// write.
 pub struct KvCache {
-    keys: Vec<Tensor>,
-    values: Vec<Tensor>,
+    kv: Vec<Tensor>,
     len: usize,
 }
 
@@ -16,14 +16,9 @@ impl KvCache {
     /// A cache of `layers` layers for `batch` sequences of up to `capacity` positions of
     /// `kv_heads` heads of `head_dim`.
     pub fn new(layers: usize, batch: usize, kv_heads: usize, capacity: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<KvCache> {
-        let shape = [batch, kv_heads, capacity, head_dim];
-        let mut keys = Vec::with_capacity(layers);
-        let mut values = Vec::with_capacity(layers);
-        for _ in 0..layers {
-            keys.push(Tensor::zeros(&shape, dtype, device)?);
-            values.push(Tensor::zeros(&shape, dtype, device)?);
-        }
-        Ok(KvCache { keys, values, len: 0 })
+        let shape = [2, batch, kv_heads, capacity, head_dim];
+        let kv = (0..layers).map(|_| Tensor::zeros(&shape, dtype, device)).collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { kv, len: 0 })
     }
     /// Positions held.
     pub fn len(&self) -> usize {
@@ -34,10 +29,10 @@ impl KvCache {
     }
     /// Positions it can hold.
     pub fn capacity(&self) -> usize {
-        self.keys.first().map_or(0, |k| k.shape()[2])
+        self.kv.first().map_or(0, |kv| kv.shape()[3])
     }
     pub fn batch(&self) -> usize {
-        self.keys.first().map_or(0, |k| k.shape()[0])
+        self.kv.first().map_or(0, |kv| kv.shape()[1])
     }
     /// Forgets every position (the buffers stay).
     pub fn clear(&mut self) {
@@ -53,34 +48,32 @@ impl KvCache {
         Ok(())
     }
 
-    /// Writes layer `layer`'s keys and values `[B, H_kv, T, D]` of the next T positions; returns
-    /// views of all the layer's positions so far, these included.
-    fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.shape()[2];
-        let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
-            return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
-        };
-        if k.shape()[..2] != keys.shape()[..2] || k.shape()[3] != keys.shape()[3] {
-            return Err(Error::shape("KvCache", format!("keys of shape {:?} do not fit a cache of {:?}", k.shape(), keys.shape())));
-        }
-        keys.narrow(2, self.len, t)?.copy_(k)?;
-        values.narrow(2, self.len, t)?.copy_(v)?;
-        Ok((keys.narrow(2, 0, self.len + t)?, values.narrow(2, 0, self.len + t)?))
+    /// Layer `layer`'s buffer.
+    fn layer(&self, layer: usize) -> Result<&Tensor> {
+        self.kv.get(layer).ok_or_else(|| Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.kv.len())))
     }
 
-    /// Writes layer `layer`'s keys and values `[B, H_kv, 1, D]` of one position per sequence at
-    /// `positions` `[B]`; returns the layer's whole buffers. A scatter: compiled, only those
-    /// slots are written, and the shapes are the same at every position.
-    fn write_at(&self, layer: usize, k: &Tensor, v: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (Some(keys), Some(values)) = (self.keys.get(layer), self.values.get(layer)) else {
-            return Err(Error::arg("KvCache", format!("layer {layer} of a cache of {} layers", self.keys.len())));
-        };
-        let s = keys.shape();
-        let at = positions.reshape(&[s[0] as i64, 1, 1, 1])?.broadcast_to(&[s[0], s[1], 1, s[3]])?;
-        for (buf, new) in [(keys, k), (values, v)] {
-            buf.scatter_(2, &at, &new.to_dtype(buf.dtype())?)?;
+    /// Writes layer `layer`'s keys and values `[2, B, H_kv, T, D]` of the next T positions;
+    /// returns views of all the layer's positions so far, these included.
+    fn write(&mut self, layer: usize, kv: &Tensor) -> Result<Tensor> {
+        let t = kv.shape()[3];
+        let buf = self.layer(layer)?;
+        if kv.shape()[..3] != buf.shape()[..3] || kv.shape()[4] != buf.shape()[4] {
+            return Err(Error::shape("KvCache", format!("keys and values of shape {:?} do not fit a cache of {:?}", kv.shape(), buf.shape())));
         }
-        Ok((keys.clone(), values.clone()))
+        buf.narrow(3, self.len, t)?.copy_(kv)?;
+        buf.narrow(3, 0, self.len + t)
+    }
+
+    /// Writes layer `layer`'s keys and values `[2, B, H_kv, 1, D]` of one position per sequence
+    /// at `positions` `[B]`; returns the layer's whole buffer. A scatter: compiled, only those
+    /// slots are written, and the shapes are the same at every position.
+    fn write_at(&self, layer: usize, kv: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let buf = self.layer(layer)?;
+        let s = buf.shape();
+        let at = positions.reshape(&[1, s[1] as i64, 1, 1, 1])?.broadcast_to(&[2, s[1], s[2], 1, s[4]])?;
+        buf.scatter_(3, &at, &kv.to_dtype(buf.dtype())?)?;
+        Ok(buf.clone())
     }
 
     /// Checks that `t` more positions fit.
@@ -183,17 +176,19 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// Causal attention of q `[B, H, T, D]` over this step's keys and values `[B, H_kv, T, D]`
-    /// (written into layer `layer` of the cache first) and those cached before them; heads
-    /// share key/value heads in groups of H / H_kv. Returns `[B, H, T, D]`.
-    pub fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    /// Causal attention of q `[B, H, T, D]` over this step's keys and values `kv`
+    /// `[2, B, H_kv, T, D]` (keys, then values; written into layer `layer` of the cache first)
+    /// and those cached before them; heads share key/value heads in groups of H / H_kv.
+    /// Returns `[B, H, T, D]`.
+    pub fn attend(&mut self, layer: usize, q: &Tensor, kv: &Tensor, scale: f64) -> Result<Tensor> {
         let (h, t) = (q.shape()[1], q.shape()[2]);
-        let hkv = k.shape()[1];
-        let (k, v) = match &mut self.place {
-            Place::Host { cache: Some(c), .. } => c.write(layer, k, v)?,
-            Place::Host { cache: None, .. } => (k.clone(), v.clone()),
-            Place::Device { positions, cache } => cache.write_at(layer, k, v, positions)?,
+        let hkv = kv.shape()[2];
+        let kv = match &mut self.place {
+            Place::Host { cache: Some(c), .. } => c.write(layer, kv)?,
+            Place::Host { cache: None, .. } => kv.clone(),
+            Place::Device { positions, cache } => cache.write_at(layer, kv, positions)?,
         };
+        let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
         let causal = self.attn_mask.is_none() && self.start() == Some(0) && t > 1;
         let opts = SdpaOptions { attn_mask: self.attn_mask.as_ref(), is_causal: causal, scale: Some(scale), dropout_p: 0.0 };

@@ -239,12 +239,14 @@ impl Gpt2 {
         let heads_first = |x: &Tensor| x.reshape(&[b as i64, t as i64, heads as i64, d as i64])?.permute(&[0, 2, 1, 3]);
         for (i, blk) in self.blocks.iter().enumerate() {
             let a = F::layer_norm(&h, &[e], Some(&blk.ln_1.0), Some(&blk.ln_1.1), c.layer_norm_epsilon)?;
-            let qkv = conv1d(&a, &blk.c_attn)?.split(e, -1)?;
+            let qkv = conv1d(&a, &blk.c_attn)?;
             let mut scale = if c.scale_attn_weights { 1.0 / (d as f64).sqrt() } else { 1.0 };
             if c.scale_attn_by_inverse_layer_idx {
                 scale /= (i + 1) as f64;
             }
-            let o = step.attend(i, &heads_first(&qkv[0])?, &heads_first(&qkv[1])?, &heads_first(&qkv[2])?, scale)?;
+            // Keys and values side by side in the product: one [2, B, H, T, D] view of both.
+            let kv = qkv.narrow(2, e, 2 * e)?.reshape(&[b as i64, t as i64, 2, heads as i64, d as i64])?.permute(&[2, 0, 3, 1, 4])?;
+            let o = step.attend(i, &heads_first(&qkv.narrow(2, 0, e)?)?, &kv, scale)?;
             let o = o.permute(&[0, 2, 1, 3])?.reshape(&[b as i64, t as i64, e as i64])?;
             h = h.add(&conv1d(&o, &blk.c_proj)?)?;
             let m = F::layer_norm(&h, &[e], Some(&blk.ln_2.0), Some(&blk.ln_2.1), c.layer_norm_epsilon)?;

@@ -353,7 +353,7 @@ impl Llama {
             let q = rope(&heads(&l.q.forward(&a)?, h)?, &cos, &sin)?;
             let k = rope(&heads(&l.k.forward(&a)?, hkv)?, &cos, &sin)?;
             let v = heads(&l.v.forward(&a)?, hkv)?;
-            let o = step.attend(i, &q, &k, &v, scale)?.permute(&[0, 2, 1, 3])?.reshape(&[b as i64, t as i64, (h * d) as i64])?;
+            let o = step.attend(i, &q, &crate::stack(&[&k, &v], 0)?, scale)?.permute(&[0, 2, 1, 3])?.reshape(&[b as i64, t as i64, (h * d) as i64])?;
             x = x.add(&l.o.forward(&o)?)?;
             let m = self.rms_norm(&x, &l.post_attention_layernorm)?;
             x = x.add(&l.down.forward(&(self.act)(&l.gate.forward(&m)?)?.mul(&l.up.forward(&m)?)?)?)?;

@@ -347,6 +347,28 @@ fn decode_steps_match(model: &dyn CausalLm) {
 }
 
 #[test]
+fn a_decode_step_writes_each_layers_keys_and_values_with_one_scatter() {
+    use kiln::compile::{compile_with, Backend, CompileOptions};
+    use kiln::compile::graph::{Graph, NodeOp};
+    let pretrained = load(GPT2);
+    let model = pretrained.model.as_ref();
+    let config: serde_json::Value = serde_json::from_slice(GPT2[0].1).unwrap();
+    let layers = config["n_layer"].as_u64().unwrap() as usize;
+    let cache = model.new_cache(1, 8).unwrap();
+    let scatters = std::sync::Arc::new(std::sync::Mutex::new(0));
+    let seen = scatters.clone();
+    let backend = Backend::custom(move |g: &Graph, _| {
+        *seen.lock().unwrap() = g.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(kiln::ops::Op::Scatter(_)))).count();
+        Ok(g.eager_runner())
+    });
+    let cc = &cache;
+    let f = compile_with(CompileOptions::new().backend(backend), move |tok: &Tensor, pos: &Tensor| model.decode_step(tok, pos, cc));
+    let (tok, pos) = (Tensor::zeros(&[1, 1], DType::I64, &dev()).unwrap(), Tensor::zeros(&[1], DType::I64, &dev()).unwrap());
+    kiln::no_grad(|| f.call(&tok, &pos)).unwrap();
+    assert_eq!(*scatters.lock().unwrap(), layers);
+}
+
+#[test]
 fn a_compiled_decode_step_takes_the_position_as_data_and_equals_eager() {
     decode_steps_match(load(GPT2).model.as_ref());
     decode_steps_match(load(LLAMA).model.as_ref());
