@@ -102,6 +102,13 @@ pub(crate) fn cudnn_min_keys() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_CUDNN_MIN_KEYS"))
 }
 
+/// `KILN_PDL=1`: kiln's kernels are launched with programmatic dependent launch on Hopper and
+/// later (`CudaDevice::launch_params`).
+pub(crate) fn pdl() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_PDL", "1"))
+}
+
 /// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.
 pub(crate) fn attention_warp_only() -> bool {
     static V: OnceLock<bool> = OnceLock::new();

@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -372,6 +372,15 @@ for side in "kt":
 PY
   rm -f $OUT/k-*.json $OUT/t-*.json $OUT/mem-*.log
   python3 .gpu/bench/compare.py $OUT/torch.json $OUT/kiln.json | tee $OUT/compare.txt
+fi
+if [[ " $* " == *" pdl "* ]]; then
+  # The GPU suite with programmatic dependent launch, then the rows of $PDL_WORKLOADS with it
+  # off and on (kernels per call and time).
+  KILN_PDL=1 KILN_BIN=$PWD/.gpu/bin/kiln bash .gpu/run.sh $OUT/pdl-suite 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/pdl-suite/gpu-tests.log | head -20
+  for w in ${PDL_WORKLOADS:-gpt2.decode transformer.fwd mlp}; do for p in 0 1; do
+    KILN_PDL=$p KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only $w --out /tmp/pdl.json > /dev/null 2>&1
+    python3 -c "import json; [print('KILN_PDL=$p', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms')}) for k, v in json.load(open('/tmp/pdl.json'))['workloads'].items()]"
+  done; done
 fi
 if [[ " $* " == *" remat "* ]]; then
   # The training rows of $REMAT_WORKLOADS (default: ResNet-50's and GPT-2's) with

@@ -158,6 +158,12 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
             // (through plain edges: a whole wait is never weaker than the edge it replaces).
             let (from_old, data_old): (Vec<ds::CUgraphNode>, Vec<ds::CUgraphEdgeData>) = before.iter().map(|d| (d.0, d.1)).unzip();
             let after: Vec<ds::CUgraphNode> = deps[s].iter().flat_map(|&t| kept[t].0.iter().map(|&e| e as ds::CUgraphNode)).collect();
+            // The same waits as captured: the edges stay, with their data (a programmatic
+            // launch's edge lets the step start before the one it waits for ends).
+            let set = |v: &[ds::CUgraphNode]| v.iter().map(|&n| n as usize).collect::<std::collections::BTreeSet<usize>>();
+            if set(&from_old) == set(&after) {
+                continue;
+            }
             let to_old = vec![*n; before.len()];
             let to_new = vec![*n; after.len()];
             // SAFETY: nodes of `graph`; the edges removed exist (with their data), the ones

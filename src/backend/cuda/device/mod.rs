@@ -59,19 +59,29 @@ impl<'a> Work<'a> {
     }
 }
 
-/// A loaded kernel and its name. CUfunction handles are plain pointers valid for the
-/// context's lifetime; so is the name (leaked once per compiled kernel, for the profiler).
+/// A loaded kernel, its name, and whether it starts by waiting for the grids before it (so it
+/// may be launched before they end: `waits_for_previous`). CUfunction handles are plain
+/// pointers valid for the context's lifetime; so is the name (leaked once per compiled kernel,
+/// for the profiler).
 #[derive(Clone, Copy)]
-pub(crate) struct Kernel(ds::CUfunction, pub(crate) &'static str);
+pub(crate) struct Kernel(ds::CUfunction, pub(crate) &'static str, bool);
 impl Kernel {
     /// What a rehearsal hands out for a kernel it has only noted: never launched.
-    pub(crate) const REHEARSED: Kernel = Kernel(std::ptr::null_mut(), "rehearsed");
+    pub(crate) const REHEARSED: Kernel = Kernel(std::ptr::null_mut(), "rehearsed", false);
 
     /// Whether this is a rehearsal's placeholder (the real kernel is loaded on the first run).
     pub(crate) fn is_rehearsed(&self) -> bool {
         self.0.is_null()
     }
 }
+/// Whether every kernel function `src` defines starts with `KILN_AFTER_PREVIOUS();` (the
+/// prelude's wait for the grids before it): only such a kernel may be launched before those
+/// grids end (`KILN_PDL`).
+pub(crate) fn waits_for_previous(src: &str) -> bool {
+    let mut kernels = src.match_indices("__global__").peekable();
+    kernels.peek().is_some() && kernels.all(|(at, _)| src[at..].find('{').is_some_and(|open| src[at + open + 1..].trim_start().starts_with("KILN_AFTER_PREVIOUS();")))
+}
+
 // SAFETY: a CUfunction may be launched from any thread that binds its context.
 unsafe impl Send for Kernel {}
 unsafe impl Sync for Kernel {}
@@ -184,6 +194,8 @@ pub(crate) struct CudaDevice {
     /// allocator.
     pub(crate) graph_blocks: Mutex<std::collections::BTreeMap<u64, usize>>,
     pub(crate) arch: String,
+    /// Compute capability 9.0 or later: programmatic dependent launch (`KILN_PDL`) exists.
+    pub(crate) hopper: bool,
     pub(crate) sm_count: usize,
     /// Shared memory per SM in bytes (0 where the driver does not say).
     pub(crate) shared_per_sm: usize,
@@ -270,6 +282,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         capture: Mutex::new(None),
         graph_blocks: Mutex::new(Default::default()),
         arch: format!("sm_{major}{minor}"),
+        hopper: major >= 9,
         sm_count,
         shared_per_sm,
         driver,
@@ -407,12 +420,13 @@ impl CudaDevice {
         let ours = !matches!(key, KernelKey::Custom { .. });
         let started = std::time::Instant::now();
         let cubin = crate::backend::cuda::device::nvrtc::cubin(&src, options, ours, &self.arch, self.driver, self.kiln_device())?;
-        self.install(key, name, cubin, started.elapsed())
+        let waits = ours && waits_for_previous(&src);
+        self.install(key, name, cubin, started.elapsed(), waits)
     }
 
     /// Loads a kernel's cubin (`took`: how long finding or compiling it took) and keeps it
-    /// under `key`.
-    pub(crate) fn install(&self, key: KernelKey, name: String, (cubin, from): (Vec<u8>, KernelSource), took: std::time::Duration) -> Result<Kernel> {
+    /// under `key`; `waits`: `waits_for_previous` of its source.
+    pub(crate) fn install(&self, key: KernelKey, name: String, (cubin, from): (Vec<u8>, KernelSource), took: std::time::Duration, waits: bool) -> Result<Kernel> {
         let started = std::time::Instant::now();
         self.bind()?;
         // SAFETY: `cubin` is a complete image for this device's architecture.
@@ -428,7 +442,7 @@ impl CudaDevice {
         // SAFETY: the module was just loaded and names this function.
         let f = unsafe { dr::module::get_function(module, cname) }.map_err(|e| self.err("get function", e))?;
         self.modules.lock().push(module as usize);
-        let k = Kernel(f, Box::leak(name.into_boxed_str()));
+        let k = Kernel(f, Box::leak(name.into_boxed_str()), waits);
         self.kernels.lock().insert(key, k);
         Ok(k)
     }
@@ -487,8 +501,33 @@ impl CudaDevice {
     pub(crate) unsafe fn launch_params(&self, k: Kernel, grid: (u32, u32, u32), block: (u32, u32, u32), shared: u32, params: &mut [*mut std::ffi::c_void]) -> Result<()> {
         let Work::On(stream) = self.work() else { return Ok(()) };
         let _rec = crate::profiler::kernel(self, k.1, grid, block);
-        // SAFETY: the caller's contract.
-        unsafe { dr::launch_kernel(k.0, grid, block, shared, stream.cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
+        if k.2 && self.hopper && crate::switches::pdl() {
+            // Programmatic dependent launch: the kernel's blocks may start while the grid
+            // before it runs; its first instruction waits for that grid to end and its writes
+            // to be visible (`KILN_AFTER_PREVIOUS`), so it reads nothing early. A captured
+            // launch becomes a programmatic edge of the graph.
+            // SAFETY: all-zero is a valid value of this plain C struct (its id and union).
+            let mut attr: ds::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = ds::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = ds::CUlaunchConfig {
+                gridDimX: grid.0,
+                gridDimY: grid.1,
+                gridDimZ: grid.2,
+                blockDimX: block.0,
+                blockDimY: block.1,
+                blockDimZ: block.2,
+                sharedMemBytes: shared,
+                hStream: stream.cu_stream(),
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: the caller's contract; `config` and `attr` live across the call.
+            unsafe { ds::cuLaunchKernelEx(&config, k.0, params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(|e| self.err("launch", e))?;
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { dr::launch_kernel(k.0, grid, block, shared, stream.cu_stream(), params) }.map_err(|e| self.err("launch", e))?;
+        }
         LAUNCHES.with(|c| c.set(c.get() + 1));
         Ok(())
     }
@@ -866,5 +905,25 @@ impl Event {
         }
         ts.sort_by(|a, b| a.total_cmp(b));
         Ok(ts[ts.len() / 2])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::waits_for_previous;
+    use crate::backend::cuda::kernels::codegen;
+    use crate::DType;
+
+    #[test]
+    fn only_kernels_that_all_start_by_waiting_may_start_early() {
+        let k = |body: &str| format!("extern \"C\" __global__ void k(const LaunchArgs a) {{\n  {body}\n}}\n");
+        assert!(waits_for_previous(&k("KILN_AFTER_PREVIOUS();\n  out[0] = 1;")));
+        assert!(!waits_for_previous(&k("out[0] = 1;\n  KILN_AFTER_PREVIOUS();")), "a read before the wait");
+        assert!(!waits_for_previous(&format!("{}{}", k("KILN_AFTER_PREVIOUS();"), k("out[0] = 1;"))), "one kernel of two does not wait");
+        assert!(!waits_for_previous("// no kernel here: KILN_AFTER_PREVIOUS();"));
+        // The generators' kernels wait (their launches may then start early under KILN_PDL).
+        for (_, src) in [codegen::gen_gather(DType::BF16, 4, 2), codegen::gen_scatter(DType::BF16, 5, 3, None), codegen::gen_int_bmm(DType::I64)] {
+            assert!(waits_for_previous(&src), "{src}");
+        }
     }
 }

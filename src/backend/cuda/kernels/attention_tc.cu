@@ -146,6 +146,7 @@ __device__ __forceinline__ void online_softmax(float (&sc)[8][4], float mx0, flo
 #ifdef ATTN_FWD_TC
 // Forward (attention.rs: `gen_forward_tc`).
 extern "C" __global__ void TC_BOUNDS KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   TC_ARGS
   T* out = (T*)a.out;
   Tile* Ks = (Tile*)smem_;
@@ -194,6 +195,7 @@ extern "C" __global__ void TC_BOUNDS KNAME(AttentionArgs a) {
 // Backward per block of query rows: log-sum-exp, delta and dq (attention.rs:
 // `gen_backward_q_tc`).
 extern "C" __global__ void __launch_bounds__(128) KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   TC_ARGS
   const T* o = (const T*)a.o; const T* g = (const T*)a.g;
   float* dq = (float*)a.dq; float* lse = (float*)a.lse; float* dl = (float*)a.delta;
@@ -293,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(128) KNAME(AttentionArgs a) {
 #ifdef ATTN_BWD_KV_TC
 // Backward per block of key rows: dv and / or dk (attention.rs: `gen_backward_kv_tc`).
 extern "C" __global__ void TC_BOUNDS KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   TC_ARGS
   const T* g = (const T*)a.g;
   const float* lse = (const float*)a.lse; const float* dl = (const float*)a.delta;

@@ -5,6 +5,7 @@
 #ifdef ATTN_FWD
 // Forward (attention.rs: `gen_forward`).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   ARGS
   T* out = (T*)a.out;
   __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
@@ -34,6 +35,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #ifdef ATTN_BWD_Q
 // Backward per query row: log-sum-exp, delta and dq (attention.rs: `gen_backward_q`).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   ARGS
   const T* g = (const T*)a.g;
   float* dq = (float*)a.dq; float* lse = (float*)a.lse; float* dl = (float*)a.delta;
@@ -93,6 +95,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #ifdef ATTN_BWD_KV
 // Backward per key row: dk and dv (attention.rs: `gen_backward_kv`).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
   ARGS
   const T* g = (const T*)a.g;
   const SC* lse = (const SC*)a.lse_sc; const SC* dl = (const SC*)a.delta_sc;

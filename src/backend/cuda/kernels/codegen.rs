@@ -194,7 +194,7 @@ pub(crate) fn gen_map(s: &MapSpec) -> String {
             }
         }
     }
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MAP_THREADS}) {name}(const LaunchArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MAP_THREADS}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let _ = writeln!(c, "  const IDX n = (IDX)a.w[{}];", MapSpec::COUNT_WORD);
     for (m, (d, ..)) in s.outs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", MapSpec::ptr_word(m), t = storage_type(*d));
@@ -471,7 +471,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ReduceArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ReduceArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let _ = writeln!(c, "  const {it}* __restrict__ x = (const {it}*)a.x;\n  {ot}* __restrict__ out = ({ot}*)a.out;");
     let _ = writeln!(c, "  const IDX M = (IDX)a.m, K = (IDX)a.k, C = (IDX)a.chunks, Q = (IDX)a.q; (void)Q;");
     let lv = load(s.input, s.acc, "x[X]");
@@ -582,7 +582,7 @@ pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, Stri
     let t = storage_type(dtype);
     let mut c = String::from(PRELUDE);
     c.push_str(GatherArgs::C_DECL);
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const GatherArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const GatherArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let _ = writeln!(c, "  const long long n = a.n; {t}* out = ({t}*)a.out; const {t}* x = (const {t}*)a.x; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, ox = 0, q;");
@@ -608,7 +608,7 @@ pub(crate) fn gen_scatter(src: DType, ndim: usize, dim: usize, add: Option<CType
     c.push_str(ScatterAddArgs::C_DECL);
     let st = storage_type(src);
     let tn = add.map_or(st, |t| t.name());
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ScatterAddArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const ScatterAddArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let _ = writeln!(c, "  const long long n = a.n; {tn}* acc = ({tn}*)a.acc; const {st}* src = (const {st}*)a.src; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, os = 0, oa = 0, q;");
@@ -639,6 +639,7 @@ pub(crate) fn gen_int_bmm(dtype: DType) -> (String, String) {
     let lb = load(dtype, CType::I64, "pb[k * a.b_strides[1] + j * a.b_strides[2]]");
     let st = store(dtype, CType::I64, "(long long)s");
     let _ = writeln!(c, r#"extern "C" __global__ void {name}(const IntBmmArgs a) {{
+  KILN_AFTER_PREVIOUS();
   {t}* out = ({t}*)a.out;
   const long long B = a.batch, M = a.m, N = a.n, K = a.k;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < B * M * N; e += (long long)gridDim.x * blockDim.x) {{

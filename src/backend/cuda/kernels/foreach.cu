@@ -23,6 +23,7 @@ __device__ __forceinline__ S kst(T x) { return ST(x); }
 #define SCALARS const double s0, const double s1, const double s2, const double s3,
 #endif
 extern "C" __global__ void __launch_bounds__(THREADS) KNAME(const Table tb, SCALARS const int first) {
+  KILN_AFTER_PREVIOUS();
   const u64 b = blockIdx.x;
   int lo = 0, hi = (int)tb.n - 1;
   while (lo < hi) { const int mid = (lo + hi + 1) >> 1; if (tb.first[mid] <= b) lo = mid; else hi = mid - 1; }

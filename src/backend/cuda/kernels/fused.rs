@@ -276,7 +276,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let d = k.ops[k.outputs[m].0].dtype;
         let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
     }
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let words = RowWords { outputs: k.outputs.len() };
     let _ = writeln!(c, "  const long long M = (long long)a.w[{}]; const int K = (int)a.w[{}];", RowWords::ROWS, RowWords::COLS);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
@@ -656,7 +656,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         }
     }
     let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let s = MidWords::SIZES;
     let _ = writeln!(c, "  const IDX P = (IDX)a.w[{}], M = (IDX)a.w[{}], Q = (IDX)a.w[{}], C = (IDX)a.w[{}]; (void)P;", s, s + 1, s + 2, s + 3);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
@@ -739,7 +739,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     }
     let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
     let widest_acc = reduces.iter().map(|r| r.2.dtype().size_in_bytes()).max().unwrap_or(4);
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{");
+    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let s = MidWords::SIZES;
     let _ = writeln!(c, "  const IDX P = (IDX)a.w[{}], M = (IDX)a.w[{}], C = (IDX)a.w[{}];", s, s + 1, s + 3);
     for (m, (o, _)) in k.outputs.iter().enumerate() {

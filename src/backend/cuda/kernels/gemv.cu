@@ -31,6 +31,7 @@ __device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float
 #ifdef GEMV_ROWS
 // One warp per output: its lanes walk the row and x in 16-byte vectors, then sum by shuffles.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+  KILN_AFTER_PREVIOUS();
   const int lane = threadIdx.x & 31;
   const long long n = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (n >= a.n) return;
@@ -58,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 // sums meet by shuffles inside a warp, then in shared memory across warps.
 #define KY (32 / TX)
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+  KILN_AFTER_PREVIOUS();
   __shared__ float part[WARPS][TX * VW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tx = lane % TX, ky = lane / TX;

@@ -36,6 +36,7 @@ __device__ __forceinline__ IDX kfirst_window(IDX pos, IDX pad, IDX k, IDX dil, I
 // consecutive threads take consecutive channels (channels-last tensors read and written in
 // whole rows); else in [N, C, H, W] order.
 extern "C" __global__ void NAME(const MaxPoolArgs a) {
+  KILN_AFTER_PREVIOUS();
   const T* __restrict__ x = (const T*)a.x;
   const IDX step = (IDX)gridDim.x * blockDim.x;
   const IDX OH = (IDX)a.oh, OW = (IDX)a.ow, C = (IDX)a.c;

@@ -2,6 +2,15 @@
 // source): the by-value argument block, F16 / BF16 conversions, integer and rounded
 // arithmetic as the CPU computes it, index checks and the random number generator.
 typedef unsigned long long u64;
+// Every kernel's first statement: wait for the grids before it to end and their writes to be
+// visible, then let the next kernel's blocks start loading. Both do nothing unless the kernel
+// was launched with programmatic dependent launch (`KILN_PDL=1`, compute capability 9.0 on),
+// which lets a kernel start before the one before it ends.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KILN_AFTER_PREVIOUS() do { asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
+#else
+#define KILN_AFTER_PREVIOUS() do { } while (0)
+#endif
 struct LaunchArgs { u64 w[64]; };
 __device__ __forceinline__ float kh2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short kf2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }

@@ -96,7 +96,8 @@ pub(crate) fn rehearse(f: impl FnOnce() -> Result<()>) {
     let mut loaded = 0;
     for (w, (cubin, took)) in wanted.into_iter().zip(built) {
         let Ok(cubin) = cubin else { continue };
-        if w.dev.install(w.key, w.name, cubin, took).is_ok() {
+        let waits = !matches!(w.key, KernelKey::Custom { .. }) && crate::backend::cuda::device::waits_for_previous(&w.src);
+        if w.dev.install(w.key, w.name, cubin, took, waits).is_ok() {
             loaded += 1;
             BUILT_AHEAD.fetch_add(1, Ordering::Relaxed);
         }
