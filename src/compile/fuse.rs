@@ -11,6 +11,7 @@
 //! at row i / cols. That is why reshapes cost nothing inside a kernel.
 
 use super::graph::{Graph, NodeId, NodeOp};
+use crate::ops::matmul::Activation;
 use crate::ops::{BinaryOp, Op, UnaryOp};
 use crate::kir::MAX_LOOPED_ROW;
 use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
@@ -35,15 +36,15 @@ pub(crate) struct Schedule {
     pub notes: Vec<String>,
 }
 
-/// A matrix product run by the library (cuBLASLt), with the bias add and ReLU after it when
-/// they run in its epilogue: `relu?(matmul + bias)` in one call.
+/// A matrix product run by the library (cuBLASLt), with the bias add and an activation after
+/// it when they run in its epilogue: `act?(matmul + bias)` in one call.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Gemm {
     pub matmul: NodeId,
     /// The add's other operand: a view spreading a vector of the product's column count over
     /// its rows.
     pub bias: Option<NodeId>,
-    pub relu: bool,
+    pub act: Option<Activation>,
     /// The nodes the step computes, in order (the product, reshapes of it, the add, the ReLU);
     /// only the last is stored, the others are read by nothing else.
     pub nodes: Vec<NodeId>,
@@ -58,8 +59,12 @@ impl Gemm {
         let mm = &g.nodes[self.matmul];
         let mut s = format!("gemm %{} = matmul(%{}, %{}) {:?} {}", self.matmul, mm.args[0], mm.args[1], mm.shape, mm.dtype.torch_name());
         if let Some(b) = self.bias {
-            let ep = if self.relu { "RELU_BIAS" } else { "BIAS" };
-            s += &format!(" + bias %{b}{} -> %{} (cuBLASLt epilogue {ep})", if self.relu { ", relu" } else { "" }, self.out());
+            let (ep, act) = match self.act {
+                None => ("BIAS", String::new()),
+                Some(Activation::Relu) => ("RELU_BIAS", ", relu".into()),
+                Some(Activation::GeluTanh) => ("GELU_BIAS", ", gelu_tanh".into()),
+            };
+            s += &format!(" + bias %{b}{act} -> %{} (cuBLASLt epilogue {ep})", self.out());
         }
         s
     }
@@ -73,7 +78,7 @@ impl Gemm {
 /// spread over the rows (`[1, .., N]`, expanded). A ReLU that is the add's only reader joins.
 pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm: NodeId) -> (Gemm, Option<String>) {
     let node = &g.nodes[mm];
-    let plain = Gemm { matmul: mm, bias: None, relu: false, nodes: vec![mm] };
+    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm] };
     // The only reader of `x`, when nothing else (an output, a write-back) needs its value.
     let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
     let mut nodes = vec![mm];
@@ -112,14 +117,15 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         return no(format!("its other operand is not a vector of {cols} along the last dim (spread from {:?})", v.shape));
     }
     nodes.push(add);
-    let relu = match sole(add) {
-        Some(r) if matches!(g.nodes[r].op, NodeOp::Prim(Op::Unary(UnaryOp::Relu))) && g.nodes[r].dtype == dt => {
-            nodes.push(r);
-            true
-        }
-        _ => false,
-    };
-    (Gemm { matmul: mm, bias: Some(other), relu, nodes }, None)
+    // GELU only on half-precision products, where the epilogue's own rounding is below the
+    // output's.
+    let act = sole(add).filter(|&r| g.nodes[r].dtype == dt).and_then(|r| match g.nodes[r].op {
+        NodeOp::Prim(Op::Unary(UnaryOp::Relu)) => Some((r, Activation::Relu)),
+        NodeOp::Prim(Op::Unary(UnaryOp::GeluTanh)) if matches!(dt, DType::F16 | DType::BF16) => Some((r, Activation::GeluTanh)),
+        _ => None,
+    });
+    nodes.extend(act.map(|(r, _)| r));
+    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes }, None)
 }
 
 /// The value a bias operand spreads over the rows: the vector under its expand.
@@ -625,6 +631,23 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn gelu_joins_the_epilogue_of_half_precision_products_only() {
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let (w, b) = (r(&[48, 64], dt), r(&[48], dt));
+            let g = graph_of(&[r(&[1, 64], dt)], move |xs| Ok(vec![F::linear(&xs[0], &w, Some(&b))?.gelu_tanh()?]));
+            let found = gemms(&g);
+            assert_eq!(found.len(), 1);
+            let gm = &found[0].0;
+            let half = dt != DType::F32;
+            assert_eq!(gm.act, half.then_some(Activation::GeluTanh), "{dt:?}: {gm:?}");
+            assert_eq!(gm.describe(&g).contains("GELU_BIAS"), half, "{}", gm.describe(&g));
+            // F32: the GELU is a kernel of its own after the bias epilogue.
+            let s = schedule(&g);
+            assert_eq!((s.kernels.len(), s.gemms.len()), (usize::from(!half), 1), "{dt:?}");
+        }
+    }
+
+    #[test]
     fn linear_and_relu_become_one_library_call() {
         for dt in [DType::F32, DType::F16, DType::BF16] {
             let (w, b) = (r(&[48, 64], dt), r(&[48], dt));
@@ -633,7 +656,7 @@ pub(crate) mod tests {
             assert_eq!(found.len(), 1);
             let (gm, note) = &found[0];
             assert!(note.is_none(), "{note:?}");
-            assert!(gm.bias.is_some() && gm.relu, "{dt:?}: {gm:?}");
+            assert!(gm.bias.is_some() && gm.act == Some(Activation::Relu), "{dt:?}: {gm:?}");
             assert_eq!(gm.out(), g.outputs[0]);
             assert!(matches!(g.nodes[gm.out()].op, NodeOp::Prim(Op::Unary(UnaryOp::Relu))));
             // The whole program is that one step plus views.
@@ -743,7 +766,7 @@ pub(crate) mod tests {
         let (w, b) = (r(&[48, 64], DType::F32), r(&[48], DType::F32));
         let g = graph_of(&[r(&[2, 5, 64], DType::F32)], move |xs| Ok(vec![F::linear(&xs[0], &w, Some(&b))?.gelu()?]));
         let (gm, note) = &gemms(&g)[0];
-        assert!(note.is_none() && gm.bias.is_some() && !gm.relu, "{gm:?} {note:?}");
+        assert!(note.is_none() && gm.bias.is_some() && gm.act.is_none(), "{gm:?} {note:?}");
         assert!(matches!(g.nodes[gm.out()].op, NodeOp::Prim(Op::Binary(BinaryOp::Add, _))));
         // gelu stays a generated kernel after the product.
         let s = schedule(&g);
@@ -760,7 +783,7 @@ pub(crate) mod tests {
             Ok(vec![y.relu()?, y])
         });
         let (gm, _) = &gemms(&g)[0];
-        assert!(gm.bias.is_some() && !gm.relu, "{gm:?}");
+        assert!(gm.bias.is_some() && gm.act.is_none(), "{gm:?}");
     }
 
     type MakeGraph = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;

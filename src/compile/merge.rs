@@ -87,9 +87,9 @@ fn groups(g: &Graph) -> Vec<Vec<Member>> {
             continue;
         }
         let (gemm, _) = super::fuse::plan_gemm(g, &readers, &users, i);
-        // A ReLU that joins the epilogue stays where it is: merged, it would become a kernel of
-        // its own.
-        if gemm.relu {
+        // An activation that joins the epilogue stays where it is: merged, it would become a
+        // kernel of its own.
+        if gemm.act.is_some() {
             continue;
         }
         let bias = gemm.bias.map(|b| (gemm.out(), super::fuse::spread_vector(g, b))).filter(|&(_, v)| params[v] && g.nodes[v].dtype == n.dtype);

@@ -4,6 +4,16 @@ use super::{apply, Op};
 use crate::layout::broadcast_shapes;
 use crate::{Error, Result, Tensor};
 
+/// The activation a matrix product's epilogue applies after its bias add (the library's
+/// `RELU_BIAS` and `GELU_BIAS`, or kiln's matrix-vector kernels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Activation {
+    Relu,
+    /// GELU's tanh approximation (`gelu_tanh`, GPT-2's `gelu_new`).
+    GeluTanh,
+}
+
+
 /// Products this large whose K or N is not a multiple of 8 are padded with zeros to one on CUDA
 /// in 16-bit dtypes: an unaligned leading dimension keeps cuBLAS off the tensor-core kernels
 /// of the GPU (it picks kernels of older GPUs, several times slower), and the padding copies

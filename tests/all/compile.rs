@@ -82,12 +82,13 @@ fn matmul_keeps_its_library_call_and_fuses_the_epilogue() -> Result<()> {
     Ok(())
 }
 
-/// `linear` and `linear` + ReLU compiled against eager, in F32 and BF16, over a plain input, a
-/// batch folded into the product's rows, and a bias read with a stride. On the GPU the bias
-/// add and ReLU run in the cuBLASLt call's epilogue (one library call per function, named in
-/// the profile), rounding once where eager rounds the product first: BF16 results match to
-/// rtol 2e-2 / atol 6e-2 (a few BF16 ulps of values up to ~10), F32 ones to rtol 1e-5 /
-/// atol 1e-4 (another summation order over K = 64).
+/// `linear`, and `linear` + ReLU or GELU (tanh form), compiled against eager, in F32 and BF16,
+/// over a plain input, a single row (the matrix-vector kernels on the GPU), a batch folded into
+/// the product's rows, and a bias read with a stride. On the GPU the bias add and the
+/// activation run in the product's epilogue (one library call per function, named in the
+/// profile; GELU only in BF16, F32 keeps its own kernel), rounding once where eager rounds the
+/// product first: BF16 results match to rtol 2e-2 / atol 6e-2 (a few BF16 ulps of values up to
+/// ~10), F32 ones to rtol 1e-5 / atol 1e-4 (another summation order over K = 64).
 #[test]
 fn linear_epilogues_match_eager() -> Result<()> {
     for dt in [DType::F32, DType::BF16] {
@@ -96,27 +97,34 @@ fn linear_epilogues_match_eager() -> Result<()> {
         let b = randn(&[48], 61).to_dtype(dt)?;
         // Every other element of a longer vector: copied to a packed one for the library.
         let b_strided = randn(&[96], 62).to_dtype(dt)?.slice(0, 0, 96, 2)?;
-        for (xshape, bias) in [(vec![37usize, 64], &b), (vec![3, 5, 64], &b), (vec![37, 64], &b_strided)] {
+        for (xshape, bias) in [(vec![37usize, 64], &b), (vec![1, 64], &b), (vec![3, 5, 64], &b), (vec![37, 64], &b_strided)] {
             let x = randn(&xshape, 63).to_dtype(dt)?;
-            for relu in [false, true] {
-                let ctx = format!("linear{} {dt:?} x {xshape:?} bias strides {:?}", if relu { "+relu" } else { "" }, bias.strides());
+            for act in ["", "relu", "gelu_tanh"] {
+                let ctx = format!("linear+{act} {dt:?} x {xshape:?} bias strides {:?}", bias.strides());
+                let apply = move |y: Tensor| match act {
+                    "relu" => y.relu(),
+                    "gelu_tanh" => y.gelu_tanh(),
+                    _ => Ok(y),
+                };
                 let (wc, bc) = (w.clone(), bias.clone());
-                let f = compile(move |x: &Tensor| {
-                    let y = F::linear(x, &wc, Some(&bc))?;
-                    if relu { y.relu() } else { Ok(y) }
-                });
+                let f = compile(move |x: &Tensor| apply(F::linear(x, &wc, Some(&bc))?));
                 let got = f.call(&x)?;
-                let want = kiln::no_grad(|| {
-                    let y = F::linear(&x, &w, Some(bias))?;
-                    if relu { y.relu() } else { Ok(y) }
-                })?;
+                let want = kiln::no_grad(|| apply(F::linear(&x, &w, Some(bias))?))?;
                 assert_eq!((got.shape(), got.dtype()), (want.shape(), dt), "{ctx}");
                 crate::ops::close(&ctx, &vals(&got), &vals(&want), rt, at);
                 if dev().is_cuda() {
-                    assert_eq!(f.kernels_per_call(), Some(1), "{ctx}: one library call");
-                    let prof = kiln::profiler::profile(|| f.call(&x))?;
-                    let name = format!("cublas_gemm_bias{}_{}", if relu { "_relu" } else { "" }, dt.torch_name());
-                    assert!(prof.kernel_names().contains(&name.as_str()), "{ctx}: {:?}", prof.kernel_names());
+                    let fused = act != "gelu_tanh" || dt != DType::F32;
+                    assert_eq!(f.kernels_per_call(), Some(if fused { 1 } else { 2 }), "{ctx}: one library call, and GELU's kernel in F32");
+                    if xshape[0] > 1 {
+                        let prof = kiln::profiler::profile(|| f.call(&x))?;
+                        let suffix = match act {
+                            "relu" => "_relu",
+                            "gelu_tanh" if fused => "_gelu",
+                            _ => "",
+                        };
+                        let name = format!("cublas_gemm_bias{suffix}_{}", dt.torch_name());
+                        assert!(prof.kernel_names().contains(&name.as_str()), "{ctx}: {:?}", prof.kernel_names());
+                    }
                 }
             }
         }

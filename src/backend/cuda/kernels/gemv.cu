@@ -1,4 +1,4 @@
-// Matrix-vector products out[n] = x · W(:, n) (+ bias[n], then ReLU when asked), F32
+// Matrix-vector products out[n] = x · W(:, n) (+ bias[n], then ReLU or GELU when asked), F32
 // accumulation. After the prelude, the argument struct and the #defines of `gemv.rs`: T (storage
 // type), VW (elements per 16-byte vector), LD/ST (element load and store as float), and one of
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
@@ -24,7 +24,8 @@ __device__ __forceinline__ uint4 kstream(const uint4* p) { return __ldcs(p); }
 
 __device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
   if (a.bias) acc += LD(((const T*)a.bias)[n]);
-  if (a.relu) acc = fmaxf(acc, 0.0f);
+  if (a.act == 1) acc = fmaxf(acc, 0.0f);
+  else if (a.act == 2) acc = KGELU_TANH(acc);
   ((T*)a.out)[n] = ST(acc);
 }
 

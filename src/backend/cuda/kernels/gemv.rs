@@ -1,5 +1,5 @@
 //! Products of one row by a matrix (`[1, K] @ [K, N]`, a decode step's every linear layer), with
-//! the library product's bias and ReLU epilogue. A row's product is bound by reading the matrix
+//! the library product's bias and activation epilogue (ReLU, GELU's tanh form). A row's product is bound by reading the matrix
 //! once; cuBLASLt's kernels for it are tiled for many rows and run well below that. Two kernels
 //! (`gemv.cu`): where the matrix is stored `[N, K]` (a linear layer's `x @ W^T`, a tied output
 //! head) one warp reads each output's row; where it is stored `[K, N]` (GPT-2's `Conv1D`) a
@@ -11,6 +11,7 @@ use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::backend::cuda::kernels::data_ptr;
 use crate::backend::cuda::{kernel_args, CudaDevice, CudaStorage, KernelKey};
 use crate::dtype::CType;
+use crate::ops::matmul::Activation;
 use crate::{DType, Result, Tensor};
 use std::fmt::Write;
 use std::sync::Arc;
@@ -26,10 +27,11 @@ const MAX_ROWS_PER_THREAD: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
-    /// bias (or 0) and whether ReLU follows, and the contiguous output of N.
+    /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), and the
+    /// contiguous output of N.
     GemvArgs {
         x: u64, w: u64, bias: u64, out: u64,
-        n: i64, k: i64, ldw: i64, relu: i64,
+        n: i64, k: i64, ldw: i64, act: i64,
     }
 }
 
@@ -45,7 +47,7 @@ enum Walk {
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
 /// buffer, or None where these kernels do not take the product (the library then runs it).
-pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>) -> Result<Option<CudaStorage>> {
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
@@ -75,7 +77,11 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let out = CudaStorage::new(dev, dtype, n)?;
     let name = kernel_name(walk, dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
-    let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, relu: bias.is_some_and(|(_, r)| r) as i64 };
+    let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
+        None => 0,
+        Some(Activation::Relu) => 1,
+        Some(Activation::GeluTanh) => 2,
+    } };
     let blocks = match walk {
         Walk::Rows => n.div_ceil(WARPS),
         Walk::Cols { tx, .. } => n.div_ceil(tx * vw),
@@ -105,6 +111,8 @@ fn source(name: &str, walk: Walk, dtype: DType) -> String {
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
     let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
     let _ = writeln!(c, "#define ST(e) ({})", codegen::store(dtype, CType::F32, "(e)"));
+    // The epilogue's GELU: the pointwise op's own definition, in F32.
+    let _ = writeln!(c, "#define KGELU_TANH(x) ({})", crate::ops::UnaryOp::GeluTanh.cuda("(x)", CType::F32));
     if dtype == DType::BF16 {
         c.push_str("#define GEMV_BF16\n");
     }

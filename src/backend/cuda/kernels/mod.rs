@@ -17,6 +17,7 @@ use codegen::{gen_map, gen_reduce, Class, GatherArgs, IntBmmArgs, MapSpec, Reduc
 use crate::backend::cuda::{libs::blas, device, CudaDevice, CudaStorage, LaunchArgs, KernelKey};
 use crate::backend::cpu::{with_dtype, CpuStorage, HostElem};
 use crate::layout::{contiguous_strides, numel, Layout};
+use crate::ops::matmul::Activation;
 use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
 use crate::storage::BackendStorage;
 use crate::profiler::{self, CopyKind};
@@ -619,18 +620,18 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 /// A library product in compiled code: `a` [B, M, K] @ `b` [B, K, N] as a [B, M, N] tensor,
 /// with the bias epilogue when `bias` is set (see `blas::gemm`) and the algorithm timed when
 /// `tune`; None when the epilogue cannot run here.
-pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>, tune: bool) -> Result<Option<Tensor>> {
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
     // The bias packed once for both paths (no epilogue runs a bias that is no broadcast vector).
     let packed = match bias {
-        Some((t, relu)) => match blas::bias_vector(t, shape[2])? {
-            Some(v) => Some((v, relu)),
+        Some((t, act)) => match blas::bias_vector(t, shape[2])? {
+            Some(v) => Some((v, act)),
             None => return Ok(None),
         },
         None => None,
     };
-    let bias = packed.as_ref().map(|(v, relu)| (v, *relu));
+    let bias = packed.as_ref().map(|(v, act)| (v, *act));
     if let Some(s) = row_product(&dev, a, b, dtype, bias)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
@@ -638,7 +639,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
 }
 
 /// A product of one row by `gemv`'s kernels, unless `KILN_GEMV=0` or they do not take it.
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>) -> Result<Option<CudaStorage>> {
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>) -> Result<Option<CudaStorage>> {
     if crate::switches::gemv_off() {
         return Ok(None);
     }

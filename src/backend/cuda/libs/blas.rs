@@ -8,6 +8,7 @@
 //! captured; captured calls that use it stay in order in the graph, the others may run beside
 //! each other.
 
+use crate::ops::matmul::Activation;
 use crate::backend::cuda::{tuning::autotune, CudaDevice, CudaStorage};
 use crate::layout::Layout;
 use crate::logging::{log, Topic};
@@ -33,6 +34,8 @@ pub(crate) enum Epilogue {
     Bias,
     /// The bias, then ReLU.
     ReluBias,
+    /// The bias, then GELU (its tanh approximation).
+    GeluBias,
 }
 
 impl Epilogue {
@@ -42,6 +45,7 @@ impl Epilogue {
             Epilogue::None => E::CUBLASLT_EPILOGUE_DEFAULT as u32,
             Epilogue::Bias => E::CUBLASLT_EPILOGUE_BIAS as u32,
             Epilogue::ReluBias => E::CUBLASLT_EPILOGUE_RELU_BIAS as u32,
+            Epilogue::GeluBias => E::CUBLASLT_EPILOGUE_GELU_BIAS as u32,
         }
     }
     /// The profiler's name part: `cublas_gemm{suffix}_<dtype>`.
@@ -50,6 +54,7 @@ impl Epilogue {
             Epilogue::None => "",
             Epilogue::Bias => "_bias",
             Epilogue::ReluBias => "_bias_relu",
+            Epilogue::GeluBias => "_bias_gelu",
         }
     }
 }
@@ -185,7 +190,7 @@ pub(crate) fn bias_vector(t: &Tensor, n: usize) -> Result<Option<Tensor>> {
 /// heuristic candidates, timed on first use (max-autotune). `None` when the epilogue cannot
 /// run here (no cuBLASLt algorithm for it, a bias that is not a broadcast vector): the caller
 /// computes it unfused.
-pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, bool)>, tune: bool) -> Result<Option<CudaStorage>> {
+pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bias.is_some() && (bsz != 1 || k == 0 || m * n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)) {
@@ -193,8 +198,8 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
     }
     let bias = match bias {
         None => None,
-        Some((t, relu)) => match bias_vector(t, n)? {
-            Some(v) => Some((v, relu)),
+        Some((t, act)) => match bias_vector(t, n)? {
+            Some(v) => Some((v, act)),
             None => return Ok(None),
         },
     };
@@ -214,8 +219,9 @@ pub(crate) fn gemm(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, 
     let pbias = bias.as_ref().map(|(v, _)| crate::backend::cuda::kernels::data_ptr(v)).transpose()?.unwrap_or(0);
     let epilogue = match &bias {
         None => Epilogue::None,
-        Some((_, false)) => Epilogue::Bias,
-        Some((_, true)) => Epilogue::ReluBias,
+        Some((_, None)) => Epilogue::Bias,
+        Some((_, Some(Activation::Relu))) => Epilogue::ReluBias,
+        Some((_, Some(Activation::GeluTanh))) => Epilogue::GeluBias,
     };
     let batch_stride = |t: &Tensor| if bsz > 1 { t.strides()[0] as i64 } else { 0 };
     let p = Problem {
