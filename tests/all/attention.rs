@@ -142,6 +142,22 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
     }
 }
 
+/// One query row per head over many keys, as in decoding: on the GPU, cuDNN's or (with
+/// `KILN_DECODE_ATTENTION=1`) kiln's split-key kernel; head dims 64, 80 (a block's threads in one
+/// group) and 128, with and without a mask, chunks of keys that do not divide evenly.
+#[test]
+fn one_query_row_over_many_keys_matches_matmul_softmax() {
+    let cases = [
+        Case { shape_q: [2, 3, 1, 64], s: 1000, causal: false, masked: true },
+        Case { shape_q: [1, 2, 1, 128], s: 300, causal: false, masked: false },
+        Case { shape_q: [1, 2, 1, 80], s: 200, causal: false, masked: true },
+    ];
+    for c in cases {
+        check(&c, DType::BF16, 2e-2, 2e-2);
+        check(&c, DType::F16, 5e-3, 5e-3);
+    }
+}
+
 #[test]
 fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
     let cases = [

@@ -136,6 +136,32 @@ fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, Strin
     (name, src)
 }
 
+/// Most keys per block of the split forward (its scores live in shared memory).
+const SPLIT_KEYS: usize = 256;
+/// Fewest keys for the split forward: below, the warp kernel's single block per head is as fast.
+const SPLIT_MIN_KEYS: usize = 128;
+
+/// Forward of one query row over many keys, the keys split across blocks (decoding): each
+/// block scores its chunk a thread per key, the last of a head folds the chunks.
+fn gen_forward_split(dtype: DType, d: usize, vw: usize) -> (String, String) {
+    let name = warp_name("fwd_split", dtype, d, ROWS, vw);
+    let src = source(common(dtype, d, ROWS, vw), &format!("#define KNAME {name}\n#define ATTN_FWD_SPLIT\n#define SPLIT_KEYS {SPLIT_KEYS}\n"), WARP);
+    (name, src)
+}
+
+/// Whether the split forward takes this attention (`KILN_DECODE_ATTENTION=1` until it has run
+/// on a GPU): one query row per head, F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
+fn split_takes(q: &Tensor, n: &AttnDims, causal: bool) -> bool {
+    crate::switches::decode_attention() && n.l == 1 && !causal && (SPLIT_MIN_KEYS..=SPLIT_KEYS * 65535).contains(&n.s) && matches!(q.dtype(), DType::F16 | DType::BF16)
+}
+
+/// Key chunks of the split forward: enough blocks for two per SM, each chunk at most
+/// `SPLIT_KEYS` keys and (where that allows) at least 32.
+fn split_chunks(s: usize, bh: usize, sms: usize) -> usize {
+    let fill = (2 * sms).div_ceil(bh.max(1)).min(s.div_ceil(32));
+    fill.max(s.div_ceil(SPLIT_KEYS)).min(65535)
+}
+
 /// Rows per block of the tensor-core kernels (16 per warp), and rows per shared-memory tile.
 const TC_ROWS: usize = 64;
 
@@ -328,6 +354,16 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
+    if split_takes(q, &n, causal) {
+        let (bh, vw) = (n.b * n.h, key_vector(k, v, n.d)?);
+        let chunks = split_chunks(n.s, bh, dev.sm_count);
+        let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
+        let part = CudaStorage::new(&dev, DType::F32, bh * chunks * (n.d + 2))?;
+        (a.out, a.lse_sc, a.delta_sc) = (out.ptr(), part.ptr(), dev.reduce_counters(bh)?);
+        let kern = dev.kernel(KernelKey::Named(warp_name("fwd_split", q.dtype(), n.d, ROWS, vw)), || gen_forward_split(q.dtype(), n.d, vw))?;
+        dev.launch(kern, (bh as u32, chunks as u32, 1), ((ROWS * 32) as u32, 1, 1), &a)?;
+        return Ok(out);
+    }
     if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false)? {
         let a = crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
         if let Some(lse) = crate::backend::cuda::libs::sdpa::forward(&dev, &a, out.ptr())? {
@@ -422,7 +458,21 @@ fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &
 
 #[cfg(test)]
 mod tests {
-    use super::forward_tc_three_blocks;
+    use super::{forward_tc_three_blocks, split_chunks, SPLIT_KEYS};
+
+    #[test]
+    fn the_split_forward_fills_the_sms_with_chunks_it_can_hold() {
+        // GPT-2's decode on the H200: 12 heads over a 1024-key cache, 22 chunks of 47 keys.
+        assert_eq!(split_chunks(1024, 12, 132), 22);
+        // Few keys: chunks of no fewer than 32.
+        assert_eq!(split_chunks(128, 1, 132), 4);
+        // Many heads: a chunk per SPLIT_KEYS keys at least, whatever the SMs.
+        assert_eq!(split_chunks(4096, 1024, 132), 4096 / SPLIT_KEYS);
+        for (s, bh) in [(100_000, 1), (300, 7), (129, 3)] {
+            let c = split_chunks(s, bh, 132);
+            assert!(s.div_ceil(c) <= SPLIT_KEYS && c <= 65535, "{s} keys in {c} chunks");
+        }
+    }
 
     #[test]
     fn the_forward_asks_for_three_blocks_only_where_their_shared_memory_fits() {

@@ -148,3 +148,93 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   }
 }
 #endif
+
+#ifdef ATTN_FWD_SPLIT
+// Forward of one query row over many keys, as in decoding (attention.rs: `gen_forward_split`):
+// the keys split into gridDim.y chunks of at most SPLIT_KEYS, a block each. A block scores its
+// chunk (a thread per key), takes the chunk's max and sum and its unnormalised output, and
+// leaves them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32); the last block of a
+// (batch, head) to finish folds the chunks in chunk order (the same bits on every run) and
+// writes the row. F16 / BF16 inputs (scores in F32).
+extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
+  KILN_AFTER_PREVIOUS();
+  ARGS
+  T* out = (T*)a.out;
+  float* part = (float*)a.lse_sc;
+  unsigned int* count = (unsigned int*)a.delta_sc;
+  const int NT = ROWS * 32, G = NT / D_, chunks = (int)gridDim.y;
+  const long long per = (S + chunks - 1) / chunks, s0 = (long long)blockIdx.y * per, s1 = min(S, s0 + per);
+  __shared__ float Qs[D_];
+  __shared__ float P[SPLIT_KEYS];
+  __shared__ float red[ROWS];
+  __shared__ float Os[ROWS * 32];
+  __shared__ bool last;
+  for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
+  __syncthreads();
+  // Scores, and the chunk's max.
+  float mx = -INFINITY;
+  for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
+    const T* kr = k + s * kss + b * ksb + h * ksh;
+    float dot = 0.f;
+    for (int d = 0; d < D_; d += VW) { const VT kv = *(const VT*)(kr + d); for (int e = 0; e < VW; e++) dot += Qs[d + e] * LD(kv.v[e]); }
+    float sc = dot * scale;
+    if (mk) sc += LD(mk[b * msb + h * msh + s * mss]);
+    P[s - s0] = sc;
+    mx = fmaxf(mx, sc);
+  }
+  mx = wmax(mx);
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  float m = red[0];
+  for (int w = 1; w < ROWS; w++) m = fmaxf(m, red[w]);
+  __syncthreads();
+  // Probabilities (unnormalised) and their sum.
+  float sum = 0.f;
+  for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
+    float sc = P[s - s0], p = sc == -INFINITY ? 0.f : expf(sc - m);
+    P[s - s0] = p;
+    sum += p;
+  }
+  sum = wsum(sum);
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  float l = 0.f;
+  for (int w = 0; w < ROWS; w++) l += red[w];
+  // The chunk's output: G groups of D_ threads, a feature each, over every G-th key.
+  int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
+  float acc = 0.f;
+  if (g < G) for (long long s = s0 + g; s < s1; s += G) acc += P[s - s0] * LD(v[s * vss + b * vsb + h * vsh + d]);
+  Os[threadIdx.x] = acc;
+  __syncthreads();
+  float* mine = part + ((long long)bh * chunks + blockIdx.y) * (D_ + 2);
+  if (threadIdx.x < D_) {
+    float o = 0.f;
+    for (int j = 0; j < G; j++) o += Os[j * D_ + threadIdx.x];
+    mine[threadIdx.x] = o;
+  }
+  if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
+  // The last block of this (batch, head) folds every chunk.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int before;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&count[bh]) : "memory");
+    last = before == (unsigned int)chunks - 1;
+    if (last) count[bh] = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  if (threadIdx.x < D_) {
+    const float* all = part + (long long)bh * chunks * (D_ + 2);
+    float M = -INFINITY;
+    for (int c = 0; c < chunks; c++) M = fmaxf(M, __ldcg(all + c * (D_ + 2) + D_));
+    float o = 0.f, den = 0.f;
+    for (int c = 0; c < chunks; c++) {
+      const float* pc = all + c * (D_ + 2);
+      float mc = __ldcg(pc + D_), w = mc == -INFINITY ? 0.f : expf(mc - M);
+      o += __ldcg(pc + threadIdx.x) * w;
+      den += __ldcg(pc + D_ + 1) * w;
+    }
+    out[(b * H + h) * D_ + threadIdx.x] = ST(o / den);
+  }
+}
+#endif
