@@ -26,8 +26,9 @@ enum Form {
 
 /// Whether the compiler lays out `g`'s convolutions channels-last: on the CPU always (the
 /// product is NHWC anyway), on CUDA when an input already is; `KILN_CHANNELS_LAST` (`0` or `1`)
-/// decides instead. (On CUDA, batch norm's statistics over NHWC reduce the leading dims, which
-/// the fused mid-reduction kernels do not cover yet: the choice waits for that kernel.)
+/// decides instead. (On CUDA, batch norm's statistics over NHWC now run as column kernels; for a
+/// contiguous model, channels-last costs a copy of the input and the weights' relayout each call:
+/// the choice waits for that to be measured against NCHW.)
 fn wanted(g: &Graph, inputs: &[Tensor]) -> bool {
     let mut convs = g.nodes.iter().filter(|n| matches!(&n.op, NodeOp::Prim(op) if op.is_conv())).peekable();
     if convs.peek().is_none() {
