@@ -215,12 +215,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
   // The last block of this (batch, head) folds every chunk.
   __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned int before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&count[bh]) : "memory");
-    last = before == (unsigned int)chunks - 1;
-    if (last) count[bh] = 0;
-  }
+  if (threadIdx.x == 0) last = klast_arrival(&count[bh], (unsigned int)chunks);
   __syncthreads();
   if (!last) return;
   if (threadIdx.x < D_) {

@@ -551,11 +551,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   if (mine) part[ch * M + col] = r;
   __syncthreads();
   __shared__ bool last;
-  if (l == 0) {{
-    unsigned int before;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&count[blockIdx.x]) : "memory");
-    last = before == gridDim.y - 1;
-  }}
+  if (l == 0) last = klast_arrival(&count[blockIdx.x], gridDim.y);
   __syncthreads();
   if (!last) return;
   if (mine) {{
@@ -568,7 +564,6 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     for (; c2 < C; c2++) kcomb(r, ri, {ld}(part + c2 * M + col), 0);
     out[col] = {finish};
   }}
-  if (l == 0) count[blockIdx.x] = 0;
 }}"#, at = if s.strided { "(c0 / Q) * K * Q + k * Q + c0 % Q" } else { "k * M + c0" }, unroll = if s.ty > 8 { 8 } else { 4 }, ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" }, lv = lv.replace("x[X]", "q.v[e]"), i0 = read_i("0"), iy = read_i("y"), finish = if arg { store(s.out, CType::I64, "ri") } else { store(s.out, s.acc, "r") });
         }
     }

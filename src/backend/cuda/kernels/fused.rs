@@ -624,8 +624,8 @@ fn mid_row_tail(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: 
 /// it in at `count[counter]` (the launch's counters, `MidWords::COUNT`); every block but the
 /// last of those sharing the counter returns, and the last resets it for the next launch.
 fn last_block_only(c: &mut String, leader: &str, counter: &str) {
-    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if ({leader}) {{\n      unsigned int* count = (unsigned int*)a.w[{}];\n      unsigned int before;", MidWords::COUNT);
-    let _ = writeln!(c, "      asm volatile(\"atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;\" : \"=r\"(before) : \"l\"(&count[{counter}]) : \"memory\");\n      last = before == gridDim.y - 1;\n      if (last) count[{counter}] = 0;\n    }}\n    __syncthreads();\n    if (!last) return;");
+    let _ = writeln!(c, "    __syncthreads();\n    __shared__ bool last;\n    if ({leader}) last = klast_arrival((unsigned int*)a.w[{}] + {counter}, gridDim.y);", MidWords::COUNT);
+    let _ = writeln!(c, "    __syncthreads();\n    if (!last) return;");
 }
 
 /// Threads of a mid kernel's block, and loads each thread has in flight.

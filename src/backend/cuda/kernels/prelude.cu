@@ -11,6 +11,18 @@ typedef unsigned long long u64;
 #else
 #define KILN_AFTER_PREVIOUS() do { } while (0)
 #endif
+// A split reduction's hand-over: called by one thread of a block after a __syncthreads that
+// follows the block's partial results, it counts the block in at `count` with acquire-release
+// semantics (covering every thread's partials, and making the other blocks' visible to the
+// last) and says whether this block is the last of `blocks` to arrive; the last resets the
+// counter for the next launch.
+__device__ __forceinline__ bool klast_arrival(unsigned int* count, unsigned int blocks) {
+  unsigned int before;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(count) : "memory");
+  const bool last = before == blocks - 1;
+  if (last) *count = 0;
+  return last;
+}
 struct LaunchArgs { u64 w[64]; };
 __device__ __forceinline__ float kh2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short kf2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
