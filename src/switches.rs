@@ -57,7 +57,7 @@ pub(crate) fn memory_reuse() -> Option<bool> {
 /// recomputing cheap ones there (`compile::remat`).
 pub(crate) fn remat_off() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("KILN_REMAT").as_deref() == Ok("0"))
+    *V.get_or_init(|| is("KILN_REMAT", "0"))
 }
 
 /// `KILN_ROWS_THREADS`: threads per row of the row kernels, for tuning.

@@ -44,6 +44,12 @@ fn check(c: &Case, dt: DType, rtol: f64, atol: f64) {
     check_padded(c, dt, rtol, atol, 0);
 }
 
+/// `check` in BF16 (rtol = atol = 2e-2) and F16 (5e-3).
+fn check_half_precision(c: &Case) {
+    check(c, DType::BF16, 2e-2, 2e-2);
+    check(c, DType::F16, 5e-3, 5e-3);
+}
+
 /// `check` with q, k and v narrowed from rows `pad` elements longer than the head dim (their
 /// rows then start wherever that stride puts them).
 fn check_padded(c: &Case, dt: DType, rtol: f64, atol: f64, pad: usize) {
@@ -137,8 +143,7 @@ fn fused_attention_reads_rows_that_do_not_start_on_16_bytes() {
 #[test]
 fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
     for c in tensor_core_cases() {
-        check(&c, DType::BF16, 2e-2, 2e-2);
-        check(&c, DType::F16, 5e-3, 5e-3);
+        check_half_precision(&c);
     }
 }
 
@@ -153,8 +158,7 @@ fn one_query_row_over_many_keys_matches_matmul_softmax() {
         Case { shape_q: [1, 2, 1, 80], s: 200, causal: false, masked: true },
     ];
     for c in cases {
-        check(&c, DType::BF16, 2e-2, 2e-2);
-        check(&c, DType::F16, 5e-3, 5e-3);
+        check_half_precision(&c);
     }
 }
 
@@ -173,8 +177,7 @@ fn cudnn_attention_takes_long_unmasked_sequences_forward_and_backward() {
         Case { shape_q: [2, 2, 300, 64], s: 256, causal: true, masked: true },
     ];
     for c in &cases {
-        check(c, DType::BF16, 2e-2, 2e-2);
-        check(c, DType::F16, 5e-3, 5e-3);
+        check_half_precision(c);
     }
     let version = kiln::cuda::cudnn_version();
     if !dev().is_cuda() || !version.as_ref().is_ok_and(|v| *v >= 91300) {
