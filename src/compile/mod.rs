@@ -664,13 +664,13 @@ pub(crate) fn program_of(args: &[Tensor], f: &mut dyn FnMut(&[Tensor]) -> Result
     Ok(runtime::Program::new(optimise(&traced.graph, &[]), false))
 }
 
-/// Turns a traced graph into something that runs, with the chosen backend.
 /// The graph passes between capture (and autodiff) and scheduling; `inputs` are the tensors
 /// the program is first called with, where known.
-fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
+pub(crate) fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
     recompute::recompute_cheap(&remat::rematerialize(&merge::merge_products(&simplify::simplify(&layout::channels_last(g, inputs)))))
 }
 
+/// Turns a traced graph into something that runs, with the chosen backend.
 fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {
     match &opts.backend {
         Backend::Eager => Ok(Exec::Runner(g.eager_runner())),

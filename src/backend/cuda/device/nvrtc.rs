@@ -103,7 +103,9 @@ fn complete_elf(bytes: &[u8]) -> bool {
     })
 }
 
-fn compile(src: &str, options: &[String], ours: bool, arch: &str, device: Device) -> Result<Vec<u8>> {
+/// `src` compiled by NVRTC to a cubin for `arch` (no device needed: the kernel sample check
+/// compiles for Hopper on machines without a GPU).
+pub(crate) fn compile(src: &str, options: &[String], ours: bool, arch: &str, device: Device) -> Result<Vec<u8>> {
     let err = |msg: String| Error::Kernel { device, msg, code: src.to_string() };
     let csrc = CString::new(src).map_err(|_| err("source contains a NUL byte".into()))?;
     let prog = nr::create_program(&csrc, None).map_err(|e| err(format!("nvrtcCreateProgram: {e:?}")))?;

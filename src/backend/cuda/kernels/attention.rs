@@ -456,6 +456,35 @@ fn backward_kernels(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, q: &
     dev.launch(kkv, grid(n.b * n.h, n.s, rk)?, ((rk * 32) as u32, 1, 1), &a)
 }
 
+/// Sources of every attention kernel and variant, for the NVRTC check (`samples.rs`).
+#[cfg(test)]
+pub(super) fn samples() -> Vec<super::samples::Sample> {
+    use super::samples::Sample;
+    let mut v = vec![];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let wide = 16 / dtype.size_in_bytes();
+        for (d, rows, vw) in [(64, ROWS, wide), (64, 16, 1), (128, backward_rows(64, 128), wide), (40, ROWS, 1)] {
+            v.push(Sample::new(gen_forward(dtype, d, rows, vw)));
+            v.push(Sample::new(gen_backward_q(dtype, d, rows, vw)));
+            v.push(Sample::new(gen_backward_kv(dtype, d, rows, vw)));
+        }
+        if dtype == DType::F32 {
+            continue;
+        }
+        for d in [64, 128] {
+            v.push(Sample::new(gen_forward_split(dtype, d, wide)));
+            v.push(Sample::new(gen_forward_split(dtype, d, 1)));
+            v.push(Sample::new(gen_forward_tc(dtype, d, false)));
+            v.push(Sample::new(gen_forward_tc(dtype, d, true)));
+            v.push(Sample::new(gen_backward_q_tc(dtype, d)));
+        }
+        v.push(Sample::new(gen_backward_kv_tc(dtype, 64, KvPart::Both, false)));
+        v.push(Sample::new(gen_backward_kv_tc(dtype, 128, KvPart::Dv, true)));
+        v.push(Sample::new(gen_backward_kv_tc(dtype, 128, KvPart::Dk, false)));
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::{forward_tc_three_blocks, split_chunks, SPLIT_KEYS};

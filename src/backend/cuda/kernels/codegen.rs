@@ -684,6 +684,48 @@ pub(crate) fn row_full(k: usize, threads: usize, vpt: usize) -> bool {
     threads * vpt == k
 }
 
+/// Sources of every branch of the map, reduction, gather, scatter and integer product
+/// generators, for the NVRTC check (`samples.rs`).
+#[cfg(test)]
+pub(super) fn samples() -> Vec<super::samples::Sample> {
+    use super::samples::Sample;
+    let map = |name: &str, inputs: Vec<(DType, CType, Class)>, outs: Vec<(DType, CType, &str, bool)>, out_class: Class, ndim: usize, vec: usize, idx64: bool| {
+        let spec = MapSpec { name: name.into(), inputs, outs: outs.into_iter().map(|(d, t, e, once)| (d, t, e.to_string(), once)).collect(), out_class, body: String::new(), ndim, vec, idx64 };
+        Sample::new((spec.kernel_name(), gen_map(&spec)))
+    };
+    let (f32_, bf16, f16) = ((DType::F32, CType::F32), (DType::BF16, CType::F32), (DType::F16, CType::F32));
+    let mut v = vec![
+        map("map_add", vec![(f32_.0, f32_.1, Class::Contig), (f32_.0, f32_.1, Class::Contig)], vec![(DType::F32, CType::F32, "(v0 + v1)", false)], Class::Contig, 0, 4, false),
+        map("map_scale", vec![(bf16.0, bf16.1, Class::Contig), (bf16.0, bf16.1, Class::Splat)], vec![(DType::BF16, CType::F32, "(v0 * v1)", false)], Class::Contig, 3, 8, false),
+        map("map_strided", vec![(f16.0, f16.1, Class::Strided), (DType::F32, CType::F32, Class::Scalar)], vec![(DType::F16, CType::F32, "(v0 + v1)", false)], Class::Strided, 2, 1, false),
+        map("map_wide", vec![(DType::I64, CType::I64, Class::Strided)], vec![(DType::F64, CType::F64, "(double)v0", false), (DType::I64, CType::I64, "v0", true)], Class::Contig, 3, 1, true),
+        map("map_uniform", vec![], vec![(DType::F32, CType::F32, "(float)kuniform(P(0), (u64)i, 24)", false)], Class::Contig, 0, 1, false),
+        map("map_normal", vec![], vec![(DType::BF16, CType::F32, "(float)knormal(P(0), (u64)i)", false)], Class::Contig, 0, 8, false),
+    ];
+    for (op, input) in [(ReduceOp::Sum, DType::F32), (ReduceOp::Sum, DType::BF16), (ReduceOp::Max, DType::F16), (ReduceOp::ArgMax, DType::BF16), (ReduceOp::Sum, DType::Bool), (ReduceOp::Min, DType::I64)] {
+        let (acc, out) = (op.acc_type(input), if op.is_arg() { DType::I64 } else { input });
+        for (layout, strided, vec, ty, idx64) in [
+            (ReduceLayout::Rows, false, 1, 1, false),
+            (ReduceLayout::Rows, false, 16 / input.size_in_bytes(), 1, false),
+            (ReduceLayout::Rows, true, 1, 1, true),
+            (ReduceLayout::Cols, false, (16 / input.size_in_bytes()).min(4), 8, false),
+            (ReduceLayout::Cols, false, 2, 32, false),
+            (ReduceLayout::Cols, true, 1, 8, true),
+        ] {
+            let spec = ReduceSpec { op, input, acc, out, layout, idx64, vec, ty, strided };
+            v.push(Sample::new((spec.kernel_name(), gen_reduce(&spec))));
+        }
+    }
+    for d in [DType::F32, DType::BF16, DType::I64] {
+        v.push(Sample::new(gen_gather(d, 3, 1)));
+        v.push(Sample::new(gen_scatter(d, 4, 2, None)));
+        v.push(Sample::new(gen_int_bmm(if d == DType::I64 { d } else { DType::I32 })));
+    }
+    v.push(Sample::new(gen_scatter(DType::BF16, 2, 0, Some(CType::F32))));
+    v.push(Sample::new(gen_scatter(DType::I64, 2, 0, Some(CType::I64))));
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::size_word;

@@ -171,6 +171,21 @@ fn check_params(dev: &CudaDevice, kern: Kernel, rule: Rule) -> Result<()> {
     Err(Error::Cuda { op: "optimizer step", device: dev.kiln_device(), msg: format!("kernel {} takes parameters of {got:?} bytes, the launch passes {want:?}", kern.1) })
 }
 
+/// Sources of each update rule, for the NVRTC check (`samples.rs`), with the options they
+/// are compiled with.
+#[cfg(test)]
+pub(super) fn samples() -> Vec<super::samples::Sample> {
+    let mut v = vec![];
+    for dtype in [DType::F32, DType::F64, DType::BF16] {
+        for rule in [Rule::Sgd { weight_decay: true, momentum: true, nesterov: true }, Rule::Sgd { weight_decay: false, momentum: false, nesterov: false }, Rule::Adam { weight_decay: true, decoupled: true }, Rule::Adam { weight_decay: false, decoupled: false }] {
+            let mut s = super::samples::Sample::new(gen(rule, dtype));
+            s.options.push("--fmad=false".into());
+            v.push(s);
+        }
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

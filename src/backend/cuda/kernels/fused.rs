@@ -441,9 +441,62 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     c
 }
 
+/// Which inputs load vectors, as kernel names and tuning keys say it (`v` or `s` each).
+fn vector_loads(vector: &[bool]) -> String {
+    vector.iter().map(|&b| if b { 'v' } else { 's' }).collect()
+}
+
+/// A row kernel's name, which says all its source depends on besides the signature.
+fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cover, vector: &[bool]) -> String {
+    let tail = match cover {
+        Cover::Exact => "_full",
+        Cover::Looped => "_loop",
+        Cover::Masked => "",
+    };
+    format!("{}_r{threads}x{vpt}x{vec}{tail}_{}", k.code_name(k.signature()), vector_loads(vector))
+}
+
+/// A mid kernel's name: walking columns `tx` threads across (`gen_fused_cols`), else the
+/// middle dim (`gen_fused_mid`).
+fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: &[bool]) -> String {
+    let kind = tx.map_or("mid".into(), |tx| format!("cols{tx}x"));
+    format!("{}_{kind}{vec}{}_{}", k.code_name(k.signature()), if wide { "_i64" } else { "" }, vector_loads(vector))
+}
+
 /// A looped row kernel's block (`gen_fused_rows`): threads, and values each reads per chunk.
 const LOOPED_THREADS: usize = 1024;
 const LOOPED_VPT: usize = 8;
+
+/// Values per thread of a row kernel of `threads` threads over rows of `cols`, and how they
+/// cover a row.
+fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
+    if cols > crate::kir::MAX_ROW {
+        return (LOOPED_VPT.max(vec), Cover::Looped);
+    }
+    let vpt = row_vpt(cols, threads, vec);
+    (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })
+}
+
+/// Values a row kernel loads at once: 16 bytes of its widest full input or output, where rows
+/// of `cols` divide by it.
+fn row_vec(k: &FusedKernel, cols: usize) -> usize {
+    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
+    let v = (16 / widest).max(1);
+    if cols.is_multiple_of(v) {
+        v
+    } else {
+        1
+    }
+}
+
+/// Threads per row of a row kernel unless max-autotune picked others.
+fn default_row_threads(cols: usize, vec: usize) -> usize {
+    if cols > crate::kir::MAX_ROW {
+        LOOPED_THREADS
+    } else {
+        row_shape(cols, vec).0
+    }
+}
 
 fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
     // Full inputs as [rows, cols], row inputs as [rows]: (row stride, col stride) each.
@@ -451,16 +504,14 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     for (inp, t) in k.inputs.iter().zip(inputs) {
         views.push(if inp.row { view_as(t, &[rows, 1])? } else { view_as(t, &[rows, cols])? });
     }
-    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
-    let v = (16 / widest).max(1);
-    let vec = if cols.is_multiple_of(v) { v } else { 1 };
+    let vec = row_vec(k, cols);
     let mut vector = vec![];
     for (inp, t) in k.inputs.iter().zip(&views) {
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
     // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
-    let vk = || vector.iter().map(|&b| if b { 'v' } else { 's' }).collect::<String>();
+    let vk = || vector_loads(&vector);
     let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
     let mut a = LaunchArgs::default();
     let words = RowWords { outputs: outs.len() };
@@ -482,12 +533,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     // the inputs, so timing candidates changes nothing.
     let looped = cols > crate::kir::MAX_ROW;
     let launch = |threads: usize| -> Result<()> {
-        let (vpt, cover) = if looped {
-            (LOOPED_VPT.max(vec), Cover::Looped)
-        } else {
-            let vpt = row_vpt(cols, threads, vec);
-            (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })
-        };
+        let (vpt, cover) = row_cover(cols, threads, vec);
         let full = cover == Cover::Exact;
         let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
         let launches = &memo(k)?.row_launches;
@@ -496,7 +542,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = format!("{}_r{threads}x{vpt}x{vec}{}_{}", k.code_name(signature), if full { "_full" } else if looped { "_loop" } else { "" }, vk());
+                let name = rows_name(k, threads, vpt, vec, cover, &vector);
                 // Keyed by what determines the source (the signature: ops and input dtypes; the
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
@@ -513,7 +559,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
         dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
     };
     let tuned = if tune && !looped { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
-    launch(tuned.unwrap_or_else(|| if looped { LOOPED_THREADS } else { row_shape(cols, vec).0 }))?;
+    launch(tuned.unwrap_or_else(|| default_row_threads(cols, vec)))?;
     Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
 }
 
@@ -803,6 +849,18 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     c
 }
 
+/// A mid kernel's inner values per position (16 bytes of the widest full input where the
+/// walked dim divides by it), and for an inner dim of 1 (channels-last statistics), which walks
+/// the columns instead (`gen_fused_cols`: VEC adjacent columns per thread), the threads across
+/// a tile of columns.
+fn mid_shape(k: &FusedKernel, m: usize, q: usize) -> (usize, Option<usize>) {
+    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
+    let cols = q == 1;
+    let walked = if cols { m } else { q };
+    let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && walked.is_multiple_of(v)).unwrap_or(1);
+    (vec, cols.then(|| (m / vec).next_power_of_two().min(32)))
+}
+
 fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
@@ -814,13 +872,9 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
     }
     let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
-    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
-    // An inner dim of 1 (channels-last statistics) walks the columns instead (`gen_fused_cols`):
-    // VEC adjacent columns per thread, `tx` threads across a tile of columns.
-    let cols = q == 1;
-    let walked = if cols { m } else { q };
-    let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && walked.is_multiple_of(v)).unwrap_or(1);
-    let tx = (m / vec).next_power_of_two().min(32);
+    let (vec, tx) = mid_shape(k, m, q);
+    let cols = tx.is_some();
+    let tx = tx.unwrap_or(0);
     let tiles = if cols { m.div_ceil(tx * vec) } else { m };
     // About eight blocks per SM, each reading at least 2048 values (a column kernel's chunk at
     // least `MID_ILP` rows per thread).
@@ -869,9 +923,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         Some(f) => f,
         None => {
             let signature = k.signature();
-            let loads: String = vector.iter().map(|&b| if b { 'v' } else { 's' }).collect();
-            let kind = if cols { format!("cols{tx}x") } else { "mid".into() };
-            let name = format!("{}_{kind}{vec}{}_{loads}", k.code_name(signature), if wide { "_i64" } else { "" });
+            let name = mid_name(k, cols.then_some(tx), vec, wide, &vector);
             let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || {
                 (name.clone(), if cols { gen_fused_cols(k, &name, wide, vec, tx, &vector) } else { gen_fused_mid(k, &name, wide, vec, &vector) })
             })?;
@@ -927,8 +979,9 @@ fn tuned_threads(dev: &crate::backend::cuda::CudaDevice, k: &FusedKernel, rows: 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
+    use crate::backend::cuda::kernels::codegen::{Class, MapSpec};
     use crate::compile::{compile_with, Backend, CompileOptions};
     use crate::DType;
     use crate::nn::functional as F;
@@ -950,6 +1003,111 @@ mod tests {
         });
         compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
         let v = seen.lock().unwrap().clone();
+        v
+    }
+
+    /// The fused kernels of `f`'s graph after the compiler's passes (`compile::optimise`), as
+    /// the fused backend builds them.
+    fn optimised_kernels(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Vec<FusedKernel> {
+        let seen = Arc::new(Mutex::new(vec![]));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, inputs| {
+            s2.lock().unwrap().extend(crate::compile::fuse::schedule(&crate::compile::optimise(g, inputs)).kernels);
+            Ok(g.eager_runner())
+        });
+        compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
+        let v = seen.lock().unwrap().clone();
+        v
+    }
+
+    /// The sources the fused backend would write for the kernels of a small GPT-2 and a small
+    /// ResNet training step under BF16 autocast, and of F32 rows too long for registers, for
+    /// the NVRTC check (`samples.rs`): each kernel at its default launch shape, and with
+    /// scalar loads.
+    pub(crate) fn samples() -> Vec<crate::backend::cuda::kernels::samples::Sample> {
+        use crate::backend::cuda::kernels::samples::Sample;
+        let cpu = Device::Cpu;
+        let mut kernels = vec![];
+        // GPT-2: layer norms, GELU, attention's pieces, cross-entropy, AdamW.
+        let cfg = crate::models::Gpt2Config { vocab_size: 96, n_positions: 16, n_embd: 64, n_layer: 1, n_head: 4, n_inner: 256, ..Default::default() };
+        let model = Arc::new(crate::models::Gpt2::new(cfg, DType::F32, &cpu).unwrap());
+        let mut opt = crate::optim::AdamW::new(crate::nn::Module::parameters(model.as_ref()), crate::optim::AdamConfig { weight_decay: 0.1, ..Default::default() });
+        let ids = Tensor::from_vec((0..32).map(|i| (i * 7) % 96).collect::<Vec<i64>>(), &[2, 16], &cpu).unwrap();
+        let targets = Tensor::from_vec((0..32).map(|i| (i * 5) % 96).collect::<Vec<i64>>(), &[32], &cpu).unwrap();
+        kernels.extend(optimised_kernels(&[ids, targets], move |xs| {
+            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(model.as_ref(), &xs[0]))?;
+            let loss = F::cross_entropy(&logits.reshape(&[-1, 96])?, &xs[1])?;
+            loss.backward()?;
+            crate::optim::Optimizer::step(&mut opt)?;
+            crate::optim::Optimizer::zero_grad(&mut opt);
+            Ok(vec![loss])
+        }));
+        // ResNet: channels-last convolutions' batch norm statistics, ReLU, pooling, SGD.
+        let net = Arc::new(crate::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &cpu).unwrap());
+        let mut sgd = crate::optim::Sgd::new(crate::nn::Module::parameters(net.as_ref()), 0.01).momentum(0.9).weight_decay(1e-4);
+        let x = Tensor::randn(&[2, 3, 32, 32], DType::F32, &cpu).unwrap().to_memory_format(crate::MemoryFormat::ChannelsLast).unwrap();
+        let y = Tensor::from_vec(vec![3i64, 7], &[2], &cpu).unwrap();
+        kernels.extend(optimised_kernels(&[x, y], move |xs| {
+            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(net.as_ref(), &xs[0]))?;
+            let loss = F::cross_entropy(&logits, &xs[1])?;
+            loss.backward()?;
+            crate::optim::Optimizer::step(&mut sgd)?;
+            crate::optim::Optimizer::zero_grad(&mut sgd);
+            Ok(vec![loss])
+        }));
+        // Batch norm's statistics over contiguous images (a mid kernel with an inner dim) and
+        // rows past `MAX_ROW` (looped), in F32.
+        let img = Tensor::randn(&[4, 8, 6, 6], DType::F32, &cpu).unwrap();
+        let (rm, rv) = (Tensor::zeros(&[8], DType::F32, &cpu).unwrap(), Tensor::ones(&[8], DType::F32, &cpu).unwrap());
+        kernels.extend(optimised_kernels(&[img], move |xs| Ok(vec![F::batch_norm(&xs[0], Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)?.relu()?])));
+        let long = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap();
+        kernels.extend(optimised_kernels(&[long], |xs| Ok(vec![xs[0].softmax(-1)?, F::layer_norm(&xs[0], &[crate::kir::MAX_ROW + 64], None, None, 1e-5)?])));
+
+        let mut v = vec![];
+        for k in &kernels {
+            let scalar = vec![false; k.inputs.len()];
+            match k.space {
+                Space::Flat { .. } => {
+                    let code = flat_code(k);
+                    let widest = k.inputs.iter().map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
+                    for (class, ndim, vec) in [(Class::Contig, 0, (16 / widest).max(2)), (Class::Strided, 3, 1)] {
+                        let spec = MapSpec {
+                            name: code.name.clone(),
+                            inputs: k.inputs.iter().map(|i| (i.dtype, CType::of(i.dtype), class)).collect(),
+                            outs: k.outputs.iter().enumerate().map(|(m, (o, _))| (k.ops[*o].dtype, code.vals[*o].0, code.vals[*o].1.clone(), k.single[m])).collect(),
+                            out_class: Class::Contig,
+                            body: code.body.clone(),
+                            ndim,
+                            vec,
+                            idx64: false,
+                        };
+                        v.push(Sample::new((spec.kernel_name(), crate::backend::cuda::kernels::codegen::gen_map(&spec))));
+                    }
+                }
+                Space::Rows { cols, .. } => {
+                    let vec = row_vec(k, cols);
+                    let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && vec > 1).collect();
+                    let threads = default_row_threads(cols, vec);
+                    for (threads, vector) in [(threads, &vector), (threads.max(64) / 2, &scalar)] {
+                        let (vpt, cover) = row_cover(cols, threads, vec);
+                        let name = rows_name(k, threads, vpt, vec, cover, vector);
+                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover))));
+                    }
+                }
+                Space::Mid { rows, inner, .. } => {
+                    let (vec, tx) = mid_shape(k, rows, inner);
+                    let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && vec > 1).collect();
+                    for (wide, vector) in [(false, &vector), (true, &scalar)] {
+                        let name = mid_name(k, tx, vec, wide, vector);
+                        let src = match tx {
+                            Some(tx) => gen_fused_cols(k, &name, wide, vec, tx, vector),
+                            None => gen_fused_mid(k, &name, wide, vec, vector),
+                        };
+                        v.push(Sample::new((name, src)));
+                    }
+                }
+            }
+        }
         v
     }
 

@@ -129,6 +129,19 @@ fn source(name: &str, walk: Walk, dtype: DType) -> String {
     c
 }
 
+/// Sources of both walks in every dtype, for the NVRTC check (`samples.rs`).
+#[cfg(test)]
+pub(super) fn samples() -> Vec<super::samples::Sample> {
+    let mut v = vec![];
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
+            let name = kernel_name(walk, dtype);
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype))));
+        }
+    }
+    v
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

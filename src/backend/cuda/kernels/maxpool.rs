@@ -68,12 +68,7 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
     // 32-bit index arithmetic unless an index or an offset could pass 2^31.
     let reach = |t: &Tensor| t.shape().iter().zip(t.strides()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>();
     let wide = [x.numel(), windows.iter().product(), reach(x), dy.map_or(0, reach)].iter().any(|&v| v >= i32::MAX as usize);
-    let what = match pass {
-        Pass::Max => "",
-        Pass::Position => "_argmax",
-        Pass::Backward(_) => "_backward",
-    };
-    let name = format!("max_pool2d{what}_{}{}{}", dtype.torch_name(), if nhwc { "_nhwc" } else { "" }, if wide { "_i64" } else { "" });
+    let name = kernel_name(dtype, pass, wide, nhwc);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide, nhwc)))?;
     let strides = |t: &Tensor| -> [i64; 4] { std::array::from_fn(|d| t.strides()[d] as i64) };
     let i = |v: usize| v as i64;
@@ -105,6 +100,16 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
     dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)
 }
 
+/// A kernel's name, which says all its source depends on.
+fn kernel_name(dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> String {
+    let what = match pass {
+        Pass::Max => "",
+        Pass::Position => "_argmax",
+        Pass::Backward(_) => "_backward",
+    };
+    format!("max_pool2d{what}_{}{}{}", dtype.torch_name(), if nhwc { "_nhwc" } else { "" }, if wide { "_i64" } else { "" })
+}
+
 fn source(name: &str, dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> String {
     let acc = if dtype == DType::F64 { CType::F64 } else { CType::F32 };
     let mut c = format!("{PRELUDE}{}", MaxPoolArgs::C_DECL);
@@ -120,4 +125,19 @@ fn source(name: &str, dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> Strin
     }
     c.push_str(SOURCE);
     c
+}
+
+/// Sources of every pass, layout and index width, for the NVRTC check (`samples.rs`).
+#[cfg(test)]
+pub(super) fn samples() -> Vec<super::samples::Sample> {
+    let mut v = vec![];
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        for pass in [Pass::Max, Pass::Position, Pass::Backward(0)] {
+            for (wide, nhwc) in [(false, false), (false, true), (true, false)] {
+                let name = kernel_name(dtype, pass, wide, nhwc);
+                v.push(super::samples::Sample::new((name.clone(), source(&name, dtype, pass, wide, nhwc))));
+            }
+        }
+    }
+    v
 }

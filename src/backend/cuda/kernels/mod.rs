@@ -11,6 +11,8 @@ pub(crate) mod foreach;
 pub(crate) mod fused;
 pub(crate) mod gemv;
 pub(crate) mod maxpool;
+#[cfg(test)]
+mod samples;
 
 use crate::dtype::CType;
 use codegen::{gen_map, gen_reduce, Class, GatherArgs, IntBmmArgs, MapSpec, ReduceArgs, ReduceLayout, ReduceSpec, ScatterAddArgs, MAX_DIMS, PARAM_BASE};
