@@ -5,6 +5,12 @@
 //! concatenated weight reads only captured tensors, so the runtime computes it once and keeps
 //! it (`runtime::Hoisted`). A bias added after every product (the cuBLASLt epilogue's pattern)
 //! is concatenated too, so the merged product keeps its epilogue.
+//!
+//! A merged result holds every member's columns from the first member's product until the
+//! last one's last reader: where the members are read far apart (each decoder layer reads its
+//! own slice), that can raise the program's peak memory by most of the merged bytes. A group
+//! is merged only where it does not raise the peak of live values in node order
+//! (`LiveBytes`).
 
 use super::graph::{Graph, Node, NodeId, NodeOp};
 use crate::ops::{BinaryOp, Op};
@@ -28,6 +34,7 @@ impl Member {
 /// there is none.
 pub(crate) fn merge_products(g: &Graph) -> Graph {
     let groups = groups(g);
+    let groups = if groups.is_empty() { groups } else { LiveBytes::of(g).keep_peak(g, groups) };
     if groups.is_empty() {
         return g.clone();
     }
@@ -101,6 +108,99 @@ fn groups(g: &Graph) -> Vec<Vec<Member>> {
         }
     }
     found.into_iter().map(|(_, ms)| ms).filter(|ms| ms.len() > 1).collect()
+}
+
+/// Bytes of computed values alive at each node, the graph run in node order: a value holds
+/// its storage from its node until the last reader of it or of a view of it (outputs and
+/// written-back values to the end); inputs, views and parameter-only values (computed once and
+/// kept by the runtime) hold none.
+struct LiveBytes {
+    live: Vec<i64>,
+    /// Per node: the node whose storage it uses, and the last node that reads that storage.
+    root: Vec<Option<NodeId>>,
+    dies: Vec<NodeId>,
+}
+
+impl LiveBytes {
+    fn of(g: &Graph) -> LiveBytes {
+        let n = g.nodes.len();
+        let params = parameter_only(g);
+        let mut root: Vec<Option<NodeId>> = vec![None; n];
+        for (i, node) in g.nodes.iter().enumerate() {
+            root[i] = match &node.op {
+                NodeOp::Arg(_) | NodeOp::Captured(_) => None,
+                _ if params[i] => None,
+                NodeOp::Prim(op) if op.is_view() => root[node.args[0]],
+                _ => Some(i),
+            };
+        }
+        let mut dies: Vec<NodeId> = (0..n).collect();
+        for (j, node) in g.nodes.iter().enumerate() {
+            for &a in &node.args {
+                if let Some(r) = root[a] {
+                    dies[r] = dies[r].max(j);
+                }
+            }
+        }
+        for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, v)| v)) {
+            if let Some(r) = root[o] {
+                dies[r] = n - 1;
+            }
+        }
+        let mut live = vec![0i64; n + 1];
+        for i in 0..n {
+            if root[i] == Some(i) {
+                live[i] += bytes(&g.nodes[i]) as i64;
+                live[dies[i] + 1] -= bytes(&g.nodes[i]) as i64;
+            }
+        }
+        for i in 1..=n {
+            live[i] += live[i - 1];
+        }
+        live.truncate(n);
+        LiveBytes { live, root, dies }
+    }
+
+    /// The groups whose merging keeps the peak where it is, taken in order, each judged with
+    /// the ones before it merged.
+    fn keep_peak(mut self, g: &Graph, groups: Vec<Vec<Member>>) -> Vec<Vec<Member>> {
+        let peak = self.live.iter().copied().max().unwrap_or(0);
+        let mut kept = vec![];
+        for grp in groups {
+            // Unmerged, each member's result holds its bytes from its product to its last
+            // reader; merged, all of them from the first product to the last reader.
+            let spans: Vec<(NodeId, NodeId, i64)> = grp
+                .iter()
+                .filter_map(|m| {
+                    let r = self.root[m.result()]?;
+                    Some((m.matmul, self.dies[r], bytes(&g.nodes[m.result()]) as i64))
+                })
+                .collect();
+            let (Some(from), Some(to)) = (spans.iter().map(|s| s.0).min(), spans.iter().map(|s| s.1).max()) else { continue };
+            let total: i64 = spans.iter().map(|s| s.2).sum();
+            let mut delta = vec![0i64; self.live.len() + 1];
+            delta[from] += total;
+            delta[to + 1] -= total;
+            for &(a, b, x) in &spans {
+                delta[a] -= x;
+                delta[b + 1] += x;
+            }
+            let mut run = 0;
+            let after: Vec<i64> = self.live.iter().zip(&delta).map(|(l, d)| {
+                run += d;
+                l + run
+            }).collect();
+            if after.iter().copied().max().unwrap_or(0) <= peak {
+                self.live = after;
+                kept.push(grp);
+            }
+        }
+        kept
+    }
+}
+
+fn bytes(n: &Node) -> usize {
+    n.numel() * n.dtype.size_in_bytes()
 }
 
 fn same_kind(a: &Node, b: &Node) -> bool {
@@ -198,14 +298,15 @@ mod tests {
         let bias = Tensor::randn(&[24], DType::F32, &dev).unwrap();
         let w2 = Tensor::randn(&[6, 8], DType::F32, &dev).unwrap();
         // Two projections with biases (rows of one weight, as attention's K and V), one with
-        // its own weight, one whose ReLU joins its epilogue (left alone).
+        // its own weight, one whose ReLU joins its epilogue (left alone); all read together, so
+        // merging raises no peak.
         let f = move |x: &Tensor| {
             crate::no_grad(|| {
                 let k = F::linear(x, &w.narrow(0, 8, 8)?, Some(&bias.narrow(0, 8, 8)?))?;
                 let v = F::linear(x, &w.narrow(0, 16, 8)?, Some(&bias.narrow(0, 16, 8)?))?;
                 let u = F::linear(x, &w2, Some(&bias.narrow(0, 0, 6)?))?;
                 let r = F::linear(x, &w.narrow(0, 0, 8)?, Some(&bias.narrow(0, 0, 8)?))?.relu()?;
-                crate::cat(&[&k.mul(&v)?, &u, &r], -1)
+                crate::cat(&[&k, &v, &u, &r], -1)
             })
         };
         let seen = Arc::new(Mutex::new(vec![]));
@@ -225,6 +326,45 @@ mod tests {
             // f32: a wider product may sum in another order (a few ulps).
             assert!(y.allclose(&expect, 1e-5, 1e-5).unwrap());
         }
+    }
+
+    #[test]
+    fn products_read_far_apart_stay_apart_where_merging_would_raise_the_peak() {
+        // Two products of x, each read once, with a larger value made and dropped between
+        // them: merged, the first product's columns would still be held, together with the
+        // second's, where the larger values peak.
+        let dev = Device::Cpu;
+        let x = Tensor::randn(&[256, 64], DType::F32, &dev).unwrap();
+        let z = Tensor::randn(&[512, 512], DType::F32, &dev).unwrap();
+        let (w1, w2) = (Tensor::randn(&[64, 256], DType::F32, &dev).unwrap(), Tensor::randn(&[64, 256], DType::F32, &dev).unwrap());
+        let seen = Arc::new(Mutex::new(vec![]));
+        let s2 = seen.clone();
+        let backend = Backend::custom(move |g, _| {
+            let simple = crate::compile::simplify::simplify(g);
+            s2.lock().unwrap().push((products(&simple), products(&merge_products(&simple))));
+            Ok(g.eager_runner())
+        });
+        let (a, b) = (w1.clone(), w2.clone());
+        let far = compile_with(CompileOptions::new().backend(backend.clone()), move |x: &Tensor, z: &Tensor| {
+            crate::no_grad(|| {
+                let s1 = x.matmul(&a)?.sum_all()?;
+                let h = z.exp()?;
+                let s1 = s1.add(&h.sum_all()?)?;
+                let h2 = h.sin()?;
+                let s2 = x.matmul(&b)?.sum_all()?.add(&h2.sum_all()?)?;
+                s1.add(&s2)
+            })
+        });
+        far.call(&x, &z).unwrap();
+        // The same products read side by side merge.
+        let near = compile_with(CompileOptions::new().backend(backend), move |x: &Tensor, z: &Tensor| {
+            crate::no_grad(|| {
+                let h = z.exp()?.sin()?.sum_all()?;
+                h.add(&x.matmul(&w1)?.mul(&x.matmul(&w2)?)?.sum_all()?)
+            })
+        });
+        near.call(&x, &z).unwrap();
+        assert_eq!(seen.lock().unwrap()[..], [(2, 2), (2, 1)]);
     }
 
     #[test]
