@@ -332,6 +332,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             }
         }
     }
+    detach_outer_views(g, &node_readers, &kinds, &mut groups, &mut group_of);
     // Steps in topological order (a fused group is one unit; no outside node both feeds and
     // reads a group), preferring the original node order.
     let mut unit_of = vec![0usize; n];
@@ -414,6 +415,30 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     debug_assert_eq!(emitted, units.len(), "the step graph has no cycle");
     sched
+}
+
+/// Takes out of their groups the reshapes that only steps outside read: inside, each would be
+/// an output stored beside the value it reshapes (a ReLU's output and its `[1, M, N]` view for
+/// the next product: the same bytes written twice, held twice). Outside, it is a view of that
+/// value. A reshape that is a written-back value stays, so that it is still stored in place.
+fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) {
+    let written_back: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
+    for gi in 0..groups.len() {
+        let Some(grp) = groups[gi].as_ref() else { continue };
+        if !grp.members.iter().any(|&m| kinds[m] != Kind::Reshape) {
+            continue;
+        }
+        // Latest first: a reshape of a reshape leaves first, then may let the inner one go.
+        let mut members = grp.members.clone();
+        for k in (0..members.len()).rev() {
+            let m = members[k];
+            if kinds[m] == Kind::Reshape && !written_back.contains(&m) && node_readers[m].iter().all(|&r| group_of[r] != Some(gi)) {
+                members.remove(k);
+                group_of[m] = None;
+            }
+        }
+        groups[gi].as_mut().expect("live").members = members;
+    }
 }
 
 /// Merges group `b` into group `a` when their spaces agree, the kernel stays within its operand
@@ -784,6 +809,26 @@ pub(crate) mod tests {
         });
         let (gm, _) = &gemms(&g)[0];
         assert!(gm.bias.is_some() && gm.act.is_none(), "{gm:?}");
+    }
+
+    #[test]
+    fn a_value_and_its_reshape_are_stored_once() {
+        // A ReLU'd hidden layer read by the next product (through its [1, M, N] view) and by
+        // the backward's mask: one output, the view a step of its own.
+        let x = r(&[64, 32], DType::F32);
+        let (w1, w2) = (r(&[32, 16], DType::F32), r(&[16, 8], DType::F32));
+        let g = graph_of(&[x], move |xs| {
+            let h = (xs[0].matmul(&w1)? + 1.0)?.exp()?;
+            let mask = h.gt_scalar(1.5)?;
+            Ok(vec![h.reshape(&[1, 64, 16])?.matmul(&w2.reshape(&[1, 16, 8])?)?, mask])
+        });
+        let s = schedule(&g);
+        let k = s.kernels.iter().find(|k| k.name.contains("exp")).expect("the exp kernel");
+        let stored: Vec<usize> = k.outputs.iter().map(|&(o, _)| o).collect();
+        assert!(stored.iter().all(|&o| !matches!(k.ops[o].kind, KKind::Same)), "{}", k.describe());
+        assert_eq!(stored.len(), 2, "the exponential and the mask: {}", k.describe());
+        let view = s.steps.iter().any(|st| matches!(st, Step::Node(n) if matches!(&g.nodes[*n].op, NodeOp::Prim(Op::Reshape(_)))));
+        assert!(view, "the reshape is a step of its own");
     }
 
     type MakeGraph = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;

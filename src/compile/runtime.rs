@@ -262,7 +262,8 @@ impl Program {
     pub(crate) fn new(graph: Graph, tune: bool) -> Program {
         let schedule = fuse::schedule(&graph);
         crate::logging::log(Topic::Fusion, || {
-            let mut s = format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
+            let mut s = format!("the optimised graph:\n{graph}");
+            s += &format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
             for k in &schedule.kernels {
                 s += &format!("\n  {}", k.describe());
             }
