@@ -423,21 +423,19 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
 /// value. A reshape that is a written-back value stays, so that it is still stored in place.
 fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) {
     let written_back: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
-    for gi in 0..groups.len() {
-        let Some(grp) = groups[gi].as_ref() else { continue };
+    for (gi, grp) in groups.iter_mut().enumerate() {
+        let Some(grp) = grp.as_mut() else { continue };
         if !grp.members.iter().any(|&m| kinds[m] != Kind::Reshape) {
             continue;
         }
         // Latest first: a reshape of a reshape leaves first, then may let the inner one go.
-        let mut members = grp.members.clone();
-        for k in (0..members.len()).rev() {
-            let m = members[k];
+        for k in (0..grp.members.len()).rev() {
+            let m = grp.members[k];
             if kinds[m] == Kind::Reshape && !written_back.contains(&m) && node_readers[m].iter().all(|&r| group_of[r] != Some(gi)) {
-                members.remove(k);
+                grp.members.remove(k);
                 group_of[m] = None;
             }
         }
-        groups[gi].as_mut().expect("live").members = members;
     }
 }
 
