@@ -122,6 +122,14 @@ pub(crate) fn attention_warp_only() -> bool {
     *V.get_or_init(|| is("KILN_ATTENTION_KERNEL", "warp"))
 }
 
+/// `KILN_PLAN_FOR=cuda`: a program compiled for the CPU is also scheduled and planned as the
+/// GPU would run it, its kernels and memory plan logged (`compile::build`), on machines
+/// without a GPU.
+pub(crate) fn plan_for_cuda() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_PLAN_FOR", "cuda"))
+}
+
 fn parsed<T: std::str::FromStr>(name: &str) -> Option<T> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }

@@ -156,6 +156,11 @@ enum Kind {
     Other,
 }
 
+/// Whether reduction node `i` joins a fused kernel (else it runs as its own op).
+pub(crate) fn reduces_in_a_kernel(g: &Graph, i: NodeId) -> bool {
+    matches!(kind_of(g, i), Kind::Reduce(..) | Kind::MidReduce(..))
+}
+
 fn kind_of(g: &Graph, i: NodeId) -> Kind {
     let n = &g.nodes[i];
     if n.numel() == 0 {

@@ -670,8 +670,27 @@ pub(crate) fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
     recompute::recompute_cheap(&remat::rematerialize(&merge::merge_products(&simplify::simplify(&layout::channels_last(g, inputs)))))
 }
 
+/// `g` (traced on the CPU) scheduled and planned as the GPU would run it, for its log lines
+/// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`). Ops that decide at trace time by
+/// device (attention, matmul and softmax on the CPU, one fused op on the GPU) stay as the CPU
+/// traced them.
+fn log_plan_for_cuda(g: &Graph, inputs: &[Tensor]) {
+    let mut cuda = g.clone();
+    for n in &mut cuda.nodes {
+        if n.device == crate::Device::Cpu {
+            n.device = crate::Device::Cuda(0);
+        }
+    }
+    log(Topic::Fusion, || "KILN_PLAN_FOR=cuda: the next program is this one as the GPU would run it (not run)".into());
+    log(Topic::Memory, || "KILN_PLAN_FOR=cuda: the next plan is this program's as the GPU would run it (not run)".into());
+    drop(runtime::Program::new(optimise(&cuda, inputs), false));
+}
+
 /// Turns a traced graph into something that runs, with the chosen backend.
 fn build(opts: &CompileOptions, g: &Graph, inputs: &[Tensor], effects: &trace::Effects) -> Result<Exec> {
+    if matches!(opts.backend, Backend::Fused) && crate::switches::plan_for_cuda() && g.nodes.iter().any(|n| n.device == crate::Device::Cpu) {
+        log_plan_for_cuda(g, inputs);
+    }
     match &opts.backend {
         Backend::Eager => Ok(Exec::Runner(g.eager_runner())),
         Backend::Custom(f) => Ok(Exec::Runner(f(g, inputs)?)),

@@ -21,7 +21,9 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
     }
     let fusable_reader = |r: NodeId| {
         let node = &g.nodes[r];
-        node.is_pointwise() || matches!(node.op, NodeOp::Prim(Op::Reshape(_))) || matches!(&node.op, NodeOp::Prim(Op::Reduce(op, ..)) if !op.is_arg())
+        // (a reduction only where the scheduler fuses it: a matrix's column sum, a bias
+        // gradient, is the eager column kernel, which would read a copy stored for it)
+        node.is_pointwise() || matches!(node.op, NodeOp::Prim(Op::Reshape(_))) || (matches!(node.op, NodeOp::Prim(Op::Reduce(..))) && super::fuse::reduces_in_a_kernel(g, r))
     };
     // The pointwise ops a value's chain holds (itself and its pointwise ancestors, shared ones
     // counted per path), capped past MAX_CHAIN.
@@ -106,5 +108,20 @@ mod tests {
         let s = fuse::schedule(&g);
         let mid = s.kernels.iter().find(|k| matches!(k.space, Space::Mid { .. })).expect("a mid kernel");
         assert!(mid.outputs.iter().any(|(o, _)| !mid.ops[*o].row), "{}", mid.describe());
+    }
+
+    /// A ReLU backward's output read by the bias gradient (a matrix's column sum: the eager
+    /// column kernel, which fuses nothing) and by the weight gradient's product: copied, it
+    /// would be computed and stored once for each.
+    #[test]
+    fn a_value_read_by_a_column_sum_of_a_matrix_is_not_copied() {
+        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let g = xs[0].relu()?.gt_scalar(0.0)?.where_(&xs[1], &xs[1].mul_scalar(0.0)?)?;
+            Ok(vec![g.sum(&[0], false)?, g.reshape(&[1, 64, 16])?.matmul(&xs[2])?])
+        };
+        let args = [Tensor::randn(&[64, 16], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[64, 16], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[1, 16, 8], DType::F32, &Device::Cpu).unwrap()];
+        let g = simplify::simplify(&fuse::tests::graph_of(&args, f));
+        let wheres = |g: &Graph| g.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Where(_)))).count();
+        assert_eq!(wheres(&recompute_cheap(&g)), wheres(&g), "{}", recompute_cheap(&g));
     }
 }
