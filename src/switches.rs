@@ -124,7 +124,7 @@ pub(crate) fn attention_warp_only() -> bool {
 
 /// `KILN_PLAN_FOR=cuda`: a program compiled for the CPU is also scheduled and planned as the
 /// GPU would run it, its kernels and memory plan logged (`compile::build`), on machines
-/// without a GPU.
+/// without a GPU; traced attention takes the GPU's fused op.
 pub(crate) fn plan_for_cuda() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
     *V.get_or_init(|| is("KILN_PLAN_FOR", "cuda"))

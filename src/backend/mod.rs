@@ -83,8 +83,10 @@ pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crat
 /// matmul and softmax there (never on the CPU).
 pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &crate::Tensor) -> bool {
     let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
-    q.device().is_cuda()
-        && cuda::kernels::attention::takes(l, s, b * h, d)
+    // Planning a CPU trace for the GPU (`KILN_PLAN_FOR=cuda`): the GPU's choice, though the CPU
+    // program then runs the op's reference kernels.
+    let gpu = q.device().is_cuda() || (crate::switches::plan_for_cuda() && q.storage().traced_ref().is_some());
+    gpu && cuda::kernels::attention::takes(l, s, b * h, d)
         && matches!(q.dtype(), crate::DType::F32 | crate::DType::F16 | crate::DType::BF16)
         && cuda::kernels::attention::fused_is_faster(q, k, v)
 }

@@ -671,9 +671,8 @@ pub(crate) fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
 }
 
 /// `g` (traced on the CPU) scheduled and planned as the GPU would run it, for its log lines
-/// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`). Ops that decide at trace time by
-/// device (attention, matmul and softmax on the CPU, one fused op on the GPU) stay as the CPU
-/// traced them.
+/// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`; attention was traced as the GPU's
+/// fused op, `backend::fused_attention_pays`).
 fn log_plan_for_cuda(g: &Graph, inputs: &[Tensor]) {
     let mut cuda = g.clone();
     for n in &mut cuda.nodes {
