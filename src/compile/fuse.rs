@@ -406,8 +406,10 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             None => sched.steps.push(Step::Node(first)),
             Some(gi) => {
                 let grp = groups[gi].as_ref().expect("live");
-                // Reshapes alone (one, or a chain of them) are views, not a kernel.
-                if grp.members.iter().all(|&m| kinds[m] == Kind::Reshape) {
+                // Reshapes and broadcasts alone (one, or a chain of them) are views, not a
+                // kernel: an embedding's backward reads its ids spread over the rows through a
+                // stride of 0 instead of a stored [tokens, features] copy of them.
+                if grp.members.iter().all(|&m| matches!(kinds[m], Kind::Reshape | Kind::Expand(..))) {
                     sched.steps.extend(grp.members.iter().map(|&m| Step::Node(m)));
                     continue;
                 }
@@ -832,6 +834,19 @@ pub(crate) mod tests {
         assert_eq!(stored.len(), 2, "the exponential and the mask: {}", k.describe());
         let view = s.steps.iter().any(|st| matches!(st, Step::Node(n) if matches!(&g.nodes[*n].op, NodeOp::Prim(Op::Reshape(_)))));
         assert!(view, "the reshape is a step of its own");
+    }
+
+    #[test]
+    fn ids_spread_over_rows_for_a_scatter_are_a_view() {
+        // An embedding's backward: the ids, spread over each row's features, index the
+        // scatter of the rows' gradients.
+        let ids = Tensor::from_vec(vec![3i64, 1, 3, 0, 7, 1], &[6], &Device::Cpu).unwrap();
+        let g = graph_of(&[ids, r(&[6, 4], DType::F32)], |xs| {
+            let spread = xs[0].reshape(&[6, 1])?.expand(&[6, 4])?;
+            Ok(vec![Tensor::zeros(&[10, 4], DType::F32, &Device::Cpu)?.scatter_add(0, &spread, &xs[1])?])
+        });
+        let s = schedule(&g);
+        assert!(s.kernels.iter().all(|k| k.inputs.iter().all(|i| i.dtype != DType::I64)), "no kernel copies the ids: {:?}", s.kernels.iter().map(|k| k.describe()).collect::<Vec<_>>());
     }
 
     type MakeGraph = Box<dyn FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send>;
