@@ -1,5 +1,6 @@
-//! Simplification: algebraic identities (x*1, x+0, x-0, x/1, a cast to the same dtype), constant
-//! folding of arithmetic on constants, common subexpressions, and dead code. Each rewrite maps
+//! Simplification: algebraic identities (x*1, x+0, x-0, x/1, a cast to the same dtype, a
+//! permute that moves only dims of size 1, which is a reshape), constant folding of arithmetic
+//! on constants, common subexpressions, and dead code. Each rewrite maps
 //! a node to an equivalent earlier one; the graph is then rebuilt without what no output needs.
 
 use super::graph::{Graph, NodeId, NodeOp};
@@ -35,6 +36,15 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
             *a = repl[*a];
         }
         let node = &g.nodes[i];
+        // A permute that keeps the order of the dims longer than 1 (a per-channel [1, 1, 1, C]
+        // value seen as [1, C, 1, 1]) is a reshape: fusion sees through reshapes, not permutes.
+        if let NodeOp::Prim(Op::Permute(perm)) = &ops[i] {
+            let x = &g.nodes[args[i][0]].shape;
+            let moved: Vec<usize> = perm.iter().copied().filter(|&d| x[d] != 1).collect();
+            if moved.windows(2).all(|w| w[0] < w[1]) {
+                ops[i] = NodeOp::Prim(Op::Reshape(node.shape.clone()));
+            }
+        }
         let konst = |j: NodeId| constant(&ops, &args, j);
         if let NodeOp::Prim(op) = &ops[i] {
             let same = |j: NodeId| g.nodes[j].shape == node.shape && g.nodes[j].dtype == node.dtype;
@@ -129,5 +139,27 @@ fn round_to(v: f64, d: crate::DType) -> f64 {
         F16 => half::f16::from_f32(v as f32).to_f64(),
         BF16 => half::bf16::from_f32(v as f32).to_f64(),
         _ => v,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Device, Tensor};
+
+    /// Batch norm's per-channel scale over a channels-last image: the `[1, 1, 1, C]` statistic
+    /// seen as `[1, C, 1, 1]` is a reshape, so the scale joins the kernels around it; a permute
+    /// that reorders dims longer than 1 stays.
+    #[test]
+    fn a_permute_of_dims_of_size_one_is_a_reshape() {
+        let stat = Tensor::randn(&[1, 1, 1, 8], DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::randn(&[1, 8, 1, 1], DType::F32, &Device::Cpu).unwrap();
+        let img = Tensor::randn(&[2, 8, 3, 3], DType::F32, &Device::Cpu).unwrap();
+        let g = simplify(&crate::compile::fuse::tests::graph_of(&[stat, w, img], |xs| Ok(vec![xs[0].rsqrt()?.permute(&[0, 3, 1, 2])?.mul(&xs[1])?, xs[2].permute(&[0, 2, 3, 1])?.exp()?])));
+        let permutes: Vec<&Vec<usize>> = g.nodes.iter().filter_map(|n| if let NodeOp::Prim(Op::Permute(p)) = &n.op { Some(p) } else { None }).collect();
+        assert_eq!(permutes, [&vec![0, 2, 3, 1]], "{g}");
+        let s = crate::compile::fuse::schedule(&g);
+        let scale = s.kernels.iter().find(|k| k.name.contains("rsqrt")).expect("the scale's kernel");
+        assert!(scale.name.contains("mul"), "rsqrt and the product are one kernel: {}", scale.describe());
     }
 }
