@@ -156,7 +156,7 @@ enum Kind {
     Other,
 }
 
-/// Whether reduction node `i` joins a fused kernel (else it runs as its own op).
+/// Whether node `i` is a reduction that joins a fused kernel (else it runs as its own op).
 pub(crate) fn reduces_in_a_kernel(g: &Graph, i: NodeId) -> bool {
     matches!(kind_of(g, i), Kind::Reduce(..) | Kind::MidReduce(..))
 }

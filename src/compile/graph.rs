@@ -48,6 +48,10 @@ impl Node {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// The bytes its value takes, stored densely.
+    pub(crate) fn bytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
     /// The name kernels and printouts use for the op.
     pub fn name(&self) -> String {
         match &self.op {

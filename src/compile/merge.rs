@@ -150,8 +150,8 @@ impl LiveBytes {
         let mut live = vec![0i64; n + 1];
         for i in 0..n {
             if root[i] == Some(i) {
-                live[i] += bytes(&g.nodes[i]) as i64;
-                live[dies[i] + 1] -= bytes(&g.nodes[i]) as i64;
+                live[i] += g.nodes[i].bytes() as i64;
+                live[dies[i] + 1] -= g.nodes[i].bytes() as i64;
             }
         }
         for i in 1..=n {
@@ -173,7 +173,7 @@ impl LiveBytes {
                 .iter()
                 .filter_map(|m| {
                     let r = self.root[m.result()]?;
-                    Some((m.matmul, self.dies[r], bytes(&g.nodes[m.result()]) as i64))
+                    Some((m.matmul, self.dies[r], g.nodes[m.result()].bytes() as i64))
                 })
                 .collect();
             let (Some(from), Some(to)) = (spans.iter().map(|s| s.0).min(), spans.iter().map(|s| s.1).max()) else { continue };
@@ -197,10 +197,6 @@ impl LiveBytes {
         }
         kept
     }
-}
-
-fn bytes(n: &Node) -> usize {
-    n.numel() * n.dtype.size_in_bytes()
 }
 
 fn same_kind(a: &Node, b: &Node) -> bool {

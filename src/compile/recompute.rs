@@ -23,7 +23,7 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
         let node = &g.nodes[r];
         // (a reduction only where the scheduler fuses it: a matrix's column sum, a bias
         // gradient, is the eager column kernel, which would read a copy stored for it)
-        node.is_pointwise() || matches!(node.op, NodeOp::Prim(Op::Reshape(_))) || (matches!(node.op, NodeOp::Prim(Op::Reduce(..))) && super::fuse::reduces_in_a_kernel(g, r))
+        node.is_pointwise() || matches!(node.op, NodeOp::Prim(Op::Reshape(_))) || super::fuse::reduces_in_a_kernel(g, r)
     };
     // The pointwise ops a value's chain holds (itself and its pointwise ancestors, shared ones
     // counted per path), capped past MAX_CHAIN.

@@ -76,7 +76,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         // (a convolution's output under batch norm's F32 `x - mean`) is kept alive until then
         // instead: worth it when such values take fewer bytes than the one recomputed (the
         // min-cut choice, made one value at a time).
-        let bytes = |x: NodeId| g.nodes[x].numel() * g.nodes[x].dtype.size_in_bytes();
+        let bytes = |x: NodeId| g.nodes[x].bytes();
         let alive = |x: NodeId| {
             let x = root(x);
             matches!(g.nodes[x].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late

@@ -778,7 +778,7 @@ impl std::fmt::Display for PlannedPeak {
 /// straight into captured tensors hold none.
 fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::collections::HashMap<NodeId, usize>, reuse: &[Vec<Vec<usize>>]) -> PlannedPeak {
     let n = g.nodes.len();
-    let bytes = |i: NodeId| g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes();
+    let bytes = |i: NodeId| g.nodes[i].bytes();
     // The value whose storage each node uses (None: an input's).
     let mut root: Vec<Option<NodeId>> = vec![None; n];
     for (i, node) in g.nodes.iter().enumerate() {

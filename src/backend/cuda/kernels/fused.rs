@@ -872,16 +872,15 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
     }
     let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
-    let (vec, tx) = mid_shape(k, m, q);
-    let cols = tx.is_some();
-    let tx = tx.unwrap_or(0);
-    let tiles = if cols { m.div_ceil(tx * vec) } else { m };
+    // `cols_tx`: the threads across a tile of columns, where the kernel walks columns.
+    let (vec, cols_tx) = mid_shape(k, m, q);
+    let cols = cols_tx.is_some();
+    let tiles = cols_tx.map_or(m, |tx| m.div_ceil(tx * vec));
     // About eight blocks per SM, each reading at least 2048 values (a column kernel's chunk at
     // least `MID_ILP` rows per thread).
-    let chunks = if cols {
-        (dev.sm_count * 8).div_ceil(tiles).clamp(1, (p / (MID_ILP * (MID_THREADS / tx))).max(1))
-    } else {
-        (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1))
+    let chunks = match cols_tx {
+        Some(tx) => (dev.sm_count * 8).div_ceil(tiles).clamp(1, (p / (MID_ILP * (MID_THREADS / tx))).max(1)),
+        None => (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1)),
     };
     let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&(_, _, acc)| CudaStorage::new(dev, acc.dtype(), chunks * m)).collect::<Result<_>>()? } else { vec![] };
     let mut a = LaunchArgs::default();
@@ -923,9 +922,13 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         Some(f) => f,
         None => {
             let signature = k.signature();
-            let name = mid_name(k, cols.then_some(tx), vec, wide, &vector);
+            let name = mid_name(k, cols_tx, vec, wide, &vector);
             let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || {
-                (name.clone(), if cols { gen_fused_cols(k, &name, wide, vec, tx, &vector) } else { gen_fused_mid(k, &name, wide, vec, &vector) })
+                let src = match cols_tx {
+                    Some(tx) => gen_fused_cols(k, &name, wide, vec, tx, &vector),
+                    None => gen_fused_mid(k, &name, wide, vec, &vector),
+                };
+                (name.clone(), src)
             })?;
             if !f.is_rehearsed() {
                 launches.0.lock().push((shape, f));
@@ -933,10 +936,9 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
             f
         }
     };
-    if cols {
-        dev.launch(kern, (tiles as u32, chunks as u32, 1), (tx as u32, (MID_THREADS / tx) as u32, 1), &a)?;
-    } else {
-        dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?;
+    match cols_tx {
+        Some(tx) => dev.launch(kern, (tiles as u32, chunks as u32, 1), (tx as u32, (MID_THREADS / tx) as u32, 1), &a)?,
+        None => dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?,
     }
     drop(parts);
     Ok(wrap(outs, |j| if k.ops[k.outputs[j].0].row { vec![m] } else { vec![p * m * q] }))
