@@ -96,6 +96,9 @@ pub(crate) struct Program {
     in_place: std::collections::HashMap<NodeId, usize>,
     /// Per fused kernel, per output: the inputs whose buffers it may take (`plan_reuse`).
     reuse: Vec<Vec<Vec<usize>>>,
+    /// Per library product: whether its matrix is an input the program never writes
+    /// (`settled_matrices`).
+    settled: Vec<bool>,
     /// Values computed only from captured tensors the graph does not write (parameters under
     /// inference: their casts, transposes, sums), kept between runs.
     hoisted: Hoisted,
@@ -281,7 +284,8 @@ impl Program {
         crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let hoisted = Hoisted::plan(&graph, &schedule);
         let views = CapturedViews::plan(&graph);
-        Program { graph, schedule, tune, frees, in_place, reuse, hoisted, rehearsed: Default::default(), views }
+        let settled = settled_matrices(&graph, &schedule);
+        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views }
     }
 
     pub(crate) fn has_hoisted(&self) -> bool {
@@ -348,6 +352,9 @@ impl Program {
         // each step's place in the graph comes from what it touches).
         let overlap = pass == RunScope::Full && crate::backend::cuda::device::graph::capturing().is_none();
         let mut in_flight = InFlight::default();
+        // Once this run has launched a kernel, whatever ran before the program has ended by the
+        // time a later kernel starts (every kernel of kiln's waits for those before it first).
+        let launches_before = crate::backend::cuda::launch_count();
         for (s, step) in self.schedule.steps.iter().enumerate() {
             let view = matches!(step, Step::Node(i) if matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()));
             if !view {
@@ -409,7 +416,8 @@ impl Program {
                 }
                 Step::Gemm(j) => {
                     let gm = &self.schedule.gemms[*j];
-                    match run_gemm(g, gm, &env, self.tune)? {
+                    let settled = self.settled[*j] && crate::backend::cuda::launch_count() > launches_before;
+                    match run_gemm(g, gm, &env, self.tune, settled)? {
                         Some(t) => env[gm.out()] = Some(t),
                         // The epilogue cannot run here (the library has no algorithm for it, or
                         // the bias is not a packed vector): its nodes run one by one.
@@ -669,13 +677,38 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
 
 /// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
 /// cannot run (the caller then runs the step's nodes one by one).
-fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool) -> Result<Option<Tensor>> {
+fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, settled: bool) -> Result<Option<Tensor>> {
     let mm = &g.nodes[gm.matmul];
     let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
     let bias = gm.bias.map(|b| (arg(b), gm.act));
-    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune)? else { return Ok(None) };
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled)? else { return Ok(None) };
     let out = &g.nodes[gm.out()].shape;
     Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
+}
+
+/// Per library product of the schedule: whether its matrix (through views) is a captured tensor
+/// the program does not write back, or an argument of a program that writes back nothing (an
+/// argument may share memory with a captured tensor). No kernel of the program writes such a
+/// matrix, so once the program has launched a kernel, none still running does.
+fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
+    let written: std::collections::HashSet<usize> = g.mutations.iter().map(|&(k, _)| k).collect();
+    s.gemms
+        .iter()
+        .map(|gm| {
+            let mut at = g.nodes[gm.matmul].args[1];
+            while let NodeOp::Prim(op) = &g.nodes[at].op {
+                if !op.is_view() {
+                    return false;
+                }
+                at = g.nodes[at].args[0];
+            }
+            match g.nodes[at].op {
+                NodeOp::Captured(k) => !written.contains(&k),
+                NodeOp::Arg(_) => g.mutations.is_empty(),
+                _ => false,
+            }
+        })
+        .collect()
 }
 
 /// What a step that just ran touched on the device: the storage of the values it read and
@@ -925,6 +958,28 @@ mod tests {
     use crate::compile::{compile_with, Backend, CompileOptions};
     use crate::{DType, Device, Tensor};
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn only_matrices_the_program_never_writes_are_settled() {
+        let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
+        let settled = |written: bool| {
+            let (w, v) = (randn(&[8, 8]), randn(&[8, 8]));
+            let g = crate::compile::fuse::tests::graph_of(&[randn(&[1, 8]), randn(&[8, 8])], move |xs| {
+                // A captured weight seen through a transpose, an argument, and a captured
+                // tensor the program may write after reading it.
+                let h = xs[0].matmul(&w.t()?)?.matmul(&xs[1])?.matmul(&v)?;
+                if written {
+                    v.add_scalar_(1.0)?;
+                }
+                Ok(vec![h])
+            });
+            let s = crate::compile::fuse::schedule(&g);
+            super::settled_matrices(&g, &s)
+        };
+        assert_eq!(settled(false), [true, true, true]);
+        // Writing one captured tensor unsettles it, and every argument (which may be it).
+        assert_eq!(settled(true), [true, false, false]);
+    }
 
     #[test]
     fn a_scatter_into_a_captured_tensor_nothing_reads_after_is_planned_in_place() {

@@ -75,11 +75,18 @@ impl Kernel {
     }
 }
 /// Whether every kernel function `src` defines starts with `KILN_AFTER_PREVIOUS();` (the
-/// prelude's wait for the grids before it): only such a kernel may be launched before those
+/// prelude's wait for the grids before it) or `KILN_WAIT_UNLESS_SETTLED(` (the same wait, after
+/// loads of memory no running grid writes): only such a kernel may be launched before those
 /// grids end (`KILN_PDL`).
 pub(crate) fn waits_for_previous(src: &str) -> bool {
     let mut kernels = src.match_indices("__global__").peekable();
-    kernels.peek().is_some() && kernels.all(|(at, _)| src[at..].find('{').is_some_and(|open| src[at + open + 1..].trim_start().starts_with("KILN_AFTER_PREVIOUS();")))
+    kernels.peek().is_some()
+        && kernels.all(|(at, _)| {
+            src[at..].find('{').is_some_and(|open| {
+                let body = src[at + open + 1..].trim_start();
+                body.starts_with("KILN_AFTER_PREVIOUS();") || body.starts_with("KILN_WAIT_UNLESS_SETTLED(")
+            })
+        })
 }
 
 // SAFETY: a CUfunction may be launched from any thread that binds its context.
@@ -918,6 +925,7 @@ mod tests {
     fn only_kernels_that_all_start_by_waiting_may_start_early() {
         let k = |body: &str| format!("extern \"C\" __global__ void k(const LaunchArgs a) {{\n  {body}\n}}\n");
         assert!(waits_for_previous(&k("KILN_AFTER_PREVIOUS();\n  out[0] = 1;")));
+        assert!(waits_for_previous(&k("KILN_WAIT_UNLESS_SETTLED(a.settled);\n  w = W[0];\n  KILN_WAIT_IF_SETTLED(a.settled);")));
         assert!(!waits_for_previous(&k("out[0] = 1;\n  KILN_AFTER_PREVIOUS();")), "a read before the wait");
         assert!(!waits_for_previous(&format!("{}{}", k("KILN_AFTER_PREVIOUS();"), k("out[0] = 1;"))), "one kernel of two does not wait");
         assert!(!waits_for_previous("// no kernel here: KILN_AFTER_PREVIOUS();"));

@@ -60,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 // sums meet by shuffles inside a warp, then in shared memory across warps.
 #define KY (32 / TX)
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
-  KILN_AFTER_PREVIOUS();
+  KILN_WAIT_UNLESS_SETTLED(a.settled);
   __shared__ float part[WARPS][TX * VW];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tx = lane % TX, ky = lane / TX;
@@ -73,15 +73,20 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
   for (int j = 0; j < VW; j++) acc[j] = 0.0f;
 #ifdef RPT
   // RPT rows per thread cover K: every load is issued before the first product, so a thread
-  // waits on memory once.
+  // waits on memory once. A settled matrix is loaded before the wait for the kernel before,
+  // while that kernel still runs; the row, its output, only after.
   uint4 q[RPT];
   float xr[RPT];
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
     const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
-    const bool in = live && r < a.k;
-    q[i] = in ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
-    xr[i] = in ? LD(__ldg(x + r)) : 0.0f;
+    q[i] = live && r < a.k ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
+  }
+  KILN_WAIT_IF_SETTLED(a.settled);
+#pragma unroll
+  for (int i = 0; i < RPT; i++) {
+    const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
+    xr[i] = live && r < a.k ? LD(__ldg(x + r)) : 0.0f;
   }
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
@@ -91,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
     for (int j = 0; j < VW; j++) acc[j] = fmaf(xr[i], wf[j], acc[j]);
   }
 #else
+  KILN_WAIT_IF_SETTLED(a.settled);
   if (live) {
 #pragma unroll 4
     for (long long r = (long long)warp * KY + ky; r < a.k; r += WARPS * KY) {

@@ -27,11 +27,12 @@ const MAX_ROWS_PER_THREAD: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
-    /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), and the
-    /// contiguous output of N.
+    /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), the
+    /// contiguous output of N, and whether the matrix is settled (1: no grid still running
+    /// writes it, so the column kernel loads it before waiting for the kernel before).
     GemvArgs {
         x: u64, w: u64, bias: u64, out: u64,
-        n: i64, k: i64, ldw: i64, act: i64,
+        n: i64, k: i64, ldw: i64, act: i64, settled: i64,
     }
 }
 
@@ -47,7 +48,8 @@ enum Walk {
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
 /// buffer, or None where these kernels do not take the product (the library then runs it).
-pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>) -> Result<Option<CudaStorage>> {
+/// `settled`: no kernel still running can be writing `b` (see `KILN_WAIT_UNLESS_SETTLED`).
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
@@ -81,7 +83,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         None => 0,
         Some(Activation::Relu) => 1,
         Some(Activation::GeluTanh) => 2,
-    } };
+    }, settled: i64::from(settled) };
     let blocks = match walk {
         Walk::Rows => n.div_ceil(WARPS),
         Walk::Cols { tx, .. } => n.div_ceil(tx * vw),
@@ -145,6 +147,13 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_walk_may_start_before_the_kernel_before_ends() {
+        for s in samples() {
+            assert!(crate::backend::cuda::device::waits_for_previous(&s.src), "{}", s.name);
+        }
+    }
 
     #[test]
     fn column_blocks_narrow_for_narrow_matrices() {

@@ -621,8 +621,9 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 
 /// A library product in compiled code: `a` [B, M, K] @ `b` [B, K, N] as a [B, M, N] tensor,
 /// with the bias epilogue when `bias` is set (see `blas::gemm`) and the algorithm timed when
-/// `tune`; None when the epilogue cannot run here.
-pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool) -> Result<Option<Tensor>> {
+/// `tune`; None when the epilogue cannot run here. `settled`: no kernel still running can be
+/// writing `b` (a row's product then loads it early).
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
     // The bias packed once for both paths (no epilogue runs a bias that is no broadcast vector).
@@ -634,24 +635,24 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
         None => None,
     };
     let bias = packed.as_ref().map(|(v, act)| (v, *act));
-    if let Some(s) = row_product(&dev, a, b, dtype, bias)? {
+    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
 }
 
 /// A product of one row by `gemv`'s kernels, unless `KILN_GEMV=0` or they do not take it.
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>) -> Result<Option<CudaStorage>> {
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
     if crate::switches::gemv_off() {
         return Ok(None);
     }
-    gemv::product(dev, a, b, dtype, bias)
+    gemv::product(dev, a, b, dtype, bias, settled)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
-        if let Some(s) = row_product(&dev, a, b, dtype, None)? {
+        if let Some(s) = row_product(&dev, a, b, dtype, None, false)? {
             return Ok(s);
         }
         return blas::bmm(&dev, a, b, dtype);

@@ -11,6 +11,13 @@ typedef unsigned long long u64;
 #else
 #define KILN_AFTER_PREVIOUS() do { } while (0)
 #endif
+// The same wait, later, for a kernel handed memory that nothing still running can be writing
+// (`settled`: a compiled program's weights, which it never writes, once the program has launched
+// a kernel of its own, whose wait covered every grid before it). Such a kernel starts with
+// KILN_WAIT_UNLESS_SETTLED, loads that memory, then calls KILN_WAIT_IF_SETTLED before any other
+// read, so the loads overlap the kernel before.
+#define KILN_WAIT_UNLESS_SETTLED(settled) do { if (!(settled)) KILN_AFTER_PREVIOUS(); } while (0)
+#define KILN_WAIT_IF_SETTLED(settled) do { if (settled) KILN_AFTER_PREVIOUS(); } while (0)
 // A split reduction's hand-over: called by one thread of a block after a __syncthreads that
 // follows the block's partial results, it counts the block in at `count` with acquire-release
 // semantics (covering every thread's partials, and making the other blocks' visible to the
