@@ -90,9 +90,13 @@ pub struct Gpt2 {
     act: fn(&Tensor) -> Result<Tensor>,
 }
 
-/// A Conv1D layer: `x W + b` with W `[in, out]`.
+/// A Conv1D layer: `x W + b` with W `[in, out]`, as `transformers` computes it (`addmm` over the
+/// rows), so under autocast the bias is cast too and the result is in the autocast dtype.
 fn conv1d(x: &Tensor, (w, b): &(Tensor, Tensor)) -> Result<Tensor> {
-    x.matmul(w)?.add(b)
+    let (features, out) = (x.shape()[x.ndim() - 1], w.shape()[1]);
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("a Conv1D input has features") = out;
+    b.addmm(&x.reshape(&[-1, features as i64])?, w, 1.0, 1.0)?.reshape_usize(&shape)
 }
 
 impl Gpt2 {

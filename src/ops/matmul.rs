@@ -117,25 +117,29 @@ impl Tensor {
     }
 
     /// `beta * self + alpha * (m1 @ m2)` (`torch.addmm`): `self` broadcasts to the product's
-    /// shape; with `beta == 0` it is not read (its NaNs do not propagate), as in PyTorch.
+    /// shape; with `beta == 0` it is not read (its NaNs do not propagate), as in PyTorch. Under
+    /// `amp::autocast` all three are cast to the autocast dtype, as PyTorch's autocast does, so
+    /// the sum is in that dtype too (a layer's bias then joins the product's epilogue).
     #[track_caller]
     pub fn addmm(&self, m1: &Tensor, m2: &Tensor, beta: f64, alpha: f64) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        let p = m1.mm(m2).map_err(|e| match e {
+        let (m1, m2, input) = crate::amp::cast_low(m1, m2, Some(self))?;
+        let input = input.expect("a bias was given");
+        let p = m1.mm(&m2).map_err(|e| match e {
             Error::Shape { msg, .. } => Error::shape("addmm", msg),
             e => e,
         })?;
-        let b = broadcast_shapes("addmm", self.shape(), p.shape())?;
+        let b = broadcast_shapes("addmm", input.shape(), p.shape())?;
         if b != p.shape() {
-            return Err(Error::shape("addmm", format!("input of shape {:?} does not broadcast to the product's shape {:?}", self.shape(), p.shape())));
+            return Err(Error::shape("addmm", format!("input of shape {:?} does not broadcast to the product's shape {:?}", input.shape(), p.shape())));
         }
         // Integral factors stay integers, so integer products stay integer (as PyTorch's).
         let factor = |v: f64| if v.fract() == 0.0 && v.abs() < 9e15 { crate::Scalar::Int(v as i64) } else { crate::Scalar::Float(v) };
         let p = if alpha == 1.0 { p } else { p.mul_scalar(factor(alpha))? };
         match beta {
             0.0 => Ok(p),
-            1.0 => self.add(&p),
-            _ => self.mul_scalar(factor(beta))?.add(&p),
+            1.0 => input.add(&p),
+            _ => input.mul_scalar(factor(beta))?.add(&p),
         }
     }
 }

@@ -434,6 +434,8 @@ fn autocast_follows_pytorchs_op_policy() {
             assert_eq!(a.matmul(&w.t()?)?.dtype(), low);
             let lin = F::linear(&a, &w, Some(&Tensor::zeros(&[3], DType::F32, &d)?))?;
             assert_eq!(lin.dtype(), low, "bias included, like one autocast op");
+            let bias = Tensor::zeros(&[3], DType::F32, &d)?;
+            assert_eq!(bias.addmm(&a, &w.t()?, 1.0, 1.0)?.dtype(), low, "addmm casts its input too");
             let img = Tensor::randn(&[1, 2, 4, 4], DType::F32, &d)?;
             assert_eq!(F::conv2d(&img, &Tensor::randn(&[3, 2, 3, 3], DType::F32, &d)?, None, Default::default())?.dtype(), low);
             for out in [lin.softmax(-1)?, lin.log_softmax(-1)?, F::layer_norm(&lin, &[3], None, None, 1e-5)?, F::cross_entropy(&lin, &y)?, lin.sum_all()?, lin.mean(&[0], false)?, F::mse_loss(&lin, &lin, F::Reduction::Mean)?] {
