@@ -338,6 +338,10 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
         }
     }
     detach_outer_views(g, &node_readers, &kinds, &mut groups, &mut group_of);
+    let merged = merge_updates(g, &node_readers, &users, &mut groups, &mut group_of);
+    if merged > 0 {
+        sched.notes.push(format!("{merged} updates of captured tensors merged side by side into others' kernels"));
+    }
     // Steps in topological order (a fused group is one unit; no outside node both feeds and
     // reads a group), preferring the original node order.
     let mut unit_of = vec![0usize; n];
@@ -444,6 +448,73 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
             }
         }
     }
+}
+
+/// Largest update (in elements) that `merge_updates` puts beside others: parameters and their
+/// optimiser state, not a batch's activations.
+const MAX_UPDATE_NUMEL: usize = 1 << 22;
+
+/// Kernels that only compute new values of captured tensors (optimiser updates, batch norm's
+/// running statistics and batch counts), over the same number of elements, become one kernel as
+/// far as the operand limit allows: a training step's hundreds of small updates cost launches
+/// more than work. Only such updates: nothing in the program reads what they compute (so
+/// running one later delays no reader), they are never hoisted, and what they read (parameters,
+/// gradients, state) is small. Returns how many groups were merged away.
+fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) -> usize {
+    let mut written = vec![0usize; g.nodes.len()];
+    for &(_, v) in &g.mutations {
+        written[v] += 1;
+    }
+    let is_view = |i: NodeId| matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view());
+    // Whether `i`'s value goes nowhere but into captured tensors (through views): no graph output,
+    // no reader outside `inside` but views that themselves go only there.
+    fn only_written_back(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], written: &[usize], is_view: &dyn Fn(NodeId) -> bool, inside: &dyn Fn(NodeId) -> bool, i: NodeId) -> bool {
+        users[i] == readers[i].len() + written[i] && readers[i].iter().all(|&r| inside(r) || (is_view(r) && only_written_back(g, readers, users, written, is_view, inside, r)))
+    }
+    fn writes_back(readers: &[Vec<NodeId>], written: &[usize], is_view: &dyn Fn(NodeId) -> bool, i: NodeId) -> bool {
+        written[i] > 0 || readers[i].iter().any(|&r| is_view(r) && writes_back(readers, written, is_view, r))
+    }
+    let mut candidates: Vec<(usize, NodeId, usize)> = vec![];
+    for (h, grp) in groups.iter().enumerate() {
+        let Some(grp) = grp else { continue };
+        if grp.rows.is_some() || grp.mid.is_some() || grp.numel > MAX_UPDATE_NUMEL {
+            continue;
+        }
+        let inside = |x: NodeId| group_of[x] == Some(h);
+        let update = grp.members.iter().any(|&m| writes_back(node_readers, &written, &is_view, m))
+            && grp.members.iter().all(|&m| only_written_back(g, node_readers, users, &written, &is_view, &inside, m));
+        if update {
+            candidates.push((grp.numel, grp.members[0], h));
+        }
+    }
+    candidates.sort_unstable();
+    // Loaded inputs plus stored values of a set of members, write-backs included.
+    let operands = |members: &[NodeId]| {
+        let inside = |x: NodeId| members.binary_search(&x).is_ok();
+        let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
+        inputs.sort_unstable();
+        inputs.dedup();
+        inputs.len() + members.iter().filter(|&&m| users[m] > node_readers[m].iter().filter(|&&r| inside(r)).count()).count()
+    };
+    let mut merged = 0;
+    let mut at: Option<(usize, usize)> = None;
+    for &(numel, _, h) in &candidates {
+        if let Some((n, acc)) = at.filter(|&(n, _)| n == numel) {
+            let both = groups[acc].as_ref().zip(groups[h].as_ref()).filter(|(a, b)| g.nodes[a.members[0]].device == g.nodes[b.members[0]].device);
+            let fits = both.is_some_and(|(a, b)| {
+                let mut members: Vec<NodeId> = a.members.iter().chain(&b.members).copied().collect();
+                members.sort_unstable();
+                operands(&members) <= MAX_OPERANDS
+            });
+            if fits && try_merge(g, node_readers, groups, group_of, acc, h) {
+                merged += 1;
+                at = Some((n, acc));
+                continue;
+            }
+        }
+        at = Some((numel, h));
+    }
+    merged
 }
 
 /// Merges group `b` into group `a` when their spaces agree, the kernel stays within its operand
@@ -674,6 +745,38 @@ pub(crate) mod tests {
             // F32: the GELU is a kernel of its own after the bias epilogue.
             let s = schedule(&g);
             assert_eq!((s.kernels.len(), s.gemms.len()), (usize::from(!half), 1), "{dt:?}");
+        }
+    }
+
+    #[test]
+    fn updates_of_captured_tensors_of_one_size_share_kernels() {
+        // Six state tensors of 16 elements and two of 32, each updated from the argument: an
+        // optimiser's step in small. Each update reads its tensor and the argument and writes
+        // the tensor back (two operands each beside the shared argument).
+        let state = || -> Vec<Tensor> { [16, 16, 16, 16, 16, 16, 32, 32].iter().map(|&n| Tensor::zeros(&[n], DType::F32, &Device::Cpu).unwrap()).collect() };
+        let step = |state: Vec<Tensor>| {
+            move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+                for (i, t) in state.iter().enumerate() {
+                    let x = xs[0].narrow(0, 0, t.numel())?;
+                    t.mul_scalar_(0.5)?;
+                    t.add_(&x.mul_scalar(i as f64 + 1.0)?)?;
+                }
+                Ok(vec![xs[0].sum_all()?])
+            }
+        };
+        let x = Tensor::arange(0.0, 32.0, 1.0, DType::F32, &Device::Cpu).unwrap();
+        let g = graph_of(&[x.clone()], step(state()));
+        let s = schedule(&g);
+        let updates = s.kernels.iter().filter(|k| k.outputs.iter().any(|(_, n)| g.mutations.iter().any(|&(_, v)| v == *n))).count();
+        assert_eq!(updates, 2, "one kernel per size: {:?}", s.notes);
+        // The same on the host, run: each tensor gets its own update.
+        let s3 = state();
+        let run = step(s3.clone());
+        let f = crate::compile::compile(move |x: &Tensor| Ok(run(&[x.clone()])?.remove(0)));
+        f.call(&x).unwrap();
+        for (i, t) in s3.iter().enumerate() {
+            let want: Vec<f32> = (0..t.numel()).map(|j| j as f32 * (i as f32 + 1.0)).collect();
+            assert_eq!(t.to_vec::<f32>().unwrap(), want, "state {i}");
         }
     }
 
