@@ -48,6 +48,7 @@ pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
     }
     let mut r = Rewrite { out: Graph::default(), forms: Vec::with_capacity(g.nodes.len()), nhwc_of: Default::default(), nchw_of: Default::default(), copies: Default::default() };
     let input_nodes = g.input_nodes();
+    let users = g.users();
     for (i, n) in g.nodes.iter().enumerate() {
         let form = match &n.op {
             NodeOp::Arg(_) | NodeOp::Captured(_) => {
@@ -70,6 +71,19 @@ pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
                     Form::ChannelsLast(id)
                 } else {
                     Form::Plain(id)
+                }
+            }
+            // A copy into channels-last memory (autograd's copy of a gradient laid out as its
+            // parameter): of a value already in NHWC order that nothing else reads, the value
+            // itself; else a copy that runs channels-last. Either way the work after it stays in
+            // NHWC order (an optimiser's update of a channels-last weight is then one kernel).
+            NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)) if n.shape.len() == 4 => {
+                let a = n.args[0];
+                if r.is_nhwc(a) && users[a] == 1 {
+                    Form::ChannelsLast(r.channels_last(a, g))
+                } else {
+                    let src = r.nchw(a);
+                    Form::ChannelsLast(r.push(n.op.clone(), vec![src], n))
                 }
             }
             NodeOp::Prim(op @ (Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_))) if n.shape.len() == 4 && r.decides_nhwc(g, &n.args, &n.shape) => {
@@ -265,5 +279,35 @@ mod tests {
         let h = channels_last(&g, &cl);
         let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Relayout(_)))).count();
         assert_eq!(copies, 0, "{h}");
+    }
+
+    #[test]
+    fn a_channels_last_copy_of_an_nhwc_value_keeps_the_work_after_it_in_nhwc() {
+        // A convolution's output cast to F32 and copied channels-last (a gradient laid out as
+        // its parameter), then updated with a channels-last state tensor.
+        let (f, d) = (DType::F32, Device::Cpu);
+        let build = |also_read: bool| {
+            let mut g = Graph::default();
+            let x = g.push(NodeOp::Arg(0), vec![], vec![2, 3, 8, 8], f, d);
+            let w = g.push(NodeOp::Captured(0), vec![], vec![4, 3, 3, 3], f, d);
+            let s = g.push(NodeOp::Captured(1), vec![], vec![2, 4, 8, 8], f, d);
+            let c = g.push(NodeOp::Prim(Op::Conv2d(Conv2dArgs { padding: (1, 1), ..Default::default() })), vec![x, w], vec![2, 4, 8, 8], DType::BF16, d);
+            let cast = g.push(NodeOp::Prim(Op::Cast(f)), vec![c], vec![2, 4, 8, 8], f, d);
+            let copy = g.push(NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)), vec![cast], vec![2, 4, 8, 8], f, d);
+            let sum = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Add, f)), vec![copy, s], vec![2, 4, 8, 8], f, d);
+            g.outputs = if also_read { vec![sum, cast] } else { vec![sum] };
+            g
+        };
+        for also_read in [false, true] {
+            let g = build(also_read);
+            let inputs: Vec<Tensor> = g.input_nodes().iter().map(|&i| Tensor::zeros(&g.nodes[i].shape, DType::F32, &Device::Cpu).unwrap().to_memory_format(MemoryFormat::ChannelsLast).unwrap()).collect();
+            let h = channels_last(&g, &inputs);
+            let adds: Vec<&Node> = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Binary(..)))).collect();
+            assert!(adds.len() == 1 && adds[0].shape == [2, 8, 8, 4], "{h}");
+            // The copy is left out unless the value it copies is read too (the two must not
+            // share memory then).
+            let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Relayout(_)))).count();
+            assert_eq!(copies, usize::from(also_read), "{h}");
+        }
     }
 }
