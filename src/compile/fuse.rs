@@ -468,8 +468,8 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
     let is_view = |i: NodeId| matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view());
     // Whether `i`'s value goes nowhere but into captured tensors (through views): no graph output,
     // no reader outside `inside` but views that themselves go only there.
-    fn only_written_back(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], written: &[usize], is_view: &dyn Fn(NodeId) -> bool, inside: &dyn Fn(NodeId) -> bool, i: NodeId) -> bool {
-        users[i] == readers[i].len() + written[i] && readers[i].iter().all(|&r| inside(r) || (is_view(r) && only_written_back(g, readers, users, written, is_view, inside, r)))
+    fn only_written_back(readers: &[Vec<NodeId>], users: &[usize], written: &[usize], is_view: &dyn Fn(NodeId) -> bool, inside: &dyn Fn(NodeId) -> bool, i: NodeId) -> bool {
+        users[i] == readers[i].len() + written[i] && readers[i].iter().all(|&r| inside(r) || (is_view(r) && only_written_back(readers, users, written, is_view, inside, r)))
     }
     fn writes_back(readers: &[Vec<NodeId>], written: &[usize], is_view: &dyn Fn(NodeId) -> bool, i: NodeId) -> bool {
         written[i] > 0 || readers[i].iter().any(|&r| is_view(r) && writes_back(readers, written, is_view, r))
@@ -482,7 +482,7 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
         }
         let inside = |x: NodeId| group_of[x] == Some(h);
         let update = grp.members.iter().any(|&m| writes_back(node_readers, &written, &is_view, m))
-            && grp.members.iter().all(|&m| only_written_back(g, node_readers, users, &written, &is_view, &inside, m));
+            && grp.members.iter().all(|&m| only_written_back(node_readers, users, &written, &is_view, &inside, m));
         if update {
             candidates.push((grp.numel, grp.members[0], h));
         }
@@ -765,14 +765,14 @@ pub(crate) mod tests {
             }
         };
         let x = Tensor::arange(0.0, 32.0, 1.0, DType::F32, &Device::Cpu).unwrap();
-        let g = graph_of(&[x.clone()], step(state()));
+        let g = graph_of(std::slice::from_ref(&x), step(state()));
         let s = schedule(&g);
         let updates = s.kernels.iter().filter(|k| k.outputs.iter().any(|(_, n)| g.mutations.iter().any(|&(_, v)| v == *n))).count();
         assert_eq!(updates, 2, "one kernel per size: {:?}", s.notes);
         // The same on the host, run: each tensor gets its own update.
         let s3 = state();
         let run = step(s3.clone());
-        let f = crate::compile::compile(move |x: &Tensor| Ok(run(&[x.clone()])?.remove(0)));
+        let f = crate::compile::compile(move |x: &Tensor| Ok(run(std::slice::from_ref(x))?.remove(0)));
         f.call(&x).unwrap();
         for (i, t) in s3.iter().enumerate() {
             let want: Vec<f32> = (0..t.numel()).map(|j| j as f32 * (i as f32 + 1.0)).collect();
