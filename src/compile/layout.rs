@@ -80,7 +80,7 @@ pub(crate) fn channels_last(g: &Graph, inputs: &[Tensor]) -> Graph {
             NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)) if n.shape.len() == 4 => {
                 let a = n.args[0];
                 if r.is_nhwc(a) && users[a] == 1 {
-                    Form::ChannelsLast(r.channels_last(a, g))
+                    Form::Nhwc(r.nhwc(a, g))
                 } else {
                     let src = r.nchw(a);
                     Form::ChannelsLast(r.push(n.op.clone(), vec![src], n))

@@ -10,7 +10,7 @@ use crate::logging::Topic;
 use crate::layout::Layout;
 use crate::ops::Op;
 use crate::storage::{BackendStorage, Storage};
-use crate::{DType, Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, MemoryFormat, Result, Tensor};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -87,9 +87,10 @@ pub(crate) struct Effects {
     /// Whether each captured tensor had no `.grad` when it was captured (a guard: backward
     /// accumulates into an existing gradient, and the graph depends on which case it traced).
     pub grad_none: Vec<bool>,
-    /// Storages of symbolic tensors still alive after the call: they take real values once,
-    /// and the graph is not cached (it made state that the next call will read instead).
-    pub escaped: Vec<Arc<Storage>>,
+    /// Storages of symbolic tensors still alive after the call, with the memory format their
+    /// tensors are laid out in (`stored_format`): they take real values once, and the graph is
+    /// not cached (it made state that the next call will read instead).
+    pub escaped: Vec<(Arc<Storage>, MemoryFormat)>,
     /// `backward` ran inside the call: its outputs are plain values, not differentiated again.
     pub ran_backward: bool,
     /// A returned tensor requires grad (it was not computed under `no_grad` inside the call):
@@ -182,7 +183,7 @@ pub(crate) fn trace(args: &[Tensor], fullgraph: bool, on_break: BreakRunner, f: 
         }
         if let Some(r) = st.traced_ref().filter(|r| r.trace == tr.id) {
             ids.push(r.node);
-            effects.escaped.push(st);
+            effects.escaped.push((st, stored_format(&tr.graph, r.node)));
         }
     }
     tr.graph.outputs = ids;
@@ -203,12 +204,24 @@ impl Drop for Installed {
     }
 }
 
-/// Gives the storages a call left alive their real values (the graph's trailing outputs).
-pub(crate) fn fill_escaped(escaped: &[Arc<Storage>], values: Vec<Tensor>) -> Result<()> {
-    for (storage, v) in escaped.iter().zip(values) {
+/// The memory format a traced value's tensor is laid out in: channels-last for a copy into it
+/// (`to_memory_format`, or autograd's copy of a gradient laid out as its channels-last weight),
+/// so that state made from it (an optimiser's momentum, as `torch.clone` keeps the format) is
+/// channels-last when the call's values fill it; contiguous otherwise.
+fn stored_format(g: &Graph, node: NodeId) -> MemoryFormat {
+    match &g.nodes[node].op {
+        NodeOp::Prim(Op::Relayout(MemoryFormat::ChannelsLast)) if g.nodes[node].shape.len() == 4 => MemoryFormat::ChannelsLast,
+        _ => MemoryFormat::Contiguous,
+    }
+}
+
+/// Gives the storages a call left alive their real values (the graph's trailing outputs), each
+/// a private copy laid out in its tensors' memory format.
+pub(crate) fn fill_escaped(escaped: &[(Arc<Storage>, MemoryFormat)], values: Vec<Tensor>) -> Result<()> {
+    for ((storage, format), v) in escaped.iter().zip(values) {
         let own = crate::no_grad(|| {
             let _s = Suspend::new();
-            v.copy_contiguous()
+            v.copy_in(*format)
         })?;
         let data = std::mem::replace(&mut *own.storage().data.write(), BackendStorage::Traced(TraceRef { trace: 0, node: 0 }));
         *storage.data.write() = data;
@@ -399,8 +412,8 @@ fn graph_break(reason: String) -> Result<()> {
         let _off = Suspend::new();
         runner(&graph, &inputs)?
     };
-    // Each live storage takes a private contiguous copy of its value.
-    fill_escaped(&live.into_iter().map(|l| l.1).collect::<Vec<_>>(), values)
+    // Each live storage takes a private copy of its value.
+    fill_escaped(&live.into_iter().map(|(node, st)| (st, stored_format(&graph, node))).collect::<Vec<_>>(), values)
 }
 
 /// Turns tracing off for its lifetime (the runtime runs real ops inside a trace at a break).
@@ -426,7 +439,11 @@ impl Tracer {
         let n = &self.graph.nodes[node];
         let st = Arc::new(Storage::traced(n.device, TraceRef { trace: self.id, node }));
         self.symbolic.push(Arc::downgrade(&st));
-        Tensor::from_parts(st, Layout::contiguous(&n.shape), n.dtype, is_view)
+        let layout = match stored_format(&self.graph, node) {
+            MemoryFormat::ChannelsLast => Layout::channels_last(&n.shape),
+            MemoryFormat::Contiguous => Layout::contiguous(&n.shape),
+        };
+        Tensor::from_parts(st, layout, n.dtype, is_view)
     }
 
     /// The node holding `t`'s value: its own node when symbolic, else it is captured.

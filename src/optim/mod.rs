@@ -136,9 +136,10 @@ impl Optimizer for Sgd {
                 }
                 if self.momentum != 0.0 {
                     let b = match buf.take() {
-                        // A copy in the gradient's memory format (`torch.clone`), so the buffer
-                        // is laid out as its parameter's gradient.
-                        None => g.copy_in(g.suggest_memory_format())?,
+                        // A copy laid out as the parameter (`torch.clone` of a gradient laid
+                        // out so). Asked of the parameter, not of `g`: inside a compiled step
+                        // `g` is a traced value, whose tensor is contiguous.
+                        None => g.copy_in(p.suggest_memory_format())?,
                         Some(b) => {
                             b.mul_scalar_(self.momentum)?;
                             b.add_(&g.mul_scalar(1.0 - self.dampening)?)?;
