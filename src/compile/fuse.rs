@@ -450,6 +450,10 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
     }
 }
 
+/// Argument words a flat kernel's launch holds before its constants (CUDA's map kernels: the
+/// element count, an address per operand, the sizes, then the strides of each strided operand).
+const FLAT_LAUNCH_WORDS: usize = 56;
+
 /// Largest update (in elements) that `merge_updates` puts beside others: parameters and their
 /// optimiser state, not a batch's activations.
 const MAX_UPDATE_NUMEL: usize = 1 << 22;
@@ -504,7 +508,9 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
             let fits = both.is_some_and(|(a, b)| {
                 let mut members: Vec<NodeId> = a.members.iter().chain(&b.members).copied().collect();
                 members.sort_unstable();
-                operands(&members) <= MAX_OPERANDS
+                // Room for every operand's strides too, should they all be read strided.
+                let ndim = members.iter().map(|&m| g.nodes[m].shape.len()).max().unwrap_or(1);
+                operands(&members) <= MAX_OPERANDS.min((FLAT_LAUNCH_WORDS - 1 - ndim) / (1 + ndim))
             });
             if fits && try_merge(g, node_readers, groups, group_of, acc, h) {
                 merged += 1;
@@ -769,6 +775,7 @@ pub(crate) mod tests {
         let s = schedule(&g);
         let updates = s.kernels.iter().filter(|k| k.outputs.iter().any(|(_, n)| g.mutations.iter().any(|&(_, v)| v == *n))).count();
         assert_eq!(updates, 2, "one kernel per size: {:?}", s.notes);
+        assert_eq!(super::FLAT_LAUNCH_WORDS, crate::backend::cuda::kernels::codegen::PARAM_BASE, "the map kernels' launch block");
         // The same on the host, run: each tensor gets its own update.
         let s3 = state();
         let run = step(s3.clone());
