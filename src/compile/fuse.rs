@@ -495,10 +495,7 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
     // Loaded inputs plus stored values of a set of members, write-backs included.
     let operands = |members: &[NodeId]| {
         let inside = |x: NodeId| members.binary_search(&x).is_ok();
-        let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
-        inputs.sort_unstable();
-        inputs.dedup();
-        inputs.len() + members.iter().filter(|&&m| users[m] > node_readers[m].iter().filter(|&&r| inside(r)).count()).count()
+        outside_inputs(g, members) + members.iter().filter(|&&m| users[m] > node_readers[m].iter().filter(|&&r| inside(r)).count()).count()
     };
     let mut merged = 0;
     let mut at: Option<(usize, usize)> = None;
@@ -558,12 +555,17 @@ const MAX_MID_OPERANDS: usize = 12;
 
 fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], members: &[NodeId], most: usize) -> bool {
     let inside = |x: NodeId| members.binary_search(&x).is_ok();
-    let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|&a| !inside(a)).collect();
-    inputs.sort_unstable();
-    inputs.dedup();
     // Outputs: members some node outside reads (graph outputs are not known here; they add few).
     let outputs = members.iter().filter(|&&m| readers[m].iter().any(|&j| !inside(j))).count();
-    inputs.len() + outputs > most
+    outside_inputs(g, members) + outputs > most
+}
+
+/// How many distinct values outside `members` (sorted) they read: a kernel's loaded inputs.
+fn outside_inputs(g: &Graph, members: &[NodeId]) -> usize {
+    let mut inputs: Vec<NodeId> = members.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|a| members.binary_search(a).is_err()).collect();
+    inputs.sort_unstable();
+    inputs.dedup();
+    inputs.len()
 }
 
 /// Whether some step outside `members` both reads from and feeds the group (it could then run
