@@ -77,10 +77,12 @@ impl Kernel {
 /// Whether every kernel function `src` defines starts with `KILN_AFTER_PREVIOUS();` (the
 /// prelude's wait for the grids before it) or `KILN_WAIT_UNLESS_SETTLED(` (the same wait, after
 /// loads of memory no running grid writes): only such a kernel may be launched before those
-/// grids end (`KILN_PDL`).
+/// grids end (`KILN_PDL`). A source using `__ldg` may not: the compiler takes its loads as
+/// invariant and may move them above the wait, reading what the grid before is still writing.
 pub(crate) fn waits_for_previous(src: &str) -> bool {
     let mut kernels = src.match_indices("__global__").peekable();
     kernels.peek().is_some()
+        && !src.contains("__ldg(")
         && kernels.all(|(at, _)| {
             src[at..].find('{').is_some_and(|open| {
                 let body = src[at + open + 1..].trim_start();
@@ -928,6 +930,7 @@ mod tests {
         assert!(waits_for_previous(&k("KILN_WAIT_UNLESS_SETTLED(a.settled);\n  w = W[0];\n  KILN_WAIT_IF_SETTLED(a.settled);")));
         assert!(!waits_for_previous(&k("out[0] = 1;\n  KILN_AFTER_PREVIOUS();")), "a read before the wait");
         assert!(!waits_for_previous(&format!("{}{}", k("KILN_AFTER_PREVIOUS();"), k("out[0] = 1;"))), "one kernel of two does not wait");
+        assert!(!waits_for_previous(&k("KILN_AFTER_PREVIOUS();\n  out[0] = __ldg(x);")), "an __ldg load may move above the wait");
         assert!(!waits_for_previous("// no kernel here: KILN_AFTER_PREVIOUS();"));
         // The generators' kernels wait (their launches may then start early under KILN_PDL).
         for (_, src) in [codegen::gen_gather(DType::BF16, 4, 2), codegen::gen_scatter(DType::BF16, 5, 3, None), codegen::gen_int_bmm(DType::I64)] {

@@ -19,6 +19,9 @@ __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
 #endif
 }
 
+// The row is read with plain (coherent) loads, never __ldg: under programmatic dependent launch
+// the kernel before may still be writing it while this one runs, and the compiler takes an
+// __ldg load as invariant, free to move above the wait (`waits_for_previous` refuses __ldg).
 // Weights are read once per product: streamed past L1.
 __device__ __forceinline__ uint4 kstream(const uint4* p) { return __ldcs(p); }
 
@@ -43,7 +46,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 #pragma unroll 4
   for (long long v = lane; v < vectors; v += 32) {
     float xf[VW], wf[VW];
-    kunpack(__ldg(x + v), xf);
+    kunpack(x[v], xf);
     kunpack(kstream(w + v), wf);
 #pragma unroll
     for (int j = 0; j < VW; j++) acc = fmaf(xf[j], wf[j], acc);
@@ -86,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
     const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
-    xr[i] = live && r < a.k ? LD(__ldg(x + r)) : 0.0f;
+    xr[i] = live && r < a.k ? LD(x[r]) : 0.0f;
   }
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
@@ -102,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
     for (long long r = (long long)warp * KY + ky; r < a.k; r += WARPS * KY) {
       float wf[VW];
       kunpack(kstream((const uint4*)(w + r * a.ldw)), wf);
-      const float xr = LD(__ldg(x + r));
+      const float xr = LD(x[r]);
 #pragma unroll
       for (int j = 0; j < VW; j++) acc[j] = fmaf(xr, wf[j], acc[j]);
     }
