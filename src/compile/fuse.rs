@@ -45,8 +45,8 @@ pub(crate) struct Gemm {
     /// its rows.
     pub bias: Option<NodeId>,
     pub act: Option<Activation>,
-    /// The nodes the step computes, in order (the product, reshapes of it, the add, the ReLU);
-    /// only the last is stored, the others are read by nothing else.
+    /// The nodes the step computes, in order (the product, reshapes of it, the add, reshapes of
+    /// the sum, the activation); only the last is stored, the others are read by nothing else.
     pub nodes: Vec<NodeId>,
 }
 
@@ -117,14 +117,26 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         return no(format!("its other operand is not a vector of {cols} along the last dim (spread from {:?})", v.shape));
     }
     nodes.push(add);
-    // GELU only on half-precision products, where the epilogue's own rounding is below the
-    // output's.
-    let act = sole(add).filter(|&r| g.nodes[r].dtype == dt).and_then(|r| match g.nodes[r].op {
-        NodeOp::Prim(Op::Unary(UnaryOp::Relu)) => Some((r, Activation::Relu)),
-        NodeOp::Prim(Op::Unary(UnaryOp::GeluTanh)) if matches!(dt, DType::F16 | DType::BF16) => Some((r, Activation::GeluTanh)),
-        _ => None,
-    });
-    nodes.extend(act.map(|(r, _)| r));
+    // The activation may read the sum through reshapes nothing else reads (a product over
+    // rows shaped back, as GPT-2's Conv1D). GELU only on half-precision products, where the
+    // epilogue's own rounding is below the output's.
+    let (mut between, mut at) = (vec![], add);
+    let act = loop {
+        let Some(r) = sole(at).filter(|&r| g.nodes[r].dtype == dt) else { break None };
+        match g.nodes[r].op {
+            NodeOp::Prim(Op::Reshape(_)) => {
+                between.push(r);
+                at = r;
+            }
+            NodeOp::Prim(Op::Unary(UnaryOp::Relu)) => break Some((r, Activation::Relu)),
+            NodeOp::Prim(Op::Unary(UnaryOp::GeluTanh)) if matches!(dt, DType::F16 | DType::BF16) => break Some((r, Activation::GeluTanh)),
+            _ => break None,
+        }
+    };
+    if let Some((r, _)) = act {
+        nodes.extend(between);
+        nodes.push(r);
+    }
     (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes }, None)
 }
 
@@ -754,6 +766,18 @@ pub(crate) mod tests {
             let s = schedule(&g);
             assert_eq!((s.kernels.len(), s.gemms.len()), (usize::from(!half), 1), "{dt:?}");
         }
+    }
+
+    #[test]
+    fn an_activation_after_a_reshape_of_the_sum_joins_the_epilogue() {
+        // GPT-2's Conv1D: a product over rows, shaped back to [batch, seq, n], then GELU.
+        let (w, b) = (r(&[64, 48], DType::BF16), r(&[48], DType::BF16));
+        let g = graph_of(&[r(&[1, 1, 64], DType::BF16)], move |xs| Ok(vec![b.addmm(&xs[0].reshape(&[1, 64])?, &w, 1.0, 1.0)?.reshape(&[1, 1, 48])?.gelu_tanh()?]));
+        let found = gemms(&g);
+        let gm = &found[0].0;
+        assert_eq!(gm.act, Some(Activation::GeluTanh), "{}", gm.describe(&g));
+        assert_eq!(gm.out(), g.outputs[0]);
+        assert_eq!(schedule(&g).kernels.len(), 0, "{}", gm.describe(&g));
     }
 
     #[test]
