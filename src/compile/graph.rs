@@ -154,6 +154,14 @@ impl Graph {
         r
     }
 
+    /// The value whose storage the view `i` (or value `i`) reads: `i` through its views.
+    pub(crate) fn view_root(&self, mut i: NodeId) -> NodeId {
+        while matches!(&self.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+            i = self.nodes[i].args[0];
+        }
+        i
+    }
+
     /// Nodes that are graph inputs, in calling order: arguments, then captured tensors.
     pub fn input_nodes(&self) -> Vec<NodeId> {
         let mut args = vec![None; self.n_args];

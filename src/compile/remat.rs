@@ -33,7 +33,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         last[o] = n;
     }
     // Each view's root and the readers of a value through its views.
-    let root = |i: NodeId| view_root(g, i);
+    let root = |i: NodeId| g.view_root(i);
     let mut reads: Vec<Vec<NodeId>> = vec![vec![]; n];
     for (i, node) in g.nodes.iter().enumerate() {
         if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
@@ -134,14 +134,6 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
     out
 }
 
-/// The value whose storage the view `i` (or value `i`) reads.
-fn view_root(g: &Graph, mut i: NodeId) -> NodeId {
-    while matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
-        i = g.nodes[i].args[0];
-    }
-    i
-}
-
 /// What the late copies are made of: the nodes of recomputed chains, where each recomputed
 /// value's late readers start, and the position of the reader a copy is made for.
 struct Recomputed<'a> {
@@ -157,7 +149,7 @@ fn late_copy(g: &Graph, out: &mut Graph, map: &[NodeId], r: &Recomputed, copies:
         return c;
     }
     let node = &g.nodes[a];
-    let recomputed_by_now = |x: NodeId| r.from[view_root(g, x)].is_some_and(|f| f <= r.at);
+    let recomputed_by_now = |x: NodeId| r.from[g.view_root(x)].is_some_and(|f| f <= r.at);
     let args: Vec<NodeId> = if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
         vec![late_copy(g, out, map, r, copies, node.args[0])]
     } else {

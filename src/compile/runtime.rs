@@ -122,15 +122,7 @@ struct CapturedViews {
 
 impl CapturedViews {
     fn plan(g: &Graph) -> CapturedViews {
-        let mut roots: Vec<Option<NodeId>> = vec![None; g.nodes.len()];
-        for (i, n) in g.nodes.iter().enumerate() {
-            if let NodeOp::Prim(op) = &n.op {
-                if op.is_view() {
-                    let a = n.args[0];
-                    roots[i] = if matches!(g.nodes[a].op, NodeOp::Captured(_)) { Some(a) } else { roots[a] };
-                }
-            }
-        }
+        let roots = (0..g.nodes.len()).map(|i| Some(g.view_root(i)).filter(|&r| r != i && matches!(g.nodes[r].op, NodeOp::Captured(_)))).collect();
         CapturedViews { made: parking_lot::Mutex::new(vec![None; g.nodes.len()]), roots }
     }
 }
@@ -694,19 +686,10 @@ fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
     let written: std::collections::HashSet<usize> = g.mutations.iter().map(|&(k, _)| k).collect();
     s.gemms
         .iter()
-        .map(|gm| {
-            let mut at = g.nodes[gm.matmul].args[1];
-            while let NodeOp::Prim(op) = &g.nodes[at].op {
-                if !op.is_view() {
-                    return false;
-                }
-                at = g.nodes[at].args[0];
-            }
-            match g.nodes[at].op {
-                NodeOp::Captured(k) => !written.contains(&k),
-                NodeOp::Arg(_) => g.mutations.is_empty(),
-                _ => false,
-            }
+        .map(|gm| match g.nodes[g.view_root(g.nodes[gm.matmul].args[1])].op {
+            NodeOp::Captured(k) => !written.contains(&k),
+            NodeOp::Arg(_) => g.mutations.is_empty(),
+            _ => false,
         })
         .collect()
 }
