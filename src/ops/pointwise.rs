@@ -350,6 +350,14 @@ impl UnaryOp {
     /// when `saves` asked for it).
     pub(crate) fn backward(self, x: Option<&Tensor>, y: Option<&Tensor>, g: &Tensor) -> Result<Tensor> {
         use UnaryOp::*;
+        // PyTorch's CUDA backward kernels of GELU and SiLU compute a 16-bit gradient in F32 and
+        // round once (a chain of 16-bit ops would round at each step, hundreds of units in the
+        // last place apart); its tanh and sigmoid ones round after each op, as the chains below.
+        if matches!(self, GeluErf | GeluTanh | Silu) && matches!(g.dtype(), DType::F16 | DType::BF16) {
+            let wide = |t: Option<&Tensor>| t.map(|t| t.to_dtype(DType::F32)).transpose();
+            let (xw, yw) = (wide(x)?, wide(y)?);
+            return self.backward(xw.as_ref(), yw.as_ref(), &g.to_dtype(DType::F32)?)?.to_dtype(g.dtype());
+        }
         let x = || x.expect("input saved");
         let y = || y.expect("output saved");
         match self {
@@ -361,7 +369,8 @@ impl UnaryOp {
             Sin => g.mul(&x().cos()?),
             Cos => g.mul(&x().sin()?)?.neg(),
             Tanh => g.mul(&y().mul(y())?.rsub_scalar(1.0)?),
-            Sigmoid => g.mul(&y().mul(&y().rsub_scalar(1.0)?)?),
+            // (g (1 - y)) y, in PyTorch's order (16-bit dtypes round after each op).
+            Sigmoid => g.mul(&y().rsub_scalar(1.0)?)?.mul(y()),
             // Where the output is not above zero; NaN passes its gradient, as in PyTorch.
             Relu => g.masked_fill(&y().le_scalar(0.0)?, 0.0),
             GeluErf => {

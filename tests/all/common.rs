@@ -64,3 +64,23 @@ pub fn child_counts(name: &str, cache_dir: &std::path::Path, marker: &str, keys:
         .unwrap_or_else(|| panic!("child printed no counts:\n{text}\n{}", String::from_utf8_lossy(&out.stderr)));
     keys.iter().map(|k| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u64>().unwrap()).collect()
 }
+
+/// A fresh directory holding `files` (tests run side by side, so each gets its own).
+pub fn dir_with(tag: &str, files: &[(&str, &[u8])]) -> std::path::PathBuf {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let d = std::env::temp_dir().join(format!("kiln-test-{}-{tag}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    for (name, bytes) in files {
+        std::fs::write(d.join(name), bytes).unwrap();
+    }
+    d
+}
+
+/// The tensors of an embedded safetensors file (`include_bytes!`), by name, on the host.
+pub fn embedded_safetensors(bytes: &[u8]) -> std::collections::HashMap<String, Tensor> {
+    let d = dir_with("embedded", &[("e.safetensors", bytes)]);
+    let t = kiln::nn::safetensors::load(d.join("e.safetensors"), &Device::Cpu).unwrap().into_iter().collect();
+    let _ = std::fs::remove_dir_all(&d);
+    t
+}

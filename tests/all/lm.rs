@@ -5,7 +5,7 @@
 //! Tolerance for F32 logits: rtol 1e-4, atol 1e-4 (two layers of sums over 64-wide rows, and
 //! weights drawn with std 0.2 so that logits reach about ±20).
 
-use crate::common::{assert_close, assert_close_named, dev, vals};
+use crate::common::{assert_close, assert_close_named, dev, dir_with, embedded_safetensors, vals};
 use kiln::models::{self, CausalLm, GenerateOptions, KvCache};
 use kiln::{DType, Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -27,22 +27,9 @@ const LLAMA_EXPECTED: &[u8] = include_bytes!("../fixtures/lm/llama_expected.safe
 const TOKENIZER_EXPECTED: &[u8] = include_bytes!("../fixtures/lm/tokenizer_expected.safetensors");
 const TOKENIZER_TEXTS: &str = include_str!("../fixtures/lm/tokenizer_texts.json");
 
-/// A fresh directory holding `files` (tests run side by side, so each gets its own).
-fn dir_with(tag: &str, files: &[(&str, &[u8])]) -> PathBuf {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let d = std::env::temp_dir().join(format!("kiln-lm-{}-{tag}-{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    for (name, bytes) in files {
-        std::fs::write(d.join(name), bytes).unwrap();
-    }
-    d
-}
-
 /// The tensors of an embedded safetensors file, by name.
 fn expected(bytes: &[u8]) -> std::collections::HashMap<String, Tensor> {
-    let d = dir_with("expected", &[("e.safetensors", bytes)]);
-    kiln::nn::safetensors::load(d.join("e.safetensors"), &Device::Cpu).unwrap().into_iter().collect()
+    embedded_safetensors(bytes)
 }
 
 fn ids_of(t: &Tensor) -> Vec<u32> {

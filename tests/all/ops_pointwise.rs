@@ -716,3 +716,45 @@ fn per_channel_operands_spread_over_images_match_the_host() {
         }
     }
 }
+
+/// Gradients of tanh, sigmoid, GELU (both forms) and SiLU in BF16 and F16 against PyTorch's on
+/// CUDA (tests/fixtures/make_half_backward.py; its GELU and SiLU kernels compute in F32 and round
+/// once, its tanh and sigmoid ones round after each op): none more than one unit in the last
+/// place apart, all but 1% bit for bit (F32 formulas differ in their last bits, which rounding
+/// rarely shows).
+#[test]
+fn half_gradients_of_activations_round_once_as_pytorchs() {
+    let f = embedded_safetensors(include_bytes!("../fixtures/half_backward.safetensors"));
+    // A 16-bit float's bits as an integer that counts units in the last place.
+    let ordered = |b: u16| if b & 0x8000 != 0 { -i32::from(b & 0x7fff) } else { i32::from(b) };
+    let bits = |t: &Tensor| -> Vec<i32> {
+        match t.dtype() {
+            DType::BF16 => t.to_vec::<half::bf16>().unwrap().into_iter().map(|v| ordered(v.to_bits())).collect(),
+            _ => t.to_vec::<half::f16>().unwrap().into_iter().map(|v| ordered(v.to_bits())).collect(),
+        }
+    };
+    for name in ["bf16", "f16"].into_iter().filter(|n| f.contains_key(&format!("{n}.x"))) {
+        let x = f[&format!("{name}.x")].to_device(&dev()).unwrap();
+        let g = f[&format!("{name}.g")].to_device(&dev()).unwrap();
+        for op in ["tanh", "sigmoid", "gelu_erf", "gelu_tanh", "silu"] {
+            let xr = x.detach().requires_grad();
+            let y = match op {
+                "tanh" => xr.tanh(),
+                "sigmoid" => xr.sigmoid(),
+                "gelu_erf" => xr.gelu(),
+                "gelu_tanh" => xr.gelu_tanh(),
+                _ => xr.silu(),
+            }
+            .unwrap();
+            y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let (got, want) = (bits(&xr.grad().unwrap()), bits(&f[&format!("{name}.{op}")]));
+            // Values within assert_close's BF16/F16 atol (1e-5) count as equal: in GELU's far
+            // tail both sides are F32 cancellation noise (PyTorch's often exactly zero).
+            let (gv, wv) = (vals(&xr.grad().unwrap()), vals(&f[&format!("{name}.{op}")]));
+            let apart: Vec<i32> = got.iter().zip(&want).zip(gv.iter().zip(&wv)).map(|((a, b), (u, v))| if (u - v).abs() <= 1e-5 { 0 } else { (a - b).abs() }).collect();
+            let worst = apart.iter().max().unwrap();
+            let inexact = apart.iter().filter(|&&d| d > 0).count();
+            assert!(*worst <= 1 && inexact * 100 <= want.len(), "{name} {op}: {inexact} of {} gradients differ, by up to {worst} ulp", want.len());
+        }
+    }
+}
