@@ -61,11 +61,18 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
   const T* __restrict__ dy = (const T*)a.dy;
   const int* __restrict__ pos = (const int*)a.x;
   const IDX H = (IDX)a.h, W = (IDX)a.w;
+#ifdef NHWC
+  // A thread takes VEC consecutive channels of one position: the index arithmetic (integer
+  // divisions, the bulk of this kernel's work) once for all of them.
+  const IDX CV = C / VEC;
+  const IDX total = (IDX)a.planes / C * H * W * CV;
+#else
   const IDX total = (IDX)a.planes * H * W;
+#endif
   for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
 #ifdef NHWC
-    const IDX ch = i % C, t = i / C, c = t % W, t2 = t / W, y = t2 % H, n = t2 / H;
-    // window (oh, ow)'s position at[(oh * OW + ow) * C]
+    const IDX ch = (i % CV) * VEC, t = i / CV, c = t % W, t2 = t / W, y = t2 % H, n = t2 / H;
+    // window (oh, ow)'s positions at[(oh * OW + ow) * C + v]
     const int* at = pos + n * OH * OW * C + ch;
     const IDX wstep = C;
 #else
@@ -77,13 +84,21 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
     const IDX here = y * W + c;
     const IDX oh1 = min((y + (IDX)a.ph) / (IDX)a.sh + 1, OH), ow0 = kfirst_window(c, a.pw, a.kw, a.dw, a.sw);
     const IDX ow1 = min((c + (IDX)a.pw) / (IDX)a.sw + 1, OW);
-    ACC g = 0;
+    ACC g[VEC];
+#pragma unroll
+    for (int v = 0; v < VEC; v++) g[v] = 0;
     for (IDX oh = kfirst_window(y, a.ph, a.kh, a.dh, a.sh); oh < oh1; oh++) {
       for (IDX ow = ow0; ow < ow1; ow++) {
-        if (at[(oh * OW + ow) * wstep] == here) g += LD(dy[bg + oh * (IDX)a.gs[2] + ow * (IDX)a.gs[3]]);
+        const int* w = at + (oh * OW + ow) * wstep;
+        const T* d = dy + bg + oh * (IDX)a.gs[2] + ow * (IDX)a.gs[3];
+#pragma unroll
+        for (int v = 0; v < VEC; v++) {
+          if (w[v] == here) g[v] += LD(d[v * (IDX)a.gs[1]]);
+        }
       }
     }
-    ((T*)a.out)[i] = ST(g);
+#pragma unroll
+    for (int v = 0; v < VEC; v++) ((T*)a.out)[i * VEC + v] = ST(g[v]);
   }
 #endif
 }

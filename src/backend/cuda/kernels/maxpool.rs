@@ -1,6 +1,6 @@
 //! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window; the
 //! backward a pass per window (its maximum's position) and one per input position (the sum over
-//! the windows that chose it). Inputs of any strides; outputs dense in NCHW order, or in NHWC
+//! the windows that chose it; channels-last, a thread per position and up to 8 channels). Inputs of any strides; outputs dense in NCHW order, or in NHWC
 //! order (channels-last) when asked.
 
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
@@ -61,15 +61,17 @@ enum Pass {
 fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize], out: u64, nhwc: bool) -> Result<()> {
     let dtype = x.dtype();
     let s = x.shape();
-    let n = if matches!(pass, Pass::Backward(_)) { x.numel() } else { windows.iter().product() };
+    // The channels-last backward's threads take `vec` channels each.
+    let vec = if matches!(pass, Pass::Backward(_)) && nhwc { channels_per_thread(s[1]) } else { 1 };
+    let n = if matches!(pass, Pass::Backward(_)) { x.numel() / vec } else { windows.iter().product() };
     if n == 0 {
         return Ok(());
     }
     // 32-bit index arithmetic unless an index or an offset could pass 2^31.
     let reach = |t: &Tensor| t.shape().iter().zip(t.strides()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>();
     let wide = [x.numel(), windows.iter().product(), reach(x), dy.map_or(0, reach)].iter().any(|&v| v >= i32::MAX as usize);
-    let name = kernel_name(dtype, pass, wide, nhwc);
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide, nhwc)))?;
+    let name = kernel_name(dtype, pass, wide, nhwc, vec);
+    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, dtype, pass, wide, nhwc, vec)))?;
     let strides = |t: &Tensor| -> [i64; 4] { std::array::from_fn(|d| t.strides()[d] as i64) };
     let i = |v: usize| v as i64;
     let args = MaxPoolArgs {
@@ -100,20 +102,26 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
     dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)
 }
 
+/// Channels a thread of the channels-last backward takes: 8, 4 or 2 where they divide `c`.
+fn channels_per_thread(c: usize) -> usize {
+    [8, 4, 2].into_iter().find(|v| c % v == 0).unwrap_or(1)
+}
+
 /// A kernel's name, which says all its source depends on.
-fn kernel_name(dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> String {
+fn kernel_name(dtype: DType, pass: Pass, wide: bool, nhwc: bool, vec: usize) -> String {
     let what = match pass {
         Pass::Max => "",
         Pass::Position => "_argmax",
         Pass::Backward(_) => "_backward",
     };
-    format!("max_pool2d{what}_{}{}{}", dtype.torch_name(), if nhwc { "_nhwc" } else { "" }, if wide { "_i64" } else { "" })
+    let vec = if vec > 1 { format!("_c{vec}") } else { String::new() };
+    format!("max_pool2d{what}_{}{}{vec}{}", dtype.torch_name(), if nhwc { "_nhwc" } else { "" }, if wide { "_i64" } else { "" })
 }
 
-fn source(name: &str, dtype: DType, pass: Pass, wide: bool, nhwc: bool) -> String {
+fn source(name: &str, dtype: DType, pass: Pass, wide: bool, nhwc: bool, vec: usize) -> String {
     let acc = if dtype == DType::F64 { CType::F64 } else { CType::F32 };
     let mut c = format!("{PRELUDE}{}", MaxPoolArgs::C_DECL);
-    let _ = writeln!(c, "#define NAME {name}\n#define IDX {}\n#define T {}\n#define ACC {}", if wide { "long long" } else { "int" }, codegen::storage_type(dtype), acc.name());
+    let _ = writeln!(c, "#define NAME {name}\n#define IDX {}\n#define T {}\n#define ACC {}\n#define VEC {vec}", if wide { "long long" } else { "int" }, codegen::storage_type(dtype), acc.name());
     let _ = writeln!(c, "#define LD(e) ({})\n#define ST(e) ({})", codegen::load(dtype, acc, "(e)"), codegen::store(dtype, acc, "(e)"));
     c.push_str(match pass {
         Pass::Max => "#define MAXPOOL_FWD\n",
@@ -133,9 +141,9 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     let mut v = vec![];
     for dtype in [DType::F32, DType::BF16, DType::F64] {
         for pass in [Pass::Max, Pass::Position, Pass::Backward(0)] {
-            for (wide, nhwc) in [(false, false), (false, true), (true, false)] {
-                let name = kernel_name(dtype, pass, wide, nhwc);
-                v.push(super::samples::Sample::new((name.clone(), source(&name, dtype, pass, wide, nhwc))));
+            for (wide, nhwc, vec) in [(false, false, 1), (false, true, 1), (false, true, 8), (true, false, 1), (true, true, 4)] {
+                let name = kernel_name(dtype, pass, wide, nhwc, vec);
+                v.push(super::samples::Sample::new((name.clone(), source(&name, dtype, pass, wide, nhwc, vec))));
             }
         }
     }
