@@ -102,11 +102,11 @@ pub(crate) fn cudnn_min_keys() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_CUDNN_MIN_KEYS"))
 }
 
-/// `KILN_PDL=1`: kiln's kernels are launched with programmatic dependent launch on Hopper and
-/// later (`CudaDevice::launch_params`).
+/// Whether kiln's kernels are launched with programmatic dependent launch on Hopper and later
+/// (`CudaDevice::launch_params`): on unless `KILN_PDL=0`.
 pub(crate) fn pdl() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_PDL", "1"))
+    *V.get_or_init(|| !is("KILN_PDL", "0"))
 }
 
 /// `KILN_DECODE_ATTENTION=1`: attention of one query row over many keys (F16 / BF16) runs on

@@ -572,10 +572,10 @@ fn reuses_dying_buffers(device: crate::Device) -> bool {
     crate::switches::memory_reuse().unwrap_or(REUSE_BY_DEFAULT || device == crate::Device::Cpu)
 }
 
-/// Whether compiled CUDA kernels reuse dying buffers by default (the host's always do). Off
-/// until the rule that an output takes only an input feeding it alone has passed the GPU suite:
-/// the first rule (any dying input) made the compiled ResNet training step diverge on the H200.
-const REUSE_BY_DEFAULT: bool = false;
+/// Whether compiled CUDA kernels reuse dying buffers by default (the host's always do). An
+/// output takes only an input that feeds it alone: the first rule (any dying input) made the
+/// compiled ResNet training step diverge on the H200.
+const REUSE_BY_DEFAULT: bool = true;
 
 #[cfg(test)]
 thread_local! {
