@@ -8,7 +8,7 @@
 use crate::common::{assert_close, assert_close_named, dev, dir_with, embedded_safetensors, vals};
 use kiln::models::{self, CausalLm, GenerateOptions, KvCache};
 use kiln::{DType, Device, Tensor};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 const GPT2: &[(&str, &[u8])] = &[
     ("config.json", include_bytes!("../fixtures/lm/gpt2/config.json")),

@@ -104,7 +104,7 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
 
 /// Channels a thread of the channels-last backward takes: 8, 4 or 2 where they divide `c`.
 fn channels_per_thread(c: usize) -> usize {
-    [8, 4, 2].into_iter().find(|v| c % v == 0).unwrap_or(1)
+    [8, 4, 2].into_iter().find(|&v| c.is_multiple_of(v)).unwrap_or(1)
 }
 
 /// A kernel's name, which says all its source depends on.
