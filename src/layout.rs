@@ -106,6 +106,14 @@ impl Layout {
         }
         true
     }
+    /// Dense strides for `shape` in `format`'s order (channels-last needs a 4-D shape).
+    pub fn dense_in(shape: &[usize], format: MemoryFormat) -> Self {
+        match format {
+            MemoryFormat::Contiguous => Layout::contiguous(shape),
+            MemoryFormat::ChannelsLast => Layout::channels_last(shape),
+        }
+    }
+
     /// Channels-last strides for a 4-D `shape` (`[N, C, H, W]` stored as NHWC).
     pub fn channels_last(shape: &[usize]) -> Self {
         debug_assert_eq!(shape.len(), 4);

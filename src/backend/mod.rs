@@ -59,10 +59,7 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
     }
     let s = cuda::libs::cudnn::conv(pass, args, shapes, a, b, format)?;
     let t = crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out);
-    Ok(Some(match format {
-        crate::MemoryFormat::Contiguous => t,
-        crate::MemoryFormat::ChannelsLast => t.relaid(crate::layout::Layout::channels_last(out)),
-    }))
+    Ok(Some(t.relaid(crate::layout::Layout::dense_in(out, format))))
 }
 
 /// `x * scale + shift` (all of x's shape) computed in F32 and stored in x's dtype, in one pass

@@ -32,15 +32,14 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
     for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, o)| o)) {
         last[o] = n;
     }
-    // Each view's root and the readers of a value through its views.
-    let root = |i: NodeId| g.view_root(i);
+    // The readers of a value through its views.
     let mut reads: Vec<Vec<NodeId>> = vec![vec![]; n];
     for (i, node) in g.nodes.iter().enumerate() {
         if matches!(&node.op, NodeOp::Prim(op) if op.is_view()) {
             continue;
         }
         for &a in &node.args {
-            reads[root(a)].push(i);
+            reads[g.view_root(a)].push(i);
         }
     }
     for r in reads.iter_mut() {
@@ -78,7 +77,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         // min-cut choice, made one value at a time).
         let bytes = |x: NodeId| g.nodes[x].bytes();
         let alive = |x: NodeId| {
-            let x = root(x);
+            let x = g.view_root(x);
             matches!(g.nodes[x].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late
         };
         let (mut nodes, mut stack, mut kept_longer) = (vec![], vec![v], vec![]);
@@ -94,8 +93,8 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
                 }
                 if an.is_pointwise() && an.numel() == node.numel() && nodes.len() < MAX_CHAIN {
                     stack.push(a);
-                } else if !kept_longer.contains(&root(a)) {
-                    kept_longer.push(root(a));
+                } else if !kept_longer.contains(&g.view_root(a)) {
+                    kept_longer.push(g.view_root(a));
                 }
             }
         }
@@ -122,7 +121,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         let args: Vec<NodeId> = node
             .args
             .iter()
-            .map(|&a| match from[root(a)] {
+            .map(|&a| match from[g.view_root(a)] {
                 Some(f) if f <= i && !is_view => late_copy(g, &mut out, &map, &Recomputed { in_chain: &in_chain, from: &from, at: i }, &mut copies, a),
                 _ => map[a],
             })

@@ -439,11 +439,7 @@ impl Tracer {
         let n = &self.graph.nodes[node];
         let st = Arc::new(Storage::traced(n.device, TraceRef { trace: self.id, node }));
         self.symbolic.push(Arc::downgrade(&st));
-        let layout = match stored_format(&self.graph, node) {
-            MemoryFormat::ChannelsLast => Layout::channels_last(&n.shape),
-            MemoryFormat::Contiguous => Layout::contiguous(&n.shape),
-        };
-        Tensor::from_parts(st, layout, n.dtype, is_view)
+        Tensor::from_parts(st, Layout::dense_in(&n.shape, stored_format(&self.graph, node)), n.dtype, is_view)
     }
 
     /// The node holding `t`'s value: its own node when symbolic, else it is captured.

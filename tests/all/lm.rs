@@ -27,11 +27,6 @@ const LLAMA_EXPECTED: &[u8] = include_bytes!("../fixtures/lm/llama_expected.safe
 const TOKENIZER_EXPECTED: &[u8] = include_bytes!("../fixtures/lm/tokenizer_expected.safetensors");
 const TOKENIZER_TEXTS: &str = include_str!("../fixtures/lm/tokenizer_texts.json");
 
-/// The tensors of an embedded safetensors file, by name.
-fn expected(bytes: &[u8]) -> std::collections::HashMap<String, Tensor> {
-    embedded_safetensors(bytes)
-}
-
 fn ids_of(t: &Tensor) -> Vec<u32> {
     t.to_vec::<i64>().unwrap().into_iter().map(|x| x as u32).collect()
 }
@@ -42,7 +37,7 @@ fn load(files: &[(&str, &[u8])]) -> models::Pretrained {
 
 fn logits_match(files: &[(&str, &[u8])], expected_bytes: &[u8]) {
     let lm = load(files);
-    let e = expected(expected_bytes);
+    let e = embedded_safetensors(expected_bytes);
     let ids = e["input_ids"].to_device(&dev()).unwrap();
     let want = vals(&e["logits"]);
     let got = kiln::no_grad(|| lm.model.forward(&ids)).unwrap();
@@ -67,7 +62,7 @@ fn llama_logits_from_a_sharded_checkpoint_match_transformers_eager_and_compiled(
 
 fn greedy_matches(files: &[(&str, &[u8])], expected_bytes: &[u8]) {
     let lm = load(files);
-    let e = expected(expected_bytes);
+    let e = embedded_safetensors(expected_bytes);
     let prompt = ids_of(&e["prompt_ids"]);
     let mut streamed = vec![];
     let out = models::generate(lm.model.as_ref(), &[prompt], &GenerateOptions { max_new_tokens: 32, ..Default::default() }, |r, t| streamed.push((r, t))).unwrap();
@@ -102,7 +97,7 @@ fn llama_greedy_generation_equals_transformers_token_for_token() {
 
 /// Decoding one position at a time against the cache gives the logits of the whole sequence.
 fn cache_equals_recompute(model: &dyn CausalLm) {
-    let e = expected(GPT2_EXPECTED);
+    let e = embedded_safetensors(GPT2_EXPECTED);
     let ids = e["input_ids"].to_device(&dev()).unwrap();
     let (b, t) = (ids.shape()[0], ids.shape()[1]);
     let full = kiln::no_grad(|| model.forward_ids(&ids, None, None)).unwrap();
@@ -168,7 +163,7 @@ fn the_tokenizer_gives_the_python_tokenizers_ids_and_round_trips() {
     let d = dir_with("tok", &GPT2[2..]);
     let tok = models::Tokenizer::from_file(d.join("tokenizer.json")).unwrap();
     let texts: Vec<String> = serde_json::from_str(TOKENIZER_TEXTS).unwrap();
-    let e = expected(TOKENIZER_EXPECTED);
+    let e = embedded_safetensors(TOKENIZER_EXPECTED);
     for (i, text) in texts.iter().enumerate() {
         let ids = tok.encode(text).unwrap();
         assert_eq!(ids, ids_of(&e[&format!("ids_{i}")]), "{text:?}");
@@ -249,7 +244,7 @@ fn parameters_carry_transformers_names_and_train() {
     assert!(names.contains(&"transformer.h.1.attn.c_attn.weight".to_string()));
     assert_eq!(names.len(), 4 + 12 * 2);
     // One AdamW step on the next-token loss lowers it.
-    let e = expected(GPT2_EXPECTED);
+    let e = embedded_safetensors(GPT2_EXPECTED);
     let ids = e["input_ids"].to_device(&dev()).unwrap();
     let loss_of = |m: &dyn CausalLm| -> kiln::Result<Tensor> {
         let logits = m.forward_ids(&ids.narrow(1, 0, 9)?, None, None)?;
@@ -267,7 +262,7 @@ fn parameters_carry_transformers_names_and_train() {
 fn a_compiled_gpt2_training_step_equals_eager_after_three_adamw_steps() {
     // Two copies of the fixture model: one trained eagerly, one by a compiled step.
     let (eager, compiled) = (load(GPT2).model, load(GPT2).model);
-    let e = expected(GPT2_EXPECTED);
+    let e = embedded_safetensors(GPT2_EXPECTED);
     let ids = e["input_ids"].to_device(&dev()).unwrap();
     let (x, y) = (ids.narrow(1, 0, 9).unwrap(), ids.narrow(1, 1, 9).unwrap().reshape(&[-1]).unwrap());
     let cfg = kiln::optim::AdamConfig { lr: 1e-3, weight_decay: 0.1, ..Default::default() };
@@ -308,7 +303,7 @@ fn a_compiled_gpt2_training_step_equals_eager_after_three_adamw_steps() {
 /// `decode_step` at positions 0..T, eager and compiled (one trace for every position, and on a
 /// GPU one replayed graph), against the logits of the whole sequence.
 fn decode_steps_match(model: &dyn CausalLm) {
-    let e = expected(GPT2_EXPECTED);
+    let e = embedded_safetensors(GPT2_EXPECTED);
     let ids = e["input_ids"].to_device(&dev()).unwrap();
     let (b, t) = (ids.shape()[0], ids.shape()[1]);
     let full = kiln::no_grad(|| model.forward_ids(&ids, None, None)).unwrap();

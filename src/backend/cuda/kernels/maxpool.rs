@@ -1,7 +1,8 @@
 //! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window; the
 //! backward a pass per window (its maximum's position) and one per input position (the sum over
-//! the windows that chose it; channels-last, a thread per position and up to 8 channels). Inputs of any strides; outputs dense in NCHW order, or in NHWC
-//! order (channels-last) when asked.
+//! the windows that chose it; channels-last, a thread per position and up to 8 channels).
+//! Inputs of any strides; outputs dense in NCHW order, or in NHWC order (channels-last) when
+//! asked.
 
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::backend::cuda::kernels::{data_ptr, dev_of};
