@@ -734,11 +734,7 @@ pub(crate) mod tests {
     /// The graph `f` traces to on the CPU, with every node moved to the GPU (scheduling is pure:
     /// it only reads the graph, so it runs without one).
     pub(crate) fn graph_of(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Graph {
-        let mut g = host_graph_of(args, f);
-        for n in &mut g.nodes {
-            n.device = Device::Cuda(0);
-        }
-        g
+        host_graph_of(args, f).as_on_cuda()
     }
 
     fn gemms(g: &Graph) -> Vec<(Gemm, Option<String>)> {

@@ -154,6 +154,18 @@ impl Graph {
         r
     }
 
+    /// This graph (traced on the CPU) with its host nodes moved to the GPU: what the GPU would
+    /// schedule and plan for it (scheduling only reads the graph, so no GPU is needed).
+    pub(crate) fn as_on_cuda(&self) -> Graph {
+        let mut g = self.clone();
+        for n in &mut g.nodes {
+            if n.device == Device::Cpu {
+                n.device = Device::Cuda(0);
+            }
+        }
+        g
+    }
+
     /// The value whose storage the view `i` (or value `i`) reads: `i` through its views.
     pub(crate) fn view_root(&self, mut i: NodeId) -> NodeId {
         while matches!(&self.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {

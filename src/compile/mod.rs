@@ -674,12 +674,7 @@ pub(crate) fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
 /// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`; attention was traced as the GPU's
 /// fused op, `backend::fused_attention_pays`).
 fn log_plan_for_cuda(g: &Graph, inputs: &[Tensor]) {
-    let mut cuda = g.clone();
-    for n in &mut cuda.nodes {
-        if n.device == crate::Device::Cpu {
-            n.device = crate::Device::Cuda(0);
-        }
-    }
+    let cuda = g.as_on_cuda();
     log(Topic::Fusion, || "KILN_PLAN_FOR=cuda: the next program is this one as the GPU would run it (not run)".into());
     log(Topic::Memory, || "KILN_PLAN_FOR=cuda: the next plan is this program's as the GPU would run it (not run)".into());
     drop(runtime::Program::new(optimise(&cuda, inputs), false));

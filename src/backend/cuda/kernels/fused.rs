@@ -267,15 +267,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             }
         }
     }
-    for (j, inp) in k.inputs.iter().enumerate() {
-        if !inp.row && vector[j] {
-            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
-        }
-    }
-    for m in k.full_outputs() {
-        let d = k.ops[k.outputs[m].0].dtype;
-        let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
-    }
+    vector_structs(&mut c, k, vec, vector);
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let words = RowWords { outputs: k.outputs.len() };
     let _ = writeln!(c, "  const long long M = (long long)a.w[{}]; const int K = (int)a.w[{}];", RowWords::ROWS, RowWords::COLS);
@@ -439,6 +431,21 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     }
     c.push_str("  }\n}\n");
     c
+}
+
+/// The vector types of a kernel that handles `VEC` adjacent values at a time: `VI{j}` for each
+/// full input j read as one load (`vector[j]`), `VO{m}` for each full output m, which is always
+/// stored as one (fresh outputs are aligned, and the walked dim divides by `VEC`).
+fn vector_structs(c: &mut String, k: &FusedKernel, vec: usize, vector: &[bool]) {
+    for (j, inp) in k.inputs.iter().enumerate() {
+        if !inp.row && vector[j] {
+            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
+        }
+    }
+    for m in k.full_outputs() {
+        let d = k.ops[k.outputs[m].0].dtype;
+        let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
+    }
 }
 
 /// Which inputs load vectors, as kernel names and tuning keys say it (`v` or `s` each).
@@ -622,10 +629,10 @@ fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CT
     }
 }
 
-/// One element of a mid kernel's walk: full input j's stored value `loaded(j)`, the full ops,
-/// each reduction's argument folded into `acc(i)`, the full outputs stored at `out_at`.
-#[allow(clippy::too_many_arguments)]
-fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], elem: &[bool], loaded: &dyn Fn(usize) -> String, acc: &dyn Fn(usize) -> String, out_at: &str, indent: &str) {
+/// One element `e` of a mid kernel's walk: full input j's stored value `loaded(j)`, the full
+/// ops, each reduction's argument folded into `acc(i)`, full output m's value into `o{m}.v[e]`
+/// (`mid_vector_outputs` declares and stores them).
+fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], elem: &[bool], loaded: &dyn Fn(usize) -> String, acc: &dyn Fn(usize) -> String, indent: &str) {
     for j in (0..k.inputs.len()).filter(|&j| !k.inputs[j].row) {
         let t = ins[j].0;
         let _ = writeln!(c, "{indent}const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &loaded(j)));
@@ -636,11 +643,21 @@ fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &
         let a = arg(&k.ops[i].args[0], ins, vals);
         let _ = writeln!(c, "{indent}{} = {}({}, {});", acc(i), comb_name(r, t), acc(i), convert(a.0, t, &a.1));
     }
-    for (m, (o, _)) in k.outputs.iter().enumerate() {
-        if !k.ops[*o].row {
-            let v = &vals[*o];
-            let _ = writeln!(c, "{indent}out{m}[{out_at}] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
-        }
+    for m in k.full_outputs() {
+        let o = k.outputs[m].0;
+        let v = &vals[o];
+        let _ = writeln!(c, "{indent}o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
+    }
+}
+
+/// A mid kernel's full outputs, a vector of `VEC` values each: declared (`at` is None) before
+/// the walk over one position's values, else stored at `at`, the position's first value.
+fn mid_vector_outputs(c: &mut String, k: &FusedKernel, at: Option<&str>, indent: &str) {
+    for m in k.full_outputs() {
+        let _ = match at {
+            None => writeln!(c, "{indent}VO{m} o{m};"),
+            Some(at) => writeln!(c, "{indent}*(VO{m}*)(out{m} + {at}) = o{m};"),
+        };
     }
 }
 
@@ -682,16 +699,12 @@ const MID_ILP: usize = 4;
 /// thread walks its chunk's values a block apart, `MID_ILP` loads in flight, folding each
 /// reduction's argument into an accumulator and storing full outputs; the block reduces its
 /// accumulators; with chunks, each block leaves its partials and the last one of a row to
-/// finish folds them in chunk order (the same bits on every run), then computes the row ops.
+/// finish folds them in a fixed order (the same bits on every run), then computes the row ops.
 fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[bool]) -> String {
     let mut c = String::from(PRELUDE);
     let idx = if wide { "long long" } else { "int" };
     let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}\n#define VEC {vec}");
-    for (j, inp) in k.inputs.iter().enumerate() {
-        if !inp.row && vector[j] {
-            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
-        }
-    }
+    vector_structs(&mut c, k, vec, vector);
     c.push_str("__device__ __forceinline__ void kadv(IDX& p, IDX& q, IDX dp, IDX dq, IDX Q) { q += dq; p += dp; if (q >= Q) { q -= Q; p++; } }\n");
     let reduces = mid_reductions(k);
     let mut helpers = vec![];
@@ -736,10 +749,14 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
             let _ = writeln!(c, "    {st} l{j}[ILP][VEC];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * T < hi) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) l{j}[u][e] = p{j}[{at} + (qu[u] + e) * qs{j}]; }}");
         }
     }
-    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * T >= hi) break;");
+    mid_vector_outputs(&mut c, k, None, "      ");
+    c.push_str("      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n");
     let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}"), "((long long)pu[u] * M + row) * Q + qu[u] + e", "      ");
-    c.push_str("      }\n    }\n  }\n");
+    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}"), "        ");
+    c.push_str("      }\n");
+    mid_vector_outputs(&mut c, k, Some("((long long)pu[u] * M + row) * Q + qu[u]"), "      ");
+    c.push_str("    }\n  }\n");
     for &(i, r, t) in &reduces {
         let _ = writeln!(c, "  acc{i} = {}(acc{i});", block_name(r, t));
     }
@@ -749,8 +766,10 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
         let _ = writeln!(c, "    if (threadIdx.x == 0) (({t}*)a.w[{}])[ch * M + row] = acc{i};", words.part(n), t = t.name());
     }
     last_block_only(&mut c, "threadIdx.x == 0", "row");
+    // Every thread folds every T-th partial, then the block folds the threads' results (a
+    // fixed order); one thread folding them all waited on one load at a time.
     for (n, &(i, r, t)) in reduces.iter().enumerate() {
-        let _ = writeln!(c, "    if (threadIdx.x == 0) {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = __ldcg(part + row); for (IDX q = 1; q < C; q++) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); }}", words.part(n), comb_name(r, t), tn = t.name());
+        let _ = writeln!(c, "    {{ const {tn}* part = (const {tn}*)a.w[{}]; acc{i} = {}; for (IDX q = threadIdx.x; q < C; q += T) acc{i} = {}(acc{i}, __ldcg(part + q * M + row)); acc{i} = {}(acc{i}); }}", words.part(n), r.cuda_identity(t), comb_name(r, t), block_name(r, t), tn = t.name());
     }
     c.push_str("  }\n  if (threadIdx.x != 0) return;\n");
     mid_row_tail(&mut c, k, &ins, &vals, &|i| format!("acc{i}"), "row", "  ");
@@ -770,11 +789,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     let mut c = String::from(PRELUDE);
     let idx = if wide { "long long" } else { "int" };
     let _ = writeln!(c, "typedef {idx} IDX;\n#define ILP {MID_ILP}\n#define VEC {vec}\n#define TX {tx}\n#define TY {ty}");
-    for (j, inp) in k.inputs.iter().enumerate() {
-        if !inp.row && vector[j] {
-            let _ = writeln!(c, "struct __align__({}) VI{j} {{ {} v[VEC]; }};", vec * inp.dtype.size_in_bytes(), storage_type(inp.dtype));
-        }
-    }
+    vector_structs(&mut c, k, vec, vector);
     let reduces = mid_reductions(k);
     let mut helpers = vec![];
     for &(_, r, t) in &reduces {
@@ -815,10 +830,14 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
             let _ = writeln!(c, "    {st} l{j}[ILP][VEC];\n    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (base + u * TY < hi) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) l{j}[u][e] = p{j}[{} + (col0 + e) * ms{j}]; }}", at("u"));
         }
     }
-    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * TY >= hi) break;\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{");
+    let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{\n      if (base + u * TY >= hi) break;");
+    mid_vector_outputs(&mut c, k, None, "      ");
+    c.push_str("      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n");
     let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}[e]"), "(long long)(base + u * TY) * M + col0 + e", "        ");
-    c.push_str("      }\n    }\n  }\n");
+    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}[e]"), "        ");
+    c.push_str("      }\n");
+    mid_vector_outputs(&mut c, k, Some("(long long)(base + u * TY) * M + col0"), "      ");
+    c.push_str("    }\n  }\n");
     // The block's threads folded in row order, one reduction at a time through one shared
     // buffer: thread row 0 holds the block's result.
     let _ = writeln!(c, "  __shared__ __align__(8) unsigned char shm[TY * TX * VEC * {widest_acc}];");
@@ -838,8 +857,14 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     c.push_str("      __threadfence();\n    }\n");
     last_block_only(&mut c, "threadIdx.x == 0 && threadIdx.y == 0", "blockIdx.x");
     c.push_str("    __threadfence();\n");
+    // Each step has ILP chunks' partials of all VEC columns in flight before it folds them: a
+    // fold that waited for one load at a time left a thousand chunks to a few hundred
+    // serial round trips to L2.
     for (n, &(i, r, t)) in reduces.iter().enumerate() {
-        let _ = writeln!(c, "    {{ const {tn}* part = (const {tn}*)a.w[{}]; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ acc{i}[e] = {}; if (col0 < M) for (IDX q = threadIdx.y; q < C; q += TY) acc{i}[e] = {}(acc{i}[e], __ldcg(part + q * M + col0 + e)); }} }}", words.part(n), r.cuda_identity(t), comb_name(r, t), tn = t.name());
+        let _ = writeln!(c, "    {{\n      const {tn}* part = (const {tn}*)a.w[{}];\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {};", words.part(n), r.cuda_identity(t), tn = t.name());
+        let _ = writeln!(c, "      if (col0 < M) for (IDX q0 = threadIdx.y; q0 < C; q0 += ILP * TY) {{\n        {tn} v[ILP][VEC];", tn = t.name());
+        let _ = writeln!(c, "        _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) if (q0 + u * TY < C) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) v[u][e] = __ldcg(part + (q0 + u * TY) * M + col0 + e); }}");
+        let _ = writeln!(c, "        _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ if (q0 + u * TY >= C) break; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {}(acc{i}[e], v[u][e]); }}\n      }}\n    }}", comb_name(r, t));
     }
     c.push_str(&fold);
     c.push_str("  }\n");
@@ -1008,13 +1033,13 @@ pub(super) mod tests {
         v
     }
 
-    /// The fused kernels of `f`'s graph after the compiler's passes (`compile::optimise`), as
-    /// the fused backend builds them.
+    /// The fused kernels of `f`'s graph (traced on the CPU) after the compiler's passes
+    /// (`compile::optimise`), as the fused backend builds them for the GPU.
     fn optimised_kernels(args: &[Tensor], f: impl FnMut(&[Tensor]) -> Result<Vec<Tensor>> + Send + 'static) -> Vec<FusedKernel> {
         let seen = Arc::new(Mutex::new(vec![]));
         let s2 = seen.clone();
         let backend = Backend::custom(move |g, inputs| {
-            s2.lock().unwrap().extend(crate::compile::fuse::schedule(&crate::compile::optimise(g, inputs)).kernels);
+            s2.lock().unwrap().extend(crate::compile::fuse::schedule(&crate::compile::optimise(&g.as_on_cuda(), inputs)).kernels);
             Ok(g.eager_runner())
         });
         compile_with(CompileOptions::new().backend(backend), f).call(args).unwrap();
