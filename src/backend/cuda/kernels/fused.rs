@@ -779,11 +779,12 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
 
 /// A mid kernel whose inner dim is 1 (`[P, M]`, reduced over P: batch norm's statistics of
 /// channels-last `[N, H, W, C]`): a block per (tile of columns, chunk of P). Its threads are
-/// `COL_TX` x `TY`: each walks its `VEC` adjacent columns down every `TY`-th row of its chunk
-/// (a warp reads whole rows, `MID_ILP` loads in flight), folding each reduction's argument
-/// into one accumulator per column; the block folds its threads' accumulators in row order
-/// through shared memory, and with chunks the last block of a tile folds the tile's partials
-/// in chunk order (the same bits on every run), then computes the column ops.
+/// `TX` x `TY` (`mid_shape`): each walks its `VEC` adjacent columns down every `TY`-th row of
+/// its chunk (a warp reads whole sectors of rows, `MID_ILP` loads in flight), folding each
+/// reduction's argument into one accumulator per column; the block folds its threads'
+/// accumulators as a tree through shared memory, and with chunks the last block of a tile
+/// folds the tile's partials in a fixed order (the same bits on every run), then computes
+/// the column ops.
 fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize, vector: &[bool]) -> String {
     let ty = MID_THREADS / tx;
     let mut c = String::from(PRELUDE);
@@ -838,14 +839,16 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     c.push_str("      }\n");
     mid_vector_outputs(&mut c, k, Some("(long long)(base + u * TY) * M + col0"), "      ");
     c.push_str("    }\n  }\n");
-    // The block's threads folded in row order, one reduction at a time through one shared
-    // buffer: thread row 0 holds the block's result.
+    // The block's thread rows folded as a tree (a fixed order), one reduction at a time through
+    // one shared buffer laid out so that a warp's threads read adjacent values: thread row 0
+    // holds the block's result.
     let _ = writeln!(c, "  __shared__ __align__(8) unsigned char shm[TY * TX * VEC * {widest_acc}];");
     let mut fold = String::new();
     for &(i, r, t) in &reduces {
         let tn = t.name();
-        let _ = writeln!(fold, "  {{\n    {tn}* red = ({tn}*)shm;\n    _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) red[(threadIdx.y * TX + threadIdx.x) * VEC + e] = acc{i}[e];\n    __syncthreads();");
-        let _ = writeln!(fold, "    if (threadIdx.y == 0) for (int y = 1; y < TY; y++) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = {}(acc{i}[e], red[(y * TX + threadIdx.x) * VEC + e]); }}\n    __syncthreads();\n  }}", comb_name(r, t));
+        let _ = writeln!(fold, "  {{\n    {tn}* red = ({tn}*)shm;\n    _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) red[(e * TY + threadIdx.y) * TX + threadIdx.x] = acc{i}[e];\n    __syncthreads();");
+        let _ = writeln!(fold, "    for (int s = TY / 2; s > 0; s >>= 1) {{\n      if (threadIdx.y < s) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) red[(e * TY + threadIdx.y) * TX + threadIdx.x] = {}(red[(e * TY + threadIdx.y) * TX + threadIdx.x], red[(e * TY + threadIdx.y + s) * TX + threadIdx.x]); }}\n      __syncthreads();\n    }}", comb_name(r, t));
+        let _ = writeln!(fold, "    if (threadIdx.y == 0) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{i}[e] = red[e * TY * TX + threadIdx.x]; }}\n    __syncthreads();\n  }}");
     }
     c.push_str(&fold);
     // Split rows: partials; the last block of the tile folds them, its thread rows taking every
@@ -874,16 +877,30 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     c
 }
 
+/// Tiles of columns a column kernel aims for: the last block of each tile folds that tile's
+/// partials, so with one tile a single block folded every chunk's partials of every column
+/// while the rest of the GPU waited.
+const COL_TILES: usize = 8;
+
 /// A mid kernel's inner values per position (16 bytes of the widest full input where the
 /// walked dim divides by it), and for an inner dim of 1 (channels-last statistics), which walks
 /// the columns instead (`gen_fused_cols`: VEC adjacent columns per thread), the threads across
-/// a tile of columns.
+/// a tile of columns: at most 32, fewer while that leaves under `COL_TILES` tiles, but enough
+/// for a warp to read whole 32-byte sectors of a row.
 fn mid_shape(k: &FusedKernel, m: usize, q: usize) -> (usize, Option<usize>) {
     let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
     let cols = q == 1;
     let walked = if cols { m } else { q };
     let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && walked.is_multiple_of(v)).unwrap_or(1);
-    (vec, cols.then(|| (m / vec).next_power_of_two().min(32)))
+    let tx = || {
+        let sector = (32 / (vec * widest)).max(1);
+        let mut tx = (m / vec).next_power_of_two().min(32);
+        while tx > sector && (m / vec).div_ceil(tx) < COL_TILES {
+            tx /= 2;
+        }
+        tx
+    };
+    (vec, cols.then(tx))
 }
 
 fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -1162,6 +1179,16 @@ pub(super) mod tests {
             // Each reduction folded twice through shared memory (the block, then the partials).
             assert_eq!(src.matches("* red = (").count(), 2 * reductions, "{src}");
             assert!(k.outputs.iter().all(|(o, _)| k.ops[*o].row) && src.contains("out0[col] ="), "{src}");
+            // ResNet's channel counts: at least `COL_TILES` tiles (their last blocks fold the
+            // partials side by side) unless a warp would then read less than a sector of a row.
+            let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap();
+            for m in [64, 256, 512, 2048] {
+                let (vec, tx) = mid_shape(k, m, 1);
+                let tx = tx.expect("a column kernel");
+                assert_eq!(vec * widest, 16);
+                assert!(m.div_ceil(tx * vec) >= COL_TILES || tx * vec * widest == 32, "{m} columns: {tx} threads of {vec}");
+                assert!(tx * vec * widest >= 32 && tx <= 32);
+            }
             if std::env::var("KILN_PRINT_SOURCE").is_ok() {
                 println!("{src}");
             }
