@@ -915,9 +915,12 @@ fn plan_in_place(g: &Graph, s: &Schedule) -> std::collections::HashMap<NodeId, u
             NodeOp::Prim(crate::ops::Op::Permute(p)) if p.as_slice() == FROM_NHWC && made_by.contains_key(&g.nodes[v].args[0]) => (g.nodes[v].args[0], true),
             _ => (v, false),
         };
-        // A flat kernel over exactly the tensor's elements, or a scatter into the tensor itself.
+        // A flat kernel over exactly the tensor's elements, a mid kernel's per-row value (a
+        // running statistic: the thread that stores a row's value is the only one that reads
+        // the row's inputs), or a scatter into the tensor itself.
         let at = match made_by.get(&v) {
             Some(&(at, j)) if matches!(s.kernels[j].space, crate::kir::Space::Flat { numel } if numel == g.nodes[v].numel()) => at,
+            Some(&(at, j)) if matches!(s.kernels[j].space, crate::kir::Space::Mid { rows, .. } if rows == g.nodes[v].numel()) => at,
             Some(_) => continue,
             None => match (step_of_node.get(&v), &g.nodes[v].op) {
                 (Some(&at), NodeOp::Prim(crate::ops::Op::Scatter(_))) if g.nodes[v].args[0] == c => at,
@@ -990,6 +993,30 @@ mod tests {
         assert_eq!(scatters.len(), 1);
         let plan = super::plan_in_place(&g, &s);
         assert!(plan.contains_key(&scatters[0]), "{plan:?}");
+    }
+
+    #[test]
+    fn running_statistics_updated_by_mid_kernels_are_planned_in_place() {
+        // Training-mode batch norm on the GPU: the mean and variance kernels (mid kernels, also
+        // the column form of channels-last inputs) update the running statistics in their
+        // epilogues, straight into the captured tensors (no copy after the kernel).
+        for channels_last in [false, true] {
+            let (rm, rv) = (Tensor::zeros(&[4], DType::F32, &Device::Cpu).unwrap(), Tensor::ones(&[4], DType::F32, &Device::Cpu).unwrap());
+            let x = Tensor::randn(&[8, 4, 6, 6], DType::F32, &Device::Cpu).unwrap();
+            let x = if channels_last { x.to_memory_format(crate::MemoryFormat::ChannelsLast).unwrap() } else { x };
+            let bn = move |xs: &[Tensor]| Ok(vec![crate::nn::functional::batch_norm(&xs[0], Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)?]);
+            let g = crate::compile::fuse::tests::graph_of(std::slice::from_ref(&x), bn);
+            let g = if channels_last { crate::compile::layout::channels_last(&g, &[x]) } else { g };
+            let g = crate::compile::recompute::recompute_cheap(&crate::compile::simplify::simplify(&g));
+            let s = crate::compile::fuse::schedule(&g);
+            let in_place = super::plan_in_place(&g, &s);
+            assert_eq!(g.mutations.len(), 2);
+            for (_, v) in &g.mutations {
+                let k = s.kernels.iter().find(|k| k.outputs.iter().any(|(_, n)| n == v)).expect("computed in a kernel");
+                assert!(matches!(k.space, crate::kir::Space::Mid { rows: 4, .. }), "the case this checks: {}", k.describe());
+                assert!(in_place.contains_key(v), "channels-last {channels_last}: %{v} is copied back: {in_place:?}");
+            }
+        }
     }
 
     #[test]

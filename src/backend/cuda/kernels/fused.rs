@@ -16,7 +16,8 @@ use crate::backend::cexpr::{arg, lower, value_names};
 
 /// Runs a fused kernel on its inputs (real tensors, in `k.inputs` order); returns its outputs.
 /// `into[m]`, when set, is a contiguous tensor of output m's size and dtype that a flat kernel
-/// writes in place (a parameter updated by a compiled step) instead of a fresh buffer. `tune`
+/// (or a mid kernel, for a per-row output) writes in place (a parameter or a running statistic
+/// updated by a compiled step) instead of a fresh buffer. `tune`
 /// (max-autotune): a row kernel's threads per row are timed on first use and the fastest kept.
 pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[Option<Tensor>], tune: bool) -> Result<Vec<Tensor>> {
     let Device::Cuda(ord) = k.device else { unreachable!("a CUDA kernel for a CPU graph") };
@@ -24,7 +25,7 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
     match k.space {
         Space::Flat { numel } => run_flat(&dev, k, shape, numel, inputs, into),
         Space::Rows { rows, cols } => run_rows(&dev, k, rows, cols, inputs, tune),
-        Space::Mid { outer, rows, inner } => run_mid(&dev, k, [outer, rows, inner], inputs),
+        Space::Mid { outer, rows, inner } => run_mid(&dev, k, [outer, rows, inner], inputs, into),
     }
 }
 
@@ -903,7 +904,7 @@ fn mid_shape(k: &FusedKernel, m: usize, q: usize) -> (usize, Option<usize>) {
     (vec, cols.then(tx))
 }
 
-fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, [p, m, q]: [usize; 3], inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
         views.push(if inp.row { view_as(t, &[1, m, 1])? } else { view_as(t, &[p, m, q])? });
@@ -913,7 +914,18 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     if words.input(views.len()) > LaunchArgs::default().w.len() {
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
     }
-    let outs = new_outputs(dev, k, |op| if op.row { m } else { p * m * q })?;
+    // Per-row outputs the plan writes in place (`into`), the rest fresh.
+    let mut outs = vec![];
+    for (j, (o, _)) in k.outputs.iter().enumerate() {
+        let op = &k.ops[*o];
+        outs.push(match into.get(j).cloned().flatten() {
+            Some(t) if op.row && t.numel() == m && t.is_contiguous() && t.dtype() == op.dtype => t,
+            _ => {
+                let shape = if op.row { vec![m] } else { vec![p * m * q] };
+                Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, op.dtype, shape[0])?), &shape)
+            }
+        });
+    }
     // `cols_tx`: the threads across a tile of columns, where the kernel walks columns.
     let (vec, cols_tx) = mid_shape(k, m, q);
     let cols = cols_tx.is_some();
@@ -933,8 +945,8 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     for (r, s) in parts.iter().enumerate() {
         a.w[words.part(r)] = s.ptr();
     }
-    for (j, s) in outs.iter().enumerate() {
-        a.w[words.output(j)] = s.ptr();
+    for (j, t) in outs.iter().enumerate() {
+        a.w[words.output(j)] = data_ptr(t)?;
     }
     let mut reach = p * m * q;
     for (j, t) in views.iter().enumerate() {
@@ -983,7 +995,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         None => dev.launch(kern, (m as u32, chunks as u32, 1), (MID_THREADS as u32, 1, 1), &a)?,
     }
     drop(parts);
-    Ok(wrap(outs, |j| if k.ops[k.outputs[j].0].row { vec![m] } else { vec![p * m * q] }))
+    Ok(outs)
 }
 
 /// Max-autotune for a row kernel: the remembered thread count for this kernel, rows and layout,
