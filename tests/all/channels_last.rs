@@ -142,6 +142,23 @@ fn batch_norm_and_pooling_keep_channels_last_and_their_values() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn max_pool_of_any_channel_count_keeps_its_values_channels_last() -> Result<()> {
+    // Channels-last threads take 8, 4, 2 or 1 channels each (whichever divides C).
+    for (k, c) in [16, 6, 5].into_iter().enumerate() {
+        let x = rand(&[2, c, 9, 7], 80 + k as u64).requires_grad();
+        let xc = x.detach().to_memory_format(CL)?.requires_grad();
+        let (y, yc) = (F::max_pool2d(&x, (3, 3), (2, 2), (1, 1))?, F::max_pool2d(&xc, (3, 3), (2, 2), (1, 1))?);
+        is_cl("max pool", &yc);
+        same(&format!("max pool of {c} channels"), &yc, &y);
+        let r = rand(y.shape(), 90 + k as u64);
+        y.mul(&r)?.sum_all()?.backward()?;
+        yc.mul(&r)?.sum_all()?.backward()?;
+        same(&format!("max pool gradient of {c} channels"), &xc.grad().unwrap(), &x.grad().unwrap());
+    }
+    Ok(())
+}
+
 /// Two copies of one bottleneck block (with a downsample path), the second channels-last.
 fn two_blocks() -> Result<(nn::Bottleneck, nn::Bottleneck)> {
     let d = dev();

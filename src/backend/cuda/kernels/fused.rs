@@ -883,20 +883,28 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
 /// while the rest of the GPU waited.
 const COL_TILES: usize = 8;
 
+/// Bytes of a row a column kernel's tile reads at least: narrower tiles read DRAM at well below
+/// its rate (64-byte tiles ran at half the speed of 256-byte ones).
+const COL_TILE_BYTES: usize = 256;
+
+/// Blocks per SM a column kernel's chunks aim for (each thread keeps `MID_ILP` 16-byte loads
+/// in flight): fewer chunks leave fewer partials for the last block of a tile to fold.
+const COL_BLOCKS_PER_SM: usize = 4;
+
 /// A mid kernel's inner values per position (16 bytes of the widest full input where the
 /// walked dim divides by it), and for an inner dim of 1 (channels-last statistics), which walks
 /// the columns instead (`gen_fused_cols`: VEC adjacent columns per thread), the threads across
-/// a tile of columns: at most 32, fewer while that leaves under `COL_TILES` tiles, but enough
-/// for a warp to read whole 32-byte sectors of a row.
+/// a tile of columns: at most 32, fewer while that leaves under `COL_TILES` tiles and the
+/// tile's row still spans `COL_TILE_BYTES` of the narrowest full input.
 fn mid_shape(k: &FusedKernel, m: usize, q: usize) -> (usize, Option<usize>) {
-    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
+    let sizes = || k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes());
+    let (widest, narrowest) = (sizes().max().unwrap_or(4), sizes().min().unwrap_or(4));
     let cols = q == 1;
     let walked = if cols { m } else { q };
     let vec = [16 / widest, 4, 2].into_iter().find(|&v| v <= 16 / widest && walked.is_multiple_of(v)).unwrap_or(1);
     let tx = || {
-        let sector = (32 / (vec * widest)).max(1);
         let mut tx = (m / vec).next_power_of_two().min(32);
-        while tx > sector && (m / vec).div_ceil(tx) < COL_TILES {
+        while tx * vec * narrowest >= 2 * COL_TILE_BYTES && (m / vec).div_ceil(tx) < COL_TILES {
             tx /= 2;
         }
         tx
@@ -930,10 +938,10 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     let (vec, cols_tx) = mid_shape(k, m, q);
     let cols = cols_tx.is_some();
     let tiles = cols_tx.map_or(m, |tx| m.div_ceil(tx * vec));
-    // About eight blocks per SM, each reading at least 2048 values (a column kernel's chunk at
-    // least `MID_ILP` rows per thread).
+    // About eight blocks per SM (`COL_BLOCKS_PER_SM` for a column kernel), each reading at
+    // least 2048 values (a column kernel's chunk at least `MID_ILP` rows per thread).
     let chunks = match cols_tx {
-        Some(tx) => (dev.sm_count * 8).div_ceil(tiles).clamp(1, (p / (MID_ILP * (MID_THREADS / tx))).max(1)),
+        Some(tx) => (dev.sm_count * COL_BLOCKS_PER_SM).div_ceil(tiles).clamp(1, (p / (MID_ILP * (MID_THREADS / tx))).max(1)),
         None => (dev.sm_count * 8).div_ceil(m).clamp(1, (p * q / 2048).max(1)),
     };
     let parts: Vec<CudaStorage> = if chunks > 1 { reduces.iter().map(|&(_, _, acc)| CudaStorage::new(dev, acc.dtype(), chunks * m)).collect::<Result<_>>()? } else { vec![] };
@@ -1192,14 +1200,16 @@ pub(super) mod tests {
             assert_eq!(src.matches("* red = (").count(), 2 * reductions, "{src}");
             assert!(k.outputs.iter().all(|(o, _)| k.ops[*o].row) && src.contains("out0[col] ="), "{src}");
             // ResNet's channel counts: at least `COL_TILES` tiles (their last blocks fold the
-            // partials side by side) unless a warp would then read less than a sector of a row.
-            let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap();
+            // partials side by side) unless a tile would then read less than
+            // `COL_TILE_BYTES` of a row.
+            let sizes = || k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes());
+            let (widest, narrowest) = (sizes().max().unwrap(), sizes().min().unwrap());
             for m in [64, 256, 512, 2048] {
                 let (vec, tx) = mid_shape(k, m, 1);
                 let tx = tx.expect("a column kernel");
                 assert_eq!(vec * widest, 16);
-                assert!(m.div_ceil(tx * vec) >= COL_TILES || tx * vec * widest == 32, "{m} columns: {tx} threads of {vec}");
-                assert!(tx * vec * widest >= 32 && tx <= 32);
+                assert!(tx <= 32 && (tx * vec == m.min(32 * vec) || tx * vec * narrowest >= COL_TILE_BYTES), "{m} columns: {tx} threads of {vec}");
+                assert!(m.div_ceil(tx * vec) >= COL_TILES || tx * vec * narrowest < 2 * COL_TILE_BYTES || tx * vec >= m, "{m} columns: {tx} threads of {vec}");
             }
             if std::env::var("KILN_PRINT_SOURCE").is_ok() {
                 println!("{src}");

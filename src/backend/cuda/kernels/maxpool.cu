@@ -1,4 +1,5 @@
-// Max pooling (`ops::pool`), a thread per window or per input position. MAXPOOL_FWD stores each
+// Max pooling (`ops::pool`), a thread per window or per input position (channels-last: VEC
+// channels of one). MAXPOOL_FWD stores each
 // window's maximum; MAXPOOL_ARG its position y * W + x in the plane (int); MAXPOOL_BWD each input
 // position's gradient: the sum, in window order, of the gradients of the windows whose position
 // (from MAXPOOL_ARG, in `at`) it is. After the prelude, the argument struct and the #defines of
@@ -26,6 +27,29 @@ __device__ __forceinline__ IDX kwindow_max(const MaxPoolArgs& a, const T* x, IDX
   return at;
 }
 
+// `kwindow_max` for VEC consecutive channels (a channel apart by a.xs[1]) at once: each one's
+// maximum in m[v], its position in at[v].
+__device__ __forceinline__ void kwindow_max_channels(const MaxPoolArgs& a, const T* x, IDX base, IDX oh, IDX ow, ACC* m, IDX* at) {
+  const IDX hs = oh * (IDX)a.sh - (IDX)a.ph, ws = ow * (IDX)a.sw - (IDX)a.pw;
+  const IDX H = (IDX)a.h, W = (IDX)a.w, cs = (IDX)a.xs[1];
+#pragma unroll
+  for (int v = 0; v < VEC; v++) { at[v] = -1; m[v] = 0; }
+  for (IDX i = 0; i < (IDX)a.kh; i++) {
+    const IDX y = hs + i * (IDX)a.dh;
+    if (y < 0 || y >= H) continue;
+    for (IDX j = 0; j < (IDX)a.kw; j++) {
+      const IDX c = ws + j * (IDX)a.dw;
+      if (c < 0 || c >= W) continue;
+      const T* p = x + base + y * (IDX)a.xs[2] + c * (IDX)a.xs[3];
+#pragma unroll
+      for (int v = 0; v < VEC; v++) {
+        const ACC e = LD(p[v * cs]);
+        if (at[v] < 0 || e > m[v] || isnan(e)) { m[v] = e; at[v] = y * W + c; }
+      }
+    }
+  }
+}
+
 // The first window along a dim whose span reaches position `pos` (PyTorch's p_start).
 __device__ __forceinline__ IDX kfirst_window(IDX pos, IDX pad, IDX k, IDX dil, IDX stride) {
   const IDX span = (k - 1) * dil + 1;
@@ -41,13 +65,30 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
   const IDX step = (IDX)gridDim.x * blockDim.x;
   const IDX OH = (IDX)a.oh, OW = (IDX)a.ow, C = (IDX)a.c;
 #ifndef MAXPOOL_BWD
+#ifdef NHWC
+  // A thread takes VEC consecutive channels of one window: the index arithmetic (integer
+  // divisions and the window's bounds, the bulk of this kernel's work) once for all of them.
+  const IDX CV = C / VEC;
+  const IDX total = (IDX)a.planes / C * OH * OW * CV;
+#else
   const IDX total = (IDX)a.planes * OH * OW;
+#endif
   for (IDX i = blockIdx.x * (IDX)blockDim.x + threadIdx.x; i < total; i += step) {
 #ifdef NHWC
-    const IDX ch = i % C, t = i / C, ow = t % OW, t2 = t / OW, oh = t2 % OH, n = t2 / OH;
+    const IDX ch = (i % CV) * VEC, t = i / CV, ow = t % OW, t2 = t / OW, oh = t2 % OH, n = t2 / OH;
+    ACC m[VEC];
+    IDX at[VEC];
+    kwindow_max_channels(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, m, at);
+#pragma unroll
+    for (int v = 0; v < VEC; v++) {
+#ifdef MAXPOOL_FWD
+      ((T*)a.out)[i * VEC + v] = ST(m[v]);
+#else
+      ((int*)a.out)[i * VEC + v] = (int)at[v];
+#endif
+    }
 #else
     const IDX ow = i % OW, t = i / OW, oh = t % OH, p = t / OH, n = p / C, ch = p % C;
-#endif
     ACC m;
     const IDX at = kwindow_max(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, &m);
 #ifdef MAXPOOL_FWD
@@ -55,6 +96,7 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
     (void)at;
 #else
     ((int*)a.out)[i] = (int)at;
+#endif
 #endif
   }
 #else

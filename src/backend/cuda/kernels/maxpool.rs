@@ -1,6 +1,6 @@
 //! Max pooling on the GPU (`ops::pool`, `maxpool.cu`): the forward a thread per window; the
 //! backward a pass per window (its maximum's position) and one per input position (the sum over
-//! the windows that chose it; channels-last, a thread per position and up to 8 channels).
+//! the windows that chose it). Channels-last, a thread takes up to 8 channels.
 //! Inputs of any strides; outputs dense in NCHW order, or in NHWC order (channels-last) when
 //! asked.
 
@@ -62,9 +62,9 @@ enum Pass {
 fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x: &Tensor, dy: Option<&Tensor>, a: &MaxPool2dArgs, windows: &[usize], out: u64, nhwc: bool) -> Result<()> {
     let dtype = x.dtype();
     let s = x.shape();
-    // The channels-last backward's threads take `vec` channels each.
-    let vec = if matches!(pass, Pass::Backward(_)) && nhwc { channels_per_thread(s[1]) } else { 1 };
-    let n = if matches!(pass, Pass::Backward(_)) { x.numel() / vec } else { windows.iter().product() };
+    // Channels-last threads take `vec` channels each.
+    let vec = if nhwc { channels_per_thread(s[1]) } else { 1 };
+    let n = if matches!(pass, Pass::Backward(_)) { x.numel() } else { windows.iter().product() } / vec;
     if n == 0 {
         return Ok(());
     }
@@ -103,7 +103,7 @@ fn launch(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, pass: Pass, x:
     dev.launch(kern, (blocks as u32, 1, 1), (THREADS as u32, 1, 1), &args)
 }
 
-/// Channels a thread of the channels-last backward takes: 8, 4 or 2 where they divide `c`.
+/// Channels a thread of a channels-last pass takes: 8, 4 or 2 where they divide `c`.
 fn channels_per_thread(c: usize) -> usize {
     [8, 4, 2].into_iter().find(|&v| c.is_multiple_of(v)).unwrap_or(1)
 }
@@ -143,10 +143,6 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     for dtype in [DType::F32, DType::BF16, DType::F64] {
         for pass in [Pass::Max, Pass::Position, Pass::Backward(0)] {
             for (wide, nhwc, vec) in [(false, false, 1), (false, true, 1), (false, true, 8), (true, false, 1), (true, true, 4)] {
-                // Only the channels-last backward takes several channels a thread.
-                if vec > 1 && pass != Pass::Backward(0) {
-                    continue;
-                }
                 let name = kernel_name(dtype, pass, wide, nhwc, vec);
                 v.push(super::samples::Sample::new((name.clone(), source(&name, dtype, pass, wide, nhwc, vec))));
             }
