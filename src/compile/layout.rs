@@ -153,11 +153,12 @@ impl Rewrite {
     /// Whether an elementwise op of `shape` over `args` is computed in NHWC: when every operand
     /// that is neither broadcast nor a constant is in NHWC order. (Eager ops let the first one
     /// decide; here a contiguous operand, such as a parameter an optimiser updates, would be
-    /// read out of order and its update could not be stored in place.)
+    /// read out of order and its update could not be stored in place.) With no such operand
+    /// (average pooling's gradient, a broadcast scaled), NHWC too: the net around it is
+    /// channels-last, and its readers would otherwise read it out of order.
     fn decides_nhwc(&self, g: &Graph, args: &[NodeId], shape: &[usize]) -> bool {
         let full = |a: &&NodeId| g.nodes[**a].shape == shape && !matches!(g.nodes[**a].op, NodeOp::Full(_) | NodeOp::Prim(Op::Expand(_)));
-        let mut full_args = args.iter().filter(full).peekable();
-        full_args.peek().is_some() && full_args.all(|&a| self.is_nhwc(a))
+        args.iter().filter(full).all(|&a| self.is_nhwc(a))
     }
 
     /// `a` as an NCHW node (a view of its NHWC node where it has one).
@@ -279,6 +280,31 @@ mod tests {
         let h = channels_last(&g, &cl);
         let copies = h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Relayout(_)))).count();
         assert_eq!(copies, 0, "{h}");
+    }
+
+    #[test]
+    fn work_on_a_broadcast_alone_runs_in_nhwc_beside_a_convolution() {
+        // Average pooling's gradient: a per-(image, channel) value spread over H x W and scaled,
+        // then multiplied by a convolution's output and summed per channel (batch norm's
+        // backward). Laid out NCHW, the product would read the convolution's NHWC output out of
+        // order and the sum would be no column reduction.
+        let (f, d) = (DType::F32, Device::Cpu);
+        let mut g = Graph::default();
+        let x = g.push(NodeOp::Arg(0), vec![], vec![2, 3, 8, 8], f, d);
+        let gs = g.push(NodeOp::Arg(1), vec![], vec![2, 4, 1, 1], f, d);
+        let w = g.push(NodeOp::Captured(0), vec![], vec![4, 3, 3, 3], f, d);
+        let c = g.push(NodeOp::Prim(Op::Conv2d(Conv2dArgs { padding: (1, 1), ..Default::default() })), vec![x, w], vec![2, 4, 8, 8], f, d);
+        let e = g.push(NodeOp::Prim(Op::Expand(vec![2, 4, 8, 8])), vec![gs], vec![2, 4, 8, 8], f, d);
+        let scaled = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Neg)), vec![e], vec![2, 4, 8, 8], f, d);
+        let m = g.push(NodeOp::Prim(Op::Binary(BinaryOp::Mul, f)), vec![c, scaled], vec![2, 4, 8, 8], f, d);
+        let r = g.push(NodeOp::Prim(Op::Reduce(ReduceOp::Sum, vec![0, 2, 3], false)), vec![m], vec![4], f, d);
+        g.outputs = vec![r];
+        let inputs: Vec<Tensor> = g.input_nodes().iter().map(|&i| Tensor::zeros(&g.nodes[i].shape, f, &d).unwrap().to_memory_format(MemoryFormat::ChannelsLast).unwrap()).collect();
+        let h = channels_last(&g, &inputs);
+        for n in h.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Unary(_) | Op::Binary(..)))) {
+            assert_eq!(n.shape, [2, 8, 8, 4], "{h}");
+        }
+        assert!(h.nodes.iter().any(|n| n.op == NodeOp::Prim(Op::Reduce(ReduceOp::Sum, vec![0, 1, 2], false))), "{h}");
     }
 
     #[test]
