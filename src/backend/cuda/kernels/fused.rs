@@ -633,12 +633,13 @@ fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CT
 /// One element `e` of a mid kernel's walk: full input j's stored value `loaded(j)`, the full
 /// ops, each reduction's argument folded into `acc(i)`, full output m's value into `o{m}.v[e]`
 /// (`mid_vector_outputs` declares and stores them).
-fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], elem: &[bool], loaded: &dyn Fn(usize) -> String, acc: &dyn Fn(usize) -> String, indent: &str) {
+fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], loaded: &dyn Fn(usize) -> String, acc: &dyn Fn(usize) -> String, indent: &str) {
     for j in (0..k.inputs.len()).filter(|&j| !k.inputs[j].row) {
         let t = ins[j].0;
         let _ = writeln!(c, "{indent}const {} x{j} = {};", t.name(), load(k.inputs[j].dtype, t, &loaded(j)));
     }
     // (no row value is among a full op's arguments: the scheduler sees to that)
+    let elem = mid_elementwise(k);
     mid_ops(c, k, ins, vals, indent, |i| elem[i]);
     for &(i, r, t) in &mid_reductions(k) {
         let a = arg(&k.ops[i].args[0], ins, vals);
@@ -754,7 +755,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     mid_vector_outputs(&mut c, k, None, "      ");
     c.push_str("      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n");
     let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}"), "        ");
+    mid_element(&mut c, k, &ins, &vals, &loaded, &|i| format!("acc{i}"), "        ");
     c.push_str("      }\n");
     mid_vector_outputs(&mut c, k, Some("((long long)pu[u] * M + row) * Q + qu[u]"), "      ");
     c.push_str("    }\n  }\n");
@@ -836,7 +837,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     mid_vector_outputs(&mut c, k, None, "      ");
     c.push_str("      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {\n");
     let loaded = |j: usize| if vector[j] { format!("l{j}[u].v[e]") } else { format!("l{j}[u][e]") };
-    mid_element(&mut c, k, &ins, &vals, &elem, &loaded, &|i| format!("acc{i}[e]"), "        ");
+    mid_element(&mut c, k, &ins, &vals, &loaded, &|i| format!("acc{i}[e]"), "        ");
     c.push_str("      }\n");
     mid_vector_outputs(&mut c, k, Some("(long long)(base + u * TY) * M + col0"), "      ");
     c.push_str("    }\n  }\n");
