@@ -1,39 +1,20 @@
 // Max pooling (`ops::pool`), a thread per window or per input position (channels-last: VEC
-// channels of one). MAXPOOL_FWD stores each
-// window's maximum; MAXPOOL_ARG its position y * W + x in the plane (int); MAXPOOL_BWD each input
+// channels of one). MAXPOOL_FWD stores each window's maximum; MAXPOOL_ARG its position
+// y * W + x in the plane (int); MAXPOOL_BWD each input
 // position's gradient: the sum, in window order, of the gradients of the windows whose position
 // (from MAXPOOL_ARG, in `at`) it is. After the prelude, the argument struct and the #defines of
 // `maxpool.rs`: NAME, IDX (int, or long long for large tensors), T (storage type), ACC (compute
 // type), LD / ST (element load and store as ACC).
 
-// The position of window (oh, ow)'s maximum in the plane at `x + base`, its value in *m: a
-// larger value or a NaN takes over, as PyTorch's.
-__device__ __forceinline__ IDX kwindow_max(const MaxPoolArgs& a, const T* x, IDX base, IDX oh, IDX ow, ACC* m) {
-  const IDX hs = oh * (IDX)a.sh - (IDX)a.ph, ws = ow * (IDX)a.sw - (IDX)a.pw;
-  const IDX H = (IDX)a.h, W = (IDX)a.w;
-  IDX at = -1;
-  ACC best = 0;
-  for (IDX i = 0; i < (IDX)a.kh; i++) {
-    const IDX y = hs + i * (IDX)a.dh;
-    if (y < 0 || y >= H) continue;
-    for (IDX j = 0; j < (IDX)a.kw; j++) {
-      const IDX c = ws + j * (IDX)a.dw;
-      if (c < 0 || c >= W) continue;
-      const ACC v = LD(x[base + y * (IDX)a.xs[2] + c * (IDX)a.xs[3]]);
-      if (at < 0 || v > best || isnan(v)) { best = v; at = y * W + c; }
-    }
-  }
-  *m = best;
-  return at;
-}
-
-// `kwindow_max` for VEC consecutive channels (a channel apart by a.xs[1]) at once: each one's
-// maximum in m[v], its position in at[v].
-__device__ __forceinline__ void kwindow_max_channels(const MaxPoolArgs& a, const T* x, IDX base, IDX oh, IDX ow, ACC* m, IDX* at) {
+// The maxima of window (oh, ow) of NV channels (a.xs[1] apart) of the plane at `x + base`:
+// channel v's in m[v], its position y * W + x in at[v]; a larger value or a NaN takes over, as
+// PyTorch's.
+template <int NV>
+__device__ __forceinline__ void kwindow_max(const MaxPoolArgs& a, const T* x, IDX base, IDX oh, IDX ow, ACC* m, IDX* at) {
   const IDX hs = oh * (IDX)a.sh - (IDX)a.ph, ws = ow * (IDX)a.sw - (IDX)a.pw;
   const IDX H = (IDX)a.h, W = (IDX)a.w, cs = (IDX)a.xs[1];
 #pragma unroll
-  for (int v = 0; v < VEC; v++) { at[v] = -1; m[v] = 0; }
+  for (int v = 0; v < NV; v++) { at[v] = -1; m[v] = 0; }
   for (IDX i = 0; i < (IDX)a.kh; i++) {
     const IDX y = hs + i * (IDX)a.dh;
     if (y < 0 || y >= H) continue;
@@ -42,7 +23,7 @@ __device__ __forceinline__ void kwindow_max_channels(const MaxPoolArgs& a, const
       if (c < 0 || c >= W) continue;
       const T* p = x + base + y * (IDX)a.xs[2] + c * (IDX)a.xs[3];
 #pragma unroll
-      for (int v = 0; v < VEC; v++) {
+      for (int v = 0; v < NV; v++) {
         const ACC e = LD(p[v * cs]);
         if (at[v] < 0 || e > m[v] || isnan(e)) { m[v] = e; at[v] = y * W + c; }
       }
@@ -78,7 +59,7 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
     const IDX ch = (i % CV) * VEC, t = i / CV, ow = t % OW, t2 = t / OW, oh = t2 % OH, n = t2 / OH;
     ACC m[VEC];
     IDX at[VEC];
-    kwindow_max_channels(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, m, at);
+    kwindow_max<VEC>(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, m, at);
 #pragma unroll
     for (int v = 0; v < VEC; v++) {
 #ifdef MAXPOOL_FWD
@@ -90,7 +71,8 @@ extern "C" __global__ void NAME(const MaxPoolArgs a) {
 #else
     const IDX ow = i % OW, t = i / OW, oh = t % OH, p = t / OH, n = p / C, ch = p % C;
     ACC m;
-    const IDX at = kwindow_max(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, &m);
+    IDX at;
+    kwindow_max<1>(a, x, n * (IDX)a.xs[0] + ch * (IDX)a.xs[1], oh, ow, &m, &at);
 #ifdef MAXPOOL_FWD
     ((T*)a.out)[i] = ST(m);
     (void)at;
