@@ -884,8 +884,8 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
 /// while the rest of the GPU waited.
 const COL_TILES: usize = 8;
 
-/// Bytes of a row a column kernel's tile reads at least: narrower tiles read DRAM at well below
-/// its rate (64-byte tiles ran at half the speed of 256-byte ones).
+/// Bytes of a row a column kernel's tile reads at least: narrower tiles read DRAM well below its
+/// rate (the ResNet-50 profiles in `bench/results/HISTORY.md`, 12-05d).
 const COL_TILE_BYTES: usize = 256;
 
 /// Blocks per SM a column kernel's chunks aim for (each thread keeps `MID_ILP` 16-byte loads
