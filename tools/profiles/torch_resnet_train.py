@@ -29,10 +29,10 @@ def stepper(m):
 
 def kind(name):
     n = name.lower()
-    if any(k in n for k in ("conv", "xmma", "cutlass", "implicit_gemm", "wgrad", "dgrad", "fprop", "nhwc", "cudnn")):
-        return "convolution (cuDNN)"
-    if n.startswith("triton"):
-        return "Triton (Inductor)"
+    if n.startswith("triton") or "multi_tensor_apply" in n:
+        return "Triton (Inductor)" if n.startswith("triton") else "optimiser (foreach)"
+    if any(k in n for k in ("conv", "xmma", "cutlass", "implicit_gemm", "wgrad", "dgrad", "fprop", "nhwc", "cudnn", "nvjet", "gemm", "splitk")):
+        return "convolution and products (cuDNN, cuBLAS)"
     if "memcpy" in n or "memset" in n:
         return "copies and memsets"
     return "other"
