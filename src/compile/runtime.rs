@@ -1041,10 +1041,7 @@ mod tests {
         })
         .call(&Tensor::randn(&[640], DType::F32, &Device::Cpu).unwrap())
         .unwrap();
-        let mut g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
-        for n in &mut g.nodes {
-            n.device = Device::Cuda(0);
-        }
+        let g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap()).as_on_cuda();
         let s = crate::compile::fuse::schedule(&g);
         let counted = g.mutations.iter().find(|(_, v)| g.nodes[*v].numel() == 1).expect("the count is written back").1;
         let kernel = s.kernels.iter().find(|k| k.outputs.iter().any(|(_, n)| *n == counted)).expect("computed in a kernel");
