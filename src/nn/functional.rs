@@ -414,7 +414,10 @@ fn picked_logits(x: &Tensor, t: &Tensor) -> Result<(Tensor, ClassSum)> {
     let m = no_grad(|| line_max(&x, 1))?;
     let shifted = x.sub(&m)?;
     let log_sum = shifted.exp()?.sum(&[1], true)?.log()?;
-    let columns = Tensor::arange(0.0, x.shape()[1] as f64, 1.0, DType::I64, &x.device())?;
+    // Column indices as I32 where classes fit (every vocabulary does): the comparison below
+    // reads one per element of the row, half the bytes of I64.
+    let index = if x.shape()[1] <= i32::MAX as usize { DType::I32 } else { DType::I64 };
+    let columns = Tensor::arange(0.0, x.shape()[1] as f64, 1.0, index, &x.device())?;
     // The targets read through the column indices: themselves, with a class out of range
     // reported as a gather reports it.
     let t = columns.index_select(0, t)?;

@@ -471,15 +471,20 @@ fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: 
     format!("{}_{kind}{vec}{}_{}", k.code_name(k.signature()), if wide { "_i64" } else { "" }, vector_loads(vector))
 }
 
-/// A looped row kernel's block (`gen_fused_rows`): threads, and values each reads per chunk.
+/// A looped row kernel's block (`gen_fused_rows`): threads, and the most values each reads
+/// per chunk.
 const LOOPED_THREADS: usize = 1024;
-const LOOPED_VPT: usize = 8;
+const LOOPED_MAX_VPT: usize = 32;
 
 /// Values per thread of a row kernel of `threads` threads over rows of `cols`, and how they
-/// cover a row.
+/// cover a row. A looped kernel's row is walked in as few chunks as `LOOPED_MAX_VPT` allows,
+/// split evenly: every pass waits on memory once per chunk (its loads are in flight together),
+/// so fewer, fuller chunks keep more bytes in flight per SM, and a last chunk nearly empty
+/// would cost a whole wait.
 fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
     if cols > crate::kir::MAX_ROW {
-        return (LOOPED_VPT.max(vec), Cover::Looped);
+        let chunks = cols.div_ceil(threads * LOOPED_MAX_VPT);
+        return (cols.div_ceil(threads * chunks).next_multiple_of(vec), Cover::Looped);
     }
     let vpt = row_vpt(cols, threads, vec);
     (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })

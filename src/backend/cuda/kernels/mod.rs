@@ -607,15 +607,34 @@ pub(crate) fn cat(ts: &[&Tensor], dim: usize, out_shape: &[usize], dtype: DType)
     Ok(out)
 }
 
-/// Constant padding: a filled buffer with the input copied into its interior.
+/// Constant padding: the input copied into the interior of a fresh buffer, and `value` written
+/// only where the interior is not (a slab of each padded side; slabs of two dims may overlap,
+/// which writes a corner twice): a padded product's operand is mostly interior.
 pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[usize]) -> Result<CudaStorage> {
     let dev = dev_of(x)?;
-    let out = full(dev.ordinal, out_shape, value, x.dtype())?;
+    let dtype = x.dtype();
+    let out = CudaStorage::new(&dev, dtype, numel(out_shape))?;
+    if out.len == 0 {
+        return Ok(out);
+    }
     let strides = contiguous_strides(out_shape);
+    let size = dtype.size_in_bytes() as u64;
+    for (d, &(lo, hi)) in pads.iter().enumerate() {
+        for (width, at) in [(lo, 0), (hi, lo + x.shape()[d])] {
+            let mut shape = out_shape.to_vec();
+            shape[d] = width;
+            if numel(&shape) == 0 {
+                continue;
+            }
+            let slab = Layout { shape, strides: strides.clone(), offset: 0 };
+            let ptr = out.ptr() + (at * strides[d]) as u64 * size;
+            map_into(&dev, "fill", &[], ptr, dtype, &slab, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])?;
+        }
+    }
     let offset: usize = pads.iter().zip(&strides).map(|(p, s)| p.0 * s).sum();
     let interior = Layout { shape: x.shape().to_vec(), strides, offset: 0 };
-    let t = CType::of(x.dtype());
-    map_into(&dev, "copy", &[(x, t)], out.ptr() + (offset * x.dtype().size_in_bytes()) as u64, x.dtype(), &interior, t, "v0".into(), &[])?;
+    let t = CType::of(dtype);
+    map_into(&dev, "copy", &[(x, t)], out.ptr() + offset as u64 * size, dtype, &interior, t, "v0".into(), &[])?;
     Ok(out)
 }
 
