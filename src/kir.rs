@@ -80,6 +80,14 @@ impl KOp {
     }
 }
 
+/// Columns stored after each row of a row kernel's full output: `cols` of `value` (the padding
+/// a padded product's gradient needs, written with the row instead of by a copy after it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RowPad {
+    pub cols: usize,
+    pub value: f64,
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct KInput {
     pub node: NodeId,
@@ -102,6 +110,9 @@ pub(crate) struct FusedKernel {
     /// Per output: one element computed beside a larger flat space (an optimiser's step count
     /// next to a parameter's update), stored once rather than at every element.
     pub single: Vec<bool>,
+    /// Per output of a `Rows` kernel on the GPU: columns of a constant stored after each row,
+    /// when the output's node is the row values padded (`fuse::pad_row_outputs`).
+    pub row_pads: Vec<Option<RowPad>>,
     /// What is derived from the kernel once and reused at every launch.
     pub memo: KernelMemo,
 }
@@ -189,8 +200,11 @@ impl FusedKernel {
                 seen.push(ValueRef::Op(kept_rows.len()));
                 kept_rows.push(o.row);
             }
-            for (o, _) in &self.outputs {
+            for ((o, _), pad) in self.outputs.iter().zip(&self.row_pads) {
                 let _ = write!(s, " | <-{:?}", seen[*o]);
+                if let Some(p) = pad {
+                    let _ = write!(s, " +{}x{}", p.cols, p.value);
+                }
             }
             s
         })
@@ -212,8 +226,11 @@ impl FusedKernel {
         for (k, o) in self.ops.iter().enumerate() {
             let _ = write!(s, " | t{k}={:?}{:?}:{:?}{}", o.kind, o.args, o.dtype, if o.row { "(row)" } else { "" });
         }
-        for (o, n) in &self.outputs {
+        for ((o, n), pad) in self.outputs.iter().zip(&self.row_pads) {
             let _ = write!(s, " | %{n}<-t{o}");
+            if let Some(p) = pad {
+                let _ = write!(s, " padded by {} of {}", p.cols, p.value);
+            }
         }
         s
     }

@@ -29,7 +29,8 @@ pub(crate) fn lower(op: &KOp, args: &[(CType, String)]) -> (CType, String) {
     }
 }
 
-fn literal(v: f64, t: CType) -> String {
+/// `v` as a C literal of type `t` (floats by their bits: exact, and infinities too).
+pub(crate) fn literal(v: f64, t: CType) -> String {
     match t {
         CType::F32 => format!("__int_as_float({})", (v as f32).to_bits() as i32),
         CType::F64 => format!("__longlong_as_double({}ll)", v.to_bits() as i64),

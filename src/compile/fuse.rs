@@ -437,7 +437,58 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
         }
     }
     debug_assert_eq!(emitted, units.len(), "the step graph has no cycle");
+    pad_row_outputs(g, &node_readers, &users, &mut sched);
     sched
+}
+
+/// A GPU row kernel's full output read only by a constant padding of its last dim (through
+/// reshapes that keep that dim): the kernel stores the padded rows itself, and the reshapes and
+/// the padding are no steps of their own. That is the gradient of a product padded to aligned
+/// columns (`ops::matmul`'s `product_2d`: GPT-2's 50,257 classes), which cross-entropy's row
+/// kernel computes: without this, an 823 MB copy into a padded buffer follows it.
+fn pad_row_outputs(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mut Schedule) {
+    let alone: std::collections::HashSet<NodeId> = sched.steps.iter().filter_map(|s| if let Step::Node(n) = s { Some(*n) } else { None }).collect();
+    let mut gone: Vec<NodeId> = vec![];
+    for k in &mut sched.kernels {
+        let Space::Rows { cols, .. } = k.space else { continue };
+        if !k.device.is_cuda() {
+            continue;
+        }
+        for m in 0..k.outputs.len() {
+            let (o, node) = k.outputs[m];
+            if k.ops[o].row {
+                continue;
+            }
+            // The chain: the value, then reshapes of it, each read by the next alone.
+            let mut chain = vec![node];
+            let found = loop {
+                let v = *chain.last().expect("not empty");
+                let [r] = readers[v].as_slice() else { break None };
+                if users[v] != 1 {
+                    break None;
+                }
+                let next = &g.nodes[*r];
+                match &next.op {
+                    NodeOp::Prim(Op::Reshape(shape)) if shape.last() == Some(&cols) => chain.push(*r),
+                    NodeOp::Prim(Op::Pad(pads, value)) if g.nodes[v].shape.last() == Some(&cols) => {
+                        let (last, rest) = pads.split_last().expect("a padded value has dims");
+                        break (last.0 == 0 && last.1 > 0 && rest.iter().all(|p| *p == (0, 0))).then_some((*r, last.1, *value));
+                    }
+                    _ => break None,
+                }
+            };
+            // Every node after the value must be a step of its own (not a member of a kernel).
+            let Some((padded, extra, value)) = found.filter(|(p, ..)| chain[1..].iter().chain([p]).all(|n| alone.contains(n))) else { continue };
+            k.outputs[m].1 = padded;
+            k.row_pads[m] = Some(crate::kir::RowPad { cols: extra, value });
+            sched.notes.push(format!("the padding %{padded} of %{node} stored by its row kernel"));
+            gone.extend(chain.iter().skip(1).copied());
+            gone.push(padded);
+        }
+    }
+    if !gone.is_empty() {
+        sched.steps.retain(|s| !matches!(s, Step::Node(n) if gone.contains(n)));
+    }
 }
 
 /// Takes out of their groups the reshapes that only steps outside read: inside, each would be
@@ -707,7 +758,8 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
     // constants, are the same at every element).
     let shape = grp.members.iter().rev().map(|&m| &g.nodes[m]).find(|n| n.numel() == grp.numel).map(|n| n.shape.clone()).unwrap_or_else(|| vec![grp.numel]);
     let single = outputs.iter().map(|&(_, m)| matches!(space, Space::Flat { numel } if numel > 1) && g.nodes[m].numel() == 1).collect();
-    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs, single, memo: KernelMemo::default() }
+    let row_pads = vec![None; outputs.len()];
+    FusedKernel { name, device: g.nodes[grp.members[0]].device, space, shape, inputs, ops, outputs, single, row_pads, memo: KernelMemo::default() }
 }
 
 #[cfg(test)]
@@ -920,6 +972,30 @@ pub(crate) mod tests {
         });
         let s = schedule(&g);
         assert_eq!((s.kernels.len(), s.gemms.len()), (0, 2), "{:?}", s.steps);
+    }
+
+    #[test]
+    fn a_padding_of_a_row_kernels_output_is_stored_by_the_kernel() {
+        // The gradient of a product padded to aligned columns: the row kernel writes the padded
+        // rows, through the reshapes between; no step of its own pads them.
+        let x = r(&[6, 50], DType::BF16);
+        let g = graph_of(&[x], |xs| Ok(vec![xs[0].to_dtype(DType::F32)?.softmax(-1)?.to_dtype(DType::BF16)?.reshape(&[2, 3, 50])?.reshape(&[6, 50])?.pad(&[0, 6], 0.0)?]));
+        let s = schedule(&g);
+        let pad = (0..g.nodes.len()).find(|&i| matches!(g.nodes[i].op, NodeOp::Prim(Op::Pad(..)))).unwrap();
+        let k = s.kernels.iter().find(|k| matches!(k.space, Space::Rows { .. })).unwrap();
+        let m = k.outputs.iter().position(|o| o.1 == pad).expect("the kernel stores the padding");
+        assert_eq!(k.row_pads[m], Some(crate::kir::RowPad { cols: 6, value: 0.0 }));
+        assert!(s.steps.iter().all(|st| !matches!(st, Step::Node(n) if *n == pad || matches!(g.nodes[*n].op, NodeOp::Prim(Op::Reshape(_))))));
+        // Padding before the last dim, or a value read elsewhere too, stays a step of its own.
+        let x = r(&[6, 50], DType::F32);
+        let g = graph_of(&[x], |xs| Ok(vec![xs[0].softmax(-1)?.pad(&[0, 0, 0, 2], 0.0)?]));
+        assert!(schedule(&g).kernels.iter().all(|k| k.row_pads.iter().all(Option::is_none)));
+        let x = r(&[6, 50], DType::F32);
+        let g = graph_of(&[x], |xs| {
+            let y = xs[0].softmax(-1)?;
+            Ok(vec![y.pad(&[0, 6], 0.0)?, y])
+        });
+        assert!(schedule(&g).kernels.iter().all(|k| k.row_pads.iter().all(Option::is_none)));
     }
 
     #[test]

@@ -95,6 +95,9 @@ pub(crate) fn run(k: &FusedKernel, shape: &[usize], inputs: &[Tensor], into: &[O
     if matches!(k.space, Space::Mid { .. }) {
         return Err(crate::Error::Compile(format!("{}: mid reductions are fused on CUDA only", k.name)));
     }
+    if k.row_pads.iter().any(Option::is_some) {
+        return Err(crate::Error::Compile(format!("{}: padded row outputs are fused on CUDA only", k.name)));
+    }
     if let Some(outs) = super::jit::run(k, shape, inputs, into) {
         return outs;
     }

@@ -47,8 +47,9 @@ pub(crate) fn view_as(t: &Tensor, shape: &[usize]) -> Result<Tensor> {
     }
 }
 
-fn new_outputs(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, numel_of: impl Fn(&KOp) -> usize) -> Result<Vec<CudaStorage>> {
-    k.outputs.iter().map(|(o, _)| CudaStorage::new(dev, k.ops[*o].dtype, numel_of(&k.ops[*o]))).collect()
+/// Fresh buffers for a kernel's outputs, output `m` of `numel_of(m, its op)` elements.
+fn new_outputs(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, numel_of: impl Fn(usize, &KOp) -> usize) -> Result<Vec<CudaStorage>> {
+    k.outputs.iter().enumerate().map(|(m, (o, _))| CudaStorage::new(dev, k.ops[*o].dtype, numel_of(m, &k.ops[*o]))).collect()
 }
 
 fn wrap(outs: Vec<CudaStorage>, shapes: impl Fn(usize) -> Vec<usize>) -> Vec<Tensor> {
@@ -274,6 +275,10 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let _ = writeln!(c, "  const long long M = (long long)a.w[{}]; const int K = (int)a.w[{}];", RowWords::ROWS, RowWords::COLS);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
+        if !k.ops[*o].row {
+            // A full output's row stride: its padding columns follow each row.
+            let _ = writeln!(c, "  const long long os{m} = (long long)K + {};", k.row_pads[m].map_or(0, |p| p.cols));
+        }
     }
     for (j, inp) in k.inputs.iter().enumerate() {
         let t = storage_type(inp.dtype);
@@ -420,9 +425,16 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let v = &vals[o];
             let _ = write!(pro, "\n        VO{m} o{m};");
             let _ = writeln!(each, "          o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
-            let _ = writeln!(stores, "        *(VO{m}*)(out{m} + row * (long long)K + k0) = o{m};");
+            let _ = writeln!(stores, "        *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};");
         }
         pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
+    }
+    for (m, (o, _)) in k.outputs.iter().enumerate() {
+        if let Some(p) = k.row_pads[m] {
+            let d = k.ops[*o].dtype;
+            let v = crate::backend::cuda::kernels::codegen::store(d, CType::of(d), &crate::backend::cexpr::literal(p.value, CType::of(d)));
+            let _ = writeln!(c, "    for (int j = threadIdx.x; j < {}; j += blockDim.x) out{m}[row * os{m} + K + j] = {v};", p.cols);
+        }
     }
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if k.ops[*o].row {
@@ -495,7 +507,8 @@ fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
 fn row_vec(k: &FusedKernel, cols: usize) -> usize {
     let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
     let v = (16 / widest).max(1);
-    if cols.is_multiple_of(v) {
+    // Vector stores need every output row to start aligned, padded ones too.
+    if cols.is_multiple_of(v) && k.row_pads.iter().flatten().all(|p| (cols + p.cols).is_multiple_of(v)) {
         v
     } else {
         1
@@ -525,7 +538,9 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     }
     // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
     let vk = || vector_loads(&vector);
-    let outs = new_outputs(dev, k, |op| if op.row { rows } else { rows * cols })?;
+    // Full outputs are [rows, cols], or wider by their padding columns.
+    let width = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
+    let outs = new_outputs(dev, k, |m, op| if op.row { rows } else { rows * width(m) })?;
     let mut a = LaunchArgs::default();
     let words = RowWords { outputs: outs.len() };
     a.w[RowWords::ROWS] = rows as u64;
@@ -573,7 +588,7 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     };
     let tuned = if tune && !looped { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
     launch(tuned.unwrap_or_else(|| default_row_threads(cols, vec)))?;
-    Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, cols] }))
+    Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, width(m)] }))
 }
 
 /// Launch words of a mid kernel (`gen_fused_mid`): sizes, the split's counters, a partials
@@ -1132,6 +1147,9 @@ pub(super) mod tests {
         kernels.extend(optimised_kernels(&[img], move |xs| Ok(vec![F::batch_norm(&xs[0], Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)?.relu()?])));
         let long = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap();
         kernels.extend(optimised_kernels(&[long], |xs| Ok(vec![xs[0].softmax(-1)?, F::layer_norm(&xs[0], &[crate::kir::MAX_ROW + 64], None, None, 1e-5)?])));
+        // A row kernel storing its rows padded (a padded product's gradient).
+        let odd = Tensor::randn(&[4, 50], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        kernels.extend(optimised_kernels(&[odd], |xs| Ok(vec![xs[0].to_dtype(DType::F32)?.softmax(-1)?.to_dtype(DType::BF16)?.pad(&[0, 6], 0.0)?])));
 
         let mut v = vec![];
         for k in &kernels {

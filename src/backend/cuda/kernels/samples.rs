@@ -52,6 +52,8 @@ fn every_kernel_family_has_samples() {
     for family in ["_mid", "_cols"] {
         assert!(all.iter().any(|s| s.name.starts_with("fused_") && s.name.contains(family)), "no fused sample of {family}");
     }
+    // A row kernel storing its rows padded (`fuse::pad_row_outputs`).
+    assert!(all.iter().any(|s| s.name.starts_with("fused_") && s.src.contains(" + K + j] = ")), "no fused sample of padded rows");
     for s in &all {
         assert!(s.src.contains(&s.name), "{}: the source does not define its kernel", s.name);
     }
