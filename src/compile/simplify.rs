@@ -1,5 +1,6 @@
 //! Simplification: algebraic identities (x*1, x+0, x-0, x/1, a cast to the same dtype, a
-//! permute that moves only dims of size 1, which is a reshape), constant folding of arithmetic
+//! permute that moves only dims of size 1, which is a reshape, a sum of zero paddings that tile
+//! it, which is a concatenation), constant folding of arithmetic
 //! on constants, common subexpressions, and dead code. Each rewrite maps
 //! a node to an equivalent earlier one; the graph is then rebuilt without what no output needs.
 
@@ -43,6 +44,15 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
             let moved: Vec<usize> = perm.iter().copied().filter(|&d| x[d] != 1).collect();
             if moved.windows(2).all(|w| w[0] < w[1]) {
                 ops[i] = NodeOp::Prim(Op::Reshape(node.shape.clone()));
+            }
+        }
+        // Two zero paddings that tile their sum along one dim are a concatenation: the
+        // gradients of a split (`narrow`s of one product, as attention's q, k and v are) then
+        // meet in one buffer, not as two zero-filled copies added.
+        if matches!(ops[i], NodeOp::Prim(Op::Binary(BinaryOp::Add, _))) {
+            if let Some((d, first, second)) = tiling_pads(&ops, &args, g, i) {
+                ops[i] = NodeOp::Prim(Op::Cat(d));
+                args[i] = vec![first, second];
             }
         }
         let konst = |j: NodeId| constant(&ops, &args, j);
@@ -132,6 +142,25 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
     out
 }
 
+/// Whether the two arguments of sum `i` are zero paddings of values that tile it along one dim
+/// (`[a, 0] + [0, b]`): that dim and the two values in order.
+fn tiling_pads(ops: &[NodeOp], args: &[Vec<NodeId>], g: &Graph, i: NodeId) -> Option<(usize, NodeId, NodeId)> {
+    let pad = |j: NodeId| match &ops[j] {
+        NodeOp::Prim(Op::Pad(p, v)) if *v == 0.0 && g.nodes[j].dtype == g.nodes[i].dtype && g.nodes[j].shape == g.nodes[i].shape => Some(p),
+        _ => None,
+    };
+    let (x, y) = (args[i][0], args[i][1]);
+    let (px, py) = (pad(x)?, pad(y)?);
+    let d = (0..px.len()).find(|&d| px[d] != (0, 0) || py[d] != (0, 0))?;
+    if (0..px.len()).any(|e| e != d && (px[e] != (0, 0) || py[e] != (0, 0))) {
+        return None;
+    }
+    // The value without padding before it comes first; it ends where the other starts.
+    let (lead, tail, lp, tp) = if px[d].0 == 0 { (x, y, px[d], py[d]) } else { (y, x, py[d], px[d]) };
+    let lead_len = g.nodes[i].shape[d] - lp.1;
+    (lp.0 == 0 && tp.1 == 0 && tp.0 == lead_len).then(|| (d, args[lead][0], args[tail][0]))
+}
+
 fn round_to(v: f64, d: crate::DType) -> f64 {
     use crate::DType::*;
     match d {
@@ -146,6 +175,27 @@ fn round_to(v: f64, d: crate::DType) -> f64 {
 mod tests {
     use super::*;
     use crate::{DType, Device, Tensor};
+
+    /// The gradient of two `narrow`s that split a value: zero paddings that tile it, added.
+    /// Simplified, it is their concatenation (in order along the split dim), with the same
+    /// values; paddings that overlap or leave a gap stay a sum.
+    #[test]
+    fn zero_paddings_that_tile_their_sum_are_a_concatenation() {
+        let cpu = Device::Cpu;
+        let (a, b) = (Tensor::randn(&[2, 3, 4], DType::F32, &cpu).unwrap(), Tensor::randn(&[2, 3, 6], DType::F32, &cpu).unwrap());
+        let tiled = |xs: &[Tensor]| Ok(vec![xs[1].pad(&[4, 0], 0.0)?.add(&xs[0].pad(&[0, 6], 0.0)?)?]);
+        let g = simplify(&crate::compile::fuse::tests::graph_of(&[a.clone(), b.clone()], tiled));
+        let cats: Vec<&Op> = g.nodes.iter().filter_map(|n| if let NodeOp::Prim(op @ Op::Cat(_)) = &n.op { Some(op) } else { None }).collect();
+        assert_eq!(cats, [&Op::Cat(2)], "{g}");
+        assert!(!g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Pad(..) | Op::Binary(..)))), "{g}");
+        let want = crate::ops::movement::cat(&[&a, &b], 2).unwrap();
+        let got = crate::compile::compile_with(crate::compile::CompileOptions::new(), tiled).call(&[a.clone(), b.clone()]).unwrap();
+        assert_eq!(got[0].to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        // A gap between them (or an overlap) is no tiling.
+        let gap = |xs: &[Tensor]| Ok(vec![xs[1].pad(&[5, 0], 0.0)?.add(&xs[0].pad(&[0, 7], 0.0)?)?]);
+        let g = simplify(&crate::compile::fuse::tests::graph_of(&[a, b], gap));
+        assert!(!g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))), "{g}");
+    }
 
     /// Batch norm's per-channel scale over a channels-last image: the `[1, 1, 1, C]` statistic
     /// seen as `[1, C, 1, 1]` is a reshape, so the scale joins the kernels around it; a permute
