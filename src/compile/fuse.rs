@@ -193,13 +193,13 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             // Kept dims one run with reduced dims on both sides, on the GPU: a mid reduction.
             // Its threads walk the inner dim, so that dim must be long enough to be read a
             // warp's width at a time, or 1: then they walk the kept dims (channels-last batch
-            // norm's statistics of `[N, H, W, C]`, a matrix's column sums: a bias's gradient,
-            // or a layer norm weight's, computed from its product in the kernel, not stored).
+            // norm's statistics of `[N, H, W, C]`; 4-D values only, so that the column sums of
+            // matrices keep the eager column kernel).
             let kept: Vec<usize> = (0..x.len()).filter(|d| !dims.contains(d)).collect();
             let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Kind::Other };
             let (outer, rows, inner): (usize, usize, usize) = (x[..a].iter().product(), x[a..=b].iter().product(), x[b + 1..].iter().product());
             let one_run = b - a + 1 == kept.len();
-            let walkable = inner >= MID_MIN_INNER || inner == 1;
+            let walkable = inner >= MID_MIN_INNER || (inner == 1 && x.len() == 4);
             if n.device.is_cuda() && one_run && outer > 1 && walkable && rows > 1 && outer.checked_mul(inner).is_some_and(|k| k <= MAX_LOOPED_ROW) {
                 Kind::MidReduce(outer, rows, inner)
             } else {
