@@ -340,12 +340,19 @@ pub(crate) fn zero_fill(dev: &Arc<CudaDevice>, s: &CudaStorage) -> Result<()> {
 
 pub(crate) fn full(device: usize, shape: &[usize], value: f64, dtype: DType) -> Result<CudaStorage> {
     let dev = crate::backend::cuda::device(device)?;
+    let s = CudaStorage::new(&dev, dtype, numel(shape))?;
     if value == 0.0 {
-        let s = CudaStorage::new(&dev, dtype, numel(shape))?;
         zero_fill(&dev, &s)?;
-        return Ok(s);
+    } else {
+        fill_into(&dev, s.ptr(), dtype, &Layout::contiguous(shape), value)?;
     }
-    map_new(&dev, "fill", &[], shape, dtype, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])
+    Ok(s)
+}
+
+/// `value` written at every element of `layout` from `ptr` (one launch parameter, so every
+/// value shares one kernel).
+fn fill_into(dev: &Arc<CudaDevice>, ptr: u64, dtype: DType, layout: &Layout, value: f64) -> Result<()> {
+    map_into(dev, "fill", &[], ptr, dtype, layout, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])
 }
 
 /// The random distributions of `Tensor::rand`/`randn`/`randint`, drawn from the same Philox
@@ -628,7 +635,7 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
             }
             let slab = Layout { shape, strides: strides.clone(), offset: 0 };
             let ptr = out.ptr() + (at * strides[d]) as u64 * size;
-            map_into(&dev, "fill", &[], ptr, dtype, &slab, CType::F64, "kparam_f(P(0))".into(), &[value.to_bits()])?;
+            fill_into(&dev, ptr, dtype, &slab, value)?;
         }
     }
     let offset: usize = pads.iter().zip(&strides).map(|(p, s)| p.0 * s).sum();
