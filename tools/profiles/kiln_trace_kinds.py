@@ -1,9 +1,10 @@
 """Sums the device kernels of a `kiln profile --trace` Chrome trace (CUPTI's timeline: pid 1, the
-threads named "kernels (CUPTI)"; pid 1 tid 0 is the launches as kiln's hooks timed them) by name and by kind, with the kinds `torch_kernels.py` uses, to set beside PyTorch's table.
+threads named "kernels (CUPTI)"; pid 1 tid 0 is the launches as kiln's hooks timed them) by name and by kind (`kinds.py`, as `torch_kernels.py` sums PyTorch's), to set beside PyTorch's table.
 
     python3 tools/profiles/kiln_trace_kinds.py TRACE.json[.gz] [--rows 40]
 """
 import argparse, gzip, json
+from kinds import kind
 
 ap = argparse.ArgumentParser()
 ap.add_argument("trace")
@@ -14,18 +15,6 @@ events = json.load(opener(args.trace, "rt"))
 events = events["traceEvents"] if isinstance(events, dict) else events
 cupti = {e["tid"] for e in events if e.get("ph") == "M" and e.get("pid") == 1 and "CUPTI" in e["args"].get("name", "")}
 device = [e for e in events if e.get("ph") == "X" and e.get("pid") == 1 and e.get("tid") in cupti]
-
-def kind(name):
-    n = name.lower()
-    if n.startswith("fused_"):
-        return "generated (fused)"
-    if any(k in n for k in ("flash", "fmha", "sdpa", "attention", "lean_reduction")):
-        return "attention"
-    if any(k in n for k in ("conv", "xmma", "cutlass", "implicit_gemm", "wgrad", "dgrad", "fprop", "nhwc", "cudnn", "nvjet", "gemm", "splitk", "sm90_", "sm80_")):
-        return "convolution and products (cuDNN, cuBLAS)"
-    if "memcpy" in n or "memset" in n:
-        return "copies and memsets"
-    return "other kiln kernels"
 
 by_name, by_kind = {}, {}
 for e in device:

@@ -9,6 +9,7 @@ The GPT-2 model is torch_reference.py's own (found beside it in .gpu/bench or ..
 """
 import argparse, os, sys
 import torch, torch.nn.functional as F
+from kinds import kind
 from torch.profiler import profile, ProfilerActivity
 
 ap = argparse.ArgumentParser()
@@ -47,20 +48,6 @@ def stepper(m):
             loss = loss_of(m)
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return step
-
-def kind(name):
-    n = name.lower()
-    if n.startswith("triton"):
-        return "Triton (Inductor)"
-    if "multi_tensor_apply" in n:
-        return "optimiser (foreach)"
-    if any(k in n for k in ("flash", "fmha", "sdpa", "attention")):
-        return "attention"
-    if any(k in n for k in ("conv", "xmma", "cutlass", "implicit_gemm", "wgrad", "dgrad", "fprop", "nhwc", "cudnn", "nvjet", "gemm", "splitk")):
-        return "convolution and products (cuDNN, cuBLAS)"
-    if "memcpy" in n or "memset" in n:
-        return "copies and memsets"
-    return "other"
 
 for mode in args.modes.split(","):
     step = stepper(model if mode == "eager" else torch.compile(model, mode=mode))
