@@ -164,7 +164,13 @@ impl FusedKernel {
     /// left out: kernels of one signature (the residual add and layer norm of every layer of
     /// a transformer, in one graph or several) share one compiled kernel.
     pub(crate) fn signature(&self) -> &str {
-        self.memo.signature.get_or_init(|| {
+        self.memo.signature.get_or_init(|| self.signature_with(|_| false))
+    }
+
+    /// The signature with the constants `param` names (by op) left out: the code reads them
+    /// from launch words, so kernels differing only in those share it.
+    pub(crate) fn signature_with(&self, param: impl Fn(usize) -> bool) -> String {
+        {
             let mut s = match self.space {
                 Space::Flat { .. } => "flat:".to_string(),
                 Space::Rows { .. } => "rows:".to_string(),
@@ -183,7 +189,7 @@ impl FusedKernel {
                 ValueRef::In(j) => ValueRef::In(*j),
                 ValueRef::Op(j) => seen[*j],
             };
-            for o in &self.ops {
+            for (i, o) in self.ops.iter().enumerate() {
                 if o.kind == KKind::Same {
                     let viewed = arg(&o.args[0], &seen);
                     let row = match viewed {
@@ -196,7 +202,8 @@ impl FusedKernel {
                     }
                 }
                 let args: Vec<ValueRef> = o.args.iter().map(|a| arg(a, &seen)).collect();
-                let _ = write!(s, " | {:?}{:?}:{:?}{}", o.kind, args, o.dtype, if o.row { "(row)" } else { "" });
+                let kind = if param(i) { "Param".to_string() } else { format!("{:?}", o.kind) };
+                let _ = write!(s, " | {kind}{:?}:{:?}{}", args, o.dtype, if o.row { "(row)" } else { "" });
                 seen.push(ValueRef::Op(kept_rows.len()));
                 kept_rows.push(o.row);
             }
@@ -207,7 +214,7 @@ impl FusedKernel {
                 }
             }
             s
-        })
+        }
     }
 
     /// The name its generated code goes by: `fused_<ops>_<hash of what the code depends on>`,

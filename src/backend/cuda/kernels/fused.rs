@@ -136,18 +136,8 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
         }
         let (t, e) = match op.kind {
             KKind::Const(v) if params.len() < CONST_PARAMS => {
-                let t = CType::of(op.dtype);
-                let p = format!("P({})", params.len());
-                params.push(match t {
-                    CType::F32 | CType::F64 => v.to_bits(),
-                    CType::I64 | CType::Bool => v as i64 as u64,
-                });
-                let e = match t {
-                    CType::F32 => format!("((float)kparam_f({p}))"),
-                    CType::F64 => format!("kparam_f({p})"),
-                    CType::I64 => format!("((long long){p})"),
-                    CType::Bool => format!("({p} != 0)"),
-                };
+                let (t, e, bits) = const_param(op.dtype, v, &format!("P({})", params.len()));
+                params.push(bits);
                 (t, e)
             }
             _ => lower(op, &args),
@@ -163,6 +153,23 @@ fn flat_code(k: &FusedKernel) -> FlatCode {
     let outputs: Vec<&str> = k.outputs.iter().map(|(o, _)| vals[*o].1.as_str()).collect();
     let name = k.code_name(&format!("{body}{outputs:?}"));
     FlatCode { body, vals, params, name }
+}
+
+/// A constant passed as a launch word (`word`, the C text that reads it): its type, its
+/// expression, and the word's bits.
+fn const_param(dtype: crate::DType, v: f64, word: &str) -> (CType, String, u64) {
+    let t = CType::of(dtype);
+    let bits = match t {
+        CType::F32 | CType::F64 => v.to_bits(),
+        CType::I64 | CType::Bool => v as i64 as u64,
+    };
+    let e = match t {
+        CType::F32 => format!("((float)kparam_f({word}))"),
+        CType::F64 => format!("kparam_f({word})"),
+        CType::I64 => format!("((long long){word})"),
+        CType::Bool => format!("({word} != 0)"),
+    };
+    (t, e, bits)
 }
 
 fn run_flat(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, shape: &[usize], numel: usize, inputs: &[Tensor], into: &[Option<Tensor>]) -> Result<Vec<Tensor>> {
@@ -478,9 +485,15 @@ fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cov
 
 /// A mid kernel's name: walking columns `tx` threads across (`gen_fused_cols`), else the
 /// middle dim (`gen_fused_mid`).
+/// A mid kernel's signature: its constants passed as launch words are not part of its code.
+fn mid_signature(k: &FusedKernel) -> String {
+    let params = mid_params(k).0;
+    k.signature_with(|i| params[i].is_some())
+}
+
 fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: &[bool]) -> String {
     let kind = tx.map_or("mid".into(), |tx| format!("cols{tx}x"));
-    format!("{}_{kind}{vec}{}_{}", k.code_name(k.signature()), if wide { "_i64" } else { "" }, vector_loads(vector))
+    format!("{}_{kind}{vec}{}_{}", k.code_name(&mid_signature(k)), if wide { "_i64" } else { "" }, vector_loads(vector))
 }
 
 /// A looped row kernel's block (`gen_fused_rows`): threads, and the most values each reads
@@ -592,11 +605,12 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
 }
 
 /// Launch words of a mid kernel (`gen_fused_mid`): sizes, the split's counters, a partials
-/// buffer per reduction, outputs, then four words per input (address; outer, row and inner
-/// strides).
+/// buffer per reduction, outputs, four words per input (address; outer, row and inner
+/// strides), then the constants passed as words (`mid_params`).
 struct MidWords {
     reductions: usize,
     outputs: usize,
+    inputs: usize,
 }
 
 impl MidWords {
@@ -611,6 +625,33 @@ impl MidWords {
     fn input(&self, j: usize) -> usize {
         5 + self.reductions + self.outputs + 4 * j
     }
+    fn param(&self, n: usize) -> usize {
+        self.input(self.inputs) + n
+    }
+    fn of(k: &FusedKernel) -> MidWords {
+        MidWords { reductions: mid_reductions(k).len(), outputs: k.outputs.len(), inputs: k.inputs.len() }
+    }
+}
+
+/// A mid kernel's constants passed as launch words (the first `CONST_PARAMS` of those computed
+/// once) rather than written into its source, as a flat kernel's are: a size (a mean's divisor)
+/// or a hyperparameter then launches the same kernel at every value. Per op, the expression
+/// that reads its word; and the words' values.
+fn mid_params(k: &FusedKernel) -> (Vec<Option<String>>, Vec<u64>) {
+    let words = MidWords::of(k);
+    let mut exprs = vec![None; k.ops.len()];
+    let mut bits = vec![];
+    for (i, op) in k.ops.iter().enumerate() {
+        if let KKind::Const(v) = op.kind {
+            // (as many as the launch's argument block has room for after the inputs)
+            if !op.row && bits.len() < CONST_PARAMS && words.param(bits.len()) < LaunchArgs::default().w.len() {
+                let (_, e, b) = const_param(op.dtype, v, &format!("a.w[{}]", words.param(bits.len())));
+                exprs[i] = Some(e);
+                bits.push(b);
+            }
+        }
+    }
+    (exprs, bits)
 }
 
 /// A mid kernel's reductions: (op index, reduction, accumulator type), the accumulator as the
@@ -641,11 +682,14 @@ fn mid_elementwise(k: &FusedKernel) -> Vec<bool> {
 
 /// The `const` definitions of the ops of `k` that `pick` selects, in order, at `indent`
 /// (reductions, views and broadcasts name other values and are not written).
-fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], indent: &str, pick: impl Fn(usize) -> bool) {
+/// (constants passed as launch words, `params`, read them).
+fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], params: &[Option<String>], indent: &str, pick: impl Fn(usize) -> bool) {
     let written = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
     for i in (0..k.ops.len()).filter(|&i| written(i) && pick(i)) {
-        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, ins, vals)).collect();
-        let (t, e) = lower(&k.ops[i], &args);
+        let (t, e) = match params.get(i).cloned().flatten() {
+            Some(e) => (CType::of(k.ops[i].dtype), e),
+            None => lower(&k.ops[i], &k.ops[i].args.iter().map(|a| arg(a, ins, vals)).collect::<Vec<_>>()),
+        };
         let _ = writeln!(c, "{indent}const {} t{i} = {e};", t.name());
     }
 }
@@ -660,7 +704,7 @@ fn mid_element(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &
     }
     // (no row value is among a full op's arguments: the scheduler sees to that)
     let elem = mid_elementwise(k);
-    mid_ops(c, k, ins, vals, indent, |i| elem[i]);
+    mid_ops(c, k, ins, vals, &[], indent, |i| elem[i]);
     for &(i, r, t) in &mid_reductions(k) {
         let a = arg(&k.ops[i].args[0], ins, vals);
         let _ = writeln!(c, "{indent}{} = {}({}, {});", acc(i), comb_name(r, t), acc(i), convert(a.0, t, &a.1));
@@ -696,7 +740,7 @@ fn mid_row_tail(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: 
             let _ = writeln!(c, "{indent}const {} x{j} = {};", t.name(), load(inp.dtype, t, &format!("p{j}[{at} * ms{j}]")));
         }
     }
-    mid_ops(c, k, ins, vals, indent, |i| k.ops[i].row);
+    mid_ops(c, k, ins, vals, &[], indent, |i| k.ops[i].row);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if k.ops[*o].row {
             let v = &vals[*o];
@@ -736,7 +780,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
             c.push_str(&block_reduce(r, t));
         }
     }
-    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
+    let words = MidWords::of(k);
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let s = MidWords::SIZES;
     let _ = writeln!(c, "  const IDX P = (IDX)a.w[{}], M = (IDX)a.w[{}], Q = (IDX)a.w[{}], C = (IDX)a.w[{}]; (void)P;", s, s + 1, s + 2, s + 3);
@@ -757,7 +801,7 @@ fn gen_fused_mid(k: &FusedKernel, name: &str, wide: bool, vec: usize, vector: &[
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
     // Ops on full values run per element; constants (and ops of constants alone) once, here.
     let elem = mid_elementwise(k);
-    mid_ops(&mut c, k, &ins, &vals, "  ", |i| !elem[i] && !k.ops[i].row);
+    mid_ops(&mut c, k, &ins, &vals, &mid_params(k).0, "  ", |i| !elem[i] && !k.ops[i].row);
     let _ = writeln!(c, "  const IDX dp = T / Qv, dq = T % Qv;\n  IDX pp = (lo + (IDX)threadIdx.x) / Qv, qq = (lo + (IDX)threadIdx.x) % Qv;");
     let _ = writeln!(c, "  for (IDX base = lo + (IDX)threadIdx.x; base < hi; base += ILP * T) {{\n    IDX pu[ILP], qu[ILP];");
     let _ = writeln!(c, "    _Pragma(\"unroll\") for (int u = 0; u < ILP; u++) {{ pu[u] = pp; qu[u] = qq * VEC; kadv(pp, qq, dp, dq, Qv); }}");
@@ -821,7 +865,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
             let _ = writeln!(c, "__device__ __forceinline__ {n} {}({n} a, {n} b) {{ return {}; }}", comb_name(r, t), r.cuda_combine(), n = t.name());
         }
     }
-    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
+    let words = MidWords::of(k);
     let widest_acc = reduces.iter().map(|r| r.2.dtype().size_in_bytes()).max().unwrap_or(4);
     let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({MID_THREADS}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let s = MidWords::SIZES;
@@ -841,7 +885,7 @@ fn gen_fused_cols(k: &FusedKernel, name: &str, wide: bool, vec: usize, tx: usize
     }
     let full_in: Vec<usize> = (0..k.inputs.len()).filter(|&j| !k.inputs[j].row).collect();
     let elem = mid_elementwise(k);
-    mid_ops(&mut c, k, &ins, &vals, "  ", |i| !elem[i] && !k.ops[i].row);
+    mid_ops(&mut c, k, &ins, &vals, &mid_params(k).0, "  ", |i| !elem[i] && !k.ops[i].row);
     // M is a multiple of VEC: a thread's columns are all in or all out.
     let _ = writeln!(c, "  if (col0 < M) for (IDX base = lo + (IDX)threadIdx.y; base < hi; base += ILP * TY) {{");
     for &j in &full_in {
@@ -939,9 +983,10 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         views.push(if inp.row { view_as(t, &[1, m, 1])? } else { view_as(t, &[p, m, q])? });
     }
     let reduces = mid_reductions(k);
-    let words = MidWords { reductions: reduces.len(), outputs: k.outputs.len() };
-    if words.input(views.len()) > LaunchArgs::default().w.len() {
-        return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), k.outputs.len())));
+    let words = MidWords::of(k);
+    let params = mid_params(k).1;
+    if words.param(params.len()) > LaunchArgs::default().w.len() {
+        return Err(Error::arg("fused kernel", format!("{}: {} inputs, {} outputs and {} constants exceed a launch's argument block", k.name, views.len(), k.outputs.len(), params.len())));
     }
     // Per-row outputs the plan writes in place (`into`), the rest fresh.
     let mut outs = vec![];
@@ -977,6 +1022,9 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     for (j, t) in outs.iter().enumerate() {
         a.w[words.output(j)] = data_ptr(t)?;
     }
+    for (n, &bits) in params.iter().enumerate() {
+        a.w[words.param(n)] = bits;
+    }
     let mut reach = p * m * q;
     for (j, t) in views.iter().enumerate() {
         let w = words.input(j);
@@ -1004,7 +1052,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     let kern = match cached {
         Some(f) => f,
         None => {
-            let signature = k.signature();
+            let signature = mid_signature(k);
             let name = mid_name(k, cols_tx, vec, wide, &vector);
             let f = dev.kernel(KernelKey::Named(format!("mid {name} {signature}")), || {
                 let src = match cols_tx {
@@ -1239,6 +1287,35 @@ pub(super) mod tests {
                 println!("{src}");
             }
         }
+    }
+
+    /// A column mean's divisor is the row count: a launch word, not a literal in the source,
+    /// so a graph traced at another size (dynamic shapes) launches the same compiled kernel.
+    #[test]
+    fn a_mid_kernels_constants_are_launch_words() {
+        let code = |rows: usize| {
+            let x = Tensor::randn(&[rows, 64], DType::F32, &Device::Cpu).unwrap();
+            let f = |xs: &[Tensor]| {
+                let y = xs[0].tanh()?.mul(&xs[0])?;
+                Ok(vec![y.sub(&y.mean(&[0], true)?)?])
+            };
+            let mids: Vec<FusedKernel> = optimised_kernels(&[x], f).into_iter().filter(|k| matches!(k.space, Space::Mid { .. })).collect();
+            assert_eq!(mids.len(), 1, "the column sum is a mid kernel");
+            let k = &mids[0];
+            let Space::Mid { rows: m, inner: q, .. } = k.space else { unreachable!("filtered") };
+            let (vec, tx) = mid_shape(k, m, q);
+            let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && vec > 1).collect();
+            let name = mid_name(k, tx, vec, false, &vector);
+            let src = match tx {
+                Some(tx) => gen_fused_cols(k, &name, false, vec, tx, &vector),
+                None => gen_fused_mid(k, &name, false, vec, &vector),
+            };
+            (name, src, mid_params(k).1)
+        };
+        let ((name_a, src_a, words_a), (name_b, src_b, words_b)) = (code(24), code(40));
+        assert_eq!((name_a, &src_a), (name_b, &src_b));
+        assert_eq!((words_a, words_b), (vec![24f64.to_bits()], vec![40f64.to_bits()]));
+        assert!(src_a.contains("kparam_f(a.w["), "{src_a}");
     }
 
     #[test]
