@@ -193,13 +193,13 @@ fn kind_of(g: &Graph, i: NodeId) -> Kind {
             // Kept dims one run with reduced dims on both sides, on the GPU: a mid reduction.
             // Its threads walk the inner dim, so that dim must be long enough to be read a
             // warp's width at a time, or 1: then they walk the kept dims (channels-last batch
-            // norm's statistics of `[N, H, W, C]`; 4-D values only, so that the column sums of
-            // matrices keep the eager column kernel).
+            // norm's statistics of `[N, H, W, C]`, a matrix's column sums: a bias's gradient,
+            // or a layer norm weight's, computed from its product in the kernel, not stored).
             let kept: Vec<usize> = (0..x.len()).filter(|d| !dims.contains(d)).collect();
             let (Some(&a), Some(&b)) = (kept.first(), kept.last()) else { return Kind::Other };
             let (outer, rows, inner): (usize, usize, usize) = (x[..a].iter().product(), x[a..=b].iter().product(), x[b + 1..].iter().product());
             let one_run = b - a + 1 == kept.len();
-            let walkable = inner >= MID_MIN_INNER || (inner == 1 && x.len() == 4);
+            let walkable = inner >= MID_MIN_INNER || inner == 1;
             if n.device.is_cuda() && one_run && outer > 1 && walkable && rows > 1 && outer.checked_mul(inner).is_some_and(|k| k <= MAX_LOOPED_ROW) {
                 Kind::MidReduce(outer, rows, inner)
             } else {
@@ -494,7 +494,10 @@ fn pad_row_outputs(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &
 /// Takes out of their groups the reshapes that only steps outside read: inside, each would be
 /// an output stored beside the value it reshapes (a ReLU's output and its `[1, M, N]` view for
 /// the next product: the same bytes written twice, held twice). Outside, it is a view of that
-/// value. A reshape that is a written-back value stays, so that it is still stored in place.
+/// value. So too a reshape of a value the kernel loads that steps outside also read (a bias
+/// gradient's input, which the weight gradient's product reads as well): inside, it would be a
+/// copy of that input; outside, the kernel loads the view. A reshape that is a written-back
+/// value stays, so that it is still stored in place.
 fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) {
     let written_back: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
     for (gi, grp) in groups.iter_mut().enumerate() {
@@ -505,7 +508,9 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
         // Latest first: a reshape of a reshape leaves first, then may let the inner one go.
         for k in (0..grp.members.len()).rev() {
             let m = grp.members[k];
-            if kinds[m] == Kind::Reshape && !written_back.contains(&m) && node_readers[m].iter().all(|&r| group_of[r] != Some(gi)) {
+            let outside = |r: &NodeId| group_of[*r] != Some(gi);
+            let of_an_input = g.nodes[m].args.iter().all(outside) && node_readers[m].iter().any(outside);
+            if kinds[m] == Kind::Reshape && !written_back.contains(&m) && (node_readers[m].iter().all(outside) || of_an_input) {
                 grp.members.remove(k);
                 group_of[m] = None;
             }
@@ -592,6 +597,15 @@ fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group
     members.sort_unstable();
     if too_many_operands(g, node_readers, &members, if mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS }) {
         return false;
+    }
+    // A mid kernel loads its stored inputs as values of its walk: a one-element one (an
+    // optimiser's step-dependent scalar) read by a per-row member would be undefined there.
+    if let Some((o, r, q)) = mid {
+        let walked = o * r * q;
+        let outside = |a: &NodeId| members.binary_search(a).is_err();
+        if members.iter().any(|&m| g.nodes[m].numel() != walked && g.nodes[m].args.iter().any(|a| outside(a) && g.nodes[*a].numel() == 1)) {
+            return false;
+        }
     }
     // The two groups being merged are not "other groups" for the check.
     let mut others = group_of.to_vec();
@@ -797,6 +811,57 @@ pub(crate) mod tests {
 
     fn r(shape: &[usize], dt: DType) -> Tensor {
         Tensor::randn(shape, DType::F32, &Device::Cpu).unwrap().to_dtype(dt).unwrap()
+    }
+
+    /// A bias's gradient (a matrix's column sum, a mid kernel) and an update of the bias by a
+    /// one-element stored value (an optimiser's step-dependent rate): the update, per column,
+    /// stays out of the mid kernel, which holds stored inputs only as values of its walk.
+    #[test]
+    fn a_mid_kernel_reads_no_one_element_input_per_row() {
+        let args = [r(&[64, 32], DType::F32), r(&[32], DType::F32), r(&[1], DType::F32)];
+        let g = graph_of(&args, |xs| Ok(vec![xs[1].sub(&xs[0].tanh()?.sum(&[0], false)?.mul(&xs[2].expand(&[32])?)?)?]));
+        let s = schedule(&g);
+        let mids: Vec<&FusedKernel> = s.kernels.iter().filter(|k| matches!(k.space, Space::Mid { .. })).collect();
+        assert_eq!(mids.len(), 1, "{}", s.kernels.iter().map(|k| k.describe()).collect::<Vec<_>>().join("\n"));
+        let k = mids[0];
+        // Every per-row op reads per-row values (through views), never a full input.
+        let mut row_valued: Vec<bool> = vec![];
+        for op in &k.ops {
+            let reads_row = |a: &ValueRef| match a {
+                ValueRef::In(j) => k.inputs[*j].row,
+                ValueRef::Op(j) => row_valued[*j],
+            };
+            let row = op.row && (op.args.is_empty() || op.args.iter().all(reads_row) || matches!(op.kind, KKind::Reduce(_)));
+            assert!(!op.row || row, "{}", k.describe());
+            row_valued.push(op.row);
+        }
+        assert!(s.kernels.len() >= 2, "the update is a kernel of its own");
+    }
+
+    /// A value a kernel loads through a reshape that a product reads too (attention's q, k and v
+    /// gradients concatenated, then summed for the bias and multiplied for the weight): the
+    /// kernel loads the view, and stores no copy of it.
+    #[test]
+    fn a_kernel_stores_no_copy_of_what_it_loads() {
+        let args = [r(&[4, 8, 16], DType::BF16), r(&[4, 8, 32], DType::BF16), r(&[1, 48, 24], DType::BF16)];
+        let g = graph_of(&args, |xs| {
+            let v = crate::ops::movement::cat(&[&xs[0], &xs[1]], 2)?.reshape(&[32, 48])?;
+            Ok(vec![v.sum(&[0], false)?, v.reshape(&[1, 32, 48])?.matmul(&xs[2])?])
+        });
+        let s = schedule(&g);
+        assert!(!s.kernels.is_empty());
+        for k in &s.kernels {
+            for (o, _) in &k.outputs {
+                let mut v = ValueRef::Op(*o);
+                while let ValueRef::Op(j) = v {
+                    if k.ops[j].kind != KKind::Same {
+                        break;
+                    }
+                    v = k.ops[j].args[0];
+                }
+                assert!(matches!(v, ValueRef::Op(_)), "an output is a view of an input: {}", k.describe());
+            }
+        }
     }
 
     #[test]

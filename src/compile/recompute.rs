@@ -19,12 +19,17 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
     for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, o)| o)) {
         kept[o] = true;
     }
-    let fusable_reader = |r: NodeId| {
+    // Readers a fused kernel computes: pointwise ops, reductions where the scheduler fuses
+    // them (elsewhere an eager kernel would read a copy stored for it), and reshapes read only
+    // by such readers (one read by a library product needs the value stored anyway).
+    let mut fusable = vec![false; n];
+    for r in (0..n).rev() {
         let node = &g.nodes[r];
-        // (a reduction only where the scheduler fuses it: a matrix's column sum, a bias
-        // gradient, is the eager column kernel, which would read a copy stored for it)
-        node.is_pointwise() || matches!(node.op, NodeOp::Prim(Op::Reshape(_))) || super::fuse::reduces_in_a_kernel(g, r)
-    };
+        fusable[r] = node.is_pointwise()
+            || super::fuse::reduces_in_a_kernel(g, r)
+            || (matches!(node.op, NodeOp::Prim(Op::Reshape(_))) && !kept[r] && readers[r].iter().all(|&x| fusable[x]));
+    }
+    let fusable_reader = |r: NodeId| fusable[r];
     // The pointwise ops a value's chain holds (itself and its pointwise ancestors, shared ones
     // counted per path), capped past MAX_CHAIN.
     let mut chain = vec![usize::MAX; n];
@@ -110,9 +115,9 @@ mod tests {
         assert!(mid.outputs.iter().any(|(o, _)| !mid.ops[*o].row), "{}", mid.describe());
     }
 
-    /// A ReLU backward's output read by the bias gradient (a matrix's column sum: the eager
-    /// column kernel, which fuses nothing) and by the weight gradient's product: copied, it
-    /// would be computed and stored once for each.
+    /// A ReLU backward's output read by the bias gradient (a matrix's column sum, fused) and
+    /// by the weight gradient's product (through a reshape): stored for the product anyway, it
+    /// is not copied, and the column sum's kernel computes and stores it.
     #[test]
     fn a_value_read_by_a_column_sum_of_a_matrix_is_not_copied() {
         let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -123,5 +128,8 @@ mod tests {
         let g = simplify::simplify(&fuse::tests::graph_of(&args, f));
         let wheres = |g: &Graph| g.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Where(_)))).count();
         assert_eq!(wheres(&recompute_cheap(&g)), wheres(&g), "{}", recompute_cheap(&g));
+        let s = fuse::schedule(&recompute_cheap(&g));
+        let mid = s.kernels.iter().find(|k| matches!(k.space, Space::Mid { .. })).expect("the column sum is a mid kernel");
+        assert!(mid.ops.iter().any(|o| o.kind == crate::kir::KKind::Where) && mid.outputs.iter().any(|(o, _)| !mid.ops[*o].row), "{}", mid.describe());
     }
 }
