@@ -404,15 +404,53 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             filled_op[i] |= plan.op_array[i];
         }
     };
+    // A looped kernel walks memory once per pass: a later reduction whose pass reads only row
+    // values already computed here (cross-entropy's target logit needs the row's max, not its
+    // sum of exponentials) folds in the same walk. Each accumulator takes the same values in
+    // the same order as in a pass of its own.
+    let row_value = |a: &ValueRef| {
+        let mut a = *a;
+        while let ValueRef::Op(j) = a {
+            match k.ops[j].kind {
+                KKind::Same | KKind::Broadcast => a = k.ops[j].args[0],
+                _ => return (!plan.elem[j]).then_some(j),
+            }
+        }
+        None
+    };
+    let ready_at = |r: usize, i: usize| {
+        let p = &plan.passes[pass_of(r)];
+        p.ops.iter().chain([&r]).all(|&o| k.ops[o].args.iter().all(|a| row_value(a).is_none_or(|b| b < i)))
+    };
+    let mut walked = vec![false; k.ops.len()];
     for (i, op) in k.ops.iter().enumerate() {
         match &op.kind {
-            KKind::Reduce(r) => {
-                let t = CType::of(op.dtype);
-                let a = arg(&op.args[0], &ins, &vals);
-                let each = format!("          acc{i} = {}(acc{i}, {});\n", comb_name(*r, t), convert(a.0, t, &a.1));
-                let _ = writeln!(c, "    {} acc{i} = {};", t.name(), r.cuda_identity(t));
-                pass(&mut c, &plan.passes[pass_of(i)], &each, "", "");
-                let _ = writeln!(c, "    const {} t{i} = {}(acc{i});", t.name(), block_name(*r, t));
+            KKind::Reduce(_) if walked[i] => {}
+            KKind::Reduce(_) => {
+                let group: Vec<usize> = std::iter::once(i).chain(reduces.iter().copied().filter(|&r| looped && r > i && !walked[r] && ready_at(r, i))).collect();
+                let mut walk = RowPass::default();
+                let mut each = String::new();
+                for &g in &group {
+                    let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
+                    let t = CType::of(k.ops[g].dtype);
+                    let a = arg(&k.ops[g].args[0], &ins, &vals);
+                    let _ = writeln!(each, "          acc{g} = {}(acc{g}, {});", comb_name(r, t), convert(a.0, t, &a.1));
+                    let _ = writeln!(c, "    {} acc{g} = {};", t.name(), r.cuda_identity(t));
+                    let p = &plan.passes[pass_of(g)];
+                    walk.inputs.extend(&p.inputs);
+                    walk.ops.extend(&p.ops);
+                }
+                for v in [&mut walk.inputs, &mut walk.ops] {
+                    v.sort_unstable();
+                    v.dedup();
+                }
+                pass(&mut c, &walk, &each, "", "");
+                for &g in &group {
+                    let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
+                    let t = CType::of(k.ops[g].dtype);
+                    let _ = writeln!(c, "    const {} t{g} = {}(acc{g});", t.name(), block_name(r, t));
+                    walked[g] = true;
+                }
             }
             KKind::Same | KKind::Broadcast => {}
             _ if !plan.elem[i] => {
@@ -1195,6 +1233,15 @@ pub(super) mod tests {
         kernels.extend(optimised_kernels(&[img], move |xs| Ok(vec![F::batch_norm(&xs[0], Some(&rm), Some(&rv), None, None, true, 0.1, 1e-5)?.relu()?])));
         let long = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap();
         kernels.extend(optimised_kernels(&[long], |xs| Ok(vec![xs[0].softmax(-1)?, F::layer_norm(&xs[0], &[crate::kir::MAX_ROW + 64], None, None, 1e-5)?])));
+        // Cross-entropy over rows past `MAX_ROW`, with its gradient: a looped kernel whose
+        // independent reductions share a walk.
+        let logits = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap().requires_grad();
+        let classes = Tensor::from_vec(vec![3i64, 700], &[2], &cpu).unwrap();
+        kernels.extend(optimised_kernels(&[logits, classes], |xs| {
+            let loss = F::cross_entropy(&xs[0].to_dtype(DType::F32)?, &xs[1])?;
+            loss.backward()?;
+            Ok(vec![loss, xs[0].grad().expect("a gradient")])
+        }));
         // A row kernel storing its rows padded (a padded product's gradient).
         let odd = Tensor::randn(&[4, 50], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap();
         kernels.extend(optimised_kernels(&[odd], |xs| Ok(vec![xs[0].to_dtype(DType::F32)?.softmax(-1)?.to_dtype(DType::BF16)?.pad(&[0, 6], 0.0)?])));

@@ -52,6 +52,8 @@ fn every_kernel_family_has_samples() {
     for family in ["_mid", "_cols"] {
         assert!(all.iter().any(|s| s.name.starts_with("fused_") && s.name.contains(family)), "no fused sample of {family}");
     }
+    // A looped row kernel folding two reductions in one walk (cross-entropy's).
+    assert!(all.iter().any(|s| s.name.starts_with("fused_") && s.name.contains("_loop_") && s.src.matches("for (int kbase").count() + 1 < s.src.matches("kb_").count()), "no fused sample of a merged walk");
     // A row kernel storing its rows padded (`fuse::pad_row_outputs`).
     assert!(all.iter().any(|s| s.name.starts_with("fused_") && s.src.contains(" + K + j] = ")), "no fused sample of padded rows");
     for s in &all {
