@@ -1,0 +1,167 @@
+//! Concatenations gathered: a concatenation is one copy of its operands into a fresh buffer,
+//! and its operands may be any views. So a permute of a concatenation becomes a concatenation
+//! of permuted views, a concatenation along the last dim of values reshaped into it becomes
+//! one over their own dims (no copy to reshape them first), and a concatenation of a
+//! concatenation along the same dim becomes one. Attention's q, k and v gradients, each in
+//! the attention's own `[L, B, H, D]` order, then meet in the `[B, L, 3 * H * D]` gradient of
+//! their projection in one concatenation instead of going through four copies.
+
+use super::graph::{Graph, Node, NodeId, NodeOp};
+use crate::ops::Op;
+
+pub(crate) fn gather(g: &Graph) -> Graph {
+    let users = g.users();
+    let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: vec![] };
+    for (i, node) in g.nodes.iter().enumerate() {
+        let args: Vec<NodeId> = node.args.iter().map(|&a| r.map[a]).collect();
+        let id = match &node.op {
+            NodeOp::Prim(Op::Permute(perm)) if r.cat_dim(args[0]).is_some() && users[node.args[0]] == 1 => {
+                let d = r.cat_dim(args[0]).expect("matched");
+                let operands: Vec<NodeId> = r.out.nodes[args[0]].args.clone();
+                let permuted: Vec<NodeId> = operands.iter().map(|&x| r.view(Op::Permute(perm.clone()), x, perm.iter().map(|&p| r.out.nodes[x].shape[p]).collect())).collect();
+                let at = perm.iter().position(|&p| p == d).expect("a permutation");
+                let operands = permuted.into_iter().map(|x| (x, false)).collect();
+                r.cat(at, operands, node.shape.clone(), users[i] == 1)
+            }
+            NodeOp::Prim(Op::Cat(d)) if *d + 1 == node.shape.len() => match r.last_dim_cat(g, &node.args, &users, *d, &node.shape) {
+                Some(id) => id,
+                None => r.push(node.op.clone(), args, node),
+            },
+            _ => r.push(node.op.clone(), args, node),
+        };
+        if r.absorbable.len() < r.out.nodes.len() {
+            r.absorbable.resize(r.out.nodes.len(), false);
+        }
+        r.map.push(id);
+    }
+    let outputs = g.outputs.iter().map(|&o| r.map[o]).collect();
+    let mutations = g.mutations.iter().map(|&(k, v)| (k, r.map[v])).collect();
+    Graph { outputs, mutations, ..r.out }
+}
+
+struct Rewrite {
+    out: Graph,
+    /// Per original node, its node in `out`.
+    map: Vec<NodeId>,
+    /// Per node of `out`: a concatenation nothing but its one reader reads, which a
+    /// concatenation reading it may take apart.
+    absorbable: Vec<bool>,
+}
+
+impl Rewrite {
+    fn push(&mut self, op: NodeOp, args: Vec<NodeId>, like: &Node) -> NodeId {
+        self.out.push(op, args, like.shape.clone(), like.dtype, like.device)
+    }
+
+    fn view(&mut self, op: Op, x: NodeId, shape: Vec<usize>) -> NodeId {
+        if self.out.nodes[x].shape == shape && !matches!(op, Op::Permute(_)) {
+            return x;
+        }
+        let (dtype, device) = (self.out.nodes[x].dtype, self.out.nodes[x].device);
+        self.out.push(NodeOp::Prim(op), vec![x], shape, dtype, device)
+    }
+
+    fn cat_dim(&self, x: NodeId) -> Option<usize> {
+        match self.out.nodes[x].op {
+            NodeOp::Prim(Op::Cat(d)) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// A concatenation along `d` of `operands`, taking apart those that are themselves
+    /// concatenations along `d` read only here (marked so, and absorbable).
+    fn cat(&mut self, d: usize, operands: Vec<(NodeId, bool)>, shape: Vec<usize>, absorbable: bool) -> NodeId {
+        let mut flat = vec![];
+        for (x, only_here) in operands {
+            if only_here && self.cat_dim(x) == Some(d) && self.absorbable.get(x).copied().unwrap_or(false) {
+                flat.extend(self.out.nodes[x].args.clone());
+            } else {
+                flat.push(x);
+            }
+        }
+        let (dtype, device) = (self.out.nodes[flat[0]].dtype, self.out.nodes[flat[0]].device);
+        let id = self.out.push(NodeOp::Prim(Op::Cat(d)), flat, shape, dtype, device);
+        self.absorbable.resize(self.out.nodes.len(), false);
+        self.absorbable[id] = absorbable;
+        id
+    }
+
+    /// A concatenation along the last dim `d` of values reshaped into it (original operands
+    /// `args`), as one over their own dims: each operand's dims past `d` (its tail) end in a
+    /// common suffix, after one leading dim of its own (or none: then 1), so the operands meet
+    /// along that leading dim and the result is a reshape of it. None when the operands do not
+    /// fit, or none of them is reshaped from more dims.
+    fn last_dim_cat(&mut self, g: &Graph, args: &[NodeId], users: &[usize], d: usize, shape: &[usize]) -> Option<NodeId> {
+        // Each operand's source: what it reshapes (read only by it), or itself.
+        let sources: Vec<NodeId> = args
+            .iter()
+            .map(|&a| match &g.nodes[a].op {
+                NodeOp::Prim(Op::Reshape(_)) => self.map[g.nodes[a].args[0]],
+                _ => self.map[a],
+            })
+            .collect();
+        let prefix = &shape[..d];
+        let tails: Vec<Vec<usize>> = sources.iter().map(|&s| self.out.nodes[s].shape.clone()).map(|s| if s.len() > d && s[..d] == *prefix { s[d..].to_vec() } else { vec![] }).collect();
+        if tails.iter().any(|t| t.is_empty()) {
+            return None;
+        }
+        let longest = tails.iter().max_by_key(|t| t.len()).expect("operands");
+        if longest.len() < 2 {
+            return None;
+        }
+        let common = &longest[1..];
+        let per = common.iter().product::<usize>();
+        // A tail of one dim is a contiguous run of the common suffix (a reshape, not a copy).
+        let lead: Vec<usize> = tails
+            .iter()
+            .map(|t| match t.len() {
+                n if n == common.len() && t[..] == *common => Some(1),
+                n if n == common.len() + 1 && t[1..] == *common => Some(t[0]),
+                1 if per > 0 && t[0] % per == 0 => Some(t[0] / per),
+                _ => None,
+            })
+            .collect::<Option<_>>()?;
+        let mut operands = vec![];
+        for ((&s, &k), &a) in sources.iter().zip(&lead).zip(args) {
+            let mut want = prefix.to_vec();
+            want.push(k);
+            want.extend_from_slice(common);
+            let only_here = users[a] == 1;
+            operands.push((self.view(Op::Reshape(want.clone()), s, want), only_here));
+        }
+        let mut joined = prefix.to_vec();
+        joined.push(lead.iter().sum());
+        joined.extend_from_slice(common);
+        let cat = self.cat(d, operands, joined, false);
+        Some(self.view(Op::Reshape(shape.to_vec()), cat, shape.to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Device, Tensor};
+
+    /// Attention's backward as GPT-2's projection wants it: q's gradient and the concatenated
+    /// k and v gradients (each `[L, B, H, D]`), permuted to `[B, L, ..]` and reshaped, then
+    /// concatenated along the features. Gathered, it is one concatenation of the three
+    /// gradients' views, reshaped; the values are the same.
+    #[test]
+    fn concatenations_of_reshaped_and_permuted_values_are_one() {
+        let r = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
+        let (l, b, h, d) = (5, 2, 3, 4);
+        let args = [r(&[l, b, h, d]), r(&[l, b, h, d]), r(&[l, b, h, d])];
+        let f = move |xs: &[Tensor]| {
+            let bhld = |x: &Tensor| x.permute(&[1, 2, 0, 3])?.unsqueeze(0);
+            let kv = crate::ops::movement::cat(&[&bhld(&xs[1])?, &bhld(&xs[2])?], 0)?.permute(&[1, 3, 0, 2, 4])?.reshape(&[b as i64, l as i64, (2 * h * d) as i64])?;
+            let q = xs[0].permute(&[1, 0, 2, 3])?.reshape(&[b as i64, l as i64, (h * d) as i64])?;
+            Ok(vec![crate::ops::movement::cat(&[&q, &kv], 2)?])
+        };
+        let before = crate::compile::simplify::simplify(&crate::compile::fuse::tests::host_graph_of(&args, f));
+        let after = crate::compile::simplify::simplify(&gather(&before));
+        let cats: Vec<(usize, &Vec<usize>)> = after.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))).map(|n| (n.args.len(), &n.shape)).collect();
+        assert_eq!(cats, [(3, &vec![b, l, 3, h, d])], "{after}");
+        let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
+        assert_eq!(run(&before), run(&after));
+    }
+}
