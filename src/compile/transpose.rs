@@ -93,7 +93,7 @@ pub(crate) fn transposes(g: &Graph) -> Graph {
                 Form::Plain(id) => Form::Swapped(id),
                 Form::Swapped(id) => Form::Plain(id),
             },
-            NodeOp::Prim(Op::Matmul) if want[i] == Some(true) => {
+            NodeOp::Prim(Op::Matmul) if want[i] == Some(true) && g.nodes[node.args[0]].shape[0] == g.nodes[node.args[1]].shape[0] => {
                 // (a b)^T = b^T a^T, the operands' transposes being views (or stored values).
                 let (bt, at) = (r.stored(node.args[1]), r.stored(node.args[0]));
                 Form::Swapped(r.out.push(node.op.clone(), vec![bt, at], swapped(&node.shape), node.dtype, node.device))
