@@ -9,6 +9,8 @@
 use super::graph::{Graph, Node, NodeId, NodeOp};
 use crate::ops::Op;
 
+/// `g` with its concatenations gathered (see the module's text); the nodes it replaces are
+/// left dead for `simplify` to drop.
 pub(crate) fn gather(g: &Graph) -> Graph {
     let users = g.users();
     let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: vec![] };

@@ -52,6 +52,8 @@ enum Form {
     Swapped(NodeId),
 }
 
+/// `g` with each value computed in the order its readers want (see the module's text); the
+/// nodes it replaces are left dead for `simplify` to drop.
 pub(crate) fn transposes(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let readers = g.readers();
