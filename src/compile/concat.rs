@@ -8,12 +8,13 @@
 
 use super::graph::{Graph, Node, NodeId, NodeOp};
 use crate::ops::Op;
+use std::collections::HashSet;
 
 /// `g` with its concatenations gathered (see the module's text); the nodes it replaces are
 /// left dead for `simplify` to drop.
 pub(crate) fn gather(g: &Graph) -> Graph {
     let users = g.users();
-    let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: vec![] };
+    let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: HashSet::new() };
     for (i, node) in g.nodes.iter().enumerate() {
         let args: Vec<NodeId> = node.args.iter().map(|&a| r.map[a]).collect();
         let id = match &node.op {
@@ -31,9 +32,6 @@ pub(crate) fn gather(g: &Graph) -> Graph {
             },
             _ => r.push(node.op.clone(), args, node),
         };
-        if r.absorbable.len() < r.out.nodes.len() {
-            r.absorbable.resize(r.out.nodes.len(), false);
-        }
         r.map.push(id);
     }
     let outputs = g.outputs.iter().map(|&o| r.map[o]).collect();
@@ -45,9 +43,9 @@ struct Rewrite {
     out: Graph,
     /// Per original node, its node in `out`.
     map: Vec<NodeId>,
-    /// Per node of `out`: a concatenation nothing but its one reader reads, which a
-    /// concatenation reading it may take apart.
-    absorbable: Vec<bool>,
+    /// Concatenations of `out` nothing but their one reader reads, which a concatenation
+    /// reading them may take apart.
+    absorbable: HashSet<NodeId>,
 }
 
 impl Rewrite {
@@ -75,7 +73,7 @@ impl Rewrite {
     fn cat(&mut self, d: usize, operands: Vec<(NodeId, bool)>, shape: Vec<usize>, absorbable: bool) -> NodeId {
         let mut flat = vec![];
         for (x, only_here) in operands {
-            if only_here && self.cat_dim(x) == Some(d) && self.absorbable.get(x).copied().unwrap_or(false) {
+            if only_here && self.cat_dim(x) == Some(d) && self.absorbable.contains(&x) {
                 flat.extend(self.out.nodes[x].args.clone());
             } else {
                 flat.push(x);
@@ -83,8 +81,9 @@ impl Rewrite {
         }
         let (dtype, device) = (self.out.nodes[flat[0]].dtype, self.out.nodes[flat[0]].device);
         let id = self.out.push(NodeOp::Prim(Op::Cat(d)), flat, shape, dtype, device);
-        self.absorbable.resize(self.out.nodes.len(), false);
-        self.absorbable[id] = absorbable;
+        if absorbable {
+            self.absorbable.insert(id);
+        }
         id
     }
 
@@ -94,7 +93,7 @@ impl Rewrite {
     /// along that leading dim and the result is a reshape of it. None when the operands do not
     /// fit, or none of them is reshaped from more dims.
     fn last_dim_cat(&mut self, g: &Graph, args: &[NodeId], users: &[usize], d: usize, shape: &[usize]) -> Option<NodeId> {
-        // Each operand's source: what it reshapes (read only by it), or itself.
+        // Each operand's source: what it reshapes, or itself.
         let sources: Vec<NodeId> = args
             .iter()
             .map(|&a| match &g.nodes[a].op {

@@ -142,6 +142,15 @@ impl Graph {
         u
     }
 
+    /// Whether each node is an output or a written-back value (the program keeps it).
+    pub(crate) fn kept(&self) -> Vec<bool> {
+        let mut kept = vec![false; self.nodes.len()];
+        for &o in self.outputs.iter().chain(self.mutations.iter().map(|(_, n)| n)) {
+            kept[o] = true;
+        }
+        kept
+    }
+
     /// Who reads each node: one entry per argument slot that names it (outputs and write-backs
     /// are not readers here; `users` counts them).
     pub(crate) fn readers(&self) -> Vec<Vec<NodeId>> {

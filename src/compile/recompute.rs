@@ -15,10 +15,7 @@ const MAX_CHAIN: usize = 4;
 pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let readers = g.readers();
-    let mut kept = vec![false; n];
-    for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, o)| o)) {
-        kept[o] = true;
-    }
+    let kept = g.kept();
     // Readers a fused kernel computes: pointwise ops, reductions where the scheduler fuses
     // them (elsewhere an eager kernel would read a copy stored for it), and reshapes read only
     // by such readers (one read by a library product needs the value stored anyway).

@@ -255,7 +255,7 @@ pub(crate) fn swaps_last_two(t: &Tensor) -> Option<bool> {
                 NodeOp::Prim(Op::Reshape(s)) if bare(s) == bare(&g.nodes[node.args[0]].shape) => n = node.args[0],
                 NodeOp::Prim(Op::Permute(p)) => {
                     let k = p.len();
-                    let swap = k >= 2 && p[k - 2] == k - 1 && p[k - 1] == k - 2 && p[..k - 2].iter().enumerate().all(|(i, &d)| i == d);
+                    let swap = super::transpose::is_swap(p);
                     // Its source must be laid out in order: a fresh value, or a contiguous capture.
                     let src = node.args[0];
                     let ordered = match &g.nodes[src].op {

@@ -10,7 +10,7 @@ use crate::ops::Op;
 use std::collections::HashMap;
 
 /// Whether `perm` swaps the last two dims and keeps the others.
-fn is_swap(perm: &[usize]) -> bool {
+pub(crate) fn is_swap(perm: &[usize]) -> bool {
     let k = perm.len();
     k >= 2 && perm[k - 2] == k - 1 && perm[k - 1] == k - 2 && perm[..k - 2].iter().enumerate().all(|(i, &d)| i == d)
 }
@@ -57,10 +57,7 @@ enum Form {
 pub(crate) fn transposes(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let readers = g.readers();
-    let mut kept = vec![false; n];
-    for &o in g.outputs.iter().chain(g.mutations.iter().map(|(_, v)| v)) {
-        kept[o] = true;
-    }
+    let kept = g.kept();
     let swap_of = |i: NodeId| matches!(&g.nodes[i].op, NodeOp::Prim(Op::Permute(p)) if is_swap(p));
     let movable = |i: NodeId| match &g.nodes[i].op {
         NodeOp::Prim(op) => g.nodes[i].shape.len() >= 2 && over_stored(op, &g.nodes[g.nodes[i].args[0]].shape).is_some(),
@@ -100,13 +97,11 @@ pub(crate) fn transposes(g: &Graph) -> Graph {
                 let (bt, at) = (r.stored(node.args[1]), r.stored(node.args[0]));
                 Form::Swapped(r.out.push(node.op.clone(), vec![bt, at], swapped(&node.shape), node.dtype, node.device))
             }
-            NodeOp::Prim(op) if movable(i) && want[i] != Some(false) => match r.forms[node.args[0]] {
-                Form::Swapped(src) => {
-                    let op = over_stored(op, &g.nodes[node.args[0]].shape).expect("movable");
-                    Form::Swapped(r.out.push(NodeOp::Prim(op), vec![src], swapped(&node.shape), node.dtype, node.device))
-                }
-                Form::Plain(src) => Form::Plain(r.out.push(node.op.clone(), vec![src], node.shape.clone(), node.dtype, node.device)),
-            },
+            NodeOp::Prim(op) if movable(i) && want[i] != Some(false) && matches!(r.forms[node.args[0]], Form::Swapped(_)) => {
+                let Form::Swapped(src) = r.forms[node.args[0]] else { unreachable!("matched above") };
+                let op = over_stored(op, &g.nodes[node.args[0]].shape).expect("movable");
+                Form::Swapped(r.out.push(NodeOp::Prim(op), vec![src], swapped(&node.shape), node.dtype, node.device))
+            }
             _ => {
                 let args = node.args.iter().map(|&a| r.plain(a)).collect();
                 Form::Plain(r.out.push(node.op.clone(), args, node.shape.clone(), node.dtype, node.device))
@@ -157,9 +152,8 @@ impl Rewrite {
     /// A transposed view of rewritten node `id`.
     fn swap(&mut self, id: NodeId) -> NodeId {
         let s = &self.out.nodes[id];
-        let (shape, dtype, device, rank) = (swapped(&s.shape), s.dtype, s.device, s.shape.len());
-        let mut perm: Vec<usize> = (0..rank).collect();
-        perm.swap(rank - 2, rank - 1);
+        let (shape, dtype, device) = (swapped(&s.shape), s.dtype, s.device);
+        let perm = swapped(&(0..s.shape.len()).collect::<Vec<_>>());
         self.out.push(NodeOp::Prim(Op::Permute(perm)), vec![id], shape, dtype, device)
     }
 }

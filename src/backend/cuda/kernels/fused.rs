@@ -83,6 +83,8 @@ struct CudaMemo {
     row_launches: RowLaunches,
     /// A flat kernel's loaded functions by how its operands are walked.
     flat_launches: MapLaunches,
+    /// A mid kernel's constants passed as launch words: their values (`mid_params`).
+    mid_words: std::sync::OnceLock<Vec<u64>>,
     /// A mid kernel's loaded functions by (64-bit indices, inner values per position, which
     /// inputs load them as one vector).
     mid_launches: crate::backend::cuda::Loaded<((bool, usize, u64), crate::backend::cuda::Kernel)>,
@@ -521,14 +523,14 @@ fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cov
     format!("{}_r{threads}x{vpt}x{vec}{tail}_{}", k.code_name(k.signature()), vector_loads(vector))
 }
 
-/// A mid kernel's name: walking columns `tx` threads across (`gen_fused_cols`), else the
-/// middle dim (`gen_fused_mid`).
 /// A mid kernel's signature: its constants passed as launch words are not part of its code.
 fn mid_signature(k: &FusedKernel) -> String {
     let params = mid_params(k).0;
     k.signature_with(|i| params[i].is_some())
 }
 
+/// A mid kernel's name: walking columns `tx` threads across (`gen_fused_cols`), else the
+/// middle dim (`gen_fused_mid`).
 fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: &[bool]) -> String {
     let kind = tx.map_or("mid".into(), |tx| format!("cols{tx}x"));
     format!("{}_{kind}{vec}{}_{}", k.code_name(&mid_signature(k)), if wide { "_i64" } else { "" }, vector_loads(vector))
@@ -719,8 +721,8 @@ fn mid_elementwise(k: &FusedKernel) -> Vec<bool> {
 }
 
 /// The `const` definitions of the ops of `k` that `pick` selects, in order, at `indent`
-/// (reductions, views and broadcasts name other values and are not written).
-/// (constants passed as launch words, `params`, read them).
+/// (reductions, views and broadcasts name other values and are not written; a constant passed
+/// as a launch word reads it through its expression in `params`).
 fn mid_ops(c: &mut String, k: &FusedKernel, ins: &[(CType, String)], vals: &[(CType, String)], params: &[Option<String>], indent: &str, pick: impl Fn(usize) -> bool) {
     let written = |i: usize| !matches!(k.ops[i].kind, KKind::Reduce(_) | KKind::Same | KKind::Broadcast);
     for i in (0..k.ops.len()).filter(|&i| written(i) && pick(i)) {
@@ -1022,7 +1024,7 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
     }
     let reduces = mid_reductions(k);
     let words = MidWords::of(k);
-    let params = mid_params(k).1;
+    let params = memo(k)?.mid_words.get_or_init(|| mid_params(k).1);
     if words.param(params.len()) > LaunchArgs::default().w.len() {
         return Err(Error::arg("fused kernel", format!("{}: {} inputs, {} outputs and {} constants exceed a launch's argument block", k.name, views.len(), k.outputs.len(), params.len())));
     }
