@@ -96,6 +96,13 @@ pub(crate) fn gemv_off() -> bool {
     *V.get_or_init(|| is("KILN_GEMV", "0"))
 }
 
+/// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1:
+/// never), where its strips of columns alone would leave SMs idle.
+pub(crate) fn gemv_splits() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_GEMV_SPLIT"))
+}
+
 /// `KILN_CUDNN_MIN_KEYS`: the fewest keys for which attention runs through cuDNN.
 pub(crate) fn cudnn_min_keys() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

@@ -2,7 +2,7 @@
 // accumulation. After the prelude, the argument struct and the #defines of `gemv.rs`: T (storage
 // type), VW (elements per 16-byte vector), LD/ST (element load and store as float), and one of
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
-// TX vectors of columns per block, RPT rows per thread where K is short enough).
+// TX vectors of columns per block, RPT rows per thread where a block's rows are few enough).
 
 // The VW elements of a 16-byte vector as floats.
 __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
@@ -58,38 +58,43 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 #endif
 
 #ifdef GEMV_COLS
-// A block owns TX * VW columns and all of K: TX adjacent lanes read one row's columns as
-// vectors, the warp's 32 / TX lane groups and the WARPS warps take rows in turn; the partial
-// sums meet by shuffles inside a warp, then in shared memory across warps.
+// A block owns TX * VW columns and the rows [blockIdx.y * per, + per) of K: TX adjacent lanes
+// read one row's columns as vectors, the warp's 32 / TX lane groups and the WARPS warps take
+// rows in turn; the partial sums meet by shuffles inside a warp, then in shared memory across
+// warps. Where K is split (gridDim.y > 1, a narrow matrix would leave SMs idle), each block
+// leaves its sums in `part` ([gridDim.y][N] F32) and the last block of a strip of columns adds
+// them in split order (the same bits on every run) before the epilogue.
 #define KY (32 / TX)
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
   KILN_WAIT_UNLESS_SETTLED(a.settled);
   __shared__ float part[WARPS][TX * VW];
+  __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int tx = lane % TX, ky = lane / TX;
   const long long col = ((long long)blockIdx.x * TX + tx) * VW;
   const bool live = col < a.n;
+  const long long r0 = (long long)blockIdx.y * a.per, r1 = min(a.k, r0 + a.per);
   const T* x = (const T*)a.x;
   const T* w = (const T*)a.w + col;
   float acc[VW];
 #pragma unroll
   for (int j = 0; j < VW; j++) acc[j] = 0.0f;
 #ifdef RPT
-  // RPT rows per thread cover K: every load is issued before the first product, so a thread
-  // waits on memory once. A settled matrix is loaded before the wait for the kernel before,
-  // while that kernel still runs; the row, its output, only after.
+  // RPT rows per thread cover the block's rows: every load is issued before the first
+  // product, so a thread waits on memory once. A settled matrix is loaded before the wait for
+  // the kernel before, while that kernel still runs; the row, its output, only after.
   uint4 q[RPT];
   float xr[RPT];
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
-    const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
-    q[i] = live && r < a.k ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
+    const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
+    q[i] = live && r < r1 ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
   }
   KILN_WAIT_IF_SETTLED(a.settled);
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
-    const long long r = (long long)warp * KY + ky + (long long)i * WARPS * KY;
-    xr[i] = live && r < a.k ? LD(x[r]) : 0.0f;
+    const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
+    xr[i] = live && r < r1 ? LD(x[r]) : 0.0f;
   }
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
@@ -102,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
   KILN_WAIT_IF_SETTLED(a.settled);
   if (live) {
 #pragma unroll 4
-    for (long long r = (long long)warp * KY + ky; r < a.k; r += WARPS * KY) {
+    for (long long r = r0 + (long long)warp * KY + ky; r < r1; r += WARPS * KY) {
       float wf[VW];
       kunpack(kstream((const uint4*)(w + r * a.ldw)), wf);
       const float xr = LD(x[r]);
@@ -121,12 +126,24 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
     for (int j = 0; j < VW; j++) part[warp][tx * VW + j] = acc[j];
   }
   __syncthreads();
+  const long long n = (long long)blockIdx.x * TX * VW + threadIdx.x;
+  float s = 0.0f;
   if (threadIdx.x < TX * VW) {
-    const long long n = (long long)blockIdx.x * TX * VW + threadIdx.x;
-    float s = 0.0f;
 #pragma unroll
     for (int i = 0; i < WARPS; i++) s += part[i][threadIdx.x];
-    if (n < a.n) kstore_out(a, n, s);
   }
+  if (gridDim.y > 1) {
+    float* sums = (float*)a.part;
+    if (threadIdx.x < TX * VW && n < a.n) sums[(long long)blockIdx.y * a.n + n] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.x, gridDim.y);
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x < TX * VW && n < a.n) {
+      s = 0.0f;
+      for (unsigned int y = 0; y < gridDim.y; y++) s += __ldcg(sums + (long long)y * a.n + n);
+    }
+  }
+  if (threadIdx.x < TX * VW && n < a.n) kstore_out(a, n, s);
 }
 #endif

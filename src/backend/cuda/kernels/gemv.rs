@@ -24,15 +24,22 @@ const WARPS: usize = 8;
 const MIN_BLOCKS: usize = 132;
 /// Most rows a thread of the column kernel loads at once (four registers each).
 const MAX_ROWS_PER_THREAD: usize = 16;
+/// Blocks per SM the column kernel splits K to reach, where its strips of columns are fewer.
+const SPLIT_BLOCKS_PER_SM: usize = 2;
+/// Most pieces K is split into (each leaves N partial sums for the last block to add).
+const MAX_SPLITS: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
     /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), the
     /// contiguous output of N, and whether the matrix is settled (1: no grid still running
-    /// writes it, so the column kernel loads it before waiting for the kernel before).
+    /// writes it, so the column kernel loads it before waiting for the kernel before). The
+    /// column kernel's blocks take `per` rows of K each; where K is split, the partial sums go
+    /// through `part` ([splits][N] F32) and the strips' arrival counters `count`.
     GemvArgs {
         x: u64, w: u64, bias: u64, out: u64,
         n: i64, k: i64, ldw: i64, act: i64, settled: i64,
+        per: i64, part: u64, count: u64,
     }
 }
 
@@ -41,8 +48,8 @@ kernel_args! {
 enum Walk {
     /// Stored `[N, K]`: a warp per output.
     Rows,
-    /// Stored `[K, N]`: a block per `tx` vectors of columns, each thread taking `rows` rows
-    /// (all loaded before they are multiplied; 0: a loop over K).
+    /// Stored `[K, N]`: a block per `tx` vectors of columns and piece of K, each thread taking
+    /// `rows` rows (all loaded before they are multiplied; 0: a loop over the piece).
     Cols { tx: usize, rows: usize },
 }
 
@@ -58,12 +65,13 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let vw = 16 / dtype.size_in_bytes();
     let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
     let (rs, cs) = (b.strides()[1], b.strides()[2]);
-    let (walk, ldw) = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
+    let (walk, ldw, per) = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
         let tx = columns_per_block(n, vw);
-        let rows = k.div_ceil(WARPS * 32 / tx);
-        (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs)
+        let per = split_rows(n, k, vw, tx, dev.sm_count);
+        let rows = per.div_ceil(WARPS * 32 / tx);
+        (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs, per)
     } else if rs == 1 && k > 1 && cs % vw == 0 && k.is_multiple_of(vw) {
-        (Walk::Rows, cs)
+        (Walk::Rows, cs, k)
     } else {
         return Ok(None);
     };
@@ -79,16 +87,21 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let out = CudaStorage::new(dev, dtype, n)?;
     let name = kernel_name(walk, dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
+    let (blocks, splits) = match walk {
+        Walk::Rows => (n.div_ceil(WARPS), 1),
+        Walk::Cols { tx, .. } => (n.div_ceil(tx * vw), k.div_ceil(per)),
+    };
+    // The partial sums of a split K, alive until the launch is queued (the allocator hands the
+    // block on in stream order).
+    let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
+    let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
     let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
         None => 0,
         Some(Activation::Relu) => 1,
         Some(Activation::GeluTanh) => 2,
-    }, settled: i64::from(settled) };
-    let blocks = match walk {
-        Walk::Rows => n.div_ceil(WARPS),
-        Walk::Cols { tx, .. } => n.div_ceil(tx * vw),
-    };
-    dev.launch(kern, (blocks as u32, 1, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    }, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
+    dev.launch(kern, (blocks as u32, splits as u32, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    drop(part);
     Ok(Some(out))
 }
 
@@ -96,6 +109,17 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
 /// blocks.
 fn columns_per_block(n: usize, vw: usize) -> usize {
     [4, 2].into_iter().find(|tx| (n / vw).div_ceil(*tx) >= MIN_BLOCKS).unwrap_or(1)
+}
+
+/// Rows of K per block of the column kernel: all of K, or (where its strips of `tx` vectors of
+/// columns are fewer than `SPLIT_BLOCKS_PER_SM` blocks per SM) an even piece of whole passes
+/// of the block's rows, so that the pieces fill the SMs (`KILN_GEMV_SPLIT`: at most that many
+/// pieces; 1 never splits).
+fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize) -> usize {
+    let (strips, pass) = ((n / vw).div_ceil(tx), WARPS * 32 / tx);
+    let most = crate::switches::gemv_splits().unwrap_or(MAX_SPLITS).clamp(1, MAX_SPLITS);
+    let splits = (SPLIT_BLOCKS_PER_SM * sms).div_ceil(strips).min(k.div_ceil(pass)).clamp(1, most);
+    k.div_ceil(splits).next_multiple_of(pass)
 }
 
 /// A kernel's name, which says all its source depends on.
@@ -163,5 +187,22 @@ mod tests {
         assert_eq!(columns_per_block(768, 8), 1);
         assert_eq!(columns_per_block(3072 * 4, 8), 4);
         assert_eq!(columns_per_block(8 * 132 * 2, 8), 2);
+    }
+
+    #[test]
+    fn narrow_matrices_split_k_into_whole_passes_that_fill_the_sms() {
+        // GPT-2's MLP down projection (K 3072, N 768: 96 strips of one vector) on 132 SMs: three
+        // pieces of 1024 rows (4 passes of 256 rows).
+        assert_eq!(split_rows(768, 3072, 8, 1, 132), 1024);
+        // The qkv product (144 strips of two vectors): two pieces of 384 rows.
+        assert_eq!(split_rows(2304, 768, 8, 2, 132), 384);
+        // Wide enough already: all of K.
+        assert_eq!(split_rows(8 * 4 * 300, 4096, 8, 4, 132), 4096);
+        // Short K: never a piece smaller than one pass.
+        assert_eq!(split_rows(64, 100, 8, 1, 132), 256);
+        for (n, k, tx) in [(768, 3072, 1), (2304, 768, 2), (64, 8192, 1), (50, 4096, 1)] {
+            let per = split_rows(n, k, 8, tx, 132);
+            assert!(per % (WARPS * 32 / tx) == 0 && k.div_ceil(per) <= MAX_SPLITS, "{n} {k}: {per}");
+        }
     }
 }
