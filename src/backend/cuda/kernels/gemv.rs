@@ -202,7 +202,7 @@ mod tests {
         assert_eq!(split_rows(64, 100, 8, 1, 132), 256);
         for (n, k, tx) in [(768, 3072, 1), (2304, 768, 2), (64, 8192, 1), (50, 4096, 1)] {
             let per = split_rows(n, k, 8, tx, 132);
-            assert!(per % (WARPS * 32 / tx) == 0 && k.div_ceil(per) <= MAX_SPLITS, "{n} {k}: {per}");
+            assert!(per.is_multiple_of(WARPS * 32 / tx) && k.div_ceil(per) <= MAX_SPLITS, "{n} {k}: {per}");
         }
     }
 }
