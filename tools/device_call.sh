@@ -384,13 +384,15 @@ if [[ " $* " == *" pdl "* ]]; then
 fi
 if [[ " $* " == *" decode "* ]]; then
   # kiln's split-key decode attention: the attention and language-model tests with it, then the
-  # decode row with it off and on (and with PDL on too).
+  # decode row with it off and on, and with the matrix-vector kernel's K unsplit
+  # (KILN_GEMV_SPLIT=1) or split into at most 2, 4 or 16 pieces (the default).
   KILN_DECODE_ATTENTION=1 bash .gpu/run.sh $OUT/decode-suite attention lm 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-suite/gpu-tests.log | head -20
-  for e in "KILN_DECODE_ATTENTION=0" "KILN_DECODE_ATTENTION=1" "KILN_DECODE_ATTENTION=1 KILN_PDL=1"; do
+  for e in "KILN_DECODE_ATTENTION=0" "KILN_DECODE_ATTENTION=1" "KILN_GEMV_SPLIT=1" "KILN_GEMV_SPLIT=2" "KILN_GEMV_SPLIT=4" "KILN_GEMV_SPLIT=1 KILN_DECODE_ATTENTION=1" "KILN_DECODE_ATTENTION=1 KILN_GEMV_SPLIT=16"; do
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only gpt2.decode --out /tmp/dec.json > /dev/null 2>&1
     python3 -c "import json; [print('$e', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms') or a.endswith('_kernels')}) for k, v in json.load(open('/tmp/dec.json'))['workloads'].items()]"
   done
-  KILN_DECODE_ATTENTION=1 timeout 100 .gpu/bin/kiln profile gpt2.decode.bf16.bs1 --compiled --trace /tmp/t.json 2>&1 | sed -n '/kernels the GPU ran/,$p' | head -24 | cut -c1-140
+  # Each kernel's own time: without PDL, a kernel's span would include its wait for the one before.
+  KILN_PDL=0 KILN_DECODE_ATTENTION=1 timeout 100 .gpu/bin/kiln profile gpt2.decode.bf16.bs1 --compiled --trace /tmp/t.json 2>&1 | sed -n '/kernels the GPU ran/,$p' | head -24 | cut -c1-140
 fi
 if [[ " $* " == *" remat "* ]]; then
   # The training rows of $REMAT_WORKLOADS (default: ResNet-50's and GPT-2's) with
