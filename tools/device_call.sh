@@ -191,10 +191,14 @@ if [[ " $* " == *" tfc "* ]]; then
 fi
 if [[ " $* " == *" prof "* ]]; then
   # `kiln profile` of each workload of $PROF_WORKLOADS (default: the transformer rows), eager and
-  # compiled: the kernel tables by device time and the peak memory.
-  for w in ${PROF_WORKLOADS:-transformer.fwd.f32.10x32x512 transformer.fwd.bf16amp.10x32x512}; do for c in "" --compiled; do
+  # compiled (PROF_COMPILED=1: compiled only): the kernel tables by device time and the peak
+  # memory; the last compiled trace's kernels by kind (profiles/kiln_trace_kinds.py).
+  modes="eager --compiled"; [ "${PROF_COMPILED:-0}" = 1 ] && modes=--compiled
+  for w in ${PROF_WORKLOADS:-transformer.fwd.f32.10x32x512 transformer.fwd.bf16amp.10x32x512}; do for c in $modes; do
+    [ $c = eager ] && c=
     KILN_CACHE_DIR=$(mktemp -d) timeout ${PROF_S:-200} .gpu/bin/kiln profile $w $c --trace /tmp/prof-trace.json 2>&1 | head -${PROF_LINES:-30} | cut -c1-220
   done; done
+  python3 tools/profiles/kiln_trace_kinds.py /tmp/prof-trace.json --rows ${PROF_KIND_ROWS:-40} 2>&1 | cut -c1-200
 fi
 if [[ " $* " == *" rowprof "* ]]; then
   # Per call: the profiler's tables, then the trace's first events. `ts` counts µs from the
