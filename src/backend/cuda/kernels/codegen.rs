@@ -478,10 +478,11 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     match s.layout {
         ReduceLayout::Rows => {
             // At VEC > 1 (one chunk, rows VEC-aligned) a thread reads VEC elements at a time and
-            // the loop after it takes the row's last K % VEC.
+            // the loop after it takes the row's last K % VEC. Unrolled, so that a thread's loads
+            // are in flight together rather than waited on one after another.
             let vector = if s.vec > 1 {
                 format!(
-                    "    const IDX tail = K - K % VEC;\n    for (IDX k = threadIdx.x * VEC; k < tail; k += blockDim.x * VEC) {{\n      const VX q = *(const VX*)(x + row * K + k);\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc, ai, v, k + e); }}\n    }}\n",
+                    "    const IDX tail = K - K % VEC;\n    _Pragma(\"unroll 4\") for (IDX k = threadIdx.x * VEC; k < tail; k += blockDim.x * VEC) {{\n      const VX q = *(const VX*)(x + row * K + k);\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc, ai, v, k + e); }}\n    }}\n",
                     lv = lv.replace("x[X]", "q.v[e]")
                 )
             } else {
