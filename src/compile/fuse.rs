@@ -173,6 +173,12 @@ pub(crate) fn reduces_in_a_kernel(g: &Graph, i: NodeId) -> bool {
     matches!(kind_of(g, i), Kind::Reduce(..) | Kind::MidReduce(..))
 }
 
+/// Whether node `i` spreads a row value over its rows (an expand over trailing dims, which a
+/// fused kernel reads as a broadcast of the row value).
+pub(crate) fn spreads_rows(g: &Graph, i: NodeId) -> bool {
+    matches!(kind_of(g, i), Kind::Expand(..))
+}
+
 fn kind_of(g: &Graph, i: NodeId) -> Kind {
     let n = &g.nodes[i];
     if n.numel() == 0 {
@@ -497,12 +503,14 @@ fn pad_row_outputs(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &
 /// value. So too a reshape of a value the kernel loads that steps outside also read (a bias
 /// gradient's input, which the weight gradient's product reads as well): inside, it would be a
 /// copy of that input; outside, the kernel loads the view. A reshape that is a written-back
-/// value stays, so that it is still stored in place.
+/// value stays, so that it is still stored in place. Likewise a broadcast that only steps
+/// outside read (a layer norm's mean spread over its rows, for the backward): inside, the
+/// kernel would store it at full size; outside, it is a view of the row value it stores.
 fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) {
     let written_back: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
     for (gi, grp) in groups.iter_mut().enumerate() {
         let Some(grp) = grp.as_mut() else { continue };
-        if !grp.members.iter().any(|&m| kinds[m] != Kind::Reshape) {
+        if !grp.members.iter().any(|&m| !matches!(kinds[m], Kind::Reshape | Kind::Expand(..))) {
             continue;
         }
         // Latest first: a reshape of a reshape leaves first, then may let the inner one go.
@@ -510,7 +518,12 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
             let m = grp.members[k];
             let outside = |r: &NodeId| group_of[*r] != Some(gi);
             let of_an_input = g.nodes[m].args.iter().all(outside) && node_readers[m].iter().any(outside);
-            if kinds[m] == Kind::Reshape && !written_back.contains(&m) && (node_readers[m].iter().all(outside) || of_an_input) {
+            let detached = match kinds[m] {
+                Kind::Reshape => node_readers[m].iter().all(outside) || of_an_input,
+                Kind::Expand(..) => node_readers[m].iter().all(outside),
+                _ => false,
+            };
+            if detached && !written_back.contains(&m) {
                 grp.members.remove(k);
                 group_of[m] = None;
             }
@@ -705,9 +718,22 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
             let arg = match val.get(&a) {
                 Some(v) => *v,
                 None => {
-                    let row = is_row(g.nodes[a].numel());
-                    inputs.push(KInput { node: a, dtype: g.nodes[a].dtype, row });
-                    let v = ValueRef::In(inputs.len() - 1);
+                    // A row value spread over the rows by a view step of its own (a detached
+                    // broadcast, in no kernel) is loaded as the row value, once per row.
+                    let spread = matches!(space, Space::Rows { .. }) && group_of[a].is_none() && spreads_rows(g, a) && is_row(g.nodes[g.nodes[a].args[0]].numel());
+                    let src = if spread { g.nodes[a].args[0] } else { a };
+                    let mut v = match val.get(&src) {
+                        Some(v) => *v,
+                        None => {
+                            inputs.push(KInput { node: src, dtype: g.nodes[src].dtype, row: is_row(g.nodes[src].numel()) });
+                            ValueRef::In(inputs.len() - 1)
+                        }
+                    };
+                    if spread {
+                        val.insert(src, v);
+                        ops.push(KOp { kind: KKind::Broadcast, args: vec![v], dtype: g.nodes[a].dtype, row: false });
+                        v = ValueRef::Op(ops.len() - 1);
+                    }
                     val.insert(a, v);
                     v
                 }

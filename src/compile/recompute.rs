@@ -3,7 +3,10 @@
 //! subexpressions leave one `x - mean` for batch norm's variance and its normalisation; stored,
 //! it costs a full-size F32 write and read between two kernels that both read x anyway. As
 //! Inductor inlines pointwise nodes into their consumers, each reader here gets its own copy of
-//! the value's chain of pointwise ops, back to stored values.
+//! the value's chain of pointwise ops, back to stored values. Row values spread over their rows
+//! (`expand`) are copied too and cost nothing: such a broadcast is a view, never worth storing
+//! at full size. A chain whose stored leaves are larger than its value (`a + b` of two full F32
+//! values) is not copied: each reader would load both leaves, more than the stored value costs.
 
 use super::graph::{Graph, NodeId, NodeOp};
 use crate::ops::Op;
@@ -28,18 +31,21 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
     }
     let fusable_reader = |r: NodeId| fusable[r];
     // The pointwise ops a value's chain holds (itself and its pointwise ancestors, shared ones
-    // counted per path), capped past MAX_CHAIN.
+    // counted per path; broadcasts count none), capped past MAX_CHAIN.
+    let spreads = |i: NodeId| super::fuse::spreads_rows(g, i);
+    let link = |i: NodeId| {
+        let node = &g.nodes[i];
+        let op = (node.is_pointwise() && !matches!(node.op, NodeOp::Full(_))) || spreads(i);
+        op && node.device.is_cuda() && node.numel() > 1
+    };
     let mut chain = vec![usize::MAX; n];
     for i in 0..n {
-        let node = &g.nodes[i];
-        let pointwise = node.is_pointwise() && !matches!(node.op, NodeOp::Full(_));
-        if !pointwise || !node.device.is_cuda() || node.numel() <= 1 {
+        if !link(i) {
             continue;
         }
-        let mut c = 1usize;
-        for &a in &node.args {
-            let an = &g.nodes[a];
-            if an.is_pointwise() && !matches!(an.op, NodeOp::Full(_)) && an.numel() > 1 {
+        let mut c = usize::from(!spreads(i));
+        for &a in &g.nodes[i].args {
+            if link(a) {
                 c = c.saturating_add(chain[a]);
             }
         }
@@ -47,7 +53,38 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
     }
     // A node of a copied chain: one more reader of it would make its kernel store it.
     let in_chain = |i: NodeId| chain[i] <= MAX_CHAIN && !kept[i];
-    let copied = |i: NodeId| in_chain(i) && readers[i].len() >= 2 && readers[i].iter().all(|&r| fusable_reader(r));
+    // Bytes a copy of `i` loads: the full-size stored values at its chain's leaves, each once
+    // (a broadcast value, a mean or a bias, is read from cache and counts nothing).
+    let stored = |mut a: NodeId, numel: usize| {
+        while matches!(g.nodes[a].op, NodeOp::Prim(Op::Expand(_))) {
+            a = g.nodes[a].args[0];
+        }
+        if g.nodes[a].numel() == numel {
+            numel * g.nodes[a].dtype.size_in_bytes()
+        } else {
+            0
+        }
+    };
+    let leaf_bytes = |i: NodeId| {
+        let (mut seen, mut todo, mut bytes) = (vec![], vec![i], 0usize);
+        while let Some(x) = todo.pop() {
+            for &a in &g.nodes[x].args {
+                if seen.contains(&a) {
+                    continue;
+                }
+                seen.push(a);
+                if in_chain(a) {
+                    todo.push(a);
+                } else {
+                    bytes += stored(a, g.nodes[i].numel());
+                }
+            }
+        }
+        bytes
+    };
+    let copied = |i: NodeId| {
+        in_chain(i) && readers[i].len() >= 2 && readers[i].iter().all(|&r| fusable_reader(r)) && leaf_bytes(i) <= g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes()
+    };
     if !(0..n).any(copied) {
         return g.clone();
     }
@@ -110,6 +147,44 @@ mod tests {
         let s = fuse::schedule(&g);
         let mid = s.kernels.iter().find(|k| matches!(k.space, Space::Mid { .. })).expect("a mid kernel");
         assert!(mid.outputs.iter().any(|(o, _)| !mid.ops[*o].row), "{}", mid.describe());
+    }
+
+    /// A layer norm's row statistics spread over the rows, read by its own kernel and by one
+    /// after a product (as the backward reads them): each reader gets its own broadcast, so no
+    /// kernel stores one at full size; the row kernel stores the row values, and the later
+    /// kernel loads them once per row. Without the pass, the row kernel stores the spread mean.
+    #[test]
+    fn row_statistics_spread_over_their_rows_are_never_stored_at_full_size() {
+        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let mean = xs[0].mean(&[1], true)?;
+            let centered = xs[0].sub(&mean)?;
+            let h = centered.matmul(&xs[1])?;
+            Ok(vec![h.sub(&mean)?.relu()?.sum(&[1], false)?])
+        };
+        let args = [Tensor::randn(&[64, 32], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[32, 32], DType::F32, &Device::Cpu).unwrap()];
+        let g = simplify::simplify(&fuse::tests::graph_of(&args, f));
+        let spread_stored = |s: &fuse::Schedule| s.kernels.iter().any(|k| k.outputs.iter().any(|(o, _)| k.ops[*o].kind == crate::kir::KKind::Broadcast && !k.ops[*o].row));
+        assert!(spread_stored(&fuse::schedule(&g)));
+        let s = fuse::schedule(&recompute_cheap(&g));
+        assert!(!spread_stored(&s), "{:?}", s.kernels.iter().map(|k| k.describe().to_string()).collect::<Vec<_>>());
+        let last = s.kernels.last().expect("the sum's row kernel");
+        assert!(last.inputs.iter().any(|i| i.row), "{}", last.describe());
+    }
+
+    /// The sum of two full-size values read by two kernels apart (an embedding's token and
+    /// position rows, read by the first block's layer norm and by its residual): a copy per
+    /// reader would load both values in each, more than loading the sum once, so it is stored.
+    #[test]
+    fn a_sum_of_two_stored_values_is_not_copied_per_reader() {
+        let f = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+            let h = xs[0].add(&xs[1])?;
+            let y = h.relu()?.matmul(&xs[2])?;
+            Ok(vec![y.add(&h)?.exp()?])
+        };
+        let args = [Tensor::randn(&[64, 32], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[64, 32], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[32, 32], DType::F32, &Device::Cpu).unwrap()];
+        let g = simplify::simplify(&fuse::tests::graph_of(&args, f));
+        let adds = |g: &Graph| g.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Binary(crate::ops::BinaryOp::Add, _)))).count();
+        assert_eq!(adds(&recompute_cheap(&g)), adds(&g), "{}", recompute_cheap(&g));
     }
 
     /// A ReLU backward's output read by the bias gradient (a matrix's column sum, fused) and
