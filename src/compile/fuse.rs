@@ -517,9 +517,8 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
         for k in (0..grp.members.len()).rev() {
             let m = grp.members[k];
             let outside = |r: &NodeId| group_of[*r] != Some(gi);
-            let of_an_input = g.nodes[m].args.iter().all(outside) && node_readers[m].iter().any(outside);
             let detached = match kinds[m] {
-                Kind::Reshape => node_readers[m].iter().all(outside) || of_an_input,
+                Kind::Reshape => node_readers[m].iter().all(outside) || (g.nodes[m].args.iter().all(outside) && node_readers[m].iter().any(outside)),
                 Kind::Expand(..) => node_readers[m].iter().all(outside),
                 _ => false,
             };

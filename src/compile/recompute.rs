@@ -82,10 +82,11 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
         }
         bytes
     };
-    let copied = |i: NodeId| {
-        in_chain(i) && readers[i].len() >= 2 && readers[i].iter().all(|&r| fusable_reader(r)) && leaf_bytes(i) <= g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes()
-    };
-    if !(0..n).any(copied) {
+    // Decided once per node: every reader's arguments ask again.
+    let copied: Vec<bool> = (0..n)
+        .map(|i| in_chain(i) && readers[i].len() >= 2 && readers[i].iter().all(|&r| fusable_reader(r)) && leaf_bytes(i) <= g.nodes[i].numel() * g.nodes[i].dtype.size_in_bytes())
+        .collect();
+    if !copied.contains(&true) {
         return g.clone();
     }
     let mut out = Graph { n_args: 0, n_captured: 0, ..Default::default() };
@@ -94,7 +95,7 @@ pub(crate) fn recompute_cheap(g: &Graph) -> Graph {
         let node = &g.nodes[i];
         // Copies made for this reader, so that a chain it reads twice is copied once.
         let mut mine: Vec<(NodeId, NodeId)> = vec![];
-        let args: Vec<NodeId> = node.args.iter().map(|&a| if copied(a) && readers[a][0] != i { copy(g, &mut out, &map, &in_chain, &mut mine, a) } else { map[a] }).collect();
+        let args: Vec<NodeId> = node.args.iter().map(|&a| if copied[a] && readers[a][0] != i { copy(g, &mut out, &map, &in_chain, &mut mine, a) } else { map[a] }).collect();
         map[i] = out.push(node.op.clone(), args, node.shape.clone(), node.dtype, node.device);
     }
     out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
