@@ -422,7 +422,10 @@ fn picked_logits(x: &Tensor, t: &Tensor) -> Result<(Tensor, ClassSum)> {
     // reported as a gather reports it.
     let t = columns.index_select(0, t)?;
     let hit = columns.unsqueeze(0)?.eq(&t.unsqueeze(1)?)?;
-    let at_target = hit.where_(&shifted, &Tensor::scalar(0.0, shifted.dtype(), &x.device())?)?.sum(&[1], true)?;
+    // The target's logit, then less the max: the same bits as picking `x - max` (one term in
+    // the sum, the rest exact zeros), and a sum that does not wait for the max, so a kernel
+    // walking a long row takes it in the max's walk.
+    let at_target = hit.where_(&x, &Tensor::scalar(0.0, x.dtype(), &x.device())?)?.sum(&[1], true)?.sub(&m)?;
     let picked = at_target.sub(&log_sum)?.squeeze(1)?.to_dtype(dtype)?;
     Ok((picked, ClassSum::Shifted { shifted, log_sum, dtype }))
 }

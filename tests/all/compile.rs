@@ -1099,6 +1099,39 @@ fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result
     Ok(())
 }
 
+/// Softmax and cross-entropy over rows past the longest held in registers, whose kernels take
+/// the sum of exponentials in the max's walk (each thread's sum rescaled as its max grows):
+/// rows whose max rises at every element, masked entries (-inf), a row of -inf and a row with
+/// +inf (NaN throughout, as two passes give), against a host reference in F64. F32 within
+/// 1e-5 relative, as a sum of a few thousand terms.
+#[test]
+fn long_rows_with_rising_maxima_and_infinities_match_the_two_pass_reference() -> Result<()> {
+    let c = 20_000;
+    let rows: Vec<Vec<f64>> = vec![
+        (0..c).map(|j| j as f64 * 1e-3).collect(),
+        host_rand(c, 7).into_iter().enumerate().map(|(j, v)| if j % 3 == 0 { f64::NEG_INFINITY } else { 8.0 * v }).collect(),
+        vec![f64::NEG_INFINITY; c],
+        host_rand(c, 8).into_iter().enumerate().map(|(j, v)| if j == c / 2 { f64::INFINITY } else { v }).collect(),
+        (0..c).map(|j| -(j as f64) * 1e-3).collect(),
+    ];
+    let log_softmax = |r: &[f64]| -> Vec<f64> {
+        let m = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = r.iter().map(|v| (v - m).exp()).sum();
+        r.iter().map(|v| v - m - s.ln()).collect()
+    };
+    let want: Vec<Vec<f64>> = rows.iter().map(|r| log_softmax(r)).collect();
+    let x = t(&rows.concat(), &[rows.len(), c], DType::F32);
+    let sm = compile(|x: &Tensor| F::softmax(x, -1));
+    let expected: Vec<f64> = want.iter().flat_map(|r| r.iter().map(|v| v.exp())).collect();
+    assert_close_named("softmax", &vals(&sm.call(&x)?), &expected, 1e-5, 1e-9);
+    let targets: Vec<i64> = vec![c as i64 - 1, 1, 5, 17, 0];
+    let target = Tensor::from_vec(targets.clone(), &[rows.len()], &Device::Cpu)?.to_device(&dev())?;
+    let ce = compile(|x: &Tensor, t: &Tensor| F::cross_entropy_with(x, t, &F::CrossEntropyOptions { reduction: F::Reduction::None, ..Default::default() }));
+    let picked: Vec<f64> = want.iter().zip(&targets).map(|(r, &i)| -r[i as usize]).collect();
+    assert_close_named("cross_entropy", &vals(&ce.call(&x, &target)?), &picked, 1e-5, 1e-5);
+    Ok(())
+}
+
 #[test]
 fn compiled_row_kernel_with_row_and_full_outputs() -> Result<()> {
     // exp(x - max) is read by three passes and stored; two row results are stored too.

@@ -410,12 +410,23 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     // values already computed here (cross-entropy's target logit needs the row's max, not its
     // sum of exponentials) folds in the same walk. Each accumulator takes the same values in
     // the same order as in a pass of its own.
+    // Row values of no reduction (constants, functions of row inputs) are computed before any
+    // walk, so every walk may read them.
+    let mut free = vec![false; k.ops.len()];
+    for (i, op) in k.ops.iter().enumerate() {
+        free[i] = !plan.elem[i] && !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().all(|a| matches!(a, ValueRef::In(_)) || matches!(a, ValueRef::Op(j) if free[*j]));
+        if free[i] && !matches!(op.kind, KKind::Same | KKind::Broadcast) {
+            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
+            let (t, e) = lower(op, &args);
+            let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
+        }
+    }
     let row_value = |a: &ValueRef| {
         let mut a = *a;
         while let ValueRef::Op(j) = a {
             match k.ops[j].kind {
                 KKind::Same | KKind::Broadcast => a = k.ops[j].args[0],
-                _ => return (!plan.elem[j]).then_some(j),
+                _ => return (!plan.elem[j] && !free[j]).then_some(j),
             }
         }
         None
@@ -430,8 +441,25 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             KKind::Reduce(_) if walked[i] => {}
             KKind::Reduce(_) => {
                 let group: Vec<usize> = std::iter::once(i).chain(reduces.iter().copied().filter(|&r| looped && r > i && !walked[r] && ready_at(r, i))).collect();
+                // Sums of exp(x - max) over this max's own values fold into its walk as online
+                // sums: each thread's sum is kept relative to its running max, rescaled when
+                // that max grows, and the threads' sums are brought to the row's max after the
+                // walk (softmax and cross-entropy then read a long row twice, not three times).
+                let online: Vec<usize> = if looped { reduces.iter().copied().filter(|&r| r > i && !walked[r] && online_sum_of(k, r, i)).collect() } else { vec![] };
                 let mut walk = RowPass::default();
                 let mut each = String::new();
+                for &r in &online {
+                    let t = CType::of(k.ops[r].dtype);
+                    let (v, exp) = (arg(&k.ops[i].args[0], &ins, &vals).1, |e: &str| crate::ops::UnaryOp::Exp.cuda(e, t));
+                    let (lowest, one) = (crate::backend::cexpr::literal(f64::NEG_INFINITY, t), crate::backend::cexpr::literal(1.0, t));
+                    let _ = writeln!(c, "    {ty} acc{r} = ({ty})0; {ty} om{r} = {lowest};", ty = t.name());
+                    let _ = writeln!(
+                        each,
+                        "          if ({v} > om{r}) {{ acc{r} = acc{r} * {} + {one}; om{r} = {v}; }} else if ({v} > {lowest}) acc{r} += {};",
+                        exp(&format!("om{r} - {v}")),
+                        exp(&format!("{v} - om{r}"))
+                    );
+                }
                 for &g in &group {
                     let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
                     let t = CType::of(k.ops[g].dtype);
@@ -453,9 +481,18 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                     let _ = writeln!(c, "    const {} t{g} = {}(acc{g});", t.name(), block_name(r, t));
                     walked[g] = true;
                 }
+                // An infinite or NaN max makes every exp(x - max) NaN or one of them exp(NaN),
+                // as the sum over a walk of its own would.
+                for &r in &online {
+                    let t = CType::of(k.ops[r].dtype);
+                    let nan = crate::backend::cexpr::literal(f64::NAN, t);
+                    let scaled = format!("acc{r} == ({ty})0 ? ({ty})0 : acc{r} * {}", crate::ops::UnaryOp::Exp.cuda(&format!("om{r} - t{i}"), t), ty = t.name());
+                    let _ = writeln!(c, "    const {ty} s{r} = {}({scaled});\n    const {ty} t{r} = isfinite(t{i}) ? s{r} : {nan};", block_name(crate::ops::ReduceOp::Sum, t), ty = t.name());
+                    walked[r] = true;
+                }
             }
             KKind::Same | KKind::Broadcast => {}
-            _ if !plan.elem[i] => {
+            _ if !plan.elem[i] && !free[i] => {
                 let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
                 let (t, e) = lower(op, &args);
                 let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
@@ -491,6 +528,44 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     }
     c.push_str("  }\n}\n");
     c
+}
+
+/// Whether reduction `r` of a row kernel is the sum of `exp(x - max)` where `max` is reduction
+/// `m`, a max over the same `x` (the same expression, not necessarily the same op), all in one
+/// type.
+fn online_sum_of(k: &FusedKernel, r: usize, m: usize) -> bool {
+    use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
+    let (KKind::Reduce(ReduceOp::Sum), KKind::Reduce(ReduceOp::Max)) = (&k.ops[r].kind, &k.ops[m].kind) else { return false };
+    let through = |mut a: ValueRef| {
+        while let ValueRef::Op(j) = a {
+            match k.ops[j].kind {
+                KKind::Same | KKind::Broadcast => a = k.ops[j].args[0],
+                _ => break,
+            }
+        }
+        a
+    };
+    let dtype = k.ops[m].dtype;
+    let ValueRef::Op(e) = k.ops[r].args[0] else { return false };
+    let (exp, sub) = (&k.ops[e], |d: usize| &k.ops[d]);
+    if exp.kind != KKind::Unary(UnaryOp::Exp) || exp.dtype != dtype || k.ops[r].dtype != dtype {
+        return false;
+    }
+    let ValueRef::Op(d) = exp.args[0] else { return false };
+    let d = sub(d);
+    matches!(d.kind, KKind::Binary(BinaryOp::Sub, _)) && d.dtype == dtype && through(d.args[1]) == ValueRef::Op(m) && same_value(k, d.args[0], k.ops[m].args[0])
+}
+
+/// Whether two values of a kernel are the same expression of the same inputs.
+fn same_value(k: &FusedKernel, a: ValueRef, b: ValueRef) -> bool {
+    match (a, b) {
+        _ if a == b => true,
+        (ValueRef::Op(x), ValueRef::Op(y)) => {
+            let (x, y) = (&k.ops[x], &k.ops[y]);
+            x.kind == y.kind && x.dtype == y.dtype && x.row == y.row && x.args.len() == y.args.len() && x.args.iter().zip(&y.args).all(|(p, q)| same_value(k, *p, *q))
+        }
+        _ => false,
+    }
 }
 
 /// The vector types of a kernel that handles `VEC` adjacent values at a time: `VI{j}` for each
@@ -1430,6 +1505,34 @@ pub(super) mod tests {
         assert_eq!(plan.in_array, vec![true]);
         let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
+    }
+
+    #[test]
+    fn long_rows_take_their_sum_of_exponentials_in_the_max_walk() {
+        // Rows past `MAX_ROW`: softmax walks the row for its max and online sum, then once to
+        // store; cross-entropy with its gradient (one kernel) takes the target's logit in the
+        // same first walk.
+        let cols = crate::kir::MAX_ROW + 64;
+        let walks = |k: &FusedKernel| {
+            let (threads, vec) = (default_row_threads(cols, 4), 4);
+            let (vpt, cover) = row_cover(cols, threads, vec);
+            assert!(cover == Cover::Looped);
+            gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover).matches("for (int kbase").count()
+        };
+        let x = Tensor::randn(&[2, cols], DType::F32, &Device::Cpu).unwrap();
+        let softmax = row_kernels(&x, |x| x.softmax(-1)).remove(0);
+        assert_eq!(walks(&softmax), 2);
+        let logits = Tensor::randn(&[2, cols], DType::F32, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap().requires_grad();
+        let classes = Tensor::from_vec(vec![3i64, 700], &[2], &Device::Cpu).unwrap();
+        let ks = optimised_kernels(&[logits, classes], |xs| {
+            let loss = F::cross_entropy(&xs[0].to_dtype(DType::F32)?, &xs[1])?;
+            loss.backward()?;
+            Ok(vec![loss, xs[0].grad().expect("a gradient")])
+        });
+        let rows: Vec<&FusedKernel> = ks.iter().filter(|k| matches!(k.space, Space::Rows { cols: c, .. } if c == cols)).collect();
+        assert_eq!(rows.len(), 1, "loss and gradient in one row kernel");
+        assert_eq!(rows[0].ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).count(), 3, "max, sum of exponentials, target's logit");
+        assert_eq!(walks(rows[0]), 2);
     }
 
     #[test]
