@@ -96,8 +96,8 @@ pub(crate) fn gemv_off() -> bool {
     *V.get_or_init(|| is("KILN_GEMV", "0"))
 }
 
-/// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1:
-/// never), where its strips of columns alone would leave SMs idle.
+/// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
+/// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();
     *V.get_or_init(|| parsed("KILN_GEMV_SPLIT"))

@@ -389,7 +389,7 @@ fi
 if [[ " $* " == *" decode "* ]]; then
   # kiln's split-key decode attention: the attention and language-model tests with it, then the
   # decode row with it off and on, and with the matrix-vector kernel's K unsplit
-  # (KILN_GEMV_SPLIT=1) or split into at most 2, 4 or 16 pieces (the default).
+  # (KILN_GEMV_SPLIT=1, the default) or split into at most 2, 4 or 16 pieces.
   KILN_DECODE_ATTENTION=1 bash .gpu/run.sh $OUT/decode-suite attention lm 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-suite/gpu-tests.log | head -20
   for e in "KILN_DECODE_ATTENTION=0" "KILN_DECODE_ATTENTION=1" "KILN_GEMV_SPLIT=1" "KILN_GEMV_SPLIT=2" "KILN_GEMV_SPLIT=4" "KILN_GEMV_SPLIT=1 KILN_DECODE_ATTENTION=1" "KILN_DECODE_ATTENTION=1 KILN_GEMV_SPLIT=16"; do
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only gpt2.decode --out /tmp/dec.json > /dev/null 2>&1

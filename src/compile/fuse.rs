@@ -329,7 +329,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
             if !ok_edge {
                 continue;
             }
-            try_merge(g, &node_readers, &mut groups, &mut group_of, ga, gi);
+            try_merge(g, &node_readers, &users, &mut groups, &mut group_of, ga, gi);
         }
     }
     // Siblings: groups reading the same value over the same space become one kernel (the value
@@ -349,11 +349,15 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
                 if start(other).abs_diff(start(first)) > MAX_SIBLING_SPAN {
                     continue;
                 }
-                if try_merge(g, &node_readers, &mut groups, &mut group_of, first, other) {
+                if try_merge(g, &node_readers, &users, &mut groups, &mut group_of, first, other) {
                     sched.notes.push(format!("siblings reading %{v} fused into one kernel"));
                 }
             }
         }
+    }
+    let sunk = sink_stored_outputs(g, &node_readers, &users, &kinds, &mut groups, &mut group_of);
+    if sunk > 0 {
+        sched.notes.push(format!("{sunk} values moved into the kernel that reads them, which loads what they are made of"));
     }
     detach_outer_views(g, &node_readers, &kinds, &mut groups, &mut group_of);
     let merged = merge_updates(g, &node_readers, &users, &mut groups, &mut group_of);
@@ -530,6 +534,59 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
     }
 }
 
+/// Moves a pointwise value out of the kernel that would store it only for one other kernel,
+/// into that kernel, where everything it is made of is loaded anyway or is a broadcast of a row
+/// value (read as a view): one full-size store and load fewer. That is a layer norm's
+/// normalised values, which producer fusion puts in the forward's kernel, stored there for the
+/// backward's weight gradient, whose kernel loads the centred values they are made of. Later
+/// values go first, so a chain of them can follow. Returns how many moved.
+fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) -> usize {
+    let kept: std::collections::HashSet<NodeId> = g.outputs.iter().copied().chain(g.mutations.iter().map(|&(_, v)| v)).collect();
+    let mut moved = 0;
+    for o in (0..g.nodes.len()).rev() {
+        let (Some(src), Some(&first)) = (group_of[o], node_readers[o].first()) else { continue };
+        let Some(dst) = group_of[first] else { continue };
+        if kinds[o] != Kind::Pointwise || kept.contains(&o) || dst == src || !node_readers[o].iter().all(|&r| group_of[r] == Some(dst)) {
+            continue;
+        }
+        let (from, to) = (groups[src].as_ref().expect("live"), groups[dst].as_ref().expect("live"));
+        if !to.fits(g.nodes[o].numel()) || to.rows.is_none() {
+            continue;
+        }
+        // Each argument: loaded by the reader's kernel already, or a broadcast that will be a
+        // view (outside any kernel, or one only `o` reads in its kernel).
+        let loads = |x: NodeId| to.members.iter().any(|&m| g.nodes[m].args.contains(&x));
+        let view = |x: NodeId| matches!(kinds[x], Kind::Expand(..)) && (group_of[x].is_none() || node_readers[x].iter().all(|&r| r == o || group_of[r] != Some(src)));
+        if !g.nodes[o].args.iter().all(|&x| loads(x) || view(x)) {
+            continue;
+        }
+        let mut members = to.members.clone();
+        members.push(o);
+        members.sort_unstable();
+        let most = if to.mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS };
+        if too_many_operands(g, node_readers, users, &members, most) {
+            continue;
+        }
+        let rest: Vec<NodeId> = from.members.iter().copied().filter(|&m| m != o).collect();
+        let (numel, rows, mid) = (to.numel, to.rows, to.mid);
+        let mut others = group_of.to_vec();
+        for &m in &members {
+            others[m] = None;
+        }
+        others[o] = None;
+        if rest.is_empty() || creates_cycle(g, &members, &others, groups.len()) {
+            continue;
+        }
+        if let Some(grp) = groups[src].as_mut() {
+            grp.members = rest;
+        }
+        groups[dst] = Some(Group { members, numel, rows, mid });
+        group_of[o] = Some(dst);
+        moved += 1;
+    }
+    moved
+}
+
 /// Argument words a flat kernel's launch holds before its constants (CUDA's map kernels: the
 /// element count, an address per operand, the sizes, then the strides of each strided operand).
 const FLAT_LAUNCH_WORDS: usize = 56;
@@ -589,7 +646,7 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
                 let ndim = members.iter().map(|&m| g.nodes[m].shape.len()).max().unwrap_or(1);
                 operands(&members) <= MAX_OPERANDS.min((FLAT_LAUNCH_WORDS - 1 - ndim) / (1 + ndim))
             });
-            if fits && try_merge(g, node_readers, groups, group_of, acc, h) {
+            if fits && try_merge(g, node_readers, users, groups, group_of, acc, h) {
                 merged += 1;
                 at = Some((n, acc));
                 continue;
@@ -602,12 +659,12 @@ fn merge_updates(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], group
 
 /// Merges group `b` into group `a` when their spaces agree, the kernel stays within its operand
 /// limit and no step outside would both feed and read it; whether it did.
-fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], groups: &mut [Option<Group>], group_of: &mut [Option<usize>], a: usize, b: usize) -> bool {
+fn try_merge(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], groups: &mut [Option<Group>], group_of: &mut [Option<usize>], a: usize, b: usize) -> bool {
     let (ga, gb) = (groups[a].as_ref().expect("live"), groups[b].as_ref().expect("live"));
     let Some((numel, rows, mid)) = Group::merge_space(ga, gb) else { return false };
     let mut members: Vec<NodeId> = ga.members.iter().chain(&gb.members).copied().collect();
     members.sort_unstable();
-    if too_many_operands(g, node_readers, &members, if mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS }) {
+    if too_many_operands(g, node_readers, users, &members, if mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS }) {
         return false;
     }
     // A mid kernel loads its stored inputs as values of its walk: a one-element one (an
@@ -642,10 +699,11 @@ const MAX_OPERANDS: usize = 20;
 /// The same for a mid reduction, whose inputs take four words each (three strides).
 const MAX_MID_OPERANDS: usize = 12;
 
-fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], members: &[NodeId], most: usize) -> bool {
+fn too_many_operands(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], members: &[NodeId], most: usize) -> bool {
     let inside = |x: NodeId| members.binary_search(&x).is_ok();
-    // Outputs: members some node outside reads (graph outputs are not known here; they add few).
-    let outputs = members.iter().filter(|&&m| readers[m].iter().any(|&j| !inside(j))).count();
+    // Outputs: members some node outside reads, graph outputs and values written back (an
+    // optimiser's new parameters and state, which no node reads).
+    let outputs = members.iter().filter(|&&m| users[m] > readers[m].iter().filter(|&&j| inside(j)).count()).count();
     outside_inputs(g, members) + outputs > most
 }
 

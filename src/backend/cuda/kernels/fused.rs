@@ -1371,6 +1371,56 @@ pub(super) mod tests {
         v
     }
 
+    /// A six-layer GPT-2's training step with AdamW: its bias gradients' column sums carry
+    /// their parameters' updates (new values and state written back), and no kernel, however
+    /// merged, takes more operands than its launch holds.
+    #[test]
+    fn every_kernel_of_a_deep_training_step_fits_its_launch() {
+        let cpu = Device::Cpu;
+        let cfg = crate::models::Gpt2Config { vocab_size: 96, n_positions: 16, n_embd: 64, n_layer: 6, n_head: 4, n_inner: 256, ..Default::default() };
+        let model = Arc::new(crate::models::Gpt2::new(cfg, DType::F32, &cpu).unwrap());
+        let mut opt = crate::optim::AdamW::new(crate::nn::Module::parameters(model.as_ref()), crate::optim::AdamConfig { weight_decay: 0.1, ..Default::default() });
+        let ids = Tensor::from_vec((0..32).map(|i| (i * 7) % 96).collect::<Vec<i64>>(), &[2, 16], &cpu).unwrap();
+        let targets = Tensor::from_vec((0..32).map(|i| (i * 5) % 96).collect::<Vec<i64>>(), &[32], &cpu).unwrap();
+        let kernels = optimised_kernels(&[ids, targets], move |xs| {
+            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(model.as_ref(), &xs[0]))?;
+            let loss = F::cross_entropy(&logits.reshape(&[-1, 96])?, &xs[1])?;
+            loss.backward()?;
+            crate::optim::Optimizer::step(&mut opt)?;
+            crate::optim::Optimizer::zero_grad(&mut opt);
+            Ok(vec![loss])
+        });
+        let words = LaunchArgs::default().w.len();
+        for k in &kernels {
+            let needed = match k.space {
+                Space::Mid { .. } => MidWords::of(k).param(mid_params(k).1.len()),
+                Space::Rows { .. } => RowWords { outputs: k.outputs.len() }.input(k.inputs.len())[0],
+                Space::Flat { .. } => continue,
+            };
+            assert!(needed <= words, "{} needs {needed} argument words of {words}: {}", k.name, k.describe());
+        }
+    }
+
+    /// A layer norm of a residual sum trained under autocast (GPT-2's blocks): the forward's
+    /// row kernel stores the centred values the backward reads, not the normalised values too;
+    /// the kernel of the weight's gradient computes those from the centred values it loads.
+    #[test]
+    fn a_layer_norms_forward_stores_no_normalised_values_for_its_backward() {
+        let r = Tensor::randn(&[64, 48], DType::F32, &Device::Cpu).unwrap().requires_grad();
+        let a = Tensor::randn(&[64, 48], DType::F32, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap().requires_grad();
+        let w = Tensor::ones(&[48], DType::F32, &Device::Cpu).unwrap().requires_grad();
+        let b = Tensor::zeros(&[48], DType::F32, &Device::Cpu).unwrap().requires_grad();
+        let ks = optimised_kernels(&[r, a, w, b], |xs| {
+            let sum = xs[0].add(&xs[1].to_dtype(DType::F32)?)?;
+            let y = crate::amp::autocast(&Device::Cpu, DType::BF16, || F::layer_norm(&sum, &[48], Some(&xs[2]), Some(&xs[3]), 1e-5)?.to_dtype(DType::BF16)?.mul_scalar(2.0))?;
+            y.to_dtype(DType::F32)?.sum_all()?.add(&sum.sum_all()?)?.backward()?;
+            Ok(vec![xs[0].grad().unwrap(), xs[1].grad().unwrap(), xs[2].grad().unwrap(), xs[3].grad().unwrap()])
+        });
+        let forward = ks.iter().find(|k| matches!(k.space, Space::Rows { .. }) && k.ops.iter().any(|o| o.kind == KKind::Unary(crate::ops::UnaryOp::Rsqrt))).expect("the forward's row kernel");
+        let products = forward.outputs.iter().filter(|(o, _)| !forward.ops[*o].row && matches!(forward.ops[*o].kind, KKind::Binary(crate::ops::BinaryOp::Mul, _))).count();
+        assert_eq!(products, 0, "no normalised values among the outputs: {}", forward.describe());
+    }
+
     #[test]
     fn a_column_kernel_folds_every_statistic_and_stores_per_channel_values() {
         // Batch norm's statistics of a channels-last convolution's BF16 output (layout pass):

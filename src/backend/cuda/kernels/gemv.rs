@@ -67,7 +67,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let (rs, cs) = (b.strides()[1], b.strides()[2]);
     let (walk, ldw, per) = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
         let tx = columns_per_block(n, vw);
-        let per = split_rows(n, k, vw, tx, dev.sm_count);
+        let per = split_rows(n, k, vw, tx, dev.sm_count, crate::switches::gemv_splits().unwrap_or(1));
         let rows = per.div_ceil(WARPS * 32 / tx);
         (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs, per)
     } else if rs == 1 && k > 1 && cs % vw == 0 && k.is_multiple_of(vw) {
@@ -113,11 +113,12 @@ fn columns_per_block(n: usize, vw: usize) -> usize {
 
 /// Rows of K per block of the column kernel: all of K, or (where its strips of `tx` vectors of
 /// columns are fewer than `SPLIT_BLOCKS_PER_SM` blocks per SM) an even piece of whole passes
-/// of the block's rows, so that the pieces fill the SMs (`KILN_GEMV_SPLIT`: at most that many
-/// pieces; 1 never splits).
-fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize) -> usize {
+/// of the block's rows, so that the pieces fill the SMs, at most `most` of them
+/// (`KILN_GEMV_SPLIT`; 1, the default, never splits: GPT-2's decode step ran slower split, the
+/// last blocks' folds costing more than the idle SMs).
+fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize, most: usize) -> usize {
     let (strips, pass) = ((n / vw).div_ceil(tx), WARPS * 32 / tx);
-    let most = crate::switches::gemv_splits().unwrap_or(MAX_SPLITS).clamp(1, MAX_SPLITS);
+    let most = most.clamp(1, MAX_SPLITS);
     let splits = (SPLIT_BLOCKS_PER_SM * sms).div_ceil(strips).min(k.div_ceil(pass)).clamp(1, most);
     k.div_ceil(splits).next_multiple_of(pass)
 }
@@ -193,15 +194,17 @@ mod tests {
     fn narrow_matrices_split_k_into_whole_passes_that_fill_the_sms() {
         // GPT-2's MLP down projection (K 3072, N 768: 96 strips of one vector) on 132 SMs: three
         // pieces of 1024 rows (4 passes of 256 rows).
-        assert_eq!(split_rows(768, 3072, 8, 1, 132), 1024);
+        assert_eq!(split_rows(768, 3072, 8, 1, 132, MAX_SPLITS), 1024);
         // The qkv product (144 strips of two vectors): two pieces of 384 rows.
-        assert_eq!(split_rows(2304, 768, 8, 2, 132), 384);
+        assert_eq!(split_rows(2304, 768, 8, 2, 132, MAX_SPLITS), 384);
         // Wide enough already: all of K.
-        assert_eq!(split_rows(8 * 4 * 300, 4096, 8, 4, 132), 4096);
+        assert_eq!(split_rows(8 * 4 * 300, 4096, 8, 4, 132, MAX_SPLITS), 4096);
+        // Unsplit unless asked.
+        assert_eq!(split_rows(768, 3072, 8, 1, 132, 1), 3072);
         // Short K: never a piece smaller than one pass.
-        assert_eq!(split_rows(64, 100, 8, 1, 132), 256);
+        assert_eq!(split_rows(64, 100, 8, 1, 132, MAX_SPLITS), 256);
         for (n, k, tx) in [(768, 3072, 1), (2304, 768, 2), (64, 8192, 1), (50, 4096, 1)] {
-            let per = split_rows(n, k, 8, tx, 132);
+            let per = split_rows(n, k, 8, tx, 132, MAX_SPLITS);
             assert!(per.is_multiple_of(WARPS * 32 / tx) && k.div_ceil(per) <= MAX_SPLITS, "{n} {k}: {per}");
         }
     }
