@@ -584,22 +584,29 @@ thread_local! {
 }
 
 /// Per fused kernel, per output: the inputs whose buffers that output may take, as far as the
-/// schedule tells (`dying_inputs_to_write` checks the tensors at run time): in a flat kernel on
-/// a device that reuses buffers, an input that dies at the kernel's step, of the output's dtype
-/// and size, and read by no other output. Each element of the output is stored after the loads
-/// it depends on, but a generated kernel (`__restrict__` operands on CUDA) may load an input
-/// again after storing an output that does not depend on it.
+/// schedule tells (`dying_inputs_to_write` checks the tensors at run time): in a flat kernel, or
+/// a full output of a mid kernel, on a device that reuses buffers, an input that dies at the
+/// kernel's step, of the output's dtype and size, and read by no other full output. Each
+/// element of the output is stored after the loads it depends on (a mid kernel's single walk
+/// loads a batch of elements before it stores any, and its per-row results come from
+/// accumulators, not loads), but a generated kernel (`__restrict__` operands on CUDA) may load
+/// an input again after storing an output that does not depend on it.
 fn plan_reuse(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>]) -> Vec<Vec<Vec<usize>>> {
     let mut reuse: Vec<Vec<Vec<usize>>> = s.kernels.iter().map(|k| vec![vec![]; k.outputs.len()]).collect();
     for (step, st) in s.steps.iter().enumerate() {
         let Step::Kernel(kx) = st else { continue };
         let kern = &s.kernels[*kx];
-        let crate::kir::Space::Flat { numel } = kern.space else { continue };
+        let numel = match kern.space {
+            crate::kir::Space::Flat { numel } => numel,
+            crate::kir::Space::Mid { outer, rows, inner } => outer * rows * inner,
+            crate::kir::Space::Rows { .. } => continue,
+        };
         if !reuses_dying_buffers(kern.device) {
             continue;
         }
-        let readers = outputs_reading(kern);
-        for (m, (o, _)) in kern.outputs.iter().enumerate().filter(|&(m, _)| !kern.single[m]) {
+        let full = |m: &usize| !kern.ops[kern.outputs[*m].0].row;
+        let readers: Vec<Vec<usize>> = outputs_reading(kern).into_iter().map(|r| r.into_iter().filter(full).collect()).collect();
+        for (m, (o, _)) in kern.outputs.iter().enumerate().filter(|&(m, _)| !kern.single[m] && full(&m)) {
             let dtype = kern.ops[*o].dtype;
             // (every input slot of the value feeds output m alone)
             let only_m = |node: NodeId| kern.inputs.iter().zip(&readers).filter(|(i, _)| i.node == node).all(|(_, r)| *r == [m]);
@@ -809,7 +816,7 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     let mut holders = vec![0usize; n];
     let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![], by_op: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
-        // Flat kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
+        // Kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
         // each must also be contiguous and held by nothing else).
         if let Step::Kernel(j) = step {
             let kern = &s.kernels[*j];
@@ -1105,6 +1112,30 @@ mod tests {
         let h = compile(|xs: &[Tensor]| Ok(vec![xs[0].sin()?.exp()?]));
         h.call(std::slice::from_ref(&x)).unwrap();
         assert_eq!(x.to_vec::<f32>().unwrap(), x_before, "an argument is never written");
+    }
+
+    /// ReLU's backward beside its bias gradient on the GPU (a mid kernel: the masked gradient,
+    /// stored for the weight's product, and its column sums): the masked gradient may take the
+    /// buffer of the incoming gradient, which dies there, as torch's threshold backward does.
+    #[test]
+    fn a_mid_kernels_full_output_may_take_a_dying_inputs_buffer() {
+        let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
+        let g = crate::compile::fuse::tests::graph_of(&[randn(&[256, 64]), randn(&[64, 32]), randn(&[256, 10]), randn(&[10, 32])], |xs| {
+            let h = xs[0].matmul(&xs[1])?.relu()?;
+            let dh = xs[2].matmul(&xs[3])?;
+            let masked = h.le_scalar(0.0)?.where_(&Tensor::scalar(0.0, DType::F32, &xs[0].device())?, &dh)?;
+            Ok(vec![masked.sum(&[0], false)?, masked.t()?.matmul(&xs[0])?])
+        });
+        let g = crate::compile::simplify::simplify(&g);
+        let s = crate::compile::fuse::schedule(&g);
+        let frees = super::plan(&g, &s);
+        let reuse = super::plan_reuse(&g, &s, &frees);
+        let (k, kern) = s.kernels.iter().enumerate().find(|(_, k)| matches!(k.space, crate::kir::Space::Mid { .. })).expect("a mid kernel");
+        let full = kern.outputs.iter().position(|(o, _)| !kern.ops[*o].row).expect("a full output");
+        assert!(!reuse[k][full].is_empty(), "{}", kern.describe());
+        let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(&g, &s, &frees, &super::plan_in_place(&g, &s), reuse).peak;
+        let none: Vec<Vec<Vec<usize>>> = reuse.iter().map(|r| vec![vec![]; r.len()]).collect();
+        assert!(planned(&reuse) < planned(&none));
     }
 
     /// The planned peak counts each computed value from the step that makes it until it and

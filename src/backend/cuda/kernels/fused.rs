@@ -1109,6 +1109,8 @@ fn run_mid(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKern
         let op = &k.ops[*o];
         outs.push(match into.get(j).cloned().flatten() {
             Some(t) if op.row && t.numel() == m && t.is_contiguous() && t.dtype() == op.dtype => t,
+            // A dying input's buffer (`plan_reuse`), stored as vectors like a fresh one.
+            Some(t) if !op.row && t.numel() == p * m * q && t.is_contiguous() && t.dtype() == op.dtype && data_ptr(&t)? % 16 == 0 => t,
             _ => {
                 let shape = if op.row { vec![m] } else { vec![p * m * q] };
                 Tensor::from_backend(BackendStorage::Cuda(CudaStorage::new(dev, op.dtype, shape[0])?), &shape)
