@@ -441,14 +441,13 @@ impl Program {
                             (nhwc.is_contiguous() && nhwc.shape() == shape).then_some(nhwc)
                         })
                         .collect();
-                    // Else, outputs written into the buffers of inputs that die here.
-                    if into.iter().all(Option::is_none) {
-                        for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
-                            if let Some(j) = j {
-                                into[m] = Some(ins[j].clone());
-                                #[cfg(test)]
-                                WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
-                            }
+                    // Other outputs written into the buffers of inputs that die here (a mid
+                    // kernel's masked gradient beside a bias updated in place).
+                    for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
+                        if let (Some(j), None) = (j, &into[m]) {
+                            into[m] = Some(ins[j].clone());
+                            #[cfg(test)]
+                            WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
                         }
                     }
                     let outs = if kern.device.is_cuda() {
