@@ -441,13 +441,14 @@ impl Program {
                             (nhwc.is_contiguous() && nhwc.shape() == shape).then_some(nhwc)
                         })
                         .collect();
-                    // Other outputs written into the buffers of inputs that die here (a mid
-                    // kernel's masked gradient beside a bias updated in place).
-                    for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
-                        if let (Some(j), None) = (j, &into[m]) {
-                            into[m] = Some(ins[j].clone());
-                            #[cfg(test)]
-                            WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
+                    // Else, outputs written into the buffers of inputs that die here.
+                    if into.iter().all(Option::is_none) {
+                        for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
+                            if let Some(j) = j {
+                                into[m] = Some(ins[j].clone());
+                                #[cfg(test)]
+                                WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
+                            }
                         }
                     }
                     let outs = if kern.device.is_cuda() {
@@ -816,12 +817,17 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![], by_op: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
         // Kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
-        // each must also be contiguous and held by nothing else).
-        if let Step::Kernel(j) = step {
-            let kern = &s.kernels[*j];
+        // each must also be contiguous and held by nothing else, and no output of the kernel
+        // written in place).
+        let reusing = match step {
+            Step::Kernel(j) if !s.kernels[*j].outputs.iter().any(|(_, o)| in_place.contains_key(o)) => Some(*j),
+            _ => None,
+        };
+        if let Some(j) = reusing {
+            let kern = &s.kernels[j];
             let mut taken = vec![];
             for (m, (_, out)) in kern.outputs.iter().enumerate() {
-                let found = reuse[*j][m].iter().filter_map(|&i| root[kern.inputs[i].node]).find(|&r| holders[r] == 1 && !taken.contains(&r) && bytes(r) == bytes(*out));
+                let found = reuse[j][m].iter().filter_map(|&i| root[kern.inputs[i].node]).find(|&r| holders[r] == 1 && !taken.contains(&r) && bytes(r) == bytes(*out));
                 if let (Some(r), Some(was)) = (found, root[*out]) {
                     taken.push(r);
                     // (views of the output, later, hold that buffer too)
