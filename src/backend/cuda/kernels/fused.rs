@@ -1270,6 +1270,25 @@ pub(super) mod tests {
         v
     }
 
+    /// The fused kernels of a small GPT-2's training step (`n_layer` blocks) under BF16
+    /// autocast, with cross-entropy and AdamW, as the GPU would run them.
+    fn gpt2_training_kernels(n_layer: usize) -> Vec<FusedKernel> {
+        let cpu = Device::Cpu;
+        let cfg = crate::models::Gpt2Config { vocab_size: 96, n_positions: 16, n_embd: 64, n_layer, n_head: 4, n_inner: 256, ..Default::default() };
+        let model = Arc::new(crate::models::Gpt2::new(cfg, DType::F32, &cpu).unwrap());
+        let mut opt = crate::optim::AdamW::new(crate::nn::Module::parameters(model.as_ref()), crate::optim::AdamConfig { weight_decay: 0.1, ..Default::default() });
+        let ids = Tensor::from_vec((0..32).map(|i| (i * 7) % 96).collect::<Vec<i64>>(), &[2, 16], &cpu).unwrap();
+        let targets = Tensor::from_vec((0..32).map(|i| (i * 5) % 96).collect::<Vec<i64>>(), &[32], &cpu).unwrap();
+        optimised_kernels(&[ids, targets], move |xs| {
+            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(model.as_ref(), &xs[0]))?;
+            let loss = F::cross_entropy(&logits.reshape(&[-1, 96])?, &xs[1])?;
+            loss.backward()?;
+            crate::optim::Optimizer::step(&mut opt)?;
+            crate::optim::Optimizer::zero_grad(&mut opt);
+            Ok(vec![loss])
+        })
+    }
+
     /// The sources the fused backend would write for the kernels of a small GPT-2 and a small
     /// ResNet training step under BF16 autocast, and of F32 rows too long for registers, for
     /// the NVRTC check (`samples.rs`): each kernel at its default launch shape, and with
@@ -1277,21 +1296,8 @@ pub(super) mod tests {
     pub(crate) fn samples() -> Vec<crate::backend::cuda::kernels::samples::Sample> {
         use crate::backend::cuda::kernels::samples::Sample;
         let cpu = Device::Cpu;
-        let mut kernels = vec![];
         // GPT-2: layer norms, GELU, attention's pieces, cross-entropy, AdamW.
-        let cfg = crate::models::Gpt2Config { vocab_size: 96, n_positions: 16, n_embd: 64, n_layer: 1, n_head: 4, n_inner: 256, ..Default::default() };
-        let model = Arc::new(crate::models::Gpt2::new(cfg, DType::F32, &cpu).unwrap());
-        let mut opt = crate::optim::AdamW::new(crate::nn::Module::parameters(model.as_ref()), crate::optim::AdamConfig { weight_decay: 0.1, ..Default::default() });
-        let ids = Tensor::from_vec((0..32).map(|i| (i * 7) % 96).collect::<Vec<i64>>(), &[2, 16], &cpu).unwrap();
-        let targets = Tensor::from_vec((0..32).map(|i| (i * 5) % 96).collect::<Vec<i64>>(), &[32], &cpu).unwrap();
-        kernels.extend(optimised_kernels(&[ids, targets], move |xs| {
-            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(model.as_ref(), &xs[0]))?;
-            let loss = F::cross_entropy(&logits.reshape(&[-1, 96])?, &xs[1])?;
-            loss.backward()?;
-            crate::optim::Optimizer::step(&mut opt)?;
-            crate::optim::Optimizer::zero_grad(&mut opt);
-            Ok(vec![loss])
-        }));
+        let mut kernels = gpt2_training_kernels(1);
         // ResNet: channels-last convolutions' batch norm statistics, ReLU, pooling, SGD.
         let net = Arc::new(crate::nn::ResNet::bottleneck([1, 1, 1, 1], 10, &cpu).unwrap());
         let mut sgd = crate::optim::Sgd::new(crate::nn::Module::parameters(net.as_ref()), 0.01).momentum(0.9).weight_decay(1e-4);
@@ -1378,20 +1384,7 @@ pub(super) mod tests {
     /// merged, takes more operands than its launch holds.
     #[test]
     fn every_kernel_of_a_deep_training_step_fits_its_launch() {
-        let cpu = Device::Cpu;
-        let cfg = crate::models::Gpt2Config { vocab_size: 96, n_positions: 16, n_embd: 64, n_layer: 6, n_head: 4, n_inner: 256, ..Default::default() };
-        let model = Arc::new(crate::models::Gpt2::new(cfg, DType::F32, &cpu).unwrap());
-        let mut opt = crate::optim::AdamW::new(crate::nn::Module::parameters(model.as_ref()), crate::optim::AdamConfig { weight_decay: 0.1, ..Default::default() });
-        let ids = Tensor::from_vec((0..32).map(|i| (i * 7) % 96).collect::<Vec<i64>>(), &[2, 16], &cpu).unwrap();
-        let targets = Tensor::from_vec((0..32).map(|i| (i * 5) % 96).collect::<Vec<i64>>(), &[32], &cpu).unwrap();
-        let kernels = optimised_kernels(&[ids, targets], move |xs| {
-            let logits = crate::amp::autocast(&Device::Cpu, DType::BF16, || crate::nn::Module::forward(model.as_ref(), &xs[0]))?;
-            let loss = F::cross_entropy(&logits.reshape(&[-1, 96])?, &xs[1])?;
-            loss.backward()?;
-            crate::optim::Optimizer::step(&mut opt)?;
-            crate::optim::Optimizer::zero_grad(&mut opt);
-            Ok(vec![loss])
-        });
+        let kernels = gpt2_training_kernels(6);
         let words = LaunchArgs::default().w.len();
         for k in &kernels {
             let needed = match k.space {
