@@ -114,8 +114,7 @@ fn columns_per_block(n: usize, vw: usize) -> usize {
 /// Rows of K per block of the column kernel: all of K, or (where its strips of `tx` vectors of
 /// columns are fewer than `SPLIT_BLOCKS_PER_SM` blocks per SM) an even piece of whole passes
 /// of the block's rows, so that the pieces fill the SMs, at most `most` of them
-/// (`KILN_GEMV_SPLIT`; 1, the default, never splits: GPT-2's decode step ran slower split, the
-/// last blocks' folds costing more than the idle SMs).
+/// (`KILN_GEMV_SPLIT`; 1, the default, never splits: GPT-2's decode step ran slower split).
 fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize, most: usize) -> usize {
     let (strips, pass) = ((n / vw).div_ceil(tx), WARPS * 32 / tx);
     let most = most.clamp(1, MAX_SPLITS);
