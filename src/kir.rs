@@ -149,6 +149,17 @@ impl KernelMemo {
 }
 
 impl FusedKernel {
+    /// The value `a` names, past reshapes and broadcasts (which computes nothing of its own).
+    pub(crate) fn through_views(&self, mut a: ValueRef) -> ValueRef {
+        while let ValueRef::Op(j) = a {
+            match self.ops[j].kind {
+                KKind::Same | KKind::Broadcast => a = self.ops[j].args[0],
+                _ => break,
+            }
+        }
+        a
+    }
+
     /// The positions in `outputs` of a row kernel's full outputs (one value per element, not
     /// per row), in order.
     pub(crate) fn full_outputs(&self) -> Vec<usize> {

@@ -534,8 +534,8 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
     }
 }
 
-/// Moves a pointwise value out of the kernel that would store it only for one other kernel,
-/// into that kernel, where everything it is made of is loaded anyway or is a broadcast of a row
+/// Moves a pointwise value out of the kernel that would store it only for one other kernel (a
+/// reduction's), into that kernel, where everything it is made of is loaded anyway or is a broadcast of a row
 /// value (read as a view): one full-size store and load fewer. That is a layer norm's
 /// normalised values, which producer fusion puts in the forward's kernel, stored there for the
 /// backward's weight gradient, whose kernel loads the centred values they are made of. Later
@@ -573,7 +573,6 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
         for &m in &members {
             others[m] = None;
         }
-        others[o] = None;
         if rest.is_empty() || creates_cycle(g, &members, &others, groups.len()) {
             continue;
         }

@@ -406,30 +406,28 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             filled_op[i] |= plan.op_array[i];
         }
     };
-    // A looped kernel walks memory once per pass: a later reduction whose pass reads only row
-    // values already computed here (cross-entropy's target logit needs the row's max, not its
-    // sum of exponentials) folds in the same walk. Each accumulator takes the same values in
-    // the same order as in a pass of its own.
+    // A row value computed once per row, outside any walk.
+    let row_line = |i: usize| {
+        let args: Vec<(CType, String)> = k.ops[i].args.iter().map(|a| arg(a, &ins, &vals)).collect();
+        let (t, e) = lower(&k.ops[i], &args);
+        format!("    const {} t{i} = {e};\n", t.name())
+    };
     // Row values of no reduction (constants, functions of row inputs) are computed before any
     // walk, so every walk may read them.
     let mut free = vec![false; k.ops.len()];
     for (i, op) in k.ops.iter().enumerate() {
         free[i] = !plan.elem[i] && !matches!(op.kind, KKind::Reduce(_)) && op.args.iter().all(|a| matches!(a, ValueRef::In(_)) || matches!(a, ValueRef::Op(j) if free[*j]));
         if free[i] && !matches!(op.kind, KKind::Same | KKind::Broadcast) {
-            let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
-            let (t, e) = lower(op, &args);
-            let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
+            c.push_str(&row_line(i));
         }
     }
-    let row_value = |a: &ValueRef| {
-        let mut a = *a;
-        while let ValueRef::Op(j) = a {
-            match k.ops[j].kind {
-                KKind::Same | KKind::Broadcast => a = k.ops[j].args[0],
-                _ => return (!plan.elem[j] && !free[j]).then_some(j),
-            }
-        }
-        None
+    // A looped kernel walks memory once per pass: a later reduction whose pass reads only row
+    // values already computed here (cross-entropy's target logit needs the row's max, not its
+    // sum of exponentials) folds in the same walk. Each accumulator takes the same values in
+    // the same order as in a pass of its own.
+    let row_value = |a: &ValueRef| match k.through_views(*a) {
+        ValueRef::Op(j) => (!plan.elem[j] && !free[j]).then_some(j),
+        ValueRef::In(_) => None,
     };
     let ready_at = |r: usize, i: usize| {
         let p = &plan.passes[pass_of(r)];
@@ -492,11 +490,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 }
             }
             KKind::Same | KKind::Broadcast => {}
-            _ if !plan.elem[i] && !free[i] => {
-                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
-                let (t, e) = lower(op, &args);
-                let _ = writeln!(c, "    const {} t{i} = {e};", t.name());
-            }
+            _ if !plan.elem[i] && !free[i] => c.push_str(&row_line(i)),
             _ => {}
         }
     }
@@ -536,24 +530,15 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
 fn online_sum_of(k: &FusedKernel, r: usize, m: usize) -> bool {
     use crate::ops::{BinaryOp, ReduceOp, UnaryOp};
     let (KKind::Reduce(ReduceOp::Sum), KKind::Reduce(ReduceOp::Max)) = (&k.ops[r].kind, &k.ops[m].kind) else { return false };
-    let through = |mut a: ValueRef| {
-        while let ValueRef::Op(j) = a {
-            match k.ops[j].kind {
-                KKind::Same | KKind::Broadcast => a = k.ops[j].args[0],
-                _ => break,
-            }
-        }
-        a
-    };
     let dtype = k.ops[m].dtype;
     let ValueRef::Op(e) = k.ops[r].args[0] else { return false };
-    let (exp, sub) = (&k.ops[e], |d: usize| &k.ops[d]);
+    let exp = &k.ops[e];
     if exp.kind != KKind::Unary(UnaryOp::Exp) || exp.dtype != dtype || k.ops[r].dtype != dtype {
         return false;
     }
     let ValueRef::Op(d) = exp.args[0] else { return false };
-    let d = sub(d);
-    matches!(d.kind, KKind::Binary(BinaryOp::Sub, _)) && d.dtype == dtype && through(d.args[1]) == ValueRef::Op(m) && same_value(k, d.args[0], k.ops[m].args[0])
+    let d = &k.ops[d];
+    matches!(d.kind, KKind::Binary(BinaryOp::Sub, _)) && d.dtype == dtype && k.through_views(d.args[1]) == ValueRef::Op(m) && same_value(k, d.args[0], k.ops[m].args[0])
 }
 
 /// Whether two values of a kernel are the same expression of the same inputs.
