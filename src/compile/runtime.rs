@@ -441,14 +441,13 @@ impl Program {
                             (nhwc.is_contiguous() && nhwc.shape() == shape).then_some(nhwc)
                         })
                         .collect();
-                    // Else, outputs written into the buffers of inputs that die here.
-                    if into.iter().all(Option::is_none) {
-                        for (m, j) in dying_inputs_to_write(&self.reuse[*k], &ins).into_iter().enumerate() {
-                            if let Some(j) = j {
-                                into[m] = Some(ins[j].clone());
-                                #[cfg(test)]
-                                WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
-                            }
+                    // Other outputs written into the buffers of inputs that die here.
+                    let open: Vec<bool> = into.iter().map(Option::is_none).collect();
+                    for (m, j) in dying_inputs_to_write(&self.reuse[*k], &open, &ins).into_iter().enumerate() {
+                        if let Some(j) = j {
+                            into[m] = Some(ins[j].clone());
+                            #[cfg(test)]
+                            WRITES_INTO_DYING.with(|c| c.set(c.get() + 1));
                         }
                     }
                     let outs = if kern.device.is_cuda() {
@@ -621,15 +620,19 @@ fn plan_reuse(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>]) -> Vec<Vec<Vec<usi
     reuse
 }
 
-/// For each output of a flat kernel, given its `candidates` (`plan_reuse`), the input whose
-/// buffer it takes: contiguous, held by nothing but the program's environment and `ins` (no
-/// view of it, not an argument of the call, not kept for a later call), and taken by no other
-/// output.
-fn dying_inputs_to_write(candidates: &[Vec<usize>], ins: &[Tensor]) -> Vec<Option<usize>> {
+/// For each `open` output of a kernel (one not written in place), given its `candidates`
+/// (`plan_reuse`), the input whose buffer it takes: contiguous, held by nothing but the
+/// program's environment and `ins` (no view of it, not an argument of the call, not kept for a
+/// later call), and taken by no other output.
+fn dying_inputs_to_write(candidates: &[Vec<usize>], open: &[bool], ins: &[Tensor]) -> Vec<Option<usize>> {
     let mut taken: Vec<usize> = vec![];
     candidates
         .iter()
-        .map(|cands| {
+        .zip(open)
+        .map(|(cands, &open)| {
+            if !open {
+                return None;
+            }
             let j = cands.iter().copied().find(|&j| {
                 let t = &ins[j];
                 let copies = ins.iter().filter(|u| u.same_tensor(t)).count();
@@ -817,16 +820,12 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     let (mut live, mut p) = (0usize, PlannedPeak { steps: s.steps.len(), peak: 0, at: 0, what: String::new(), inputs, largest: vec![], by_op: vec![] });
     for (k, step) in s.steps.iter().enumerate() {
         // Kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
-        // each must also be contiguous and held by nothing else, and no output of the kernel
-        // written in place).
-        let reusing = match step {
-            Step::Kernel(j) if !s.kernels[*j].outputs.iter().any(|(_, o)| in_place.contains_key(o)) => Some(*j),
-            _ => None,
-        };
-        if let Some(j) = reusing {
-            let kern = &s.kernels[j];
+        // each must also be contiguous and held by nothing else).
+        if let Step::Kernel(j) = step {
+            let kern = &s.kernels[*j];
+            let j = *j;
             let mut taken = vec![];
-            for (m, (_, out)) in kern.outputs.iter().enumerate() {
+            for (m, (_, out)) in kern.outputs.iter().enumerate().filter(|(_, (_, o))| !in_place.contains_key(o)) {
                 let found = reuse[j][m].iter().filter_map(|&i| root[kern.inputs[i].node]).find(|&r| holders[r] == 1 && !taken.contains(&r) && bytes(r) == bytes(*out));
                 if let (Some(r), Some(was)) = (found, root[*out]) {
                     taken.push(r);
@@ -1139,6 +1138,33 @@ mod tests {
         let full = kern.outputs.iter().position(|(o, _)| !kern.ops[*o].row).expect("a full output");
         assert!(!reuse[k][full].is_empty(), "{}", kern.describe());
         let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(&g, &s, &frees, &super::plan_in_place(&g, &s), reuse).peak;
+        let none: Vec<Vec<Vec<usize>>> = reuse.iter().map(|r| vec![vec![]; r.len()]).collect();
+        assert!(planned(&reuse) < planned(&none));
+    }
+
+    /// The MLP's ReLU backward on the GPU: the mid kernel that masks the incoming gradient
+    /// also sums its columns and updates the bias in place (an SGD step on a captured bias); the
+    /// masked gradient still takes the buffer of the incoming gradient, which dies there.
+    #[test]
+    fn an_output_takes_a_dying_buffer_beside_one_written_in_place() {
+        let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
+        let bias = randn(&[32]);
+        let g = crate::compile::fuse::tests::graph_of(&[randn(&[256, 64]), randn(&[64, 32]), randn(&[256, 10]), randn(&[10, 32])], move |xs| {
+            let h = xs[0].matmul(&xs[1])?.add(&bias)?.relu()?;
+            let dh = xs[2].matmul(&xs[3])?;
+            let masked = h.le_scalar(0.0)?.where_(&Tensor::scalar(0.0, DType::F32, &xs[0].device())?, &dh)?;
+            bias.sub_(&masked.sum(&[0], false)?.mul_scalar(0.1)?)?;
+            Ok(vec![masked.t()?.matmul(&xs[0])?])
+        });
+        let g = crate::compile::simplify::simplify(&g);
+        let s = crate::compile::fuse::schedule(&g);
+        let (frees, in_place) = (super::plan(&g, &s), super::plan_in_place(&g, &s));
+        let reuse = super::plan_reuse(&g, &s, &frees);
+        let (k, kern) = s.kernels.iter().enumerate().find(|(_, k)| k.outputs.iter().any(|(_, o)| in_place.contains_key(o))).expect("a kernel writing the bias in place");
+        assert!(matches!(kern.space, crate::kir::Space::Mid { .. }), "the case this checks: {}", kern.describe());
+        let full = kern.outputs.iter().position(|(o, n)| !kern.ops[*o].row && !in_place.contains_key(n)).expect("the masked gradient");
+        assert!(!reuse[k][full].is_empty(), "{}", kern.describe());
+        let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(&g, &s, &frees, &in_place, reuse).peak;
         let none: Vec<Vec<Vec<usize>>> = reuse.iter().map(|r| vec![vec![]; r.len()]).collect();
         assert!(planned(&reuse) < planned(&none));
     }
