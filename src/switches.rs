@@ -96,15 +96,8 @@ pub(crate) fn gemv_off() -> bool {
     *V.get_or_init(|| is("KILN_GEMV", "0"))
 }
 
-/// `KILN_ROW_PREFETCH=0`: row kernels over fewer rows than SMs load only the inputs several
-/// passes read before the first pass (by default they load every full input there).
-pub(crate) fn row_prefetch() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| !is("KILN_ROW_PREFETCH", "0"))
-}
-
-/// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (a
-/// cluster of blocks per strip of columns; 8 by default on Hopper, 1: never).
+/// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
+/// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();
     *V.get_or_init(|| parsed("KILN_GEMV_SPLIT"))

@@ -200,8 +200,8 @@ fn run_flat(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
 type RowLaunches = crate::backend::cuda::Loaded<(RowShape, crate::backend::cuda::Kernel)>;
 
 /// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
-/// the threads' values cover the row exactly, whether every full input is loaded first).
-pub(crate) type RowShape = (usize, usize, usize, u64, bool, bool);
+/// the threads' values cover the row exactly).
+pub(crate) type RowShape = (usize, usize, usize, u64, bool);
 
 /// Per op: (sine, cosine) when it is one of a sine and a cosine of the same floating-point
 /// value, which one `sincos` call computes (one argument reduction instead of two).
@@ -256,19 +256,12 @@ enum Cover {
 
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
 /// time; `vector[j]` says whether full input j is read with vector loads; `cover`: how the
-/// threads' values cover the row; `prefetch`: every full input is loaded before the first
-/// pass (`prefetches`), not only those several passes read.
-#[allow(clippy::too_many_arguments)]
-fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover, prefetch: bool) -> String {
+/// threads' values cover the row.
+fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover) -> String {
     let (full, looped) = (cover == Cover::Exact, cover == Cover::Looped);
     // Rows longer than the registers hold: each pass walks the row in chunks of
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
-    let mut plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
-    if prefetch && !looped {
-        for (j, inp) in k.inputs.iter().enumerate() {
-            plan.in_array[j] |= !inp.row && plan.passes.iter().any(|p| p.inputs.contains(&j));
-        }
-    }
+    let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
     let mut c = String::from(PRELUDE);
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
     c.push_str(&row_index(full));
@@ -581,23 +574,13 @@ fn vector_loads(vector: &[bool]) -> String {
 }
 
 /// A row kernel's name, which says all its source depends on besides the signature.
-fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cover, vector: &[bool], prefetch: bool) -> String {
+fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cover, vector: &[bool]) -> String {
     let tail = match cover {
         Cover::Exact => "_full",
         Cover::Looped => "_loop",
         Cover::Masked => "",
     };
-    let pf = if prefetch { "_pf" } else { "" };
-    format!("{}_r{threads}x{vpt}x{vec}{tail}{pf}_{}", k.code_name(k.signature()), vector_loads(vector))
-}
-
-/// Whether a row kernel over `rows` rows loads every full input before its first pass: where
-/// the rows are fewer than the SMs (a decode step's one row), registers are plentiful and each
-/// block's passes run one after another, so an input that only the last pass reads (a layer
-/// norm's weight and bias) would otherwise cost a memory wait of its own after the
-/// reductions. `KILN_ROW_PREFETCH=0` turns it off.
-fn prefetches(rows: usize, sms: usize) -> bool {
-    rows < sms && crate::switches::row_prefetch()
+    format!("{}_r{threads}x{vpt}x{vec}{tail}_{}", k.code_name(k.signature()), vector_loads(vector))
 }
 
 /// A mid kernel's signature: its constants passed as launch words are not part of its code.
@@ -690,23 +673,22 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
     // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
     // the inputs, so timing candidates changes nothing.
     let looped = cols > crate::kir::MAX_ROW;
-    let prefetch = !looped && prefetches(rows, dev.sm_count);
     let launch = |threads: usize| -> Result<()> {
         let (vpt, cover) = row_cover(cols, threads, vec);
         let full = cover == Cover::Exact;
-        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full, prefetch);
+        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
         let launches = &memo(k)?.row_launches;
         let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
         let kern = match cached {
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = rows_name(k, threads, vpt, vec, cover, &vector, prefetch);
+                let name = rows_name(k, threads, vpt, vec, cover, &vector);
                 // Keyed by what determines the source (the signature: ops and input dtypes; the
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, cover, prefetch);
+                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, cover);
                     (name.clone(), src)
                 })?;
                 if !f.is_rehearsed() {
@@ -1359,10 +1341,10 @@ pub(super) mod tests {
                     let vec = row_vec(k, cols);
                     let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && vec > 1).collect();
                     let threads = default_row_threads(cols, vec);
-                    for (threads, vector, prefetch) in [(threads, &vector, false), (threads.max(64) / 2, &scalar, false), (threads, &vector, true)] {
+                    for (threads, vector) in [(threads, &vector), (threads.max(64) / 2, &scalar)] {
                         let (vpt, cover) = row_cover(cols, threads, vec);
-                        let name = rows_name(k, threads, vpt, vec, cover, vector, prefetch);
-                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, prefetch))));
+                        let name = rows_name(k, threads, vpt, vec, cover, vector);
+                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover))));
                     }
                 }
                 Space::Mid { rows, inner, .. } => {
@@ -1536,7 +1518,7 @@ pub(super) mod tests {
         let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
         let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
         let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
-        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], Cover::Exact, false);
+        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], Cover::Exact);
         assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
@@ -1551,7 +1533,7 @@ pub(super) mod tests {
         let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
         assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
         assert_eq!(plan.in_array, vec![true]);
-        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact, false);
+        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
     }
 
@@ -1565,7 +1547,7 @@ pub(super) mod tests {
             let (threads, vec) = (default_row_threads(cols, 4), 4);
             let (vpt, cover) = row_cover(cols, threads, vec);
             assert!(cover == Cover::Looped);
-            gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover, false).matches("for (int kbase").count()
+            gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover).matches("for (int kbase").count()
         };
         let x = Tensor::randn(&[2, cols], DType::F32, &Device::Cpu).unwrap();
         let softmax = row_kernels(&x, |x| x.softmax(-1)).remove(0);
@@ -1598,24 +1580,5 @@ pub(super) mod tests {
         assert_eq!(kept.iter().filter(|&&a| a).count(), 1, "{kept:?}");
         let last = plan.passes.last().unwrap();
         assert_eq!(last.inputs.len(), 3);
-    }
-
-    /// A layer norm over one row (a decode step's): with `prefetch`, its weight and bias are
-    /// loaded with x, before the statistics' reductions, not after them.
-    #[test]
-    fn a_prefetching_row_kernel_loads_every_input_before_its_first_reduction() {
-        assert!(prefetches(1, 132) && !prefetches(132, 132));
-        let x = Tensor::randn(&[1, 768], DType::F32, &Device::Cpu).unwrap();
-        let (w, b) = (Tensor::randn(&[768], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[768], DType::F32, &Device::Cpu).unwrap());
-        let k = row_kernels(&x, move |x| F::layer_norm(x, &[768], Some(&w), Some(&b), 1e-5)).remove(0);
-        let (threads, vec) = (default_row_threads(768, 4), 4);
-        let (vpt, cover) = row_cover(768, threads, vec);
-        let vector = vec![true; k.inputs.len()];
-        let loaded_first = |prefetch: bool| {
-            let src = gen_fused_rows(&k, "k", threads, vpt, vec, &vector, cover, prefetch);
-            let reduce = src.find("= kb_").expect("a block reduction");
-            (0..k.inputs.len()).filter(|j| src.find(&format!("ax{j}[g * VEC + e] = ")).is_some_and(|at| at < reduce)).count()
-        };
-        assert_eq!((loaded_first(false), loaded_first(true)), (1, 3));
     }
 }

@@ -2,8 +2,7 @@
 // accumulation. After the prelude, the argument struct and the #defines of `gemv.rs`: T (storage
 // type), VW (elements per 16-byte vector), LD/ST (element load and store as float), and one of
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
-// LANES vectors of columns per block, K split over SPLIT blocks, RPT rows per thread where a
-// block's rows are few enough).
+// TX vectors of columns per block, RPT rows per thread where a block's rows are few enough).
 
 // The VW elements of a 16-byte vector as floats.
 __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
@@ -59,48 +58,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 #endif
 
 #ifdef GEMV_COLS
-// A block owns a strip of LANES * VW columns and the rows [rank * per, + per) of K, where rank
-// is its place among the SPLIT blocks of its strip: LANES adjacent lanes read one row's strip
-// (LANES * 16 contiguous bytes), a warp's 32 / LANES lane groups and the WARPS warps take rows
-// in turn. The partial sums meet by shuffles inside a warp, then in shared memory across warps;
-// where K is split, a strip's blocks form a thread block cluster and add their sums through
-// distributed shared memory in rank order (the same bits on every run), each block finishing
-// SPLIT-th of the strip's columns.
-#define RW (32 / LANES)
-#define STRIP (LANES * VW)
-#if SPLIT > 1
-#if __CUDA_ARCH__ < 900
-#error "a split K needs thread block clusters (compute capability 9.0)"
-#endif
-#define KCLUSTER __cluster_dims__(SPLIT, 1, 1)
-// Every thread of every block of the cluster arrives; shared memory written before is visible
-// to the cluster's blocks after.
-__device__ __forceinline__ void kcluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// The float at `p` in the shared memory of block `rank` of this cluster.
-__device__ __forceinline__ float kcluster_load(const float* p, unsigned int rank) {
-  const unsigned int local = (unsigned int)__cvta_generic_to_shared(p);
-  unsigned int remote;
-  float v;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
-#else
-#define KCLUSTER
-#endif
-extern "C" __global__ void KCLUSTER __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+// A block owns TX * VW columns and the rows [blockIdx.y * per, + per) of K: TX adjacent lanes
+// read one row's columns as vectors, the warp's 32 / TX lane groups and the WARPS warps take
+// rows in turn; the partial sums meet by shuffles inside a warp, then in shared memory across
+// warps. Where K is split (gridDim.y > 1, a narrow matrix would leave SMs idle), each block
+// leaves its sums in `part` ([gridDim.y][N] F32) and the last block of a strip of columns adds
+// them in split order (the same bits on every run) before the epilogue.
+#define KY (32 / TX)
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
   KILN_WAIT_UNLESS_SETTLED(a.settled);
-  __shared__ float part[WARPS][STRIP];
+  __shared__ float part[WARPS][TX * VW];
+  __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int lx = lane % LANES, ly = lane / LANES;
-  const unsigned int rank = blockIdx.x % SPLIT;
-  const long long strip = blockIdx.x / SPLIT;
-  const long long col = (strip * LANES + lx) * VW;
+  const int tx = lane % TX, ky = lane / TX;
+  const long long col = ((long long)blockIdx.x * TX + tx) * VW;
   const bool live = col < a.n;
-  const long long r0 = (long long)rank * a.per, r1 = min(a.k, r0 + a.per);
-  const long long first = r0 + (long long)warp * RW + ly;
+  const long long r0 = (long long)blockIdx.y * a.per, r1 = min(a.k, r0 + a.per);
   const T* x = (const T*)a.x;
   const T* w = (const T*)a.w + col;
   float acc[VW];
@@ -114,13 +87,13 @@ extern "C" __global__ void KCLUSTER __launch_bounds__(32 * WARPS) NAME(const Gem
   float xr[RPT];
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
-    const long long r = first + (long long)i * WARPS * RW;
+    const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
     q[i] = live && r < r1 ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
   }
   KILN_WAIT_IF_SETTLED(a.settled);
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
-    const long long r = first + (long long)i * WARPS * RW;
+    const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
     xr[i] = live && r < r1 ? LD(x[r]) : 0.0f;
   }
 #pragma unroll
@@ -134,7 +107,7 @@ extern "C" __global__ void KCLUSTER __launch_bounds__(32 * WARPS) NAME(const Gem
   KILN_WAIT_IF_SETTLED(a.settled);
   if (live) {
 #pragma unroll 4
-    for (long long r = first; r < r1; r += WARPS * RW) {
+    for (long long r = r0 + (long long)warp * KY + ky; r < r1; r += WARPS * KY) {
       float wf[VW];
       kunpack(kstream((const uint4*)(w + r * a.ldw)), wf);
       const float xr = LD(x[r]);
@@ -143,38 +116,34 @@ extern "C" __global__ void KCLUSTER __launch_bounds__(32 * WARPS) NAME(const Gem
     }
   }
 #endif
-  // Lanes of the same columns (lx) differ in ly, the bits of the lane above LANES.
 #pragma unroll
   for (int j = 0; j < VW; j++) {
 #pragma unroll
-    for (int o = 16; o >= LANES; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+    for (int o = 16; o >= TX; o >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
   }
-  if (ly == 0) {
+  if (ky == 0) {
 #pragma unroll
-    for (int j = 0; j < VW; j++) part[warp][lx * VW + j] = acc[j];
+    for (int j = 0; j < VW; j++) part[warp][tx * VW + j] = acc[j];
   }
   __syncthreads();
+  const long long n = (long long)blockIdx.x * TX * VW + threadIdx.x;
   float s = 0.0f;
-  if (threadIdx.x < STRIP) {
+  if (threadIdx.x < TX * VW) {
 #pragma unroll
     for (int i = 0; i < WARPS; i++) s += part[i][threadIdx.x];
   }
-#if SPLIT > 1
-  __shared__ float sums[STRIP];
-  if (threadIdx.x < STRIP) sums[threadIdx.x] = s;
-  kcluster_sync();
-  if (threadIdx.x < STRIP / SPLIT) {
-    const int c = rank * (STRIP / SPLIT) + threadIdx.x;
-    s = 0.0f;
-    for (unsigned int b = 0; b < SPLIT; b++) s += kcluster_load(sums + c, b);
-    const long long n = strip * STRIP + c;
-    if (n < a.n) kstore_out(a, n, s);
+  if (gridDim.y > 1) {
+    float* sums = (float*)a.part;
+    if (threadIdx.x < TX * VW && n < a.n) sums[(long long)blockIdx.y * a.n + n] = s;
+    __syncthreads();
+    if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.x, gridDim.y);
+    __syncthreads();
+    if (!last) return;
+    if (threadIdx.x < TX * VW && n < a.n) {
+      s = 0.0f;
+      for (unsigned int y = 0; y < gridDim.y; y++) s += __ldcg(sums + (long long)y * a.n + n);
+    }
   }
-  // No block leaves (its shared memory with it) while another still reads its sums.
-  kcluster_sync();
-#else
-  const long long n = strip * STRIP + threadIdx.x;
-  if (threadIdx.x < STRIP && n < a.n) kstore_out(a, n, s);
-#endif
+  if (threadIdx.x < TX * VW && n < a.n) kstore_out(a, n, s);
 }
 #endif

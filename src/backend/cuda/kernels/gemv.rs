@@ -3,8 +3,7 @@
 //! once; cuBLASLt's kernels for it are tiled for many rows and run well below that. Two kernels
 //! (`gemv.cu`): where the matrix is stored `[N, K]` (a linear layer's `x @ W^T`, a tied output
 //! head) one warp reads each output's row; where it is stored `[K, N]` (GPT-2's `Conv1D`) a
-//! block reads a strip of columns down its piece of K, the pieces of a strip adding their sums
-//! within a thread block cluster (Hopper). Both read 16-byte vectors and accumulate in
+//! block reads a strip of columns down all of K. Both read 16-byte vectors and accumulate in
 //! F32, as cuBLASLt does for F16 and BF16 (F32 stays FP32-accurate); operands they cannot read
 //! so (unaligned, a K or N that is no multiple of the vector) go to the library.
 
@@ -20,22 +19,27 @@ use std::sync::Arc;
 const SOURCE: &str = include_str!("gemv.cu");
 /// Warps per block of both kernels.
 const WARPS: usize = 8;
+/// Blocks the column kernel wants at least (the H200 has 132 SMs): below this a block takes
+/// fewer columns.
+const MIN_BLOCKS: usize = 132;
 /// Most rows a thread of the column kernel loads at once (four registers each).
 const MAX_ROWS_PER_THREAD: usize = 16;
-/// Most pieces the column kernel splits K into: the blocks of a strip form one cluster, and 8
-/// is the largest cluster every Hopper part runs.
-const MAX_SPLITS: usize = 8;
+/// Blocks per SM the column kernel splits K to reach, where its strips of columns are fewer.
+const SPLIT_BLOCKS_PER_SM: usize = 2;
+/// Most pieces K is split into (each leaves N partial sums for the last block to add).
+const MAX_SPLITS: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
     /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), the
     /// contiguous output of N, and whether the matrix is settled (1: no grid still running
     /// writes it, so the column kernel loads it before waiting for the kernel before). The
-    /// column kernel's blocks take `per` rows of K each.
+    /// column kernel's blocks take `per` rows of K each; where K is split, the partial sums go
+    /// through `part` ([splits][N] F32) and the strips' arrival counters `count`.
     GemvArgs {
         x: u64, w: u64, bias: u64, out: u64,
         n: i64, k: i64, ldw: i64, act: i64, settled: i64,
-        per: i64,
+        per: i64, part: u64, count: u64,
     }
 }
 
@@ -44,11 +48,9 @@ kernel_args! {
 enum Walk {
     /// Stored `[N, K]`: a warp per output.
     Rows,
-    /// Stored `[K, N]`: a block per strip of `lanes` vectors of columns (`lanes` lanes read a
-    /// row's strip) and per one of `split` pieces of K (a strip's pieces form a cluster), each
-    /// thread taking `rows` rows (all loaded before they are multiplied; 0: a loop over the
-    /// piece).
-    Cols { lanes: usize, split: usize, rows: usize },
+    /// Stored `[K, N]`: a block per `tx` vectors of columns and piece of K, each thread taking
+    /// `rows` rows (all loaded before they are multiplied; 0: a loop over the piece).
+    Cols { tx: usize, rows: usize },
 }
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
@@ -64,11 +66,10 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
     let (rs, cs) = (b.strides()[1], b.strides()[2]);
     let (walk, ldw, per) = if cs == 1 && n > 1 && rs % vw == 0 && n.is_multiple_of(vw) {
-        let most = if dev.hopper { crate::switches::gemv_splits().unwrap_or(MAX_SPLITS) } else { 1 };
-        let (lanes, split) = column_walk(n, k, vw, dev.sm_count, most);
-        let per = k.div_ceil(split);
-        let rows = per.div_ceil(WARPS * 32 / lanes);
-        (Walk::Cols { lanes, split, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs, per)
+        let tx = columns_per_block(n, vw);
+        let per = split_rows(n, k, vw, tx, dev.sm_count, crate::switches::gemv_splits().unwrap_or(1));
+        let rows = per.div_ceil(WARPS * 32 / tx);
+        (Walk::Cols { tx, rows: if rows <= MAX_ROWS_PER_THREAD { rows } else { 0 } }, rs, per)
     } else if rs == 1 && k > 1 && cs % vw == 0 && k.is_multiple_of(vw) {
         (Walk::Rows, cs, k)
     } else {
@@ -86,41 +87,47 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let out = CudaStorage::new(dev, dtype, n)?;
     let name = kernel_name(walk, dtype);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
-    let blocks = match walk {
-        Walk::Rows => n.div_ceil(WARPS),
-        Walk::Cols { lanes, split, .. } => n.div_ceil(lanes * vw) * split,
+    let (blocks, splits) = match walk {
+        Walk::Rows => (n.div_ceil(WARPS), 1),
+        Walk::Cols { tx, .. } => (n.div_ceil(tx * vw), k.div_ceil(per)),
     };
+    // The partial sums of a split K, alive until the launch is queued (the allocator hands the
+    // block on in stream order).
+    let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
+    let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
     let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
         None => 0,
         Some(Activation::Relu) => 1,
         Some(Activation::GeluTanh) => 2,
-    }, settled: i64::from(settled), per: per as i64 };
-    dev.launch(kern, (blocks as u32, 1, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    }, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
+    dev.launch(kern, (blocks as u32, splits as u32, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    drop(part);
     Ok(Some(out))
 }
 
-/// How the column kernel reads an `[K, N]` matrix on `sms` SMs: the widest strips (`lanes` of
-/// 32, 16, 8 or 4 vectors of columns, so rows are read in pieces of 512 down to 64 contiguous
-/// bytes) that, with K split into `split` pieces (a power of two, at most `most`, no piece
-/// shorter than a pass of the block's rows), give a block to every SM; else the narrowest.
-fn column_walk(n: usize, k: usize, vw: usize, sms: usize, most: usize) -> (usize, usize) {
-    let walk = |lanes: usize| {
-        let pass = WARPS * 32 / lanes;
-        let fits = most.clamp(1, MAX_SPLITS).min(k.div_ceil(pass));
-        // (the largest power of two no greater)
-        let split = 1 << fits.ilog2();
-        (lanes, split, n.div_ceil(lanes * vw) * split)
-    };
-    let (lanes, split, _) = [32, 16, 8].into_iter().map(walk).find(|&(_, _, blocks)| blocks >= sms).unwrap_or_else(|| walk(4));
-    (lanes, split)
+/// Vectors of columns per block of the column kernel: as many (4, 2 or 1) as keep `MIN_BLOCKS`
+/// blocks.
+fn columns_per_block(n: usize, vw: usize) -> usize {
+    [4, 2].into_iter().find(|tx| (n / vw).div_ceil(*tx) >= MIN_BLOCKS).unwrap_or(1)
+}
+
+/// Rows of K per block of the column kernel: all of K, or (where its strips of `tx` vectors of
+/// columns are fewer than `SPLIT_BLOCKS_PER_SM` blocks per SM) an even piece of whole passes
+/// of the block's rows, so that the pieces fill the SMs, at most `most` of them
+/// (`KILN_GEMV_SPLIT`; 1, the default, never splits: GPT-2's decode step ran slower split).
+fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize, most: usize) -> usize {
+    let (strips, pass) = ((n / vw).div_ceil(tx), WARPS * 32 / tx);
+    let most = most.clamp(1, MAX_SPLITS);
+    let splits = (SPLIT_BLOCKS_PER_SM * sms).div_ceil(strips).min(k.div_ceil(pass)).clamp(1, most);
+    k.div_ceil(splits).next_multiple_of(pass)
 }
 
 /// A kernel's name, which says all its source depends on.
 fn kernel_name(walk: Walk, dtype: DType) -> String {
     match walk {
         Walk::Rows => format!("gemv_rows_{}", dtype.torch_name()),
-        Walk::Cols { lanes, split, rows: 0 } => format!("gemv_cols{lanes}_s{split}_{}", dtype.torch_name()),
-        Walk::Cols { lanes, split, rows } => format!("gemv_cols{lanes}_s{split}_r{rows}_{}", dtype.torch_name()),
+        Walk::Cols { tx, rows: 0 } => format!("gemv_cols{tx}_{}", dtype.torch_name()),
+        Walk::Cols { tx, rows } => format!("gemv_cols{tx}_r{rows}_{}", dtype.torch_name()),
     }
 }
 
@@ -137,8 +144,8 @@ fn source(name: &str, walk: Walk, dtype: DType) -> String {
     }
     match walk {
         Walk::Rows => c.push_str("#define GEMV_ROWS\n"),
-        Walk::Cols { lanes, split, rows } => {
-            let _ = writeln!(c, "#define GEMV_COLS\n#define LANES {lanes}\n#define SPLIT {split}");
+        Walk::Cols { tx, rows } => {
+            let _ = writeln!(c, "#define GEMV_COLS\n#define TX {tx}");
             if rows > 0 {
                 let _ = writeln!(c, "#define RPT {rows}");
             }
@@ -153,11 +160,9 @@ fn source(name: &str, walk: Walk, dtype: DType) -> String {
 pub(super) fn samples() -> Vec<super::samples::Sample> {
     let mut v = vec![];
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        for walk in [Walk::Rows, Walk::Cols { lanes: 4, split: 1, rows: 6 }, Walk::Cols { lanes: 32, split: 1, rows: 0 }, Walk::Cols { lanes: 16, split: 8, rows: 6 }, Walk::Cols { lanes: 4, split: 2, rows: 0 }] {
+        for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
             let name = kernel_name(walk, dtype);
-            let sample = super::samples::Sample::new((name.clone(), source(&name, walk, dtype)));
-            // (clusters exist from compute capability 9.0)
-            v.push(if matches!(walk, Walk::Cols { split: 2.., .. }) { sample.hopper_only() } else { sample });
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype))));
         }
     }
     v
@@ -175,26 +180,31 @@ mod tests {
     }
 
     #[test]
-    fn column_strips_are_as_wide_as_keep_every_sm_busy_with_k_split_in_a_cluster() {
-        // GPT-2's products in BF16 on 132 SMs: qkv (N 2304) and MLP up (3072) over K 768 read
-        // 256-byte pieces of rows, the projections (N 768) 64-byte ones; K in 8 pieces.
-        assert_eq!(column_walk(2304, 768, 8, 132, MAX_SPLITS), (16, 8));
-        assert_eq!(column_walk(3072, 768, 8, 132, MAX_SPLITS), (16, 8));
-        assert_eq!(column_walk(768, 768, 8, 132, MAX_SPLITS), (4, 8));
-        assert_eq!(column_walk(768, 3072, 8, 132, MAX_SPLITS), (4, 8));
-        // Wide enough for whole rows of 512 bytes.
-        assert_eq!(column_walk(11008, 4096, 8, 132, MAX_SPLITS), (32, 8));
-        // Unsplit (no clusters): the narrowest strips.
-        assert_eq!(column_walk(2304, 768, 8, 132, 1), (4, 1));
-        // Short K: no piece shorter than a pass of the block's rows, the split a power of two.
-        assert_eq!(column_walk(64, 8, 8, 132, MAX_SPLITS), (4, 1));
-        assert_eq!(column_walk(8192, 100, 8, 132, MAX_SPLITS), (32, 8));
-        assert_eq!(column_walk(2048, 40, 4, 132, MAX_SPLITS), (4, 1));
-        for (n, k, vw) in [(768, 3072, 8), (2304, 768, 8), (64, 8192, 4), (56, 4096, 8), (8, 1, 8)] {
-            let (lanes, split) = column_walk(n, k, vw, 132, MAX_SPLITS);
-            assert!(split.is_power_of_two() && split <= MAX_SPLITS && (lanes * vw) % split == 0, "{n} {k}: {lanes} {split}");
-            // (every piece has rows)
-            assert!((split - 1) * k.div_ceil(split) < k, "{n} {k}: {split}");
+    fn column_blocks_narrow_for_narrow_matrices() {
+        // GPT-2's qkv (N = 2304), MLP up (3072) and projections (768), in BF16.
+        assert_eq!(columns_per_block(2304, 8), 2);
+        assert_eq!(columns_per_block(3072, 8), 2);
+        assert_eq!(columns_per_block(768, 8), 1);
+        assert_eq!(columns_per_block(3072 * 4, 8), 4);
+        assert_eq!(columns_per_block(8 * 132 * 2, 8), 2);
+    }
+
+    #[test]
+    fn narrow_matrices_split_k_into_whole_passes_that_fill_the_sms() {
+        // GPT-2's MLP down projection (K 3072, N 768: 96 strips of one vector) on 132 SMs: three
+        // pieces of 1024 rows (4 passes of 256 rows).
+        assert_eq!(split_rows(768, 3072, 8, 1, 132, MAX_SPLITS), 1024);
+        // The qkv product (144 strips of two vectors): two pieces of 384 rows.
+        assert_eq!(split_rows(2304, 768, 8, 2, 132, MAX_SPLITS), 384);
+        // Wide enough already: all of K.
+        assert_eq!(split_rows(8 * 4 * 300, 4096, 8, 4, 132, MAX_SPLITS), 4096);
+        // Unsplit unless asked.
+        assert_eq!(split_rows(768, 3072, 8, 1, 132, 1), 3072);
+        // Short K: never a piece smaller than one pass.
+        assert_eq!(split_rows(64, 100, 8, 1, 132, MAX_SPLITS), 256);
+        for (n, k, tx) in [(768, 3072, 1), (2304, 768, 2), (64, 8192, 1), (50, 4096, 1)] {
+            let per = split_rows(n, k, 8, tx, 132, MAX_SPLITS);
+            assert!(per.is_multiple_of(WARPS * 32 / tx) && k.div_ceil(per) <= MAX_SPLITS, "{n} {k}: {per}");
         }
     }
 }
