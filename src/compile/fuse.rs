@@ -535,13 +535,19 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
 }
 
 /// Moves a pointwise value out of the kernel that would store it only for one other kernel (a
-/// reduction's), into that kernel, where everything it is made of is loaded anyway or is a broadcast of a row
-/// value (read as a view): one full-size store and load fewer. That is a layer norm's
-/// normalised values, which producer fusion puts in the forward's kernel, stored there for the
-/// backward's weight gradient, whose kernel loads the centred values they are made of. Later
-/// values go first, so a chain of them can follow. Returns how many moved.
+/// reduction's), into that kernel, with the values of its kernel that only it is made of, where
+/// that kernel then loads fewer bytes than the value's store and load cost: one full-size store
+/// and load fewer, or a narrower one. That is a layer norm's normalised values, which producer
+/// fusion puts in the forward's kernel, stored there for the backward's weight gradient, whose
+/// kernel loads the centred values they are made of; and GELU's derivative, an F32 value the
+/// forward's kernel computes from the BF16 pre-activation, which the backward's kernel can
+/// compute from that pre-activation instead (half the bytes loaded, no store). Later values go
+/// first, so a chain of them can follow. Kernels that write captured tensors (optimiser
+/// updates) give nothing away. Returns how many moved.
 fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) -> usize {
     let kept: std::collections::HashSet<NodeId> = g.outputs.iter().copied().chain(g.mutations.iter().map(|&(_, v)| v)).collect();
+    let written: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
+    let bytes = |x: NodeId| g.nodes[x].bytes();
     let mut moved = 0;
     for o in (0..g.nodes.len()).rev() {
         let (Some(src), Some(&first)) = (group_of[o], node_readers[o].first()) else { continue };
@@ -550,24 +556,47 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
             continue;
         }
         let (from, to) = (groups[src].as_ref().expect("live"), groups[dst].as_ref().expect("live"));
-        if !to.fits(g.nodes[o].numel()) || to.rows.is_none() {
+        if !to.fits(g.nodes[o].numel()) || to.rows.is_none() || from.members.iter().any(|m| written.contains(m)) {
             continue;
         }
-        // Each argument: loaded by the reader's kernel already, or a broadcast that will be a
-        // view (outside any kernel, or one only `o` reads in its kernel).
+        // The chain: `o` and the members of its kernel that only the chain reads (one-element
+        // constants fit any kernel).
+        let movable = |x: NodeId| matches!(kinds[x], Kind::Pointwise | Kind::Reshape | Kind::Expand(..)) && !kept.contains(&x) && (to.fits(g.nodes[x].numel()) || g.nodes[x].numel() == 1);
+        let mut chain = vec![o];
+        loop {
+            let more: Vec<NodeId> = from
+                .members
+                .iter()
+                .copied()
+                .filter(|&x| !chain.contains(&x) && movable(x) && !node_readers[x].is_empty() && node_readers[x].iter().all(|r| chain.contains(r)) && users[x] == node_readers[x].len())
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            chain.extend(more);
+        }
+        chain.sort_unstable();
+        // What the reader's kernel must load anew for the chain: values outside it that none of
+        // its members reads yet and that are no broadcast left as a view. A value the source
+        // kernel computed without storing it must now be stored too.
         let loads = |x: NodeId| to.members.iter().any(|&m| g.nodes[m].args.contains(&x));
-        let view = |x: NodeId| matches!(kinds[x], Kind::Expand(..)) && (group_of[x].is_none() || node_readers[x].iter().all(|&r| r == o || group_of[r] != Some(src)));
-        if !g.nodes[o].args.iter().all(|&x| loads(x) || view(x)) {
+        let view = |x: NodeId| matches!(kinds[x], Kind::Expand(..)) && (group_of[x].is_none() || node_readers[x].iter().all(|&r| chain.contains(&r) || group_of[r] != Some(src)));
+        let mut leaves: Vec<NodeId> = chain.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|x| !chain.contains(x)).collect();
+        leaves.sort_unstable();
+        leaves.dedup();
+        let stored = |x: NodeId| group_of[x] != Some(src) || users[x] > node_readers[x].iter().filter(|&&r| group_of[r] == Some(src) && !chain.contains(&r)).count();
+        let extra: usize = leaves.iter().filter(|&&x| !loads(x) && !view(x)).map(|&x| if stored(x) { bytes(x) } else { 2 * bytes(x) }).sum();
+        if extra >= 2 * bytes(o) {
             continue;
         }
         let mut members = to.members.clone();
-        members.push(o);
+        members.extend(&chain);
         members.sort_unstable();
         let most = if to.mid.is_some() { MAX_MID_OPERANDS } else { MAX_OPERANDS };
         if too_many_operands(g, node_readers, users, &members, most) {
             continue;
         }
-        let rest: Vec<NodeId> = from.members.iter().copied().filter(|&m| m != o).collect();
+        let rest: Vec<NodeId> = from.members.iter().copied().filter(|m| !chain.contains(m)).collect();
         let (numel, rows, mid) = (to.numel, to.rows, to.mid);
         let mut others = group_of.to_vec();
         for &m in &members {
@@ -580,7 +609,9 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
             grp.members = rest;
         }
         groups[dst] = Some(Group { members, numel, rows, mid });
-        group_of[o] = Some(dst);
+        for &m in &chain {
+            group_of[m] = Some(dst);
+        }
         moved += 1;
     }
     moved

@@ -1401,6 +1401,21 @@ pub(super) mod tests {
         assert_eq!(products, 0, "no normalised values among the outputs: {}", forward.describe());
     }
 
+    /// GELU's derivative, an F32 function of the BF16 pre-activation, is computed by the
+    /// backward's kernel (which then loads the pre-activation: half the bytes, and no store),
+    /// not by the forward's kernel, which stores GELU's BF16 output alone.
+    #[test]
+    fn a_gelus_derivative_is_computed_by_the_backward_from_the_pre_activation() {
+        let ks = gpt2_training_kernels(1);
+        let gelu = KKind::Unary(crate::ops::UnaryOp::GeluTanh);
+        let forward = ks.iter().find(|k| k.ops.iter().any(|o| o.kind == gelu)).expect("GELU's kernel");
+        let stored: Vec<DType> = forward.outputs.iter().map(|(o, _)| forward.ops[*o].dtype).collect();
+        assert_eq!(stored, [DType::BF16], "{}", forward.describe());
+        let tanh = KKind::Unary(crate::ops::UnaryOp::Tanh);
+        let backward = ks.iter().find(|k| k.ops.iter().any(|o| o.kind == tanh)).expect("the derivative's kernel");
+        assert!(matches!(backward.space, Space::Mid { .. }) && backward.inputs.iter().all(|i| i.dtype != DType::F32 || i.row), "{}", backward.describe());
+    }
+
     #[test]
     fn a_column_kernel_folds_every_statistic_and_stores_per_channel_values() {
         // Batch norm's statistics of a channels-last convolution's BF16 output (layout pass):
