@@ -559,9 +559,16 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
         if !to.fits(g.nodes[o].numel()) || to.rows.is_none() || from.members.iter().any(|m| written.contains(m)) {
             continue;
         }
-        // The chain: `o` and the members of its kernel that only the chain reads (one-element
-        // constants fit any kernel).
-        let movable = |x: NodeId| matches!(kinds[x], Kind::Pointwise | Kind::Reshape | Kind::Expand(..)) && !kept.contains(&x) && (to.fits(g.nodes[x].numel()) || g.nodes[x].numel() == 1);
+        // The chain: `o` and the members of its kernel that only the chain reads, where `o`
+        // and they are pointwise values over the reader's whole space (its elements one to
+        // one), or one-element constants and their reshapes (the same for every element). No
+        // broadcast of per-row values moves: its rows are the source kernel's, not the
+        // reader's.
+        let full = |x: NodeId| g.nodes[x].numel() == to.numel;
+        let movable = |x: NodeId| {
+            let constant = g.nodes[x].numel() == 1 && matches!(kinds[x], Kind::Pointwise | Kind::Reshape);
+            full(o) && !kept.contains(&x) && ((kinds[x] == Kind::Pointwise && full(x)) || constant)
+        };
         let mut chain = vec![o];
         loop {
             let more: Vec<NodeId> = from
@@ -585,7 +592,12 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
         leaves.sort_unstable();
         leaves.dedup();
         let stored = |x: NodeId| group_of[x] != Some(src) || users[x] > node_readers[x].iter().filter(|&&r| group_of[r] == Some(src) && !chain.contains(&r)).count();
-        let extra: usize = leaves.iter().filter(|&&x| !loads(x) && !view(x)).map(|&x| if stored(x) { bytes(x) } else { 2 * bytes(x) }).sum();
+        let new_loads: Vec<NodeId> = leaves.iter().copied().filter(|&x| !loads(x) && !view(x)).collect();
+        // (a value loaded anew is read element by element: of the reader's whole space)
+        if new_loads.iter().any(|&x| !full(x)) {
+            continue;
+        }
+        let extra: usize = new_loads.iter().map(|&x| if stored(x) { bytes(x) } else { 2 * bytes(x) }).sum();
         if extra >= 2 * bytes(o) {
             continue;
         }
