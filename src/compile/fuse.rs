@@ -357,7 +357,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     let sunk = sink_stored_outputs(g, &node_readers, &users, &kinds, &mut groups, &mut group_of);
     if sunk > 0 {
-        sched.notes.push(format!("{sunk} values moved into the kernel that reads them, which loads what they are made of"));
+        sched.notes.push(format!("{sunk} values moved into the kernel that reads them, with what only they are made of"));
     }
     detach_outer_views(g, &node_readers, &kinds, &mut groups, &mut group_of);
     let merged = merge_updates(g, &node_readers, &users, &mut groups, &mut group_of);
@@ -545,8 +545,8 @@ fn detach_outer_views(g: &Graph, node_readers: &[Vec<NodeId>], kinds: &[Kind], g
 /// first, so a chain of them can follow. Kernels that write captured tensors (optimiser
 /// updates) give nothing away. Returns how many moved.
 fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize], kinds: &[Kind], groups: &mut [Option<Group>], group_of: &mut [Option<usize>]) -> usize {
-    let kept: std::collections::HashSet<NodeId> = g.outputs.iter().copied().chain(g.mutations.iter().map(|&(_, v)| v)).collect();
     let written: std::collections::HashSet<NodeId> = g.mutations.iter().map(|&(_, v)| v).collect();
+    let kept: std::collections::HashSet<NodeId> = g.outputs.iter().copied().chain(written.iter().copied()).collect();
     let bytes = |x: NodeId| g.nodes[x].bytes();
     let mut moved = 0;
     for o in (0..g.nodes.len()).rev() {
@@ -567,10 +567,10 @@ fn sink_stored_outputs(g: &Graph, node_readers: &[Vec<NodeId>], users: &[usize],
         let full = |x: NodeId| g.nodes[x].numel() == to.numel;
         let movable = |x: NodeId| {
             let constant = g.nodes[x].numel() == 1 && matches!(kinds[x], Kind::Pointwise | Kind::Reshape);
-            full(o) && !kept.contains(&x) && ((kinds[x] == Kind::Pointwise && full(x)) || constant)
+            !kept.contains(&x) && ((kinds[x] == Kind::Pointwise && full(x)) || constant)
         };
         let mut chain = vec![o];
-        loop {
+        while full(o) {
             let more: Vec<NodeId> = from
                 .members
                 .iter()

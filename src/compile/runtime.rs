@@ -442,8 +442,7 @@ impl Program {
                         })
                         .collect();
                     // Other outputs written into the buffers of inputs that die here.
-                    let open: Vec<bool> = into.iter().map(Option::is_none).collect();
-                    for (m, j) in dying_inputs_to_write(&self.reuse[*k], &open, &ins).into_iter().enumerate() {
+                    for (m, j) in dying_inputs_to_write(&self.reuse[*k], &into, &ins).into_iter().enumerate() {
                         if let Some(j) = j {
                             into[m] = Some(ins[j].clone());
                             #[cfg(test)]
@@ -620,17 +619,17 @@ fn plan_reuse(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>]) -> Vec<Vec<Vec<usi
     reuse
 }
 
-/// For each `open` output of a kernel (one not written in place), given its `candidates`
-/// (`plan_reuse`), the input whose buffer it takes: contiguous, held by nothing but the
-/// program's environment and `ins` (no view of it, not an argument of the call, not kept for a
-/// later call), and taken by no other output.
-fn dying_inputs_to_write(candidates: &[Vec<usize>], open: &[bool], ins: &[Tensor]) -> Vec<Option<usize>> {
+/// For each output of a kernel not written in place (no tensor in `in_place`), given its
+/// `candidates` (`plan_reuse`), the input whose buffer it takes: contiguous, held by nothing
+/// but the program's environment and `ins` (no view of it, not an argument of the call, not
+/// kept for a later call), and taken by no other output.
+fn dying_inputs_to_write(candidates: &[Vec<usize>], in_place: &[Option<Tensor>], ins: &[Tensor]) -> Vec<Option<usize>> {
     let mut taken: Vec<usize> = vec![];
     candidates
         .iter()
-        .zip(open)
-        .map(|(cands, &open)| {
-            if !open {
+        .zip(in_place)
+        .map(|(cands, written)| {
+            if written.is_some() {
                 return None;
             }
             let j = cands.iter().copied().find(|&j| {
@@ -821,9 +820,8 @@ fn planned_peak(g: &Graph, s: &Schedule, frees: &[Vec<NodeId>], in_place: &std::
     for (k, step) in s.steps.iter().enumerate() {
         // Kernels' outputs written into dying inputs' buffers (`plan_reuse`; at run time
         // each must also be contiguous and held by nothing else).
-        if let Step::Kernel(j) = step {
-            let kern = &s.kernels[*j];
-            let j = *j;
+        if let &Step::Kernel(j) = step {
+            let kern = &s.kernels[j];
             let mut taken = vec![];
             for (m, (_, out)) in kern.outputs.iter().enumerate().filter(|(_, (_, o))| !in_place.contains_key(o)) {
                 let found = reuse[j][m].iter().filter_map(|&i| root[kern.inputs[i].node]).find(|&r| holders[r] == 1 && !taken.contains(&r) && bytes(r) == bytes(*out));
@@ -1118,55 +1116,60 @@ mod tests {
         assert_eq!(x.to_vec::<f32>().unwrap(), x_before, "an argument is never written");
     }
 
-    /// ReLU's backward beside its bias gradient on the GPU (a mid kernel: the masked gradient,
-    /// stored for the weight's product, and its column sums): the masked gradient may take the
-    /// buffer of the incoming gradient, which dies there, as torch's threshold backward does.
-    #[test]
-    fn a_mid_kernels_full_output_may_take_a_dying_inputs_buffer() {
+    /// The GPU schedule of an MLP's ReLU backward beside its bias gradient (one mid kernel):
+    /// the masked gradient, stored for the weight's product, and its column sums; with `bias`,
+    /// an SGD step on that captured bias, written in place by the same kernel.
+    fn relu_backward(bias: Option<Tensor>) -> (crate::compile::graph::Graph, super::Schedule) {
         let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
-        let g = crate::compile::fuse::tests::graph_of(&[randn(&[256, 64]), randn(&[64, 32]), randn(&[256, 10]), randn(&[10, 32])], |xs| {
-            let h = xs[0].matmul(&xs[1])?.relu()?;
+        let g = crate::compile::fuse::tests::graph_of(&[randn(&[256, 64]), randn(&[64, 32]), randn(&[256, 10]), randn(&[10, 32])], move |xs| {
+            let h = xs[0].matmul(&xs[1])?;
+            let h = match &bias { Some(b) => h.add(b)?, None => h }.relu()?;
             let dh = xs[2].matmul(&xs[3])?;
             let masked = h.le_scalar(0.0)?.where_(&Tensor::scalar(0.0, DType::F32, &xs[0].device())?, &dh)?;
-            Ok(vec![masked.sum(&[0], false)?, masked.t()?.matmul(&xs[0])?])
+            let weight = masked.t()?.matmul(&xs[0])?;
+            Ok(match &bias {
+                Some(b) => {
+                    b.sub_(&masked.sum(&[0], false)?.mul_scalar(0.1)?)?;
+                    vec![weight]
+                }
+                None => vec![masked.sum(&[0], false)?, weight],
+            })
         });
         let g = crate::compile::simplify::simplify(&g);
         let s = crate::compile::fuse::schedule(&g);
-        let frees = super::plan(&g, &s);
-        let reuse = super::plan_reuse(&g, &s, &frees);
+        (g, s)
+    }
+
+    /// In the mid kernel of `relu_backward`, the masked gradient (its full output not written
+    /// in place) may take the buffer of the incoming gradient, which dies there, and the
+    /// planned peak is lower for it.
+    fn the_masked_gradient_takes_a_dying_buffer(g: &crate::compile::graph::Graph, s: &super::Schedule) {
+        let (frees, in_place) = (super::plan(g, s), super::plan_in_place(g, s));
+        let reuse = super::plan_reuse(g, s, &frees);
         let (k, kern) = s.kernels.iter().enumerate().find(|(_, k)| matches!(k.space, crate::kir::Space::Mid { .. })).expect("a mid kernel");
-        let full = kern.outputs.iter().position(|(o, _)| !kern.ops[*o].row).expect("a full output");
+        let full = kern.outputs.iter().position(|(o, n)| !kern.ops[*o].row && !in_place.contains_key(n)).expect("the masked gradient");
         assert!(!reuse[k][full].is_empty(), "{}", kern.describe());
-        let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(&g, &s, &frees, &super::plan_in_place(&g, &s), reuse).peak;
+        let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(g, s, &frees, &in_place, reuse).peak;
         let none: Vec<Vec<Vec<usize>>> = reuse.iter().map(|r| vec![vec![]; r.len()]).collect();
         assert!(planned(&reuse) < planned(&none));
     }
 
-    /// The MLP's ReLU backward on the GPU: the mid kernel that masks the incoming gradient
-    /// also sums its columns and updates the bias in place (an SGD step on a captured bias); the
-    /// masked gradient still takes the buffer of the incoming gradient, which dies there.
+    /// As torch's threshold backward does.
+    #[test]
+    fn a_mid_kernels_full_output_may_take_a_dying_inputs_buffer() {
+        let (g, s) = relu_backward(None);
+        the_masked_gradient_takes_a_dying_buffer(&g, &s);
+    }
+
+    /// The mid kernel also updates the bias in place: the masked gradient still takes the
+    /// incoming gradient's buffer.
     #[test]
     fn an_output_takes_a_dying_buffer_beside_one_written_in_place() {
-        let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
-        let bias = randn(&[32]);
-        let g = crate::compile::fuse::tests::graph_of(&[randn(&[256, 64]), randn(&[64, 32]), randn(&[256, 10]), randn(&[10, 32])], move |xs| {
-            let h = xs[0].matmul(&xs[1])?.add(&bias)?.relu()?;
-            let dh = xs[2].matmul(&xs[3])?;
-            let masked = h.le_scalar(0.0)?.where_(&Tensor::scalar(0.0, DType::F32, &xs[0].device())?, &dh)?;
-            bias.sub_(&masked.sum(&[0], false)?.mul_scalar(0.1)?)?;
-            Ok(vec![masked.t()?.matmul(&xs[0])?])
-        });
-        let g = crate::compile::simplify::simplify(&g);
-        let s = crate::compile::fuse::schedule(&g);
-        let (frees, in_place) = (super::plan(&g, &s), super::plan_in_place(&g, &s));
-        let reuse = super::plan_reuse(&g, &s, &frees);
-        let (k, kern) = s.kernels.iter().enumerate().find(|(_, k)| k.outputs.iter().any(|(_, o)| in_place.contains_key(o))).expect("a kernel writing the bias in place");
+        let (g, s) = relu_backward(Some(Tensor::randn(&[32], DType::F32, &Device::Cpu).unwrap()));
+        let in_place = super::plan_in_place(&g, &s);
+        let kern = s.kernels.iter().find(|k| k.outputs.iter().any(|(_, o)| in_place.contains_key(o))).expect("a kernel writing the bias in place");
         assert!(matches!(kern.space, crate::kir::Space::Mid { .. }), "the case this checks: {}", kern.describe());
-        let full = kern.outputs.iter().position(|(o, n)| !kern.ops[*o].row && !in_place.contains_key(n)).expect("the masked gradient");
-        assert!(!reuse[k][full].is_empty(), "{}", kern.describe());
-        let planned = |reuse: &[Vec<Vec<usize>>]| super::planned_peak(&g, &s, &frees, &in_place, reuse).peak;
-        let none: Vec<Vec<Vec<usize>>> = reuse.iter().map(|r| vec![vec![]; r.len()]).collect();
-        assert!(planned(&reuse) < planned(&none));
+        the_masked_gradient_takes_a_dying_buffer(&g, &s);
     }
 
     /// The planned peak counts each computed value from the step that makes it until it and
