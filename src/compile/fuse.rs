@@ -18,7 +18,7 @@ use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
 use crate::DType;
 
 /// One step of a compiled program.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Step {
     /// A node run by the eager backend (or an input, which needs nothing).
     Node(NodeId),
@@ -48,6 +48,18 @@ pub(crate) struct Gemm {
     /// The nodes the step computes, in order (the product, reshapes of it, the add, reshapes of
     /// the sum, the activation); only the last is stored, the others are read by nothing else.
     pub nodes: Vec<NodeId>,
+    /// The one-row kernel whose output is the product's row, run by the product's kernel
+    /// (`row_prologues`).
+    pub prologue: Option<RowPrologue>,
+}
+
+/// A one-row kernel of the schedule (`Schedule::kernels[kernel]`) whose output `output` a
+/// product of one row reads as its row: the step runs it as its kernel's prologue, and the
+/// kernel's own step only makes its output buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RowPrologue {
+    pub kernel: usize,
+    pub output: usize,
 }
 
 impl Gemm {
@@ -66,6 +78,9 @@ impl Gemm {
             };
             s += &format!(" + bias %{b}{act} -> %{} (cuBLASLt epilogue {ep})", self.out());
         }
+        if let Some(p) = self.prologue {
+            s += &format!(", its row computed first by kernel {} (output {})", p.kernel, p.output);
+        }
         s
     }
 }
@@ -78,7 +93,7 @@ impl Gemm {
 /// spread over the rows (`[1, .., N]`, expanded). A ReLU that is the add's only reader joins.
 pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm: NodeId) -> (Gemm, Option<String>) {
     let node = &g.nodes[mm];
-    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm] };
+    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm], prologue: None };
     // The only reader of `x`, when nothing else (an output, a write-back) needs its value.
     let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
     let mut nodes = vec![mm];
@@ -137,7 +152,7 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         nodes.extend(between);
         nodes.push(r);
     }
-    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes }, None)
+    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes, prologue: None }, None)
 }
 
 /// The value a bias operand spreads over the rows: the vector under its expand.
@@ -448,7 +463,77 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     }
     debug_assert_eq!(emitted, units.len(), "the step graph has no cycle");
     pad_row_outputs(g, &node_readers, &users, &mut sched);
+    row_prologues(g, &node_readers, &users, &mut sched);
     sched
+}
+
+/// Most columns of a product that computes its row itself: each of its blocks computes the row
+/// again (the tied output head's 50,257 columns would have 6,283 blocks each compute the final
+/// layer norm).
+const MAX_PROLOGUE_COLUMNS: usize = 4096;
+
+/// A GPU row kernel over one row whose full output only a product reads, as its row (through
+/// reshapes): a decode step's layer norm before its matrix-vector product. The product's
+/// kernel computes the row first in every block (`gemv.cu`'s `GEMV_ROW`), so the two are one
+/// launch. Only where nothing runs between the two steps but views and inputs (so that the
+/// kernel's other outputs, stored by the product's kernel, are read only after it), and where
+/// the row is the product's whole left operand in the product's dtype.
+fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mut Schedule) {
+    let gemm_of: std::collections::HashMap<NodeId, usize> = sched.gemms.iter().enumerate().map(|(j, gm)| (gm.matmul, j)).collect();
+    let step_of = |want: &Step| sched.steps.iter().position(|s| s == want);
+    let mut found = vec![];
+    for (ki, k) in sched.kernels.iter().enumerate() {
+        let Space::Rows { rows: 1, cols } = k.space else { continue };
+        if !k.device.is_cuda() || cols > crate::kir::MAX_ROW {
+            continue;
+        }
+        let Some(at) = step_of(&Step::Kernel(ki)) else { continue };
+        for (m, &(o, node)) in k.outputs.iter().enumerate() {
+            if k.ops[o].row || k.row_pads[m].is_some() {
+                continue;
+            }
+            // The chain: the value, then reshapes of it, each read by the next alone, then the
+            // product reading the last as its row.
+            let mut chain = vec![node];
+            let product = loop {
+                let v = *chain.last().expect("not empty");
+                let [r] = readers[v].as_slice() else { break None };
+                if users[v] != 1 {
+                    break None;
+                }
+                match &g.nodes[*r].op {
+                    NodeOp::Prim(Op::Reshape(_)) => chain.push(*r),
+                    NodeOp::Prim(Op::Matmul) if g.nodes[*r].args[0] == v => break gemm_of.get(r).copied(),
+                    _ => break None,
+                }
+            };
+            let Some(j) = product else { continue };
+            let (row, mm) = (&g.nodes[*chain.last().expect("not empty")], &g.nodes[sched.gemms[j].matmul]);
+            let few_blocks = mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
+            if row.numel() != cols || row.shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || sched.gemms[j].prologue.is_some() {
+                continue;
+            }
+            let Some(until) = step_of(&Step::Gemm(j)) else { continue };
+            let quiet = |s: &Step| match s {
+                Step::Node(i) => match &g.nodes[*i].op {
+                    NodeOp::Arg(_) | NodeOp::Captured(_) => true,
+                    NodeOp::Prim(op) if op.is_view() => g.nodes[*i].args.iter().all(|a| chain.contains(a) || !k.outputs.iter().any(|(_, n)| n == a)),
+                    _ => false,
+                },
+                _ => false,
+            };
+            if at < until && sched.steps[at + 1..until].iter().all(quiet) {
+                found.push((j, RowPrologue { kernel: ki, output: m }));
+                break;
+            }
+        }
+    }
+    if !found.is_empty() {
+        sched.notes.push(format!("{} one-row kernels run by the product that reads their row", found.len()));
+    }
+    for (j, p) in found {
+        sched.gemms[j].prologue = Some(p);
+    }
 }
 
 /// A GPU row kernel's full output read only by a constant padding of its last dim (through
@@ -987,6 +1072,30 @@ pub(crate) mod tests {
                 assert!(matches!(v, ValueRef::Op(_)), "an output is a view of an input: {}", k.describe());
             }
         }
+    }
+
+    /// A one-row layer norm whose output only a product reads (a decode step's) is run by the
+    /// product's kernel; not where it covers several rows, where another step reads its output,
+    /// or where the product has too many columns for every block to compute the row again.
+    #[test]
+    fn a_one_row_kernel_becomes_the_prologue_of_the_product_reading_its_row() {
+        let prologues = |rows: usize, n: usize, also_read: bool| {
+            let (x, w) = (r(&[1, rows, 64], DType::BF16), r(&[64, n], DType::BF16));
+            let g = graph_of(&[x], move |xs| {
+                let y = F::layer_norm(&xs[0], &[64], None, None, 1e-5)?;
+                let mut outs = vec![y.matmul(&w)?];
+                if also_read {
+                    outs.push(y);
+                }
+                Ok(outs)
+            });
+            let s = schedule(&g);
+            s.gemms.iter().filter_map(|gm| gm.prologue).filter(|p| matches!(s.kernels[p.kernel].space, Space::Rows { rows: 1, .. })).count()
+        };
+        assert_eq!(prologues(1, 96, false), 1);
+        assert_eq!(prologues(2, 96, false), 0, "two rows");
+        assert_eq!(prologues(1, 96, true), 0, "the normalised row is an output too");
+        assert_eq!(prologues(1, MAX_PROLOGUE_COLUMNS + 8, false), 0, "too many columns");
     }
 
     #[test]

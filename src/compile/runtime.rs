@@ -6,6 +6,7 @@ use super::fuse::{self, Schedule, Step};
 use crate::logging::Topic;
 use super::graph::{Graph, Node, NodeId, NodeOp, RandomKind};
 use crate::backend::cuda::device::graph::Footprint;
+use crate::backend::cuda::kernels::fused::PendingRow;
 use crate::layout::{Layout, FROM_NHWC, TO_NHWC};
 use crate::{Result, Tensor};
 
@@ -106,6 +107,9 @@ pub(crate) struct Program {
     rehearsed: std::sync::atomic::AtomicBool,
     /// Views of captured tensors, made once.
     views: CapturedViews,
+    /// Per fused kernel: whether a library product runs it as its prologue
+    /// (`fuse::row_prologues`; its own step only makes its output buffers).
+    deferred: Vec<bool>,
 }
 
 /// Views of captured tensors (a weight transposed, a bias reshaped and spread over the rows)
@@ -270,14 +274,21 @@ impl Program {
             }
             s
         });
-        let frees = plan(&graph, &schedule);
+        let mut schedule = schedule;
         let in_place = plan_in_place(&graph, &schedule);
-        let reuse = plan_reuse(&graph, &schedule, &frees);
-        crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let hoisted = Hoisted::plan(&graph, &schedule);
+        let deferred = plan_prologues(&mut schedule, &in_place, &hoisted);
+        let frees = plan(&graph, &schedule);
+        let mut reuse = plan_reuse(&graph, &schedule, &frees);
+        // A prologue's outputs take no dying buffer: the product's blocks read its inputs while
+        // the first block stores its outputs.
+        for (r, _) in reuse.iter_mut().zip(&deferred).filter(|(_, &d)| d) {
+            r.iter_mut().for_each(Vec::clear);
+        }
+        crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let views = CapturedViews::plan(&graph);
         let settled = settled_matrices(&graph, &schedule);
-        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views }
+        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred }
     }
 
     pub(crate) fn has_hoisted(&self) -> bool {
@@ -305,7 +316,8 @@ impl Program {
     /// once the values computed from parameters alone are kept.
     pub(crate) fn kernel_count(&self) -> usize {
         self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
-            Step::Kernel(_) | Step::Gemm(_) => true,
+            Step::Kernel(k) => !self.deferred[*k],
+            Step::Gemm(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !op.is_view())
                 || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_)),
         }).count()
@@ -347,6 +359,9 @@ impl Program {
         // Once this run has launched a kernel, whatever ran before the program has ended by the
         // time a later kernel starts (every kernel of kiln's waits for those before it first).
         let launches_before = crate::backend::cuda::launch_count();
+        // Row kernels waiting for the product that runs them (`deferred`): their inputs and
+        // output buffers.
+        let mut pending: std::collections::HashMap<usize, (Vec<Tensor>, Vec<Tensor>)> = Default::default();
         for (s, step) in self.schedule.steps.iter().enumerate() {
             let view = matches!(step, Step::Node(i) if matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()));
             if !view {
@@ -409,7 +424,9 @@ impl Program {
                 Step::Gemm(j) => {
                     let gm = &self.schedule.gemms[*j];
                     let settled = self.settled[*j] && crate::backend::cuda::launch_count() > launches_before;
-                    match run_gemm(g, gm, &env, self.tune, settled)? {
+                    let held = gm.prologue.and_then(|p| Some((p, pending.remove(&p.kernel)?)));
+                    let row = held.as_ref().map(|(p, (ins, outs))| PendingRow { kernel: &self.schedule.kernels[p.kernel], inputs: ins, outputs: outs, row: p.output });
+                    match run_gemm(g, gm, &env, self.tune, settled, row.as_ref())? {
                         Some(t) => env[gm.out()] = Some(t),
                         // The epilogue cannot run here (the library has no algorithm for it, or
                         // the bias is not a packed vector): its nodes run one by one.
@@ -422,6 +439,17 @@ impl Program {
                             }
                         }
                     }
+                }
+                Step::Kernel(k) if self.deferred[*k] => {
+                    // Run later by the product that reads its row: its buffers now, for the views
+                    // between.
+                    let kern = &self.schedule.kernels[*k];
+                    let ins: Vec<Tensor> = kern.inputs.iter().map(|i| env[i.node].clone().expect("computed before use")).collect();
+                    let outs = crate::backend::cuda::kernels::fused::pending_row_outputs(kern)?;
+                    for ((_, node), t) in kern.outputs.iter().zip(&outs) {
+                        env[*node] = Some(t.view_as_layout(Layout::contiguous(&g.nodes[*node].shape)));
+                    }
+                    pending.insert(*k, (ins, outs));
                 }
                 Step::Kernel(k) => {
                     let kern = &self.schedule.kernels[*k];
@@ -467,7 +495,7 @@ impl Program {
             if pass == RunScope::Full {
                 // While a CUDA graph is captured: what this step touched, so that it waits at
                 // replay only for the steps it conflicts with.
-                crate::backend::cuda::device::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted));
+                crate::backend::cuda::device::graph::end_step(|| footprint(g, &self.schedule, step, &env, hoisted, &self.deferred));
             }
             if hoisted_only {
                 continue;
@@ -678,11 +706,13 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
 
 /// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
 /// cannot run (the caller then runs the step's nodes one by one).
-fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, settled: bool) -> Result<Option<Tensor>> {
+/// `row`: the product's row kernel, not yet run (`fuse::RowPrologue`); it has run once this
+/// returns.
+fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, settled: bool, row: Option<&PendingRow>) -> Result<Option<Tensor>> {
     let mm = &g.nodes[gm.matmul];
     let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
     let bias = gm.bias.map(|b| (arg(b), gm.act));
-    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled)? else { return Ok(None) };
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled, row)? else { return Ok(None) };
     let out = &g.nodes[gm.out()].shape;
     Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
 }
@@ -709,7 +739,7 @@ fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
 /// not known to touch only those (a random draw, a copy between devices, a custom op) are
 /// barriers; work using scratch memory shared across calls says so itself
 /// (`graph::note_shared_scratch`).
-fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool) -> Footprint {
+fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool, deferred: &[bool]) -> Footprint {
     let what = match step {
         Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
         Step::Kernel(k) => s.kernels[*k].name.clone(),
@@ -723,6 +753,10 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
         return Footprint::barrier(what);
     }
     let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();
+    // A row kernel its product runs touches memory in the product's step.
+    if matches!(step, Step::Kernel(k) if deferred[*k]) {
+        return Footprint { reads: vec![], writes: vec![], shared: false, barrier: false, what };
+    }
     Footprint { reads: ranges(step_reads(g, s, step)), writes: ranges(step_outputs(s, step)), shared: false, barrier: false, what }
 }
 
@@ -733,7 +767,8 @@ fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
         Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
         Step::Gemm(j) => {
             let gm = &s.gemms[*j];
-            gm.nodes.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|a| !gm.nodes.contains(a)).collect()
+            let prologue = gm.prologue.iter().flat_map(|p| s.kernels[p.kernel].inputs.iter().map(|i| i.node));
+            gm.nodes.iter().flat_map(|&m| g.nodes[m].args.iter().copied()).filter(|a| !gm.nodes.contains(a)).chain(prologue).collect()
         }
     }
 }
@@ -743,8 +778,29 @@ fn step_outputs(s: &Schedule, step: &Step) -> Vec<NodeId> {
     match step {
         Step::Node(i) => vec![*i],
         Step::Kernel(k) => s.kernels[*k].outputs.iter().map(|(_, n)| *n).collect(),
-        Step::Gemm(j) => vec![s.gemms[*j].out()],
+        Step::Gemm(j) => {
+            let gm = &s.gemms[*j];
+            std::iter::once(gm.out()).chain(gm.prologue.iter().flat_map(|p| s.kernels[p.kernel].outputs.iter().map(|(_, n)| *n))).collect()
+        }
     }
+}
+
+/// Per fused kernel: whether the library product reading its row runs it as its prologue
+/// (`fuse::row_prologues`). Not a kernel computed from parameters alone (kept between runs), nor
+/// one writing a captured tensor in place: their products drop the prologue here.
+fn plan_prologues(s: &mut Schedule, in_place: &std::collections::HashMap<NodeId, usize>, hoisted: &Hoisted) -> Vec<bool> {
+    let mut deferred = vec![false; s.kernels.len()];
+    for j in 0..s.gemms.len() {
+        let Some(p) = s.gemms[j].prologue else { continue };
+        let step = s.steps.iter().position(|st| *st == Step::Kernel(p.kernel));
+        let kept = step.is_none_or(|at| hoisted.steps.get(at).copied().unwrap_or(false));
+        if kept || s.kernels[p.kernel].outputs.iter().any(|(_, n)| in_place.contains_key(n)) {
+            s.gemms[j].prologue = None;
+        } else {
+            deferred[p.kernel] = true;
+        }
+    }
+    deferred
 }
 
 /// The memory plan: after which step each value is dead (outputs and written-back values live

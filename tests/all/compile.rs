@@ -1457,3 +1457,43 @@ fn reductions_over_outer_and_inner_dims_fuse_with_the_work_around_them() -> Resu
     }
     Ok(())
 }
+
+/// A decode step's layer norms before their products of one row (GPT-2's `[K, N]` matrix, then
+/// a linear layer's `[N, K]` with a bias), the second reading the residual sum the first
+/// stores: on a GPU each product's kernel computes its layer norm itself (two launches in
+/// all), and the values equal eager's in every dtype (the tolerances of a compiled product),
+/// replayed from a CUDA graph too, where each product's step reads and writes the layer norm's
+/// memory.
+#[test]
+fn a_one_row_layer_norm_is_computed_by_the_product_that_reads_it() -> Result<()> {
+    let (k, n) = (256, 384);
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let (rt, at) = if dt == DType::F32 { (1e-5, 1e-4) } else { (2e-2, 6e-2) };
+        let scaled = |shape: &[usize], seed: u64, s: f64| -> Result<Tensor> { randn(shape, seed).mul_scalar(s)?.to_dtype(dt) };
+        let (w, lw, bias) = (scaled(&[k, n], 70, 0.0625)?, scaled(&[n, k], 71, 0.0625)?, scaled(&[n], 72, 1.0)?);
+        let (g, b) = (scaled(&[k], 73, 1.0)?, scaled(&[k], 74, 1.0)?);
+        let step = move |x: &Tensor, r: &Tensor| -> Result<Vec<Tensor>> {
+            let h = x.add(r)?;
+            let y = F::layer_norm(&h, &[k], Some(&g), Some(&b), 1e-5)?.matmul(&w)?;
+            let h2 = h.add(&y.narrow(2, 0, k)?)?;
+            let out = F::linear(&F::layer_norm(&h2, &[k], Some(&g), Some(&b), 1e-5)?, &lw, Some(&bias))?;
+            Ok(vec![out, h2])
+        };
+        for mode in [Mode::Default, Mode::ReduceOverhead] {
+            let s = step.clone();
+            let f = compile_with(CompileOptions::new().mode(mode), move |xs: &[Tensor]| s(&xs[0], &xs[1]));
+            for call in 0..3u64 {
+                let (x, r) = (scaled(&[1, 1, k], 80 + call, 1.0)?, scaled(&[1, 1, k], 90 + call, 1.0)?);
+                let got = f.call(&[x.clone(), r.clone()])?;
+                let want = kiln::no_grad(|| step(&x, &r))?;
+                for (m, (a, e)) in got.iter().zip(&want).enumerate() {
+                    crate::ops::close(&format!("{dt:?} {mode:?} call {call} output {m}"), &vals(a), &vals(e), rt, at);
+                }
+            }
+            if dev().is_cuda() {
+                assert_eq!(f.kernels_per_call(), Some(2), "{dt:?} {mode:?}: each layer norm in its product's kernel");
+            }
+        }
+    }
+    Ok(())
+}

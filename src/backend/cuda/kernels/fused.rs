@@ -254,15 +254,34 @@ enum Cover {
     Looped,
 }
 
+/// What a row kernel's source is: a kernel of its own, or the prologue of a product of one row
+/// (`gemv.cu`, `GEMV_ROW`): a device function that every block of the product runs over the
+/// kernel's one row, after the product's wait for the kernel before. It leaves output `row`
+/// (the product's row) in the caller's shared memory (`ksrow`) and stores the other outputs
+/// only where `kwriter` is set (in the product's first block).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowMode {
+    Kernel,
+    Prologue { row: usize },
+}
+
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
 /// time; `vector[j]` says whether full input j is read with vector loads; `cover`: how the
-/// threads' values cover the row.
-fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover) -> String {
+/// threads' values cover the row; `mode`: a kernel or a product's prologue.
+// One parameter per choice the source depends on; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover, mode: RowMode) -> String {
     let (full, looped) = (cover == Cover::Exact, cover == Cover::Looped);
     // Rows longer than the registers hold: each pass walks the row in chunks of
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
-    let mut c = String::from(PRELUDE);
+    let prologue_row = match mode {
+        RowMode::Kernel => None,
+        RowMode::Prologue { row } => Some(row),
+    };
+    // A prologue stores its outputs but the product's row only in the product's first block.
+    let gate = |m: usize| if prologue_row.is_some_and(|r| r != m) { "if (kwriter) " } else { "" };
+    let mut c = if prologue_row.is_some() { String::new() } else { String::from(PRELUDE) };
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
     c.push_str(&row_index(full));
     if looped {
@@ -279,11 +298,22 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
     }
     vector_structs(&mut c, k, vec, vector);
-    let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
+    match prologue_row {
+        None => {
+            let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
+        }
+        Some(r) => {
+            let _ = writeln!(c, "__device__ __forceinline__ void {name}(const LaunchArgs& a, {}* __restrict__ ksrow, const bool kwriter) {{", storage_type(k.ops[k.outputs[r].0].dtype));
+        }
+    }
     let words = RowWords { outputs: k.outputs.len() };
     let _ = writeln!(c, "  const long long M = (long long)a.w[{}]; const int K = (int)a.w[{}];", RowWords::ROWS, RowWords::COLS);
     for (m, (o, _)) in k.outputs.iter().enumerate() {
-        let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
+        if prologue_row == Some(m) {
+            let _ = writeln!(c, "  {}* __restrict__ out{m} = ksrow;", storage_type(k.ops[*o].dtype));
+        } else {
+            let _ = writeln!(c, "  {t}* __restrict__ out{m} = ({t}*)a.w[{}];", words.output(m), t = storage_type(k.ops[*o].dtype));
+        }
         if !k.ops[*o].row {
             // A full output's row stride: its padding columns follow each row.
             let _ = writeln!(c, "  const long long os{m} = (long long)K + {};", k.row_pads[m].map_or(0, |p| p.cols));
@@ -299,7 +329,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
         c.push_str(";\n");
     }
-    let _ = writeln!(c, "  for (long long row = blockIdx.x; row < M; row += gridDim.x) {{");
+    // A prologue's blocks each compute the one row.
+    let (first, step) = if prologue_row.is_some() { ("0", "1") } else { ("blockIdx.x", "gridDim.x") };
+    let _ = writeln!(c, "  for (long long row = {first}; row < M; row += {step}) {{");
     // Every value has a C name: x{j} for input j, t{i} for op i (per row or, inside a pass,
     // per element); reshapes and broadcasts are their argument's name.
     let (ins, vals) = value_names(k);
@@ -503,7 +535,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let v = &vals[o];
             let _ = write!(pro, "\n        VO{m} o{m};");
             let _ = writeln!(each, "          o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
-            let _ = writeln!(stores, "        *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};");
+            let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
         }
         pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
     }
@@ -511,13 +543,13 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         if let Some(p) = k.row_pads[m] {
             let d = k.ops[*o].dtype;
             let v = crate::backend::cuda::kernels::codegen::store(d, CType::of(d), &crate::backend::cexpr::literal(p.value, CType::of(d)));
-            let _ = writeln!(c, "    for (int j = threadIdx.x; j < {}; j += blockDim.x) out{m}[row * os{m} + K + j] = {v};", p.cols);
+            let _ = writeln!(c, "    {}for (int j = threadIdx.x; j < {}; j += blockDim.x) out{m}[row * os{m} + K + j] = {v};", gate(m), p.cols);
         }
     }
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if k.ops[*o].row {
             let v = &vals[*o];
-            let _ = writeln!(c, "    if (threadIdx.x == 0) out{m}[row] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
+            let _ = writeln!(c, "    {}if (threadIdx.x == 0) out{m}[row] = {};", gate(m), crate::backend::cuda::kernels::codegen::store(k.ops[*o].dtype, v.0, &v.1));
         }
     }
     c.push_str("  }\n}\n");
@@ -638,6 +670,32 @@ fn default_row_threads(cols: usize, vec: usize) -> usize {
 }
 
 fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], tune: bool) -> Result<Vec<Tensor>> {
+    let outs = row_outputs_of(dev, k, rows, cols)?;
+    launch_rows(dev, k, &row_words(k, rows, cols, inputs, &outs)?, tune)?;
+    Ok(outs)
+}
+
+/// Fresh buffers for a row kernel's outputs: full outputs `[rows, cols]` (or wider by their
+/// padding columns), row outputs `[rows]`.
+fn row_outputs_of(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, rows: usize, cols: usize) -> Result<Vec<Tensor>> {
+    let width = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
+    let outs = new_outputs(dev, k, |m, op| if op.row { rows } else { rows * width(m) })?;
+    Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, width(m)] }))
+}
+
+/// A row kernel's launch: its words, and how it loads its inputs.
+struct RowWordsFilled {
+    args: LaunchArgs,
+    rows: usize,
+    cols: usize,
+    /// Values loaded at once (`row_vec`).
+    vec: usize,
+    /// Per input: whether it loads vectors.
+    vector: Vec<bool>,
+}
+
+/// The launch words of row kernel `k` over `inputs`, writing `outs`.
+fn row_words(k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], outs: &[Tensor]) -> Result<RowWordsFilled> {
     // Full inputs as [rows, cols], row inputs as [rows]: (row stride, col stride) each.
     let mut views = vec![];
     for (inp, t) in k.inputs.iter().zip(inputs) {
@@ -649,17 +707,12 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
         let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
-    // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
-    let vk = || vector_loads(&vector);
-    // Full outputs are [rows, cols], or wider by their padding columns.
-    let width = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
-    let outs = new_outputs(dev, k, |m, op| if op.row { rows } else { rows * width(m) })?;
     let mut a = LaunchArgs::default();
     let words = RowWords { outputs: outs.len() };
     a.w[RowWords::ROWS] = rows as u64;
     a.w[RowWords::COLS] = cols as u64;
-    for (m, s) in outs.iter().enumerate() {
-        a.w[words.output(m)] = s.ptr();
+    for (m, t) in outs.iter().enumerate() {
+        a.w[words.output(m)] = data_ptr(t)?;
     }
     if words.input(views.len())[0] > a.w.len() {
         return Err(Error::arg("fused kernel", format!("{}: {} inputs and {} outputs exceed a launch's argument block", k.name, views.len(), outs.len())));
@@ -670,25 +723,34 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
         a.w[rs] = t.strides()[0] as u64;
         a.w[cs] = t.strides()[1] as u64;
     }
+    Ok(RowWordsFilled { args: a, rows, cols, vec, vector })
+}
+
+/// Launches row kernel `k` with its words `w`: threads per row timed on first use where `tune`.
+fn launch_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, w: &RowWordsFilled, tune: bool) -> Result<()> {
+    let RowWordsFilled { args: a, rows, cols, vec, vector } = w;
+    let (rows, cols, vec) = (*rows, *cols, *vec);
+    // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
+    let vk = || vector_loads(vector);
     // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
     // the inputs, so timing candidates changes nothing.
     let looped = cols > crate::kir::MAX_ROW;
     let launch = |threads: usize| -> Result<()> {
         let (vpt, cover) = row_cover(cols, threads, vec);
         let full = cover == Cover::Exact;
-        let shape = (threads, vpt, vec, vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64))), full);
+        let shape = (threads, vpt, vec, vector_bits(vector), full);
         let launches = &memo(k)?.row_launches;
         let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
         let kern = match cached {
             Some(f) => f,
             None => {
                 let signature = k.signature();
-                let name = rows_name(k, threads, vpt, vec, cover, &vector);
+                let name = rows_name(k, threads, vpt, vec, cover, vector);
                 // Keyed by what determines the source (the signature: ops and input dtypes; the
                 // launch shape): kernels of the same text, in this graph or others, share it.
                 let key = format!("rows {name} {signature}");
                 let f = dev.kernel(KernelKey::Named(key), || {
-                    let src = gen_fused_rows(k, &name, threads, vpt, vec, &vector, cover);
+                    let src = gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Kernel);
                     (name.clone(), src)
                 })?;
                 if !f.is_rehearsed() {
@@ -697,11 +759,73 @@ fn run_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
                 f
             }
         };
-        dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), &a)
+        dev.launch(kern, (rows.min(1 << 20) as u32, 1, 1), (threads as u32, 1, 1), a)
     };
     let tuned = if tune && !looped { tuned_threads(dev, k, rows, cols, vec, &vk(), &launch) } else { None };
-    launch(tuned.unwrap_or_else(|| default_row_threads(cols, vec)))?;
-    Ok(wrap(outs, |m| if k.ops[k.outputs[m].0].row { vec![rows] } else { vec![rows, width(m)] }))
+    launch(tuned.unwrap_or_else(|| default_row_threads(cols, vec)))
+}
+
+/// Bit j set when input j loads vectors.
+fn vector_bits(vector: &[bool]) -> u64 {
+    vector.iter().enumerate().fold(0u64, |m, (j, &v)| m | ((v as u64) << (j % 64)))
+}
+
+/// A one-row kernel whose output `row` a product of one row reads as its row
+/// (`fuse::row_prologues`), not yet run: its inputs, and the buffers of its outputs (the row's
+/// own buffer is written only where the kernel runs on its own).
+pub(crate) struct PendingRow<'a> {
+    pub kernel: &'a FusedKernel,
+    pub inputs: &'a [Tensor],
+    pub outputs: &'a [Tensor],
+    pub row: usize,
+}
+
+/// The output buffers of a one-row kernel whose launch waits for its product
+/// (`PendingRow::outputs`).
+pub(crate) fn pending_row_outputs(k: &FusedKernel) -> Result<Vec<Tensor>> {
+    let (Device::Cuda(ord), Space::Rows { rows, cols }) = (k.device, k.space) else { return Err(Error::Compile(format!("{}: only a GPU row kernel runs before a product", k.name))) };
+    row_outputs_of(&device(ord)?, k, rows, cols)
+}
+
+/// Runs a pending row kernel on its own, into its output buffers.
+pub(crate) fn run_pending_row(p: &PendingRow) -> Result<()> {
+    let (Device::Cuda(ord), Space::Rows { rows, cols }) = (p.kernel.device, p.kernel.space) else { return Err(Error::Compile(format!("{}: only a GPU row kernel runs before a product", p.kernel.name))) };
+    launch_rows(&device(ord)?, p.kernel, &row_words(p.kernel, rows, cols, p.inputs, p.outputs)?, false)
+}
+
+/// A pending row kernel as the prologue of a product whose blocks have `threads` threads
+/// (`RowMode::Prologue`): the device function's name and the key of its source (for the
+/// product's kernel cache), its source, and its launch words.
+pub(crate) struct RowPrologue {
+    pub name: String,
+    pub key: String,
+    pub src: String,
+    pub args: LaunchArgs,
+    /// The row's length (the product's K).
+    pub cols: usize,
+}
+
+/// `p` as the prologue of a product of `threads` threads per block, or None where it is no
+/// kernel over one row of at most `MAX_ROW` whose output `row` is full.
+pub(crate) fn row_prologue(p: &PendingRow, threads: usize) -> Result<Option<RowPrologue>> {
+    let Space::Rows { rows: 1, cols } = p.kernel.space else { return Ok(None) };
+    if cols > crate::kir::MAX_ROW || p.kernel.ops[p.kernel.outputs[p.row].0].row {
+        return Ok(None);
+    }
+    let w = row_words(p.kernel, 1, cols, p.inputs, p.outputs)?;
+    let (name, key, src) = prologue_code(p.kernel, p.row, threads, w.vec, &w.vector);
+    Ok(Some(RowPrologue { name, key, src, args: w.args, cols }))
+}
+
+/// A one-row kernel's prologue function for a product of `threads` threads per block, loading
+/// `vec` values at once (inputs as `vector` says): its name, its source's key, its source.
+fn prologue_code(k: &FusedKernel, row: usize, threads: usize, vec: usize, vector: &[bool]) -> (String, String, String) {
+    let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
+    let (vpt, cover) = row_cover(cols, threads, vec);
+    let name = format!("{}_pro{row}", rows_name(k, threads, vpt, vec, cover, vector));
+    let key = format!("{name} {}", k.signature());
+    let src = gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Prologue { row });
+    (name, key, src)
 }
 
 /// Launch words of a mid kernel (`gen_fused_mid`): sizes, the split's counters, a partials
@@ -1317,6 +1441,30 @@ pub(super) mod tests {
         kernels.extend(optimised_kernels(&[odd], |xs| Ok(vec![xs[0].to_dtype(DType::F32)?.softmax(-1)?.to_dtype(DType::BF16)?.pad(&[0, 6], 0.0)?])));
 
         let mut v = vec![];
+        // A decode step's layer norms computed by the products that read them (GPT-2's
+        // `[K, N]` matrices, a linear layer's `[N, K]`), both ways of loading the inputs.
+        for dt in [DType::BF16, DType::F32] {
+            let (x, res, w) = (Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[64, 96], dt, &cpu).unwrap());
+            let lw = Tensor::randn(&[96, 64], dt, &cpu).unwrap();
+            let g = crate::compile::fuse::tests::graph_of(&[x, res], move |xs| {
+                let h = xs[0].add(&xs[1])?;
+                let n = F::layer_norm(&h, &[64], None, None, 1e-5)?;
+                Ok(vec![n.matmul(&w)?, F::layer_norm(&h.mul(&h)?, &[64], None, None, 1e-5)?.matmul(&lw.transpose(0, 1)?)?, h])
+            });
+            let s = crate::compile::fuse::schedule(&g);
+            let found: Vec<_> = s.gemms.iter().filter_map(|gm| gm.prologue).collect();
+            assert!(!found.is_empty(), "no product computes its row: {:?}", s.notes);
+            for p in found {
+                let k = &s.kernels[p.kernel];
+                let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
+                let vec = row_vec(k, cols);
+                for vector in [k.inputs.iter().map(|i| !i.row && vec > 1).collect::<Vec<bool>>(), vec![false; k.inputs.len()]] {
+                    let (name, key, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector);
+                    let r = RowPrologue { name, key, src, args: LaunchArgs::default(), cols };
+                    v.extend(crate::backend::cuda::kernels::gemv::row_samples(&r, dt));
+                }
+            }
+        }
         for k in &kernels {
             let scalar = vec![false; k.inputs.len()];
             match k.space {
@@ -1344,7 +1492,7 @@ pub(super) mod tests {
                     for (threads, vector) in [(threads, &vector), (threads.max(64) / 2, &scalar)] {
                         let (vpt, cover) = row_cover(cols, threads, vec);
                         let name = rows_name(k, threads, vpt, vec, cover, vector);
-                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover))));
+                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Kernel))));
                     }
                 }
                 Space::Mid { rows, inner, .. } => {
@@ -1533,7 +1681,7 @@ pub(super) mod tests {
         let x = Tensor::zeros(&[4, 8192], DType::F32, &Device::Cpu).unwrap();
         let k = row_kernels(&x, |x: &Tensor| x.softmax(-1)).remove(0);
         let (threads, vpt) = crate::backend::cuda::kernels::row_shape(8192, 4);
-        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], Cover::Exact);
+        let src = gen_fused_rows(&k, "softmax_rows", threads, vpt, 4, &[true], Cover::Exact, RowMode::Kernel);
         assert_eq!(src.matches("[VPT];").count(), 1, "{src}");
     }
 
@@ -1548,7 +1696,7 @@ pub(super) mod tests {
         let arrays: Vec<&KOp> = (0..ks[0].ops.len()).filter(|&i| plan.op_array[i]).map(|i| &ks[0].ops[i]).collect();
         assert!(matches!(arrays[..], [KOp { kind: KKind::Unary(crate::ops::UnaryOp::Exp), .. }]), "{arrays:?}");
         assert_eq!(plan.in_array, vec![true]);
-        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact);
+        let src = gen_fused_rows(&ks[0], "k", 32, 2, 1, &[false], Cover::Exact, RowMode::Kernel);
         assert!(!src.contains("__shared__ double"), "f32 statistics need no double:\n{src}");
     }
 
@@ -1562,7 +1710,7 @@ pub(super) mod tests {
             let (threads, vec) = (default_row_threads(cols, 4), 4);
             let (vpt, cover) = row_cover(cols, threads, vec);
             assert!(cover == Cover::Looped);
-            gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover).matches("for (int kbase").count()
+            gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover, RowMode::Kernel).matches("for (int kbase").count()
         };
         let x = Tensor::randn(&[2, cols], DType::F32, &Device::Cpu).unwrap();
         let softmax = row_kernels(&x, |x| x.softmax(-1)).remove(0);

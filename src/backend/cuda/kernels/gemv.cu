@@ -25,6 +25,27 @@ __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
 // Weights are read once per product: streamed past L1.
 __device__ __forceinline__ uint4 kstream(const uint4* p) { return __ldcs(p); }
 
+#ifdef GEMV_ROW
+// The row computed first by a row kernel (`fused.rs`, `RowMode::Prologue`: a decode step's
+// layer norm), named by GEMV_ROW, of GEMV_ROW_K elements: after the wait for the kernel before,
+// every block computes it into its own shared memory and reads it from there; the first block
+// alone stores the row kernel's other outputs (the residual sum a later layer norm reads).
+struct GemvRowArgs { GemvArgs g; LaunchArgs r; };
+#define KPARAMS const GemvRowArgs ka
+#define KARGS ka.g
+#define KBIND const GemvArgs& a = ka.g;
+#define KROW(row) \
+  __shared__ __align__(16) T ksrow[GEMV_ROW_K]; \
+  GEMV_ROW(ka.r, ksrow, blockIdx.x == 0 && blockIdx.y == 0); \
+  __syncthreads(); \
+  row = ksrow;
+#else
+#define KPARAMS const GemvArgs a
+#define KARGS a
+#define KBIND
+#define KROW(row)
+#endif
+
 __device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
   if (a.bias) acc += LD(((const T*)a.bias)[n]);
   if (a.act == 1) acc = fmaxf(acc, 0.0f);
@@ -34,12 +55,15 @@ __device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float
 
 #ifdef GEMV_ROWS
 // One warp per output: its lanes walk the row and x in 16-byte vectors, then sum by shuffles.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KILN_AFTER_PREVIOUS();
+  KBIND
+  const T* xrow = (const T*)a.x;
+  KROW(xrow)
   const int lane = threadIdx.x & 31;
   const long long n = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (n >= a.n) return;
-  const uint4* x = (const uint4*)a.x;
+  const uint4* x = (const uint4*)xrow;
   const uint4* w = (const uint4*)((const T*)a.w + n * a.ldw);
   const long long vectors = a.k / VW;
   float acc = 0.0f;
@@ -65,8 +89,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
 // leaves its sums in `part` ([gridDim.y][N] F32) and the last block of a strip of columns adds
 // them in split order (the same bits on every run) before the epilogue.
 #define KY (32 / TX)
-extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) {
-  KILN_WAIT_UNLESS_SETTLED(a.settled);
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
+  KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
+  KBIND
   __shared__ float part[WARPS][TX * VW];
   __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -91,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
     q[i] = live && r < r1 ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
   }
   KILN_WAIT_IF_SETTLED(a.settled);
+  KROW(x)
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
     const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
@@ -105,6 +131,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(const GemvArgs a) 
   }
 #else
   KILN_WAIT_IF_SETTLED(a.settled);
+  KROW(x)
   if (live) {
 #pragma unroll 4
     for (long long r = r0 + (long long)warp * KY + ky; r < r1; r += WARPS * KY) {

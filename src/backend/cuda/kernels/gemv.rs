@@ -9,7 +9,9 @@
 
 use crate::backend::cuda::kernels::codegen::{self, PRELUDE};
 use crate::backend::cuda::kernels::data_ptr;
-use crate::backend::cuda::{kernel_args, CudaDevice, CudaStorage, KernelKey};
+use crate::backend::cuda::device::KernelArgs;
+use crate::backend::cuda::kernels::fused::RowPrologue;
+use crate::backend::cuda::{kernel_args, CudaDevice, CudaStorage, KernelKey, LaunchArgs};
 use crate::dtype::CType;
 use crate::ops::matmul::Activation;
 use crate::{DType, Result, Tensor};
@@ -53,13 +55,32 @@ enum Walk {
     Cols { tx: usize, rows: usize },
 }
 
+/// Threads per block of both kernels.
+pub(crate) const THREADS: usize = 32 * WARPS;
+
+/// Both kernels' argument block with a row kernel's words after it, for a product whose row a
+/// row kernel computes first in every block (`gemv.cu`, `GEMV_ROW`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvRowArgs {
+    g: GemvArgs,
+    r: LaunchArgs,
+}
+// SAFETY: `#[repr(C)]` of two such blocks of eight-byte words, declared alike in `gemv.cu`.
+unsafe impl KernelArgs for GemvRowArgs {}
+
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
 /// buffer, or None where these kernels do not take the product (the library then runs it).
 /// `settled`: no kernel still running can be writing `b` (see `KILN_WAIT_UNLESS_SETTLED`).
-pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
+/// `row`: the row kernel whose output `a` is, not yet run: every block computes the row itself
+/// first (`fused::RowPrologue`), and `a`'s buffer is left as it was.
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
+        return Ok(None);
+    }
+    if row.is_some_and(|r| r.cols != k) {
         return Ok(None);
     }
     let vw = 16 / dtype.size_in_bytes();
@@ -75,8 +96,9 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     } else {
         return Ok(None);
     };
-    // The row is read in vectors by the row kernel, element by element by the column kernel.
-    if (a.strides()[2] != 1 && k > 1) || !aligned(b)? || (walk == Walk::Rows && !aligned(a)?) {
+    // The row is read in vectors by the row kernel, element by element by the column kernel
+    // (a row computed in the kernel lies aligned in shared memory).
+    if !aligned(b)? || (row.is_none() && ((a.strides()[2] != 1 && k > 1) || (walk == Walk::Rows && !aligned(a)?))) {
         return Ok(None);
     }
     let bias_ptr = match bias {
@@ -85,8 +107,16 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         None => 0,
     };
     let out = CudaStorage::new(dev, dtype, n)?;
-    let name = kernel_name(walk, dtype);
-    let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype)))?;
+    let kern = match row {
+        None => {
+            let name = kernel_name(walk, dtype);
+            dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None)))?
+        }
+        Some(r) => {
+            let name = format!("{}_{}", kernel_name(walk, dtype), r.name);
+            dev.kernel(KernelKey::Named(format!("{} {}", kernel_name(walk, dtype), r.key)), || (name.clone(), source(&name, walk, dtype, Some(r))))?
+        }
+    };
     let (blocks, splits) = match walk {
         Walk::Rows => (n.div_ceil(WARPS), 1),
         Walk::Cols { tx, .. } => (n.div_ceil(tx * vw), k.div_ceil(per)),
@@ -95,12 +125,16 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     // block on in stream order).
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
     let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
-    let args = GemvArgs { x: data_ptr(a)?, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
         None => 0,
         Some(Activation::Relu) => 1,
         Some(Activation::GeluTanh) => 2,
     }, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
-    dev.launch(kern, (blocks as u32, splits as u32, 1), ((32 * WARPS) as u32, 1, 1), &args)?;
+    let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
+    match row {
+        None => dev.launch(kern, grid, block, &args)?,
+        Some(r) => dev.launch(kern, grid, block, &GemvRowArgs { g: args, r: r.args })?,
+    }
     drop(part);
     Ok(Some(out))
 }
@@ -131,8 +165,13 @@ fn kernel_name(walk: Walk, dtype: DType) -> String {
     }
 }
 
-fn source(name: &str, walk: Walk, dtype: DType) -> String {
+fn source(name: &str, walk: Walk, dtype: DType, row: Option<&RowPrologue>) -> String {
     let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
+    if let Some(r) = row {
+        // The row kernel's function, then what the kernels call it by.
+        c.push_str(&r.src);
+        let _ = writeln!(c, "#define GEMV_ROW {}\n#define GEMV_ROW_K {}", r.name, r.cols);
+    }
     let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
     let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
@@ -162,10 +201,22 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
             let name = kernel_name(walk, dtype);
-            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype))));
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None))));
         }
     }
     v
+}
+
+/// Sources of every walk computing the row with row kernel `r` first (`fused.rs` samples).
+#[cfg(test)]
+pub(super) fn row_samples(r: &RowPrologue, dtype: DType) -> Vec<super::samples::Sample> {
+    [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }]
+        .into_iter()
+        .map(|walk| {
+            let name = format!("{}_{}", kernel_name(walk, dtype), r.name);
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some(r))))
+        })
+        .collect()
 }
 
 #[cfg(test)]

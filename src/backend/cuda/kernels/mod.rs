@@ -648,19 +648,36 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 /// A library product in compiled code: `a` [B, M, K] @ `b` [B, K, N] as a [B, M, N] tensor,
 /// with the bias epilogue when `bias` is set (see `blas::gemm`) and the algorithm timed when
 /// `tune`; None when the epilogue cannot run here. `settled`: no kernel still running can be
-/// writing `b` (a row's product then loads it early).
-pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool) -> Result<Option<Tensor>> {
+/// writing `b` (a row's product then loads it early). `row`: the one-row kernel whose output `a`
+/// is, not yet run: the product's kernel computes the row itself where it can, else the row
+/// kernel runs first; either way it has run once this returns.
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
     // The bias packed once for both paths (no epilogue runs a bias that is no broadcast vector).
     let packed = match bias {
         Some((t, act)) => match blas::bias_vector(t, shape[2])? {
             Some(v) => Some((v, act)),
-            None => return Ok(None),
+            None => {
+                if let Some(p) = row {
+                    fused::run_pending_row(p)?;
+                }
+                return Ok(None);
+            }
         },
         None => None,
     };
     let bias = packed.as_ref().map(|(v, act)| (v, *act));
+    if let Some(p) = row {
+        if !crate::switches::gemv_off() {
+            if let Some(r) = fused::row_prologue(p, gemv::THREADS)? {
+                if let Some(s) = gemv::product(&dev, a, b, dtype, bias, settled, Some(&r))? {
+                    return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+                }
+            }
+        }
+        fused::run_pending_row(p)?;
+    }
     if let Some(s) = row_product(&dev, a, b, dtype, bias, settled)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
@@ -672,7 +689,7 @@ fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias
     if crate::switches::gemv_off() {
         return Ok(None);
     }
-    gemv::product(dev, a, b, dtype, bias, settled)
+    gemv::product(dev, a, b, dtype, bias, settled, None)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
