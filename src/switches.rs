@@ -96,6 +96,13 @@ pub(crate) fn gemv_off() -> bool {
     *V.get_or_init(|| is("KILN_GEMV", "0"))
 }
 
+/// `KILN_ROW_PROLOGUE=0`: a one-row kernel before a product of one row stays a kernel of its
+/// own instead of running in the product's kernel (`fuse::row_prologues`).
+pub(crate) fn row_prologues_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_ROW_PROLOGUE", "0"))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

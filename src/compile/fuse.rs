@@ -479,6 +479,9 @@ const MAX_PROLOGUE_COLUMNS: usize = 4096;
 /// kernel's other outputs, stored by the product's kernel, are read only after it), and where
 /// the row is the product's whole left operand in the product's dtype.
 fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mut Schedule) {
+    if crate::switches::row_prologues_off() {
+        return;
+    }
     let gemm_of: std::collections::HashMap<NodeId, usize> = sched.gemms.iter().enumerate().map(|(j, gm)| (gm.matmul, j)).collect();
     let step_of = |want: &Step| sched.steps.iter().position(|s| s == want);
     let mut found = vec![];
