@@ -147,8 +147,8 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
     }
 }
 
-/// One query row per head over many keys, as in decoding: on the GPU, cuDNN's or (with
-/// `KILN_DECODE_ATTENTION=1`) kiln's split-key kernel; head dims 64, 80 (a block's threads in one
+/// One query row per head over many keys, as in decoding: on the GPU, kiln's split-key kernel
+/// (or with `KILN_DECODE_ATTENTION=0` cuDNN's); head dims 64, 80 (a block's threads in one
 /// group) and 128, with and without a mask, chunks of keys that do not divide evenly.
 #[test]
 fn one_query_row_over_many_keys_matches_matmul_softmax() {
@@ -159,6 +159,26 @@ fn one_query_row_over_many_keys_matches_matmul_softmax() {
     ];
     for c in cases {
         check_half_precision(&c);
+    }
+}
+
+/// A decode step against a static cache: one query row per head, the keys after its position
+/// masked with -inf (on the GPU, whole chunks of keys the split-key kernel does not read), at
+/// the first position, inside the first chunk, past it, and at the last.
+#[test]
+fn one_query_row_over_a_partly_written_cache_matches_matmul_softmax() {
+    let (n, h, s, d) = (1, 12, 1024, 64);
+    for (dt, tol) in [(DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+        let (q, k, v) = (rand_t(&[n, h, 1, d], 1, dt), rand_t(&[n, h, s, d], 2, dt), rand_t(&[n, h, s, d], 3, dt));
+        for pos in [0, 5, 128, 700, s - 1] {
+            let mask: Vec<f64> = (0..s).map(|j| if j <= pos { 0.0 } else { f64::NEG_INFINITY }).collect();
+            let mask = Tensor::from_vec(mask, &[1, 1, 1, s], &Device::Cpu).unwrap().to_dtype(dt).unwrap().to_device(&dev()).unwrap();
+            let opts = F::SdpaOptions { attn_mask: Some(&mask), ..Default::default() };
+            let got = F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
+            let wide = |t: &Tensor| if dev().is_cuda() { t.to_dtype(DType::F32).unwrap() } else { t.clone() };
+            let want = reference(&wide(&q), &wide(&k), &wide(&v), Some(&wide(&mask)), false, 1.0 / (d as f64).sqrt());
+            assert_close(&vals(&got), &vals(&want), tol, tol);
+        }
     }
 }
 

@@ -142,15 +142,16 @@ const SPLIT_KEYS: usize = 256;
 const SPLIT_MIN_KEYS: usize = 128;
 
 /// Forward of one query row over many keys, the keys split across blocks (decoding): each
-/// block scores its chunk a thread per key, the last of a head folds the chunks.
+/// block scores its chunk a thread per key, skipping keys masked with -inf (a static cache's
+/// unwritten positions), and the last of a head folds the chunks.
 fn gen_forward_split(dtype: DType, d: usize, vw: usize) -> (String, String) {
     let name = warp_name("fwd_split", dtype, d, ROWS, vw);
     let src = source(common(dtype, d, ROWS, vw), &format!("#define KNAME {name}\n#define ATTN_FWD_SPLIT\n#define SPLIT_KEYS {SPLIT_KEYS}\n"), WARP);
     (name, src)
 }
 
-/// Whether the split forward takes this attention (`KILN_DECODE_ATTENTION=1` until it has run
-/// on a GPU): one query row per head, F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
+/// Whether the split forward takes this attention (unless `KILN_DECODE_ATTENTION=0`): one query
+/// row per head, F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
 fn split_takes(q: &Tensor, n: &AttnDims, causal: bool) -> bool {
     crate::switches::decode_attention() && n.l == 1 && !causal && (SPLIT_MIN_KEYS..=SPLIT_KEYS * 65535).contains(&n.s) && matches!(q.dtype(), DType::F16 | DType::BF16)
 }

@@ -155,7 +155,9 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 // chunk (a thread per key), takes the chunk's max and sum and its unnormalised output, and
 // leaves them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32); the last block of a
 // (batch, head) to finish folds the chunks in chunk order (the same bits on every run) and
-// writes the row. F16 / BF16 inputs (scores in F32).
+// writes the row. F16 / BF16 inputs (scores in F32). Keys masked with -inf (a static cache's
+// positions not yet written) are not read: their probability is exactly 0, and so is their
+// share of the output (for finite keys and values).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
@@ -174,11 +176,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   // Scores, and the chunk's max.
   float mx = -INFINITY;
   for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
-    const T* kr = k + s * kss + b * ksb + h * ksh;
-    float dot = 0.f;
-    for (int d = 0; d < D_; d += VW) { const VT kv = *(const VT*)(kr + d); for (int e = 0; e < VW; e++) dot += Qs[d + e] * LD(kv.v[e]); }
-    float sc = dot * scale;
-    if (mk) sc += LD(mk[b * msb + h * msh + s * mss]);
+    const float masked = mk ? LD(mk[b * msb + h * msh + s * mss]) : 0.f;
+    float sc = -INFINITY;
+    if (masked != -INFINITY) {
+      const T* kr = k + s * kss + b * ksb + h * ksh;
+      float dot = 0.f;
+      for (int d = 0; d < D_; d += VW) { const VT kv = *(const VT*)(kr + d); for (int e = 0; e < VW; e++) dot += Qs[d + e] * LD(kv.v[e]); }
+      sc = dot * scale + masked;
+    }
     P[s - s0] = sc;
     mx = fmaxf(mx, sc);
   }
@@ -203,7 +208,10 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   // The chunk's output: G groups of D_ threads, a feature each, over every G-th key.
   int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
   float acc = 0.f;
-  if (g < G) for (long long s = s0 + g; s < s1; s += G) acc += P[s - s0] * LD(v[s * vss + b * vsb + h * vsh + d]);
+  if (g < G) for (long long s = s0 + g; s < s1; s += G) {
+    const float p = P[s - s0];
+    if (p != 0.f) acc += p * LD(v[s * vss + b * vsb + h * vsh + d]);
+  }
   Os[threadIdx.x] = acc;
   __syncthreads();
   float* mine = part + ((long long)bh * chunks + blockIdx.y) * (D_ + 2);

@@ -464,7 +464,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     let _ = writeln!(c, "typedef {idx} IDX;\n#define TY {}\n#define VEC {}\nstruct __align__({}) VX {{ {} v[VEC]; }};", s.ty, s.vec, s.vec * s.input.size_in_bytes(), storage_type(s.input));
     // Folds the partial (v, k) of another thread into (acc, ai).
     let _ = writeln!(c, "__device__ __forceinline__ void kcomb({t}& acc, long long& ai, {t} v, long long k) {{ {combine} }}");
-    if s.layout == ReduceLayout::Cols && s.acc == CType::Bool {
+    if (s.layout == ReduceLayout::Cols || arg) && s.acc == CType::Bool {
         // The split column fold reads partials with __ldcg, which has no bool overload.
         let _ = writeln!(c, "__device__ __forceinline__ bool kldcg_bool(const bool* p) {{ return __ldcg((const unsigned char*)p) != 0; }}");
     }
@@ -482,15 +482,36 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
             // are in flight together rather than waited on one after another.
             let vector = if s.vec > 1 {
                 format!(
-                    "    const IDX tail = K - K % VEC;\n    _Pragma(\"unroll 4\") for (IDX k = threadIdx.x * VEC; k < tail; k += blockDim.x * VEC) {{\n      const VX q = *(const VX*)(x + row * K + k);\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc, ai, v, k + e); }}\n    }}\n",
+                    "    const IDX tail = lo + (hi - lo) / VEC * VEC;\n    _Pragma(\"unroll 4\") for (IDX k = lo + threadIdx.x * VEC; k < tail; k += blockDim.x * VEC) {{\n      const VX q = *(const VX*)(x + row * K + k);\n      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{ const {t} v = {lv}; kcomb(acc, ai, v, k + e); }}\n    }}\n",
                     lv = lv.replace("x[X]", "q.v[e]")
                 )
             } else {
-                "    const IDX tail = 0;\n".to_string()
+                "    const IDX tail = lo;\n".to_string()
+            };
+            // A split arg reduction (`a.count` set) leaves each chunk's value and index in
+            // `part` ([M][C] indices, then [M][C] values), and the last chunk of a row to finish
+            // folds them: one launch. Otherwise each chunk's result goes to out[row * C + ch].
+            let ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" };
+            let store_chunk = if arg {
+                format!(
+                    r#"if (a.count == 0) {{ out[row * C + ch] = {finish}; }}
+      else {{
+        long long* pi = (long long*)a.part; {t}* pv = ({t}*)(pi + (long long)M * C);
+        pi[row * C + ch] = ai; pv[row * C + ch] = acc;
+        if (klast_arrival((unsigned int*)a.count + row, (unsigned int)C)) {{
+          acc = {init}; ai = 9223372036854775807ll;
+          for (IDX c2 = 0; c2 < C; c2++) kcomb(acc, ai, {ld}(pv + row * C + c2), __ldcg(pi + row * C + c2));
+          out[row] = {finish};
+        }}
+      }}"#
+                )
+            } else {
+                format!("out[row * C + ch] = {finish};")
             };
             let _ = writeln!(c, r#"  __shared__ {t} sa[32]; __shared__ long long si[32];
   const IDX ch = blockIdx.y;
-  const IDX lo = (IDX)(((long long)K * ch) / C), hi = (IDX)(((long long)K * (ch + 1)) / C);
+  // Chunks start at multiples of VEC (the vector loads stay aligned); the last ends at K.
+  const IDX lo = (IDX)(((long long)K * ch) / C / VEC * VEC), hi = ch + 1 == C ? K : (IDX)(((long long)K * (ch + 1)) / C / VEC * VEC);
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
 {vector}    for (IDX k = lo + tail + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
@@ -503,7 +524,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
     __syncthreads();
     if (threadIdx.x == 0) {{
       for (int w = 1; w < nw; w++) kcomb(acc, ai, sa[w], si[w]);
-      out[row * C + ch] = {finish};
+      {store_chunk}
     }}
     __syncthreads();
   }}

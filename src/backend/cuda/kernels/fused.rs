@@ -81,6 +81,9 @@ struct CudaMemo {
     flat_code: std::sync::OnceLock<FlatCode>,
     /// A row kernel's loaded functions by launch shape.
     row_launches: RowLaunches,
+    /// Products computing a one-row kernel's row first (`RowPrologue`), by the product's name,
+    /// the row kernel's output that is the row, and which inputs load vectors.
+    prologue_launches: crate::backend::cuda::Loaded<((String, usize, u64), crate::backend::cuda::Kernel)>,
     /// A flat kernel's loaded functions by how its operands are walked.
     flat_launches: MapLaunches,
     /// A mid kernel's constants passed as launch words: their values (`mid_params`).
@@ -686,6 +689,9 @@ fn row_outputs_of(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &Fu
 /// A row kernel's launch: its words, and how it loads its inputs.
 struct RowWordsFilled {
     args: LaunchArgs,
+    /// The inputs as the words name them: where one had to be copied to be seen as rows, the
+    /// copy lives until the launch.
+    _views: Vec<Tensor>,
     rows: usize,
     cols: usize,
     /// Values loaded at once (`row_vec`).
@@ -723,12 +729,12 @@ fn row_words(k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], outs:
         a.w[rs] = t.strides()[0] as u64;
         a.w[cs] = t.strides()[1] as u64;
     }
-    Ok(RowWordsFilled { args: a, rows, cols, vec, vector })
+    Ok(RowWordsFilled { args: a, _views: views, rows, cols, vec, vector })
 }
 
 /// Launches row kernel `k` with its words `w`: threads per row timed on first use where `tune`.
 fn launch_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKernel, w: &RowWordsFilled, tune: bool) -> Result<()> {
-    let RowWordsFilled { args: a, rows, cols, vec, vector } = w;
+    let RowWordsFilled { args: a, rows, cols, vec, vector, .. } = w;
     let (rows, cols, vec) = (*rows, *cols, *vec);
     // Which inputs load vectors, as named in kernels and tuning keys (built on a first launch).
     let vk = || vector_loads(vector);
@@ -794,27 +800,52 @@ pub(crate) fn run_pending_row(p: &PendingRow) -> Result<()> {
 }
 
 /// A pending row kernel as the prologue of a product whose blocks have `threads` threads
-/// (`RowMode::Prologue`): the device function's name and the key of its source (for the
-/// product's kernel cache), its source, and its launch words.
-pub(crate) struct RowPrologue {
-    pub name: String,
-    pub key: String,
-    pub src: String,
-    pub args: LaunchArgs,
+/// (`RowMode::Prologue`), with its launch words.
+pub(crate) struct RowPrologue<'a> {
+    kernel: &'a FusedKernel,
+    row: usize,
+    threads: usize,
+    words: RowWordsFilled,
+}
+
+impl RowPrologue<'_> {
+    /// The row kernel's launch words.
+    pub(crate) fn args(&self) -> LaunchArgs {
+        self.words.args
+    }
+
     /// The row's length (the product's K).
-    pub cols: usize,
+    pub(crate) fn cols(&self) -> usize {
+        self.words.cols
+    }
+
+    /// The product's kernel `product` (a name that says all the product's own source depends
+    /// on) with this prologue, loaded once per product and way of loading the inputs (kept in
+    /// the row kernel's memo): `source(function name, function source)` writes its source.
+    pub(crate) fn product_kernel(&self, dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, product: &str, source: impl FnOnce(&str, &str) -> String) -> Result<crate::backend::cuda::Kernel> {
+        let bits = vector_bits(&self.words.vector);
+        let launches = &memo(self.kernel)?.prologue_launches;
+        if let Some(f) = launches.0.lock().iter().find(|((p, r, b), _)| p == product && *r == self.row && *b == bits).map(|(_, f)| *f) {
+            return Ok(f);
+        }
+        let (name, key, src) = prologue_code(self.kernel, self.row, self.threads, self.words.vec, &self.words.vector);
+        let f = dev.kernel(KernelKey::Named(format!("{product} {key}")), || (format!("{product}_{name}"), source(&name, &src)))?;
+        if !f.is_rehearsed() {
+            launches.0.lock().push(((product.to_string(), self.row, bits), f));
+        }
+        Ok(f)
+    }
 }
 
 /// `p` as the prologue of a product of `threads` threads per block, or None where it is no
 /// kernel over one row of at most `MAX_ROW` whose output `row` is full.
-pub(crate) fn row_prologue(p: &PendingRow, threads: usize) -> Result<Option<RowPrologue>> {
+pub(crate) fn row_prologue<'a>(p: &PendingRow<'a>, threads: usize) -> Result<Option<RowPrologue<'a>>> {
     let Space::Rows { rows: 1, cols } = p.kernel.space else { return Ok(None) };
     if cols > crate::kir::MAX_ROW || p.kernel.ops[p.kernel.outputs[p.row].0].row {
         return Ok(None);
     }
-    let w = row_words(p.kernel, 1, cols, p.inputs, p.outputs)?;
-    let (name, key, src) = prologue_code(p.kernel, p.row, threads, w.vec, &w.vector);
-    Ok(Some(RowPrologue { name, key, src, args: w.args, cols }))
+    let words = row_words(p.kernel, 1, cols, p.inputs, p.outputs)?;
+    Ok(Some(RowPrologue { kernel: p.kernel, row: p.row, threads, words }))
 }
 
 /// A one-row kernel's prologue function for a product of `threads` threads per block, loading
@@ -1459,9 +1490,8 @@ pub(super) mod tests {
                 let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
                 let vec = row_vec(k, cols);
                 for vector in [k.inputs.iter().map(|i| !i.row && vec > 1).collect::<Vec<bool>>(), vec![false; k.inputs.len()]] {
-                    let (name, key, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector);
-                    let r = RowPrologue { name, key, src, args: LaunchArgs::default(), cols };
-                    v.extend(crate::backend::cuda::kernels::gemv::row_samples(&r, dt));
+                    let (name, _, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector);
+                    v.extend(crate::backend::cuda::kernels::gemv::row_samples(&name, &src, cols, dt));
                 }
             }
         }

@@ -80,7 +80,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
         return Ok(None);
     }
-    if row.is_some_and(|r| r.cols != k) {
+    if row.is_some_and(|r| r.cols() != k) {
         return Ok(None);
     }
     let vw = 16 / dtype.size_in_bytes();
@@ -107,15 +107,10 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         None => 0,
     };
     let out = CudaStorage::new(dev, dtype, n)?;
+    let name = kernel_name(walk, dtype);
     let kern = match row {
-        None => {
-            let name = kernel_name(walk, dtype);
-            dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None)))?
-        }
-        Some(r) => {
-            let name = format!("{}_{}", kernel_name(walk, dtype), r.name);
-            dev.kernel(KernelKey::Named(format!("{} {}", kernel_name(walk, dtype), r.key)), || (name.clone(), source(&name, walk, dtype, Some(r))))?
-        }
+        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None)))?,
+        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k))))?,
     };
     let (blocks, splits) = match walk {
         Walk::Rows => (n.div_ceil(WARPS), 1),
@@ -133,7 +128,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,
-        Some(r) => dev.launch(kern, grid, block, &GemvRowArgs { g: args, r: r.args })?,
+        Some(r) => dev.launch(kern, grid, block, &GemvRowArgs { g: args, r: r.args() })?,
     }
     drop(part);
     Ok(Some(out))
@@ -165,12 +160,14 @@ fn kernel_name(walk: Walk, dtype: DType) -> String {
     }
 }
 
-fn source(name: &str, walk: Walk, dtype: DType, row: Option<&RowPrologue>) -> String {
+/// A kernel's source; `row`: the name, source and row length of a row kernel's prologue
+/// function (`fused::RowPrologue`) that computes the row first.
+fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>) -> String {
     let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
-    if let Some(r) = row {
+    if let Some((row_name, row_src, cols)) = row {
         // The row kernel's function, then what the kernels call it by.
-        c.push_str(&r.src);
-        let _ = writeln!(c, "#define GEMV_ROW {}\n#define GEMV_ROW_K {}", r.name, r.cols);
+        c.push_str(row_src);
+        let _ = writeln!(c, "#define GEMV_ROW {row_name}\n#define GEMV_ROW_K {cols}");
     }
     let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
@@ -207,14 +204,15 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     v
 }
 
-/// Sources of every walk computing the row with row kernel `r` first (`fused.rs` samples).
+/// Sources of every walk computing the row first with the prologue function `row_name`
+/// (`row_src`, over rows of `cols`; `fused.rs` samples).
 #[cfg(test)]
-pub(super) fn row_samples(r: &RowPrologue, dtype: DType) -> Vec<super::samples::Sample> {
+pub(super) fn row_samples(row_name: &str, row_src: &str, cols: usize, dtype: DType) -> Vec<super::samples::Sample> {
     [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }]
         .into_iter()
         .map(|walk| {
-            let name = format!("{}_{}", kernel_name(walk, dtype), r.name);
-            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some(r))))
+            let name = format!("{}_{row_name}", kernel_name(walk, dtype));
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)))))
         })
         .collect()
 }

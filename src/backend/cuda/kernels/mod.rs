@@ -421,9 +421,9 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
             let v = (16 / size).min(4);
             if q.unwrap_or(m).is_multiple_of(v) && ptr % (v * size) as u64 == 0 { v } else { 1 }
         }
-        // An arg reduction of a few long rows (greedy sampling's one row of logits) is one
-        // block per row (never split) whose threads wait on their loads one after another: 16
-        // bytes per load instead of one element, where every row starts aligned.
+        // An arg reduction of a few long rows (greedy sampling's one row of logits), split in
+        // chunks whose threads wait on their loads one after another: 16 bytes per load
+        // instead of one element, where every row starts aligned.
         ReduceLayout::Rows => {
             let v = 16 / input.dtype().size_in_bytes();
             let few = arg && m < dev.sm_count && k >= 4096 && q.is_none();
@@ -444,8 +444,15 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
         None => (vec, if layout == ReduceLayout::Cols { 8 } else { 1 }),
     };
     let groups = m.div_ceil(32 * vec);
-    let chunks = if arg || tall.is_some() {
+    let chunks = if tall.is_some() {
         1
+    } else if arg {
+        // A few long rows (greedy sampling's one row of logits): each row's chunks spread over
+        // two blocks per SM, at least 2048 elements each, folded by the last (one launch).
+        match layout {
+            ReduceLayout::Rows if m < dev.sm_count && q.is_none() => ((dev.sm_count * 2) / m).clamp(1, (k / 2048).max(1)),
+            _ => 1,
+        }
     } else {
         match layout {
             ReduceLayout::Rows => ((dev.sm_count * 4) / m).clamp(1, (k / 2048).max(1)),
@@ -460,6 +467,13 @@ pub(crate) fn reduce(op: ReduceOp, x: &Tensor, dims: &[usize], out: DType) -> Re
     let (strided, q) = (q.is_some(), q.unwrap_or(1));
     if chunks == 1 {
         launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k, strided), ptr, res.ptr(), [m, k, q], 1, (0, 0))?;
+        return Ok(res);
+    }
+    if arg {
+        // One launch: each chunk's index and value, folded by the last block of each row.
+        let partial = CudaStorage::new(&dev, DType::U8, m * chunks * (8 + acc.dtype().size_in_bytes()))?;
+        let counters = dev.reduce_counters(m)?;
+        launch_reduce(&dev, &spec(input.dtype(), out, vec, m, k, strided), ptr, res.ptr(), [m, k, q], chunks, (partial.ptr(), counters))?;
         return Ok(res);
     }
     if layout == ReduceLayout::Cols {
@@ -492,8 +506,8 @@ fn launch_reduce(dev: &Arc<CudaDevice>, spec: &ReduceSpec, x: u64, y: u64, [m, k
     match spec.layout {
         ReduceLayout::Rows => {
             let per = k.div_ceil(chunks).div_ceil(spec.vec);
-            // An arg reduction is never split, so a few long rows (greedy sampling's one row of
-            // logits) get whole blocks: 256 threads alone wait on hundreds of loads each.
+            // A few long rows of an arg reduction get whole blocks per chunk: 256 threads alone
+            // would wait on hundreds of loads each.
             let most = if spec.op.is_arg() && m < dev.sm_count { 1024 } else { 256 };
             let threads = per.next_power_of_two().clamp(32, most) as u32;
             dev.launch(kern, (m.min(1 << 20) as u32, chunks as u32, 1), (threads, 1, 1), &a)
