@@ -155,9 +155,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 // chunk (a thread per key), takes the chunk's max and sum and its unnormalised output, and
 // leaves them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32); the last block of a
 // (batch, head) to finish folds the chunks in chunk order (the same bits on every run) and
-// writes the row. F16 / BF16 inputs (scores in F32). Keys masked with -inf (a static cache's
-// positions not yet written) are not read: their probability is exactly 0, and so is their
-// share of the output (for finite keys and values).
+// writes the row. F16 / BF16 inputs (scores in F32). The kernel is bound by memory latency, not
+// bandwidth: each phase issues all its loads before using any (a key's mask and row together,
+// four keys' values per warp, every chunk's partials in the fold). Keys masked with -inf (a
+// static cache's positions not yet written) have probability exactly 0: their values are not
+// read, so they add nothing to the output (for finite keys and values).
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
@@ -169,21 +171,23 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __shared__ float Qs[D_];
   __shared__ float P[SPLIT_KEYS];
   __shared__ float red[ROWS];
-  __shared__ float Os[ROWS * 32];
+  // Each warp's output, then each thread's share of the fold.
+  __shared__ float Os[D_ > 32 ? ROWS * D_ : ROWS * 32];
   __shared__ bool last;
   for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
   __syncthreads();
-  // Scores, and the chunk's max.
+  // Scores, and the chunk's max: a key's mask and row are loaded together.
   float mx = -INFINITY;
   for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
+    const T* kr = k + s * kss + b * ksb + h * ksh;
+    VT kv[D_ / VW];
+#pragma unroll
+    for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
     const float masked = mk ? LD(mk[b * msb + h * msh + s * mss]) : 0.f;
-    float sc = -INFINITY;
-    if (masked != -INFINITY) {
-      const T* kr = k + s * kss + b * ksb + h * ksh;
-      float dot = 0.f;
-      for (int d = 0; d < D_; d += VW) { const VT kv = *(const VT*)(kr + d); for (int e = 0; e < VW; e++) dot += Qs[d + e] * LD(kv.v[e]); }
-      sc = dot * scale + masked;
-    }
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < D_ / VW; j++) for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
+    const float sc = masked == -INFINITY ? -INFINITY : dot * scale + masked;
     P[s - s0] = sc;
     mx = fmaxf(mx, sc);
   }
@@ -201,24 +205,42 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
     sum += p;
   }
   sum = wsum(sum);
+  __syncthreads();
   if (lane == 0) red[warp] = sum;
   __syncthreads();
   float l = 0.f;
   for (int w = 0; w < ROWS; w++) l += red[w];
-  // The chunk's output: G groups of D_ threads, a feature each, over every G-th key.
-  int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
-  float acc = 0.f;
-  if (g < G) for (long long s = s0 + g; s < s1; s += G) {
-    const float p = P[s - s0];
-    if (p != 0.f) acc += p * LD(v[s * vss + b * vsb + h * vsh + d]);
+  // The chunk's output: warp w takes keys w, w + ROWS, ... four at a time, its lanes the
+  // features lane, lane + 32, ...; only keys of nonzero probability are read.
+  float acc[PER];
+#pragma unroll
+  for (int j = 0; j < PER; j++) acc[j] = 0.f;
+  for (long long base = s0 + warp; base < s1; base += 4 * ROWS) {
+    float pu[4], vu[4][PER];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const long long s = base + u * ROWS;
+      pu[u] = s < s1 ? P[s - s0] : 0.f;
+#pragma unroll
+      for (int j = 0; j < PER; j++) {
+        const int d = lane + 32 * j;
+        vu[u][j] = pu[u] != 0.f && d < D_ ? LD(v[s * vss + b * vsb + h * vsh + d]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++)
+      if (pu[u] != 0.f)
+#pragma unroll
+        for (int j = 0; j < PER; j++) acc[j] += pu[u] * vu[u][j];
   }
-  Os[threadIdx.x] = acc;
+#pragma unroll
+  for (int j = 0; j < PER; j++) if (lane + 32 * j < D_) Os[warp * D_ + lane + 32 * j] = acc[j];
   __syncthreads();
   float* mine = part + ((long long)bh * chunks + blockIdx.y) * (D_ + 2);
-  if (threadIdx.x < D_) {
+  for (int d = threadIdx.x; d < D_; d += NT) {
     float o = 0.f;
-    for (int j = 0; j < G; j++) o += Os[j * D_ + threadIdx.x];
-    mine[threadIdx.x] = o;
+    for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
+    mine[d] = o;
   }
   if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
   // The last block of this (batch, head) folds every chunk.
@@ -226,18 +248,44 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   if (threadIdx.x == 0) last = klast_arrival(&count[bh], (unsigned int)chunks);
   __syncthreads();
   if (!last) return;
-  if (threadIdx.x < D_) {
-    const float* all = part + (long long)bh * chunks * (D_ + 2);
-    float M = -INFINITY;
-    for (int c = 0; c < chunks; c++) M = fmaxf(M, __ldcg(all + c * (D_ + 2) + D_));
-    float o = 0.f, den = 0.f;
-    for (int c = 0; c < chunks; c++) {
+  const float* all = part + (long long)bh * chunks * (D_ + 2);
+  // The row's max and denominator: each thread takes every NT-th chunk.
+  float M = -INFINITY;
+  for (int c = threadIdx.x; c < chunks; c += NT) M = fmaxf(M, __ldcg(all + c * (D_ + 2) + D_));
+  M = wmax(M);
+  if (lane == 0) red[warp] = M;
+  __syncthreads();
+  M = red[0];
+  for (int w = 1; w < ROWS; w++) M = fmaxf(M, red[w]);
+  __syncthreads();
+  float den = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += NT) {
+    const float mc = __ldcg(all + c * (D_ + 2) + D_), lc = __ldcg(all + c * (D_ + 2) + D_ + 1);
+    den += mc == -INFINITY ? 0.f : lc * expf(mc - M);
+  }
+  den = wsum(den);
+  if (lane == 0) red[warp] = den;
+  __syncthreads();
+  den = 0.f;
+  for (int w = 0; w < ROWS; w++) den += red[w];
+  // The output: G groups of D_ threads, a feature each, group g over chunks g, g + G, ...
+  const int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
+  float o = 0.f;
+  if (g < G) {
+#pragma unroll 4
+    for (int c = g; c < chunks; c += G) {
       const float* pc = all + c * (D_ + 2);
-      float mc = __ldcg(pc + D_), w = mc == -INFINITY ? 0.f : expf(mc - M);
-      o += __ldcg(pc + threadIdx.x) * w;
-      den += __ldcg(pc + D_ + 1) * w;
+      const float mc = __ldcg(pc + D_), oc = __ldcg(pc + d);
+      o += mc == -INFINITY ? 0.f : oc * expf(mc - M);
     }
-    out[(b * H + h) * D_ + threadIdx.x] = ST(o / den);
+  }
+  __syncthreads();
+  Os[threadIdx.x] = o;
+  __syncthreads();
+  if (threadIdx.x < D_) {
+    float r = 0.f;
+    for (int j = 0; j < G; j++) r += Os[j * D_ + threadIdx.x];
+    out[(b * H + h) * D_ + threadIdx.x] = ST(r / den);
   }
 }
 #endif

@@ -514,7 +514,7 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   const IDX lo = (IDX)(((long long)K * ch) / C / VEC * VEC), hi = ch + 1 == C ? K : (IDX)(((long long)K * (ch + 1)) / C / VEC * VEC);
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
-{vector}    for (IDX k = lo + tail + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
+{vector}    for (IDX k = tail + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
     for (int off = 16; off > 0; off >>= 1) {{
       const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
       if ((threadIdx.x & 31) + off < 32) kcomb(acc, ai, v, k);
