@@ -155,11 +155,12 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 // chunk (a thread per key), takes the chunk's max and sum and its unnormalised output, and
 // leaves them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32); the last block of a
 // (batch, head) to finish folds the chunks in chunk order (the same bits on every run) and
-// writes the row. F16 / BF16 inputs (scores in F32). The kernel is bound by memory latency, not
-// bandwidth: each phase issues all its loads before using any (a key's mask and row together,
-// four keys' values per warp, every chunk's partials in the fold). Keys masked with -inf (a
-// static cache's positions not yet written) have probability exactly 0: their values are not
-// read, so they add nothing to the output (for finite keys and values).
+// writes the row. F16 / BF16 inputs (scores in F32). The kernel is bound by memory latency,
+// not bandwidth: a block issues its first keys' rows, masks and values together with the query
+// before it uses any, and the fold issues every chunk's partials at once. Keys masked with -inf
+// (a static cache's positions not yet written) have probability exactly 0 and add nothing to
+// the output (for finite keys and values: a masked key's value is never multiplied).
+#define SPLIT_VU 16
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
@@ -174,16 +175,40 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   // Each warp's output, then each thread's share of the fold.
   __shared__ float Os[D_ > 32 ? ROWS * D_ : ROWS * 32];
   __shared__ bool last;
-  for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
-  __syncthreads();
-  // Scores, and the chunk's max: a key's mask and row are loaded together.
-  float mx = -INFINITY;
-  for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
-    const T* kr = k + s * kss + b * ksb + h * ksh;
-    VT kv[D_ / VW];
+  // In flight together: this thread's first key (row and mask), this warp's first SPLIT_VU keys'
+  // values (warp w takes keys w, w + ROWS, ..., its lanes the features lane, lane + 32, ...),
+  // and the query.
+  const T* vb = v + b * vsb + h * vsh;
+  const long long k0 = s0 + threadIdx.x;
+  VT kv[D_ / VW];
+  float masked = 0.f;
+  if (k0 < s1) {
+    const T* kr = k + k0 * kss + b * ksb + h * ksh;
 #pragma unroll
     for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
-    const float masked = mk ? LD(mk[b * msb + h * msh + s * mss]) : 0.f;
+    if (mk) masked = LD(mk[b * msb + h * msh + k0 * mss]);
+  }
+  float vu[SPLIT_VU][PER];
+#pragma unroll
+  for (int u = 0; u < SPLIT_VU; u++) {
+    const long long s = s0 + warp + u * ROWS;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+      const int d = lane + 32 * j;
+      vu[u][j] = s < s1 && d < D_ ? LD(vb[s * vss + d]) : 0.f;
+    }
+  }
+  for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
+  __syncthreads();
+  // Scores, and the chunk's max.
+  float mx = -INFINITY;
+  for (long long s = k0; s < s1; s += NT) {
+    if (s != k0) {
+      const T* kr = k + s * kss + b * ksb + h * ksh;
+#pragma unroll
+      for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
+      masked = mk ? LD(mk[b * msb + h * msh + s * mss]) : 0.f;
+    }
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < D_ / VW; j++) for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
@@ -199,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __syncthreads();
   // Probabilities (unnormalised) and their sum.
   float sum = 0.f;
-  for (long long s = s0 + threadIdx.x; s < s1; s += NT) {
+  for (long long s = k0; s < s1; s += NT) {
     float sc = P[s - s0], p = sc == -INFINITY ? 0.f : expf(sc - m);
     P[s - s0] = p;
     sum += p;
@@ -210,13 +235,20 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __syncthreads();
   float l = 0.f;
   for (int w = 0; w < ROWS; w++) l += red[w];
-  // The chunk's output: warp w takes keys w, w + ROWS, ... four at a time, its lanes the
-  // features lane, lane + 32, ...; only keys of nonzero probability are read.
+  // The chunk's output: the values already loaded, then any keys past them four at a time.
   float acc[PER];
 #pragma unroll
   for (int j = 0; j < PER; j++) acc[j] = 0.f;
-  for (long long base = s0 + warp; base < s1; base += 4 * ROWS) {
-    float pu[4], vu[4][PER];
+#pragma unroll
+  for (int u = 0; u < SPLIT_VU; u++) {
+    const long long s = s0 + warp + u * ROWS;
+    const float p = s < s1 ? P[s - s0] : 0.f;
+    if (p != 0.f)
+#pragma unroll
+      for (int j = 0; j < PER; j++) acc[j] += p * vu[u][j];
+  }
+  for (long long base = s0 + warp + SPLIT_VU * ROWS; base < s1; base += 4 * ROWS) {
+    float pu[4], vw[4][PER];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const long long s = base + u * ROWS;
@@ -224,14 +256,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
       for (int j = 0; j < PER; j++) {
         const int d = lane + 32 * j;
-        vu[u][j] = pu[u] != 0.f && d < D_ ? LD(v[s * vss + b * vsb + h * vsh + d]) : 0.f;
+        vw[u][j] = pu[u] != 0.f && d < D_ ? LD(vb[s * vss + d]) : 0.f;
       }
     }
 #pragma unroll
     for (int u = 0; u < 4; u++)
       if (pu[u] != 0.f)
 #pragma unroll
-        for (int j = 0; j < PER; j++) acc[j] += pu[u] * vu[u][j];
+        for (int j = 0; j < PER; j++) acc[j] += pu[u] * vw[u][j];
   }
 #pragma unroll
   for (int j = 0; j < PER; j++) if (lane + 32 * j < D_) Os[warp * D_ + lane + 32 * j] = acc[j];
@@ -249,34 +281,47 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __syncthreads();
   if (!last) return;
   const float* all = part + (long long)bh * chunks * (D_ + 2);
-  // The row's max and denominator: each thread takes every NT-th chunk.
-  float M = -INFINITY;
-  for (int c = threadIdx.x; c < chunks; c += NT) M = fmaxf(M, __ldcg(all + c * (D_ + 2) + D_));
-  M = wmax(M);
+  // In flight together: every chunk's max and sum (a thread each, NT at a time) and this
+  // thread's feature of its group's first SPLIT_VU chunks (group g takes chunks g, g + G, ...).
+  const int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
+  float oc[SPLIT_VU], mc[SPLIT_VU];
+#pragma unroll
+  for (int u = 0; u < SPLIT_VU; u++) {
+    const int c = g + u * G;
+    const bool mine_c = g < G && c < chunks;
+    oc[u] = mine_c ? __ldcg(all + c * (D_ + 2) + d) : 0.f;
+    mc[u] = mine_c ? __ldcg(all + c * (D_ + 2) + D_) : -INFINITY;
+  }
+  // The row's max, and its denominator: each thread's chunks, rescaled to its own running max,
+  // then to the row's.
+  float tm = -INFINITY, tl = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += NT) {
+    const float cm = __ldcg(all + c * (D_ + 2) + D_), cl = __ldcg(all + c * (D_ + 2) + D_ + 1);
+    if (cm == -INFINITY) continue;
+    const float nm = fmaxf(tm, cm);
+    tl = (tm == -INFINITY ? 0.f : tl * expf(tm - nm)) + cl * expf(cm - nm);
+    tm = nm;
+  }
+  float M = wmax(tm);
   if (lane == 0) red[warp] = M;
   __syncthreads();
   M = red[0];
   for (int w = 1; w < ROWS; w++) M = fmaxf(M, red[w]);
   __syncthreads();
-  float den = 0.f;
-  for (int c = threadIdx.x; c < chunks; c += NT) {
-    const float mc = __ldcg(all + c * (D_ + 2) + D_), lc = __ldcg(all + c * (D_ + 2) + D_ + 1);
-    den += mc == -INFINITY ? 0.f : lc * expf(mc - M);
-  }
-  den = wsum(den);
+  float den = wsum(tm == -INFINITY ? 0.f : tl * expf(tm - M));
   if (lane == 0) red[warp] = den;
   __syncthreads();
   den = 0.f;
   for (int w = 0; w < ROWS; w++) den += red[w];
-  // The output: G groups of D_ threads, a feature each, group g over chunks g, g + G, ...
-  const int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
+  // The output: group g's chunks in order, then the groups in order.
   float o = 0.f;
+#pragma unroll
+  for (int u = 0; u < SPLIT_VU; u++) o += mc[u] == -INFINITY ? 0.f : oc[u] * expf(mc[u] - M);
   if (g < G) {
-#pragma unroll 4
-    for (int c = g; c < chunks; c += G) {
+    for (int c = g + SPLIT_VU * G; c < chunks; c += G) {
       const float* pc = all + c * (D_ + 2);
-      const float mc = __ldcg(pc + D_), oc = __ldcg(pc + d);
-      o += mc == -INFINITY ? 0.f : oc * expf(mc - M);
+      const float cm = __ldcg(pc + D_), co = __ldcg(pc + d);
+      o += cm == -INFINITY ? 0.f : co * expf(cm - M);
     }
   }
   __syncthreads();

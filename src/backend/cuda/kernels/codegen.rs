@@ -468,6 +468,21 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
         // The split column fold reads partials with __ldcg, which has no bool overload.
         let _ = writeln!(c, "__device__ __forceinline__ bool kldcg_bool(const bool* p) {{ return __ldcg((const unsigned char*)p) != 0; }}");
     }
+    // The block's (acc, ai) folded into thread 0's: shuffles, then a value per warp.
+    let _ = writeln!(
+        c,
+        r#"__device__ __forceinline__ void kblock({t}& acc, long long& ai, {t}* sa, long long* si) {{
+  for (int off = 16; off > 0; off >>= 1) {{
+    const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
+    if ((threadIdx.x & 31) + off < 32) kcomb(acc, ai, v, k);
+  }}
+  const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  if ((threadIdx.x & 31) == 0) {{ sa[warp] = acc; si[warp] = ai; }}
+  __syncthreads();
+  if (threadIdx.x == 0) for (int w = 1; w < nw; w++) kcomb(acc, ai, sa[w], si[w]);
+  __syncthreads();
+}}"#
+    );
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();
@@ -490,24 +505,37 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
             };
             // A split arg reduction (`a.count` set) leaves each chunk's value and index in
             // `part` ([M][C] indices, then [M][C] values), and the last chunk of a row to finish
-            // folds them: one launch. Otherwise each chunk's result goes to out[row * C + ch].
+            // folds them, a chunk per thread (one launch). Otherwise each chunk's result goes to
+            // out[row * C + ch].
             let ld = if s.acc == CType::Bool { "kldcg_bool" } else { "__ldcg" };
-            let store_chunk = if arg {
-                format!(
-                    r#"if (a.count == 0) {{ out[row * C + ch] = {finish}; }}
+            let (store_chunk, fold) = if arg {
+                (
+                    format!(
+                        r#"if (a.count == 0) out[row * C + ch] = {finish};
       else {{
-        long long* pi = (long long*)a.part; {t}* pv = ({t}*)(pi + (long long)M * C);
         pi[row * C + ch] = ai; pv[row * C + ch] = acc;
-        if (klast_arrival((unsigned int*)a.count + row, (unsigned int)C)) {{
-          acc = {init}; ai = 9223372036854775807ll;
-          for (IDX c2 = 0; c2 < C; c2++) kcomb(acc, ai, {ld}(pv + row * C + c2), __ldcg(pi + row * C + c2));
-          out[row] = {finish};
-        }}
+        klast = klast_arrival((unsigned int*)a.count + row, (unsigned int)C);
       }}"#
+                    ),
+                    format!(
+                        r#"    if (a.count != 0) {{
+      __syncthreads();
+      if (klast) {{
+        acc = {init}; ai = 9223372036854775807ll;
+        for (IDX c2 = threadIdx.x; c2 < C; c2 += blockDim.x) kcomb(acc, ai, {ld}(pv + row * C + c2), __ldcg(pi + row * C + c2));
+        kblock(acc, ai, sa, si);
+        if (threadIdx.x == 0) out[row] = {finish};
+      }}
+    }}
+"#
+                    ),
                 )
             } else {
-                format!("out[row * C + ch] = {finish};")
+                (format!("out[row * C + ch] = {finish};"), String::new())
             };
+            if arg {
+                let _ = writeln!(c, "  long long* pi = (long long*)a.part; {t}* pv = ({t}*)(pi + (long long)M * C); __shared__ bool klast;");
+            }
             let _ = writeln!(c, r#"  __shared__ {t} sa[32]; __shared__ long long si[32];
   const IDX ch = blockIdx.y;
   // Chunks start at multiples of VEC (the vector loads stay aligned); the last ends at K.
@@ -515,19 +543,11 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   for (IDX row = blockIdx.x; row < M; row += gridDim.x) {{
     {t} acc = {init}; long long ai = 9223372036854775807ll;
 {vector}    for (IDX k = tail + threadIdx.x; k < hi; k += blockDim.x) {{ const {t} v = {lv}; kcomb(acc, ai, v, k); }}
-    for (int off = 16; off > 0; off >>= 1) {{
-      const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
-      if ((threadIdx.x & 31) + off < 32) kcomb(acc, ai, v, k);
-    }}
-    const int warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if ((threadIdx.x & 31) == 0) {{ sa[warp] = acc; si[warp] = ai; }}
-    __syncthreads();
+    kblock(acc, ai, sa, si);
     if (threadIdx.x == 0) {{
-      for (int w = 1; w < nw; w++) kcomb(acc, ai, sa[w], si[w]);
       {store_chunk}
     }}
-    __syncthreads();
-  }}
+{fold}  }}
 }}"#, lv = lv.replace("x[X]", if s.strided { "x[(k / Q) * (M * Q) + row * Q + k % Q]" } else { "x[row * K + k]" }), vector = vector);
         }
         ReduceLayout::Cols => {
