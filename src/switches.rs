@@ -123,11 +123,11 @@ pub(crate) fn pdl() -> bool {
     *V.get_or_init(|| !is("KILN_PDL", "0"))
 }
 
-/// Whether attention of one query row over many keys (F16 / BF16) runs on kiln's split-key
-/// kernel (on unless `KILN_DECODE_ATTENTION=0`: then cuDNN's or the warp kernel).
+/// `KILN_DECODE_ATTENTION=1`: attention of one query row over many keys (F16 / BF16) runs on
+/// kiln's split-key kernel instead of cuDNN's or the warp kernel.
 pub(crate) fn decode_attention() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| !is("KILN_DECODE_ATTENTION", "0"))
+    *V.get_or_init(|| is("KILN_DECODE_ATTENTION", "1"))
 }
 
 /// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.

@@ -147,8 +147,8 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
     }
 }
 
-/// One query row per head over many keys, as in decoding: on the GPU, kiln's split-key kernel
-/// (or with `KILN_DECODE_ATTENTION=0` cuDNN's); head dims 64, 80 (a block's threads in one
+/// One query row per head over many keys, as in decoding: on the GPU, cuDNN's or (with
+/// `KILN_DECODE_ATTENTION=1`) kiln's split-key kernel; head dims 64, 80 (a block's threads in one
 /// group) and 128, with and without a mask, chunks of keys that do not divide evenly.
 #[test]
 fn one_query_row_over_many_keys_matches_matmul_softmax() {
@@ -163,8 +163,9 @@ fn one_query_row_over_many_keys_matches_matmul_softmax() {
 }
 
 /// A decode step against a static cache: one query row per head, the keys after its position
-/// masked with -inf (on the GPU, whole chunks of keys the split-key kernel does not read), at
-/// the first position, inside the first chunk, past it, and at the last.
+/// masked with -inf (with `KILN_DECODE_ATTENTION=1` on the GPU, whole chunks of keys whose
+/// values the split-key kernel does not read), at the first position, inside the first chunk,
+/// past it, and at the last.
 #[test]
 fn one_query_row_over_a_partly_written_cache_matches_matmul_softmax() {
     let (n, h, s, d) = (1, 12, 1024, 64);

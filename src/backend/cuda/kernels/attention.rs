@@ -150,8 +150,9 @@ fn gen_forward_split(dtype: DType, d: usize, vw: usize) -> (String, String) {
     (name, src)
 }
 
-/// Whether the split forward takes this attention (unless `KILN_DECODE_ATTENTION=0`): one query
-/// row per head, F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
+/// Whether the split forward takes this attention (`KILN_DECODE_ATTENTION=1`: on the H100 the
+/// decode step ran slower with it than with cuDNN's two kernels): one query row per head,
+/// F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
 fn split_takes(q: &Tensor, n: &AttnDims, causal: bool) -> bool {
     crate::switches::decode_attention() && n.l == 1 && !causal && (SPLIT_MIN_KEYS..=SPLIT_KEYS * 65535).contains(&n.s) && matches!(q.dtype(), DType::F16 | DType::BF16)
 }
