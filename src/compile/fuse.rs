@@ -495,21 +495,10 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
             if k.ops[o].row || k.row_pads[m].is_some() {
                 continue;
             }
-            // The chain: the value, then reshapes of it, each read by the next alone, then the
-            // product reading the last as its row.
-            let mut chain = vec![node];
-            let product = loop {
-                let v = *chain.last().expect("not empty");
-                let [r] = readers[v].as_slice() else { break None };
-                if users[v] != 1 {
-                    break None;
-                }
-                match &g.nodes[*r].op {
-                    NodeOp::Prim(Op::Reshape(_)) => chain.push(*r),
-                    NodeOp::Prim(Op::Matmul) if g.nodes[*r].args[0] == v => break gemm_of.get(r).copied(),
-                    _ => break None,
-                }
-            };
+            // The value and reshapes of it, then the product reading the last as its row.
+            let (chain, next) = sole_reader_chain(g, readers, users, node, |_| true);
+            let last = *chain.last().expect("not empty");
+            let product = next.filter(|&r| matches!(g.nodes[r].op, NodeOp::Prim(Op::Matmul)) && g.nodes[r].args[0] == last).and_then(|r| gemm_of.get(&r).copied());
             let Some(j) = product else { continue };
             let (row, mm) = (&g.nodes[*chain.last().expect("not empty")], &g.nodes[sched.gemms[j].matmul]);
             let few_blocks = mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
@@ -539,6 +528,24 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
     }
 }
 
+/// From `node`: it and the reshapes after it that `through` takes (by their shape), each the
+/// sole reader of the one before, and the sole reader of the last that is no such reshape (None
+/// where a value has another reader or is an output).
+fn sole_reader_chain(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], node: NodeId, through: impl Fn(&[usize]) -> bool) -> (Vec<NodeId>, Option<NodeId>) {
+    let mut chain = vec![node];
+    loop {
+        let v = *chain.last().expect("not empty");
+        let [r] = readers[v].as_slice() else { return (chain, None) };
+        if users[v] != 1 {
+            return (chain, None);
+        }
+        match &g.nodes[*r].op {
+            NodeOp::Prim(Op::Reshape(shape)) if through(shape) => chain.push(*r),
+            _ => return (chain, Some(*r)),
+        }
+    }
+}
+
 /// A GPU row kernel's full output read only by a constant padding of its last dim (through
 /// reshapes that keep that dim): the kernel stores the padded rows itself, and the reshapes and
 /// the padding are no steps of their own. That is the gradient of a product padded to aligned
@@ -557,24 +564,16 @@ fn pad_row_outputs(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &
             if k.ops[o].row {
                 continue;
             }
-            // The chain: the value, then reshapes of it, each read by the next alone.
-            let mut chain = vec![node];
-            let found = loop {
-                let v = *chain.last().expect("not empty");
-                let [r] = readers[v].as_slice() else { break None };
-                if users[v] != 1 {
-                    break None;
+            // The value and reshapes of it that keep its last dim, then the padding.
+            let (chain, next) = sole_reader_chain(g, readers, users, node, |shape| shape.last() == Some(&cols));
+            let v = *chain.last().expect("not empty");
+            let found = next.and_then(|r| match &g.nodes[r].op {
+                NodeOp::Prim(Op::Pad(pads, value)) if g.nodes[v].shape.last() == Some(&cols) => {
+                    let (last, rest) = pads.split_last().expect("a padded value has dims");
+                    (last.0 == 0 && last.1 > 0 && rest.iter().all(|p| *p == (0, 0))).then_some((r, last.1, *value))
                 }
-                let next = &g.nodes[*r];
-                match &next.op {
-                    NodeOp::Prim(Op::Reshape(shape)) if shape.last() == Some(&cols) => chain.push(*r),
-                    NodeOp::Prim(Op::Pad(pads, value)) if g.nodes[v].shape.last() == Some(&cols) => {
-                        let (last, rest) = pads.split_last().expect("a padded value has dims");
-                        break (last.0 == 0 && last.1 > 0 && rest.iter().all(|p| *p == (0, 0))).then_some((*r, last.1, *value));
-                    }
-                    _ => break None,
-                }
-            };
+                _ => None,
+            });
             // Every node after the value must be a step of its own (not a member of a kernel).
             let Some((padded, extra, value)) = found.filter(|(p, ..)| chain[1..].iter().chain([p]).all(|n| alone.contains(n))) else { continue };
             k.outputs[m].1 = padded;
