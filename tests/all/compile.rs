@@ -1463,14 +1463,17 @@ fn reductions_over_outer_and_inner_dims_fuse_with_the_work_around_them() -> Resu
 /// stores: on a GPU each product's kernel computes its layer norm itself (two launches in
 /// all), and the values equal eager's in every dtype (the tolerances of a compiled product),
 /// replayed from a CUDA graph too, where each product's step reads and writes the layer norm's
-/// memory.
+/// memory. With a first matrix whose rows the matrix-vector kernels cannot read in vectors (a
+/// view one column into a wider one), its layer norm runs on its own before the library's
+/// product, with the same values.
 #[test]
 fn a_one_row_layer_norm_is_computed_by_the_product_that_reads_it() -> Result<()> {
     let (k, n) = (256, 384);
-    for dt in [DType::F32, DType::BF16, DType::F16] {
+    for (dt, odd) in [(DType::F32, false), (DType::BF16, false), (DType::F16, false), (DType::BF16, true)] {
         let (rt, at) = if dt == DType::F32 { (1e-5, 1e-4) } else { (2e-2, 6e-2) };
         let scaled = |shape: &[usize], seed: u64, s: f64| -> Result<Tensor> { randn(shape, seed).mul_scalar(s)?.to_dtype(dt) };
-        let (w, lw, bias) = (scaled(&[k, n], 70, 0.0625)?, scaled(&[n, k], 71, 0.0625)?, scaled(&[n], 72, 1.0)?);
+        let w = if odd { scaled(&[k, n + 1], 70, 0.0625)?.narrow(1, 1, n)? } else { scaled(&[k, n], 70, 0.0625)? };
+        let (lw, bias) = (scaled(&[n, k], 71, 0.0625)?, scaled(&[n], 72, 1.0)?);
         let (g, b) = (scaled(&[k], 73, 1.0)?, scaled(&[k], 74, 1.0)?);
         let step = move |x: &Tensor, r: &Tensor| -> Result<Vec<Tensor>> {
             let h = x.add(r)?;
@@ -1490,7 +1493,7 @@ fn a_one_row_layer_norm_is_computed_by_the_product_that_reads_it() -> Result<()>
                     crate::ops::close(&format!("{dt:?} {mode:?} call {call} output {m}"), &vals(a), &vals(e), rt, at);
                 }
             }
-            if dev().is_cuda() {
+            if dev().is_cuda() && !odd {
                 assert_eq!(f.kernels_per_call(), Some(2), "{dt:?} {mode:?}: each layer norm in its product's kernel");
             }
         }
