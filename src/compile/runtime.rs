@@ -259,7 +259,7 @@ impl Program {
     /// The program of `graph`. With `tune` (max-autotune) it times its library algorithms and
     /// row-kernel launch shapes on the device the first time each runs (a no-op on the CPU).
     pub(crate) fn new(graph: Graph, tune: bool) -> Program {
-        let schedule = fuse::schedule(&graph);
+        let mut schedule = fuse::schedule(&graph);
         crate::logging::log(Topic::Fusion, || {
             let mut s = format!("the optimised graph:\n{graph}");
             s += &format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
@@ -274,7 +274,6 @@ impl Program {
             }
             s
         });
-        let mut schedule = schedule;
         let in_place = plan_in_place(&graph, &schedule);
         let hoisted = Hoisted::plan(&graph, &schedule);
         let deferred = plan_prologues(&mut schedule, &in_place, &hoisted);
