@@ -260,6 +260,9 @@ impl Program {
     /// row-kernel launch shapes on the device the first time each runs (a no-op on the CPU).
     pub(crate) fn new(graph: Graph, tune: bool) -> Program {
         let mut schedule = fuse::schedule(&graph);
+        let in_place = plan_in_place(&graph, &schedule);
+        let hoisted = Hoisted::plan(&graph, &schedule);
+        let deferred = plan_prologues(&mut schedule, &in_place, &hoisted);
         crate::logging::log(Topic::Fusion, || {
             let mut s = format!("the optimised graph:\n{graph}");
             s += &format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
@@ -274,9 +277,6 @@ impl Program {
             }
             s
         });
-        let in_place = plan_in_place(&graph, &schedule);
-        let hoisted = Hoisted::plan(&graph, &schedule);
-        let deferred = plan_prologues(&mut schedule, &in_place, &hoisted);
         let frees = plan(&graph, &schedule);
         let mut reuse = plan_reuse(&graph, &schedule, &frees);
         // A prologue's outputs take no dying buffer: the product's blocks read its inputs while
