@@ -18,6 +18,9 @@ pub(crate) type NodeId = usize;
 /// Longest row a row kernel (eager or fused) keeps in registers: 512 threads × 32 values.
 /// Longer rows, up to `MAX_LOOPED_ROW`, are walked again by each pass (`RowPlan::recomputing`).
 pub(crate) const MAX_ROW: usize = 32 * 512;
+/// Longest row a product of one row computes first itself (`fuse::row_prologues`): at most 32
+/// values per thread of its 256, and the row in at most 32 KiB of each block's shared memory.
+pub(crate) const MAX_PROLOGUE_ROW: usize = 8192;
 
 /// Longest row a row kernel takes at all (column indices stay 32-bit on the GPU).
 pub(crate) const MAX_LOOPED_ROW: usize = 1 << 30;

@@ -475,9 +475,10 @@ const MAX_PROLOGUE_COLUMNS: usize = 4096;
 /// A GPU row kernel over one row whose full output only a product reads, as its row (through
 /// reshapes): a decode step's layer norm before its matrix-vector product. The product's
 /// kernel computes the row first in every block (`gemv.cu`'s `GEMV_ROW`), so the two are one
-/// launch. Only where nothing runs between the two steps but views and inputs (so that the
-/// kernel's other outputs, stored by the product's kernel, are read only after it), and where
-/// the row is the product's whole left operand in the product's dtype.
+/// launch. Only where nothing runs between the two steps but views and inputs, and the product
+/// reads no other output of the kernel (those the product's kernel stores, from its first block,
+/// are read only after it), and where the row is the product's whole left operand in the
+/// product's dtype, of at most `MAX_PROLOGUE_ROW`.
 fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mut Schedule) {
     if crate::switches::row_prologues_off() {
         return;
@@ -487,10 +488,11 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
     let mut found = vec![];
     for (ki, k) in sched.kernels.iter().enumerate() {
         let Space::Rows { rows: 1, cols } = k.space else { continue };
-        if !k.device.is_cuda() || cols > crate::kir::MAX_ROW {
+        if !k.device.is_cuda() || cols > crate::kir::MAX_PROLOGUE_ROW {
             continue;
         }
         let Some(at) = step_of(&Step::Kernel(ki)) else { continue };
+        let made_here = |v: NodeId| k.outputs.iter().any(|(_, n)| *n == g.view_root(v));
         for (m, &(o, node)) in k.outputs.iter().enumerate() {
             if k.ops[o].row || k.row_pads[m].is_some() {
                 continue;
@@ -502,14 +504,18 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
             let Some(j) = product else { continue };
             let (row, mm) = (&g.nodes[*chain.last().expect("not empty")], &g.nodes[sched.gemms[j].matmul]);
             let few_blocks = mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
-            if row.numel() != cols || row.shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || sched.gemms[j].prologue.is_some() {
+            // The product's other operands (its matrix, its bias) are not the kernel's: only the
+            // first block stores those, while every block reads its operands.
+            let gm = &sched.gemms[j];
+            let reads_other = gm.nodes.iter().flat_map(|&x| g.nodes[x].args.iter().copied()).any(|a| !chain.contains(&a) && !gm.nodes.contains(&a) && made_here(a));
+            if row.numel() != cols || row.shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || reads_other || gm.prologue.is_some() {
                 continue;
             }
             let Some(until) = step_of(&Step::Gemm(j)) else { continue };
             let quiet = |s: &Step| match s {
                 Step::Node(i) => match &g.nodes[*i].op {
                     NodeOp::Arg(_) | NodeOp::Captured(_) => true,
-                    NodeOp::Prim(op) if op.is_view() => g.nodes[*i].args.iter().all(|a| chain.contains(a) || !k.outputs.iter().any(|(_, n)| n == a)),
+                    NodeOp::Prim(op) if op.is_view() => g.nodes[*i].args.iter().all(|&a| chain.contains(&a) || !made_here(a)),
                     _ => false,
                 },
                 _ => false,
@@ -1098,6 +1104,16 @@ pub(crate) mod tests {
         assert_eq!(prologues(2, 96, false), 0, "two rows");
         assert_eq!(prologues(1, 96, true), 0, "the normalised row is an output too");
         assert_eq!(prologues(1, MAX_PROLOGUE_COLUMNS + 8, false), 0, "too many columns");
+        // A product whose bias is the kernel's other output (the residual sum it stores from its
+        // first block only): the layer norm stays a launch of its own.
+        let args = [r(&[1, 1, 64], DType::BF16), r(&[1, 1, 64], DType::BF16)];
+        let w = r(&[64, 64], DType::BF16);
+        let g = graph_of(&args, move |xs| {
+            let h = xs[0].add(&xs[1])?;
+            Ok(vec![F::layer_norm(&h, &[64], None, None, 1e-5)?.matmul(&w)?.add(&h)?])
+        });
+        let s = schedule(&g);
+        assert!(s.gemms.iter().all(|gm| gm.prologue.is_none()), "{:?}", s.gemms);
     }
 
     #[test]

@@ -838,10 +838,10 @@ impl RowPrologue<'_> {
 }
 
 /// `p` as the prologue of a product of `threads` threads per block, or None where it is no
-/// kernel over one row of at most `MAX_ROW` whose output `row` is full.
+/// kernel over one row of at most `MAX_PROLOGUE_ROW` whose output `row` is full.
 pub(crate) fn row_prologue<'a>(p: &PendingRow<'a>, threads: usize) -> Result<Option<RowPrologue<'a>>> {
     let Space::Rows { rows: 1, cols } = p.kernel.space else { return Ok(None) };
-    if cols > crate::kir::MAX_ROW || p.kernel.ops[p.kernel.outputs[p.row].0].row {
+    if cols > crate::kir::MAX_PROLOGUE_ROW || p.kernel.ops[p.kernel.outputs[p.row].0].row {
         return Ok(None);
     }
     let words = row_words(p.kernel, 1, cols, p.inputs, p.outputs)?;
@@ -853,7 +853,9 @@ pub(crate) fn row_prologue<'a>(p: &PendingRow<'a>, threads: usize) -> Result<Opt
 fn prologue_code(k: &FusedKernel, row: usize, threads: usize, vec: usize, vector: &[bool]) -> (String, String, String) {
     let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
     let (vpt, cover) = row_cover(cols, threads, vec);
-    let name = format!("{}_pro{row}", rows_name(k, threads, vpt, vec, cover, vector));
+    // The row's length sizes the product's shared copy of it: in the name (a signature need
+    // not hold it).
+    let name = format!("{}_pro{row}_k{cols}", rows_name(k, threads, vpt, vec, cover, vector));
     let key = format!("{name} {}", k.signature());
     let src = gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Prologue { row });
     (name, key, src)
