@@ -502,13 +502,14 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
             let last = *chain.last().expect("not empty");
             let product = next.filter(|&r| matches!(g.nodes[r].op, NodeOp::Prim(Op::Matmul)) && g.nodes[r].args[0] == last).and_then(|r| gemm_of.get(&r).copied());
             let Some(j) = product else { continue };
-            let (row, mm) = (&g.nodes[*chain.last().expect("not empty")], &g.nodes[sched.gemms[j].matmul]);
+            let mm = &g.nodes[sched.gemms[j].matmul];
             let few_blocks = mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
             // The product's other operands (its matrix, its bias) are not the kernel's: only the
             // first block stores those, while every block reads its operands.
             let gm = &sched.gemms[j];
             let reads_other = gm.nodes.iter().flat_map(|&x| g.nodes[x].args.iter().copied()).any(|a| !chain.contains(&a) && !gm.nodes.contains(&a) && made_here(a));
-            if row.numel() != cols || row.shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || reads_other || gm.prologue.is_some() {
+            // (the row's numel is `cols`: the product's K must be too)
+            if g.nodes[last].shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || reads_other || gm.prologue.is_some() {
                 continue;
             }
             let Some(until) = step_of(&Step::Gemm(j)) else { continue };

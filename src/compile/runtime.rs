@@ -278,12 +278,7 @@ impl Program {
             s
         });
         let frees = plan(&graph, &schedule);
-        let mut reuse = plan_reuse(&graph, &schedule, &frees);
-        // A prologue's outputs take no dying buffer: the product's blocks read its inputs while
-        // the first block stores its outputs.
-        for (r, _) in reuse.iter_mut().zip(&deferred).filter(|(_, &d)| d) {
-            r.iter_mut().for_each(Vec::clear);
-        }
+        let reuse = plan_reuse(&graph, &schedule, &frees);
         crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let views = CapturedViews::plan(&graph);
         let settled = settled_matrices(&graph, &schedule);

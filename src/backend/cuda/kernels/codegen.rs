@@ -469,8 +469,9 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
         let _ = writeln!(c, "__device__ __forceinline__ bool kldcg_bool(const bool* p) {{ return __ldcg((const unsigned char*)p) != 0; }}");
     }
     // The block's (acc, ai) folded into thread 0's: shuffles, then a value per warp.
-    let _ = writeln!(
-        c,
+    if s.layout == ReduceLayout::Rows {
+        let _ = writeln!(
+            c,
         r#"__device__ __forceinline__ void kblock({t}& acc, long long& ai, {t}* sa, long long* si) {{
   for (int off = 16; off > 0; off >>= 1) {{
     const {t} v = __shfl_down_sync(0xffffffffu, acc, off); const long long k = __shfl_down_sync(0xffffffffu, ai, off);
@@ -482,7 +483,8 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
   if (threadIdx.x == 0) for (int w = 1; w < nw; w++) kcomb(acc, ai, sa[w], si[w]);
   __syncthreads();
 }}"#
-    );
+        );
+    }
     let it = storage_type(s.input);
     let ot = storage_type(s.out);
     let name = s.kernel_name();

@@ -786,17 +786,23 @@ pub(crate) struct PendingRow<'a> {
     pub row: usize,
 }
 
+/// A pending row kernel's device, rows and columns.
+fn pending_space(k: &FusedKernel) -> Result<(std::sync::Arc<crate::backend::cuda::CudaDevice>, usize, usize)> {
+    let (Device::Cuda(ord), Space::Rows { rows, cols }) = (k.device, k.space) else { return Err(Error::Compile(format!("{}: only a GPU row kernel runs before a product", k.name))) };
+    Ok((device(ord)?, rows, cols))
+}
+
 /// The output buffers of a one-row kernel whose launch waits for its product
 /// (`PendingRow::outputs`).
 pub(crate) fn pending_row_outputs(k: &FusedKernel) -> Result<Vec<Tensor>> {
-    let (Device::Cuda(ord), Space::Rows { rows, cols }) = (k.device, k.space) else { return Err(Error::Compile(format!("{}: only a GPU row kernel runs before a product", k.name))) };
-    row_outputs_of(&device(ord)?, k, rows, cols)
+    let (dev, rows, cols) = pending_space(k)?;
+    row_outputs_of(&dev, k, rows, cols)
 }
 
 /// Runs a pending row kernel on its own, into its output buffers.
 pub(crate) fn run_pending_row(p: &PendingRow) -> Result<()> {
-    let (Device::Cuda(ord), Space::Rows { rows, cols }) = (p.kernel.device, p.kernel.space) else { return Err(Error::Compile(format!("{}: only a GPU row kernel runs before a product", p.kernel.name))) };
-    launch_rows(&device(ord)?, p.kernel, &row_words(p.kernel, rows, cols, p.inputs, p.outputs)?, false)
+    let (dev, rows, cols) = pending_space(p.kernel)?;
+    launch_rows(&dev, p.kernel, &row_words(p.kernel, rows, cols, p.inputs, p.outputs)?, false)
 }
 
 /// A pending row kernel as the prologue of a product whose blocks have `threads` threads

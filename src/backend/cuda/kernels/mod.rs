@@ -668,48 +668,43 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
-    // The bias packed once for both paths (no epilogue runs a bias that is no broadcast vector).
+    // The bias packed once for both paths; None where no epilogue runs it (no broadcast vector).
     let packed = match bias {
-        Some((t, act)) => match blas::bias_vector(t, shape[2])? {
-            Some(v) => Some((v, act)),
-            None => {
-                if let Some(p) = row {
-                    fused::run_pending_row(p)?;
-                }
-                return Ok(None);
-            }
-        },
-        None => None,
+        Some((t, act)) => blas::bias_vector(t, shape[2])?.map(|v| Some((v, act))),
+        None => Some(None),
     };
-    let bias = packed.as_ref().map(|(v, act)| (v, *act));
+    fn epilogue(packed: &Option<(Tensor, Option<Activation>)>) -> Option<(&Tensor, Option<Activation>)> {
+        packed.as_ref().map(|(v, act)| (v, *act))
+    }
     if let Some(p) = row {
-        if !crate::switches::gemv_off() {
-            if let Some(r) = fused::row_prologue(p, gemv::THREADS)? {
-                if let Some(s) = gemv::product(&dev, a, b, dtype, bias, settled, Some(&r))? {
-                    return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
-                }
+        if let (Some(packed), Some(r)) = (&packed, fused::row_prologue(p, gemv::THREADS)?) {
+            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r))? {
+                return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
             }
         }
         fused::run_pending_row(p)?;
     }
-    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled)? {
+    let Some(packed) = packed else { return Ok(None) };
+    let bias = epilogue(&packed);
+    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
 }
 
-/// A product of one row by `gemv`'s kernels, unless `KILN_GEMV=0` or they do not take it.
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
+/// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
+/// `KILN_GEMV=0` or they do not take it.
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>) -> Result<Option<CudaStorage>> {
     if crate::switches::gemv_off() {
         return Ok(None);
     }
-    gemv::product(dev, a, b, dtype, bias, settled, None)
+    gemv::product(dev, a, b, dtype, bias, settled, row)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
-        if let Some(s) = row_product(&dev, a, b, dtype, None, false)? {
+        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None)? {
             return Ok(s);
         }
         return blas::bmm(&dev, a, b, dtype);
