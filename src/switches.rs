@@ -123,13 +123,6 @@ pub(crate) fn pdl() -> bool {
     *V.get_or_init(|| !is("KILN_PDL", "0"))
 }
 
-/// `KILN_DECODE_ATTENTION=1`: attention of one query row over many keys (F16 / BF16) runs on
-/// kiln's split-key kernel instead of cuDNN's or the warp kernel.
-pub(crate) fn decode_attention() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_DECODE_ATTENTION", "1"))
-}
-
 /// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.
 pub(crate) fn attention_warp_only() -> bool {
     static V: OnceLock<bool> = OnceLock::new();

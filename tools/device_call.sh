@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row with and without layer norms inside the products, with the split-key attention and with cuBLASLt products, its kernel table).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -389,12 +389,10 @@ fi
 if [[ " $* " == *" decode "* ]]; then
   # The decode step's kernels: the tests of one-row products, row kernels and the language
   # models (unless DECODE_TESTS=0, after a whole suite); the decode row as built, with its layer
-  # norms as kernels of their own (KILN_ROW_PROLOGUE=0), with kiln's split-key attention
-  # (KILN_DECODE_ATTENTION=1), and with cuBLASLt's products (KILN_GEMV=0); then its kernel table.
-  if [ "${DECODE_TESTS:-1}" != 0 ]; then bash .gpu/run.sh $OUT/decode-suite lm:: ops_matmul:: layer_norm softmax one_row 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-suite/gpu-tests.log | head -20; fi
-  # The split-key attention (off by default) against its tests and in the language models.
-  KILN_DECODE_ATTENTION=1 bash .gpu/run.sh $OUT/decode-split attention:: lm:: 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-split/gpu-tests.log | head -20
-  for e in "KILN_GEMV_SPLIT=1" "KILN_ROW_PROLOGUE=0" "KILN_DECODE_ATTENTION=1" "KILN_GEMV=0"; do
+  # norms as kernels of their own (KILN_ROW_PROLOGUE=0), and with cuBLASLt's products
+  # (KILN_GEMV=0); then its kernel table.
+  if [ "${DECODE_TESTS:-1}" != 0 ]; then bash .gpu/run.sh $OUT/decode-suite lm:: ops_matmul:: attention:: layer_norm softmax one_row 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-suite/gpu-tests.log | head -20; fi
+  for e in "KILN_PDL=1" "KILN_ROW_PROLOGUE=0" "KILN_GEMV=0"; do
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only gpt2.decode --out /tmp/dec.json > /dev/null 2>&1
     python3 -c "import json; [print('$e', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms') or a.endswith('_kernels')}) for k, v in json.load(open('/tmp/dec.json'))['workloads'].items()]"
   done

@@ -88,6 +88,14 @@ pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &cra
         && cuda::kernels::attention::fused_is_faster(q, k, v)
 }
 
+/// Whether `Op::AttentionUpTo` over q `[L, B, H, D]` and k `[S, B, H_kv, D]` runs as its own GPU
+/// kernel (else the functional computes it as the masked attention, whose mask it then traces).
+pub(crate) fn attention_up_to_kernel_takes(q: &crate::Tensor, k: &crate::Tensor) -> bool {
+    let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
+    let gpu = q.device().is_cuda() || (crate::switches::plan_for_cuda() && q.storage().traced_ref().is_some());
+    gpu && cuda::kernels::attention::up_to_takes(l, s, b * h, d, q.dtype())
+}
+
 /// What a multi-tensor optimiser update computes (the slots and scalars each rule reads).
 pub(crate) use cuda::kernels::foreach::Rule as UpdateRule;
 

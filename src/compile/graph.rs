@@ -80,6 +80,7 @@ impl Node {
                 Op::ToDevice { to, .. } => format!("[{to}]"),
                 Op::Relayout(f) => format!("[{f:?}]"),
                 Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),
+                Op::AttentionUpTo { scale } => format!("[scale={scale}]"),
                 Op::Unary(_) | Op::Matmul => String::new(),
                 Op::Conv2d(a) => conv_params(a, ""),
                 Op::Conv2dGradInput(a, hw) => conv_params(a, &format!(", input={hw:?}")),

@@ -1,6 +1,6 @@
 //! The static key/value cache and the causal attention the models share.
 
-use crate::nn::functional::{scaled_dot_product_attention, SdpaOptions};
+use crate::nn::functional::{attention_up_to, scaled_dot_product_attention, SdpaOptions};
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// Keys and values of the positions a model has seen, per layer one `[2, B, H_kv, capacity, D]`
@@ -93,7 +93,8 @@ impl KvCache {
 pub(super) struct Step<'a> {
     place: Place<'a>,
     /// Broadcast to `[B, H, T, keys]`: true where a query sees a key. None: every key, or (from
-    /// position 0 without padding) the plain causal pattern (`is_causal`).
+    /// position 0 without padding) the plain causal pattern (`is_causal`), or (positions on the
+    /// device) the keys up to each sequence's position (`attention_up_to`).
     attn_mask: Option<Tensor>,
 }
 
@@ -150,12 +151,8 @@ impl<'a> Step<'a> {
         if cache.batch() != b {
             return Err(Error::shape(op, format!("a batch of {b} against a cache for {}", cache.batch())));
         }
-        let cap = cache.capacity();
-        let slots = Tensor::arange(0.0, cap as f64, 1.0, DType::I64, &positions.device())?.unsqueeze(0)?;
-        let pos = positions.unsqueeze(1)?;
-        // [B, 1, 1, capacity]: each sequence sees the positions up to its own.
-        let attn_mask = slots.le(&pos)?.reshape(&[b as i64, 1, 1, cap as i64])?;
-        Ok(Step { place: Place::Device { positions: positions.clone(), cache }, attn_mask: Some(attn_mask) })
+        // Each sequence sees the positions up to its own (`attend`: no mask).
+        Ok(Step { place: Place::Device { positions: positions.clone(), cache }, attn_mask: None })
     }
 
     /// The first new position when it is known on the host (the model checks its limit).
@@ -186,7 +183,12 @@ impl<'a> Step<'a> {
         let kv = match &mut self.place {
             Place::Host { cache: Some(c), .. } => c.write(layer, kv)?,
             Place::Host { cache: None, .. } => kv.clone(),
-            Place::Device { positions, cache } => cache.write_at(layer, kv, positions)?,
+            Place::Device { positions, cache } => {
+                // Every position of the cache, each sequence's up to its own.
+                let kv = cache.write_at(layer, kv, positions)?;
+                let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
+                return attention_up_to(q, &k, &v, positions, Some(scale));
+            }
         };
         let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };

@@ -206,6 +206,52 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
     out.permute(&[1, 2, 0, 3])
 }
 
+/// Attention over the first keys of a static key/value cache (flash-attention's
+/// `cache_seqlens`): `softmax(q k^T * scale) v` over `q` `[N, H, L, D]` and `k`, `v`
+/// `[N, H_kv, S, D]`, where every query of sequence n sees the keys `0..=last[n]` only (`last`
+/// `[N]`, I64: the position each sequence has reached; past S - 1 all S keys, below 0 none, which
+/// gives NaN as a fully masked row does). Heads share key/value heads in groups of H / H_kv
+/// (grouped-query attention) without copying them. `scale` is 1/sqrt(D) when `None`. The same
+/// numbers as [`scaled_dot_product_attention`] under the mask `keys <= last[n]`; on the GPU a
+/// decode step's one query row per head runs as one kernel that reads only the keys it sees.
+/// Returns `[N, H, L, D]`.
+#[track_caller]
+pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, scale: Option<f64>) -> Result<Tensor> {
+    let _site = crate::profiler::call_site();
+    let op = "attention_up_to";
+    same_device(op, q, &[Some(k), Some(v), Some(last)])?;
+    for t in [q, k, v] {
+        float_input(op, t)?;
+    }
+    let (n, h, d) = match q.shape() {
+        &[n, h, _, d] => (n, h, d),
+        s => return Err(Error::shape(op, format!("query must be [N, H, L, D], got {s:?}"))),
+    };
+    match k.shape() {
+        &[kn, hkv, _, kd] if kn == n && kd == d && hkv > 0 && h.is_multiple_of(hkv) && v.shape() == k.shape() => {}
+        _ => return Err(Error::shape(op, format!("key and value must be [N, H_kv, S, D] = [{n}, H_kv, S, {d}] with H_kv dividing the {h} query heads, got {:?} and {:?}", k.shape(), v.shape()))),
+    }
+    if last.shape() != [n] || last.dtype() != DType::I64 {
+        return Err(Error::shape(op, format!("last must be one I64 position per sequence ([{n}]), got {:?} {:?}", last.shape(), last.dtype())));
+    }
+    let (q, k) = crate::amp::cast_pair(q, k)?;
+    let (v, _) = crate::amp::cast_pair(v, &q)?;
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
+        return Err(Error::dtype(op, k.dtype(), format!("query, key and value must share a dtype, got {:?}, {:?} and {:?}", q.dtype(), k.dtype(), v.dtype())));
+    }
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let lbhd = |t: &Tensor| t.permute(&[2, 0, 1, 3]);
+    let (q, k, v) = (lbhd(&q)?, lbhd(&k)?, lbhd(&v)?);
+    let out = match crate::backend::attention_up_to_kernel_takes(&q, &k) {
+        true => crate::ops::apply(crate::ops::Op::AttentionUpTo { scale }, &[&q, &k, &v, last])?,
+        false => {
+            let (k, v, mask) = crate::ops::attention::up_to_operands(&q, &k, &v, last)?;
+            attention_lbhd(&q, &k, &v, Some(&mask), scale, false, 0.0)?
+        }
+    };
+    out.permute(&[1, 2, 0, 3])
+}
+
 /// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
 /// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]` (contiguous when fused).
 /// Fused (`Op::Attention`) on the GPU unless dropout is active, the kernels cannot take the

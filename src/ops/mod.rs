@@ -2,6 +2,7 @@
 //! (`forward`) and one place that differentiates it (`backward`). Public tensor methods in the
 //! sibling modules validate arguments, then build these ops; composites are written in them.
 
+pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod elementwise;
 pub(crate) mod index;
@@ -78,6 +79,12 @@ pub enum Op {
     /// `[B, H, L]`: the scores' log-sum-exp and d(out)·out, where the backend computed them;
     /// nothing reads them). Every backend computes in F32 or wider and rounds once at the end.
     AttentionBackward { scale: f64, causal: bool },
+    /// softmax(scale q k^T) v where the queries of batch b see only the keys `0..=last[b]` (a
+    /// static cache's filled positions, flash-attention's `cache_seqlens`), from q
+    /// `[L, B, H, D]`, k and v `[S, B, H_kv, D]` (heads share key/value heads in groups of
+    /// H / H_kv) and `last` `[B]` (I64; below 0 no key: NaN, as a fully masked row). The output
+    /// is contiguous `[L, B, H, D]`, as [`Op::Attention`]'s.
+    AttentionUpTo { scale: f64 },
 }
 
 /// The sizes of an attention: L queries, S keys, B batches, H heads of D features.
@@ -129,6 +136,7 @@ impl Op {
             Op::ToDevice { .. } => "to_device",
             Op::Attention { .. } => "attention",
             Op::AttentionBackward { .. } => "attention_backward",
+            Op::AttentionUpTo { .. } => "attention_up_to",
         }
     }
 
@@ -151,7 +159,7 @@ impl Op {
             Op::Reduce(r, ..) => vec![r.differentiable()],
             Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
             Op::ScatterAdd(_) | Op::Scatter(_) => vec![true, false, true],
-            Op::Attention { .. } => (0..n).map(|i| i < 3).collect(),
+            Op::Attention { .. } | Op::AttentionUpTo { .. } => (0..n).map(|i| i < 3).collect(),
             Op::AttentionBackward { .. } | Op::MaxPool2dBackward(_) => vec![false; n],
             _ => vec![true; n],
         }
@@ -173,7 +181,7 @@ impl Op {
             Op::Reduce(..) => (vec![true], true),
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
             Op::ScatterAdd(_) | Op::Scatter(_) => (vec![false, true, false], false),
-            Op::Attention { .. } => (vec![true; n], true),
+            Op::Attention { .. } | Op::AttentionUpTo { .. } => (vec![true; n], true),
             Op::MaxPool2d(_) => (vec![true], false),
             Op::Matmul | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => (vec![true, true], false),
             _ => (vec![false; n], false),
@@ -215,7 +223,7 @@ impl Op {
             Op::Gather(_) => (xs[1].0.to_vec(), dt),
             Op::ScatterAdd(_) | Op::Scatter(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
-            Op::Attention { .. } => (shape.to_vec(), dt),
+            Op::Attention { .. } | Op::AttentionUpTo { .. } => (shape.to_vec(), dt),
             Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], dt),
             Op::Conv2d(a) => (conv::out_shape(a, shape, xs[1].0)?, dt),
             Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
@@ -339,6 +347,16 @@ impl Op {
                 let (out, g) = (xs[3].contiguous()?, xs[4].contiguous()?);
                 let mask = xs.get(5).copied();
                 run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
+            }
+            // On the GPU only what its kernel takes (`backend::attention_up_to_kernel_takes`).
+            Op::AttentionUpTo { scale } => {
+                let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
+                if on_cuda {
+                    BackendStorage::Cuda(cuda::kernels::attention::attention_up_to(&q, &k, &v, xs[3], *scale)?)
+                } else {
+                    let (k, v, mask) = attention::up_to_operands(&q, &k, &v, xs[3])?;
+                    BackendStorage::Cpu(cpu::attention::attention(&q, &k, &v, Some(&mask), *scale, false))
+                }
             }
             // Channels-last inputs: on CUDA the kernels store NHWC order themselves, on the host
             // the NCHW result is copied.
@@ -480,6 +498,24 @@ impl Op {
                 Ok(grads)
             }
             Op::AttentionBackward { .. } => Err(Error::arg("attention_backward", "the attention gradient is not differentiable again")),
+            // The masked attention's gradient, with each key/value head's share summed over the
+            // query heads that read it.
+            Op::AttentionUpTo { scale } => {
+                let saved = |i: usize| xs[i].as_ref().expect("attention inputs saved");
+                let (q, k, v, last) = (saved(0), saved(1), saved(2), saved(3));
+                let y = y.expect("attention output saved");
+                let (kh, vh, mask) = attention::up_to_operands(q, k, v, last)?;
+                let g = g.contiguous()?;
+                let packed = apply(Op::AttentionBackward { scale: *scale, causal: false }, &[q, &kh, &vh, y, &g, &mask])?;
+                let (nq, nk) = (q.numel(), kh.numel());
+                let heads = |at: usize, like: &(Vec<usize>, DType)| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, like.0[2])?.to_dtype(like.1);
+                Ok(vec![
+                    if want[0] { Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?) } else { None },
+                    if want[1] { Some(heads(nq, &meta[1])?) } else { None },
+                    if want[2] { Some(heads(nq + nk, &meta[2])?) } else { None },
+                    None,
+                ])
+            }
             // The three convolution products are bilinear and adjoint to one another, so each
             // one's gradients are the other two.
             Op::Conv2d(a) => {

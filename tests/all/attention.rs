@@ -147,9 +147,8 @@ fn tensor_core_attention_matches_matmul_softmax_in_bf16_and_f16() {
     }
 }
 
-/// One query row per head over many keys, as in decoding: on the GPU, cuDNN's or (with
-/// `KILN_DECODE_ATTENTION=1`) kiln's split-key kernel; head dims 64, 80 (a block's threads in one
-/// group) and 128, with and without a mask, chunks of keys that do not divide evenly.
+/// One query row per head over many keys under a mask, as in decoding (cuDNN's kernels on the
+/// GPU); head dims 64, 80 and 128, with and without a mask.
 #[test]
 fn one_query_row_over_many_keys_matches_matmul_softmax() {
     let cases = [
@@ -162,25 +161,74 @@ fn one_query_row_over_many_keys_matches_matmul_softmax() {
     }
 }
 
-/// A decode step against a static cache: one query row per head, the keys after its position
-/// masked with -inf (with `KILN_DECODE_ATTENTION=1` on the GPU, whole chunks of keys whose
-/// values the split-key kernel does not read), at the first position, inside the first chunk,
-/// past it, and at the last.
+/// The mask `keys <= last[n]` of `attention_up_to`, additive, `[N, 1, 1, S]`.
+fn up_to_mask(last: &[i64], s: usize, dt: DType) -> Tensor {
+    let m: Vec<f64> = last.iter().flat_map(|&p| (0..s as i64).map(move |j| if j <= p { 0.0 } else { f64::NEG_INFINITY })).collect();
+    t(&m, &[last.len(), 1, 1, s], dt)
+}
+
+/// `[N, H_kv, S, D]` with each head repeated for the `groups` query heads that share it.
+fn repeat_heads(x: &Tensor, groups: usize) -> Tensor {
+    let s = x.shape().to_vec();
+    x.unsqueeze(2).unwrap().broadcast_to(&[s[0], s[1], groups, s[2], s[3]]).unwrap().reshape(&[s[0] as i64, (s[1] * groups) as i64, s[2] as i64, s[3] as i64]).unwrap()
+}
+
+/// A decode step against a static cache: one query row per head over the keys up to its
+/// sequence's position (on the GPU one kernel that reads only those keys, a block per chunk of
+/// 256): at the first position, inside the first chunk, at its end and past it, far in, at the
+/// last, and past the last (all keys); two sequences at different positions; grouped-query
+/// heads (12 query heads over 4 and over 1 key/value heads); head dims 64, 80 and 128; keys
+/// and values read through the cache's strides.
 #[test]
-fn one_query_row_over_a_partly_written_cache_matches_matmul_softmax() {
-    let (n, h, s, d) = (1, 12, 1024, 64);
-    for (dt, tol) in [(DType::BF16, 2e-2), (DType::F16, 5e-3)] {
-        let (q, k, v) = (rand_t(&[n, h, 1, d], 1, dt), rand_t(&[n, h, s, d], 2, dt), rand_t(&[n, h, s, d], 3, dt));
-        for pos in [0, 5, 128, 700, s - 1] {
-            let mask: Vec<f64> = (0..s).map(|j| if j <= pos { 0.0 } else { f64::NEG_INFINITY }).collect();
-            let mask = Tensor::from_vec(mask, &[1, 1, 1, s], &Device::Cpu).unwrap().to_dtype(dt).unwrap().to_device(&dev()).unwrap();
-            let opts = F::SdpaOptions { attn_mask: Some(&mask), ..Default::default() };
-            let got = F::scaled_dot_product_attention(&q, &k, &v, &opts).unwrap();
-            let wide = |t: &Tensor| if dev().is_cuda() { t.to_dtype(DType::F32).unwrap() } else { t.clone() };
-            let want = reference(&wide(&q), &wide(&k), &wide(&v), Some(&wide(&mask)), false, 1.0 / (d as f64).sqrt());
-            assert_close(&vals(&got), &vals(&want), tol, tol);
+fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
+    let s = 1024;
+    for (dt, tol) in [(DType::BF16, 2e-2), (DType::F16, 5e-3), (DType::F32, 1e-5)] {
+        for (n, h, hkv, d) in [(1, 12, 12, 64), (2, 12, 4, 64), (1, 12, 1, 128), (2, 3, 3, 80)] {
+            // The cache as the models keep it: keys and values in one [2, N, H_kv, S, D] buffer.
+            let kv = rand_t(&[2, n, hkv, s, d], 2, dt);
+            let (k, v) = (kv.narrow(0, 0, 1).unwrap().squeeze(0).unwrap(), kv.narrow(0, 1, 1).unwrap().squeeze(0).unwrap());
+            let q = rand_t(&[n, h, 1, d], 1, dt);
+            for pos in [0, 5, 128, 255, 256, 700, s as i64 - 1, s as i64 + 7] {
+                let last: Vec<i64> = (0..n as i64).map(|i| (pos - 3 * i).max(0)).collect();
+                let lt = Tensor::from_vec(last.clone(), &[n], &dev()).unwrap();
+                let got = F::attention_up_to(&q, &k, &v, &lt, None).unwrap();
+                let wide = |t: &Tensor| if dev().is_cuda() { t.to_dtype(DType::F32).unwrap() } else { t.clone() };
+                let mask = up_to_mask(&last, s, wide(&q).dtype());
+                let want = reference(&wide(&q), &repeat_heads(&wide(&k), h / hkv), &repeat_heads(&wide(&v), h / hkv), Some(&mask), false, 1.0 / (d as f64).sqrt());
+                assert_eq!(got.shape(), [n, h, 1, d]);
+                assert_close_named(&format!("{dt:?} n {n} h {h}/{hkv} d {d} at {pos}"), &vals(&got), &vals(&want), tol, tol);
+            }
         }
     }
+}
+
+/// More than one query row per sequence (the masked attention underneath), gradients by finite
+/// differences (the masked attention's, summed over each key/value head's query heads), a
+/// position below 0 (no key: NaN, as a fully masked row), and the errors for bad arguments.
+#[test]
+fn attention_up_to_rows_gradients_and_bad_arguments() {
+    let (q, k, v) = (rand_t(&[2, 4, 3, 8], 1, DType::F32), rand_t(&[2, 2, 6, 8], 2, DType::F32), rand_t(&[2, 2, 6, 8], 3, DType::F32));
+    let lt = Tensor::from_vec(vec![2i64, 5], &[2], &dev()).unwrap();
+    let got = F::attention_up_to(&q, &k, &v, &lt, Some(0.3)).unwrap();
+    let want = reference(&q, &repeat_heads(&k, 2), &repeat_heads(&v, 2), Some(&up_to_mask(&[2, 5], 6, DType::F32)), false, 0.3);
+    assert_close(&vals(&got), &vals(&want), 1e-5, 1e-5);
+
+    let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
+    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, Some(0.7)), &[f64s(&q), f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
+    let one_row = f64s(&q.narrow(2, 0, 1).unwrap());
+    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, None), &[one_row, f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
+
+    for dt in [DType::BF16, DType::F32] {
+        let before = Tensor::from_vec(vec![-1i64, 0], &[2], &dev()).unwrap();
+        let y = vals(&F::attention_up_to(&q.narrow(2, 0, 1).unwrap().to_dtype(dt).unwrap(), &k.to_dtype(dt).unwrap(), &v.to_dtype(dt).unwrap(), &before, None).unwrap());
+        assert!(y[..32].iter().all(|x| x.is_nan()) && y[32..].iter().all(|x| x.is_finite()), "{dt:?}: {y:?}");
+    }
+
+    let err = |r: Result<Tensor>| r.unwrap_err().to_string();
+    assert!(err(F::attention_up_to(&q, &k.narrow(1, 0, 1).unwrap().broadcast_to(&[2, 3, 6, 8]).unwrap(), &v, &lt, None)).contains("H_kv"));
+    assert!(err(F::attention_up_to(&q, &k, &v, &lt.to_dtype(DType::I32).unwrap(), None)).contains("I64"));
+    assert!(err(F::attention_up_to(&q, &k, &v, &lt.narrow(0, 0, 1).unwrap(), None)).contains("[2]"));
+    assert!(err(F::attention_up_to(&q, &k, &v.narrow(2, 0, 5).unwrap(), &lt, None)).contains("[N, H_kv, S, D]"));
 }
 
 #[test]

@@ -87,8 +87,12 @@ kernel_args! {
         lse: u64, delta: u64,
         /// The log-sum-exps the forward kept, or 0.
         lse_in: u64,
-        /// F32 scores: the log-sum-exps and deltas in double between the two backward kernels.
+        /// F32 scores: the log-sum-exps and deltas in double between the two backward kernels;
+        /// the cache forward's chunk partials and its arrival counters.
         lse_sc: u64, delta_sc: u64,
+        /// The cache forward: each batch's last key seen (I64, `last_stride` apart), and the
+        /// query heads per key/value head.
+        last: u64, last_stride: i64, kv_group: i64,
     }
 }
 
@@ -136,32 +140,21 @@ fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, Strin
     (name, src)
 }
 
-/// Most keys per block of the split forward (its scores live in shared memory).
-const SPLIT_KEYS: usize = 256;
-/// Fewest keys for the split forward: below, the warp kernel's single block per head is as fast.
-const SPLIT_MIN_KEYS: usize = 128;
+/// Warps per block of the cache forward (`gen_forward_up_to`): a thread per key of its chunk.
+const UP_TO_WARPS: usize = 8;
+/// Keys per block of the cache forward.
+const UP_TO_CHUNK: usize = UP_TO_WARPS * 32;
 
-/// Forward of one query row over many keys, the keys split across blocks (decoding): each
-/// block scores its chunk a thread per key, skipping keys masked with -inf (a static cache's
-/// unwritten positions), and the last of a head folds the chunks.
-fn gen_forward_split(dtype: DType, d: usize, vw: usize) -> (String, String) {
-    let name = warp_name("fwd_split", dtype, d, ROWS, vw);
-    let src = source(common(dtype, d, ROWS, vw), &format!("#define KNAME {name}\n#define ATTN_FWD_SPLIT\n#define SPLIT_KEYS {SPLIT_KEYS}\n"), WARP);
+/// Forward of one query row per head over the first keys of a static cache
+/// (`Op::AttentionUpTo`, a decode step's attention): the cache in chunks of `UP_TO_CHUNK` keys, a
+/// block each, a thread per key; blocks past the row's last key leave at once, a single chunk
+/// writes the row itself, and the last of several folds them.
+fn gen_forward_up_to(dtype: DType, d: usize, vw: usize) -> (String, String) {
+    let name = warp_name("fwd_up_to", dtype, d, UP_TO_WARPS, vw);
+    // Values a warp loads before it needs them: its share of the chunk, where 64 registers hold it.
+    let preload = (UP_TO_CHUNK / UP_TO_WARPS).min(64 / d.div_ceil(32));
+    let src = source(common(dtype, d, UP_TO_WARPS, vw), &format!("#define KNAME {name}\n#define ATTN_FWD_UP_TO\n#define VU {preload}\n"), WARP);
     (name, src)
-}
-
-/// Whether the split forward takes this attention (`KILN_DECODE_ATTENTION=1`: on the H100 the
-/// decode step ran slower with it than with cuDNN's two kernels): one query row per head,
-/// F16 / BF16, at least `SPLIT_MIN_KEYS` keys, not causal.
-fn split_takes(q: &Tensor, n: &AttnDims, causal: bool) -> bool {
-    crate::switches::decode_attention() && n.l == 1 && !causal && (SPLIT_MIN_KEYS..=SPLIT_KEYS * 65535).contains(&n.s) && matches!(q.dtype(), DType::F16 | DType::BF16)
-}
-
-/// Key chunks of the split forward: enough blocks for two per SM, each chunk at most
-/// `SPLIT_KEYS` keys and (where that allows) at least 32.
-fn split_chunks(s: usize, bh: usize, sms: usize) -> usize {
-    let fill = (2 * sms).div_ceil(bh.max(1)).min(s.div_ceil(32));
-    fill.max(s.div_ceil(SPLIT_KEYS)).min(65535)
 }
 
 /// Rows per block of the tensor-core kernels (16 per warp), and rows per shared-memory tile.
@@ -356,16 +349,6 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if out.len == 0 || n.s == 0 {
         return Ok(out);
     }
-    if split_takes(q, &n, causal) {
-        let (bh, vw) = (n.b * n.h, key_vector(k, v, n.d)?);
-        let chunks = split_chunks(n.s, bh, dev.sm_count);
-        let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
-        let part = CudaStorage::new(&dev, DType::F32, bh * chunks * (n.d + 2))?;
-        (a.out, a.lse_sc, a.delta_sc) = (out.ptr(), part.ptr(), dev.reduce_counters(bh)?);
-        let kern = dev.kernel(KernelKey::Named(warp_name("fwd_split", q.dtype(), n.d, ROWS, vw)), || gen_forward_split(q.dtype(), n.d, vw))?;
-        dev.launch(kern, (bh as u32, chunks as u32, 1), ((ROWS * 32) as u32, 1, 1), &a)?;
-        return Ok(out);
-    }
     if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false)? {
         let a = crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
         if let Some(lse) = crate::backend::cuda::libs::sdpa::forward(&dev, &a, out.ptr())? {
@@ -387,6 +370,34 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
         let kern = dev.kernel(KernelKey::Named(warp_name("fwd", q.dtype(), n.d, rows, vw)), || gen_forward(q.dtype(), n.d, rows, vw))?;
         dev.launch(kern, grid(n.b * n.h, n.l, rows)?, ((rows * 32) as u32, 1, 1), &a)?;
     }
+    Ok(out)
+}
+
+/// Whether the cache forward takes an `Op::AttentionUpTo` of `l` query rows over `s` keys, `bh`
+/// query heads in all of `d` features: one row per head, F16 or BF16 (the functional sends it
+/// nothing else: it computes the rest as the masked attention).
+pub(crate) fn up_to_takes(l: usize, s: usize, bh: usize, d: usize, dtype: DType) -> bool {
+    l == 1 && matches!(dtype, DType::F16 | DType::BF16) && (1..=MAX_HEAD_DIM).contains(&d) && s > 0 && (1..=i32::MAX as usize).contains(&bh) && s.div_ceil(UP_TO_CHUNK) <= 65535
+}
+
+/// `Op::AttentionUpTo`'s output `[1, B, H, D]` (q `[1, B, H, D]`, k and v `[S, B, H_kv, D]`,
+/// their head dims contiguous, `last` `[B]` I64), where `up_to_takes`.
+pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, scale: f64) -> Result<CudaStorage> {
+    let n = AttnDims::of(q.shape(), k.shape());
+    let (bh, hkv, chunks) = (n.b * n.h, k.shape()[2], n.s.div_ceil(UP_TO_CHUNK));
+    if !up_to_takes(n.l, n.s, bh, n.d, q.dtype()) {
+        return Err(crate::Error::arg("attention_up_to", format!("the GPU kernel takes one F16 or BF16 query row per head of at most {MAX_HEAD_DIM} features, got {} rows of {} in {:?}", n.l, n.d, q.dtype())));
+    }
+    let dev = dev_of(q)?;
+    let out = CudaStorage::new(&dev, q.dtype(), bh * n.d)?;
+    let vw = key_vector(k, v, n.d)?;
+    // (Op::Attention's arguments over k and v; only the key/value heads differ.)
+    let mut a = shared_args(q, k, v, None, &n, scale, false)?;
+    let part = CudaStorage::new(&dev, DType::F32, bh * chunks * (n.d + 2))?;
+    (a.out, a.lse_sc, a.delta_sc) = (out.ptr(), part.ptr(), dev.reduce_counters(bh)?);
+    (a.last, a.last_stride, a.kv_group) = (data_ptr(last)?, last.strides()[0] as i64, (n.h / hkv) as i64);
+    let kern = dev.kernel(KernelKey::Named(warp_name("fwd_up_to", q.dtype(), n.d, UP_TO_WARPS, vw)), || gen_forward_up_to(q.dtype(), n.d, vw))?;
+    dev.launch(kern, (bh as u32, chunks as u32, 1), (UP_TO_CHUNK as u32, 1, 1), &a)?;
     Ok(out)
 }
 
@@ -473,9 +484,10 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
         if dtype == DType::F32 {
             continue;
         }
+        v.push(Sample::new(gen_forward_up_to(dtype, 80, 1)));
         for d in [64, 128] {
-            v.push(Sample::new(gen_forward_split(dtype, d, wide)));
-            v.push(Sample::new(gen_forward_split(dtype, d, 1)));
+            v.push(Sample::new(gen_forward_up_to(dtype, d, wide)));
+            v.push(Sample::new(gen_forward_up_to(dtype, d, 1)));
             v.push(Sample::new(gen_forward_tc(dtype, d, false)));
             v.push(Sample::new(gen_forward_tc(dtype, d, true)));
             v.push(Sample::new(gen_backward_q_tc(dtype, d)));
@@ -489,21 +501,7 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
 
 #[cfg(test)]
 mod tests {
-    use super::{forward_tc_three_blocks, split_chunks, SPLIT_KEYS};
-
-    #[test]
-    fn the_split_forward_fills_the_sms_with_chunks_it_can_hold() {
-        // GPT-2's decode on the H200: 12 heads over a 1024-key cache, 22 chunks of 47 keys.
-        assert_eq!(split_chunks(1024, 12, 132), 22);
-        // Few keys: chunks of no fewer than 32.
-        assert_eq!(split_chunks(128, 1, 132), 4);
-        // Many heads: a chunk per SPLIT_KEYS keys at least, whatever the SMs.
-        assert_eq!(split_chunks(4096, 1024, 132), 4096 / SPLIT_KEYS);
-        for (s, bh) in [(100_000, 1), (300, 7), (129, 3)] {
-            let c = split_chunks(s, bh, 132);
-            assert!(s.div_ceil(c) <= SPLIT_KEYS && c <= 65535, "{s} keys in {c} chunks");
-        }
-    }
+    use super::forward_tc_three_blocks;
 
     #[test]
     fn the_forward_asks_for_three_blocks_only_where_their_shared_memory_fits() {

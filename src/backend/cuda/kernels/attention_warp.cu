@@ -149,48 +149,53 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 }
 #endif
 
-#ifdef ATTN_FWD_SPLIT
-// Forward of one query row over many keys, as in decoding (attention.rs: `gen_forward_split`):
-// the keys split into gridDim.y chunks of at most SPLIT_KEYS, a block each. A block scores its
-// chunk (a thread per key), takes the chunk's max and sum and its unnormalised output, and
-// leaves them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32); the last block of a
-// (batch, head) to finish folds the chunks in chunk order (the same bits on every run) and
-// writes the row. F16 / BF16 inputs (scores in F32). The kernel is bound by memory latency,
-// not bandwidth: a block issues its first keys' rows, masks and values together with the query
-// before it uses any, and the fold issues every chunk's partials at once. Keys masked with -inf
-// (a static cache's positions not yet written) have probability exactly 0 and add nothing to
-// the output (for finite keys and values: a masked key's value is never multiplied).
-#define SPLIT_VU 16
+#ifdef ATTN_FWD_UP_TO
+// Forward of one query row per head over the keys 0..=last[b] of a static cache (attention.rs:
+// `gen_forward_up_to`, `Op::AttentionUpTo`: a decode step's attention). The cache's keys lie in
+// chunks of ROWS * 32, a block each and a thread per key; the blocks of chunks past the row's
+// last key leave at once, so only the keys the row sees are read. A block issues its keys'
+// rows, the first VU of each warp's values (warp w takes keys w, w + ROWS, ..., its lanes the
+// features lane, lane + 32, ...) and the query together, then scores its keys and takes the
+// chunk's max, sum and unnormalised output. The only chunk writes the row; else each leaves
+// them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32) and the last block of the (batch,
+// head) to finish folds them in chunk order (the same bits on every run). F16 / BF16 inputs
+// (scores in F32). Query head h reads key/value head h / kv_group.
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
+  (void)mk; (void)msb; (void)msh; (void)msl; (void)mss; (void)sscale; (void)causal; (void)qsl;
   T* out = (T*)a.out;
   float* part = (float*)a.lse_sc;
   unsigned int* count = (unsigned int*)a.delta_sc;
-  const int NT = ROWS * 32, G = NT / D_, chunks = (int)gridDim.y;
-  const long long per = (S + chunks - 1) / chunks, s0 = (long long)blockIdx.y * per, s1 = min(S, s0 + per);
+  const int NT = ROWS * 32, G = NT / D_;
+  const long long hk = h / a.kv_group;
+  const long long last = ((const long long*)a.last)[b * a.last_stride];
+  const long long seen = last < 0 ? 0 : min(S, last + 1);
+  const int chunks = (int)((seen + NT - 1) / NT);
+  if (seen == 0) {
+    // No key: the NaN row of a fully masked softmax.
+    if (blockIdx.y == 0) for (int d = threadIdx.x; d < D_; d += NT) out[bh * D_ + d] = ST(__int_as_float(0x7fc00000));
+    return;
+  }
+  if ((int)blockIdx.y >= chunks) return;
+  const long long s0 = (long long)blockIdx.y * NT, s1 = min(seen, s0 + NT);
   __shared__ float Qs[D_];
-  __shared__ float P[SPLIT_KEYS];
+  __shared__ float P[ROWS * 32];
   __shared__ float red[ROWS];
   // Each warp's output, then each thread's share of the fold.
   __shared__ float Os[D_ > 32 ? ROWS * D_ : ROWS * 32];
-  __shared__ bool last;
-  // In flight together: this thread's first key (row and mask), this warp's first SPLIT_VU keys'
-  // values (warp w takes keys w, w + ROWS, ..., its lanes the features lane, lane + 32, ...),
-  // and the query.
-  const T* vb = v + b * vsb + h * vsh;
-  const long long k0 = s0 + threadIdx.x;
+  __shared__ bool lastc;
+  const T* vb = v + b * vsb + hk * vsh;
+  const long long key = s0 + threadIdx.x;
   VT kv[D_ / VW];
-  float masked = 0.f;
-  if (k0 < s1) {
-    const T* kr = k + k0 * kss + b * ksb + h * ksh;
+  if (key < s1) {
+    const T* kr = k + key * kss + b * ksb + hk * ksh;
 #pragma unroll
     for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
-    if (mk) masked = LD(mk[b * msb + h * msh + k0 * mss]);
   }
-  float vu[SPLIT_VU][PER];
+  float vu[VU][PER];
 #pragma unroll
-  for (int u = 0; u < SPLIT_VU; u++) {
+  for (int u = 0; u < VU; u++) {
     const long long s = s0 + warp + u * ROWS;
 #pragma unroll
     for (int j = 0; j < PER; j++) {
@@ -200,38 +205,27 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   }
   for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
   __syncthreads();
-  // Scores, and the chunk's max.
-  float mx = -INFINITY;
-  for (long long s = k0; s < s1; s += NT) {
-    if (s != k0) {
-      const T* kr = k + s * kss + b * ksb + h * ksh;
-#pragma unroll
-      for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
-      masked = mk ? LD(mk[b * msb + h * msh + s * mss]) : 0.f;
-    }
+  // This thread's key's score, and the chunk's max.
+  float sc = -INFINITY;
+  if (key < s1) {
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < D_ / VW; j++) for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
-    const float sc = masked == -INFINITY ? -INFINITY : dot * scale + masked;
-    P[s - s0] = sc;
-    mx = fmaxf(mx, sc);
+    for (int j = 0; j < D_ / VW; j++)
+#pragma unroll
+      for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
+    sc = dot * scale;
   }
-  mx = wmax(mx);
-  if (lane == 0) red[warp] = mx;
+  float m = wmax(sc);
+  if (lane == 0) red[warp] = m;
   __syncthreads();
-  float m = red[0];
+  m = red[0];
   for (int w = 1; w < ROWS; w++) m = fmaxf(m, red[w]);
   __syncthreads();
   // Probabilities (unnormalised) and their sum.
-  float sum = 0.f;
-  for (long long s = k0; s < s1; s += NT) {
-    float sc = P[s - s0], p = sc == -INFINITY ? 0.f : expf(sc - m);
-    P[s - s0] = p;
-    sum += p;
-  }
-  sum = wsum(sum);
-  __syncthreads();
-  if (lane == 0) red[warp] = sum;
+  const float p = key < s1 ? expf(sc - m) : 0.f;
+  P[threadIdx.x] = p;
+  const float ws = wsum(p);
+  if (lane == 0) red[warp] = ws;
   __syncthreads();
   float l = 0.f;
   for (int w = 0; w < ROWS; w++) l += red[w];
@@ -240,14 +234,13 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
   for (int j = 0; j < PER; j++) acc[j] = 0.f;
 #pragma unroll
-  for (int u = 0; u < SPLIT_VU; u++) {
+  for (int u = 0; u < VU; u++) {
     const long long s = s0 + warp + u * ROWS;
-    const float p = s < s1 ? P[s - s0] : 0.f;
-    if (p != 0.f)
+    const float pu = s < s1 ? P[s - s0] : 0.f;
 #pragma unroll
-      for (int j = 0; j < PER; j++) acc[j] += p * vu[u][j];
+    for (int j = 0; j < PER; j++) acc[j] += pu * vu[u][j];
   }
-  for (long long base = s0 + warp + SPLIT_VU * ROWS; base < s1; base += 4 * ROWS) {
+  for (long long base = s0 + warp + VU * ROWS; base < s1; base += 4 * ROWS) {
     float pu[4], vw[4][PER];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
@@ -256,19 +249,26 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
       for (int j = 0; j < PER; j++) {
         const int d = lane + 32 * j;
-        vw[u][j] = pu[u] != 0.f && d < D_ ? LD(vb[s * vss + d]) : 0.f;
+        vw[u][j] = s < s1 && d < D_ ? LD(vb[s * vss + d]) : 0.f;
       }
     }
 #pragma unroll
     for (int u = 0; u < 4; u++)
-      if (pu[u] != 0.f)
 #pragma unroll
-        for (int j = 0; j < PER; j++) acc[j] += pu[u] * vw[u][j];
+      for (int j = 0; j < PER; j++) acc[j] += pu[u] * vw[u][j];
   }
 #pragma unroll
   for (int j = 0; j < PER; j++) if (lane + 32 * j < D_) Os[warp * D_ + lane + 32 * j] = acc[j];
   __syncthreads();
-  float* mine = part + ((long long)bh * chunks + blockIdx.y) * (D_ + 2);
+  if (chunks == 1) {
+    for (int d = threadIdx.x; d < D_; d += NT) {
+      float o = 0.f;
+      for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
+      out[bh * D_ + d] = ST(o / l);
+    }
+    return;
+  }
+  float* mine = part + ((long long)bh * gridDim.y + blockIdx.y) * (D_ + 2);
   for (int d = threadIdx.x; d < D_; d += NT) {
     float o = 0.f;
     for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
@@ -277,27 +277,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
   // The last block of this (batch, head) folds every chunk.
   __syncthreads();
-  if (threadIdx.x == 0) last = klast_arrival(&count[bh], (unsigned int)chunks);
+  if (threadIdx.x == 0) lastc = klast_arrival(&count[bh], (unsigned int)chunks);
   __syncthreads();
-  if (!last) return;
-  const float* all = part + (long long)bh * chunks * (D_ + 2);
-  // In flight together: every chunk's max and sum (a thread each, NT at a time) and this
-  // thread's feature of its group's first SPLIT_VU chunks (group g takes chunks g, g + G, ...).
-  const int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
-  float oc[SPLIT_VU], mc[SPLIT_VU];
-#pragma unroll
-  for (int u = 0; u < SPLIT_VU; u++) {
-    const int c = g + u * G;
-    const bool mine_c = g < G && c < chunks;
-    oc[u] = mine_c ? __ldcg(all + c * (D_ + 2) + d) : 0.f;
-    mc[u] = mine_c ? __ldcg(all + c * (D_ + 2) + D_) : -INFINITY;
-  }
-  // The row's max, and its denominator: each thread's chunks, rescaled to its own running max,
-  // then to the row's.
+  if (!lastc) return;
+  const float* all = part + (long long)bh * gridDim.y * (D_ + 2);
+  // The row's max and denominator over the chunks (a thread each, NT at a time).
   float tm = -INFINITY, tl = 0.f;
   for (int c = threadIdx.x; c < chunks; c += NT) {
     const float cm = __ldcg(all + c * (D_ + 2) + D_), cl = __ldcg(all + c * (D_ + 2) + D_ + 1);
-    if (cm == -INFINITY) continue;
     const float nm = fmaxf(tm, cm);
     tl = (tm == -INFINITY ? 0.f : tl * expf(tm - nm)) + cl * expf(cm - nm);
     tm = nm;
@@ -313,24 +300,22 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __syncthreads();
   den = 0.f;
   for (int w = 0; w < ROWS; w++) den += red[w];
-  // The output: group g's chunks in order, then the groups in order.
+  // The output: group g's chunks g, g + G, ... in order, then the groups in order.
+  const int g = threadIdx.x / D_, d = threadIdx.x - g * D_;
   float o = 0.f;
-#pragma unroll
-  for (int u = 0; u < SPLIT_VU; u++) o += mc[u] == -INFINITY ? 0.f : oc[u] * expf(mc[u] - M);
   if (g < G) {
-    for (int c = g + SPLIT_VU * G; c < chunks; c += G) {
+    for (int c = g; c < chunks; c += G) {
       const float* pc = all + c * (D_ + 2);
-      const float cm = __ldcg(pc + D_), co = __ldcg(pc + d);
-      o += cm == -INFINITY ? 0.f : co * expf(cm - M);
+      o += __ldcg(pc + d) * expf(__ldcg(pc + D_) - M);
     }
   }
   __syncthreads();
   Os[threadIdx.x] = o;
   __syncthreads();
-  if (threadIdx.x < D_) {
+  for (int e = threadIdx.x; e < D_; e += NT) {
     float r = 0.f;
-    for (int j = 0; j < G; j++) r += Os[j * D_ + threadIdx.x];
-    out[(b * H + h) * D_ + threadIdx.x] = ST(r / den);
+    for (int j = 0; j < G; j++) r += Os[j * D_ + e];
+    out[bh * D_ + e] = ST(r / den);
   }
 }
 #endif
