@@ -117,7 +117,7 @@ pub(crate) struct State {
     pub(crate) handle: cs::cudnnHandle_t,
     chosen: HashMap<Key, Choice>,
     /// Attention plans by geometry (None: cuDNN offered no engine for it).
-    pub(crate) sdpa: HashMap<crate::backend::cuda::libs::sdpa::Key, Option<crate::backend::cuda::libs::sdpa::Plan>>,
+    pub(crate) sdpa: HashMap<crate::backend::cuda::libs::sdpa::Key, Option<crate::backend::cuda::libs::cudnn_graph::Plan>>,
 }
 // SAFETY: the handle is used under the device's mutex only.
 unsafe impl Send for State {}

@@ -3,4 +3,5 @@
 
 pub(crate) mod blas;
 pub(crate) mod cudnn;
+pub(crate) mod cudnn_graph;
 pub(crate) mod sdpa;
