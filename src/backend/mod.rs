@@ -62,6 +62,25 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
     Ok(Some(t.relaid(crate::layout::Layout::dense_in(out, format))))
 }
 
+/// Whether `conv2d_bias_act` is worth its own op here (else the convolution and a pointwise pass
+/// the compiler fuses): on the GPU in F16 / BF16, where cuDNN's fused engines run it.
+pub(crate) fn conv_epilogue_pays(x: &crate::Tensor, args: crate::ops::Conv2dArgs) -> bool {
+    let planned = crate::switches::plan_for_cuda() && x.storage().traced_ref().is_some();
+    (planned || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1
+}
+
+/// `Op::Conv2dBiasAct` as one cuDNN kernel, dense in `format`'s order, where the device has
+/// one for it (CUDA, F16 / BF16, cuDNN's fused engines); None elsewhere (the caller composes it).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_epilogue_library(args: &crate::ops::Conv2dArgs, shapes: [[usize; 4]; 3], x: &crate::Tensor, w: &crate::Tensor, bias: &crate::Tensor, z: Option<&crate::Tensor>, relu: bool, out: &[usize], format: crate::MemoryFormat) -> Result<Option<crate::Tensor>> {
+    if !x.device().is_cuda() || !cuda::libs::cudnn::usable(x.dtype()) {
+        return Ok(None);
+    }
+    let Some(s) = cuda::libs::conv_epilogue::forward(args, shapes, x, w, bias, z, relu, format)? else { return Ok(None) };
+    let t = crate::Tensor::from_backend(crate::storage::BackendStorage::Cuda(s), out);
+    Ok(Some(t.relaid(crate::layout::Layout::dense_in(out, format))))
+}
+
 /// `x * scale + shift` (all of x's shape) computed in F32 and stored in x's dtype, in one pass
 /// where the device has the kernel for it (CUDA); None elsewhere (the caller composes it).
 pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crate::Tensor) -> Result<Option<crate::Tensor>> {

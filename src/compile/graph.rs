@@ -85,6 +85,7 @@ impl Node {
                 Op::Conv2d(a) => conv_params(a, ""),
                 Op::Conv2dGradInput(a, hw) => conv_params(a, &format!(", input={hw:?}")),
                 Op::Conv2dGradWeight(a, k) => conv_params(a, &format!(", kernel={k:?}")),
+                Op::Conv2dBiasAct(a, relu) => conv_params(a, if *relu { ", relu" } else { "" }),
                 Op::MaxPool2d(a) | Op::MaxPool2dBackward(a) => {
                     let mut s = format!("[kernel={:?}, stride={:?}, padding={:?}, dilation={:?}", a.kernel, a.stride, a.padding, a.dilation);
                     s += if a.ceil_mode { ", ceil_mode]" } else { "]" };

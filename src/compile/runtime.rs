@@ -741,7 +741,7 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     };
     let known = |op: &crate::ops::Op| {
         use crate::ops::Op;
-        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Relayout(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::AttentionUpTo { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::MaxPool2d(_) | Op::MaxPool2dBackward(_))
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Relayout(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::AttentionUpTo { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..) | Op::MaxPool2d(_) | Op::MaxPool2dBackward(_))
     };
     if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || matches!(g.nodes[*i].op, NodeOp::Full(_)))) {
         return Footprint::barrier(what);

@@ -100,6 +100,21 @@ pub fn batch_norm(
 /// gradients when `conv`'s weight does. For inference: a folded network computes one pass less
 /// per convolution, and a training-mode batch norm cannot be folded at all.
 pub fn fuse_conv_bn_eval(conv: &super::Conv2d, bn: &BatchNorm2d) -> Result<super::Conv2d> {
+    let w = &conv.weight;
+    no_grad(|| {
+        let (weight, bias) = fold(conv, bn)?;
+        let weight = weight.copy_in(w.dense_format().unwrap_or(crate::MemoryFormat::Contiguous))?;
+        let bias = bias.to_dtype(conv.bias.as_ref().map_or(w.dtype(), |b| b.dtype()))?;
+        let grad = w.is_requires_grad();
+        let leaf = |t: Tensor| if grad { t.requires_grad() } else { t };
+        Ok(super::Conv2d { weight: leaf(weight), bias: Some(leaf(bias)), args: conv.args })
+    })
+}
+
+/// `bn` (evaluation mode) folded into `conv`: the scaled weight in the convolution weight's
+/// dtype (and memory format), and the bias in F32 (F64 for F64 weights). Differentiable in
+/// every parameter (the ops are recorded unless the caller turns gradients off).
+pub(crate) fn fold(conv: &super::Conv2d, bn: &BatchNorm2d) -> Result<(Tensor, Tensor)> {
     let op = "fuse_conv_bn_eval";
     let out = conv.weight.shape()[0];
     if bn.running_mean.shape() != [out] {
@@ -110,19 +125,22 @@ pub fn fuse_conv_bn_eval(conv: &super::Conv2d, bn: &BatchNorm2d) -> Result<super
     }
     let w = &conv.weight;
     let compute = if w.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    no_grad(|| {
-        let f = |t: &Tensor| t.to_dtype(compute);
-        let scale = f(&bn.running_var)?.add_scalar(bn.eps)?.rsqrt()?.mul(&f(&bn.weight)?)?;
-        let weight = f(w)?.mul(&scale.reshape_usize(&[out, 1, 1, 1])?)?.to_dtype(w.dtype())?.copy_in(w.dense_format().unwrap_or(crate::MemoryFormat::Contiguous))?;
-        let conv_bias = match &conv.bias {
-            Some(b) => f(b)?,
-            None => Tensor::zeros(&[out], compute, &w.device())?,
-        };
-        let bias = conv_bias.sub(&f(&bn.running_mean)?)?.mul(&scale)?.add(&f(&bn.bias)?)?.to_dtype(conv.bias.as_ref().map_or(w.dtype(), |b| b.dtype()))?;
-        let grad = w.is_requires_grad();
-        let leaf = |t: Tensor| if grad { t.requires_grad() } else { t };
-        Ok(super::Conv2d { weight: leaf(weight), bias: Some(leaf(bias)), args: conv.args })
-    })
+    let f = |t: &Tensor| t.to_dtype(compute);
+    let scale = f(&bn.running_var)?.add_scalar(bn.eps)?.rsqrt()?.mul(&f(&bn.weight)?)?;
+    let weight = f(w)?.mul(&scale.reshape_usize(&[out, 1, 1, 1])?)?.to_dtype(w.dtype())?;
+    let conv_bias = match &conv.bias {
+        Some(b) => f(b)?,
+        None => Tensor::zeros(&[out], compute, &w.device())?,
+    };
+    let bias = conv_bias.sub(&f(&bn.running_mean)?)?.mul(&scale)?.add(&f(&bn.bias)?)?;
+    Ok((weight, bias))
+}
+
+impl BatchNorm2d {
+    /// Whether it normalises by the batch's statistics (training mode).
+    pub fn is_training(&self) -> bool {
+        self.training.load(Ordering::Relaxed)
+    }
 }
 
 /// `t` (`[C]`) as `[1, C, 1, ...]` in `like`'s compute dtype, to broadcast against `like`.

@@ -30,29 +30,16 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     let (x, unbatched) = batched(op, x)?;
     let (x, weight, bias) = crate::amp::cast_low(&x, weight, bias)?;
     let bias = bias.as_ref();
-    if weight.ndim() != 4 {
-        return Err(Error::shape(op, format!("weight must be 4-D [out, in / groups, kh, kw], got {:?}", weight.shape())));
-    }
-    if x.dtype() != weight.dtype() || bias.is_some_and(|b| b.dtype() != x.dtype()) {
-        return Err(Error::dtype(op, weight.dtype(), format!("input {:?}, weight {:?} and bias {:?} must have one dtype", x.dtype(), weight.dtype(), bias.map(|b| b.dtype()))));
-    }
-    if !x.dtype().is_float() {
-        return Err(Error::dtype(op, x.dtype(), "needs floating-point tensors"));
-    }
-    let c = x.shape()[1];
-    let (o, cg, kh, kw) = (weight.shape()[0], weight.shape()[1], weight.shape()[2], weight.shape()[3]);
-    let g = args.groups;
-    if g == 0 || c != cg * g || !o.is_multiple_of(g) {
-        return Err(Error::shape(op, format!("input {:?} and weight {:?} with groups {g}: need in channels = weight.shape[1] * groups and out channels divisible by groups", x.shape(), weight.shape())));
-    }
+    check_operands(op, &x, &weight, args)?;
+    let o = weight.shape()[0];
     if let Some(b) = bias {
+        if b.dtype() != x.dtype() {
+            return Err(Error::dtype(op, b.dtype(), format!("input {:?}, weight {:?} and bias {:?} must have one dtype", x.dtype(), weight.dtype(), b.dtype())));
+        }
         if b.shape() != [o] {
             return Err(Error::shape(op, format!("bias of shape {:?}, expected [{o}]", b.shape())));
         }
     }
-    check_positive(op, "stride", args.stride)?;
-    check_positive(op, "dilation", args.dilation)?;
-    check_positive(op, "kernel size", (kh, kw))?;
     // An image smaller than the (dilated) kernel is reported by the op's shape rule.
     let y = apply(Op::Conv2d(args), &[&x, &weight])?;
     let y = match bias {
@@ -64,6 +51,74 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, args: Conv2dAr
     } else {
         Ok(y)
     }
+}
+
+/// Checks a convolution's input `[N, C, H, W]` and weight against each other and its options.
+fn check_operands(op: &'static str, x: &Tensor, weight: &Tensor, args: Conv2dArgs) -> Result<()> {
+    if weight.ndim() != 4 {
+        return Err(Error::shape(op, format!("weight must be 4-D [out, in / groups, kh, kw], got {:?}", weight.shape())));
+    }
+    if x.dtype() != weight.dtype() {
+        return Err(Error::dtype(op, weight.dtype(), format!("input {:?} and weight {:?} must have one dtype", x.dtype(), weight.dtype())));
+    }
+    if !x.dtype().is_float() {
+        return Err(Error::dtype(op, x.dtype(), "needs floating-point tensors"));
+    }
+    let c = x.shape()[1];
+    let (o, cg, kh, kw) = (weight.shape()[0], weight.shape()[1], weight.shape()[2], weight.shape()[3]);
+    let g = args.groups;
+    if g == 0 || c != cg * g || !o.is_multiple_of(g) {
+        return Err(Error::shape(op, format!("input {:?} and weight {:?} with groups {g}: need in channels = weight.shape[1] * groups and out channels divisible by groups", x.shape(), weight.shape())));
+    }
+    check_positive(op, "stride", args.stride)?;
+    check_positive(op, "dilation", args.dilation)?;
+    check_positive(op, "kernel size", (kh, kw))
+}
+
+/// A convolution with its epilogue (PyTorch's `torch.cudnn_convolution_add_relu`, on every
+/// device and dtype): `relu?(conv2d(x, weight, args) + bias + residual)` over `x`
+/// `[N, C, H, W]`, `bias` `[O]` and `residual` (when given) of the output's shape, the sums
+/// and ReLU computed in F32 for F16 / BF16 inputs (in the input's dtype otherwise) and rounded
+/// once. An inference network's convolution with its batch norm folded in (the bias), its
+/// skip connection and ReLU. On the GPU in F16 / BF16 one cuDNN kernel reads and writes each
+/// activation once (where cuDNN has a fused engine for the geometry); elsewhere the convolution
+/// and one pass after it (one fused kernel when compiled). The result is laid out as
+/// `conv2d`'s.
+pub fn conv2d_bias_act(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, args: Conv2dArgs, relu: bool) -> Result<Tensor> {
+    let op = "conv2d_bias_act";
+    super::functional::same_device(op, x, &[Some(weight), Some(bias), residual])?;
+    if x.ndim() != 4 {
+        return Err(Error::shape(op, format!("expected a 4-D [N, C, H, W] input, got {:?}", x.shape())));
+    }
+    let (x, weight, _) = crate::amp::cast_low(x, weight, None)?;
+    check_operands(op, &x, &weight, args)?;
+    let o = weight.shape()[0];
+    if bias.shape() != [o] || !bias.dtype().is_float() {
+        return Err(Error::shape(op, format!("bias must be a floating-point [{o}], got {:?} {:?}", bias.shape(), bias.dtype())));
+    }
+    let out = crate::ops::conv::out_shape(&args, x.shape(), weight.shape())?;
+    if let Some(r) = residual {
+        if r.shape() != out.as_slice() || !r.dtype().is_float() {
+            return Err(Error::shape(op, format!("residual must be a floating-point {out:?} (the convolution's output), got {:?} {:?}", r.shape(), r.dtype())));
+        }
+    }
+    let compute = x.dtype().compute_dtype();
+    let bias = bias.to_dtype(compute)?;
+    let residual = residual.map(|r| r.to_dtype(x.dtype())).transpose()?;
+    if crate::backend::conv_epilogue_pays(&x, args) {
+        let mut inputs = vec![&x, &weight, &bias];
+        inputs.extend(residual.as_ref());
+        return apply(Op::Conv2dBiasAct(args, relu), &inputs);
+    }
+    let y = apply(Op::Conv2d(args), &[&x, &weight])?;
+    let mut v = y.to_dtype(compute)?.add(&bias.reshape_usize(&[o, 1, 1])?)?;
+    if let Some(r) = &residual {
+        v = v.add(&r.to_dtype(compute)?)?;
+    }
+    if relu {
+        v = v.relu()?;
+    }
+    v.to_dtype(x.dtype())
 }
 
 /// `x` padded with `value` by `pad` before each spatial dim, and after it as far as the last

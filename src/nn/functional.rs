@@ -553,4 +553,4 @@ impl Tensor {
 }
 
 pub use super::batchnorm::batch_norm;
-pub use super::conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, max_pool2d, max_pool2d_with, max_pool2d_with_indices, Conv2dArgs, MaxPool2dArgs};
+pub use super::conv::{adaptive_avg_pool2d, avg_pool2d, conv2d, conv2d_bias_act, max_pool2d, max_pool2d_with, max_pool2d_with_indices, Conv2dArgs, MaxPool2dArgs};

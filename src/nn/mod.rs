@@ -20,7 +20,7 @@ pub use ddp::{CommHook, DdpOptions, DistributedDataParallel};
 pub use conv::{AdaptiveAvgPool2d, AvgPool2d, Conv2d, Conv2dArgs, Flatten, MaxPool2d, MaxPool2dArgs};
 pub use layers::{Dropout, Embedding, LayerNorm, Linear, ReLU, Sequential, SiLU, Sigmoid, Tanh, GELUTanh, GELU};
 pub use module::Module;
-pub use resnet::{resnet50, Bottleneck, ResNet};
+pub use resnet::{resnet50, Bottleneck, Downsample, ResNet};
 pub use transformer::{
     generate_square_subsequent_mask, Activation, Transformer, TransformerConfig, TransformerDecoder, TransformerDecoderLayer, TransformerEncoder,
     TransformerEncoderLayer, TransformerMasks,

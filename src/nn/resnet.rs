@@ -2,7 +2,7 @@
 //! bottleneck blocks with the stride on the 3x3 conv, 1x1-conv + BN downsampling, convs drawn
 //! kaiming normal (fan_out, ReLU), BN weights ones and biases zeros, `fc` a default Linear.
 
-use super::conv::{AdaptiveAvgPool2d, Conv2d, Conv2dArgs, MaxPool2d};
+use super::conv::{conv2d_bias_act, AdaptiveAvgPool2d, Conv2d, Conv2dArgs, MaxPool2d};
 use super::{init, BatchNorm2d, Linear, Module, Sequential};
 use crate::{no_grad, Device, Result, Tensor};
 
@@ -11,6 +11,46 @@ fn conv(cin: usize, cout: usize, k: usize, stride: usize, padding: usize, dev: &
     let c = Conv2d::with_options(cin, cout, (k, k), args, false, dev)?;
     no_grad(|| c.weight.copy_(&init::kaiming_normal_fan_out(c.weight.shape(), dev)?))?;
     Ok(c)
+}
+
+/// `bn(conv(x))`, plus `residual`, then ReLU where asked. In evaluation mode one convolution
+/// with its epilogue (`conv2d_bias_act`: the batch norm folded into the convolution's weight and
+/// bias, which a compiled program computes once until a parameter changes); in training the
+/// batch norm normalises by the batch's statistics, so the ops stay apart.
+fn conv_bn(conv: &Conv2d, bn: &BatchNorm2d, x: &Tensor, residual: Option<&Tensor>, relu: bool) -> Result<Tensor> {
+    if !bn.is_training() {
+        let (w, b) = super::batchnorm::fold(conv, bn)?;
+        return conv2d_bias_act(x, &w, &b, residual, conv.args, relu);
+    }
+    let mut y = bn.forward(&conv.forward(x)?)?;
+    if let Some(r) = residual {
+        y = y.add(r)?;
+    }
+    if relu {
+        y.relu()
+    } else {
+        Ok(y)
+    }
+}
+
+/// torchvision's downsampling path: a strided 1x1 convolution and its batch norm (children
+/// `0` and `1`, as its `Sequential`).
+pub struct Downsample {
+    pub conv: Conv2d,
+    pub bn: BatchNorm2d,
+}
+
+impl Module for Downsample {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        conv_bn(&self.conv, &self.bn, x, None, false)
+    }
+    fn children(&self) -> Vec<(String, &dyn Module)> {
+        vec![("0".into(), &self.conv), ("1".into(), &self.bn)]
+    }
+    fn visit_tensors_mut(&mut self, f: &mut dyn FnMut(&mut Tensor) -> Result<()>) -> Result<()> {
+        self.conv.visit_tensors_mut(f)?;
+        self.bn.visit_tensors_mut(f)
+    }
 }
 
 /// torchvision's `Bottleneck`: 1x1 -> 3x3 (stride) -> 1x1 (x4 channels), each with BN, plus
@@ -22,7 +62,7 @@ pub struct Bottleneck {
     pub bn2: BatchNorm2d,
     pub conv3: Conv2d,
     pub bn3: BatchNorm2d,
-    pub downsample: Option<Sequential>,
+    pub downsample: Option<Downsample>,
 }
 
 impl Bottleneck {
@@ -33,7 +73,7 @@ impl Bottleneck {
     pub fn new(inplanes: usize, planes: usize, stride: usize, dev: &Device) -> Result<Bottleneck> {
         let out = planes * Self::EXPANSION;
         let downsample = if stride != 1 || inplanes != out {
-            Some(Sequential::new().add(conv(inplanes, out, 1, stride, 0, dev)?).add(BatchNorm2d::new(out, dev)?))
+            Some(Downsample { conv: conv(inplanes, out, 1, stride, 0, dev)?, bn: BatchNorm2d::new(out, dev)? })
         } else {
             None
         };
@@ -52,14 +92,13 @@ impl Bottleneck {
 impl Module for Bottleneck {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        let out = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
-        let out = self.bn2.forward(&self.conv2.forward(&out)?)?.relu()?;
-        let out = self.bn3.forward(&self.conv3.forward(&out)?)?;
+        let out = conv_bn(&self.conv1, &self.bn1, x, None, true)?;
+        let out = conv_bn(&self.conv2, &self.bn2, &out, None, true)?;
         let identity = match &self.downsample {
             Some(d) => d.forward(x)?,
             None => x.clone(),
         };
-        out.add(&identity)?.relu()
+        conv_bn(&self.conv3, &self.bn3, &out, Some(&identity), true)
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
         let mut c: Vec<(String, &dyn Module)> = vec![
@@ -129,7 +168,7 @@ impl Module for ResNet {
     /// `[N, 3, H, W]` images to `[N, num_classes]` logits.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let _site = crate::profiler::call_site();
-        let mut y = self.maxpool.forward(&self.bn1.forward(&self.conv1.forward(x)?)?.relu()?)?;
+        let mut y = self.maxpool.forward(&conv_bn(&self.conv1, &self.bn1, x, None, true)?)?;
         for l in &self.layers {
             y = l.forward(&y)?;
         }

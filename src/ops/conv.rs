@@ -149,6 +149,7 @@ impl Geom {
 pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     let (a, b) = (xs[0], xs[1]);
     let (pass, args, x, w, y) = match op {
+        Op::Conv2dBiasAct(args, relu) => return with_epilogue(args, *relu, xs, out),
         Op::Conv2d(args) => (ConvPass::Forward, args, a.shape(), b.shape(), out),
         Op::Conv2dGradInput(args, _) => (ConvPass::GradInput, args, out, b.shape(), a.shape()),
         Op::Conv2dGradWeight(args, _) => (ConvPass::GradWeight, args, a.shape(), out, b.shape()),
@@ -173,6 +174,33 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
                 ConvPass::GradWeight => grad_weight(a, b, args, &geo),
             }?;
             t.to_memory_format(format)
+        })
+    })
+}
+
+/// `Op::Conv2dBiasAct`: cuDNN's fused kernel where it has one for the geometry, else the
+/// convolution, then its epilogue in the compute dtype (neither recorded), rounded once; in the
+/// memory format a convolution of the same operands returns.
+fn with_epilogue(args: &Conv2dArgs, relu: bool, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
+    let (x, w, bias, z) = (xs[0], xs[1], xs[2], xs.get(3).copied());
+    let format = if [x, w].iter().any(|t| t.suggest_memory_format() == MemoryFormat::ChannelsLast) { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+    let shapes = [x.shape(), w.shape(), out].map(|s| [s[0], s[1], s[2], s[3]]);
+    if let Some(t) = crate::backend::conv_epilogue_library(args, shapes, x, w, bias, z, relu, out, format)? {
+        return Ok(t);
+    }
+    let y = run(&Op::Conv2d(*args), &[x, w], out)?;
+    let _off = crate::compile::trace::Suspend::new();
+    crate::amp::suspended(|| {
+        crate::no_grad(|| {
+            let c = y.dtype().compute_dtype();
+            let mut v = y.to_dtype(c)?.add(&bias.to_dtype(c)?.reshape_usize(&[1, out[1], 1, 1])?)?;
+            if let Some(z) = z {
+                v = v.add(&z.to_dtype(c)?)?;
+            }
+            if relu {
+                v = v.relu()?;
+            }
+            v.to_dtype(y.dtype())?.to_memory_format(format)
         })
     })
 }
@@ -238,4 +266,35 @@ fn grad_input(dy: &Tensor, w: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Ten
     let base = Tensor::zeros(&[n, hp * wp, c], dy.dtype(), &dy.device())?;
     let padded = base.scatter_add(1, &idx, &dcols)?.reshape_usize(&[n, hp, wp, c])?.permute(&[0, 3, 1, 2])?;
     padded.narrow(2, p.0, geo.h)?.narrow(3, p.1, geo.w)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ops::{apply, Op};
+    use crate::{gradcheck, Device, GradcheckOptions, Tensor};
+
+    /// `Op::Conv2dBiasAct` itself on the host (the functional sends it only to the GPU): the
+    /// convolution and its epilogue, and its gradients (through ReLU's mask, into the bias and
+    /// the residual) by finite differences in F64.
+    #[test]
+    fn the_epilogue_ops_host_reference_and_gradient() {
+        let rand = |shape: &[usize], seed: u64| {
+            let n: usize = shape.iter().product();
+            let v: Vec<f64> = (0..n).map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0 - 1.0).collect();
+            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        };
+        let args = super::Conv2dArgs { stride: (2, 1), padding: (1, 1), ..Default::default() };
+        let (x, w, b, z) = (rand(&[2, 3, 5, 4], 1), rand(&[4, 3, 3, 3], 2), rand(&[4], 3), rand(&[2, 4, 3, 4], 4));
+        for relu in [false, true] {
+            let got = apply(Op::Conv2dBiasAct(args, relu), &[&x, &w, &b, &z]).unwrap();
+            let mut want = apply(Op::Conv2d(args), &[&x, &w]).unwrap().add(&b.reshape_usize(&[1, 4, 1, 1]).unwrap()).unwrap().add(&z).unwrap();
+            if relu {
+                want = want.relu().unwrap();
+            }
+            let (g, wv) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+            assert!(g.iter().zip(&wv).all(|(a, b)| (a - b).abs() < 1e-12), "{g:?} against {wv:?}");
+            gradcheck(|xs| apply(Op::Conv2dBiasAct(args, relu), &[&xs[0], &xs[1], &xs[2], &xs[3]]), &[x.clone(), w.clone(), b.clone(), z.clone()], GradcheckOptions::default()).unwrap();
+        }
+        gradcheck(|xs| apply(Op::Conv2dBiasAct(args, true), &[&xs[0], &xs[1], &xs[2]]), &[x, w, b], GradcheckOptions::default()).unwrap();
+    }
 }

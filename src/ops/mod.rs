@@ -64,6 +64,12 @@ pub enum Op {
     Conv2dGradInput(Conv2dArgs, (usize, usize)),
     /// `Conv2d`'s gradient for its weight, from (input, grad of the output); the kernel's (KH, KW).
     Conv2dGradWeight(Conv2dArgs, (usize, usize)),
+    /// A convolution with its epilogue, relu?(conv2d(x, w) + bias + residual), from (x, w,
+    /// bias `[O]` in x's compute dtype (F32 for F16 / BF16), and optionally a residual of the
+    /// output's shape), computed in the compute dtype and rounded once (`true`: ReLU). On the GPU
+    /// one cuDNN kernel where it has one for the geometry (an inference network's convolution,
+    /// folded batch norm, skip connection and ReLU read and write each activation once).
+    Conv2dBiasAct(Conv2dArgs, bool),
     /// The maximum of each window of [N, C, H, W] (`ops::pool`) -> [N, C, OH, OW].
     MaxPool2d(MaxPool2dArgs),
     /// `MaxPool2d`'s gradient for its input, from (input, grad of the output).
@@ -131,6 +137,7 @@ impl Op {
             Op::Conv2d(_) => "conv2d",
             Op::Conv2dGradInput(..) => "conv2d_grad_input",
             Op::Conv2dGradWeight(..) => "conv2d_grad_weight",
+            Op::Conv2dBiasAct(..) => "conv2d_bias_act",
             Op::MaxPool2d(_) => "max_pool2d",
             Op::MaxPool2dBackward(_) => "max_pool2d_backward",
             Op::ToDevice { .. } => "to_device",
@@ -142,7 +149,7 @@ impl Op {
 
     /// A convolution product (a cuDNN call on CUDA, made of other ops elsewhere).
     pub(crate) fn is_conv(&self) -> bool {
-        matches!(self, Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..))
+        matches!(self, Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..))
     }
 
     /// A view of its input's storage: no kernel on any device.
@@ -182,6 +189,8 @@ impl Op {
             Op::IndexSelect(_) | Op::Gather(_) => (vec![false, true], false),
             Op::ScatterAdd(_) | Op::Scatter(_) => (vec![false, true, false], false),
             Op::Attention { .. } | Op::AttentionUpTo { .. } => (vec![true; n], true),
+            // The output for ReLU's mask.
+            Op::Conv2dBiasAct(_, relu) => ((0..n).map(|i| i < 2).collect(), *relu),
             Op::MaxPool2d(_) => (vec![true], false),
             Op::Matmul | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => (vec![true, true], false),
             _ => (vec![false; n], false),
@@ -225,7 +234,7 @@ impl Op {
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
             Op::Attention { .. } | Op::AttentionUpTo { .. } => (shape.to_vec(), dt),
             Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], dt),
-            Op::Conv2d(a) => (conv::out_shape(a, shape, xs[1].0)?, dt),
+            Op::Conv2d(a) | Op::Conv2dBiasAct(a, _) => (conv::out_shape(a, shape, xs[1].0)?, dt),
             Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
             Op::Conv2dGradWeight(a, k) => (vec![xs[1].0[1], shape[1] / a.groups.max(1), k.0, k.1], dt),
             Op::MaxPool2d(a) => {
@@ -371,7 +380,7 @@ impl Op {
                 return pooled(dx, &shape, nhwc, x);
             }
             Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::ToDevice { .. } => unreachable!("handled above"),
-            Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) => unreachable!("handled above"),
+            Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..) => unreachable!("handled above"),
         };
         Ok(Tensor::from_backend(storage, &shape))
     }
@@ -524,6 +533,24 @@ impl Op {
                 let gx = if want[0] { Some(apply(Op::Conv2dGradInput(*a, (in_shape[2], in_shape[3])), &[g, w])?) } else { None };
                 let gw = if want[1] { Some(apply(Op::Conv2dGradWeight(*a, kernel), &[x, g])?) } else { None };
                 Ok(vec![gx, gw])
+            }
+            // The convolution's gradients from the output gradient where ReLU passed it; the
+            // bias's is its sum per channel, the residual's itself.
+            Op::Conv2dBiasAct(a, relu) => {
+                let (x, w) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
+                let g = match relu {
+                    true => g.masked_fill(&y.expect("output saved").le_scalar(0.0)?, 0.0)?,
+                    false => g.clone(),
+                };
+                let kernel = (meta[1].0[2], meta[1].0[3]);
+                let gx = if want[0] { Some(apply(Op::Conv2dGradInput(*a, (in_shape[2], in_shape[3])), &[&g, w])?) } else { None };
+                let gw = if want[1] { Some(apply(Op::Conv2dGradWeight(*a, kernel), &[x, &g])?) } else { None };
+                let gb = if want[2] { Some(g.to_dtype(meta[2].1)?.sum(&[0, 2, 3], false)?) } else { None };
+                let mut grads = vec![gx, gw, gb];
+                if meta.len() > 3 {
+                    grads.push(if want[3] { Some(g.to_dtype(meta[3].1)?) } else { None });
+                }
+                Ok(grads)
             }
             Op::Conv2dGradInput(a, _) => {
                 // <GradInput(dy, w), g> = <dy, Conv2d(g, w)>.

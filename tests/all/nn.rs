@@ -329,3 +329,112 @@ fn a_folded_batch_norm_equals_the_convolution_and_batch_norm_it_replaces() {
     bn.eval();
     assert!(nn::fuse_conv_bn_eval(&conv, &bn).err().expect("an error").to_string().contains("5 output channels"));
 }
+
+/// `conv2d_bias_act` against the convolution and its epilogue written out (in F32 from the same
+/// rounded inputs): with and without a residual and ReLU, strided and padded, contiguous and
+/// channels-last, in F32 (rtol 1e-5, atol 1e-5) and, on the GPU where cuDNN's fused kernel
+/// runs it, BF16 and F16 (rounded once from F32: rtol 1e-2, atol 1e-2 for values of a few
+/// units); its gradients equal the written-out ones; bad arguments are errors.
+#[test]
+fn a_convolution_with_its_epilogue_equals_it_written_out() {
+    let r = |shape: &[usize], seed: u64, dt: DType| t(&host_rand(shape.iter().product(), seed), shape, dt);
+    let mut dtypes = vec![(DType::F32, 1e-5)];
+    if dev().is_cuda() {
+        dtypes.extend([(DType::BF16, 1e-2), (DType::F16, 1e-2)]);
+    }
+    for (dt, tol) in dtypes {
+        for (residual, relu, format, stride) in [(false, true, MemoryFormat::ChannelsLast, 1), (true, true, MemoryFormat::ChannelsLast, 1), (true, false, MemoryFormat::Contiguous, 2), (false, false, MemoryFormat::ChannelsLast, 2)] {
+            let args = nn::Conv2dArgs { stride: (stride, stride), padding: (1, 1), ..Default::default() };
+            let x = r(&[2, 16, 9, 8], 1, dt).mul_scalar(0.5).unwrap().to_memory_format(format).unwrap();
+            let w = r(&[32, 16, 3, 3], 2, dt).mul_scalar(0.1).unwrap().to_memory_format(format).unwrap();
+            let b = r(&[32], 3, DType::F32);
+            let (oh, ow) = (9usize.div_ceil(stride), 8usize.div_ceil(stride));
+            let z = residual.then(|| r(&[2, 32, oh, ow], 4, dt).to_memory_format(format).unwrap());
+            let leaf = |t: &Tensor| t.detach().requires_grad();
+            let (xg, wg, bg, zg) = (leaf(&x), leaf(&w), leaf(&b), z.as_ref().map(leaf));
+            let got = nn::functional::conv2d_bias_act(&xg, &wg, &bg, zg.as_ref(), args, relu).unwrap();
+            assert_eq!(got.shape(), [2, 32, oh, ow]);
+            assert_eq!(got.dtype(), dt);
+            let f32s = |t: &Tensor| leaf(&t.to_dtype(DType::F32).unwrap());
+            let (xr, wr, br, zr) = (f32s(&x), f32s(&w), f32s(&b), z.as_ref().map(f32s));
+            let mut want = nn::functional::conv2d(&xr, &wr, Some(&br), args).unwrap();
+            if let Some(z) = &zr {
+                want = want.add(z).unwrap();
+            }
+            if relu {
+                want = want.relu().unwrap();
+            }
+            let what = format!("{dt:?} residual {residual} relu {relu} {format:?} stride {stride}");
+            assert_close_named(&what, &vals(&got), &vals(&want), tol, tol);
+            // Gradients of a weighted sum (one BF16 rounding of each gradient: 2e-2).
+            let g = r(&[2, 32, oh, ow], 5, DType::F32);
+            got.to_dtype(DType::F32).unwrap().mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            want.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gtol = if dt == DType::F32 { 1e-4 } else { 3e-2 };
+            for (name, a, b) in [("x", &xg, &xr), ("w", &wg, &wr), ("bias", &bg, &br)] {
+                assert_close_named(&format!("{what}: d{name}"), &vals(&a.grad().unwrap()), &vals(&b.grad().unwrap()), gtol, gtol);
+            }
+            if let (Some(a), Some(b)) = (&zg, &zr) {
+                assert_close_named(&format!("{what}: dresidual"), &vals(&a.grad().unwrap()), &vals(&b.grad().unwrap()), gtol, gtol);
+            }
+        }
+    }
+    if dev().is_cuda() && kiln::cuda::cudnn_version().is_ok() {
+        // One cuDNN call: no kernel of kiln's after it.
+        let (x, w, b) = (r(&[4, 64, 14, 14], 1, DType::BF16).to_memory_format(MemoryFormat::ChannelsLast).unwrap(), r(&[64, 64, 3, 3], 2, DType::BF16).to_memory_format(MemoryFormat::ChannelsLast).unwrap(), r(&[64], 3, DType::F32));
+        let args = nn::Conv2dArgs { padding: (1, 1), ..Default::default() };
+        let p = kiln::profiler::profile(|| no_grad(|| nn::functional::conv2d_bias_act(&x, &w, &b, Some(&x), args, true))).unwrap();
+        let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).collect();
+        assert_eq!(names, ["cudnn_conv2d_bias_act_fwd_bfloat16"]);
+    }
+    let (x, w, b) = (r(&[1, 4, 5, 5], 1, DType::F32), r(&[6, 4, 3, 3], 2, DType::F32), r(&[6], 3, DType::F32));
+    let err = |res: Result<Tensor>| res.err().expect("an error").to_string();
+    let a = nn::Conv2dArgs::default();
+    assert!(err(nn::functional::conv2d_bias_act(&x, &w, &b.narrow(0, 0, 5).unwrap(), None, a, true)).contains("bias"));
+    assert!(err(nn::functional::conv2d_bias_act(&x, &w, &b, Some(&x), a, true)).contains("residual"));
+    assert!(err(nn::functional::conv2d_bias_act(&x.squeeze(0).unwrap(), &w, &b, None, a, true)).contains("4-D"));
+}
+
+/// An evaluation-mode ResNet block runs each convolution with its batch norm folded in and its
+/// residual and ReLU as the epilogue (`conv2d_bias_act`): the same numbers as the convolutions
+/// and batch norms apart (F32: rtol 1e-4, atol 1e-5), compiled one convolution op per conv.
+#[test]
+fn an_evaluation_mode_bottleneck_folds_its_batch_norms_into_its_convolutions() {
+    use kiln::compile::graph::{Graph, NodeOp};
+    use kiln::compile::{compile_with, Backend, CompileOptions};
+    let d = dev();
+    manual_seed(3);
+    let block = nn::Bottleneck::new(16, 8, 2, &d).unwrap();
+    for (i, p) in block.parameters().iter().enumerate() {
+        no_grad(|| p.copy_(&p.mul_scalar(0.5 + 0.1 * i as f64)?)).unwrap();
+    }
+    let x = t(&host_rand(2 * 16 * 8 * 8, 4), &[2, 16, 8, 8], DType::F32);
+    // A few training steps' worth of running statistics, then evaluation.
+    block.train();
+    for _ in 0..3 {
+        no_grad(|| block.forward(&x)).unwrap();
+    }
+    block.eval();
+    let got = no_grad(|| block.forward(&x)).unwrap();
+    let bn = |c: &nn::Conv2d, b: &nn::BatchNorm2d, x: &Tensor| b.forward(&c.forward(x).unwrap()).unwrap();
+    let want = no_grad(|| {
+        let out = bn(&block.conv1, &block.bn1, &x).relu()?;
+        let out = bn(&block.conv2, &block.bn2, &out).relu()?;
+        let ds = block.downsample.as_ref().expect("a strided block downsamples");
+        bn(&block.conv3, &block.bn3, &out).add(&bn(&ds.conv, &ds.bn, &x))?.relu()
+    })
+    .unwrap();
+    assert_close(&vals(&got), &vals(&want), 1e-4, 1e-5);
+    let convs = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let seen = convs.clone();
+    let backend = Backend::custom(move |g: &Graph, _| {
+        *seen.lock().unwrap() = g.nodes.iter().filter_map(|n| match &n.op {
+            NodeOp::Prim(op) if op.name().starts_with("conv2d") => Some(op.name().to_string()),
+            _ => None,
+        }).collect();
+        Ok(g.eager_runner())
+    });
+    let f = compile_with(CompileOptions::new().backend(backend), |x: &Tensor| no_grad(|| block.forward(x)));
+    assert_close(&vals(&f.call(&x).unwrap()), &vals(&want), 1e-4, 1e-5);
+    assert_eq!(convs.lock().unwrap().len(), 4, "{:?}", convs.lock().unwrap());
+}

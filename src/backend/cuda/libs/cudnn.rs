@@ -118,6 +118,8 @@ pub(crate) struct State {
     chosen: HashMap<Key, Choice>,
     /// Attention plans by geometry (None: cuDNN offered no engine for it).
     pub(crate) sdpa: HashMap<crate::backend::cuda::libs::sdpa::Key, Option<crate::backend::cuda::libs::cudnn_graph::Plan>>,
+    /// Convolution-with-epilogue plans by geometry (None: no engine for it).
+    pub(crate) conv_epilogue: HashMap<crate::backend::cuda::libs::conv_epilogue::Key, Option<crate::backend::cuda::libs::cudnn_graph::Plan>>,
 }
 // SAFETY: the handle is used under the device's mutex only.
 unsafe impl Send for State {}
@@ -294,7 +296,7 @@ unsafe fn execute(h: cs::cudnnHandle_t, algo: Algo, d: &Descs, p: Ptrs, ws: u64,
 
 /// An operand as cuDNN reads it: dense in `format`'s order, 16-byte aligned (a copy otherwise:
 /// a fresh block, aligned by the allocator).
-fn operand(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
+pub(crate) fn operand(t: &Tensor, format: MemoryFormat) -> Result<Tensor> {
     if t.is_contiguous_for(format) && kernels::data_ptr(t)? % 16 == 0 {
         return Ok(t.clone());
     }
@@ -355,7 +357,7 @@ pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'stat
     let mut guard = dev.cudnn.lock();
     if guard.is_none() {
         let handle = cr::create_handle().map_err(|e| fail("cudnnCreate", &e))?;
-        *guard = Some(State { handle, chosen: HashMap::new(), sdpa: HashMap::new() });
+        *guard = Some(State { handle, chosen: HashMap::new(), sdpa: HashMap::new(), conv_epilogue: HashMap::new() });
     }
     let st = guard.as_mut().expect("created above");
     // (A rehearsal runs no library call: the handle keeps its stream.)

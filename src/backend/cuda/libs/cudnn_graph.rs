@@ -149,6 +149,11 @@ impl Ops {
     /// Adds an operation of `kind`: its own descriptor (a matmul's, a reduction's; kept alive
     /// with the graph) and its tensors, by index into `parts`.
     pub(crate) fn push_op(&mut self, kind: DT, own: Option<(A, Desc)>, tensors: &[(A, usize)]) -> std::result::Result<(), String> {
+        self.push_op_then(kind, own, tensors, |_| Ok(()))
+    }
+    /// `push_op`, with `set` setting the operation's own attributes (a convolution's alpha and
+    /// beta) before it is finalized.
+    pub(crate) fn push_op_then(&mut self, kind: DT, own: Option<(A, Desc)>, tensors: &[(A, usize)], set: impl FnOnce(&Desc) -> std::result::Result<(), String>) -> std::result::Result<(), String> {
         let op = Desc::new(kind)?;
         if let Some((name, d)) = &own {
             op.set_desc(*name, d)?;
@@ -156,6 +161,7 @@ impl Ops {
         for &(name, t) in tensors {
             op.set_desc(name, &self.parts[t])?;
         }
+        set(&op)?;
         self.ops.push(op.finalize()?);
         if let Some((_, d)) = own {
             self.keep(d);
