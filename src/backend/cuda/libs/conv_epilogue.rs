@@ -9,7 +9,7 @@
 
 use crate::backend::cuda::kernels;
 use crate::backend::cuda::libs::cudnn::{self, operand, session};
-use crate::backend::cuda::libs::cudnn_graph::{execute, plan, ptr, tensor, Desc, Lives, Ops};
+use crate::backend::cuda::libs::cudnn_graph::{execute, plans, ptr, tensor, Desc, Lives, Ops};
 use crate::backend::cuda::CudaStorage;
 use crate::ops::Conv2dArgs;
 use crate::{DType, MemoryFormat, Result, Tensor};
@@ -92,13 +92,21 @@ fn graph(key: &Key) -> std::result::Result<Ops, String> {
     Ok(g)
 }
 
-/// relu?(conv(x, w) + bias [+ z]) as a new buffer dense in `format`'s order (x's dtype, F16 or
-/// BF16; `bias` `[O]` in F32). `shapes` are the input, weight and output dims. None: cuDNN
-/// has no plan for it (nothing was queued).
+/// Engine configurations timed per geometry (the heuristics' first ones that finalize; each
+/// plan cuDNN finalizes may compile a kernel).
+const TIMED: usize = 4;
+
+/// relu?(conv(x, w) + bias [+ z]) as a new buffer dense in channels-last order (x's dtype, F16
+/// or BF16; `bias` `[O]` in F32). `shapes` are the input, weight and output dims. The plan is
+/// the fastest of the heuristics' first `TIMED` engine configurations, timed on these operands
+/// the first time a geometry runs (as PyTorch's `cudnn.benchmark`; remembered on disk with
+/// max-autotune's choices), the first of them where timing cannot run (a graph capture). None:
+/// cuDNN has no plan for it, or the operands are not channels-last (cuDNN's fused engines are
+/// NHWC ones), or a rehearsal meets a geometry not planned yet; nothing was queued.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward(args: &Conv2dArgs, shapes: [[usize; 4]; 3], x: &Tensor, w: &Tensor, bias: &Tensor, z: Option<&Tensor>, relu: bool, format: MemoryFormat) -> Result<Option<CudaStorage>> {
     let dtype = x.dtype();
-    if !matches!(dtype, DType::F16 | DType::BF16) || args.groups != 1 || bias.dtype() != DType::F32 || cudnn::library().is_err() {
+    if !matches!(dtype, DType::F16 | DType::BF16) || format != MemoryFormat::ChannelsLast || args.groups != 1 || bias.dtype() != DType::F32 || cudnn::library().is_err() {
         return Ok(None);
     }
     if shapes.iter().any(|s| s.contains(&0) || s.iter().product::<usize>() > i32::MAX as usize) {
@@ -108,19 +116,13 @@ pub(crate) fn forward(args: &Conv2dArgs, shapes: [[usize; 4]; 3], x: &Tensor, w:
     let key = Key { dtype, shapes, args: *args, format, residual: z.is_some(), relu };
     let op = "conv2d_bias_act";
     session(&dev, op, |st| {
-        if !st.conv_epilogue.contains_key(&key) {
-            let started = std::time::Instant::now();
-            let built = graph(&key).and_then(|g| plan(st.handle, g));
-            crate::logging::log(crate::logging::Topic::Kernels, || match &built {
-                Ok(_) => format!("cudnn convolution epilogue: plan for {key:?} built in {:.1} ms", started.elapsed().as_secs_f64() * 1e3),
-                Err(why) => format!("cudnn convolution epilogue: no plan for {key:?} ({why})"),
-            });
-            st.conv_epilogue.insert(key.clone(), built.ok());
+        let rehearsal = dev.work().stream().is_none();
+        if rehearsal && !st.conv_epilogue.contains_key(&key) {
+            return Ok(None);
         }
-        let Some(p) = st.conv_epilogue[&key].as_ref() else { return Ok(None) };
         let out = CudaStorage::new(&dev, dtype, shapes[2].iter().product())?;
-        if dev.work().stream().is_none() {
-            return Ok(Some(out));
+        if rehearsal {
+            return Ok(st.conv_epilogue[&key].is_some().then_some(out));
         }
         let (x, w) = (operand(x, format)?, operand(w, format)?);
         let z = z.map(|z| operand(z, format)).transpose()?;
@@ -129,8 +131,48 @@ pub(crate) fn forward(args: &Conv2dArgs, shapes: [[usize; 4]; 3], x: &Tensor, w:
         if let Some(z) = &z {
             ptrs.push((Z, ptr(kernels::data_ptr(z)?)));
         }
+        if !st.conv_epilogue.contains_key(&key) {
+            let chosen = choose(&dev, st.handle, &key, &ptrs);
+            st.conv_epilogue.insert(key.clone(), chosen);
+        }
+        let Some(p) = st.conv_epilogue[&key].as_ref() else { return Ok(None) };
         let _rec = crate::profiler::cudnn(&dev, "conv2d_bias_act_fwd", dtype);
         execute(&dev, st.handle, p, &ptrs, op)?;
         Ok(Some(out))
     })
+}
+
+/// The plan for `key`: the remembered choice, else the fastest of the first `TIMED` that
+/// finalize (run on `ptrs`, whose output each overwrites), else the first. Logged under
+/// `KILN_LOG=kernels`.
+fn choose(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, h: cs::cudnnHandle_t, key: &Key, ptrs: &[(i64, *mut c_void)]) -> Option<crate::backend::cuda::libs::cudnn_graph::Plan> {
+    use crate::backend::cuda::tuning::autotune;
+    let started = std::time::Instant::now();
+    let memo = format!("cudnn conv2d_bias_act {key:?}|{}", dev.tune_ident);
+    let remembered: Option<usize> = autotune::lookup(&memo).and_then(|v| v.parse().ok());
+    let timing = remembered.is_none() && autotune::allowed(dev);
+    let most = remembered.map_or(if timing { TIMED } else { 1 }, |i| i + 1);
+    let mut plans = match graph(key).and_then(|g| plans(h, g, most)) {
+        Ok(p) => p,
+        Err(why) => {
+            crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn convolution epilogue: no plan for {key:?} ({why})"));
+            return None;
+        }
+    };
+    let at = match remembered {
+        Some(i) => i.min(plans.len() - 1),
+        None if timing && plans.len() > 1 => {
+            let timed: Vec<(String, usize, Option<f64>)> = plans.iter().enumerate().map(|(i, p)| (format!("engine configuration {i}"), i, autotune::time_ms(dev, || execute(dev, h, p, ptrs, "conv2d_bias_act")))).collect();
+            match autotune::pick(&format!("cudnn conv2d_bias_act {key:?}"), &timed) {
+                Some((i, _)) => {
+                    autotune::store(&memo, &i.to_string());
+                    i
+                }
+                None => 0,
+            }
+        }
+        None => 0,
+    };
+    crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn convolution epilogue: plan {at} of {} for {key:?}, {:.1} ms", plans.len(), started.elapsed().as_secs_f64() * 1e3));
+    Some(plans.swap_remove(at))
 }

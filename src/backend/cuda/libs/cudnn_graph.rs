@@ -192,13 +192,21 @@ impl Ops {
 /// An execution plan and the descriptors it was built from.
 pub(crate) struct Plan {
     plan: Desc,
-    _parts: Vec<Desc>,
+    /// The graph's descriptors, shared by the plans made of it.
+    _parts: Arc<Vec<Desc>>,
     workspace: usize,
 }
 
 /// The plan of the graph `g`: the heuristics' engine configurations in their order, the first
 /// that finalizes.
 pub(crate) fn plan(h: cs::cudnnHandle_t, g: Ops) -> std::result::Result<Plan, String> {
+    let mut plans = plans(h, g, 1)?;
+    Ok(plans.remove(0))
+}
+
+/// The plans of the graph `g` from the first `most` of the heuristics' engine configurations
+/// that finalize, in the heuristics' order (at least one, else why none did).
+pub(crate) fn plans(h: cs::cudnnHandle_t, g: Ops, most: usize) -> std::result::Result<Vec<Plan>, String> {
     let Ops { ops, mut parts, .. } = g;
     let graph = Desc::new(DT::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
@@ -219,7 +227,11 @@ pub(crate) fn plan(h: cs::cudnnHandle_t, g: Ops) -> std::result::Result<Plan, St
     // SAFETY: `raw` holds `count` created engine-configuration descriptors to fill.
     check(unsafe { cs::cudnnBackendGetAttribute(heur.0, results, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &mut got, raw.as_mut_ptr() as *mut c_void) }, "reading engine configurations")?;
     let mut why = format!("the heuristics proposed {got} engine configurations");
+    let mut made = vec![];
     for config in configs.iter().take(got.max(0) as usize) {
+        if made.len() == most {
+            break;
+        }
         let plan = Desc::new(DT::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
         plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, T::CUDNN_TYPE_HANDLE, &[h])?;
         plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, config)?;
@@ -228,15 +240,19 @@ pub(crate) fn plan(h: cs::cudnnHandle_t, g: Ops) -> std::result::Result<Plan, St
                 let (mut n, mut bytes) = (0i64, 0i64);
                 // SAFETY: one INT64 into `bytes`.
                 check(unsafe { cs::cudnnBackendGetAttribute(plan.0, A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, T::CUDNN_TYPE_INT64, 1, &mut n, &mut bytes as *mut i64 as *mut c_void) }, "the workspace size")?;
-                parts.extend(ops);
-                parts.extend([graph, heur]);
-                parts.extend(configs);
-                return Ok(Plan { plan, _parts: parts, workspace: bytes.max(0) as usize });
+                made.push((plan, bytes.max(0) as usize));
             }
             Err(e) => why = e,
         }
     }
-    Err(why)
+    if made.is_empty() {
+        return Err(why);
+    }
+    parts.extend(ops);
+    parts.extend([graph, heur]);
+    parts.extend(configs);
+    let parts = Arc::new(parts);
+    Ok(made.into_iter().map(|(plan, workspace)| Plan { plan, _parts: parts.clone(), workspace }).collect())
 }
 
 /// Queues `plan` with the tensors `ptrs` (by id) and a workspace from the caching allocator.
