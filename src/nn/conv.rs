@@ -105,7 +105,7 @@ pub fn conv2d_bias_act(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opt
     let compute = x.dtype().compute_dtype();
     let bias = bias.to_dtype(compute)?;
     let residual = residual.map(|r| r.to_dtype(x.dtype())).transpose()?;
-    if crate::backend::conv_epilogue_pays(&x, args) {
+    if crate::backend::conv_epilogue_pays(&x, &weight, args) {
         let mut inputs = vec![&x, &weight, &bias];
         inputs.extend(residual.as_ref());
         return apply(Op::Conv2dBiasAct(args, relu), &inputs);
