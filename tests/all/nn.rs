@@ -389,7 +389,7 @@ fn a_convolution_with_its_epilogue_equals_it_written_out() {
         assert_eq!(names, ["cudnn_conv2d_bias_act_fwd_bfloat16"]);
     }
     let (x, w, b) = (r(&[1, 4, 5, 5], 1, DType::F32), r(&[6, 4, 3, 3], 2, DType::F32), r(&[6], 3, DType::F32));
-    let err = |res: Result<Tensor>| res.err().expect("an error").to_string();
+    let err = |res: Result<Tensor>| res.expect_err("an error").to_string();
     let a = nn::Conv2dArgs::default();
     assert!(err(nn::functional::conv2d_bias_act(&x, &w, &b.narrow(0, 0, 5).unwrap(), None, a, true)).contains("bias"));
     assert!(err(nn::functional::conv2d_bias_act(&x, &w, &b, Some(&x), a, true)).contains("residual"));

@@ -16,8 +16,11 @@ pub(crate) const VIRTUAL: i64 = 100;
 
 /// A backend descriptor, destroyed with its owner.
 pub(crate) struct Desc(pub(crate) cs::cudnnBackendDescriptor_t);
-// SAFETY: descriptors are used under the device's cuDNN mutex only.
+// SAFETY: descriptors are used under the device's cuDNN mutex only (plans of one graph share
+// its descriptors, never touched outside that mutex).
 unsafe impl Send for Desc {}
+// SAFETY: as for Send.
+unsafe impl Sync for Desc {}
 
 impl Drop for Desc {
     fn drop(&mut self) {
