@@ -43,11 +43,7 @@ mod tests {
     /// summed over its two query heads) by finite differences.
     #[test]
     fn the_ops_host_reference_and_gradient_are_the_masked_attentions() {
-        let rand = |shape: &[usize], seed: u64| {
-            let n: usize = shape.iter().product();
-            let v: Vec<f64> = (0..n).map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0 - 1.0).collect();
-            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-        };
+        let rand = crate::ops::host_values;
         // q [L, B, H, D], k and v [S, B, H_kv, D].
         let (q, k, v) = (rand(&[2, 2, 4, 3], 1), rand(&[5, 2, 2, 3], 2), rand(&[5, 2, 2, 3], 3));
         let last = Tensor::from_vec(vec![1i64, 4], &[2], &Device::Cpu).unwrap();

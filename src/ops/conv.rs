@@ -271,18 +271,14 @@ fn grad_input(dy: &Tensor, w: &Tensor, a: &Conv2dArgs, geo: &Geom) -> Result<Ten
 #[cfg(test)]
 mod tests {
     use crate::ops::{apply, Op};
-    use crate::{gradcheck, Device, GradcheckOptions, Tensor};
+    use crate::{gradcheck, GradcheckOptions};
 
     /// `Op::Conv2dBiasAct` itself on the host (the functional sends it only to the GPU): the
     /// convolution and its epilogue, and its gradients (through ReLU's mask, into the bias and
     /// the residual) by finite differences in F64.
     #[test]
     fn the_epilogue_ops_host_reference_and_gradient() {
-        let rand = |shape: &[usize], seed: u64| {
-            let n: usize = shape.iter().product();
-            let v: Vec<f64> = (0..n).map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0 - 1.0).collect();
-            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-        };
+        let rand = crate::ops::host_values;
         let args = super::Conv2dArgs { stride: (2, 1), padding: (1, 1), ..Default::default() };
         let (x, w, b, z) = (rand(&[2, 3, 5, 4], 1), rand(&[4, 3, 3, 3], 2), rand(&[4], 3), rand(&[2, 4, 3, 4], 4));
         for relu in [false, true] {

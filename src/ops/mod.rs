@@ -632,3 +632,11 @@ pub(crate) fn apply(op: Op, inputs: &[&Tensor]) -> Result<Tensor> {
     let out = if crate::compile::trace::active() { crate::compile::trace::record(op.clone(), inputs)? } else { op.forward(inputs)? };
     crate::autograd::record(op, inputs, out)
 }
+
+/// Deterministic F64 values in [-1, 1) of `shape` on the host, for the ops' unit tests.
+#[cfg(test)]
+pub(crate) fn host_values(shape: &[usize], seed: u64) -> Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f64> = (0..n).map(|i| ((i as u64 * 2654435761 + seed * 97) % 1000) as f64 / 500.0 - 1.0).collect();
+    Tensor::from_vec(v, shape, &crate::Device::Cpu).expect("a host tensor")
+}
