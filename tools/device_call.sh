@@ -392,7 +392,7 @@ if [[ " $* " == *" decode "* ]]; then
   # norms as kernels of their own (KILN_ROW_PROLOGUE=0), and with cuBLASLt's products
   # (KILN_GEMV=0); then its kernel table.
   if [ "${DECODE_TESTS:-1}" != 0 ]; then bash .gpu/run.sh $OUT/decode-suite lm:: ops_matmul:: attention:: layer_norm softmax one_row 2>&1 | tail -3; grep -E "FAILED|panicked" $OUT/decode-suite/gpu-tests.log | head -20; fi
-  for e in "KILN_PDL=1" "KILN_ROW_PROLOGUE=0" "KILN_GEMV=0"; do
+  for e in "KILN_PDL=1" "KILN_GRAPH_BRANCHES=0" "KILN_ROW_PROLOGUE=0" "KILN_GEMV=0"; do
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout ${PAIR_KILN_S:-200} .gpu/bin/kiln bench --only gpt2.decode --out /tmp/dec.json > /dev/null 2>&1
     python3 -c "import json; [print('$e', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms') or a.endswith('_kernels')}) for k, v in json.load(open('/tmp/dec.json'))['workloads'].items()]"
   done

@@ -92,6 +92,9 @@ impl KvCache {
 /// layer, so built once).
 pub(super) struct Step<'a> {
     place: Place<'a>,
+    /// Device positions: each layer's new keys and values, written into the cache by `finish`
+    /// (its attention read them directly, so no later work waits for the write).
+    pending: Vec<(usize, Tensor)>,
     /// Broadcast to `[B, H, T, keys]`: true where a query sees a key. None: every key, or (from
     /// position 0 without padding) the plain causal pattern (`is_causal`), or (positions on the
     /// device) the keys up to each sequence's position (`attention_up_to`).
@@ -138,7 +141,7 @@ impl<'a> Step<'a> {
                 })
             }
         };
-        Ok(Step { place: Place::Host { start, cache, mask }, attn_mask })
+        Ok(Step { place: Place::Host { start, cache, mask }, pending: vec![], attn_mask })
     }
 
     /// One token per sequence (`ids` `[B, 1]`) at `positions` `[B]` (I64, on the model's device).
@@ -152,7 +155,7 @@ impl<'a> Step<'a> {
             return Err(Error::shape(op, format!("a batch of {b} against a cache for {}", cache.batch())));
         }
         // Each sequence sees the positions up to its own (`attend`: no mask).
-        Ok(Step { place: Place::Device { positions: positions.clone(), cache }, attn_mask: None })
+        Ok(Step { place: Place::Device { positions: positions.clone(), cache }, pending: vec![], attn_mask: None })
     }
 
     /// The first new position when it is known on the host (the model checks its limit).
@@ -184,10 +187,14 @@ impl<'a> Step<'a> {
             Place::Host { cache: Some(c), .. } => c.write(layer, kv)?,
             Place::Host { cache: None, .. } => kv.clone(),
             Place::Device { positions, cache } => {
-                // Every position of the cache, each sequence's up to its own.
-                let kv = cache.write_at(layer, kv, positions)?;
-                let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
-                return attention_up_to(q, &k, &v, positions, Some(scale));
+                // The cache's positions before this one, each sequence's up to its own, and the
+                // new keys and values at it; `finish` writes them into the cache.
+                let buf = cache.layer(layer)?;
+                let half = |t: &Tensor, i: usize| t.narrow(0, i, 1)?.squeeze(0);
+                let kv_new = kv.to_dtype(buf.dtype())?;
+                let out = attention_up_to(q, &half(buf, 0)?, &half(buf, 1)?, positions, Some((&half(&kv_new, 0)?, &half(&kv_new, 1)?)), Some(scale))?;
+                self.pending.push((layer, kv.clone()));
+                return Ok(out);
             }
         };
         let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
@@ -197,11 +204,19 @@ impl<'a> Step<'a> {
         scaled_dot_product_attention(q, &k, &v, &opts)
     }
 
-    /// After the last layer: a host-counted cache holds the new positions.
-    pub fn finish(self, t: usize) {
-        if let Place::Host { cache: Some(c), .. } = self.place {
-            c.len += t;
+    /// After the last layer's attention: a host-counted cache holds the new positions; a
+    /// device-positioned step writes each layer's new keys and values into the cache.
+    pub fn finish(self, t: usize) -> Result<()> {
+        match self.place {
+            Place::Host { cache: Some(c), .. } => c.len += t,
+            Place::Host { cache: None, .. } => {}
+            Place::Device { positions, cache } => {
+                for (layer, kv) in &self.pending {
+                    cache.write_at(*layer, kv, &positions)?;
+                }
+            }
         }
+        Ok(())
     }
 }
 

@@ -256,8 +256,10 @@ impl Gpt2 {
             let m = F::layer_norm(&h, &[e], Some(&blk.ln_2.0), Some(&blk.ln_2.1), c.layer_norm_epsilon)?;
             h = h.add(&conv1d(&(self.act)(&conv1d(&m, &blk.c_fc)?)?, &blk.mlp_proj)?)?;
         }
-        step.finish(t);
         let h = F::layer_norm(&h, &[e], Some(&self.ln_f.0), Some(&self.ln_f.1), c.layer_norm_epsilon)?;
-        h.matmul(&self.wte.t()?)
+        let logits = h.matmul(&self.wte.t()?)?;
+        // (After the logits: a decode step's cache writes then wait for nothing that follows.)
+        step.finish(t)?;
+        Ok(logits)
     }
 }

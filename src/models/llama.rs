@@ -358,8 +358,10 @@ impl Llama {
             let m = self.rms_norm(&x, &l.post_attention_layernorm)?;
             x = x.add(&l.down.forward(&(self.act)(&l.gate.forward(&m)?)?.mul(&l.up.forward(&m)?)?)?)?;
         }
-        step.finish(t);
         let x = self.rms_norm(&x, &self.norm)?;
-        x.matmul(&self.lm_head.as_ref().unwrap_or(&self.embed_tokens).t()?)
+        let logits = x.matmul(&self.lm_head.as_ref().unwrap_or(&self.embed_tokens).t()?)?;
+        // (After the logits: a decode step's cache writes then wait for nothing that follows.)
+        step.finish(t)?;
+        Ok(logits)
     }
 }

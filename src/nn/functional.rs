@@ -211,16 +211,19 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
 /// `[N, H_kv, S, D]`, where every query of sequence n sees the keys `0..=last[n]` only (`last`
 /// `[N]`, I64: the position each sequence has reached; past S - 1 all S keys, below 0 none, which
 /// gives NaN as a fully masked row does). Heads share key/value heads in groups of H / H_kv
-/// (grouped-query attention) without copying them. `scale` is 1/sqrt(D) when `None`. The same
+/// (grouped-query attention) without copying them. `new`: the keys and values at position
+/// `last[n]`, `[N, H_kv, 1, D]` each, read in place of the cache's row there (a decode step's,
+/// which it writes into the cache afterwards, so nothing waits for that write).
+/// `scale` is 1/sqrt(D) when `None`. The same
 /// numbers as [`scaled_dot_product_attention`] under the mask `keys <= last[n]`; on the GPU a
 /// decode step's one query row per head runs as one kernel that reads only the keys it sees.
 /// Returns `[N, H, L, D]`.
 #[track_caller]
-pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, scale: Option<f64>) -> Result<Tensor> {
+pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: Option<(&Tensor, &Tensor)>, scale: Option<f64>) -> Result<Tensor> {
     let _site = crate::profiler::call_site();
     let op = "attention_up_to";
-    same_device(op, q, &[Some(k), Some(v), Some(last)])?;
-    for t in [q, k, v] {
+    same_device(op, q, &[Some(k), Some(v), Some(last), new.map(|n| n.0), new.map(|n| n.1)])?;
+    for t in [q, k, v].into_iter().chain(new.map(|n| n.0)).chain(new.map(|n| n.1)) {
         float_input(op, t)?;
     }
     let (n, h, d) = match q.shape() {
@@ -234,18 +237,30 @@ pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, scale:
     if last.shape() != [n] || last.dtype() != DType::I64 {
         return Err(Error::shape(op, format!("last must be one I64 position per sequence ([{n}]), got {:?} {:?}", last.shape(), last.dtype())));
     }
+    if let Some((kn, vn)) = new {
+        let row = [n, k.shape()[1], 1, d];
+        if kn.shape() != row || vn.shape() != row {
+            return Err(Error::shape(op, format!("the new key and value must be [N, H_kv, 1, D] = {row:?}, got {:?} and {:?}", kn.shape(), vn.shape())));
+        }
+    }
     let (q, k) = crate::amp::cast_pair(q, k)?;
     let (v, _) = crate::amp::cast_pair(v, &q)?;
-    if q.dtype() != k.dtype() || q.dtype() != v.dtype() {
-        return Err(Error::dtype(op, k.dtype(), format!("query, key and value must share a dtype, got {:?}, {:?} and {:?}", q.dtype(), k.dtype(), v.dtype())));
+    let new = new.map(|(kn, vn)| -> Result<(Tensor, Tensor)> { Ok((crate::amp::cast_pair(kn, &q)?.0, crate::amp::cast_pair(vn, &q)?.0)) }).transpose()?;
+    if q.dtype() != k.dtype() || q.dtype() != v.dtype() || new.as_ref().is_some_and(|(kn, vn)| kn.dtype() != q.dtype() || vn.dtype() != q.dtype()) {
+        return Err(Error::dtype(op, k.dtype(), format!("query, keys and values must share a dtype, got {:?}, {:?} and {:?}", q.dtype(), k.dtype(), v.dtype())));
     }
     let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
     let lbhd = |t: &Tensor| t.permute(&[2, 0, 1, 3]);
     let (q, k, v) = (lbhd(&q)?, lbhd(&k)?, lbhd(&v)?);
+    let new = new.map(|(kn, vn)| -> Result<(Tensor, Tensor)> { Ok((lbhd(&kn)?, lbhd(&vn)?)) }).transpose()?;
     let out = match crate::backend::attention_up_to_kernel_takes(&q, &k) {
-        true => crate::ops::apply(crate::ops::Op::AttentionUpTo { scale }, &[&q, &k, &v, last])?,
+        true => {
+            let mut inputs = vec![&q, &k, &v, last];
+            inputs.extend(new.iter().flat_map(|(kn, vn)| [kn, vn]));
+            crate::ops::apply(crate::ops::Op::AttentionUpTo { scale }, &inputs)?
+        }
         false => {
-            let (k, v, mask) = crate::ops::attention::up_to_operands(&q, &k, &v, last)?;
+            let (k, v, mask) = crate::ops::attention::up_to_operands(&q, &k, &v, last, new.as_ref().map(|(kn, vn)| (kn, vn)))?;
             attention_lbhd(&q, &k, &v, Some(&mask), scale, false, 0.0)?
         }
     };

@@ -88,8 +88,10 @@ pub enum Op {
     /// softmax(scale q k^T) v where the queries of batch b see only the keys `0..=last[b]` (a
     /// static cache's filled positions, flash-attention's `cache_seqlens`), from q
     /// `[L, B, H, D]`, k and v `[S, B, H_kv, D]` (heads share key/value heads in groups of
-    /// H / H_kv) and `last` `[B]` (I64; below 0 no key: NaN, as a fully masked row). The output
-    /// is contiguous `[L, B, H, D]`, as [`Op::Attention`]'s.
+    /// H / H_kv) and `last` `[B]` (I64; below 0 no key: NaN, as a fully masked row), and
+    /// optionally the key and value at position `last[b]` `[1, B, H_kv, D]` each, read in place
+    /// of the cache's row there (which the caller writes afterwards). The output is contiguous
+    /// `[L, B, H, D]`, as [`Op::Attention`]'s.
     AttentionUpTo { scale: f64 },
 }
 
@@ -166,7 +168,8 @@ impl Op {
             Op::Reduce(r, ..) => vec![r.differentiable()],
             Op::IndexSelect(_) | Op::Gather(_) => vec![true, false],
             Op::ScatterAdd(_) | Op::Scatter(_) => vec![true, false, true],
-            Op::Attention { .. } | Op::AttentionUpTo { .. } => (0..n).map(|i| i < 3).collect(),
+            Op::Attention { .. } => (0..n).map(|i| i < 3).collect(),
+            Op::AttentionUpTo { .. } => (0..n).map(|i| i != 3).collect(),
             Op::AttentionBackward { .. } | Op::MaxPool2dBackward(_) => vec![false; n],
             _ => vec![true; n],
         }
@@ -360,10 +363,15 @@ impl Op {
             // On the GPU only what its kernel takes (`backend::attention_up_to_kernel_takes`).
             Op::AttentionUpTo { scale } => {
                 let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
+                let new = match xs.get(4..6) {
+                    Some([kn, vn]) => Some((head_dim_contiguous(kn)?, head_dim_contiguous(vn)?)),
+                    _ => None,
+                };
+                let new = new.as_ref().map(|(kn, vn)| (kn, vn));
                 if on_cuda {
-                    BackendStorage::Cuda(cuda::kernels::attention::attention_up_to(&q, &k, &v, xs[3], *scale)?)
+                    BackendStorage::Cuda(cuda::kernels::attention::attention_up_to(&q, &k, &v, xs[3], new, *scale)?)
                 } else {
-                    let (k, v, mask) = attention::up_to_operands(&q, &k, &v, xs[3])?;
+                    let (k, v, mask) = attention::up_to_operands(&q, &k, &v, xs[3], new)?;
                     BackendStorage::Cpu(cpu::attention::attention(&q, &k, &v, Some(&mask), *scale, false))
                 }
             }
@@ -512,18 +520,28 @@ impl Op {
             Op::AttentionUpTo { scale } => {
                 let saved = |i: usize| xs[i].as_ref().expect("attention inputs saved");
                 let (q, k, v, last) = (saved(0), saved(1), saved(2), saved(3));
+                let new = (xs.len() > 4).then(|| (saved(4), saved(5)));
                 let y = y.expect("attention output saved");
-                let (kh, vh, mask) = attention::up_to_operands(q, k, v, last)?;
+                let (kh, vh, mask) = attention::up_to_operands(q, k, v, last, new)?;
                 let g = g.contiguous()?;
                 let packed = apply(Op::AttentionBackward { scale: *scale, causal: false }, &[q, &kh, &vh, y, &g, &mask])?;
                 let (nq, nk) = (q.numel(), kh.numel());
-                let heads = |at: usize, like: &(Vec<usize>, DType)| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, like.0[2])?.to_dtype(like.1);
-                Ok(vec![
-                    if want[0] { Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?) } else { None },
-                    if want[1] { Some(heads(nq, &meta[1])?) } else { None },
-                    if want[2] { Some(heads(nq + nk, &meta[2])?) } else { None },
-                    None,
-                ])
+                let heads = |at: usize| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, k.shape()[2]);
+                let mut grads = vec![if want[0] { Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?) } else { None }, None, None, None];
+                // Key and value gradients: the cache's rows, and the new row's where it stood in.
+                for (i, at) in [(1, nq), (2, nq + nk)] {
+                    if !(want[i] || new.is_some() && want[i + 3]) {
+                        continue;
+                    }
+                    let (cache, fresh) = attention::split_new_row(&heads(at)?, last, new.is_some())?;
+                    grads[i] = if want[i] { Some(cache.to_dtype(meta[i].1)?) } else { None };
+                    if let Some(f) = fresh.filter(|_| want[i + 3]) {
+                        grads.resize(6, None);
+                        grads[i + 3] = Some(f.to_dtype(meta[i + 3].1)?);
+                    }
+                }
+                grads.resize(meta.len(), None);
+                Ok(grads)
             }
             // The three convolution products are bilinear and adjoint to one another, so each
             // one's gradients are the other two.

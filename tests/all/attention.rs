@@ -191,12 +191,23 @@ fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
             for pos in [0, 5, 128, 255, 256, 700, s as i64 - 1, s as i64 + 7] {
                 let last: Vec<i64> = (0..n as i64).map(|i| (pos - 3 * i).max(0)).collect();
                 let lt = Tensor::from_vec(last.clone(), &[n], &dev()).unwrap();
-                let got = F::attention_up_to(&q, &k, &v, &lt, None).unwrap();
+                let got = F::attention_up_to(&q, &k, &v, &lt, None, None).unwrap();
                 let wide = |t: &Tensor| if dev().is_cuda() { t.to_dtype(DType::F32).unwrap() } else { t.clone() };
                 let mask = up_to_mask(&last, s, wide(&q).dtype());
                 let want = reference(&wide(&q), &repeat_heads(&wide(&k), h / hkv), &repeat_heads(&wide(&v), h / hkv), Some(&mask), false, 1.0 / (d as f64).sqrt());
                 assert_eq!(got.shape(), [n, h, 1, d]);
                 assert_close_named(&format!("{dt:?} n {n} h {h}/{hkv} d {d} at {pos}"), &vals(&got), &vals(&want), tol, tol);
+                // New keys and values at each position, standing in for the cache's rows there:
+                // as if written into the cache first.
+                let (kn, vn) = (rand_t(&[n, hkv, 1, d], 5, dt), rand_t(&[n, hkv, 1, d], 6, dt));
+                let got = F::attention_up_to(&q, &k, &v, &lt, Some((&kn, &vn)), None).unwrap();
+                let written = |c: &Tensor, row: &Tensor| {
+                    let at = Tensor::from_vec(last.iter().map(|&p| p.min(s as i64 - 1)).collect::<Vec<i64>>(), &[n, 1, 1, 1], &dev()).unwrap().broadcast_to(&[n, hkv, 1, d]).unwrap();
+                    let rows_in_range = last.iter().all(|&p| p < s as i64);
+                    if rows_in_range { c.scatter(2, &at, row).unwrap() } else { c.clone() }
+                };
+                let want = reference(&wide(&q), &repeat_heads(&wide(&written(&k, &kn)), h / hkv), &repeat_heads(&wide(&written(&v, &vn)), h / hkv), Some(&mask), false, 1.0 / (d as f64).sqrt());
+                assert_close_named(&format!("{dt:?} n {n} h {h}/{hkv} d {d} at {pos}, new rows"), &vals(&got), &vals(&want), tol, tol);
             }
         }
     }
@@ -209,26 +220,31 @@ fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
 fn attention_up_to_rows_gradients_and_bad_arguments() {
     let (q, k, v) = (rand_t(&[2, 4, 3, 8], 1, DType::F32), rand_t(&[2, 2, 6, 8], 2, DType::F32), rand_t(&[2, 2, 6, 8], 3, DType::F32));
     let lt = Tensor::from_vec(vec![2i64, 5], &[2], &dev()).unwrap();
-    let got = F::attention_up_to(&q, &k, &v, &lt, Some(0.3)).unwrap();
+    let got = F::attention_up_to(&q, &k, &v, &lt, None, Some(0.3)).unwrap();
     let want = reference(&q, &repeat_heads(&k, 2), &repeat_heads(&v, 2), Some(&up_to_mask(&[2, 5], 6, DType::F32)), false, 0.3);
     assert_close(&vals(&got), &vals(&want), 1e-5, 1e-5);
 
     let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap();
-    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, Some(0.7)), &[f64s(&q), f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
+    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, None, Some(0.7)), &[f64s(&q), f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
     let one_row = f64s(&q.narrow(2, 0, 1).unwrap());
-    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, None), &[one_row, f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
+    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, None, None), &[one_row.clone(), f64s(&k), f64s(&v)], GradcheckOptions::default()).unwrap();
+    // With the new rows standing in for the cache's at each position: their gradients too.
+    let (kn, vn) = (rand_t(&[2, 2, 1, 8], 6, DType::F64), rand_t(&[2, 2, 1, 8], 7, DType::F64));
+    gradcheck(|xs| F::attention_up_to(&xs[0], &xs[1], &xs[2], &lt, Some((&xs[3], &xs[4])), None), &[one_row, f64s(&k), f64s(&v), kn, vn], GradcheckOptions::default()).unwrap();
 
     for dt in [DType::BF16, DType::F32] {
         let before = Tensor::from_vec(vec![-1i64, 0], &[2], &dev()).unwrap();
-        let y = vals(&F::attention_up_to(&q.narrow(2, 0, 1).unwrap().to_dtype(dt).unwrap(), &k.to_dtype(dt).unwrap(), &v.to_dtype(dt).unwrap(), &before, None).unwrap());
+        let y = vals(&F::attention_up_to(&q.narrow(2, 0, 1).unwrap().to_dtype(dt).unwrap(), &k.to_dtype(dt).unwrap(), &v.to_dtype(dt).unwrap(), &before, None, None).unwrap());
         assert!(y[..32].iter().all(|x| x.is_nan()) && y[32..].iter().all(|x| x.is_finite()), "{dt:?}: {y:?}");
     }
 
     let err = |r: Result<Tensor>| r.unwrap_err().to_string();
-    assert!(err(F::attention_up_to(&q, &k.narrow(1, 0, 1).unwrap().broadcast_to(&[2, 3, 6, 8]).unwrap(), &v, &lt, None)).contains("H_kv"));
-    assert!(err(F::attention_up_to(&q, &k, &v, &lt.to_dtype(DType::I32).unwrap(), None)).contains("I64"));
-    assert!(err(F::attention_up_to(&q, &k, &v, &lt.narrow(0, 0, 1).unwrap(), None)).contains("[2]"));
-    assert!(err(F::attention_up_to(&q, &k, &v.narrow(2, 0, 5).unwrap(), &lt, None)).contains("[N, H_kv, S, D]"));
+    assert!(err(F::attention_up_to(&q, &k.narrow(1, 0, 1).unwrap().broadcast_to(&[2, 3, 6, 8]).unwrap(), &v, &lt, None, None)).contains("H_kv"));
+    assert!(err(F::attention_up_to(&q, &k, &v, &lt.to_dtype(DType::I32).unwrap(), None, None)).contains("I64"));
+    assert!(err(F::attention_up_to(&q, &k, &v, &lt.narrow(0, 0, 1).unwrap(), None, None)).contains("[2]"));
+    assert!(err(F::attention_up_to(&q, &k, &v.narrow(2, 0, 5).unwrap(), &lt, None, None)).contains("[N, H_kv, S, D]"));
+    let row = k.narrow(2, 0, 1).unwrap();
+    assert!(err(F::attention_up_to(&q, &k, &v, &lt, Some((&row, &row.narrow(3, 0, 4).unwrap())), None)).contains("new key and value"));
 }
 
 #[test]

@@ -90,9 +90,11 @@ kernel_args! {
         /// F32 scores: the log-sum-exps and deltas in double between the two backward kernels;
         /// the cache forward's chunk partials and its arrival counters.
         lse_sc: u64, delta_sc: u64,
-        /// The cache forward: each batch's last key seen (I64, `last_stride` apart), and the
-        /// query heads per key/value head.
+        /// The cache forward: each batch's last key seen (I64, `last_stride` apart), the query
+        /// heads per key/value head, and the key and value rows read at that position instead
+        /// of the cache's (or 0), strided along batch and head.
         last: u64, last_stride: i64, kv_group: i64,
+        k_new: u64, v_new: u64, k_new_strides: i64[2], v_new_strides: i64[2],
     }
 }
 
@@ -381,8 +383,9 @@ pub(crate) fn up_to_takes(l: usize, s: usize, bh: usize, d: usize, dtype: DType)
 }
 
 /// `Op::AttentionUpTo`'s output `[1, B, H, D]` (q `[1, B, H, D]`, k and v `[S, B, H_kv, D]`,
-/// their head dims contiguous, `last` `[B]` I64), where `up_to_takes`.
-pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, scale: f64) -> Result<CudaStorage> {
+/// their head dims contiguous, `last` `[B]` I64, and the new key and value rows
+/// `[1, B, H_kv, D]` where given), where `up_to_takes`.
+pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: Option<(&Tensor, &Tensor)>, scale: f64) -> Result<CudaStorage> {
     let n = AttnDims::of(q.shape(), k.shape());
     let (bh, hkv, chunks) = (n.b * n.h, k.shape()[2], n.s.div_ceil(UP_TO_CHUNK));
     if !up_to_takes(n.l, n.s, bh, n.d, q.dtype()) {
@@ -396,6 +399,10 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
     let part = CudaStorage::new(&dev, DType::F32, bh * chunks * (n.d + 2))?;
     (a.out, a.lse_sc, a.delta_sc) = (out.ptr(), part.ptr(), dev.reduce_counters(bh)?);
     (a.last, a.last_stride, a.kv_group) = (data_ptr(last)?, last.strides()[0] as i64, (n.h / hkv) as i64);
+    if let Some((kn, vn)) = new {
+        let bh_strides = |t: &Tensor| [t.strides()[1] as i64, t.strides()[2] as i64];
+        (a.k_new, a.v_new, a.k_new_strides, a.v_new_strides) = (data_ptr(kn)?, data_ptr(vn)?, bh_strides(kn), bh_strides(vn));
+    }
     let kern = dev.kernel(KernelKey::Named(warp_name("fwd_up_to", q.dtype(), n.d, UP_TO_WARPS, vw)), || gen_forward_up_to(q.dtype(), n.d, vw))?;
     dev.launch(kern, (bh as u32, chunks as u32, 1), (UP_TO_CHUNK as u32, 1, 1), &a)?;
     Ok(out)

@@ -159,7 +159,8 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 // chunk's max, sum and unnormalised output. The only chunk writes the row; else each leaves
 // them in `lse_sc` scratch ([B * H][chunks][D_ + 2] F32) and the last block of the (batch,
 // head) to finish folds them in chunk order (the same bits on every run). F16 / BF16 inputs
-// (scores in F32). Query head h reads key/value head h / kv_group.
+// (scores in F32). Query head h reads key/value head h / kv_group. Given `k_new` and `v_new`,
+// the key and value at position `last` come from them instead of the cache.
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
@@ -186,10 +187,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __shared__ float Os[D_ > 32 ? ROWS * D_ : ROWS * 32];
   __shared__ bool lastc;
   const T* vb = v + b * vsb + hk * vsh;
+  const T* kn = a.k_new ? (const T*)a.k_new + b * a.k_new_strides[0] + hk * a.k_new_strides[1] : nullptr;
+  const T* vn = a.v_new ? (const T*)a.v_new + b * a.v_new_strides[0] + hk * a.v_new_strides[1] : nullptr;
+  // Row s of the values: the cache's, or the new one at `last`.
+#define VROW(s) ((s) == last && vn ? vn : vb + (s) * vss)
   const long long key = s0 + threadIdx.x;
   VT kv[D_ / VW];
   if (key < s1) {
-    const T* kr = k + key * kss + b * ksb + hk * ksh;
+    const T* kr = key == last && kn ? kn : k + key * kss + b * ksb + hk * ksh;
 #pragma unroll
     for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
   }
@@ -200,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
     for (int j = 0; j < PER; j++) {
       const int d = lane + 32 * j;
-      vu[u][j] = s < s1 && d < D_ ? LD(vb[s * vss + d]) : 0.f;
+      vu[u][j] = s < s1 && d < D_ ? LD(VROW(s)[d]) : 0.f;
     }
   }
   for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
@@ -249,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
       for (int j = 0; j < PER; j++) {
         const int d = lane + 32 * j;
-        vw[u][j] = s < s1 && d < D_ ? LD(vb[s * vss + d]) : 0.f;
+        vw[u][j] = s < s1 && d < D_ ? LD(VROW(s)[d]) : 0.f;
       }
     }
 #pragma unroll
