@@ -7,44 +7,40 @@
 use crate::{DType, Result, Tensor};
 
 /// For q `[L, B, H, D]`, k and v `[S, B, H_kv, D]`, `last` `[B]` (I64) and the new rows
-/// `[1, B, H_kv, D]` (when given, in place of row `last[b]`): k and v with each key/value head
-/// repeated for the H / H_kv query heads of its group (`[S, B, H, D]`), and the additive mask
-/// `[B, H, L, S]` in q's dtype, 0 on the keys up to `last[b]` and -inf after.
+/// `[1, B, H_kv, D]` (when given, standing in for row `last[b]`): the keys and values attended,
+/// each key/value head repeated for the H / H_kv query heads of its group (`[S, B, H, D]`, or
+/// with the new rows `[S + 1, B, H, D]`: the cache, then the new row, which each batch sees
+/// where `0 <= last[b] < S`, in place of the cache's row there), and the additive mask
+/// `[B, H, L, S (+ 1)]` in q's dtype, 0 on the keys seen and -inf on the others.
 pub(crate) fn up_to_operands(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: Option<(&Tensor, &Tensor)>) -> Result<(Tensor, Tensor, Tensor)> {
     let (l, b, h) = (q.shape()[0], q.shape()[1], q.shape()[2]);
     let (s, hkv, d) = (k.shape()[0], k.shape()[2], k.shape()[3]);
     let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &q.device())?.unsqueeze(0)?;
-    let (k, v) = match new {
-        None => (k.clone(), v.clone()),
+    let last = last.unsqueeze(1)?;
+    let (k, v, seen) = match new {
+        None => (k.clone(), v.clone(), keys.le(&last)?),
         Some((kn, vn)) => {
-            let at = new_row(last, s)?;
-            (at.where_(&kn.broadcast_to(k.shape())?, k)?, at.where_(&vn.broadcast_to(v.shape())?, v)?)
+            let fresh = last.ge_scalar(0)?.logical_and(&last.lt_scalar(s as f64)?)?;
+            (crate::cat(&[k, kn], 0)?, crate::cat(&[v, vn], 0)?, crate::cat(&[&keys.lt(&last)?, &fresh], 1)?)
         }
     };
+    let s = k.shape()[0];
     let heads = |t: &Tensor| match hkv == h {
         true => Ok(t.clone()),
         false => t.unsqueeze(3)?.broadcast_to(&[s, b, hkv, h / hkv, d])?.reshape_usize(&[s, b, h, d]),
     };
-    let unseen = keys.le(&last.unsqueeze(1)?)?.logical_not()?;
-    let mask = Tensor::zeros(&[b, s], q.dtype(), &q.device())?.masked_fill(&unseen, f64::NEG_INFINITY)?;
+    let mask = Tensor::zeros(&[b, s], q.dtype(), &q.device())?.masked_fill(&seen.logical_not()?, f64::NEG_INFINITY)?;
     Ok((heads(&k)?, heads(&v)?, mask.reshape_usize(&[b, 1, 1, s])?.broadcast_to(&[b, h, l, s])?))
 }
 
-/// `[S, B, 1, 1]`: true at each batch's row `last[b]`.
-fn new_row(last: &Tensor, s: usize) -> Result<Tensor> {
-    let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &last.device())?.unsqueeze(1)?;
-    keys.eq(&last.unsqueeze(0)?)?.reshape_usize(&[s, last.numel(), 1, 1])
-}
-
-/// A key or value gradient `[S, B, H_kv, D]` split into the cache's part (zero at the rows the
-/// new key or value stood in for) and the new rows' (`[1, B, H_kv, D]`), where there are new
-/// rows.
-pub(crate) fn split_new_row(g: &Tensor, last: &Tensor, new: bool) -> Result<(Tensor, Option<Tensor>)> {
+/// A key or value gradient of [`up_to_operands`]' keys or values (summed over each group's
+/// heads) split into the cache's part and, where there were new rows, theirs (its last row).
+pub(crate) fn split_new_row(g: &Tensor, new: bool) -> Result<(Tensor, Option<Tensor>)> {
     if !new {
         return Ok((g.clone(), None));
     }
-    let at = new_row(last, g.shape()[0])?;
-    Ok((g.masked_fill(&at, 0.0)?, Some(g.masked_fill(&at.logical_not()?, 0.0)?.sum(&[0], true)?)))
+    let s = g.shape()[0] - 1;
+    Ok((g.narrow(0, 0, s)?, Some(g.narrow(0, s, 1)?)))
 }
 
 /// A gradient `[S, B, H, D]` of the repeated heads of [`up_to_operands`] summed back over each

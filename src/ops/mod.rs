@@ -533,7 +533,7 @@ impl Op {
                     if !(want[i] || new.is_some() && want[i + 3]) {
                         continue;
                     }
-                    let (cache, fresh) = attention::split_new_row(&heads(at)?, last, new.is_some())?;
+                    let (cache, fresh) = attention::split_new_row(&heads(at)?, new.is_some())?;
                     grads[i] = if want[i] { Some(cache.to_dtype(meta[i].1)?) } else { None };
                     if let Some(f) = fresh.filter(|_| want[i + 3]) {
                         grads.resize(6, None);
