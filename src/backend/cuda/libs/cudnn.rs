@@ -84,7 +84,7 @@ pub(crate) fn usable(dtype: DType) -> bool {
 }
 
 /// What picks an algorithm: the pass, dtype, math and geometry (the output follows from them).
-#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 struct Key {
     pass: ConvPass,
     dtype: DType,
@@ -349,33 +349,6 @@ pub(crate) fn conv(pass: ConvPass, args: &Conv2dArgs, shapes: [[usize; 4]; 3], a
     Ok(out)
 }
 
-/// Candidates timed per geometry, and the most workspace one may take to be timed (a larger
-/// one is tried only where the faster ones fail).
-const TIMED_WORKSPACE: usize = 256 << 20;
-
-/// The order in which `choices` (the heuristics' order) are tried: the remembered fastest
-/// first, else, where timing may run, the candidates of at most `TIMED_WORKSPACE` timed on the
-/// call's operands (`run` runs one; as PyTorch's `cudnn.benchmark`, remembered on disk with
-/// max-autotune's choices) fastest first, then the rest in order.
-fn timed_order(dev: &Arc<crate::backend::cuda::CudaDevice>, pass: ConvPass, key: &Key, choices: &[Choice], run: &dyn Fn(Choice) -> Result<()>) -> Vec<usize> {
-    use crate::backend::cuda::tuning::autotune;
-    let label = |c: &Choice| format!("{:?}/{:?}", c.algo, c.math);
-    let memo = format!("cudnn {} {key:?}|{}", pass_name(pass), dev.tune_ident);
-    let first = match autotune::lookup(&memo).and_then(|v| choices.iter().position(|c| label(c) == v)) {
-        Some(i) => Some(i),
-        None if choices.len() > 1 && autotune::allowed(dev) => {
-            let timed: Vec<(String, usize, Option<f64>)> = choices.iter().enumerate().map(|(i, c)| (label(c), i, (c.workspace <= TIMED_WORKSPACE).then(|| autotune::time_ms(dev, || run(*c))).flatten())).collect();
-            let best = autotune::pick(&format!("cudnn {} {key:?}", pass_name(pass)), &timed).map(|(i, _)| i);
-            if let Some(i) = best {
-                autotune::store(&memo, &timed[i].0);
-            }
-            best
-        }
-        None => None,
-    };
-    first.into_iter().chain((0..choices.len()).filter(|&i| Some(i) != first)).collect()
-}
-
 /// Runs `f` with the device's cuDNN state (its handle created on first use), the handle bound
 /// to the thread's work stream (the capture stream while a CUDA graph is captured here).
 pub(crate) fn session<R>(dev: &Arc<crate::backend::cuda::CudaDevice>, op: &'static str, f: impl FnOnce(&mut State) -> Result<R>) -> Result<R> {
@@ -423,7 +396,6 @@ fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: C
     // SAFETY: a live handle and descriptors.
     let cands = unsafe { candidates(h, pass, &descs, key.deterministic) }.map_err(|e| fail("the algorithm heuristics", &e))?;
     let mut last = None;
-    let mut choices = vec![];
     for (algo, proposed) in cands {
         let Some(math) = run_math(dtype, tf32, proposed) else { continue };
         // SAFETY: a live descriptor; the math type must be set before the workspace query.
@@ -431,15 +403,16 @@ fn run_conv(dev: &Arc<crate::backend::cuda::CudaDevice>, st: &mut State, pass: C
             continue;
         }
         // SAFETY: a live handle and descriptors.
-        match unsafe { workspace_size(h, algo, &descs) } {
-            Ok(workspace) => choices.push(Choice { algo, math, workspace }),
-            Err(e) => last = Some(fail(&format!("workspace size of {algo:?}"), &e)),
-        }
-    }
-    let order = timed_order(dev, pass, key, &choices, &attempt);
-    // An algorithm whose workspace does not fit, or that refuses this geometry, gives way to
-    // the next one.
-    for c in order.into_iter().map(|i| choices[i]) {
+        let workspace = match unsafe { workspace_size(h, algo, &descs) } {
+            Ok(n) => n,
+            Err(e) => {
+                last = Some(fail(&format!("workspace size of {algo:?}"), &e));
+                continue;
+            }
+        };
+        let c = Choice { algo, math, workspace };
+        // An algorithm whose workspace does not fit, or that refuses this geometry, gives way
+        // to the next one.
         match attempt(c) {
             Ok(()) => {
                 crate::logging::log(crate::logging::Topic::Kernels, || format!("cudnn {}: {c:?} for {}", pass_name(pass), describe()));
