@@ -918,7 +918,12 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
                     let mut v = match val.get(&src) {
                         Some(v) => *v,
                         None => {
-                            inputs.push(KInput { node: src, dtype: g.nodes[src].dtype, row: is_row(g.nodes[src].numel()) });
+                            // One element is the same value in every row: a row input (as a
+                            // full one, a value the kernel computes per row from it would read
+                            // an element value, and the row kernel would never compute it).
+                            let n = g.nodes[src].numel();
+                            let row = is_row(n) || (n == 1 && matches!(space, Space::Rows { .. }));
+                            inputs.push(KInput { node: src, dtype: g.nodes[src].dtype, row });
                             ValueRef::In(inputs.len() - 1)
                         }
                     };

@@ -1500,3 +1500,33 @@ fn a_one_row_layer_norm_is_computed_by_the_product_that_reads_it() -> Result<()>
     }
     Ok(())
 }
+
+/// A one-element input (a decode position) read both by values of each row (a row of a cache
+/// selected where it equals the position) and by a tensor of as many elements as the rows (a
+/// mask over the positions): compiled, the values equal eager's (a row kernel once read such an
+/// input as one value per element and never computed the row values made of it).
+#[test]
+fn a_one_element_input_read_per_row_and_per_element_compiles_to_eager_values() -> Result<()> {
+    let s = 16usize;
+    let d = dev();
+    let f = move |k: &Tensor, kn: &Tensor, last: &Tensor| -> Result<Vec<Tensor>> {
+        let rows = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &d)?.unsqueeze(1)?;
+        let at = rows.eq(&last.unsqueeze(0)?)?.reshape(&[s as i64, 1, 1, 1])?;
+        let selected = at.where_(&kn.broadcast_to(k.shape())?, k)?;
+        let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &d)?.unsqueeze(0)?;
+        let unseen = keys.le(&last.unsqueeze(1)?)?.logical_not()?;
+        let mask = Tensor::zeros(&[1, s], DType::F32, &d)?.masked_fill(&unseen, f64::NEG_INFINITY)?;
+        Ok(vec![selected, mask])
+    };
+    let (k, kn) = (randn(&[s, 1, 2, 8], 1), randn(&[1, 1, 2, 8], 2));
+    let compiled = compile(move |xs: &[Tensor]| f(&xs[0], &xs[1], &xs[2]));
+    for p in [0i64, 3, 15] {
+        let last = Tensor::from_vec(vec![p], &[1], &dev())?;
+        let want = f(&k, &kn, &last)?;
+        let got = compiled.call(&[k.clone(), kn.clone(), last.clone()])?;
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(vals(g), vals(w), "position {p}");
+        }
+    }
+    Ok(())
+}

@@ -1475,6 +1475,22 @@ pub(super) mod tests {
             loss.backward()?;
             Ok(vec![loss, xs[0].grad().expect("a gradient")])
         }));
+        // A one-element input (a decode position) read by row values and by element values of
+        // one row kernel: a row input, so the row values computed from it are computed.
+        {
+            let s = 16usize;
+            let (k, kn, last) = (Tensor::randn(&[s, 1, 2, 8], DType::F32, &cpu).unwrap(), Tensor::randn(&[1, 1, 2, 8], DType::F32, &cpu).unwrap(), Tensor::from_vec(vec![3i64], &[1], &cpu).unwrap());
+            kernels.extend(optimised_kernels(&[k, kn, last], move |xs| {
+                let (k, kn, last) = (&xs[0], &xs[1], &xs[2]);
+                let rows = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &Device::Cpu)?.unsqueeze(1)?;
+                let at = rows.eq(&last.unsqueeze(0)?)?.reshape_usize(&[s, 1, 1, 1])?;
+                let k2 = at.where_(&kn.broadcast_to(k.shape())?, k)?;
+                let keys = Tensor::arange(0.0, s as f64, 1.0, DType::I64, &Device::Cpu)?.unsqueeze(0)?;
+                let unseen = keys.le(&last.unsqueeze(1)?)?.logical_not()?;
+                let mask = Tensor::zeros(&[1, s], DType::F32, &Device::Cpu)?.masked_fill(&unseen, f64::NEG_INFINITY)?;
+                Ok(vec![k2, mask])
+            }));
+        }
         // A row kernel storing its rows padded (a padded product's gradient).
         let odd = Tensor::randn(&[4, 50], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap();
         kernels.extend(optimised_kernels(&[odd], |xs| Ok(vec![xs[0].to_dtype(DType::F32)?.softmax(-1)?.to_dtype(DType::BF16)?.pad(&[0, 6], 0.0)?])));
@@ -1783,3 +1799,4 @@ pub(super) mod tests {
         assert_eq!(last.inputs.len(), 3);
     }
 }
+
