@@ -63,14 +63,15 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
 }
 
 /// Whether `conv2d_bias_act` of `x` by `w` is worth its own op here (else the convolution and a
-/// pointwise pass the compiler fuses): on the GPU in F16 / BF16, where cuDNN's fused engines
-/// run it, for channel counts that are multiples of 8 (16-byte channels-last pixels: for a
-/// 3-channel image, ResNet's stem, cuDNN's fused engine ran 1.56 ms on the H100 against 0.9 for
-/// the convolution and the pass after it).
+/// pointwise pass the compiler fuses): on the GPU in F16 / BF16 over channels-last operands,
+/// where cuDNN's fused engines run it (NHWC engines), for channel counts that are multiples of
+/// 8 (16-byte pixels: for a 3-channel image, ResNet's stem, cuDNN's fused engine ran 1.56 ms on
+/// the H100 against 0.9 for the convolution and the pass after it).
 pub(crate) fn conv_epilogue_pays(x: &crate::Tensor, w: &crate::Tensor, args: crate::ops::Conv2dArgs) -> bool {
     let planned = crate::switches::plan_for_cuda() && x.storage().traced_ref().is_some();
     let aligned = x.shape()[1].is_multiple_of(8) && w.shape()[0].is_multiple_of(8);
-    (planned || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1 && aligned
+    let nhwc = [x, w].iter().any(|t| t.suggest_memory_format() == crate::MemoryFormat::ChannelsLast);
+    (planned || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1 && aligned && nhwc
 }
 
 /// `Op::Conv2dBiasAct` as one cuDNN kernel, dense in `format`'s order, where the device has

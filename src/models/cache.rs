@@ -105,9 +105,10 @@ enum Place<'a> {
     /// Positions counted on the host: the T new ones start at `start`, after those in the
     /// cache (if any); `mask` `[B, start + T]` marks real tokens.
     Host { start: usize, cache: Option<&'a mut KvCache>, mask: Option<Tensor> },
-    /// One position per sequence given as a device tensor `[B]` (I64): the new keys and values
-    /// are written there and every position of the cache is attended under a mask, so the
-    /// shapes never change from one position to the next (a compiled decode step replays).
+    /// One position per sequence given as a device tensor `[B]` (I64): each sequence attends
+    /// the cache up to its position, the new keys and values read beside it
+    /// (`attention_up_to`), and `finish` writes them there, so the shapes never change from one
+    /// position to the next (a compiled decode step replays).
     Device { positions: Tensor, cache: &'a KvCache },
 }
 
@@ -177,8 +178,9 @@ impl<'a> Step<'a> {
     }
 
     /// Causal attention of q `[B, H, T, D]` over this step's keys and values `kv`
-    /// `[2, B, H_kv, T, D]` (keys, then values; written into layer `layer` of the cache first)
-    /// and those cached before them; heads share key/value heads in groups of H / H_kv.
+    /// `[2, B, H_kv, T, D]` (keys, then values; written into layer `layer` of the cache first,
+    /// or with device positions by `finish`) and those cached before them; heads share
+    /// key/value heads in groups of H / H_kv.
     /// Returns `[B, H, T, D]`.
     pub fn attend(&mut self, layer: usize, q: &Tensor, kv: &Tensor, scale: f64) -> Result<Tensor> {
         let (h, t) = (q.shape()[1], q.shape()[2]);

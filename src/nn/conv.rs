@@ -77,11 +77,12 @@ fn check_operands(op: &'static str, x: &Tensor, weight: &Tensor, args: Conv2dArg
 
 /// A convolution with its epilogue (PyTorch's `torch.cudnn_convolution_add_relu`, on every
 /// device and dtype): `relu?(conv2d(x, weight, args) + bias + residual)` over `x`
-/// `[N, C, H, W]`, `bias` `[O]` and `residual` (when given) of the output's shape, the sums
-/// and ReLU computed in F32 for F16 / BF16 inputs (in the input's dtype otherwise) and rounded
-/// once. An inference network's convolution with its batch norm folded in (the bias), its
-/// skip connection and ReLU. On the GPU in F16 / BF16 one cuDNN kernel reads and writes each
-/// activation once (where cuDNN has a fused engine for the geometry); elsewhere the convolution
+/// `[N, C, H, W]`, `bias` `[O]` and `residual` (when given) of the output's shape, taken in
+/// the input's dtype; the sums and ReLU computed in F32 for F16 / BF16 inputs (in the input's
+/// dtype otherwise) and rounded once. An inference network's convolution with its batch norm folded in (the bias), its
+/// skip connection and ReLU. On the GPU in F16 / BF16 over channels-last operands one cuDNN
+/// kernel reads and writes each activation once (where cuDNN has a fused engine for the
+/// geometry); elsewhere the convolution
 /// and one pass after it (one fused kernel when compiled). The result is laid out as
 /// `conv2d`'s.
 pub fn conv2d_bias_act(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, args: Conv2dArgs, relu: bool) -> Result<Tensor> {

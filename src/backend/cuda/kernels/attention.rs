@@ -393,7 +393,11 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
     }
     let dev = dev_of(q)?;
     let out = CudaStorage::new(&dev, q.dtype(), bh * n.d)?;
-    let vw = key_vector(k, v, n.d)?;
+    // The new key row is loaded as the cache's rows are (values element by element).
+    let vw = match key_vector(k, v, n.d)? {
+        vw if vw > 1 && new.is_some_and(|(kn, _)| !rows_aligned(kn, vw).unwrap_or(false)) => 1,
+        vw => vw,
+    };
     // (Op::Attention's arguments over k and v; only the key/value heads differ.)
     let mut a = shared_args(q, k, v, None, &n, scale, false)?;
     let part = CudaStorage::new(&dev, DType::F32, bh * chunks * (n.d + 2))?;

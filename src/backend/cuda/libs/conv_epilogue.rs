@@ -148,7 +148,8 @@ pub(crate) fn forward(args: &Conv2dArgs, shapes: [[usize; 4]; 3], x: &Tensor, w:
 fn choose(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, h: cs::cudnnHandle_t, key: &Key, ptrs: &[(i64, *mut c_void)]) -> Option<crate::backend::cuda::libs::cudnn_graph::Plan> {
     use crate::backend::cuda::tuning::autotune;
     let started = std::time::Instant::now();
-    let memo = format!("cudnn conv2d_bias_act {key:?}|{}", dev.tune_ident);
+    // (An index into the heuristics' order: valid for this cuDNN only.)
+    let memo = format!("cudnn conv2d_bias_act {key:?}|{}|cudnn {}", dev.tune_ident, cudnn::library().unwrap_or(0));
     let remembered: Option<usize> = autotune::lookup(&memo).and_then(|v| v.parse().ok());
     let timing = remembered.is_none() && autotune::allowed(dev);
     let most = remembered.map_or(if timing { TIMED } else { 1 }, |i| i + 1);
