@@ -68,10 +68,9 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
 /// 8 (16-byte pixels: for a 3-channel image, ResNet's stem, cuDNN's fused engine ran 1.56 ms on
 /// the H100 against 0.9 for the convolution and the pass after it).
 pub(crate) fn conv_epilogue_pays(x: &crate::Tensor, w: &crate::Tensor, args: crate::ops::Conv2dArgs) -> bool {
-    let planned = crate::switches::plan_for_cuda() && x.storage().traced_ref().is_some();
     let aligned = x.shape()[1].is_multiple_of(8) && w.shape()[0].is_multiple_of(8);
     let nhwc = [x, w].iter().any(|t| t.suggest_memory_format() == crate::MemoryFormat::ChannelsLast);
-    (planned || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1 && aligned && nhwc
+    (planned_for_cuda(x) || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1 && aligned && nhwc
 }
 
 /// `Op::Conv2dBiasAct` as one cuDNN kernel, dense in `format`'s order, where the device has
@@ -104,10 +103,7 @@ pub(crate) fn scale_shift(x: &crate::Tensor, scale: &crate::Tensor, shift: &crat
 /// matmul and softmax there (never on the CPU).
 pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &crate::Tensor) -> bool {
     let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
-    // Planning a CPU trace for the GPU (`KILN_PLAN_FOR=cuda`): the GPU's choice, though the CPU
-    // program then runs the op's reference kernels.
-    let gpu = q.device().is_cuda() || (crate::switches::plan_for_cuda() && q.storage().traced_ref().is_some());
-    gpu && cuda::kernels::attention::takes(l, s, b * h, d)
+    (q.device().is_cuda() || planned_for_cuda(q)) && cuda::kernels::attention::takes(l, s, b * h, d)
         && matches!(q.dtype(), crate::DType::F32 | crate::DType::F16 | crate::DType::BF16)
         && cuda::kernels::attention::fused_is_faster(q, k, v)
 }
@@ -116,8 +112,13 @@ pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &cra
 /// kernel (else the functional computes it as the masked attention, whose mask it then traces).
 pub(crate) fn attention_up_to_kernel_takes(q: &crate::Tensor, k: &crate::Tensor) -> bool {
     let (l, b, h, d, s) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3], k.shape()[0]);
-    let gpu = q.device().is_cuda() || (crate::switches::plan_for_cuda() && q.storage().traced_ref().is_some());
-    gpu && cuda::kernels::attention::up_to_takes(l, s, b * h, d, q.dtype())
+    (q.device().is_cuda() || planned_for_cuda(q)) && cuda::kernels::attention::up_to_takes(l, s, b * h, d, q.dtype())
+}
+
+/// Whether `t` is traced in a CPU trace planned for the GPU (`KILN_PLAN_FOR=cuda`): ops choose
+/// as on the GPU, though the CPU program then runs their reference kernels.
+fn planned_for_cuda(t: &crate::Tensor) -> bool {
+    crate::switches::plan_for_cuda() && t.storage().traced_ref().is_some()
 }
 
 /// What a multi-tensor optimiser update computes (the slots and scalars each rule reads).

@@ -79,12 +79,11 @@ fn check_operands(op: &'static str, x: &Tensor, weight: &Tensor, args: Conv2dArg
 /// device and dtype): `relu?(conv2d(x, weight, args) + bias + residual)` over `x`
 /// `[N, C, H, W]`, `bias` `[O]` and `residual` (when given) of the output's shape, taken in
 /// the input's dtype; the sums and ReLU computed in F32 for F16 / BF16 inputs (in the input's
-/// dtype otherwise) and rounded once. An inference network's convolution with its batch norm folded in (the bias), its
-/// skip connection and ReLU. On the GPU in F16 / BF16 over channels-last operands one cuDNN
-/// kernel reads and writes each activation once (where cuDNN has a fused engine for the
-/// geometry); elsewhere the convolution
-/// and one pass after it (one fused kernel when compiled). The result is laid out as
-/// `conv2d`'s.
+/// dtype otherwise) and rounded once. An inference network's convolution with its batch norm
+/// folded in (the bias), its skip connection and ReLU. On the GPU in F16 / BF16 over
+/// channels-last operands one cuDNN kernel reads and writes each activation once (where cuDNN
+/// has a fused engine for the geometry); elsewhere the convolution and one pass after it (one
+/// fused kernel when compiled). The result is laid out as `conv2d`'s.
 pub fn conv2d_bias_act(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Option<&Tensor>, args: Conv2dArgs, relu: bool) -> Result<Tensor> {
     let op = "conv2d_bias_act";
     super::functional::same_device(op, x, &[Some(weight), Some(bias), residual])?;
@@ -103,23 +102,14 @@ pub fn conv2d_bias_act(x: &Tensor, weight: &Tensor, bias: &Tensor, residual: Opt
             return Err(Error::shape(op, format!("residual must be a floating-point {out:?} (the convolution's output), got {:?} {:?}", r.shape(), r.dtype())));
         }
     }
-    let compute = x.dtype().compute_dtype();
-    let bias = bias.to_dtype(compute)?;
+    let bias = bias.to_dtype(x.dtype().compute_dtype())?;
     let residual = residual.map(|r| r.to_dtype(x.dtype())).transpose()?;
     if crate::backend::conv_epilogue_pays(&x, &weight, args) {
         let mut inputs = vec![&x, &weight, &bias];
         inputs.extend(residual.as_ref());
         return apply(Op::Conv2dBiasAct(args, relu), &inputs);
     }
-    let y = apply(Op::Conv2d(args), &[&x, &weight])?;
-    let mut v = y.to_dtype(compute)?.add(&bias.reshape_usize(&[o, 1, 1])?)?;
-    if let Some(r) = &residual {
-        v = v.add(&r.to_dtype(compute)?)?;
-    }
-    if relu {
-        v = v.relu()?;
-    }
-    v.to_dtype(x.dtype())
+    crate::ops::conv::epilogue(&apply(Op::Conv2d(args), &[&x, &weight])?, &bias, residual.as_ref(), relu)
 }
 
 /// `x` padded with `value` by `pad` before each spatial dim, and after it as far as the last

@@ -155,9 +155,7 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
         Op::Conv2dGradWeight(args, _) => (ConvPass::GradWeight, args, a.shape(), out, b.shape()),
         _ => unreachable!("{} is not a convolution", op.name()),
     };
-    // The result's memory format: channels-last when either operand is (as PyTorch's), so a
-    // channels-last network stays channels-last through its convolutions and their gradients.
-    let format = if [a, b].iter().any(|t| t.suggest_memory_format() == MemoryFormat::ChannelsLast) { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+    let format = result_format(a, b);
     if let Some(t) = crate::backend::conv_library(pass, args, [x, w, y].map(|s| [s[0], s[1], s[2], s[3]]), a, b, out, format)? {
         return Ok(t);
     }
@@ -178,31 +176,44 @@ pub(crate) fn run(op: &Op, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     })
 }
 
+/// A convolution's result's memory format: channels-last when either operand is (as PyTorch's),
+/// so a channels-last network stays channels-last through its convolutions and their gradients.
+fn result_format(a: &Tensor, b: &Tensor) -> MemoryFormat {
+    if [a, b].iter().any(|t| t.suggest_memory_format() == MemoryFormat::ChannelsLast) {
+        MemoryFormat::ChannelsLast
+    } else {
+        MemoryFormat::Contiguous
+    }
+}
+
 /// `Op::Conv2dBiasAct`: cuDNN's fused kernel where it has one for the geometry, else the
-/// convolution, then its epilogue in the compute dtype (neither recorded), rounded once; in the
-/// memory format a convolution of the same operands returns.
+/// convolution, then its `epilogue` (neither recorded); in the memory format a convolution of
+/// the same operands returns.
 fn with_epilogue(args: &Conv2dArgs, relu: bool, xs: &[&Tensor], out: &[usize]) -> Result<Tensor> {
     let (x, w, bias, z) = (xs[0], xs[1], xs[2], xs.get(3).copied());
-    let format = if [x, w].iter().any(|t| t.suggest_memory_format() == MemoryFormat::ChannelsLast) { MemoryFormat::ChannelsLast } else { MemoryFormat::Contiguous };
+    let format = result_format(x, w);
     let shapes = [x.shape(), w.shape(), out].map(|s| [s[0], s[1], s[2], s[3]]);
     if let Some(t) = crate::backend::conv_epilogue_library(args, shapes, x, w, bias, z, relu, out, format)? {
         return Ok(t);
     }
     let y = run(&Op::Conv2d(*args), &[x, w], out)?;
     let _off = crate::compile::trace::Suspend::new();
-    crate::amp::suspended(|| {
-        crate::no_grad(|| {
-            let c = y.dtype().compute_dtype();
-            let mut v = y.to_dtype(c)?.add(&bias.to_dtype(c)?.reshape_usize(&[1, out[1], 1, 1])?)?;
-            if let Some(z) = z {
-                v = v.add(&z.to_dtype(c)?)?;
-            }
-            if relu {
-                v = v.relu()?;
-            }
-            v.to_dtype(y.dtype())?.to_memory_format(format)
-        })
-    })
+    crate::amp::suspended(|| crate::no_grad(|| epilogue(&y, bias, z, relu)?.to_memory_format(format)))
+}
+
+/// relu?(y + bias + residual) for a convolution's output `y` `[N, O, H, W]` and `bias` `[O]`,
+/// computed in y's compute dtype and rounded once into y's dtype: `Op::Conv2dBiasAct`'s
+/// definition (`conv2d_bias_act`'s composite, and the op's own where cuDNN has no plan).
+pub(crate) fn epilogue(y: &Tensor, bias: &Tensor, residual: Option<&Tensor>, relu: bool) -> Result<Tensor> {
+    let c = y.dtype().compute_dtype();
+    let mut v = y.to_dtype(c)?.add(&bias.to_dtype(c)?.reshape_usize(&[1, y.shape()[1], 1, 1])?)?;
+    if let Some(r) = residual {
+        v = v.add(&r.to_dtype(c)?)?;
+    }
+    if relu {
+        v = v.relu()?;
+    }
+    v.to_dtype(y.dtype())
 }
 
 /// im2col columns of `x`: `[N, OH * OW, KH * KW, C]` (window-major, channel-minor).

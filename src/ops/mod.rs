@@ -527,20 +527,23 @@ impl Op {
                 let packed = apply(Op::AttentionBackward { scale: *scale, causal: false }, &[q, &kh, &vh, y, &g, &mask])?;
                 let (nq, nk) = (q.numel(), kh.numel());
                 let heads = |at: usize| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, k.shape()[2]);
-                let mut grads = vec![if want[0] { Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?) } else { None }, None, None, None];
+                let mut grads = vec![None; meta.len()];
+                if want[0] {
+                    grads[0] = Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?);
+                }
                 // Key and value gradients: the cache's rows, and the new row's where it stood in.
                 for (i, at) in [(1, nq), (2, nq + nk)] {
                     if !(want[i] || new.is_some() && want[i + 3]) {
                         continue;
                     }
                     let (cache, fresh) = attention::split_new_row(&heads(at)?, new.is_some())?;
-                    grads[i] = if want[i] { Some(cache.to_dtype(meta[i].1)?) } else { None };
+                    if want[i] {
+                        grads[i] = Some(cache.to_dtype(meta[i].1)?);
+                    }
                     if let Some(f) = fresh.filter(|_| want[i + 3]) {
-                        grads.resize(6, None);
                         grads[i + 3] = Some(f.to_dtype(meta[i + 3].1)?);
                     }
                 }
-                grads.resize(meta.len(), None);
                 Ok(grads)
             }
             // The three convolution products are bilinear and adjoint to one another, so each
@@ -555,16 +558,12 @@ impl Op {
             // The convolution's gradients from the output gradient where ReLU passed it; the
             // bias's is its sum per channel, the residual's itself.
             Op::Conv2dBiasAct(a, relu) => {
-                let (x, w) = (xs[0].as_ref().expect("saved"), xs[1].as_ref().expect("saved"));
                 let g = match relu {
                     true => g.masked_fill(&y.expect("output saved").le_scalar(0.0)?, 0.0)?,
                     false => g.clone(),
                 };
-                let kernel = (meta[1].0[2], meta[1].0[3]);
-                let gx = if want[0] { Some(apply(Op::Conv2dGradInput(*a, (in_shape[2], in_shape[3])), &[&g, w])?) } else { None };
-                let gw = if want[1] { Some(apply(Op::Conv2dGradWeight(*a, kernel), &[x, &g])?) } else { None };
-                let gb = if want[2] { Some(g.to_dtype(meta[2].1)?.sum(&[0, 2, 3], false)?) } else { None };
-                let mut grads = vec![gx, gw, gb];
+                let mut grads = Op::Conv2d(*a).backward(&xs[..2], None, &meta[..2], &g, &want[..2])?;
+                grads.push(if want[2] { Some(g.to_dtype(meta[2].1)?.sum(&[0, 2, 3], false)?) } else { None });
                 if meta.len() > 3 {
                     grads.push(if want[3] { Some(g.to_dtype(meta[3].1)?) } else { None });
                 }
