@@ -66,10 +66,15 @@ pub(crate) fn conv_library(pass: crate::ops::conv::ConvPass, args: &crate::ops::
 /// pointwise pass the compiler fuses): on the GPU in F16 / BF16 over channels-last operands,
 /// where cuDNN's fused engines run it (NHWC engines), for channel counts that are multiples of
 /// 8 (16-byte pixels: for a 3-channel image, ResNet's stem, cuDNN's fused engine ran 1.56 ms on
-/// the H100 against 0.9 for the convolution and the pass after it).
+/// the H100 against 0.9 for the convolution and the pass after it). While a function is traced
+/// its values are laid out by the compiler's layout pass later, so the trace's inputs decide.
 pub(crate) fn conv_epilogue_pays(x: &crate::Tensor, w: &crate::Tensor, args: crate::ops::Conv2dArgs) -> bool {
     let aligned = x.shape()[1].is_multiple_of(8) && w.shape()[0].is_multiple_of(8);
-    let nhwc = [x, w].iter().any(|t| t.suggest_memory_format() == crate::MemoryFormat::ChannelsLast);
+    let nhwc = if crate::compile::trace::active() {
+        crate::compile::layout::traced_conv_net_runs_channels_last()
+    } else {
+        [x, w].iter().any(|t| t.suggest_memory_format() == crate::MemoryFormat::ChannelsLast)
+    };
     (planned_for_cuda(x) || (x.device().is_cuda() && cuda::libs::cudnn::usable(x.dtype()))) && matches!(x.dtype(), crate::DType::F16 | crate::DType::BF16) && args.groups == 1 && aligned && nhwc
 }
 

@@ -37,7 +37,21 @@ fn wanted(g: &Graph, inputs: &[Tensor]) -> bool {
     if let Some(on) = crate::switches::channels_last() {
         return on;
     }
-    inputs.iter().any(|t| t.dense_format() == Some(MemoryFormat::ChannelsLast)) || convs.any(|n| n.device == Device::Cpu)
+    inputs.iter().any(asks_channels_last) || convs.any(|n| n.device == Device::Cpu)
+}
+
+/// An input that makes `wanted` lay a CUDA conv net out channels-last: a 4-D tensor dense in
+/// NHWC order.
+fn asks_channels_last(t: &Tensor) -> bool {
+    t.dense_format() == Some(MemoryFormat::ChannelsLast)
+}
+
+/// Whether the CUDA conv net being traced now will run channels-last, as far as its inputs so
+/// far tell (`wanted` decides once the trace ends; inputs captured later can only turn it on).
+/// Traced values are laid out contiguously until then, so an op worth recording only over
+/// channels-last operands (`conv2d_bias_act`) asks this instead of its operands' layouts.
+pub(crate) fn traced_conv_net_runs_channels_last() -> bool {
+    crate::switches::channels_last().unwrap_or_else(|| super::trace::any_input(asks_channels_last))
 }
 
 /// `g` with its convolutions and the 4-D work around them channels-last, where `wanted` says so;

@@ -353,6 +353,12 @@ pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
     })
 }
 
+/// Whether any real tensor the trace on this thread reads so far (its arguments, the tensors it
+/// captured) satisfies `pred`; false outside a trace.
+pub(crate) fn any_input(pred: impl Fn(&Tensor) -> bool) -> bool {
+    TRACER.with(|t| t.borrow().as_ref().is_some_and(|tr| tr.inputs.iter().any(&pred)))
+}
+
 /// Called before a host read of `t`: a symbolic tensor is an error under `fullgraph`, else a
 /// graph break that gives it (and every other live symbolic tensor) real values.
 #[track_caller]

@@ -439,3 +439,39 @@ fn an_evaluation_mode_bottleneck_folds_its_batch_norms_into_its_convolutions() {
     assert_close(&vals(&f.call(&x).unwrap()), &vals(&want), 1e-4, 1e-5);
     assert_eq!(convs.lock().unwrap().len(), 4, "{:?}", convs.lock().unwrap());
 }
+
+/// A compiled evaluation-mode block under BF16 autocast records `conv2d_bias_act` where the
+/// compiler will lay the net out channels-last (a channels-last model and input; the values it
+/// traces are contiguous until the layout pass), and the convolutions with their epilogues
+/// otherwise (a contiguous model and input); on
+/// the CPU always the latter. Both give eager's numbers (BF16 output: rtol 2e-2, atol 2e-2).
+#[test]
+fn a_compiled_channels_last_evaluation_block_records_convolutions_with_their_epilogues() {
+    use kiln::compile::graph::{Graph, NodeOp};
+    use kiln::compile::{compile_with, Backend, CompileOptions};
+    let d = dev();
+    for (format, fused) in [(MemoryFormat::ChannelsLast, 4), (MemoryFormat::Contiguous, 0)] {
+        manual_seed(4);
+        let mut block = nn::Bottleneck::new(16, 8, 2, &d).unwrap();
+        block.eval();
+        block.to_memory_format(format).unwrap();
+        let x = t(&host_rand(2 * 16 * 8 * 8, 6), &[2, 16, 8, 8], DType::F32).to_memory_format(format).unwrap();
+        let run = |x: &Tensor| kiln::amp::autocast(&d, DType::BF16, || no_grad(|| block.forward(x)));
+        let want = run(&x).unwrap();
+        let ops = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+        let seen = ops.clone();
+        let backend = Backend::custom(move |g: &Graph, _| {
+            *seen.lock().unwrap() = g.nodes.iter().filter_map(|n| match &n.op {
+                NodeOp::Prim(op) if op.name().starts_with("conv2d") => Some(op.name().to_string()),
+                _ => None,
+            }).collect();
+            Ok(g.eager_runner())
+        });
+        let f = compile_with(CompileOptions::new().backend(backend), run);
+        assert_close(&vals(&f.call(&x).unwrap()), &vals(&want), 2e-2, 2e-2);
+        let ops = ops.lock().unwrap().clone();
+        let with_epilogue = ops.iter().filter(|n| *n == "conv2d_bias_act").count();
+        assert_eq!(ops.len(), 4, "{format:?}: {ops:?}");
+        assert_eq!(with_epilogue, if d.is_cuda() { fused } else { 0 }, "{format:?}: {ops:?}");
+    }
+}
