@@ -103,6 +103,14 @@ pub(crate) fn row_prologues_off() -> bool {
     *V.get_or_init(|| is("KILN_ROW_PROLOGUE", "0"))
 }
 
+/// `KILN_ROW_TAIL=0`: row kernels over rows longer than `MAX_ROW` whose length divides by no
+/// vector width load and store element by element instead of in vectors with an element-wise
+/// last vector (`fused::row_vec`).
+pub(crate) fn row_tail_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_ROW_TAIL", "0"))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

@@ -202,9 +202,9 @@ fn run_flat(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &FusedKer
 /// A row kernel's loaded functions by launch shape.
 type RowLaunches = crate::backend::cuda::Loaded<(RowShape, crate::backend::cuda::Kernel)>;
 
-/// (threads, values per thread, vector width, bit j set when input j loads vectors, whether
-/// the threads' values cover the row exactly).
-pub(crate) type RowShape = (usize, usize, usize, u64, bool);
+/// (threads, values per thread, vector width, bit j set when input j loads vectors, how the
+/// threads' values cover the row).
+type RowShape = (usize, usize, usize, u64, Cover);
 
 /// Per op: (sine, cosine) when it is one of a sine and a cosine of the same floating-point
 /// value, which one `sincos` call computes (one argument reduction instead of two).
@@ -255,6 +255,10 @@ enum Cover {
     Exact,
     Masked,
     Looped,
+    /// Looped over rows whose length divides by no vector width (`row_vec`): the vector that
+    /// straddles a row's end is loaded and stored element by element, its values past the end
+    /// left out of the reductions.
+    LoopedTail,
 }
 
 /// What a row kernel's source is: a kernel of its own, or the prologue of a product of one row
@@ -274,7 +278,7 @@ pub(crate) enum RowMode {
 // One parameter per choice the source depends on; a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
 fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: usize, vector: &[bool], cover: Cover, mode: RowMode) -> String {
-    let (full, looped) = (cover == Cover::Exact, cover == Cover::Looped);
+    let (full, looped, tail) = (cover == Cover::Exact, matches!(cover, Cover::Looped | Cover::LoopedTail), cover == Cover::LoopedTail);
     // Rows longer than the registers hold: each pass walks the row in chunks of
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
@@ -287,6 +291,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let mut c = if prologue_row.is_some() { String::new() } else { String::from(PRELUDE) };
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
     c.push_str(&row_index(full));
+    // KWHOLE(k): the vector at column k lies inside the row (always, but for a tail cover).
+    let _ = writeln!(c, "#define KWHOLE(k) {}", if tail { "((k) + VEC <= K)" } else { "true" });
     if looped {
         c.push_str("#undef KIDX\n#define KIDX(j) (kbase + ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC)))\n");
     }
@@ -301,6 +307,14 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
     }
     vector_structs(&mut c, k, vec, vector);
+    if tail {
+        // A vector over the row's end: its first `n` values, zeros after them.
+        for (j, inp) in k.inputs.iter().enumerate() {
+            if !inp.row && vector[j] {
+                let _ = writeln!(c, "__device__ __forceinline__ VI{j} kpart_VI{j}(const {t}* p, int n) {{ VI{j} q; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) q.v[e] = e < n ? p[e] : ({t})0; return q; }}", t = storage_type(inp.dtype));
+            }
+        }
+    }
     match prologue_row {
         None => {
             let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
@@ -384,9 +398,10 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);");
         if vector[j] {
             let v = load(inp.dtype, t, "q.v[e]");
-            let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
+            let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = {}; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}", vector_load(j, tail));
         } else {
             let v = load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"));
+            let v = if tail { format!("k0 + e < K ? {v} : ({})0", t.name()) } else { v };
             let _ = writeln!(c, "      if (INROW(k0)) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         }
         let _ = writeln!(c, "      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = ({})0; }}\n    }}", t.name());
@@ -402,7 +417,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if vector[j] && !plan.in_array[j] {
-                let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(r{j} + k0);");
+                let _ = writeln!(c, "        const VI{j} q{j} = {};", vector_load(j, tail));
             }
         }
         let _ = writeln!(c, "        _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{\n          const int j = g * VEC + e;");
@@ -412,6 +427,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 format!("ax{j}[j]")
             } else if vector[j] {
                 load(inp.dtype, t, &format!("q{j}.v[e]"))
+            } else if tail {
+                format!("k0 + e < K ? {} : ({})0", load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]")), t.name())
             } else {
                 load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
             };
@@ -433,6 +450,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 let _ = writeln!(c, "          {}[j] = t{i};", arr[i]);
             }
         }
+        // Past a row's end (a tail cover's last vector) a value takes part in no reduction.
+        let each = if tail && !each.is_empty() { format!("          if (k0 + e < K) {{\n{each}          }}\n") } else { each.to_string() };
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
         if looped {
             c.push_str("    }\n");
@@ -538,7 +557,11 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let v = &vals[o];
             let _ = write!(pro, "\n        VO{m} o{m};");
             let _ = writeln!(each, "          o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
-            let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
+            if tail {
+                let _ = writeln!(stores, "        {g}if (KWHOLE(k0)) *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};\n        {g}else for (int e = 0; k0 + e < K; e++) out{m}[row * os{m} + k0 + e] = o{m}.v[e];", g = gate(m));
+            } else {
+                let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
+            }
         }
         pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
     }
@@ -613,6 +636,7 @@ fn rows_name(k: &FusedKernel, threads: usize, vpt: usize, vec: usize, cover: Cov
     let tail = match cover {
         Cover::Exact => "_full",
         Cover::Looped => "_loop",
+        Cover::LoopedTail => "_looptail",
         Cover::Masked => "",
     };
     format!("{}_r{threads}x{vpt}x{vec}{tail}_{}", k.code_name(k.signature()), vector_loads(vector))
@@ -644,22 +668,39 @@ const LOOPED_MAX_VPT: usize = 32;
 fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
     if cols > crate::kir::MAX_ROW {
         let chunks = cols.div_ceil(threads * LOOPED_MAX_VPT);
-        return (cols.div_ceil(threads * chunks).next_multiple_of(vec), Cover::Looped);
+        let cover = if cols.is_multiple_of(vec) { Cover::Looped } else { Cover::LoopedTail };
+        return (cols.div_ceil(threads * chunks).next_multiple_of(vec), cover);
     }
     let vpt = row_vpt(cols, threads, vec);
     (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })
 }
 
 /// Values a row kernel loads at once: 16 bytes of its widest full input or output, where rows
-/// of `cols` divide by it.
+/// of `cols` divide by it, or where they are walked in chunks (longer than `MAX_ROW`) and every
+/// full output's rows start aligned (cross-entropy's gradient stored into a padded product's
+/// buffer): the vector over a row's end is then taken element by element (`Cover::LoopedTail`).
 fn row_vec(k: &FusedKernel, cols: usize) -> usize {
     let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
     let v = (16 / widest).max(1);
     // Vector stores need every output row to start aligned, padded ones too.
-    if cols.is_multiple_of(v) && k.row_pads.iter().flatten().all(|p| (cols + p.cols).is_multiple_of(v)) {
+    let stride = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
+    let aligned = k.full_outputs().into_iter().all(|m| stride(m).is_multiple_of(v));
+    let walked = cols.is_multiple_of(v) || (cols > crate::kir::MAX_ROW && !crate::switches::row_tail_off());
+    if aligned && walked {
         v
     } else {
         1
+    }
+}
+
+/// A row kernel's load of input j's vector at column `k0`: whole, or (a tail cover's vector
+/// over the row's end) element by element up to the end, zeros after it.
+fn vector_load(j: usize, tail: bool) -> String {
+    let whole = format!("*(const VI{j}*)(r{j} + k0)");
+    if tail {
+        format!("KWHOLE(k0) ? {whole} : kpart_VI{j}(r{j} + k0, K - k0)")
+    } else {
+        whole
     }
 }
 
@@ -743,8 +784,7 @@ fn launch_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &Fused
     let looped = cols > crate::kir::MAX_ROW;
     let launch = |threads: usize| -> Result<()> {
         let (vpt, cover) = row_cover(cols, threads, vec);
-        let full = cover == Cover::Exact;
-        let shape = (threads, vpt, vec, vector_bits(vector), full);
+        let shape = (threads, vpt, vec, vector_bits(vector), cover);
         let launches = &memo(k)?.row_launches;
         let cached = launches.0.lock().iter().find(|(s, _)| *s == shape).map(|(_, f)| *f);
         let kern = match cached {
@@ -1548,6 +1588,16 @@ pub(super) mod tests {
                         let name = rows_name(k, threads, vpt, vec, cover, vector);
                         v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Kernel))));
                     }
+                    if cols > crate::kir::MAX_ROW {
+                        // Rows of a length no vector width divides: vectors, the last one taken
+                        // element by element.
+                        let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
+                        let vec = (16 / widest).max(2);
+                        let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row).collect();
+                        let (vpt, _) = row_cover(cols, threads, vec);
+                        let name = rows_name(k, threads, vpt, vec, Cover::LoopedTail, &vector);
+                        v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, &vector, Cover::LoopedTail, RowMode::Kernel))));
+                    }
                 }
                 Space::Mid { rows, inner, .. } => {
                     let (vec, tx) = mid_shape(k, rows, inner);
@@ -1763,7 +1813,7 @@ pub(super) mod tests {
         let walks = |k: &FusedKernel| {
             let (threads, vec) = (default_row_threads(cols, 4), 4);
             let (vpt, cover) = row_cover(cols, threads, vec);
-            assert!(cover == Cover::Looped);
+            assert!(matches!(cover, Cover::Looped | Cover::LoopedTail));
             gen_fused_rows(k, "k", threads, vpt, vec, &vec![false; k.inputs.len()], cover, RowMode::Kernel).matches("for (int kbase").count()
         };
         let x = Tensor::randn(&[2, cols], DType::F32, &Device::Cpu).unwrap();
