@@ -276,6 +276,10 @@ struct Replay {
     /// call's tensors before each replay (None: the driver did not name their nodes, and a
     /// replay copies around the graph, two more launches per call).
     io: Option<Io>,
+    /// Per argument, the tensor (identity, version) whose bytes its static copy holds: a
+    /// replay given that tensor unwritten since skips the copy (nothing in the graph writes
+    /// the static copies: they are held outside the program, so never reused as its buffers).
+    held: Vec<(u64, u64)>,
     graph: crate::backend::cuda::device::graph::CudaGraph,
 }
 
@@ -292,13 +296,18 @@ impl Graphed {
     fn run(&self, args: &[Tensor], captured: &[Tensor]) -> Result<Vec<Tensor>> {
         let mut slot = self.replay.lock();
         let _off = trace::Suspend::new();
-        if let Capture::Replay(r) = &*slot {
+        if let Capture::Replay(r) = &mut *slot {
             use crate::backend::cuda::{kernels::custom::empty, kernels::data_ptr};
             crate::no_grad(|| -> Result<Vec<Tensor>> {
+                // Which arguments' bytes differ from their static copies'.
+                let stale: Vec<bool> = r.held.iter().zip(args).map(|(&h, a)| h != (a.id(), a.version())).collect();
                 let fresh = match &r.io {
                     Some(io) => {
-                        for ((c, s), a) in io.ins.iter().zip(&r.args).zip(args) {
-                            r.graph.set_copy(c, data_ptr(s)?, data_ptr(a)?)?;
+                        for (((c, s), a), &stale) in io.ins.iter().zip(&r.args).zip(args).zip(&stale) {
+                            r.graph.enable_copy(c, stale)?;
+                            if stale {
+                                r.graph.set_copy(c, data_ptr(s)?, data_ptr(a)?)?;
+                            }
                         }
                         let outs = r.outs.iter().map(|o| empty(o, o.shape(), o.dtype())).collect::<Result<Vec<_>>>()?;
                         for ((c, o), f) in io.outs.iter().zip(&r.outs).zip(&outs) {
@@ -307,12 +316,15 @@ impl Graphed {
                         Some(outs)
                     }
                     None => {
-                        for (s, a) in r.args.iter().zip(args) {
-                            s.copy_(a)?;
+                        for ((s, a), &stale) in r.args.iter().zip(args).zip(&stale) {
+                            if stale {
+                                s.copy_(a)?;
+                            }
                         }
                         None
                     }
                 };
+                r.held = args.iter().map(|a| (a.id(), a.version())).collect();
                 if self.program.has_hoisted() {
                     let mut inputs = r.args.clone();
                     inputs.extend(captured.iter().cloned());
@@ -386,7 +398,8 @@ impl Graphed {
             match captured {
                 Ok((graph, (souts, io))) => {
                     log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
-                    *slot = Capture::Replay(Replay { graph, args: statics, outs: souts, io });
+                    let held = args.iter().map(|a| (a.id(), a.version())).collect();
+                    *slot = Capture::Replay(Replay { graph, args: statics, outs: souts, io, held });
                 }
                 Err(e) => {
                     log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call"));

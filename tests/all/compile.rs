@@ -1537,3 +1537,30 @@ fn a_one_element_input_read_per_row_and_per_element_compiles_to_eager_values() -
     }
     Ok(())
 }
+
+/// A replayed CUDA graph copies an argument into its static input only when the bytes there
+/// are not already that tensor's: the same tensor unwritten skips the copy, a write in place
+/// (its version moves) or another tensor copies again. Every call gives eager's values (F32,
+/// one exp: 1e-6).
+#[test]
+fn a_replayed_graph_copies_an_argument_in_only_when_it_changed() -> Result<()> {
+    let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), |x: &Tensor| x.exp()?.mul_scalar(2.0));
+    let want = |x: &Tensor| -> Result<Vec<f64>> { Ok(vals(&x.exp()?.mul_scalar(2.0)?)) };
+    let x = randn(&[4, 33], 71);
+    let y = randn(&[4, 33], 72);
+    for _ in 0..3 {
+        assert_close(&vals(&f.call(&x)?), &want(&x)?, 1e-6, 1e-6);
+    }
+    kiln::no_grad(|| x.add_scalar_(0.5))?;
+    assert_close(&vals(&f.call(&x)?), &want(&x)?, 1e-6, 1e-6);
+    assert_close(&vals(&f.call(&y)?), &want(&y)?, 1e-6, 1e-6);
+    assert_close(&vals(&f.call(&x)?), &want(&x)?, 1e-6, 1e-6);
+    // A view of the same storage written through another handle moves the version too.
+    let alias = x.narrow(0, 1, 2)?;
+    kiln::no_grad(|| alias.mul_scalar_(3.0))?;
+    assert_close(&vals(&f.call(&x)?), &want(&x)?, 1e-6, 1e-6);
+    if dev().is_cuda() {
+        assert!(f.replays_cuda_graph(), "the calls replayed a CUDA graph");
+    }
+    Ok(())
+}

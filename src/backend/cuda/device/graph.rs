@@ -410,6 +410,16 @@ impl CudaGraph {
         Ok(())
     }
 
+    /// Whether copy `c` runs in the next replays (a disabled node does nothing).
+    pub(crate) fn enable_copy(&self, c: &CopyNode, on: bool) -> Result<()> {
+        // SAFETY: the node belongs to the graph this executable was made from.
+        let st = unsafe { ds::cuGraphNodeSetEnabled(self.exec, c.node, u32::from(on)) };
+        if st != ds::CUresult::CUDA_SUCCESS {
+            return Err(self.dev.err("graph copy enable", st));
+        }
+        Ok(())
+    }
+
     /// Runs the graph on the device's stream, in order with the work around it.
     pub(crate) fn replay(&self) -> Result<()> {
         self.dev.bind()?;
