@@ -264,7 +264,7 @@ struct Graphed {
 /// call runs the launch list, as the default mode does, instead of trying again).
 enum Capture {
     NotYet,
-    Replay(Replay),
+    Replay(Box<Replay>),
     Refused,
 }
 
@@ -399,7 +399,7 @@ impl Graphed {
                 Ok((graph, (souts, io))) => {
                     log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
                     let held = args.iter().map(|a| (a.id(), a.version())).collect();
-                    *slot = Capture::Replay(Replay { graph, args: statics, outs: souts, io, held });
+                    *slot = Capture::Replay(Box::new(Replay { graph, args: statics, outs: souts, io, held }));
                 }
                 Err(e) => {
                     log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call"));

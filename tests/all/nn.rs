@@ -396,13 +396,28 @@ fn a_convolution_with_its_epilogue_equals_it_written_out() {
     assert!(err(nn::functional::conv2d_bias_act(&x.squeeze(0).unwrap(), &w, &b, None, a, true)).contains("4-D"));
 }
 
+/// A compile backend that runs graphs eagerly and records the names of the convolution ops
+/// (`conv2d...`) of the last graph it was handed.
+fn convolutions_recorded() -> (kiln::compile::Backend, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use kiln::compile::graph::{Graph, NodeOp};
+    let convs = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
+    let seen = convs.clone();
+    let backend = kiln::compile::Backend::custom(move |g: &Graph, _| {
+        *seen.lock().unwrap() = g.nodes.iter().filter_map(|n| match &n.op {
+            NodeOp::Prim(op) if op.name().starts_with("conv2d") => Some(op.name().to_string()),
+            _ => None,
+        }).collect();
+        Ok(g.eager_runner())
+    });
+    (backend, convs)
+}
+
 /// An evaluation-mode ResNet block runs each convolution with its batch norm folded in and its
 /// residual and ReLU as the epilogue (`conv2d_bias_act`): the same numbers as the convolutions
 /// and batch norms apart (F32: rtol 1e-4, atol 1e-5), compiled one convolution op per conv.
 #[test]
 fn an_evaluation_mode_bottleneck_folds_its_batch_norms_into_its_convolutions() {
-    use kiln::compile::graph::{Graph, NodeOp};
-    use kiln::compile::{compile_with, Backend, CompileOptions};
+    use kiln::compile::{compile_with, CompileOptions};
     let d = dev();
     manual_seed(3);
     let block = nn::Bottleneck::new(16, 8, 2, &d).unwrap();
@@ -426,15 +441,7 @@ fn an_evaluation_mode_bottleneck_folds_its_batch_norms_into_its_convolutions() {
     })
     .unwrap();
     assert_close(&vals(&got), &vals(&want), 1e-4, 1e-5);
-    let convs = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
-    let seen = convs.clone();
-    let backend = Backend::custom(move |g: &Graph, _| {
-        *seen.lock().unwrap() = g.nodes.iter().filter_map(|n| match &n.op {
-            NodeOp::Prim(op) if op.name().starts_with("conv2d") => Some(op.name().to_string()),
-            _ => None,
-        }).collect();
-        Ok(g.eager_runner())
-    });
+    let (backend, convs) = convolutions_recorded();
     let f = compile_with(CompileOptions::new().backend(backend), |x: &Tensor| no_grad(|| block.forward(x)));
     assert_close(&vals(&f.call(&x).unwrap()), &vals(&want), 1e-4, 1e-5);
     assert_eq!(convs.lock().unwrap().len(), 4, "{:?}", convs.lock().unwrap());
@@ -447,8 +454,7 @@ fn an_evaluation_mode_bottleneck_folds_its_batch_norms_into_its_convolutions() {
 /// the CPU always the latter. Both give eager's numbers (BF16 output: rtol 2e-2, atol 2e-2).
 #[test]
 fn a_compiled_channels_last_evaluation_block_records_convolutions_with_their_epilogues() {
-    use kiln::compile::graph::{Graph, NodeOp};
-    use kiln::compile::{compile_with, Backend, CompileOptions};
+    use kiln::compile::{compile_with, CompileOptions};
     let d = dev();
     for (format, fused) in [(MemoryFormat::ChannelsLast, 4), (MemoryFormat::Contiguous, 0)] {
         manual_seed(4);
@@ -458,15 +464,7 @@ fn a_compiled_channels_last_evaluation_block_records_convolutions_with_their_epi
         let x = t(&host_rand(2 * 16 * 8 * 8, 6), &[2, 16, 8, 8], DType::F32).to_memory_format(format).unwrap();
         let run = |x: &Tensor| kiln::amp::autocast(&d, DType::BF16, || no_grad(|| block.forward(x)));
         let want = run(&x).unwrap();
-        let ops = std::sync::Arc::new(std::sync::Mutex::new(vec![]));
-        let seen = ops.clone();
-        let backend = Backend::custom(move |g: &Graph, _| {
-            *seen.lock().unwrap() = g.nodes.iter().filter_map(|n| match &n.op {
-                NodeOp::Prim(op) if op.name().starts_with("conv2d") => Some(op.name().to_string()),
-                _ => None,
-            }).collect();
-            Ok(g.eager_runner())
-        });
+        let (backend, ops) = convolutions_recorded();
         let f = compile_with(CompileOptions::new().backend(backend), run);
         assert_close(&vals(&f.call(&x).unwrap()), &vals(&want), 2e-2, 2e-2);
         let ops = ops.lock().unwrap().clone();
