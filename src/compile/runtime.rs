@@ -285,6 +285,14 @@ impl Program {
         Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred }
     }
 
+    /// Marks the captured tensors the program writes in place as written (their versions move),
+    /// as a run's write-back does: after a replay of its CUDA graph, whose kernels wrote them.
+    pub(crate) fn note_replayed_writes(&self, inputs: &[Tensor]) {
+        for (k, _) in &self.graph.mutations {
+            inputs[self.graph.n_args + k].storage().bump_version();
+        }
+    }
+
     pub(crate) fn has_hoisted(&self) -> bool {
         !self.hoisted.kept.is_empty()
     }

@@ -558,7 +558,11 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let _ = write!(pro, "\n        VO{m} o{m};");
             let _ = writeln!(each, "          o{m}.v[e] = {};", crate::backend::cuda::kernels::codegen::store(k.ops[o].dtype, v.0, &v.1));
             if tail {
-                let _ = writeln!(stores, "        {g}if (KWHOLE(k0)) *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};\n        {g}else for (int e = 0; k0 + e < K; e++) out{m}[row * os{m} + k0 + e] = o{m}.v[e];", g = gate(m));
+                let _ = writeln!(
+                    stores,
+                    "        {}{{ if (KWHOLE(k0)) *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};\n          else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) if (k0 + e < K) out{m}[row * os{m} + k0 + e] = o{m}.v[e]; }} }}",
+                    gate(m)
+                );
             } else {
                 let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
             }
