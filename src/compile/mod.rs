@@ -280,6 +280,10 @@ struct Replay {
     /// replay given that tensor unwritten since skips the copy (nothing in the graph writes
     /// the static copies: they are held outside the program, so never reused as its buffers).
     held: Vec<(u64, u64)>,
+    /// Per argument, whether its copy node is disabled now; and whether the driver disables
+    /// copy nodes at all (it stays false after a refusal).
+    skipped: Vec<bool>,
+    skips: bool,
     graph: crate::backend::cuda::device::graph::CudaGraph,
 }
 
@@ -303,9 +307,23 @@ impl Graphed {
                 let stale: Vec<bool> = r.held.iter().zip(args).map(|(&h, a)| h != (a.id(), a.version())).collect();
                 let fresh = match &r.io {
                     Some(io) => {
-                        for (((c, s), a), &stale) in io.ins.iter().zip(&r.args).zip(args).zip(&stale) {
-                            r.graph.enable_copy(c, stale)?;
-                            if stale {
+                        for (i, ((c, s), a)) in io.ins.iter().zip(&r.args).zip(args).enumerate() {
+                            // An unchanged argument's copy is disabled (where the driver lets
+                            // it: else it copies, as before).
+                            if !stale[i] && r.skips && !r.skipped[i] {
+                                match r.graph.enable_copy(c, false) {
+                                    Ok(()) => r.skipped[i] = true,
+                                    Err(e) => {
+                                        log(Topic::Recompiles, || format!("CUDA graph: an unchanged argument is copied in at every replay ({e})"));
+                                        r.skips = false;
+                                    }
+                                }
+                            }
+                            if stale[i] || !r.skipped[i] {
+                                if r.skipped[i] {
+                                    r.graph.enable_copy(c, true)?;
+                                    r.skipped[i] = false;
+                                }
                                 r.graph.set_copy(c, data_ptr(s)?, data_ptr(a)?)?;
                             }
                         }
@@ -401,7 +419,8 @@ impl Graphed {
                 Ok((graph, (souts, io))) => {
                     log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
                     let held = args.iter().map(|a| (a.id(), a.version())).collect();
-                    *slot = Capture::Replay(Box::new(Replay { graph, args: statics, outs: souts, io, held }));
+                    let skipped = vec![false; args.len()];
+                    *slot = Capture::Replay(Box::new(Replay { graph, args: statics, outs: souts, io, held, skipped, skips: true }));
                 }
                 Err(e) => {
                     log(Topic::Recompiles, || format!("no CUDA graph (capture failed: {e}); the launch list runs each call"));
