@@ -354,9 +354,9 @@ pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
 }
 
 /// Whether any real tensor the trace on this thread reads so far (its arguments, the tensors it
-/// captured) satisfies `pred`; false outside a trace.
+/// captured) satisfies `pred`; false outside a trace (and while the tracer itself is busy).
 pub(crate) fn any_input(pred: impl Fn(&Tensor) -> bool) -> bool {
-    TRACER.with(|t| t.borrow().as_ref().is_some_and(|tr| tr.inputs.iter().any(&pred)))
+    TRACER.with(|t| t.try_borrow().is_ok_and(|t| t.as_ref().is_some_and(|tr| tr.inputs.iter().any(&pred))))
 }
 
 /// Called before a host read of `t`: a symbolic tensor is an error under `fullgraph`, else a
