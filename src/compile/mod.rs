@@ -342,15 +342,15 @@ impl Graphed {
                         None
                     }
                 };
-                let mut inputs = r.args.clone();
-                inputs.extend(captured.iter().cloned());
                 if self.program.has_hoisted() {
+                    let mut inputs = r.args.clone();
+                    inputs.extend(captured.iter().cloned());
                     self.program.refresh_hoisted(&inputs)?;
                 }
                 r.graph.replay()?;
                 // The static inputs now hold these arguments' bytes (as of their versions now).
                 r.held = args.iter().map(|a| (a.id(), a.version())).collect();
-                self.program.note_replayed_writes(&inputs);
+                self.program.note_replayed_writes(captured);
                 match fresh {
                     Some(outs) => Ok(outs),
                     None => r.outs.iter().map(|o| o.copy_contiguous()).collect(),

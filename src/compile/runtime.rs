@@ -287,9 +287,9 @@ impl Program {
 
     /// Marks the captured tensors the program writes in place as written (their versions move),
     /// as a run's write-back does: after a replay of its CUDA graph, whose kernels wrote them.
-    pub(crate) fn note_replayed_writes(&self, inputs: &[Tensor]) {
+    pub(crate) fn note_replayed_writes(&self, captured: &[Tensor]) {
         for (k, _) in &self.graph.mutations {
-            inputs[self.graph.n_args + k].storage().bump_version();
+            captured[*k].storage().bump_version();
         }
     }
 

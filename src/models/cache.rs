@@ -68,12 +68,12 @@ impl KvCache {
     /// Writes layer `layer`'s keys and values `[2, B, H_kv, 1, D]` of one position per sequence
     /// at `positions` `[B]`; returns the layer's whole buffer. A scatter: compiled, only those
     /// slots are written, and the shapes are the same at every position.
-    fn write_at(&self, layer: usize, kv: &Tensor, positions: &Tensor) -> Result<Tensor> {
+    fn write_at(&self, layer: usize, kv: &Tensor, positions: &Tensor) -> Result<()> {
         let buf = self.layer(layer)?;
         let s = buf.shape();
         let at = positions.reshape(&[1, s[1] as i64, 1, 1, 1])?.broadcast_to(&[2, s[1], s[2], 1, s[4]])?;
         buf.scatter_(3, &at, &kv.to_dtype(buf.dtype())?)?;
-        Ok(buf.clone())
+        Ok(())
     }
 
     /// Checks that `t` more positions fit.
@@ -185,6 +185,8 @@ impl<'a> Step<'a> {
     pub fn attend(&mut self, layer: usize, q: &Tensor, kv: &Tensor, scale: f64) -> Result<Tensor> {
         let (h, t) = (q.shape()[1], q.shape()[2]);
         let hkv = kv.shape()[2];
+        // Keys, then values.
+        let half = |t: &Tensor, i: usize| t.narrow(0, i, 1)?.squeeze(0);
         let kv = match &mut self.place {
             Place::Host { cache: Some(c), .. } => c.write(layer, kv)?,
             Place::Host { cache: None, .. } => kv.clone(),
@@ -192,14 +194,13 @@ impl<'a> Step<'a> {
                 // The cache's positions before this one, each sequence's up to its own, and the
                 // new keys and values at it; `finish` writes them into the cache.
                 let buf = cache.layer(layer)?;
-                let half = |t: &Tensor, i: usize| t.narrow(0, i, 1)?.squeeze(0);
                 let kv_new = kv.to_dtype(buf.dtype())?;
                 let out = attention_up_to(q, &half(buf, 0)?, &half(buf, 1)?, positions, Some((&half(&kv_new, 0)?, &half(&kv_new, 1)?)), Some(scale))?;
-                self.pending.push((layer, kv.clone()));
+                self.pending.push((layer, kv_new));
                 return Ok(out);
             }
         };
-        let (k, v) = (kv.narrow(0, 0, 1)?.squeeze(0)?, kv.narrow(0, 1, 1)?.squeeze(0)?);
+        let (k, v) = (half(&kv, 0)?, half(&kv, 1)?);
         let (k, v) = if hkv == h { (k, v) } else { (repeat_heads(&k, h / hkv)?, repeat_heads(&v, h / hkv)?) };
         let causal = self.attn_mask.is_none() && self.start() == Some(0) && t > 1;
         let opts = SdpaOptions { attn_mask: self.attn_mask.as_ref(), is_causal: causal, scale: Some(scale), dropout_p: 0.0 };

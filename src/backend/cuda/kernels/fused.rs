@@ -389,7 +389,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     }
     // Inputs kept in registers are loaded first, all at once, before any pass computes: the
     // loads are then in flight together instead of one group per step of the first pass. Every
-    // pass then reads them from their arrays.
+    // pass then reads them from their arrays. (Looped kernels, tail covers among them, keep no
+    // arrays: `RowPlan::recomputing`.)
     for (j, inp) in k.inputs.iter().enumerate() {
         if inp.row || !plan.in_array[j] {
             continue;
@@ -398,10 +399,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);");
         if vector[j] {
             let v = load(inp.dtype, t, "q.v[e]");
-            let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = {}; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}", vector_load(j, tail));
+            let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         } else {
             let v = load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"));
-            let v = if tail { format!("k0 + e < K ? {v} : ({})0", t.name()) } else { v };
             let _ = writeln!(c, "      if (INROW(k0)) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
         }
         let _ = writeln!(c, "      else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = ({})0; }}\n    }}", t.name());
@@ -670,7 +670,7 @@ const LOOPED_MAX_VPT: usize = 32;
 /// so fewer, fuller chunks keep more bytes in flight per SM, and a last chunk nearly empty
 /// would cost a whole wait.
 fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
-    if cols > crate::kir::MAX_ROW {
+    if walks_in_chunks(cols) {
         let chunks = cols.div_ceil(threads * LOOPED_MAX_VPT);
         let cover = if cols.is_multiple_of(vec) { Cover::Looped } else { Cover::LoopedTail };
         return (cols.div_ceil(threads * chunks).next_multiple_of(vec), cover);
@@ -679,17 +679,28 @@ fn row_cover(cols: usize, threads: usize, vec: usize) -> (usize, Cover) {
     (vpt, if row_full(cols, threads, vpt) { Cover::Exact } else { Cover::Masked })
 }
 
-/// Values a row kernel loads at once: 16 bytes of its widest full input or output, where rows
-/// of `cols` divide by it, or where they are walked in chunks (longer than `MAX_ROW`) and every
-/// full output's rows start aligned (cross-entropy's gradient stored into a padded product's
-/// buffer): the vector over a row's end is then taken element by element (`Cover::LoopedTail`).
-fn row_vec(k: &FusedKernel, cols: usize) -> usize {
+/// Whether a row kernel over rows of `cols` walks them in chunks (`Cover::Looped`): rows longer
+/// than its registers hold.
+fn walks_in_chunks(cols: usize) -> bool {
+    cols > crate::kir::MAX_ROW
+}
+
+/// Values of a row kernel that make 16 bytes of its widest full input or output.
+fn vector_width(k: &FusedKernel) -> usize {
     let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
-    let v = (16 / widest).max(1);
+    (16 / widest).max(1)
+}
+
+/// Values a row kernel loads at once: `vector_width`, where rows of `cols` divide by it, or
+/// where they are walked in chunks and every full output's rows start aligned (cross-entropy's
+/// gradient stored into a padded product's buffer): the vector over a row's end is then taken
+/// element by element (`Cover::LoopedTail`).
+fn row_vec(k: &FusedKernel, cols: usize) -> usize {
+    let v = vector_width(k);
     // Vector stores need every output row to start aligned, padded ones too.
     let stride = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
     let aligned = k.full_outputs().into_iter().all(|m| stride(m).is_multiple_of(v));
-    let walked = cols.is_multiple_of(v) || (cols > crate::kir::MAX_ROW && !crate::switches::row_tail_off());
+    let walked = cols.is_multiple_of(v) || (walks_in_chunks(cols) && !crate::switches::row_tail_off());
     if aligned && walked {
         v
     } else {
@@ -710,7 +721,7 @@ fn vector_load(j: usize, tail: bool) -> String {
 
 /// Threads per row of a row kernel unless max-autotune picked others.
 fn default_row_threads(cols: usize, vec: usize) -> usize {
-    if cols > crate::kir::MAX_ROW {
+    if walks_in_chunks(cols) {
         LOOPED_THREADS
     } else {
         row_shape(cols, vec).0
@@ -785,7 +796,7 @@ fn launch_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &Fused
     let vk = || vector_loads(vector);
     // One launch with `threads` threads per row. Every launch rewrites the outputs whole from
     // the inputs, so timing candidates changes nothing.
-    let looped = cols > crate::kir::MAX_ROW;
+    let looped = walks_in_chunks(cols);
     let launch = |threads: usize| -> Result<()> {
         let (vpt, cover) = row_cover(cols, threads, vec);
         let shape = (threads, vpt, vec, vector_bits(vector), cover);
@@ -1592,11 +1603,10 @@ pub(super) mod tests {
                         let name = rows_name(k, threads, vpt, vec, cover, vector);
                         v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, vector, cover, RowMode::Kernel))));
                     }
-                    if cols > crate::kir::MAX_ROW {
+                    if walks_in_chunks(cols) {
                         // Rows of a length no vector width divides: vectors, the last one taken
                         // element by element.
-                        let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).max().unwrap_or(4);
-                        let vec = (16 / widest).max(2);
+                        let vec = vector_width(k);
                         let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row).collect();
                         let (vpt, _) = row_cover(cols, threads, vec);
                         let name = rows_name(k, threads, vpt, vec, Cover::LoopedTail, &vector);
@@ -1853,4 +1863,3 @@ pub(super) mod tests {
         assert_eq!(last.inputs.len(), 3);
     }
 }
-
