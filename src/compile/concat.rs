@@ -4,9 +4,12 @@
 //! one over their own dims (no copy to reshape them first), and a concatenation of a
 //! concatenation along the same dim becomes one. Attention's q, k and v gradients, each in
 //! the attention's own `[L, B, H, D]` order, then meet in the `[B, L, 3 * H * D]` gradient of
-//! their projection in one concatenation instead of going through four copies.
+//! their projection in one concatenation instead of going through four copies. A
+//! concatenation of views that already lie one after the other in one value, in its own
+//! order (a batch-first attention's gradients side by side), is a view of that value: no copy.
 
 use super::graph::{Graph, Node, NodeId, NodeOp};
+use crate::layout::Layout;
 use crate::ops::Op;
 use std::collections::HashSet;
 
@@ -28,8 +31,9 @@ pub(crate) fn gather(g: &Graph) -> Graph {
             }
             NodeOp::Prim(Op::Cat(d)) if *d + 1 == node.shape.len() => match r.last_dim_cat(g, &node.args, &users, *d, &node.shape) {
                 Some(id) => id,
-                None => r.push(node.op.clone(), args, node),
+                None => r.tiled(*d, &args, &node.shape).unwrap_or_else(|| r.push(node.op.clone(), args, node)),
             },
+            NodeOp::Prim(Op::Cat(d)) => r.tiled(*d, &args, &node.shape).unwrap_or_else(|| r.push(node.op.clone(), args, node)),
             _ => r.push(node.op.clone(), args, node),
         };
         r.map.push(id);
@@ -79,12 +83,66 @@ impl Rewrite {
                 flat.push(x);
             }
         }
+        if let Some(id) = self.tiled(d, &flat, &shape) {
+            return id;
+        }
         let (dtype, device) = (self.out.nodes[flat[0]].dtype, self.out.nodes[flat[0]].device);
         let id = self.out.push(NodeOp::Prim(Op::Cat(d)), flat, shape, dtype, device);
         if absorbable {
             self.absorbable.insert(id);
         }
         id
+    }
+
+    /// The concatenation along `d` of `operands` (nodes of `out`) as a view, where they are
+    /// views of one value lying in it one after the other in the concatenation's own order:
+    /// together a contiguous run of it. None otherwise.
+    fn tiled(&mut self, d: usize, operands: &[NodeId], shape: &[usize]) -> Option<NodeId> {
+        let views: Vec<(NodeId, Layout)> = operands.iter().map(|&x| self.view_layout(x)).collect::<Option<_>>()?;
+        let (base, first) = (views[0].0, views[0].1.offset);
+        let dense = Layout::contiguous(shape);
+        let mut start = 0;
+        for (b, view) in &views {
+            let in_order = view.shape.iter().zip(&view.strides).zip(&dense.strides).all(|((&n, &st), &want)| n <= 1 || st == want);
+            if *b != base || !in_order || view.offset != first + start * dense.strides[d] {
+                return None;
+            }
+            start += view.shape[d];
+        }
+        let whole = self.out.nodes[base].numel();
+        let flat = self.view(Op::Reshape(vec![whole]), base, vec![whole]);
+        let numel = dense.numel();
+        let run = if first == 0 && numel == whole { flat } else { self.view(Op::Slice { dim: 0, start: first, len: numel, step: 1 }, flat, vec![numel]) };
+        Some(self.view(Op::Reshape(shape.to_vec()), run, shape.to_vec()))
+    }
+
+    /// The value `x` of `out` is a view of, and where in it `x` lies (that value seen as
+    /// contiguous): through reshapes that are views, permutes and slices. None for a broadcast.
+    fn view_layout(&self, x: NodeId) -> Option<(NodeId, Layout)> {
+        let n = &self.out.nodes[x];
+        let own = Some((x, Layout::contiguous(&n.shape)));
+        let NodeOp::Prim(op) = &n.op else { return own };
+        match op {
+            Op::Reshape(shape) => {
+                let (b, l) = self.view_layout(n.args[0])?;
+                match l.view_strides(shape) {
+                    Some(strides) => Some((b, Layout { shape: shape.clone(), strides, offset: l.offset })),
+                    None => own,
+                }
+            }
+            Op::Permute(perm) => self.view_layout(n.args[0]).map(|(b, l)| (b, l.permuted(perm))),
+            Op::Slice { dim, start, len, step } => {
+                let (b, mut l) = self.view_layout(n.args[0])?;
+                if *len > 0 {
+                    l.offset += start * l.strides[*dim];
+                }
+                l.shape[*dim] = *len;
+                l.strides[*dim] *= step;
+                Some((b, l))
+            }
+            Op::Expand(_) => None,
+            _ => own,
+        }
     }
 
     /// A concatenation along the last dim `d` of values reshaped into it (original operands
@@ -164,5 +222,30 @@ mod tests {
         assert_eq!(cats, [(3, &vec![b, l, 3, h, d])], "{after}");
         let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
         assert_eq!(run(&before), run(&after));
+    }
+
+    /// Views of one value concatenated where they already lie one after the other in it (a
+    /// batch-first attention's gradients side by side, `[B, L, 3, H, D]`, permuted away and
+    /// back as a model does) become a view of it; in another order they stay a concatenation.
+    /// The values are the same.
+    #[test]
+    fn concatenations_of_views_lying_in_order_are_views() {
+        let (b, l, h, d) = (2, 3, 2, 4);
+        let packed = Tensor::randn(&[b * l * 3 * h * d + 5], DType::F32, &Device::Cpu).unwrap();
+        for order in [[0, 1, 2], [1, 0, 2]] {
+            let f = move |xs: &[Tensor]| {
+                let side_by_side = xs[0].narrow(0, 0, b * l * 3 * h * d)?.reshape_usize(&[b, l, 3, h, d])?;
+                let part = |i: usize| side_by_side.narrow(2, i, 1)?.reshape_usize(&[b, l, h, d])?.permute(&[0, 2, 1, 3])?.permute(&[0, 2, 1, 3])?.reshape_usize(&[b, l, h * d]);
+                let parts = order.map(|i| part(i).unwrap());
+                Ok(vec![crate::ops::movement::cat(&[&parts[0], &parts[1], &parts[2]], 2)?])
+            };
+            let args = [packed.clone()];
+            let before = crate::compile::simplify::simplify(&crate::compile::fuse::tests::host_graph_of(&args, f));
+            let after = crate::compile::simplify::simplify(&gather(&before));
+            let cats = after.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))).count();
+            assert_eq!(cats, usize::from(order != [0, 1, 2]), "{after}");
+            let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
+            assert_eq!(run(&before), run(&after));
+        }
     }
 }

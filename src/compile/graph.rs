@@ -79,7 +79,7 @@ impl Node {
                 Op::Pad(p, v) => format!("[{p:?}, value={v}]"),
                 Op::ToDevice { to, .. } => format!("[{to}]"),
                 Op::Relayout(f) => format!("[{f:?}]"),
-                Op::Attention { scale, causal } | Op::AttentionBackward { scale, causal } => format!("[scale={scale}{}]", if *causal { ", causal" } else { "" }),
+                Op::Attention { scale, causal, batch_first } | Op::AttentionBackward { scale, causal, batch_first } => format!("[scale={scale}{}{}]", if *causal { ", causal" } else { "" }, if *batch_first { ", batch_first" } else { "" }),
                 Op::AttentionUpTo { scale } => format!("[scale={scale}]"),
                 Op::Unary(_) | Op::Matmul => String::new(),
                 Op::Conv2d(a) => conv_params(a, ""),

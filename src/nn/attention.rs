@@ -129,7 +129,7 @@ impl MultiheadAttention {
             // [len, N, E] -> [len, N, H, hd]: views, read in place by the fused kernel.
             let heads = |t: &Tensor, len: usize| t.reshape_usize(&[len, n, h, hd]);
             let mask = mask.map(|m| m.broadcast_to(&[n * h, l, s])?.reshape_usize(&[n, h, l, s])).transpose()?;
-            let out = F::attention_lbhd(&heads(&q, l)?, &heads(&k, s)?, &heads(&v, s)?, mask.as_ref(), scale, false, dropout)?;
+            let out = F::attention_lbhd(&heads(&q, l)?, &heads(&k, s)?, &heads(&v, s)?, mask.as_ref(), scale, false, dropout, false)?;
             (out.reshape_usize(&[l, n, e])?, None)
         };
         let out = self.out_proj.forward(&out)?;

@@ -202,7 +202,9 @@ pub fn scaled_dot_product_attention(q: &Tensor, k: &Tensor, v: &Tensor, opts: &S
     };
     let scale = opts.scale.unwrap_or(1.0 / (d as f64).sqrt());
     let lbhd = |t: &Tensor| t.permute(&[2, 0, 1, 3]);
-    let out = attention_lbhd(&lbhd(&q)?, &lbhd(&k)?, &lbhd(&v)?, mask.as_ref(), scale, opts.is_causal, opts.dropout_p)?;
+    // The fused op stores its output batch-first (`[N, L, H, D]`, as PyTorch's fused kernels
+    // do), so `out.transpose(1, 2).reshape([N, L, E])` is a view.
+    let out = attention_lbhd(&lbhd(&q)?, &lbhd(&k)?, &lbhd(&v)?, mask.as_ref(), scale, opts.is_causal, opts.dropout_p, true)?;
     out.permute(&[1, 2, 0, 3])
 }
 
@@ -261,25 +263,34 @@ pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: O
         }
         false => {
             let (k, v, mask) = crate::ops::attention::up_to_operands(&q, &k, &v, last, new.as_ref().map(|(kn, vn)| (kn, vn)))?;
-            attention_lbhd(&q, &k, &v, Some(&mask), scale, false, 0.0)?
+            attention_lbhd(&q, &k, &v, Some(&mask), scale, false, 0.0, true)?
         }
     };
     out.permute(&[1, 2, 0, 3])
 }
 
 /// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
-/// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]` (contiguous when fused).
+/// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]`, when fused contiguous
+/// so, or a view of a contiguous `[B, L, H, D]` where `batch_first_out`.
 /// Fused (`Op::Attention`) on the GPU unless dropout is active, the kernels cannot take the
 /// shape, or matmul and softmax are faster (long sequences the tensor cores do not take); on
 /// the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
-pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64) -> Result<Tensor> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, dropout_p: f64, batch_first_out: bool) -> Result<Tensor> {
     // The fused kernels give no gradient for the mask: a mask that needs one takes matmul and softmax.
     let mask_needs_grad = mask.is_some_and(|m| crate::is_grad_enabled() && m.is_requires_grad());
     let fused = dropout_p == 0.0 && !mask_needs_grad && crate::backend::fused_attention_pays(q, k, v);
     if fused {
+        let op = crate::ops::Op::Attention { scale, causal, batch_first: batch_first_out };
+        if batch_first_out {
+            let swap = |t: &Tensor| t.permute(&[1, 0, 2, 3]);
+            let mut inputs = vec![swap(q)?, swap(k)?, swap(v)?];
+            inputs.extend(mask.cloned());
+            return swap(&crate::ops::apply(op, &inputs.iter().collect::<Vec<_>>())?);
+        }
         let mut inputs = vec![q, k, v];
         inputs.extend(mask);
-        return crate::ops::apply(crate::ops::Op::Attention { scale, causal }, &inputs);
+        return crate::ops::apply(op, &inputs);
     }
     if q.dtype() == DType::F32 && (q.device() == crate::Device::Cpu || mask_needs_grad) {
         // Scores of long, large-valued rows lose digits in F32 sums, and softmax magnifies the
@@ -288,7 +299,7 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
         // that differentiates its mask, as the fused F32 kernels keep their scores in double.
         let up = |t: &Tensor| t.to_dtype(DType::F64);
         let mask = mask.map(up).transpose()?;
-        return attention_lbhd(&up(q)?, &up(k)?, &up(v)?, mask.as_ref(), scale, causal, dropout_p)?.to_dtype(DType::F32);
+        return attention_lbhd(&up(q)?, &up(k)?, &up(v)?, mask.as_ref(), scale, causal, dropout_p, batch_first_out)?.to_dtype(DType::F32);
     }
     // softmax(q k^T) v with matmuls over [B, H, ., D].
     let bhld = |t: &Tensor| t.permute(&[1, 2, 0, 3]);

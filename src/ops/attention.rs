@@ -4,6 +4,7 @@
 //! functional traces these ops in a compiled function wherever the kernel will not run: inside
 //! a captured CUDA graph, eager ops that upload host values (`arange`) must not run.
 
+use super::AttnDims;
 use crate::{DType, Result, Tensor};
 
 /// For q `[L, B, H, D]`, k and v `[S, B, H_kv, D]`, `last` `[B]` (I64) and the new rows
@@ -53,6 +54,36 @@ pub(crate) fn sum_head_groups(t: &Tensor, hkv: usize) -> Result<Tensor> {
     t.to_dtype(t.dtype().compute_dtype())?.reshape_usize(&[s, b, hkv, h / hkv, d])?.sum(&[3], false)
 }
 
+/// Gradient `i` (of q, k, v) in [`Op::AttentionBackward`](super::Op::AttentionBackward)'s
+/// packed result, a view of it in the op's order: `[L or S, B, H, D]`, or `[B, L or S, H, D]`
+/// when `batch_first` (where `AttnDims::grads` puts it).
+pub(crate) fn grad_of(packed: &Tensor, n: &AttnDims, batch_first: bool, i: usize) -> Result<Tensor> {
+    let AttnDims { l, s, b, h, d } = *n;
+    if batch_first && l == s {
+        // Side by side per row: `[B, L, 3, H, D]`.
+        return packed.narrow(0, 0, 3 * b * l * h * d)?.reshape_usize(&[b, l, 3, h, d])?.narrow(2, i, 1)?.reshape_usize(&[b, l, h, d]);
+    }
+    let rows = if i == 0 { l } else { s };
+    let shape = if batch_first { [b, rows, h, d] } else { [rows, b, h, d] };
+    packed.narrow(0, n.grads(batch_first)[i].0, rows * b * h * d)?.reshape_usize(&shape)
+}
+
+/// A seq-first packed gradient (`Op::AttentionBackward` with `batch_first` false) laid out as
+/// the batch-first one (`AttnDims::grads`), for backends whose kernels write only the first.
+pub(crate) fn batch_first_grads(seq_first: &Tensor, n: &AttnDims) -> Result<Tensor> {
+    let AttnDims { l, s, b, h, d } = *n;
+    let swapped = |i: usize| grad_of(seq_first, n, false, i)?.permute(&[1, 0, 2, 3]);
+    let (q, k, v) = (swapped(0)?, swapped(1)?, swapped(2)?);
+    let flat = |t: Tensor| -> Result<Tensor> { t.copy_contiguous()?.reshape(&[-1]) };
+    let grads = match l == s {
+        true => flat(super::movement::cat(&[&q.unsqueeze(2)?, &k.unsqueeze(2)?, &v.unsqueeze(2)?], 2)?)?,
+        false => super::movement::cat(&[&flat(q)?, &flat(k)?, &flat(v)?], 0)?,
+    };
+    let grads_len = (l + 2 * s) * b * h * d;
+    let tail = seq_first.narrow(0, grads_len, seq_first.numel() - grads_len)?;
+    super::movement::cat(&[&grads, &tail], 0)
+}
+
 #[cfg(test)]
 mod tests {
     use crate::nn::functional::{scaled_dot_product_attention, SdpaOptions};
@@ -80,5 +111,45 @@ mod tests {
         let (kn, vn) = (rand(&[1, 2, 2, 3], 5), rand(&[1, 2, 2, 3], 6));
         gradcheck(|xs| apply(Op::AttentionUpTo { scale: 0.6 }, &[&xs[0], &xs[1], &xs[2], &last, &xs[3], &xs[4]]), &[q, k, v, kn, vn], GradcheckOptions::default()).unwrap();
         assert_eq!(DType::F64, got.dtype());
+    }
+
+    /// The batch-first attention on the host equals the seq-first one with its operands and
+    /// output permuted, forward and backward (with keys as many as queries, whose gradients go
+    /// side by side, and with more keys), and its gradient checks by finite differences; each
+    /// gradient's view sits where `AttnDims::grads` says.
+    #[test]
+    fn batch_first_attention_is_the_seq_first_one_permuted() {
+        let rand = crate::ops::host_values;
+        let swap = |t: &Tensor| t.permute(&[1, 0, 2, 3]).unwrap();
+        for (l, s) in [(3, 3), (2, 5)] {
+            // Seq-first operands [L, B, H, D].
+            let (q, k, v, g) = (rand(&[l, 2, 2, 4], 1), rand(&[s, 2, 2, 4], 2), rand(&[s, 2, 2, 4], 3), rand(&[l, 2, 2, 4], 4));
+            for causal in [false, true] {
+                let seq = Op::Attention { scale: 0.5, causal, batch_first: false };
+                let bf = Op::Attention { scale: 0.5, causal, batch_first: true };
+                let want = apply(seq.clone(), &[&q, &k, &v]).unwrap();
+                let got = apply(bf.clone(), &[&swap(&q), &swap(&k), &swap(&v)]).unwrap();
+                assert!(got.is_contiguous() && got.shape() == [2, l, 2, 4]);
+                assert_eq!(swap(&got).to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+                let back = |batch_first: bool| Op::AttentionBackward { scale: 0.5, causal, batch_first };
+                let seq_packed = apply(back(false), &[&q, &k, &v, &want, &g]).unwrap();
+                let bf_packed = apply(back(true), &[&swap(&q), &swap(&k), &swap(&v), &got, &swap(&g)]).unwrap();
+                let n = crate::ops::AttnDims::of(q.shape(), k.shape());
+                for i in 0..3 {
+                    let a = super::grad_of(&seq_packed, &n, false, i).unwrap();
+                    let b = super::grad_of(&bf_packed, &n, true, i).unwrap();
+                    assert_eq!(swap(&b).to_vec::<f64>().unwrap(), a.to_vec::<f64>().unwrap(), "gradient {i}, {l} queries, {s} keys");
+                    // Where the view sits is where the backends write it.
+                    for (view, batch_first) in [(&a, false), (&b, true)] {
+                        let (at, st) = n.grads(batch_first)[i];
+                        let lbh = if batch_first { [view.strides()[1], view.strides()[0], view.strides()[2]] } else { [view.strides()[0], view.strides()[1], view.strides()[2]] };
+                        assert_eq!((view.layout().offset, lbh), (at, st), "gradient {i}, batch first {batch_first}");
+                    }
+                }
+                assert_eq!(n.grads(true)[1].0 == 2 * 4, l == s, "side by side only for as many keys as queries");
+                let f = move |xs: &[Tensor]| apply(bf.clone(), &[&xs[0], &xs[1], &xs[2]]);
+                gradcheck(f, &[swap(&q), swap(&k), swap(&v)], GradcheckOptions::default()).unwrap();
+            }
+        }
     }
 }

@@ -79,12 +79,17 @@ pub enum Op {
     /// softmax(scale q k^T + mask) v over q `[L, B, H, D]`, k and v `[S, B, H, D]` and an
     /// optional additive mask `[B, H, L, S]` (any strides), keys after the query masked out
     /// when `causal`; the output is contiguous `[L, B, H, D]`, so `[L, B, E]` is a view of it.
-    Attention { scale: f64, causal: bool },
+    /// `batch_first`: q, k, v and the output are `[B, L, H, D]` instead (the output contiguous
+    /// so, `[B, L, E]` a view of it, as PyTorch's fused attention leaves it).
+    Attention { scale: f64, causal: bool, batch_first: bool },
     /// The gradients of [`Op::Attention`] from inputs (q, k, v, out, d(out)[, mask]), packed as
     /// one vector of q's dtype `[dq | dk | dv | lse | delta]` (the last two per query row,
     /// `[B, H, L]`: the scores' log-sum-exp and d(out)·out, where the backend computed them;
     /// nothing reads them). Every backend computes in F32 or wider and rounds once at the end.
-    AttentionBackward { scale: f64, causal: bool },
+    /// `batch_first` as the forward's: the gradients are in its order, and where q, k and v
+    /// have one shape, side by side per row (`[B, L, 3, H, D]`, so a projection that made
+    /// them in one product gets its gradient as a view): `AttnDims::grads`.
+    AttentionBackward { scale: f64, causal: bool, batch_first: bool },
     /// softmax(scale q k^T) v where the queries of batch b see only the keys `0..=last[b]` (a
     /// static cache's filled positions, flash-attention's `cache_seqlens`), from q
     /// `[L, B, H, D]`, k and v `[S, B, H_kv, D]` (heads share key/value heads in groups of
@@ -106,8 +111,42 @@ pub(crate) struct AttnDims {
 }
 
 impl AttnDims {
+    /// Of q `[L, B, H, D]` and k `[S, B, H, D]`.
     pub(crate) fn of(q: &[usize], k: &[usize]) -> AttnDims {
         AttnDims { l: q[0], s: k[0], b: q[1], h: q[2], d: q[3] }
+    }
+    /// Of an attention op's q and k, `[B, L, H, D]` and `[B, S, H, D]` when `batch_first`.
+    pub(crate) fn of_op(q: &[usize], k: &[usize], batch_first: bool) -> AttnDims {
+        match batch_first {
+            true => AttnDims { l: q[1], s: k[1], b: q[0], h: q[2], d: q[3] },
+            false => AttnDims::of(q, k),
+        }
+    }
+    /// The output's strides along (L, B, H) (D contiguous): `[L, B, H, D]` contiguous, or
+    /// `[B, L, H, D]` when `batch_first`.
+    pub(crate) fn out_strides(&self, batch_first: bool) -> [usize; 3] {
+        let AttnDims { l, b, h, d, .. } = *self;
+        if batch_first {
+            [h * d, l * h * d, d]
+        } else {
+            [b * h * d, h * d, d]
+        }
+    }
+    /// Where [`Op::AttentionBackward`]'s packed result keeps dq, dk and dv: each one's first
+    /// element and its strides along (L or S, B, H). Seq-first, each contiguous `[L, B, H, D]`
+    /// after the other; batch-first, each contiguous `[B, L, H, D]`, or where queries and keys
+    /// have one shape (self-attention without shared heads), side by side as `[B, L, 3, H, D]`.
+    pub(crate) fn grads(&self, batch_first: bool) -> [(usize, [usize; 3]); 3] {
+        let AttnDims { l, s, b, h, d } = *self;
+        let (nq, nk) = (l * b * h * d, s * b * h * d);
+        match batch_first {
+            false => [(0, self.out_strides(false)), (nq, [b * h * d, h * d, d]), (nq + nk, [b * h * d, h * d, d])],
+            true if l == s => {
+                let st = [3 * h * d, 3 * l * h * d, d];
+                [(0, st), (h * d, st), (2 * h * d, st)]
+            }
+            true => [(0, self.out_strides(true)), (nq, [h * d, s * h * d, d]), (nq + nk, [h * d, s * h * d, d])],
+        }
     }
     /// Elements of [`Op::AttentionBackward`]'s packed result.
     pub(crate) fn packed_len(&self) -> usize {
@@ -236,7 +275,7 @@ impl Op {
             Op::ScatterAdd(_) | Op::Scatter(_) | Op::ToDevice { .. } => (shape.to_vec(), dt),
             Op::Matmul => (vec![shape[0], shape[1], xs[1].0[2]], dt),
             Op::Attention { .. } | Op::AttentionUpTo { .. } => (shape.to_vec(), dt),
-            Op::AttentionBackward { .. } => (vec![AttnDims::of(shape, xs[1].0).packed_len()], dt),
+            Op::AttentionBackward { batch_first, .. } => (vec![AttnDims::of_op(shape, xs[1].0, *batch_first).packed_len()], dt),
             Op::Conv2d(a) | Op::Conv2dBiasAct(a, _) => (conv::out_shape(a, shape, xs[1].0)?, dt),
             Op::Conv2dGradInput(a, hw) => (vec![shape[0], xs[1].0[1] * a.groups, hw.0, hw.1], dt),
             Op::Conv2dGradWeight(a, k) => (vec![xs[1].0[1], shape[1] / a.groups.max(1), k.0, k.1], dt),
@@ -350,15 +389,40 @@ impl Op {
             Op::ScatterAdd(dim) => run!(cpu::index::scatter_add(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter_add(x, *dim, xs[1], xs[2])),
             Op::Scatter(dim) => run!(cpu::index::scatter(x, *dim, xs[1], xs[2])?, cuda::kernels::scatter(x, *dim, xs[1], xs[2])),
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
-            Op::Attention { scale, causal } => {
-                let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
-                run!(cpu::attention::attention(x, xs[1], xs[2], xs.get(3).copied(), *scale, *causal), cuda::kernels::attention::attention(&q, &k, &v, xs.get(3).copied(), *scale, *causal))
+            // Backends take `[L, B, H, D]` views; `batch_first` says where the results go.
+            Op::Attention { scale, causal, batch_first } => {
+                let seq_first = |t: &Tensor| if *batch_first { t.permute(&[1, 0, 2, 3]) } else { Ok(t.clone()) };
+                let (q, k, v) = (head_dim_contiguous(&seq_first(x)?)?, head_dim_contiguous(&seq_first(xs[1])?)?, head_dim_contiguous(&seq_first(xs[2])?)?);
+                let mask = xs.get(3).copied();
+                if on_cuda {
+                    BackendStorage::Cuda(cuda::kernels::attention::attention(&q, &k, &v, mask, *scale, *causal, *batch_first)?)
+                } else {
+                    let y = BackendStorage::Cpu(cpu::attention::attention(&q, &k, &v, mask, *scale, *causal));
+                    if *batch_first {
+                        return Tensor::from_backend(y, q.shape()).permute(&[1, 0, 2, 3])?.copy_contiguous();
+                    }
+                    y
+                }
             }
-            Op::AttentionBackward { scale, causal } => {
-                let (q, k, v) = (head_dim_contiguous(x)?, head_dim_contiguous(xs[1])?, head_dim_contiguous(xs[2])?);
-                let (out, g) = (xs[3].contiguous()?, xs[4].contiguous()?);
+            Op::AttentionBackward { scale, causal, batch_first } => {
+                let seq_first = |t: &Tensor| if *batch_first { t.permute(&[1, 0, 2, 3]) } else { Ok(t.clone()) };
+                let (q, k, v) = (head_dim_contiguous(&seq_first(x)?)?, head_dim_contiguous(&seq_first(xs[1])?)?, head_dim_contiguous(&seq_first(xs[2])?)?);
+                let (out, g) = (seq_first(xs[3])?, seq_first(xs[4])?);
                 let mask = xs.get(5).copied();
-                run!(cpu::attention::attention_backward(x, xs[1], xs[2], xs[4], mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
+                if *batch_first {
+                    if on_cuda {
+                        if let Some(p) = cuda::kernels::attention::attention_backward_cudnn(&q, &k, &v, &out, &g, mask, *scale, *causal, true)? {
+                            return Ok(Tensor::from_backend(BackendStorage::Cuda(p), &shape));
+                        }
+                    }
+                    // Elsewhere the seq-first gradients, laid out again.
+                    let mut inputs = vec![&q, &k, &v, &out, &g];
+                    inputs.extend(mask);
+                    let seq = Op::AttentionBackward { scale: *scale, causal: *causal, batch_first: false }.compute(&inputs)?;
+                    return attention::batch_first_grads(&seq, &AttnDims::of(q.shape(), k.shape()));
+                }
+                let (out, g) = (out.contiguous()?, g.contiguous()?);
+                run!(cpu::attention::attention_backward(&q, &k, &v, &g, mask, *scale, *causal), cuda::kernels::attention::attention_backward(&q, &k, &v, &out, &g, mask, *scale, *causal))
             }
             // On the GPU only what its kernel takes (`backend::attention_up_to_kernel_takes`).
             Op::AttentionUpTo { scale } => {
@@ -494,22 +558,23 @@ impl Op {
                 };
                 Ok(vec![ga, gb])
             }
-            Op::Attention { scale, causal } => {
+            Op::Attention { scale, causal, batch_first } => {
                 let saved = |i: usize| xs[i].as_ref().expect("attention inputs saved");
                 let (q, k, v) = (saved(0), saved(1), saved(2));
                 let y = y.expect("attention output saved");
-                let g = g.contiguous()?;
+                // (cuDNN reads a batch-first gradient in any layout; the rest copy it if need be.)
+                let g = if *batch_first { g.clone() } else { g.contiguous()? };
                 let mut inputs = vec![q, k, v, y, &g];
                 if let Some(Some(m)) = xs.get(3) {
                     inputs.push(m);
                 }
-                let packed = apply(Op::AttentionBackward { scale: *scale, causal: *causal }, &inputs)?;
-                let (nq, nk) = (q.numel(), k.numel());
-                let part = |at: usize, len: usize, like: &(Vec<usize>, DType)| packed.narrow(0, at, len)?.reshape_usize(&like.0)?.to_dtype(like.1);
+                let packed = apply(Op::AttentionBackward { scale: *scale, causal: *causal, batch_first: *batch_first }, &inputs)?;
+                let n = AttnDims::of_op(q.shape(), k.shape(), *batch_first);
+                let part = |i: usize| attention::grad_of(&packed, &n, *batch_first, i)?.to_dtype(meta[i].1);
                 let mut grads = vec![
-                    if want[0] { Some(part(0, nq, &meta[0])?) } else { None },
-                    if want[1] { Some(part(nq, nk, &meta[1])?) } else { None },
-                    if want[2] { Some(part(nq + nk, nk, &meta[2])?) } else { None },
+                    if want[0] { Some(part(0)?) } else { None },
+                    if want[1] { Some(part(1)?) } else { None },
+                    if want[2] { Some(part(2)?) } else { None },
                 ];
                 grads.resize(meta.len(), None);
                 Ok(grads)
@@ -524,7 +589,7 @@ impl Op {
                 let y = y.expect("attention output saved");
                 let (kh, vh, mask) = attention::up_to_operands(q, k, v, last, new)?;
                 let g = g.contiguous()?;
-                let packed = apply(Op::AttentionBackward { scale: *scale, causal: false }, &[q, &kh, &vh, y, &g, &mask])?;
+                let packed = apply(Op::AttentionBackward { scale: *scale, causal: false, batch_first: false }, &[q, &kh, &vh, y, &g, &mask])?;
                 let (nq, nk) = (q.numel(), kh.numel());
                 let heads = |at: usize| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, k.shape()[2]);
                 let mut grads = vec![None; meta.len()];

@@ -570,3 +570,45 @@ fn a_reduce_overhead_step_replays_cudnn_attention_and_its_backward() -> Result<(
     assert!(vals(&eager).iter().zip(vals(&w0)).any(|(a, b)| a != &b), "the steps moved the weights");
     Ok(())
 }
+
+/// GPT-2's attention: q, k and v as views of one `[B, L, 3E]` product, heads batch-first, the
+/// output read back as `[B, L, E]`. The fused attention stores its output and its gradients
+/// batch-first, q's, k's and v's side by side, so on the GPU (cuDNN) a compiled training step
+/// copies nothing: no copy kernel forward or backward (the output's view, the output
+/// gradient read in place, the product's gradient a view of the packed gradients). Eager and
+/// compiled gradients equal matmul and softmax's (BF16's tolerance).
+#[test]
+fn attention_over_one_qkv_product_copies_nothing_when_compiled() {
+    let (b, l, h, d) = (2, 256, 4, 64);
+    let e = h * d;
+    // Scores of a few units: softmax rounds in BF16 no worse than its inputs.
+    let qkv = rand_t(&[b, l, 3 * e], 1, DType::F32).mul_scalar(0.7).unwrap();
+    let g = rand_t(&[b, l, e], 2, DType::F32);
+    let causal = F::SdpaOptions { is_causal: true, ..Default::default() };
+    let attend = move |qkv: &Tensor, g: &Tensor, fused: bool| -> Result<Tensor> {
+        let qkv = qkv.to_dtype(DType::BF16)?;
+        let heads = |i: usize| qkv.narrow(2, i * e, e)?.reshape(&[b as i64, l as i64, h as i64, d as i64])?.permute(&[0, 2, 1, 3]);
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let y = if fused { F::scaled_dot_product_attention(&q, &k, &v, &causal)? } else { reference(&q.to_dtype(DType::F32)?, &k.to_dtype(DType::F32)?, &v.to_dtype(DType::F32)?, None, true, 0.125) };
+        y.permute(&[0, 2, 1, 3])?.reshape(&[b as i64, l as i64, e as i64])?.to_dtype(DType::F32)?.mul(g)?.sum_all()
+    };
+    let grad = |f: &dyn Fn(&Tensor) -> Result<Tensor>| {
+        let x = qkv.detach().requires_grad();
+        f(&x).unwrap().backward().unwrap();
+        vals(&x.grad().unwrap())
+    };
+    let want = grad(&|x| attend(x, &g, false));
+    assert_close(&grad(&|x| attend(x, &g, true)), &want, 2e-2, 2e-2);
+    let gc = g.clone();
+    let step = compile(move |x: &Tensor| attend(x, &gc, true));
+    let x = qkv.detach().requires_grad();
+    step.call(&x).unwrap().backward().unwrap();
+    let x = qkv.detach().requires_grad();
+    let p = profiler::profile(|| step.call(&x)?.backward()).unwrap();
+    assert_close(&vals(&x.grad().unwrap()), &want, 2e-2, 2e-2);
+    let version = kiln::cuda::cudnn_version();
+    if dev().is_cuda() && version.as_ref().is_ok_and(|v| *v >= 91300) {
+        let names: Vec<String> = p.key_averages().rows().iter().map(|r| r.name.clone()).collect();
+        assert!(names.iter().any(|n| n == "cudnn_sdpa_bwd_bfloat16") && !names.iter().any(|n| n.starts_with("copy")), "{}", p.key_averages().table(SortBy::DeviceTimeTotal, 20));
+    }
+}

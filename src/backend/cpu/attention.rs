@@ -145,9 +145,9 @@ mod tests {
             let run = |fused: bool| {
                 let (q, k, v) = (q.detach().requires_grad(), k.detach().requires_grad(), v.detach().requires_grad());
                 let y = if fused {
-                    apply(Op::Attention { scale: 0.6, causal }, &[&q, &k, &v, &mask]).unwrap()
+                    apply(Op::Attention { scale: 0.6, causal, batch_first: false }, &[&q, &k, &v, &mask]).unwrap()
                 } else {
-                    crate::nn::functional::attention_lbhd(&q, &k, &v, Some(&mask), 0.6, causal, 0.0).unwrap()
+                    crate::nn::functional::attention_lbhd(&q, &k, &v, Some(&mask), 0.6, causal, 0.0, false).unwrap()
                 };
                 y.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
                 [y, q.grad().unwrap(), k.grad().unwrap(), v.grad().unwrap()].map(|t| t.contiguous().unwrap().to_vec::<f64>().unwrap())

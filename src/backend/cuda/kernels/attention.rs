@@ -343,8 +343,9 @@ fn grid(bh: usize, rows: usize, per: usize) -> Result<(u32, u32, u32)> {
     Ok((bh as u32, rows.div_ceil(per) as u32, 1))
 }
 
-/// The attention output `[L, B, H, D]` in q's dtype. Inputs have a contiguous head dim.
-pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Result<CudaStorage> {
+/// The attention output of q `[L, B, H, D]` in q's dtype, contiguous `[L, B, H, D]`, or
+/// `[B, L, H, D]` when `batch_first`. Inputs have a contiguous head dim.
+pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, batch_first: bool) -> Result<CudaStorage> {
     let dev = dev_of(q)?;
     let n = AttnDims::of(q.shape(), k.shape());
     let mut out = CudaStorage::new(&dev, q.dtype(), n.l * n.b * n.h * n.d)?;
@@ -353,10 +354,20 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     }
     if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false)? {
         let a = crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
-        if let Some(lse) = crate::backend::cuda::libs::sdpa::forward(&dev, &a, out.ptr())? {
+        if let Some(lse) = crate::backend::cuda::libs::sdpa::forward(&dev, &a, out.ptr(), n.out_strides(batch_first))? {
             out.aux = lse.map(Box::new);
             return Ok(out);
         }
+    }
+    if batch_first {
+        // kiln's kernels store `[L, B, H, D]`: copied into the batch-first order, the rows'
+        // log-sum-exps kept beside it for the backward.
+        let mut seq_first = attention(q, k, v, mask, scale, causal, false)?;
+        let aux = seq_first.aux.take();
+        let t = Tensor::from_backend(crate::storage::BackendStorage::Cuda(seq_first), q.shape());
+        let mut out = crate::backend::cuda::kernels::cast(&t.permute(&[1, 0, 2, 3])?, q.dtype())?;
+        out.aux = aux;
+        return Ok(out);
     }
     let mut a = shared_args(q, k, v, mask, &n, scale, causal)?;
     a.out = out.ptr();
@@ -412,8 +423,25 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
     Ok(out)
 }
 
+/// The packed gradients `[dq | dk | dv | lse | delta]` of `Op::AttentionBackward` from cuDNN,
+/// laid out as the op's `batch_first` says (`AttnDims::grads`), from q, k, v, `out` and `g`
+/// as `[L, B, H, D]` views (`out` and `g` of any strides along L, B and H). None: cuDNN does
+/// not take it, nothing was queued.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention_backward_cudnn(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool, batch_first: bool) -> Result<Option<CudaStorage>> {
+    let n = AttnDims::of(q.shape(), k.shape());
+    if n.packed_len() == 0 || n.l == 0 || n.s == 0 || n.d == 0 || !crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, true)? {
+        return Ok(None);
+    }
+    let dev = dev_of(q)?;
+    // cuDNN writes the gradients in q's dtype, in place.
+    let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
+    let a = crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal };
+    Ok(crate::backend::cuda::libs::sdpa::backward(&dev, &a, out, g, &packed, n.grads(batch_first))?.then_some(packed))
+}
+
 /// The packed gradients `[dq | dk | dv | lse | delta]` in q's dtype (see
-/// `Op::AttentionBackward`). `out` and `g` are contiguous `[L, B, H, D]`.
+/// `Op::AttentionBackward`, seq-first). `out` and `g` are contiguous `[L, B, H, D]`.
 // The op's inputs and static arguments, one each: a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, g: &Tensor, mask: Option<&Tensor>, scale: f64, causal: bool) -> Result<CudaStorage> {
@@ -424,12 +452,8 @@ pub(crate) fn attention_backward(q: &Tensor, k: &Tensor, v: &Tensor, out: &Tenso
         crate::backend::cuda::kernels::zero_fill(&dev, &packed)?;
         return Ok(packed);
     }
-    if crate::backend::cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, true)? {
-        // cuDNN writes the gradients in q's dtype, in place.
-        let packed = CudaStorage::new(&dev, q.dtype(), n.packed_len())?;
-        if crate::backend::cuda::libs::sdpa::backward(&dev, &crate::backend::cuda::libs::sdpa::Attn { q, k, v, mask, n: &n, scale, causal }, out, g, &packed)? {
-            return Ok(packed);
-        }
+    if let Some(packed) = attention_backward_cudnn(q, k, v, out, g, mask, scale, causal, false)? {
+        return Ok(packed);
     }
     // kiln's kernels write F32; in F16/BF16 one kernel rounds them after.
     let wide = CudaStorage::new(&dev, DType::F32, n.packed_len())?;
@@ -541,11 +565,11 @@ mod tests {
         let r = |shape: &[usize]| Tensor::randn(shape, DType::BF16, &dev).unwrap();
         let (q, k, v, g) = (r(&[l, b, h, d]), r(&[s, b, h, d]), r(&[s, b, h, d]), r(&[l, b, h, d]));
         for causal in [false, true] {
-            let op = Op::Attention { scale: 0.125, causal };
+            let op = Op::Attention { scale: 0.125, causal, batch_first: false };
             let y = crate::cuda::with_cudnn_attention(false, || apply(op, &[&q, &k, &v])).unwrap();
             let copy = y.copy_contiguous().unwrap();
             assert!(crate::backend::cuda::kernels::aux_ptr(&y).is_some() && crate::backend::cuda::kernels::aux_ptr(&copy).is_none());
-            let back = Op::AttentionBackward { scale: 0.125, causal };
+            let back = Op::AttentionBackward { scale: 0.125, causal, batch_first: false };
             let kept = apply(back.clone(), &[&q, &k, &v, &y, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
             let walked = apply(back, &[&q, &k, &v, &copy, &g]).unwrap().to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
             // dq, dk, dv (the packed result's first part); BF16 probabilities may round apart.

@@ -151,24 +151,35 @@ enum PlanKind {
 }
 
 /// What a plan depends on: its pass, the dtype, the sizes (B, H, L, S, D), q, k, v's strides
-/// along L, B and H (outputs, output gradients and gradients are contiguous `[L, B, H, D]`),
-/// whether it is causal, and the additive mask's layout (`bias_layout`).
+/// along L, B and H, those of the output, its gradient and the gradients of q, k and v (`io`;
+/// the forward's only the first), whether it is causal, and the additive mask's layout
+/// (`bias_layout`).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct Key {
     pass: PlanKind,
     dtype: DType,
     n: [usize; 5],
     strides: [[usize; 3]; 3],
+    io: [[usize; 3]; 5],
     causal: bool,
     bias: Option<[[usize; 4]; 2]>,
 }
 
 impl Key {
-    fn new(pass: PlanKind, a: &Attn) -> Key {
-        let s = |t: &Tensor| [t.strides()[0], t.strides()[1], t.strides()[2]];
+    fn new(pass: PlanKind, a: &Attn, io: [[usize; 3]; 5]) -> Key {
         let (q, k, v, n) = (a.q, a.k, a.v, a.n);
-        Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [s(q), s(k), s(v)], causal: a.causal, bias: a.mask.and_then(bias_layout) }
+        Key { pass, dtype: q.dtype(), n: [n.b, n.h, n.l, n.s, n.d], strides: [lbh(q), lbh(k), lbh(v)], io, causal: a.causal, bias: a.mask.and_then(bias_layout) }
     }
+}
+
+/// A `[L, B, H, D]` tensor's strides along L, B and H.
+fn lbh(t: &Tensor) -> [usize; 3] {
+    [t.strides()[0], t.strides()[1], t.strides()[2]]
+}
+
+/// Strides along L, B and H as cuDNN's `[B, H, L, D]` strides.
+fn bhld(st: [usize; 3]) -> [usize; 4] {
+    [st[1], st[2], st[0], 1]
 }
 
 /// One attention's operands, as `attention.rs` has them.
@@ -204,7 +215,7 @@ impl Ops {
         let [b, h, l, s, d] = key.n;
         let [sq, sk, _] = key.strides;
         // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; K enters transposed.
-        let q = self.keep(tensor(Q, dt, [b, h, l, d], [sq[1], sq[2], sq[0], 1], Lives::Memory)?);
+        let q = self.keep(tensor(Q, dt, [b, h, l, d], bhld(sq), Lives::Memory)?);
         let kt = self.keep(tensor(K, dt, [b, h, d, s], [sk[1], sk[2], 1, sk[0]], Lives::Memory)?);
         let stats = self.keep(tensor(STATS, float, [b, h, l, 1], [h * l, l, 1, 1], Lives::Memory)?);
         let scale = self.keep(tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?);
@@ -249,15 +260,15 @@ fn forward_graph(key: &Key, stats: bool) -> std::result::Result<Ops, String> {
     let dt = cudnn::data_type(key.dtype);
     let float = cs::cudnnDataType_t::CUDNN_DATA_FLOAT;
     let [b, heads, l, s, d] = key.n;
-    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D]; the output contiguous.
-    let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], [st[1], st[2], st[0], 1], Lives::Memory);
+    // kiln's [L, B, H, D] tensors seen as cuDNN's [B, H, L, D].
+    let strided = |uid, seq, st: [usize; 3]| tensor(uid, dt, [b, heads, seq, d], bhld(st), Lives::Memory);
     let mut g = Ops::default();
     let op = Desc::new(DT::CUDNN_BACKEND_OPERATION_SDPA_FWD_DESCRIPTOR)?;
     let tensors = [
         (A::CUDNN_ATTR_OPERATION_SDPA_FWD_QDESC, strided(Q, l, key.strides[0])?),
         (A::CUDNN_ATTR_OPERATION_SDPA_FWD_KDESC, strided(K, s, key.strides[1])?),
         (A::CUDNN_ATTR_OPERATION_SDPA_FWD_VDESC, strided(V, s, key.strides[2])?),
-        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, tensor(O, dt, [b, heads, l, d], [heads * d, d, b * heads * d, 1], Lives::Memory)?),
+        (A::CUDNN_ATTR_OPERATION_SDPA_FWD_ODESC, strided(O, l, key.io[0])?),
         (A::CUDNN_ATTR_OPERATION_SDPA_FWD_SCALEDESC, tensor(SCALE, float, [1; 4], [1; 4], Lives::ByValue)?),
     ];
     for (name, t) in tensors {
@@ -285,8 +296,8 @@ fn masked_forward_graph(key: &Key) -> std::result::Result<Ops, String> {
     let mut g = Ops::default();
     let Scores { stats, scores, dims, strides, .. } = g.scores(key)?;
     let sv = key.strides[2];
-    let v = g.keep(tensor(V, dt, [b, h, s, d], [sv[1], sv[2], sv[0], 1], Lives::Memory)?);
-    let o = g.keep(tensor(O, dt, [b, h, l, d], [h * d, d, b * h * d, 1], Lives::Memory)?);
+    let v = g.keep(tensor(V, dt, [b, h, s, d], bhld(sv), Lives::Memory)?);
+    let o = g.keep(tensor(O, dt, [b, h, l, d], bhld(key.io[0]), Lives::Memory)?);
     let row = ([b, h, l, 1], [h * l, l, 1, 1]);
     let masked = if key.causal { g.causal_mask(scores, dims, strides)? } else { scores };
     let max = g.virtual_tensor(float, row.0, row.1)?;
@@ -318,18 +329,17 @@ fn backward_graph(key: &Key) -> std::result::Result<Ops, String> {
     let mut g = Ops::default();
     let Scores { q, kt, stats, scale, scores, dims, strides } = g.scores(key)?;
     let mem = |uid, ty, dims, strides| tensor(uid, ty, dims, strides, Lives::Memory);
-    // V enters transposed; outputs, their gradients and the gradients are contiguous
-    // [L, B, H, D].
+    // V enters transposed; the output, its gradient and the gradients as `key.io` lays them.
     let sv = key.strides[2];
-    let packed = [h * d, d, b * h * d, 1];
+    let [so, sdo, sdq, sdk, sdv] = key.io.map(bhld);
     let vt = g.keep(mem(V, dt, [b, h, d, s], [sv[1], sv[2], 1, sv[0]])?);
-    let o = g.keep(mem(O, dt, [b, h, l, d], packed)?);
-    let d_o = g.keep(mem(DO, dt, [b, h, l, d], packed)?);
+    let o = g.keep(mem(O, dt, [b, h, l, d], so)?);
+    let d_o = g.keep(mem(DO, dt, [b, h, l, d], sdo)?);
     let delta = g.keep(mem(DELTA, float, [b, h, l, 1], [h * l, l, 1, 1])?);
     let dq_sum = g.keep(mem(DQ_SUM, float, [b, h, l, d], [h * l * d, l * d, d, 1])?);
-    let dq = g.keep(mem(DQ, dt, [b, h, l, d], packed)?);
-    let dk = g.keep(mem(DK, dt, [b, h, s, d], packed)?);
-    let dv = g.keep(mem(DV, dt, [b, h, s, d], packed)?);
+    let dq = g.keep(mem(DQ, dt, [b, h, l, d], sdq)?);
+    let dk = g.keep(mem(DK, dt, [b, h, s, d], sdk)?);
+    let dv = g.keep(mem(DV, dt, [b, h, s, d], sdv)?);
     let one = g.keep(tensor(ONE, float, [1; 4], [1; 4], Lives::ByValue)?);
     let (dims_t, strides_t) = ([b, h, s, l], [h * l * s, l * s, 1, s]);
     // delta = rowsum(dO * O) (times the dropout scale, 1).
@@ -407,16 +417,16 @@ fn first_plan<const N: usize>(st: &mut State, keys: [Key; N]) -> Option<Key> {
     None
 }
 
-/// The attention `a` into `out` (contiguous `[L, B, H, D]`, q's dtype), with each row's
-/// log-sum-exp of its scaled scores (F32 `[B, H, L]`, returned for the backward) where cuDNN
-/// has a plan that writes them (with a mask: always). None: cuDNN has no plan for it, nothing
-/// was queued.
-pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Option<Option<CudaStorage>>> {
+/// The attention `a` into `out` (`[L, B, H, D]` with strides `out_strides` along L, B and H,
+/// q's dtype), with each row's log-sum-exp of its scaled scores (F32 `[B, H, L]`, returned for
+/// the backward) where cuDNN has a plan that writes them (with a mask: always). None: cuDNN has
+/// no plan for it, nothing was queued.
+pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64, out_strides: [usize; 3]) -> Result<Option<Option<CudaStorage>>> {
     let (qp, kp, vp, mp) = (data_ptr(a.q)?, data_ptr(a.k)?, data_ptr(a.v)?, a.mask.map(data_ptr).transpose()?);
     let (scale, minus_inf) = (a.scale as f32, f32::NEG_INFINITY);
     let n = a.n;
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let key = |pass| Key::new(pass, a);
+        let key = |pass| Key::new(pass, a, [out_strides, [0; 3], [0; 3], [0; 3], [0; 3]]);
         let found = if a.causal || a.mask.is_some() { first_plan(st, [key(PlanKind::MaskedForward)]) } else { first_plan(st, [key(PlanKind::Forward { stats: true }), key(PlanKind::Forward { stats: false })]) };
         let Some(key) = found else { return Ok(None) };
         let stats = if key.pass != (PlanKind::Forward { stats: false }) { Some(CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?) } else { None };
@@ -435,26 +445,32 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64) -> Result<Optio
 }
 
 /// The gradients of the attention `a` whose output is `out` and output gradient `g` (both
-/// contiguous `[L, B, H, D]`), in q's dtype into `packed` (`[dq | dk | dv | lse | delta]`, see
-/// `Op::AttentionBackward`; `lse` and `delta` are left as they are). `out` must carry its
-/// rows' log-sum-exps (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or `out` has
-/// no log-sum-exps), nothing was queued.
-pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor, packed: &CudaStorage) -> Result<bool> {
+/// `[L, B, H, D]`, any strides along L, B and H), in q's dtype into `packed` where `grads`
+/// puts dq, dk and dv (first element, strides along L or S, B and H: `AttnDims::grads`; the
+/// packed `lse` and `delta` are left as they are). `out` must carry its rows' log-sum-exps
+/// (`CudaStorage::aux`). Ok(false): cuDNN has no plan for it (or `out` has no log-sum-exps, or
+/// a row of `out` or `g` is not 16-byte aligned), nothing was queued.
+pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor, packed: &CudaStorage, grads: [(usize, [usize; 3]); 3]) -> Result<bool> {
     let (Some(lse), op, gp) = (crate::backend::cuda::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
+    use crate::backend::cuda::kernels::attention::rows_aligned;
+    if out.strides()[3] != 1 || g.strides()[3] != 1 || !rows_aligned(out, 8)? || !rows_aligned(g, 8)? {
+        return Ok(false);
+    }
     let n = a.n;
     // Before 9.15.1 the backward of key counts off a multiple of 128 needs a padding mask in
     // the graph (what cudnn-frontend adds); those run on kiln's kernels there.
     let padded = !n.s.is_multiple_of(128) && cudnn::library().map_or(true, |v| v < BACKWARD_UNPADDED_SINCE);
-    if op % 16 != 0 || gp % 16 != 0 || padded {
+    if padded {
         return Ok(false);
     }
     let (qp, kp, vp, mp) = (data_ptr(a.q)?, data_ptr(a.k)?, data_ptr(a.v)?, a.mask.map(data_ptr).transpose()?);
-    let (nq, nk) = (n.l * n.b * n.h * n.d, n.s * n.b * n.h * n.d);
+    let nq = n.l * n.b * n.h * n.d;
     let at = |elems: usize| packed.ptr() + (elems * packed.dtype.size_in_bytes()) as u64;
     let (scale, one, minus_inf) = (a.scale as f32, 1f32, f32::NEG_INFINITY);
     let dtype = a.q.dtype();
     cudnn::session(dev, "scaled_dot_product_attention", |st| {
-        let Some(key) = first_plan(st, [Key::new(PlanKind::Backward, a)]) else { return Ok(false) };
+        let io = [lbh(out), lbh(g), grads[0].1, grads[1].1, grads[2].1];
+        let Some(key) = first_plan(st, [Key::new(PlanKind::Backward, a, io)]) else { return Ok(false) };
         // Each row's delta, and dq's F32 sums (cuDNN adds each key tile's part into them; from
         // cuDNN 9.6 on it clears them itself).
         let delta = CudaStorage::new(dev, DType::F32, n.b * n.h * n.l)?;
@@ -473,9 +489,9 @@ pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor
             (ONE, &one as *const f32 as *mut c_void),
             (DELTA, ptr(delta.ptr())),
             (DQ_SUM, ptr(dq_sum.ptr())),
-            (DQ, ptr(at(0))),
-            (DK, ptr(at(nq))),
-            (DV, ptr(at(nq + nk))),
+            (DQ, ptr(at(grads[0].0))),
+            (DK, ptr(at(grads[1].0))),
+            (DV, ptr(at(grads[2].0))),
         ];
         ptrs.extend(a.causal.then_some((MINUS_INF, &minus_inf as *const f32 as *mut c_void)));
         ptrs.extend(mp.map(|m| (BIAS, ptr(m))));
