@@ -98,6 +98,16 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
                 }
             }
         }
+        // A value made from the inputs alone (a weight cast to autocast's dtype) whose late
+        // readers are all library products (a product's backward) is stored for them anyway:
+        // recomputed, it would be written again and its input read again, to save memory
+        // only. It is kept, as PyTorch's autocast keeps its casts of the parameters.
+        let input = |x: NodeId| matches!(g.nodes[g.view_root(x)].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_));
+        let of_inputs = nodes.iter().all(|&x| g.nodes[x].args.iter().all(|&a| nodes.contains(&a) || input(a)));
+        let late_fuse = reads[v].iter().any(|&r| r >= first_late && (g.nodes[r].is_pointwise() || super::fuse::reduces_in_a_kernel(g, r)));
+        if of_inputs && !late_fuse {
+            continue;
+        }
         if kept_longer.iter().map(|&x| bytes(x)).sum::<usize>() < bytes(v) {
             from[v] = Some(first_late);
             for x in nodes {
@@ -257,5 +267,34 @@ mod tests {
         g.nodes[x - 1].dtype = DType::F32;
         let r = rematerialize(&g);
         assert_eq!(r.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Binary(BinaryOp::Sub, _)))).count(), 1, "{r}");
+    }
+
+    /// A weight cast to BF16 read by a product early and by another after 40 unrelated nodes
+    /// (its backward) is kept, not cast again: the late product reads it from memory either
+    /// way. The same cast read late by a pointwise op is recomputed there.
+    #[test]
+    fn a_cast_of_an_input_read_late_only_by_products_is_kept() {
+        for late_product in [true, false] {
+            let mut g = Graph::default();
+            let (f, h, d) = (DType::F32, DType::BF16, Device::Cpu);
+            let w = g.push(NodeOp::Captured(0), vec![], vec![1, 64, 128], f, d);
+            let x = g.push(NodeOp::Arg(0), vec![], vec![1, 32, 64], h, d);
+            let wh = g.push(NodeOp::Prim(Op::Cast(h)), vec![w], vec![1, 64, 128], h, d);
+            let mut y = g.push(NodeOp::Prim(Op::Matmul), vec![x, wh], vec![1, 32, 128], h, d);
+            for _ in 0..40 {
+                y = g.push(NodeOp::Prim(Op::Unary(UnaryOp::Neg)), vec![y], vec![1, 32, 128], h, d);
+            }
+            let late = match late_product {
+                true => {
+                    let t = g.push(NodeOp::Prim(Op::Permute(vec![0, 2, 1])), vec![wh], vec![1, 128, 64], h, d);
+                    g.push(NodeOp::Prim(Op::Matmul), vec![y, t], vec![1, 32, 64], h, d)
+                }
+                false => g.push(NodeOp::Prim(Op::Unary(UnaryOp::Neg)), vec![wh], vec![1, 64, 128], h, d),
+            };
+            g.outputs = vec![late, y];
+            let r = rematerialize(&g);
+            let casts = r.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cast(_)))).count();
+            assert_eq!(casts, if late_product { 1 } else { 2 }, "{r}");
+        }
     }
 }
