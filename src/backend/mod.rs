@@ -113,6 +113,17 @@ pub(crate) fn fused_attention_pays(q: &crate::Tensor, k: &crate::Tensor, v: &cra
         && cuda::kernels::attention::fused_is_faster(q, k, v)
 }
 
+/// Whether the fused attention of q, k, v (`[L, B, H, D]`) stores its output batch-first for
+/// free: where cuDNN's forward takes it (cuDNN writes any strides; kiln's kernels store
+/// seq-first, and the other order would cost them a copy).
+pub(crate) fn attention_stores_batch_first(q: &crate::Tensor, k: &crate::Tensor, v: &crate::Tensor, mask: Option<&crate::Tensor>, causal: bool) -> bool {
+    let n = crate::ops::AttnDims::of(q.shape(), k.shape());
+    if planned_for_cuda(q) {
+        return cuda::libs::sdpa::takes_sizes(q.dtype(), mask.is_some(), causal, &n, false);
+    }
+    q.device().is_cuda() && cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false).unwrap_or(false)
+}
+
 /// Whether `Op::AttentionUpTo` over q `[L, B, H, D]` and k `[S, B, H_kv, D]` runs as its own GPU
 /// kernel (else the functional computes it as the masked attention, whose mask it then traces).
 pub(crate) fn attention_up_to_kernel_takes(q: &crate::Tensor, k: &crate::Tensor) -> bool {

@@ -34,6 +34,13 @@ pub(crate) fn gather(g: &Graph) -> Graph {
                 None => r.tiled(*d, &args, &node.shape).unwrap_or_else(|| r.push(node.op.clone(), args, node)),
             },
             NodeOp::Prim(Op::Cat(d)) => r.tiled(*d, &args, &node.shape).unwrap_or_else(|| r.push(node.op.clone(), args, node)),
+            NodeOp::Prim(Op::Binary(crate::ops::BinaryOp::Add, _)) => match padded_parts(g, i, &users) {
+                Some((d, parts)) => {
+                    let operands = parts.iter().map(|&p| (r.map[p], users[p] == 1)).collect();
+                    r.cat(d, operands, node.shape.clone(), users[i] == 1)
+                }
+                None => r.push(node.op.clone(), args, node),
+            },
             _ => r.push(node.op.clone(), args, node),
         };
         r.map.push(id);
@@ -41,6 +48,37 @@ pub(crate) fn gather(g: &Graph) -> Graph {
     let outputs = g.outputs.iter().map(|&o| r.map[o]).collect();
     let mutations = g.mutations.iter().map(|&(k, v)| (k, r.map[v])).collect();
     Graph { outputs, mutations, ..r.out }
+}
+
+/// Where sum `i` adds zero paddings of values along one dim that together tile it (the
+/// gradients of a split into three or more `narrow`s, as `qkv.split(E, 2)`; two are a
+/// concatenation after `simplify` already), through sums read only there: that dim and the
+/// values in order.
+fn padded_parts(g: &Graph, i: NodeId, users: &[usize]) -> Option<(usize, Vec<NodeId>)> {
+    let node = &g.nodes[i];
+    let (mut leaves, mut stack) = (vec![], vec![i]);
+    while let Some(x) = stack.pop() {
+        let n = &g.nodes[x];
+        match &n.op {
+            NodeOp::Prim(Op::Binary(crate::ops::BinaryOp::Add, _)) if n.dtype == node.dtype && n.shape == node.shape && (x == i || users[x] == 1) => stack.extend(n.args.iter().copied()),
+            NodeOp::Prim(Op::Pad(p, v)) if *v == 0.0 && n.dtype == node.dtype && n.shape == node.shape => leaves.push((x, p.clone())),
+            _ => return None,
+        }
+    }
+    let d = leaves[0].1.iter().position(|&p| p != (0, 0))?;
+    if leaves.len() < 3 || leaves.iter().any(|(_, p)| p.iter().enumerate().any(|(e, &q)| e != d && q != (0, 0))) {
+        return None;
+    }
+    leaves.sort_by_key(|(_, p)| p[d].0);
+    let mut at = 0;
+    for (x, p) in &leaves {
+        let len = g.nodes[g.nodes[*x].args[0]].shape[d];
+        if p[d].0 != at || p[d].0 + len + p[d].1 != node.shape[d] {
+            return None;
+        }
+        at += len;
+    }
+    Some((d, leaves.iter().map(|(x, _)| g.nodes[*x].args[0]).collect()))
 }
 
 struct Rewrite {
@@ -247,5 +285,22 @@ mod tests {
             let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
             assert_eq!(run(&before), run(&after));
         }
+    }
+
+    /// The gradient of a split into three (`narrow`s of one value, as `qkv.split(E, 2)`): zero
+    /// paddings that tile their sum, in any order, added two at a time. Gathered, it is one
+    /// concatenation of the three values; the values are the same.
+    #[test]
+    fn a_sum_of_three_paddings_that_tile_it_is_one_concatenation() {
+        let r = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
+        let args = [r(&[2, 3]), r(&[2, 4]), r(&[2, 5])];
+        let f = |xs: &[Tensor]| Ok(vec![xs[2].pad(&[7, 0], 0.0)?.add(&xs[0].pad(&[0, 9], 0.0)?)?.add(&xs[1].pad(&[3, 5], 0.0)?)?]);
+        let before = crate::compile::simplify::simplify(&crate::compile::fuse::tests::host_graph_of(&args, f));
+        let after = crate::compile::simplify::simplify(&gather(&before));
+        let cats: Vec<usize> = after.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))).map(|n| n.args.len()).collect();
+        assert_eq!(cats, [3], "{after}");
+        assert!(!after.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Pad(..)))), "{after}");
+        let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
+        assert_eq!(run(&before), run(&after));
     }
 }

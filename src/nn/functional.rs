@@ -271,7 +271,8 @@ pub fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: O
 
 /// Attention in the sequence-first layout: q `[L, B, H, D]`, k and v `[S, B, H, D]`, an
 /// additive `mask` `[B, H, L, S]` in q's dtype; returns `[L, B, H, D]`, when fused contiguous
-/// so, or a view of a contiguous `[B, L, H, D]` where `batch_first_out`.
+/// so, or a view of a contiguous `[B, L, H, D]` where `batch_first_out` asks for it and the
+/// kernel stores it so for free (`backend::attention_stores_batch_first`).
 /// Fused (`Op::Attention`) on the GPU unless dropout is active, the kernels cannot take the
 /// shape, or matmul and softmax are faster (long sequences the tensor cores do not take); on
 /// the CPU matmul and softmax (the GEMM library beats the op's f64 reference loops).
@@ -281,8 +282,9 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
     let mask_needs_grad = mask.is_some_and(|m| crate::is_grad_enabled() && m.is_requires_grad());
     let fused = dropout_p == 0.0 && !mask_needs_grad && crate::backend::fused_attention_pays(q, k, v);
     if fused {
-        let op = crate::ops::Op::Attention { scale, causal, batch_first: batch_first_out };
-        if batch_first_out {
+        let batch_first = batch_first_out && crate::backend::attention_stores_batch_first(q, k, v, mask, causal);
+        let op = crate::ops::Op::Attention { scale, causal, batch_first };
+        if batch_first {
             let swap = |t: &Tensor| t.permute(&[1, 0, 2, 3]);
             let mut inputs = vec![swap(q)?, swap(k)?, swap(v)?];
             inputs.extend(mask.cloned());

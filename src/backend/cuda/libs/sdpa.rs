@@ -85,7 +85,7 @@ fn allowed() -> bool {
 /// own rounding was the larger error there, found after).
 /// `backward`: asked for the backward pass.
 pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, causal: bool, n: &AttnDims, backward: bool) -> Result<bool> {
-    if (causal && mask.is_some()) || !allowed() || !matches!(q.dtype(), DType::F16 | DType::BF16) || !n.d.is_multiple_of(8) || n.d > MAX_HEAD_DIM || n.s < min_keys(backward) || n.l == 0 {
+    if !takes_sizes(q.dtype(), mask.is_some(), causal, n, backward) {
         return Ok(false);
     }
     if !cudnn::library().is_ok_and(|v| v >= SINCE) {
@@ -100,6 +100,12 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, c
         Some(m) => Ok(bias_layout(m).is_some() && crate::backend::cuda::kernels::attention::rows_aligned(m, 8)?),
         None => Ok(true),
     }
+}
+
+/// `takes` as far as the dtype, sizes and masks tell (what a program planned for the GPU on
+/// the host can know).
+pub(crate) fn takes_sizes(dtype: DType, masked: bool, causal: bool, n: &AttnDims, backward: bool) -> bool {
+    !(causal && masked) && allowed() && matches!(dtype, DType::F16 | DType::BF16) && n.d.is_multiple_of(8) && n.d <= MAX_HEAD_DIM && n.s >= min_keys(backward) && n.l > 0
 }
 
 /// An additive mask `[B, H, L, S]` as cuDNN's bias: (dims, strides) in cuDNN's order, a
