@@ -121,7 +121,15 @@ pub(crate) fn attention_stores_batch_first(q: &crate::Tensor, k: &crate::Tensor,
     if planned_for_cuda(q) {
         return cuda::libs::sdpa::takes_sizes(q.dtype(), mask.is_some(), causal, &n, false);
     }
-    q.device().is_cuda() && cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false).unwrap_or(false)
+    if !q.device().is_cuda() {
+        return false;
+    }
+    // A traced tensor has no address yet: its sizes decide (the op lays its result out again
+    // where cuDNN then refuses it).
+    if [q, k, v].into_iter().chain(mask).any(|t| t.storage().traced_ref().is_some()) {
+        return cuda::libs::sdpa::takes_sizes(q.dtype(), mask.is_some(), causal, &n, false) && cuda::libs::sdpa::loaded();
+    }
+    cuda::libs::sdpa::takes(q, k, v, mask, causal, &n, false).unwrap_or(false)
 }
 
 /// Whether `Op::AttentionUpTo` over q `[L, B, H, D]` and k `[S, B, H_kv, D]` runs as its own GPU

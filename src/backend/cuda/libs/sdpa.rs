@@ -88,7 +88,7 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, c
     if !takes_sizes(q.dtype(), mask.is_some(), causal, n, backward) {
         return Ok(false);
     }
-    if !cudnn::library().is_ok_and(|v| v >= SINCE) {
+    if !loaded() {
         return Ok(false);
     }
     for t in [q, k, v] {
@@ -100,6 +100,11 @@ pub(crate) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>, c
         Some(m) => Ok(bias_layout(m).is_some() && crate::backend::cuda::kernels::attention::rows_aligned(m, 8)?),
         None => Ok(true),
     }
+}
+
+/// Whether a cuDNN with the fused attention operation is loaded.
+pub(crate) fn loaded() -> bool {
+    cudnn::library().is_ok_and(|v| v >= SINCE)
 }
 
 /// `takes` as far as the dtype, sizes and masks tell (what a program planned for the GPU on
