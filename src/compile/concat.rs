@@ -78,6 +78,9 @@ fn padded_parts(g: &Graph, i: NodeId, users: &[usize]) -> Option<(usize, Vec<Nod
         }
         at += len;
     }
+    if at != node.shape[d] {
+        return None;
+    }
     Some((d, leaves.iter().map(|(x, _)| g.nodes[*x].args[0]).collect()))
 }
 
@@ -138,6 +141,11 @@ impl Rewrite {
     fn tiled(&mut self, d: usize, operands: &[NodeId], shape: &[usize]) -> Option<NodeId> {
         let views: Vec<(NodeId, Layout)> = operands.iter().map(|&x| self.view_layout(x)).collect::<Option<_>>()?;
         let (base, first) = (views[0].0, views[0].1.offset);
+        // Never a view of an input: the caller's tensor (or one the program writes in place)
+        // would then alias the concatenation, a value of its own.
+        if matches!(self.out.nodes[base].op, NodeOp::Arg(_) | NodeOp::Captured(_)) {
+            return None;
+        }
         let dense = Layout::contiguous(shape);
         let mut start = 0;
         for (b, view) in &views {
@@ -272,7 +280,7 @@ mod tests {
         let packed = Tensor::randn(&[b * l * 3 * h * d + 5], DType::F32, &Device::Cpu).unwrap();
         for order in [[0, 1, 2], [1, 0, 2]] {
             let f = move |xs: &[Tensor]| {
-                let side_by_side = xs[0].narrow(0, 0, b * l * 3 * h * d)?.reshape_usize(&[b, l, 3, h, d])?;
+                let side_by_side = xs[0].mul_scalar(2.0)?.narrow(0, 0, b * l * 3 * h * d)?.reshape_usize(&[b, l, 3, h, d])?;
                 let part = |i: usize| side_by_side.narrow(2, i, 1)?.reshape_usize(&[b, l, h, d])?.permute(&[0, 2, 1, 3])?.permute(&[0, 2, 1, 3])?.reshape_usize(&[b, l, h * d]);
                 let parts = order.map(|i| part(i).unwrap());
                 Ok(vec![crate::ops::movement::cat(&[&parts[0], &parts[1], &parts[2]], 2)?])
@@ -282,6 +290,10 @@ mod tests {
             let after = crate::compile::simplify::simplify(&gather(&before));
             let cats = after.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))).count();
             assert_eq!(cats, usize::from(order != [0, 1, 2]), "{after}");
+            // Views of the argument itself stay a concatenation (a value of its own).
+            let of_arg = move |xs: &[Tensor]| Ok(vec![crate::ops::movement::cat(&[&xs[0].narrow(0, 0, 4)?, &xs[0].narrow(0, 4, 6)?], 0)?]);
+            let g = gather(&crate::compile::fuse::tests::host_graph_of(&args, of_arg));
+            assert!(g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))), "{g}");
             let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
             assert_eq!(run(&before), run(&after));
         }
@@ -300,6 +312,10 @@ mod tests {
         let cats: Vec<usize> = after.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))).map(|n| n.args.len()).collect();
         assert_eq!(cats, [3], "{after}");
         assert!(!after.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Pad(..)))), "{after}");
+        // Three paddings that leave the end of the dim empty are no concatenation of theirs.
+        let short = |xs: &[Tensor]| Ok(vec![xs[2].pad(&[7, 1], 0.0)?.add(&xs[0].pad(&[0, 10], 0.0)?)?.add(&xs[1].pad(&[3, 6], 0.0)?)?]);
+        let g = gather(&crate::compile::simplify::simplify(&crate::compile::fuse::tests::host_graph_of(&args, short)));
+        assert!(!g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))), "{g}");
         let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
         assert_eq!(run(&before), run(&after));
     }

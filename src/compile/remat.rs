@@ -99,7 +99,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
             }
         }
         // A value made from the inputs alone (a weight cast to autocast's dtype) whose late
-        // readers are all library products (a product's backward) is stored for them anyway:
+        // readers are none of them fused kernels (a product's backward) is stored for them anyway:
         // recomputed, it would be written again and its input read again, to save memory
         // only. It is kept, as PyTorch's autocast keeps its casts of the parameters.
         let input = |x: NodeId| matches!(g.nodes[g.view_root(x)].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_));

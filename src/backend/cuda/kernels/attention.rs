@@ -362,6 +362,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
     if batch_first {
         // kiln's kernels store `[L, B, H, D]`: copied into the batch-first order, the rows'
         // log-sum-exps kept beside it for the backward.
+        drop(out);
         let mut seq_first = attention(q, k, v, mask, scale, causal, false)?;
         let aux = seq_first.aux.take();
         let t = Tensor::from_backend(crate::storage::BackendStorage::Cuda(seq_first), q.shape());

@@ -464,7 +464,9 @@ pub(crate) fn forward(dev: &Arc<CudaDevice>, a: &Attn, out: u64, out_strides: [u
 pub(crate) fn backward(dev: &Arc<CudaDevice>, a: &Attn, out: &Tensor, g: &Tensor, packed: &CudaStorage, grads: [(usize, [usize; 3]); 3]) -> Result<bool> {
     let (Some(lse), op, gp) = (crate::backend::cuda::kernels::aux_ptr(out), data_ptr(out)?, data_ptr(g)?) else { return Ok(false) };
     use crate::backend::cuda::kernels::attention::rows_aligned;
-    if out.strides()[3] != 1 || g.strides()[3] != 1 || !rows_aligned(out, 8)? || !rows_aligned(g, 8)? {
+    // (A broadcast gradient, stride 0 along a dim, is copied first.)
+    let dense = |t: &Tensor| t.shape().iter().zip(t.strides()).all(|(&n, &s)| n <= 1 || s > 0);
+    if out.strides()[3] != 1 || g.strides()[3] != 1 || !dense(out) || !dense(g) || !rows_aligned(out, 8)? || !rows_aligned(g, 8)? {
         return Ok(false);
     }
     let n = a.n;
