@@ -148,6 +148,17 @@ impl Layout {
         MemoryFormat::ChannelsLast
     }
 
+    /// The view of `len` elements along `dim` from `start`, every `step`-th.
+    pub(crate) fn sliced(&self, dim: usize, start: usize, len: usize, step: usize) -> Layout {
+        let mut l = self.clone();
+        if len > 0 {
+            l.offset += start * self.strides[dim];
+        }
+        l.shape[dim] = len;
+        l.strides[dim] *= step;
+        l
+    }
+
     /// The layout with its dims reordered: dim `i` of the result is dim `perm[i]` of this one.
     pub(crate) fn permuted(&self, perm: &[usize]) -> Layout {
         Layout { shape: perm.iter().map(|&d| self.shape[d]).collect(), strides: perm.iter().map(|&d| self.strides[d]).collect(), offset: self.offset }

@@ -73,7 +73,7 @@ fn padded_parts(g: &Graph, i: NodeId, users: &[usize]) -> Option<(usize, Vec<Nod
     let mut at = 0;
     for (x, p) in &leaves {
         let len = g.nodes[g.nodes[*x].args[0]].shape[d];
-        if p[d].0 != at || p[d].0 + len + p[d].1 != node.shape[d] {
+        if p[d].0 != at {
             return None;
         }
         at += len;
@@ -177,15 +177,7 @@ impl Rewrite {
                 }
             }
             Op::Permute(perm) => self.view_layout(n.args[0]).map(|(b, l)| (b, l.permuted(perm))),
-            Op::Slice { dim, start, len, step } => {
-                let (b, mut l) = self.view_layout(n.args[0])?;
-                if *len > 0 {
-                    l.offset += start * l.strides[*dim];
-                }
-                l.shape[*dim] = *len;
-                l.strides[*dim] *= step;
-                Some((b, l))
-            }
+            Op::Slice { dim, start, len, step } => self.view_layout(n.args[0]).map(|(b, l)| (b, l.sliced(*dim, *start, *len, *step))),
             Op::Expand(_) => None,
             _ => own,
         }

@@ -292,6 +292,11 @@ struct Io {
     outs: Vec<crate::backend::cuda::device::graph::CopyNode>,
 }
 
+/// Each tensor's identity and version: which bytes it holds (`Replay::held`).
+fn identities(ts: &[Tensor]) -> Vec<(u64, u64)> {
+    ts.iter().map(|a| (a.id(), a.version())).collect()
+}
+
 fn bytes_of(t: &Tensor) -> usize {
     t.numel() * t.dtype().size_in_bytes()
 }
@@ -304,7 +309,7 @@ impl Graphed {
             use crate::backend::cuda::{kernels::custom::empty, kernels::data_ptr};
             crate::no_grad(|| -> Result<Vec<Tensor>> {
                 // Which arguments' bytes differ from their static copies'.
-                let stale: Vec<bool> = r.held.iter().zip(args).map(|(&h, a)| h != (a.id(), a.version())).collect();
+                let stale: Vec<bool> = r.held.iter().zip(identities(args)).map(|(&h, a)| h != a).collect();
                 let fresh = match &r.io {
                     Some(io) => {
                         for (i, ((c, s), a)) in io.ins.iter().zip(&r.args).zip(args).enumerate() {
@@ -349,7 +354,7 @@ impl Graphed {
                 }
                 r.graph.replay()?;
                 // The static inputs now hold these arguments' bytes (as of their versions now).
-                r.held = args.iter().map(|a| (a.id(), a.version())).collect();
+                r.held = identities(args);
                 self.program.note_replayed_writes(captured);
                 match fresh {
                     Some(outs) => Ok(outs),
@@ -418,7 +423,7 @@ impl Graphed {
             match captured {
                 Ok((graph, (souts, io))) => {
                     log(Topic::Recompiles, || format!("captured a CUDA graph of {} kernels{}", graph.kernels, if io.is_some() { ", copying its arguments in and outputs out itself" } else { "" }));
-                    let held = args.iter().map(|a| (a.id(), a.version())).collect();
+                    let held = identities(args);
                     let skipped = vec![false; args.len()];
                     *slot = Capture::Replay(Box::new(Replay { graph, args: statics, outs: souts, io, held, skipped, skips: true }));
                 }

@@ -285,10 +285,10 @@ pub(crate) fn attention_lbhd(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&T
         let batch_first = batch_first_out && crate::backend::attention_stores_batch_first(q, k, v, mask, causal);
         let op = crate::ops::Op::Attention { scale, causal, batch_first };
         if batch_first {
-            let swap = |t: &Tensor| t.permute(&[1, 0, 2, 3]);
-            let mut inputs = vec![swap(q)?, swap(k)?, swap(v)?];
+            use crate::ops::attention::swap_seq_batch;
+            let mut inputs = vec![swap_seq_batch(q)?, swap_seq_batch(k)?, swap_seq_batch(v)?];
             inputs.extend(mask.cloned());
-            return swap(&crate::ops::apply(op, &inputs.iter().collect::<Vec<_>>())?);
+            return swap_seq_batch(&crate::ops::apply(op, &inputs.iter().collect::<Vec<_>>())?);
         }
         let mut inputs = vec![q, k, v];
         inputs.extend(mask);

@@ -54,6 +54,28 @@ pub(crate) fn sum_head_groups(t: &Tensor, hkv: usize) -> Result<Tensor> {
     t.to_dtype(t.dtype().compute_dtype())?.reshape_usize(&[s, b, hkv, h / hkv, d])?.sum(&[3], false)
 }
 
+/// `t` (`[L, B, H, D]` or `[B, L, H, D]`) in the other order: its first two dims swapped, a view.
+pub(crate) fn swap_seq_batch(t: &Tensor) -> Result<Tensor> {
+    t.permute(&[1, 0, 2, 3])
+}
+
+/// An attention op's operand as the backends take it: `[L, B, H, D]`, a view of a batch-first
+/// one when `batch_first`.
+pub(crate) fn seq_first(t: &Tensor, batch_first: bool) -> Result<Tensor> {
+    if batch_first {
+        swap_seq_batch(t)
+    } else {
+        Ok(t.clone())
+    }
+}
+
+/// An attention op's q, k and v (`xs`' first three) as the backends take them: `seq_first`,
+/// with a contiguous head dim.
+pub(crate) fn seq_first_qkv(xs: &[&Tensor], batch_first: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    let one = |t: &Tensor| super::head_dim_contiguous(&seq_first(t, batch_first)?);
+    Ok((one(xs[0])?, one(xs[1])?, one(xs[2])?))
+}
+
 /// Gradient `i` (of q, k, v) in [`Op::AttentionBackward`](super::Op::AttentionBackward)'s
 /// packed result, a view of it in the op's order: `[L or S, B, H, D]`, or `[B, L or S, H, D]`
 /// when `batch_first` (where `AttnDims::grads` puts it).
@@ -72,7 +94,7 @@ pub(crate) fn grad_of(packed: &Tensor, n: &AttnDims, batch_first: bool, i: usize
 /// the batch-first one (`AttnDims::grads`), for backends whose kernels write only the first.
 pub(crate) fn batch_first_grads(seq_first: &Tensor, n: &AttnDims) -> Result<Tensor> {
     let AttnDims { l, s, b, h, d } = *n;
-    let swapped = |i: usize| grad_of(seq_first, n, false, i)?.permute(&[1, 0, 2, 3]);
+    let swapped = |i: usize| swap_seq_batch(&grad_of(seq_first, n, false, i)?);
     let (q, k, v) = (swapped(0)?, swapped(1)?, swapped(2)?);
     let flat = |t: Tensor| -> Result<Tensor> { t.copy_contiguous()?.reshape(&[-1]) };
     let grads = match l == s {

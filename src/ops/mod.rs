@@ -140,7 +140,10 @@ impl AttnDims {
         let AttnDims { l, s, b, h, d } = *self;
         let (nq, nk) = (l * b * h * d, s * b * h * d);
         match batch_first {
-            false => [(0, self.out_strides(false)), (nq, [b * h * d, h * d, d]), (nq + nk, [b * h * d, h * d, d])],
+            false => {
+                let st = self.out_strides(false);
+                [(0, st), (nq, st), (nq + nk, st)]
+            }
             true if l == s => {
                 let st = [3 * h * d, 3 * l * h * d, d];
                 [(0, st), (h * d, st), (2 * h * d, st)]
@@ -333,16 +336,7 @@ impl Op {
                 let strides = shape.iter().zip(&l.shape).zip(&l.strides).map(|((&s, &d), &st)| if s == d { st } else { 0 }).collect();
                 return Ok(x.view_as_layout(Layout { shape: shape.clone(), strides, offset: l.offset }));
             }
-            Op::Slice { dim, start, len, step } => {
-                let l = x.layout();
-                let mut nl = l.clone();
-                nl.shape[*dim] = *len;
-                nl.strides[*dim] = l.strides[*dim] * step;
-                if *len > 0 {
-                    nl.offset += start * l.strides[*dim];
-                }
-                return Ok(x.view_as_layout(nl));
-            }
+            Op::Slice { dim, start, len, step } => return Ok(x.view_as_layout(x.layout().sliced(*dim, *start, *len, *step))),
             _ => {}
         }
         check_device(self.name(), device)?;
@@ -391,23 +385,21 @@ impl Op {
             Op::Matmul => run!(cpu::matmul::bmm(x, xs[1], x.dtype()), cuda::kernels::bmm(x, xs[1], x.dtype())),
             // Backends take `[L, B, H, D]` views; `batch_first` says where the results go.
             Op::Attention { scale, causal, batch_first } => {
-                let seq_first = |t: &Tensor| if *batch_first { t.permute(&[1, 0, 2, 3]) } else { Ok(t.clone()) };
-                let (q, k, v) = (head_dim_contiguous(&seq_first(x)?)?, head_dim_contiguous(&seq_first(xs[1])?)?, head_dim_contiguous(&seq_first(xs[2])?)?);
+                let (q, k, v) = attention::seq_first_qkv(xs, *batch_first)?;
                 let mask = xs.get(3).copied();
                 if on_cuda {
                     BackendStorage::Cuda(cuda::kernels::attention::attention(&q, &k, &v, mask, *scale, *causal, *batch_first)?)
                 } else {
                     let y = BackendStorage::Cpu(cpu::attention::attention(&q, &k, &v, mask, *scale, *causal));
                     if *batch_first {
-                        return Tensor::from_backend(y, q.shape()).permute(&[1, 0, 2, 3])?.copy_contiguous();
+                        return attention::swap_seq_batch(&Tensor::from_backend(y, q.shape()))?.copy_contiguous();
                     }
                     y
                 }
             }
             Op::AttentionBackward { scale, causal, batch_first } => {
-                let seq_first = |t: &Tensor| if *batch_first { t.permute(&[1, 0, 2, 3]) } else { Ok(t.clone()) };
-                let (q, k, v) = (head_dim_contiguous(&seq_first(x)?)?, head_dim_contiguous(&seq_first(xs[1])?)?, head_dim_contiguous(&seq_first(xs[2])?)?);
-                let (out, g) = (seq_first(xs[3])?, seq_first(xs[4])?);
+                let (q, k, v) = attention::seq_first_qkv(xs, *batch_first)?;
+                let (out, g) = (attention::seq_first(xs[3], *batch_first)?, attention::seq_first(xs[4], *batch_first)?);
                 let mask = xs.get(5).copied();
                 if *batch_first {
                     if on_cuda {

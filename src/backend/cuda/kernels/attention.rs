@@ -366,7 +366,7 @@ pub(crate) fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor
         let mut seq_first = attention(q, k, v, mask, scale, causal, false)?;
         let aux = seq_first.aux.take();
         let t = Tensor::from_backend(crate::storage::BackendStorage::Cuda(seq_first), q.shape());
-        let mut out = crate::backend::cuda::kernels::cast(&t.permute(&[1, 0, 2, 3])?, q.dtype())?;
+        let mut out = crate::backend::cuda::kernels::cast(&crate::ops::attention::swap_seq_batch(&t)?, q.dtype())?;
         out.aux = aux;
         return Ok(out);
     }
