@@ -36,6 +36,36 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
     }
 }
 
+/// Writes each pair's value into its `dst` (of `dst`'s shape, dtype and device), as
+/// `write_into` one by one: on CUDA, the small contiguous ones that share no storage with the
+/// other pairs go together in one launch (`kernels::copies`), the rest one by one after them.
+/// Each `dst`'s version is bumped.
+pub(crate) fn write_many(pairs: &[(&crate::Tensor, &crate::Tensor)]) -> Result<()> {
+    let alone = |i: usize| {
+        let (d, v) = pairs[i];
+        pairs.iter().enumerate().all(|(j, (e, w))| j == i || !(e.shares_storage_with(d) || w.shares_storage_with(d) || e.shares_storage_with(v)))
+    };
+    let small = |(d, v): (&crate::Tensor, &crate::Tensor)| {
+        d.device().is_cuda() && d.device() == v.device() && d.dtype() == v.dtype() && d.shape() == v.shape() && d.is_contiguous() && v.is_contiguous() && !v.shares_storage_with(d) && d.numel() * d.dtype().size_in_bytes() <= cuda::kernels::copies::MOST_BYTES
+    };
+    let mut together: Vec<(Device, Vec<(&crate::Tensor, &crate::Tensor)>)> = vec![];
+    for (i, &(d, v)) in pairs.iter().enumerate() {
+        if small((d, v)) && alone(i) {
+            match together.iter_mut().find(|(dev, _)| *dev == d.device()) {
+                Some((_, group)) => group.push((d, v)),
+                None => together.push((d.device(), vec![(d, v)])),
+            }
+        } else {
+            crate::no_grad(|| d.copy_(v))?;
+        }
+    }
+    for (_, group) in &together {
+        cuda::kernels::copies::copy_many(group)?;
+        group.iter().for_each(|(d, _)| d.storage().bump_version());
+    }
+    Ok(())
+}
+
 /// `torch.scatter` written into `dst` (contiguous) itself: only the elements `index` names
 /// change (a compiled program's in-place scatter into a captured tensor).
 pub(crate) fn scatter_into(dst: &crate::Tensor, dim: usize, index: &crate::Tensor, src: &crate::Tensor) -> Result<()> {

@@ -36,6 +36,7 @@ fn same_view(a: &Tensor, b: &Tensor) -> bool {
 /// reads (not returned, not written to a second tensor, no other tensor holding its storage)
 /// hands its buffer over instead of being copied.
 fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()> {
+    let mut copies = vec![];
     for (k, v) in &g.mutations {
         let target = &inputs[g.n_args + k];
         let value = env[*v].as_ref().expect("computed");
@@ -44,9 +45,9 @@ fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()
             target.storage().bump_version();
             continue;
         }
-        crate::no_grad(|| target.copy_(value))?;
+        copies.push((target, value));
     }
-    Ok(())
+    crate::backend::write_many(&copies)
 }
 
 /// Runs `g` op by op through the eager ops, recording autograd as eager code would.

@@ -969,6 +969,37 @@ fn a_compiled_training_step_matches_eager_adamw() -> Result<()> {
     mlp_train(Opt::AdamW, Mode::ReduceOverhead)
 }
 
+/// AdamW's step counts, one per parameter, each computed by its update kernel into a buffer of
+/// its own (the other threads read the old count): written back together in one launch on
+/// CUDA, not a copy each, and right after every call.
+#[test]
+fn a_compiled_adamw_step_writes_its_step_counts_back_in_one_launch() -> Result<()> {
+    use kiln::nn::Module;
+    use kiln::optim::Optimizer;
+    let (model, x, y) = mlp_setup(9)?;
+    let opt = Mutex::new(kiln::optim::AdamW::new(model.parameters(), kiln::optim::AdamConfig { lr: 0.01, weight_decay: 0.01, ..Default::default() }));
+    let step = compile(|x: &Tensor, y: &Tensor| {
+        let loss = F::cross_entropy(&model.forward(x)?, y)?;
+        loss.backward()?;
+        let mut o = opt.lock().unwrap();
+        o.step()?;
+        o.zero_grad();
+        Ok(loss)
+    });
+    for _ in 0..2 {
+        step.call(&x, &y)?;
+    }
+    let (_, prof) = kiln::profiler::profile_value(|| step.call(&x, &y))?;
+    let counts: Vec<u64> = opt.lock().unwrap().state().iter().map(|s| s.as_ref().expect("state after a step").steps()).collect::<Result<_>>()?;
+    assert_eq!(counts, vec![3; 4]);
+    if dev().is_cuda() {
+        let copies: Vec<&str> = prof.events().iter().filter(|e| matches!(e.kind, kiln::profiler::EventKind::Copy(_))).map(|e| e.name.as_str()).collect();
+        assert!(copies.is_empty(), "{copies:?}");
+        assert_eq!(prof.kernel_names().iter().filter(|n| **n == "copy_many").count(), 1, "{:?}", prof.kernel_names());
+    }
+    Ok(())
+}
+
 #[test]
 fn a_compiled_transformer_layer_step_matches_eager() -> Result<()> {
     let d = dev();

@@ -6,6 +6,7 @@
 
 pub(crate) mod attention;
 pub(crate) mod codegen;
+pub(crate) mod copies;
 pub(crate) mod custom;
 pub(crate) mod foreach;
 pub(crate) mod fused;

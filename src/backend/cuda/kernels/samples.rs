@@ -34,6 +34,7 @@ fn all_samples() -> Vec<Sample> {
     all.extend(super::gemv::samples());
     all.extend(super::foreach::samples());
     all.extend(super::maxpool::samples());
+    all.extend(super::copies::samples());
     // Programs schedule the same kernel more than once.
     let mut seen = std::collections::HashSet::new();
     all.retain(|s| seen.insert(s.src.clone()));
