@@ -502,8 +502,8 @@ fn parse_algo(s: &str) -> Option<Algo> {
 }
 
 /// Max-autotune: the remembered winner for this problem, else the fastest of up to CANDIDATES
-/// heuristic candidates (median of timed runs into the output, which every run overwrites
-/// whole), remembered. None when cuBLASLt has no candidate.
+/// heuristic candidates (`chain_ms`: runs into the output, which every run overwrites whole),
+/// remembered. None when cuBLASLt has no candidate.
 fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem, ident: &str, call: &Call) -> Option<Algo> {
     let key = format!("gemm|{ident}|{p:?}");
     if let Some(v) = autotune::lookup(&key) {
@@ -524,8 +524,7 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
     let timed: Vec<(String, Algo, Option<f64>)> = named
         .into_iter()
         .map(|(name, algo)| {
-            // SAFETY: as for a regular call; each run rewrites the whole output.
-            let t = autotune::time_ms(dev, || unsafe { lt_run(lt, d, &algo, call) }.map_err(|e| dev.err("cublasLtMatmul", e)));
+            let t = chain_ms(dev, lt, d, &algo, call);
             (name, algo, t)
         })
         .collect();
@@ -536,6 +535,30 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
         }
         None => Some(cands[0].algo),
     }
+}
+
+/// Runs of a product one after another in a captured CUDA graph.
+const CHAIN: usize = 8;
+
+/// What `algo` costs in a chain of products, as a compiled program's CUDA graph runs them: the
+/// median replay of a graph of `CHAIN` runs, per run. Timed alone between two events, a run
+/// counts the events' latency and not the gap each extra kernel (a split reduction's second
+/// kernel) adds between nodes of a graph; max-autotune's programs replay graphs.
+fn chain_ms(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo, call: &Call) -> Option<f64> {
+    use cudarc::driver::sys as ds;
+    // A stream of its own, captured by this thread alone: the device's capture stream belongs
+    // to whoever holds its turn, who may be waiting for this thread's handle.
+    let side = dev.ctx.new_stream().ok()?;
+    side.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
+    let on = Call { stream: side.cu_stream() as ls::cudaStream_t, ..*call };
+    // SAFETY: as for a regular call (captured: nothing runs yet); each run rewrites the whole
+    // output.
+    let ran = (0..CHAIN).try_for_each(|_| unsafe { lt_run(lt, d, algo, &on) });
+    let graph = side.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH).ok().flatten()?;
+    ran.ok()?;
+    // SAFETY: an instantiated graph of live buffers, replayed in the device's stream order;
+    // the timing waits for the last replay before the graph is dropped.
+    autotune::time_ms(dev, || unsafe { cudarc::driver::result::graph::launch(graph.cu_graph_exec(), dev.stream.cu_stream()) }.map_err(|e| dev.err("graph launch", e))).map(|t| t / CHAIN as f64)
 }
 
 /// The first heuristic candidates with their reduction dim split into 2 to 8 parts, where the
