@@ -17,9 +17,13 @@ use std::collections::HashSet;
 /// left dead for `simplify` to drop.
 pub(crate) fn gather(g: &Graph) -> Graph {
     let users = g.users();
-    let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: HashSet::new() };
+    let escapes = escaping(g);
+    let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: HashSet::new(), may_view: true };
     for (i, node) in g.nodes.iter().enumerate() {
         let args: Vec<NodeId> = node.args.iter().map(|&a| r.map[a]).collect();
+        // A returned concatenation stays a value of its own: as a view it could share storage
+        // with another returned value, which eager code never does.
+        r.may_view = !escapes[i];
         let id = match &node.op {
             NodeOp::Prim(Op::Permute(perm)) if r.cat_dim(args[0]).is_some() && users[node.args[0]] == 1 => {
                 let d = r.cat_dim(args[0]).expect("matched");
@@ -48,6 +52,19 @@ pub(crate) fn gather(g: &Graph) -> Graph {
     let outputs = g.outputs.iter().map(|&o| r.map[o]).collect();
     let mutations = g.mutations.iter().map(|&(k, v)| (k, r.map[v])).collect();
     Graph { outputs, mutations, ..r.out }
+}
+
+/// Per node of `g`, whether the caller sees its storage: it is returned or written into a
+/// captured tensor, or a view of it is.
+fn escaping(g: &Graph) -> Vec<bool> {
+    let mut escapes = vec![false; g.nodes.len()];
+    g.outputs.iter().chain(g.mutations.iter().map(|(_, v)| v)).for_each(|&o| escapes[o] = true);
+    for i in (0..g.nodes.len()).rev() {
+        if escapes[i] && matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+            escapes[g.nodes[i].args[0]] = true;
+        }
+    }
+    escapes
 }
 
 /// Where sum `i` adds zero paddings of values along one dim that together tile it (the
@@ -91,6 +108,8 @@ struct Rewrite {
     /// Concatenations of `out` nothing but their one reader reads, which a concatenation
     /// reading them may take apart.
     absorbable: HashSet<NodeId>,
+    /// Whether the node being rewritten may become a view (`tiled`).
+    may_view: bool,
 }
 
 impl Rewrite {
@@ -139,6 +158,9 @@ impl Rewrite {
     /// views of one value lying in it one after the other in the concatenation's own order:
     /// together a contiguous run of it. None otherwise.
     fn tiled(&mut self, d: usize, operands: &[NodeId], shape: &[usize]) -> Option<NodeId> {
+        if !self.may_view {
+            return None;
+        }
         let views: Vec<(NodeId, Layout)> = operands.iter().map(|&x| self.view_layout(x)).collect::<Option<_>>()?;
         let (base, first) = (views[0].0, views[0].1.offset);
         // Never a view of an input: the caller's tensor (or one the program writes in place)
@@ -275,7 +297,7 @@ mod tests {
                 let side_by_side = xs[0].mul_scalar(2.0)?.narrow(0, 0, b * l * 3 * h * d)?.reshape_usize(&[b, l, 3, h, d])?;
                 let part = |i: usize| side_by_side.narrow(2, i, 1)?.reshape_usize(&[b, l, h, d])?.permute(&[0, 2, 1, 3])?.permute(&[0, 2, 1, 3])?.reshape_usize(&[b, l, h * d]);
                 let parts = order.map(|i| part(i).unwrap());
-                Ok(vec![crate::ops::movement::cat(&[&parts[0], &parts[1], &parts[2]], 2)?])
+                Ok(vec![crate::ops::movement::cat(&[&parts[0], &parts[1], &parts[2]], 2)?.add_scalar(1.0)?])
             };
             let args = [packed.clone()];
             let before = crate::compile::simplify::simplify(&crate::compile::fuse::tests::host_graph_of(&args, f));
@@ -285,6 +307,14 @@ mod tests {
             // Views of the argument itself stay a concatenation (a value of its own).
             let of_arg = move |xs: &[Tensor]| Ok(vec![crate::ops::movement::cat(&[&xs[0].narrow(0, 0, 4)?, &xs[0].narrow(0, 4, 6)?], 0)?]);
             let g = gather(&crate::compile::fuse::tests::host_graph_of(&args, of_arg));
+            assert!(g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))), "{g}");
+            // A returned concatenation stays one: as a view it would share storage with the
+            // value it views, returned too.
+            let returned = move |xs: &[Tensor]| {
+                let whole = xs[0].mul_scalar(2.0)?;
+                Ok(vec![crate::ops::movement::cat(&[&whole.narrow(0, 0, 4)?, &whole.narrow(0, 4, 6)?], 0)?, whole])
+            };
+            let g = gather(&crate::compile::fuse::tests::host_graph_of(&args, returned));
             assert!(g.nodes.iter().any(|n| matches!(n.op, NodeOp::Prim(Op::Cat(_)))), "{g}");
             let run = |graph: &Graph| graph.eager_runner().run(&args).unwrap()[0].to_vec::<f32>().unwrap();
             assert_eq!(run(&before), run(&after));
