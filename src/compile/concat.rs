@@ -6,7 +6,8 @@
 //! the attention's own `[L, B, H, D]` order, then meet in the `[B, L, 3 * H * D]` gradient of
 //! their projection in one concatenation instead of going through four copies. A
 //! concatenation of views that already lie one after the other in one value, in its own
-//! order (a batch-first attention's gradients side by side), is a view of that value: no copy.
+//! order (a batch-first attention's gradients side by side), is a view of that value: no copy
+//! (unless the caller sees it: a returned value never shares storage with another).
 
 use super::graph::{Graph, Node, NodeId, NodeOp};
 use crate::layout::Layout;
