@@ -138,10 +138,7 @@ fn backward_vector(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, d: usize) -> 
 /// Forward: out[l] = softmax(scale q[l] k^T + mask) v, `rows` query rows per block.
 fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
     let name = warp_name("fwd", dtype, d, rows, vw);
-    // Keys and queries in shared memory as F64 scores need them, where the tiles still fit in
-    // 48 KiB beside the F32 values.
-    let wide = dtype == DType::F32 && (32 * (d + 1) + rows * d) * 8 + 32 * d * 4 <= 48 * 1024;
-    let src = source(common(dtype, d, rows, vw), &format!("#define KNAME {name}\n#define ATTN_FWD\n#define KS_T {}\n", if wide { "double" } else { "float" }), WARP);
+    let src = source(common(dtype, d, rows, vw), &format!("#define KNAME {name}\n#define ATTN_FWD\n"), WARP);
     (name, src)
 }
 

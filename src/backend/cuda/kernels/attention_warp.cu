@@ -8,9 +8,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
   T* out = (T*)a.out;
-  // Queries and keys held as KS_T: the score type where it fits, converted once per element
-  // as it is loaded instead of once per product term (the same values: F32 to F64 is exact).
-  __shared__ KS_T Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ KS_T Qs[ROWS][D_];
+  __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
   if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
