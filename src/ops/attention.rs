@@ -96,14 +96,13 @@ pub(crate) fn batch_first_grads(seq_first: &Tensor, n: &AttnDims) -> Result<Tens
     let AttnDims { l, s, b, h, d } = *n;
     let swapped = |i: usize| swap_seq_batch(&grad_of(seq_first, n, false, i)?);
     let (q, k, v) = (swapped(0)?, swapped(1)?, swapped(2)?);
-    let flat = |t: Tensor| -> Result<Tensor> { t.copy_contiguous()?.reshape(&[-1]) };
-    let grads = match l == s {
-        true => flat(super::movement::cat(&[&q.unsqueeze(2)?, &k.unsqueeze(2)?, &v.unsqueeze(2)?], 2)?)?,
-        false => super::movement::cat(&[&flat(q)?, &flat(k)?, &flat(v)?], 0)?,
-    };
+    let flat = |t: Tensor| -> Result<Tensor> { t.contiguous()?.reshape(&[-1]) };
     let grads_len = (l + 2 * s) * b * h * d;
     let tail = seq_first.narrow(0, grads_len, seq_first.numel() - grads_len)?;
-    super::movement::cat(&[&grads, &tail], 0)
+    match l == s {
+        true => super::movement::cat(&[&flat(super::movement::cat(&[&q.unsqueeze(2)?, &k.unsqueeze(2)?, &v.unsqueeze(2)?], 2)?)?, &tail], 0),
+        false => super::movement::cat(&[&flat(q)?, &flat(k)?, &flat(v)?, &tail], 0),
+    }
 }
 
 #[cfg(test)]
