@@ -582,18 +582,18 @@ impl Op {
                 let (kh, vh, mask) = attention::up_to_operands(q, k, v, last, new)?;
                 let g = g.contiguous()?;
                 let packed = apply(Op::AttentionBackward { scale: *scale, causal: false, batch_first: false }, &[q, &kh, &vh, y, &g, &mask])?;
-                let (nq, nk) = (q.numel(), kh.numel());
-                let heads = |at: usize| attention::sum_head_groups(&packed.narrow(0, at, nk)?.reshape_usize(kh.shape())?, k.shape()[2]);
+                let n = AttnDims::of_op(q.shape(), kh.shape(), false);
                 let mut grads = vec![None; meta.len()];
                 if want[0] {
-                    grads[0] = Some(packed.narrow(0, 0, nq)?.reshape_usize(&meta[0].0)?.to_dtype(meta[0].1)?);
+                    grads[0] = Some(attention::grad_of(&packed, &n, false, 0)?.to_dtype(meta[0].1)?);
                 }
                 // Key and value gradients: the cache's rows, and the new row's where it stood in.
-                for (i, at) in [(1, nq), (2, nq + nk)] {
+                for i in [1, 2] {
                     if !(want[i] || new.is_some() && want[i + 3]) {
                         continue;
                     }
-                    let (cache, fresh) = attention::split_new_row(&heads(at)?, new.is_some())?;
+                    let heads = attention::sum_head_groups(&attention::grad_of(&packed, &n, false, i)?, k.shape()[2])?;
+                    let (cache, fresh) = attention::split_new_row(&heads, new.is_some())?;
                     if want[i] {
                         grads[i] = Some(cache.to_dtype(meta[i].1)?);
                     }
