@@ -38,7 +38,7 @@ pub(crate) fn write_into(dst: &crate::Tensor, value: &crate::Tensor) -> Result<(
 
 /// Writes each pair's value into its `dst` (of `dst`'s shape, dtype and device), as
 /// `write_into` one by one: on CUDA, the small contiguous ones that share no storage with the
-/// other pairs go together in one launch (`kernels::copies`), the rest one by one after them.
+/// other pairs go together in one launch (`kernels::copies`) after the rest, one by one in order.
 /// Each `dst`'s version is bumped.
 pub(crate) fn write_many(pairs: &[(&crate::Tensor, &crate::Tensor)]) -> Result<()> {
     let alone = |i: usize| {

@@ -40,10 +40,18 @@ fn write_back(g: &Graph, inputs: &[Tensor], env: &[Option<Tensor>]) -> Result<()
     for (k, v) in &g.mutations {
         let target = &inputs[g.n_args + k];
         let value = env[*v].as_ref().expect("computed");
-        let sole = !g.outputs.contains(v) && g.mutations.iter().filter(|m| m.1 == *v).count() == 1;
-        if same_view(value, target) || (sole && crate::backend::cpu::move_into(target, value)) {
+        if same_view(value, target) {
             target.storage().bump_version();
             continue;
+        }
+        let sole = !g.outputs.contains(v) && g.mutations.iter().filter(|m| m.1 == *v).count() == 1;
+        if sole && target.device() == crate::Device::Cpu {
+            // The copies before a handed-over buffer read what it held until now.
+            crate::backend::write_many(&std::mem::take(&mut copies))?;
+            if crate::backend::cpu::move_into(target, value) {
+                target.storage().bump_version();
+                continue;
+            }
         }
         copies.push((target, value));
     }

@@ -21,7 +21,8 @@ fn constant(ops: &[NodeOp], args: &[Vec<NodeId>], mut j: NodeId) -> Option<f64> 
 
 pub(crate) fn simplify(g: &Graph) -> Graph {
     let n = g.nodes.len();
-    let outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i)).collect();
+    // Values the caller sees: returned, or written back into a captured tensor.
+    let outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i) || g.mutations.iter().any(|m| m.1 == i)).collect();
     let mut repl: Vec<NodeId> = (0..n).collect();
     let mut ops: Vec<NodeOp> = g.nodes.iter().map(|x| x.op.clone()).collect();
     let mut args: Vec<Vec<NodeId>> = g.nodes.iter().map(|x| x.args.clone()).collect();
@@ -71,8 +72,8 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
                         _ => None,
                     }
                 }
-                // A same-dtype cast is a copy: needless inside a graph, but an output must not
-                // alias an input.
+                // A same-dtype cast is a copy: needless inside a graph, but an output (or a
+                // written-back value) must not alias an input.
                 Op::Cast(d) if *d == g.nodes[args[i][0]].dtype && !outputs[i] => Some(args[i][0]),
                 _ => None,
             };

@@ -1000,6 +1000,30 @@ fn a_compiled_adamw_step_writes_its_step_counts_back_in_one_launch() -> Result<(
     Ok(())
 }
 
+/// Captured tensors written in place in one call: one takes a view of another that is written
+/// after it, so it must get the other's old values (as eager code gives it), whichever way the
+/// new values are written back.
+#[test]
+fn write_backs_keep_the_order_of_the_writes() -> Result<()> {
+    let d = dev();
+    let (a, b) = (Tensor::zeros(&[4], DType::F32, &d)?, Tensor::arange(0.0, 8.0, 1.0, DType::F32, &d)?);
+    let (ca, cb) = (a.clone(), b.clone());
+    let f = compile(move |x: &Tensor| {
+        ca.copy_(&cb.narrow(0, 0, 4)?)?;
+        cb.add_(x)?;
+        ca.sum_all()
+    });
+    let x = Tensor::ones(&[8], DType::F32, &d)?;
+    for call in 0..3 {
+        let got = f.call(&x)?;
+        let first = (call..call + 4).map(|v| v as f64).collect::<Vec<_>>();
+        assert_eq!(vals(&a), first, "call {call}");
+        assert_eq!(vals(&got), vec![first.iter().sum::<f64>()], "call {call}");
+        assert_eq!(vals(&b), (0..8).map(|v| (v + call + 1) as f64).collect::<Vec<_>>(), "call {call}");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_compiled_transformer_layer_step_matches_eager() -> Result<()> {
     let d = dev();
