@@ -521,10 +521,13 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
     let mut named: Vec<(String, Algo)> = cands.iter().enumerate().map(|(i, r)| (format!("heuristic #{i} (algo {}, workspace {} KiB)", algo_id(&r.algo), r.workspaceSize >> 10), r.algo)).collect();
     // SAFETY: live handle and descriptors.
     named.extend(unsafe { split_k_variants(lt, d, &cands) });
+    // A stream of its own for the chains, captured by this thread alone: the device's capture
+    // stream belongs to whoever holds its turn, who may be waiting for this thread's handle.
+    let side = dev.ctx.new_stream().ok();
     let timed: Vec<(String, Algo, Option<f64>)> = named
         .into_iter()
         .map(|(name, algo)| {
-            let t = chain_ms(dev, lt, d, &algo, call);
+            let t = side.as_ref().and_then(|side| chain_ms(dev, side, lt, d, &algo, call));
             (name, algo, t)
         })
         .collect();
@@ -541,14 +544,15 @@ fn tuned(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, p: &Problem
 const CHAIN: usize = 8;
 
 /// What `algo` costs in a chain of products, as a compiled program's CUDA graph runs them: the
-/// median replay of a graph of `CHAIN` runs, per run. Timed alone between two events, a run
+/// median replay of a graph of `CHAIN` runs (captured on `side`), per run. Timed alone between two events, a run
 /// counts the events' latency and not the gap each extra kernel (a split reduction's second
 /// kernel) adds between nodes of a graph; max-autotune's programs replay graphs.
-fn chain_ms(dev: &Arc<CudaDevice>, lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo, call: &Call) -> Option<f64> {
+fn chain_ms(dev: &Arc<CudaDevice>, side: &Arc<cudarc::driver::CudaStream>, lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo, call: &Call) -> Option<f64> {
     use cudarc::driver::sys as ds;
-    // A stream of its own, captured by this thread alone: the device's capture stream belongs
-    // to whoever holds its turn, who may be waiting for this thread's handle.
-    let side = dev.ctx.new_stream().ok()?;
+    // One run outside the capture first: it loads what the algorithm's kernels need, which a
+    // capture may not, and a candidate that fails is out.
+    // SAFETY: as for a regular call; each run rewrites the whole output.
+    unsafe { lt_run(lt, d, algo, call) }.ok()?;
     side.begin_capture(ds::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).ok()?;
     let on = Call { stream: side.cu_stream() as ls::cudaStream_t, ..*call };
     // SAFETY: as for a regular call (captured: nothing runs yet); each run rewrites the whole
