@@ -1024,6 +1024,24 @@ fn write_backs_keep_the_order_of_the_writes() -> Result<()> {
     Ok(())
 }
 
+/// The same with the written tensors passed as arguments.
+#[test]
+fn argument_write_backs_keep_the_order_of_the_writes() -> Result<()> {
+    let d = dev();
+    let f = compile(|a: &Tensor, b: &Tensor| {
+        a.copy_(&b.narrow(0, 0, 4)?)?;
+        b.add_scalar_(1.0)?;
+        a.sum_all()
+    });
+    let (a, b) = (Tensor::zeros(&[4], DType::F32, &d)?, Tensor::arange(0.0, 8.0, 1.0, DType::F32, &d)?);
+    for call in 0..3 {
+        f.call(&a, &b)?;
+        assert_eq!(vals(&a), (call..call + 4).map(|v| v as f64).collect::<Vec<_>>(), "call {call}");
+        assert_eq!(vals(&b), (0..8).map(|v| (v + call + 1) as f64).collect::<Vec<_>>(), "call {call}");
+    }
+    Ok(())
+}
+
 #[test]
 fn a_compiled_transformer_layer_step_matches_eager() -> Result<()> {
     let d = dev();
