@@ -176,8 +176,9 @@ impl Hoisted {
         }
         let mutated: std::collections::HashSet<usize> = g.mutations.iter().map(|m| m.0).collect();
         let is_view = |i: NodeId| matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view());
-        // Results handed to the caller, and the values they are views of, are made fresh each
-        // run: the caller owns them (and may write them in place).
+        // Results handed to the caller or written back into captured tensors, and the values
+        // they are views of, are made fresh each run: the caller owns them (and may write them
+        // in place).
         let mut fresh_each_run = std::collections::HashSet::new();
         let mut class = vec![Class::Dynamic; g.nodes.len()];
         loop {
@@ -195,7 +196,7 @@ impl Hoisted {
                 };
             }
             let mut more = false;
-            for &o in &g.outputs {
+            for &o in g.outputs.iter().chain(g.mutations.iter().map(|m| &m.1)) {
                 let mut v = o;
                 loop {
                     if class[v] == Class::Frozen {

@@ -21,8 +21,14 @@ fn constant(ops: &[NodeOp], args: &[Vec<NodeId>], mut j: NodeId) -> Option<f64> 
 
 pub(crate) fn simplify(g: &Graph) -> Graph {
     let n = g.nodes.len();
-    // Values the caller sees: returned, or written back into a captured tensor.
-    let outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i) || g.mutations.iter().any(|m| m.1 == i)).collect();
+    // Values the caller sees: returned, written back into a captured tensor, or viewed by one
+    // that is.
+    let mut outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i) || g.mutations.iter().any(|m| m.1 == i)).collect();
+    for i in (0..n).rev() {
+        if outputs[i] && matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+            outputs[g.nodes[i].args[0]] = true;
+        }
+    }
     let mut repl: Vec<NodeId> = (0..n).collect();
     let mut ops: Vec<NodeOp> = g.nodes.iter().map(|x| x.op.clone()).collect();
     let mut args: Vec<Vec<NodeId>> = g.nodes.iter().map(|x| x.args.clone()).collect();
@@ -77,7 +83,14 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
                 Op::Cast(d) if *d == g.nodes[args[i][0]].dtype && !outputs[i] => Some(args[i][0]),
                 _ => None,
             };
-            if let Some(j) = identity.filter(|&j| !outputs[i] || !matches!(ops[j], NodeOp::Arg(_) | NodeOp::Captured(_))) {
+            // (Never an input, or a view of one, for a value the caller sees.)
+            let input_under = |mut j: NodeId| loop {
+                match &ops[j] {
+                    NodeOp::Prim(op) if op.is_view() => j = args[j][0],
+                    op => break matches!(op, NodeOp::Arg(_) | NodeOp::Captured(_)),
+                }
+            };
+            if let Some(j) = identity.filter(|&j| !outputs[i] || !input_under(j)) {
                 repl[i] = j;
                 continue;
             }

@@ -346,6 +346,15 @@ pub(crate) fn assign(dst: &Tensor, value: &Tensor) -> Result<()> {
             )),
             None => {
                 tr.value_of(dst)?; // captures it, checking aliasing
+                // An input (or a view of one) written back after the call would be read as the
+                // write-backs and the program's in-place writes left it: copied here, where the
+                // program reads it.
+                let v = if matches!(tr.graph.nodes[tr.graph.view_root(v)].op, NodeOp::Arg(_) | NodeOp::Captured(_)) {
+                    let (shape, dtype, device) = (value.shape().to_vec(), value.dtype(), value.device());
+                    tr.graph.push(NodeOp::Prim(crate::ops::Op::Cast(dtype)), vec![v], shape, dtype, device)
+                } else {
+                    v
+                };
                 tr.written.insert(dst.id(), (dst.clone(), v));
                 Ok(())
             }
@@ -494,23 +503,6 @@ impl Tracer {
             })
             .collect();
         writes.sort();
-        // A value that is an input, or a view of one, is copied where the program reads it:
-        // written back after the call it would read that input as the write-back left it (a
-        // tensor written back before it), not as the program saw it.
-        for w in &mut writes {
-            let mut root = w.1;
-            while let NodeOp::Prim(op) = &self.graph.nodes[root].op {
-                if !op.is_view() {
-                    break;
-                }
-                root = self.graph.nodes[root].args[0];
-            }
-            if matches!(self.graph.nodes[root].op, NodeOp::Arg(_) | NodeOp::Captured(_)) {
-                let n = &self.graph.nodes[w.1];
-                let (shape, dtype, device) = (n.shape.clone(), n.dtype, n.device);
-                w.1 = self.graph.push(NodeOp::Prim(crate::ops::Op::Cast(dtype)), vec![w.1], shape, dtype, device);
-            }
-        }
         self.graph.mutations = writes;
     }
 }

@@ -1024,6 +1024,30 @@ fn write_backs_keep_the_order_of_the_writes() -> Result<()> {
     Ok(())
 }
 
+/// The same over a channels-last weight written in place after it was copied, and a copy of a
+/// captured tensor nothing writes (which needs no copy of its own), replayed.
+#[test]
+fn write_backs_from_channels_last_and_unwritten_tensors_keep_the_program_order() -> Result<()> {
+    let d = dev();
+    let w = Tensor::arange(0.0, 24.0, 1.0, DType::F32, &d)?.reshape(&[2, 3, 2, 2])?.to_memory_format(kiln::MemoryFormat::ChannelsLast)?;
+    let (prev, snap, frozen) = (Tensor::zeros(&[2, 3, 2, 2], DType::F32, &d)?, Tensor::zeros(&[2, 3, 2, 2], DType::F32, &d)?, Tensor::full(&[2, 3, 2, 2], 5.0, DType::F32, &d)?);
+    let (cw, cp, cs, cf) = (w.clone(), prev.clone(), snap.clone(), frozen.clone());
+    let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |x: &Tensor| {
+        cp.copy_(&cw)?;
+        cs.copy_(&cf)?;
+        cw.sub_(&x.broadcast_to(&[2, 3, 2, 2])?)?;
+        cp.sum_all()
+    });
+    let x = Tensor::ones(&[1], DType::F32, &d)?;
+    for call in 0..3 {
+        f.call(&x)?;
+        assert_eq!(vals(&prev), (0..24).map(|v| (v - call) as f64).collect::<Vec<_>>(), "call {call}");
+        assert_eq!(vals(&w), (0..24).map(|v| (v - call - 1) as f64).collect::<Vec<_>>(), "call {call}");
+        assert_eq!(vals(&snap), vec![5.0; 24], "call {call}");
+    }
+    Ok(())
+}
+
 /// The same with the written tensors passed as arguments.
 #[test]
 fn argument_write_backs_keep_the_order_of_the_writes() -> Result<()> {
