@@ -18,13 +18,13 @@ use std::collections::HashSet;
 /// left dead for `simplify` to drop.
 pub(crate) fn gather(g: &Graph) -> Graph {
     let users = g.users();
-    let escapes = escaping(g);
+    let seen = g.seen_by_caller();
     let mut r = Rewrite { out: Graph::default(), map: Vec::with_capacity(g.nodes.len()), absorbable: HashSet::new(), may_view: true };
     for (i, node) in g.nodes.iter().enumerate() {
         let args: Vec<NodeId> = node.args.iter().map(|&a| r.map[a]).collect();
         // A returned concatenation stays a value of its own: as a view it could share storage
         // with another returned value, which eager code never does.
-        r.may_view = !escapes[i];
+        r.may_view = !seen[i];
         let id = match &node.op {
             NodeOp::Prim(Op::Permute(perm)) if r.cat_dim(args[0]).is_some() && users[node.args[0]] == 1 => {
                 let d = r.cat_dim(args[0]).expect("matched");
@@ -53,19 +53,6 @@ pub(crate) fn gather(g: &Graph) -> Graph {
     let outputs = g.outputs.iter().map(|&o| r.map[o]).collect();
     let mutations = g.mutations.iter().map(|&(k, v)| (k, r.map[v])).collect();
     Graph { outputs, mutations, ..r.out }
-}
-
-/// Per node of `g`, whether the caller sees its storage: it is returned or written into a
-/// captured tensor, or a view of it is.
-fn escaping(g: &Graph) -> Vec<bool> {
-    let mut escapes = vec![false; g.nodes.len()];
-    g.outputs.iter().chain(g.mutations.iter().map(|(_, v)| v)).for_each(|&o| escapes[o] = true);
-    for i in (0..g.nodes.len()).rev() {
-        if escapes[i] && matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
-            escapes[g.nodes[i].args[0]] = true;
-        }
-    }
-    escapes
 }
 
 /// Where sum `i` adds zero paddings of values along one dim that together tile it (the

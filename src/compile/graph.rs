@@ -177,6 +177,19 @@ impl Graph {
         g
     }
 
+    /// Per node, whether the caller sees its storage: it is returned, written back into a
+    /// captured tensor, or viewed by a node that is.
+    pub(crate) fn seen_by_caller(&self) -> Vec<bool> {
+        let mut seen = vec![false; self.nodes.len()];
+        self.outputs.iter().chain(self.mutations.iter().map(|(_, v)| v)).for_each(|&o| seen[o] = true);
+        for i in (0..self.nodes.len()).rev() {
+            if seen[i] && matches!(&self.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
+                seen[self.nodes[i].args[0]] = true;
+            }
+        }
+        seen
+    }
+
     /// The value whose storage the view `i` (or value `i`) reads: `i` through its views.
     pub(crate) fn view_root(&self, mut i: NodeId) -> NodeId {
         while matches!(&self.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {

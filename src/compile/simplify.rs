@@ -23,12 +23,7 @@ pub(crate) fn simplify(g: &Graph) -> Graph {
     let n = g.nodes.len();
     // Values the caller sees: returned, written back into a captured tensor, or viewed by one
     // that is.
-    let mut outputs: Vec<bool> = (0..n).map(|i| g.outputs.contains(&i) || g.mutations.iter().any(|m| m.1 == i)).collect();
-    for i in (0..n).rev() {
-        if outputs[i] && matches!(&g.nodes[i].op, NodeOp::Prim(op) if op.is_view()) {
-            outputs[g.nodes[i].args[0]] = true;
-        }
-    }
+    let outputs = g.seen_by_caller();
     let mut repl: Vec<NodeId> = (0..n).collect();
     let mut ops: Vec<NodeOp> = g.nodes.iter().map(|x| x.op.clone()).collect();
     let mut args: Vec<Vec<NodeId>> = g.nodes.iter().map(|x| x.args.clone()).collect();

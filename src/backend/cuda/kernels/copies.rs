@@ -55,7 +55,7 @@ fn source() -> String {
 
 /// Copies each `src` into its `dst`: contiguous tensors of one device, dtype and size per pair,
 /// at most `MOST_BYTES` each, no `dst` sharing storage with another pair's tensors (the caller
-/// checks: `backend::copy_many`).
+/// checks: `backend::write_many`).
 pub(crate) fn copy_many(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
     let Some(&(first, _)) = pairs.first() else { return Ok(()) };
     let dev = dev_of(first)?;
