@@ -111,13 +111,6 @@ pub(crate) fn row_tail_off() -> bool {
     *V.get_or_init(|| is("KILN_ROW_TAIL", "0"))
 }
 
-/// `KILN_ROW_STAGE=0`: row kernels over rows longer than `MAX_ROW` read their inputs from memory
-/// in every walk instead of keeping the rows in shared memory (`fused::staged_inputs`).
-pub(crate) fn row_stage_off() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_ROW_STAGE", "0"))
-}
-
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

@@ -1207,7 +1207,7 @@ fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result
 /// the sum of exponentials in the max's walk (each thread's sum rescaled as its max grows):
 /// rows whose max rises at every element, masked entries (-inf), a row of -inf and a row with
 /// +inf (NaN throughout, as two passes give), against a host reference in F64. F32 within
-/// 1e-5 relative, as a sum of a few thousand terms. On CUDA the row is staged in shared memory.
+/// 1e-5 relative, as a sum of a few thousand terms.
 #[test]
 fn long_rows_with_rising_maxima_and_infinities_match_the_two_pass_reference() -> Result<()> {
     let c = 20_000;
@@ -1228,12 +1228,6 @@ fn long_rows_with_rising_maxima_and_infinities_match_the_two_pass_reference() ->
     let sm = compile(|x: &Tensor| F::softmax(x, -1));
     let expected: Vec<f64> = want.iter().flat_map(|r| r.iter().map(|v| v.exp())).collect();
     assert_close_named("softmax", &vals(&sm.call(&x)?), &expected, 1e-5, 1e-9);
-    if dev().is_cuda() {
-        // The row comes from memory once: the walk that stores reads the copy the first walk
-        // left in shared memory (the kernel's loads named `m`).
-        let prof = kiln::profiler::profile(|| sm.call(&x))?;
-        assert!(prof.kernel_names().iter().any(|n| n.starts_with("fused_") && n.ends_with("_m")), "{:?}", prof.kernel_names());
-    }
     let targets: Vec<i64> = vec![c as i64 - 1, 1, 5, 17, 0];
     let target = Tensor::from_vec(targets.clone(), &[rows.len()], &Device::Cpu)?.to_device(&dev())?;
     let ce = compile(|x: &Tensor, t: &Tensor| F::cross_entropy_with(x, t, &F::CrossEntropyOptions { reduction: F::Reduction::None, ..Default::default() }));
