@@ -96,6 +96,11 @@ pub(crate) struct KInput {
     pub node: NodeId,
     pub dtype: DType,
     pub row: bool,
+    /// A full input of a row kernel whose value at column c is `start + c * step` in every
+    /// row, as (start, step): an `Arange` along the row spread over the rows (cross-entropy's
+    /// column indices, compared with each row's class). The GPU's row kernels compute it
+    /// rather than read it (`fuse::columns_of`).
+    pub columns: Option<(f64, f64)>,
 }
 
 /// One generated kernel: its inputs (stored values), ops in order, and which ops it stores.
@@ -192,6 +197,9 @@ impl FusedKernel {
             };
             for i in &self.inputs {
                 let _ = write!(s, " {:?}{}", i.dtype, if i.row { "(row)" } else { "" });
+                if let Some((start, step)) = i.columns {
+                    let _ = write!(s, "(columns {start} {step})");
+                }
             }
             // Views (`Same`) are left out, their readers reading what they view: a reshape
             // that sits elsewhere in the kernel (before a product's output is normalised, or

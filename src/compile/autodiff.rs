@@ -68,7 +68,7 @@ fn joint_body(g: &Graph, needs: &[bool], xs: &[Tensor], gout: &Tensor) -> Result
                 req[i] = node.dtype.is_float() && node.args.iter().any(|&a| req[a]);
                 c.call(&args)?
             }
-            NodeOp::Full(v) => Tensor::full(&node.shape, *v, node.dtype, &node.device)?,
+            NodeOp::Full(_) | NodeOp::Arange { .. } => node.make_constant()?,
             NodeOp::Random(_) => {
                 return Err(Error::Compile("random draws in a compiled function that needs gradients are not supported; draw them outside and pass them in".into()))
             }

@@ -472,6 +472,34 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
 /// layer norm).
 const MAX_PROLOGUE_COLUMNS: usize = 4096;
 
+/// (start, step) where `v`, read by a row kernel over rows of `cols`, is an `Arange` of `cols`
+/// values along its last dim seen through reshapes and broadcasts that keep that dim: its value
+/// at column c is then `start + c * step` in every row (`KInput::columns`).
+fn columns_of(g: &Graph, v: NodeId, cols: usize) -> Option<(f64, f64)> {
+    let mut n = v;
+    loop {
+        let node = &g.nodes[n];
+        if cols < 2 || node.shape.last() != Some(&cols) {
+            return None;
+        }
+        match node.op {
+            // Integer values exactly as `arange` makes them (whole start and step), or F32 and
+            // F64 ones rounded once from F64, as it rounds them.
+            NodeOp::Arange { start, step } if node.shape.len() == 1 => {
+                let whole = start.fract() == 0.0 && step.fract() == 0.0;
+                let exact = match node.dtype {
+                    DType::I32 | DType::I64 => whole,
+                    DType::F32 | DType::F64 => true,
+                    _ => false,
+                };
+                return exact.then_some((start, step));
+            }
+            NodeOp::Prim(Op::Reshape(_) | Op::Expand(_)) => n = node.args[0],
+            _ => return None,
+        }
+    }
+}
+
 /// A GPU row kernel over one row whose full output only a product reads, as its row (through
 /// reshapes): a decode step's layer norm before its matrix-vector product. The product's
 /// kernel computes the row first in every block (`gemv.cu`'s `GEMV_ROW`), so the two are one
@@ -923,7 +951,11 @@ fn build_kernel(g: &Graph, grp: &Group, group_of: &[Option<usize>], users: &[usi
                             // an element value, and the row kernel would never compute it).
                             let n = g.nodes[src].numel();
                             let row = is_row(n) || (n == 1 && matches!(space, Space::Rows { .. }));
-                            inputs.push(KInput { node: src, dtype: g.nodes[src].dtype, row });
+                            let columns = match space {
+                                Space::Rows { cols, .. } if !row => columns_of(g, src, cols),
+                                _ => None,
+                            };
+                            inputs.push(KInput { node: src, dtype: g.nodes[src].dtype, row, columns });
                             ValueRef::In(inputs.len() - 1)
                         }
                     };

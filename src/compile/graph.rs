@@ -19,6 +19,9 @@ pub enum NodeOp {
     Prim(Op),
     /// Every element `value` (`Tensor::full` inside the function).
     Full(f64),
+    /// `start + i * step` at index i of its one dim (`Tensor::arange` inside the function):
+    /// a constant, which a kernel that knows each element's index computes instead of reading.
+    Arange { start: f64, step: f64 },
     /// A fresh draw from the global generator on every call.
     Random(RandomKind),
     /// A user op (`kiln::CustomOp`): opaque to fusion, run by its own kernel or CPU function.
@@ -59,6 +62,7 @@ impl Node {
             NodeOp::Captured(k) => format!("captured{k}"),
             NodeOp::Prim(op) => op.name().to_string(),
             NodeOp::Full(_) => "full".into(),
+            NodeOp::Arange { .. } => "arange".into(),
             NodeOp::Random(RandomKind::Uniform) => "rand".into(),
             NodeOp::Random(RandomKind::Normal) => "randn".into(),
             NodeOp::Random(RandomKind::Int { .. }) => "randint".into(),
@@ -93,10 +97,23 @@ impl Node {
                 }
             },
             NodeOp::Full(v) => format!("[{v}]"),
+            NodeOp::Arange { start, step } => format!("[start={start}, step={step}]"),
             NodeOp::Random(RandomKind::Int { low, high }) => format!("[{low}, {high})"),
             NodeOp::Custom(_) => "[custom]".into(),
             NodeOp::Collective(c) => c.params(),
             _ => String::new(),
+        }
+    }
+    /// A node that reads nothing and is the same on every call (`Full`, `Arange`).
+    pub fn is_constant(&self) -> bool {
+        matches!(self.op, NodeOp::Full(_) | NodeOp::Arange { .. })
+    }
+    /// A constant node's value, made by the eager ops.
+    pub(crate) fn make_constant(&self) -> crate::Result<crate::Tensor> {
+        match self.op {
+            NodeOp::Full(v) => crate::Tensor::full(&self.shape, v, self.dtype, &self.device),
+            NodeOp::Arange { start, step } => crate::Tensor::arange_n(start, step, self.numel(), self.dtype, &self.device),
+            _ => Err(crate::Error::Compile(format!("{} is no constant", self.name()))),
         }
     }
     pub fn is_pointwise(&self) -> bool {

@@ -70,7 +70,7 @@ fn parameter_only(g: &Graph) -> Vec<bool> {
     for (i, n) in g.nodes.iter().enumerate() {
         p[i] = match n.op {
             NodeOp::Captured(k) => !g.mutations.iter().any(|&(w, _)| w == k),
-            NodeOp::Full(_) => true,
+            NodeOp::Full(_) | NodeOp::Arange { .. } => true,
             NodeOp::Prim(_) => n.args.iter().all(|&a| p[a]),
             NodeOp::Arg(_) | NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_) => false,
         };

@@ -448,6 +448,9 @@ fn graph_blocker(p: &runtime::Program, args: &[Tensor]) -> Option<String> {
     if let Some(a) = args.iter().find(|a| a.dense_format().is_none()) {
         return Some(format!("an argument not dense in a memory format (shape {:?}, strides {:?})", a.shape(), a.strides()));
     }
+    if p.makes_aranges() {
+        return Some("it makes an arange on every call (one it returns or writes back), copied from the host".into());
+    }
     for n in &p.graph.nodes {
         match &n.op {
             NodeOp::Random(_) => return Some("it draws random numbers (their offsets change per call)".into()),

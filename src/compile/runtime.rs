@@ -71,7 +71,7 @@ pub(crate) fn run_eager(g: &Graph, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
             }
             NodeOp::Custom(c) => c.call(&n.args.iter().map(|a| env[*a].as_ref().expect("computed before use")).collect::<Vec<_>>())?,
             NodeOp::Collective(c) => c.run(env[n.args[0]].as_ref().expect("computed before use"))?,
-            NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+            NodeOp::Full(_) | NodeOp::Arange { .. } => n.make_constant()?,
             NodeOp::Random(kind) => random(*kind, n)?,
         };
         env[i] = Some(t);
@@ -187,7 +187,7 @@ impl Hoisted {
                 class[i] = match &n.op {
                     _ if fresh_each_run.contains(&i) => Class::Dynamic,
                     NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
-                    NodeOp::Full(_) => Class::Const,
+                    _ if n.is_constant() => Class::Const,
                     NodeOp::Prim(op) if op.is_view() => class[n.args[0]],
                     NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
                     NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,
@@ -307,6 +307,13 @@ impl Program {
         !self.hoisted.kept.is_empty()
     }
 
+    /// Whether a run makes an `Arange` itself (one the function returns or writes back, not
+    /// computed once and kept): made on the host and copied to the device, which a CUDA graph
+    /// cannot capture.
+    pub(crate) fn makes_aranges(&self) -> bool {
+        self.schedule.steps.iter().enumerate().any(|(s, st)| matches!(st, Step::Node(i) if matches!(self.graph.nodes[*i].op, NodeOp::Arange { .. })) && !self.hoisted.steps.get(s).copied().unwrap_or(false))
+    }
+
     /// From now on the kept values keep their buffers (a CUDA graph about to be captured reads them).
     pub(crate) fn pin_hoisted(&self) {
         self.hoisted.pinned.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -331,7 +338,8 @@ impl Program {
             Step::Kernel(k) => !self.deferred[*k],
             Step::Gemm(_) => true,
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !op.is_view())
-                || matches!(self.graph.nodes[*i].op, NodeOp::Full(_) | NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_)),
+                || self.graph.nodes[*i].is_constant()
+                || matches!(self.graph.nodes[*i].op, NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_)),
         }).count()
     }
 
@@ -384,7 +392,7 @@ impl Program {
             let hoisted = h.steps.get(s).copied().unwrap_or(false);
             // Inputs, constants and views of what is at hand cost no kernel.
             let free = matches!(step, Step::Node(i)
-                if (matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Full(_)) || matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()))
+                if (g.nodes[*i].is_constant() || matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_)) || matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()))
                     && g.nodes[*i].args.iter().all(|a| env[*a].is_some()));
             if (hoisted && fresh) || (hoisted_only && !hoisted && !free) {
                 continue;
@@ -711,7 +719,7 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
         NodeOp::Prim(op) => op.forward(&n.args.iter().map(arg).collect::<Vec<_>>())?,
         NodeOp::Custom(c) => c.call(&n.args.iter().map(arg).collect::<Vec<_>>())?,
         NodeOp::Collective(c) => c.run(arg(&n.args[0]))?,
-        NodeOp::Full(v) => Tensor::full(&n.shape, *v, n.dtype, &n.device)?,
+        NodeOp::Full(_) | NodeOp::Arange { .. } => n.make_constant()?,
         NodeOp::Random(kind) => random(*kind, n)?,
     })
 }
@@ -761,7 +769,7 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
         use crate::ops::Op;
         matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Relayout(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::AttentionUpTo { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..) | Op::MaxPool2d(_) | Op::MaxPool2dBackward(_))
     };
-    if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || matches!(g.nodes[*i].op, NodeOp::Full(_)))) {
+    if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || g.nodes[*i].is_constant())) {
         return Footprint::barrier(what);
     }
     let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();

@@ -309,6 +309,14 @@ pub(crate) fn full(shape: &[usize], value: f64, dtype: DType, device: Device) ->
     })
 }
 
+/// `Tensor::arange` inside a traced function: `n` values `start + i * step`.
+pub(crate) fn arange(start: f64, step: f64, n: usize, dtype: DType, device: Device) -> Result<Tensor> {
+    with(|tr| {
+        let id = tr.graph.push(NodeOp::Arange { start, step }, vec![], vec![n], dtype, device);
+        Ok(tr.symbolic_tensor(id, false))
+    })
+}
+
 /// A random draw inside a traced function: a new draw on every call of the compiled function.
 pub(crate) fn random(kind: RandomKind, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
     with(|tr| {

@@ -84,6 +84,16 @@ impl Tensor {
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         host_numel("arange", &[n], dtype)?;
+        Tensor::arange_n(start, step, n, dtype, device)
+    }
+
+    /// The `n` values `start + i * step` (`arange`'s values, counted rather than bounded: how a
+    /// compiled program makes an `arange` it traced); inside a traced function, a node.
+    pub(crate) fn arange_n(start: f64, step: f64, n: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        host_numel("arange", &[n], dtype)?;
+        if crate::compile::trace::active() {
+            return crate::compile::trace::arange(start, step, n, dtype, *device);
+        }
         Tensor::from_cpu(
             with_dtype!(dtype, T => T::wrap((0..n).map(|i| T::from_f64(start + i as f64 * step)).collect::<Vec<_>>())),
             &[n],

@@ -424,6 +424,38 @@ fn backends_receive_the_graph() -> Result<()> {
     Ok(())
 }
 
+/// `arange` inside a compiled function is a node of its graph (made once per program, as a
+/// constant is), equal to eager's values in integer and float dtypes, counting down and by
+/// fractions, spread over rows; on the GPU a row kernel computes such column values instead
+/// of reading them (cross-entropy's class indices: `cross_entropy_over_a_padded_product_...`
+/// and `long_rows_with_rising_maxima_...` run it there).
+#[test]
+fn arange_inside_a_compiled_function_equals_eager() -> Result<()> {
+    let d = dev();
+    for (dt, start, end, step) in [(DType::I64, 0.0, 7.0, 1.0), (DType::I32, 3.0, -9.0, -2.0), (DType::F32, 0.5, 3.0, 0.25), (DType::F64, -1.0, 1.0, 0.1)] {
+        let want = Tensor::arange(start, end, step, dt, &d)?;
+        let n = want.numel();
+        let x = Tensor::zeros(&[3, n], dt, &d)?;
+        let f = compile(move |x: &Tensor| x.add(&Tensor::arange(start, end, step, dt, &x.device())?.unsqueeze(0)?));
+        for _ in 0..2 {
+            let got = f.call(&x)?;
+            assert_eq!((got.shape(), got.dtype()), (&[3, n][..], dt));
+            assert_eq!(vals(&got), vals(&want).repeat(3), "{dt:?} arange({start}, {end}, {step})");
+        }
+    }
+    let seen: Arc<Mutex<String>> = Arc::default();
+    let s = seen.clone();
+    let backend = Backend::custom(move |graph: &Graph, _: &[Tensor]| {
+        *s.lock().unwrap() = format!("{graph}");
+        Ok(graph.eager_runner())
+    });
+    let f = compile_with(CompileOptions::new().backend(backend), |x: &Tensor| x.add(&Tensor::arange(0.0, 4.0, 1.0, DType::F32, &x.device())?));
+    assert_eq!(vals(&f.call(&Tensor::zeros(&[4], DType::F32, &d)?)?), vec![0.0, 1.0, 2.0, 3.0]);
+    let text = seen.lock().unwrap().clone();
+    assert!(text.contains("arange[start=0, step=1]"), "{text}");
+    Ok(())
+}
+
 #[test]
 fn in_place_writes_to_captured_tensors_are_written_back() -> Result<()> {
     let acc = Tensor::zeros(&[4], DType::F32, &dev())?;

@@ -397,6 +397,10 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         }
         let t = ins[j].0;
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);");
+        if let Some(columns) = inp.columns {
+            let _ = writeln!(c, "      _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {};\n    }}", column_value(columns, t, "k0 + e"));
+            continue;
+        }
         if vector[j] {
             let v = load(inp.dtype, t, "q.v[e]");
             let _ = writeln!(c, "      if (INROW(k0)) {{ const VI{j} q = *(const VI{j}*)(r{j} + k0); _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ax{j}[g * VEC + e] = {v}; }}");
@@ -425,6 +429,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             let (inp, t) = (&k.inputs[j], ins[j].0);
             let v = if plan.in_array[j] {
                 format!("ax{j}[j]")
+            } else if let Some(columns) = inp.columns {
+                column_value(columns, t, "k0 + e")
             } else if vector[j] {
                 load(inp.dtype, t, &format!("q{j}.v[e]"))
             } else if tail {
@@ -685,9 +691,10 @@ fn walks_in_chunks(cols: usize) -> bool {
     cols > crate::kir::MAX_ROW
 }
 
-/// Values of a row kernel that make 16 bytes of its widest full input or output.
+/// Values of a row kernel that make 16 bytes of its widest full input or output (inputs it
+/// computes, `KInput::columns`, load nothing).
 fn vector_width(k: &FusedKernel) -> usize {
-    let widest = k.inputs.iter().filter(|i| !i.row).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
+    let widest = k.inputs.iter().filter(|i| !i.row && i.columns.is_none()).map(|i| i.dtype.size_in_bytes()).chain(k.outputs.iter().filter(|(o, _)| !k.ops[*o].row).map(|(o, _)| k.ops[*o].dtype.size_in_bytes())).max().unwrap_or(4);
     (16 / widest).max(1)
 }
 
@@ -705,6 +712,19 @@ fn row_vec(k: &FusedKernel, cols: usize) -> usize {
         v
     } else {
         1
+    }
+}
+
+/// The value at column `col` (a C int) of an input whose values `KInput::columns` gives, as
+/// the kernel holds it (`t`): computed as `arange` computes it.
+fn column_value((start, step): (f64, f64), t: CType, col: &str) -> String {
+    use crate::backend::cexpr::literal;
+    let wide = |v: f64| literal(v, CType::F64);
+    match t {
+        CType::I64 => format!("({}ll + {}ll * (long long)({col}))", start as i64, step as i64),
+        CType::F32 => format!("(float)({} + {} * (double)({col}))", wide(start), wide(step)),
+        CType::F64 => format!("({} + {} * (double)({col}))", wide(start), wide(step)),
+        CType::Bool => unreachable!("column values are integers or floats (`fuse::columns_of`)"),
     }
 }
 
@@ -766,7 +786,7 @@ fn row_words(k: &FusedKernel, rows: usize, cols: usize, inputs: &[Tensor], outs:
     let vec = row_vec(k, cols);
     let mut vector = vec![];
     for (inp, t) in k.inputs.iter().zip(&views) {
-        let ok = !inp.row && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
+        let ok = !inp.row && inp.columns.is_none() && vec > 1 && t.strides()[1] == 1 && t.strides()[0] % vec == 0 && data_ptr(t)? % (vec * inp.dtype.size_in_bytes()) as u64 == 0;
         vector.push(ok);
     }
     let mut a = LaunchArgs::default();
@@ -1844,6 +1864,17 @@ pub(super) mod tests {
         assert_eq!(rows.len(), 1, "loss and gradient in one row kernel");
         assert_eq!(rows[0].ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).count(), 3, "max, sum of exponentials, target's logit");
         assert_eq!(walks(rows[0]), 2);
+        // The column indices compared with each row's class are computed, not read: the
+        // BF16 logits and gradient then set the vector width (8), not the indices' I32 (4).
+        let k = rows[0];
+        let index = k.inputs.iter().position(|i| i.columns.is_some()).expect("the column indices");
+        assert_eq!(k.inputs[index].columns, Some((0.0, 1.0)));
+        assert_eq!(vector_width(k), 8);
+        let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && i.columns.is_none()).collect();
+        let (vpt, cover) = row_cover(cols, default_row_threads(cols, 8), 8);
+        let src = gen_fused_rows(k, "k", default_row_threads(cols, 8), vpt, 8, &vector, cover, RowMode::Kernel);
+        assert!(!src.contains(&format!("r{index} + k0")) && !src.contains(&format!("r{index}[")), "{src}");
+        assert!(src.contains("(0ll + 1ll * (long long)(k0 + e))"), "{src}");
     }
 
     #[test]
