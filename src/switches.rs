@@ -111,6 +111,13 @@ pub(crate) fn row_tail_off() -> bool {
     *V.get_or_init(|| is("KILN_ROW_TAIL", "0"))
 }
 
+/// `KILN_ROW_COLUMNS=0`: GPU row kernels read an `arange` along their rows (cross-entropy's
+/// column indices) from memory instead of computing it (`fuse::columns_of`).
+pub(crate) fn row_columns_off() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_ROW_COLUMNS", "0"))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {
