@@ -132,7 +132,7 @@ fn joint_body(g: &Graph, needs: &[bool], xs: &[Tensor], gout: &Tensor) -> Result
 
 /// Nodes whose value backward may recompute rather than have saved.
 fn cheap(g: &Graph, i: NodeId) -> bool {
-    g.nodes[i].is_pointwise() || matches!(&g.nodes[i].op, NodeOp::Prim(crate::ops::Op::Reshape(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Permute(_)))
+    g.nodes[i].is_pointwise() || g.nodes[i].is_constant() || matches!(&g.nodes[i].op, NodeOp::Prim(crate::ops::Op::Reshape(_) | crate::ops::Op::Expand(_) | crate::ops::Op::Permute(_)))
 }
 
 /// Splits the joint graph (inputs: the function's inputs then d(output); outputs: the output,

@@ -490,8 +490,11 @@ fn columns_of(g: &Graph, v: NodeId, cols: usize) -> Option<(f64, f64)> {
             // F64 ones rounded once from F64, as it rounds them.
             NodeOp::Arange { start, step } if node.shape.len() == 1 => {
                 let whole = start.fract() == 0.0 && step.fract() == 0.0;
+                let last = start + step * (cols - 1) as f64;
                 let exact = match node.dtype {
-                    DType::I32 | DType::I64 => whole,
+                    // Values an I32 holds (past them `arange` wraps, a 64-bit column would not).
+                    DType::I32 => whole && [start, last].iter().all(|v| (i32::MIN as f64..=i32::MAX as f64).contains(v)),
+                    DType::I64 => whole,
                     DType::F32 | DType::F64 => true,
                     _ => false,
                 };
@@ -546,7 +549,8 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
             let Some(until) = step_of(&Step::Gemm(j)) else { continue };
             let quiet = |s: &Step| match s {
                 Step::Node(i) => match &g.nodes[*i].op {
-                    NodeOp::Arg(_) | NodeOp::Captured(_) => true,
+                    // (an arange reads nothing and is made once, then kept)
+                    NodeOp::Arg(_) | NodeOp::Captured(_) | NodeOp::Arange { .. } => true,
                     NodeOp::Prim(op) if op.is_view() => g.nodes[*i].args.iter().all(|&a| chain.contains(&a) || !made_here(a)),
                     _ => false,
                 },

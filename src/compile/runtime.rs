@@ -187,7 +187,9 @@ impl Hoisted {
                 class[i] = match &n.op {
                     _ if fresh_each_run.contains(&i) => Class::Dynamic,
                     NodeOp::Captured(k) if !mutated.contains(k) => Class::Param,
-                    _ if n.is_constant() => Class::Const,
+                    NodeOp::Full(_) => Class::Const,
+                    // Made on the host and copied in: made once and kept, as parameters' work is.
+                    NodeOp::Arange { .. } => Class::Frozen,
                     NodeOp::Prim(op) if op.is_view() => class[n.args[0]],
                     NodeOp::Prim(_) if args().any(|c| c == Class::Dynamic) => Class::Dynamic,
                     NodeOp::Prim(_) if args().any(|c| matches!(c, Class::Param | Class::Frozen)) => Class::Frozen,

@@ -453,6 +453,16 @@ fn arange_inside_a_compiled_function_equals_eager() -> Result<()> {
     assert_eq!(vals(&f.call(&Tensor::zeros(&[4], DType::F32, &d)?)?), vec![0.0, 1.0, 2.0, 3.0]);
     let text = seen.lock().unwrap().clone();
     assert!(text.contains("arange[start=0, step=1]"), "{text}");
+    // Made once and kept: a call launches the add alone, and replays as a CUDA graph.
+    for mode in [Mode::Default, Mode::ReduceOverhead] {
+        let f = compile_with(CompileOptions::new().mode(mode), |x: &Tensor| x.add(&Tensor::arange(0.0, 4.0, 1.0, DType::F32, &x.device())?));
+        let x = Tensor::zeros(&[4], DType::F32, &d)?;
+        for _ in 0..3 {
+            assert_eq!(vals(&f.call(&x)?), vec![0.0, 1.0, 2.0, 3.0]);
+        }
+        assert_eq!(f.kernels_per_call(), Some(1));
+        assert_eq!(f.replays_cuda_graph(), d.is_cuda() && mode == Mode::ReduceOverhead);
+    }
     Ok(())
 }
 

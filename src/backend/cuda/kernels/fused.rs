@@ -722,8 +722,10 @@ fn column_value((start, step): (f64, f64), t: CType, col: &str) -> String {
     let wide = |v: f64| literal(v, CType::F64);
     match t {
         CType::I64 => format!("({}ll + {}ll * (long long)({col}))", start as i64, step as i64),
-        CType::F32 => format!("(float)({} + {} * (double)({col}))", wide(start), wide(step)),
-        CType::F64 => format!("({} + {} * (double)({col}))", wide(start), wide(step)),
+        // Rounded after the product and after the sum, as `arange` rounds (never one fused
+        // multiply-add).
+        CType::F32 => format!("(float)__dadd_rn({}, __dmul_rn({}, (double)({col})))", wide(start), wide(step)),
+        CType::F64 => format!("__dadd_rn({}, __dmul_rn({}, (double)({col})))", wide(start), wide(step)),
         CType::Bool => unreachable!("column values are integers or floats (`fuse::columns_of`)"),
     }
 }
