@@ -118,6 +118,13 @@ pub(crate) fn row_columns_off() -> bool {
     *V.get_or_init(|| is("KILN_ROW_COLUMNS", "0"))
 }
 
+/// `KILN_ROW_STAGE=1`: row kernels over rows longer than `MAX_ROW` keep the rows several walks
+/// read in shared memory (`fused::staged_inputs`); off by default, as measured slower.
+pub(crate) fn row_stage_on() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_ROW_STAGE", "1"))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {
