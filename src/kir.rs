@@ -364,6 +364,8 @@ impl RowPlan {
             }
             passes.push(p);
         }
-        RowPlan { elem, passes, in_array: in_reads.iter().map(|&c| arrays && c > 1).collect(), op_array }
+        // (an input whose values the kernel computes, `KInput::columns`, takes no registers)
+        let in_array = in_reads.iter().zip(&k.inputs).map(|(&c, i)| arrays && c > 1 && i.columns.is_none()).collect();
+        RowPlan { elem, passes, in_array, op_array }
     }
 }

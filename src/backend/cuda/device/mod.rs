@@ -202,6 +202,8 @@ pub(crate) struct CudaDevice {
     /// replay, so a tensor over a piece of one that is dropped does not give it back to the
     /// allocator.
     pub(crate) graph_blocks: Mutex<std::collections::BTreeMap<u64, usize>>,
+    /// Per function (by its handle): the dynamic shared memory it may use, as last raised.
+    shared_allowed: Mutex<HashMap<usize, u32>>,
     pub(crate) arch: String,
     /// Compute capability 9.0 or later: programmatic dependent launch (`KILN_PDL`) exists.
     pub(crate) hopper: bool,
@@ -290,6 +292,7 @@ pub(crate) fn device(n: usize) -> Result<Arc<CudaDevice>> {
         capture_turn: Mutex::new(()),
         capture: Mutex::new(None),
         graph_blocks: Mutex::new(Default::default()),
+        shared_allowed: Mutex::new(HashMap::new()),
         arch: format!("sm_{major}{minor}"),
         hopper: major >= 9,
         sm_count,
@@ -491,14 +494,23 @@ impl CudaDevice {
         unsafe { self.launch_params(k, grid, block, shared, &mut params) }
     }
 
-    /// Lets `k` use `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in.
+    /// Lets `k` use `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in. The
+    /// limit only rises: one function launched with less after more (a row kernel over shorter
+    /// rows) keeps what a CUDA graph captured with the larger launch needs.
     pub(crate) fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
         if bytes <= 48 * 1024 || k.0.is_null() {
             return Ok(());
         }
+        let mut allowed = self.shared_allowed.lock();
+        let now = allowed.entry(k.0 as usize).or_insert(0);
+        if *now >= bytes {
+            return Ok(());
+        }
         let attr = ds::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         // SAFETY: a loaded function of this device's context.
-        unsafe { ds::cuFuncSetAttribute(k.0, attr, bytes as i32) }.result().map_err(|e| self.err("shared memory size", e))
+        unsafe { ds::cuFuncSetAttribute(k.0, attr, bytes as i32) }.result().map_err(|e| self.err("shared memory size", e))?;
+        *now = bytes;
+        Ok(())
     }
 
     /// Launches `k` with `shared` bytes of dynamic shared memory and one pointer per kernel

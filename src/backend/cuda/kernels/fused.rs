@@ -283,7 +283,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     // Rows longer than the registers hold: each pass walks the row in chunks of
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
-    let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j];
+    let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j] && k.inputs[j].columns.is_none();
     let prologue_row = match mode {
         RowMode::Kernel => None,
         RowMode::Prologue { row } => Some(row),
@@ -356,7 +356,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         c.push_str("  extern __shared__ __align__(16) unsigned char ksm[];\n  unsigned int ksoff = 0;\n");
         for j in (0..k.inputs.len()).filter(|&j| is_staged(j)) {
             let t = storage_type(k.inputs[j].dtype);
-            let _ = writeln!(c, "  {t}* __restrict__ s{j} = ({t}*)(ksm + ksoff); ksoff += (((unsigned int)K + VEC - 1) / VEC * VEC * sizeof({t}) + 15) / 16 * 16;");
+            let _ = writeln!(c, "  {t}* __restrict__ ks{j} = ({t}*)(ksm + ksoff); ksoff += (((unsigned int)K + VEC - 1) / VEC * VEC * sizeof({t}) + 15) / 16 * 16;");
         }
     }
     // A prologue's blocks each compute the one row.
@@ -439,11 +439,11 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if is_staged(j) && in_shared[j] {
-                let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(s{j} + k0);");
+                let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(ks{j} + k0);");
             } else if vector[j] && !plan.in_array[j] {
                 let _ = writeln!(c, "        const VI{j} q{j} = {};", vector_load(j, tail));
                 if is_staged(j) {
-                    let _ = writeln!(c, "        *(VI{j}*)(s{j} + k0) = q{j};");
+                    let _ = writeln!(c, "        *(VI{j}*)(ks{j} + k0) = q{j};");
                 }
             }
         }
@@ -882,7 +882,8 @@ fn launch_rows(dev: &std::sync::Arc<crate::backend::cuda::CudaDevice>, k: &Fused
 /// Most shared memory a block of a looped row kernel stages rows in: two such blocks and the
 /// driver's reserve per block must fit an SM.
 fn stage_budget(shared_per_sm: usize) -> usize {
-    (shared_per_sm / 2).saturating_sub(1024)
+    // (the driver's 1 KiB per block, and up to 1 KiB of the block reductions' own arrays)
+    (shared_per_sm / 2).saturating_sub(2048)
 }
 
 /// Threads of a looped row kernel that stages rows: two blocks share an SM, each thread with
@@ -915,9 +916,12 @@ fn staged_inputs(shared_per_sm: usize, k: &FusedKernel, w: &RowWordsFilled) -> V
     let passes = RowPlan::recomputing(k).passes;
     let mut left = stage_budget(shared_per_sm);
     for (j, inp) in k.inputs.iter().enumerate() {
-        let walks = passes.iter().filter(|p| p.inputs.contains(&j)).count();
+        // Read by a reduction's walk and by the output walk (reductions' passes may share one
+        // walk, the output pass never does).
+        let (output, reductions) = passes.split_last().expect("an output pass");
+        let walks_again = output.inputs.contains(&j) && reductions.iter().any(|p| p.inputs.contains(&j));
         let bytes = staged_row_bytes(w.cols, w.vec, inp.dtype);
-        if w.vector[j] && walks > 1 && w.views[j].strides()[0] != 0 && bytes <= left {
+        if w.vector[j] && walks_again && w.views[j].strides()[0] != 0 && bytes <= left {
             staged[j] = true;
             left -= bytes;
         }
@@ -1706,7 +1710,7 @@ pub(super) mod tests {
                         // Rows of a length no vector width divides: vectors, the last one taken
                         // element by element.
                         let vec = vector_width(k);
-                        let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row).collect();
+                        let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && i.columns.is_none()).collect();
                         let (vpt, _) = row_cover(cols, threads, vec);
                         let name = rows_name(k, threads, vpt, vec, Cover::LoopedTail, &vector, &[]);
                         v.push(Sample::new((name.clone(), gen_fused_rows(k, &name, threads, vpt, vec, &vector, &[], Cover::LoopedTail, RowMode::Kernel))));
@@ -1966,8 +1970,8 @@ pub(super) mod tests {
         let (vpt, _) = row_cover(cols, STAGED_THREADS, 8);
         let src = gen_fused_rows(k, "k", STAGED_THREADS, vpt, 8, &vector, &staged, Cover::LoopedTail, RowMode::Kernel);
         assert_eq!(src.matches(&format!("r{logits} + k0")).count(), 2, "one load from memory (a whole vector, or the row's last part):\n{src}");
-        assert_eq!(src.matches(&format!("*(VI{logits}*)(s{logits} + k0) = q{logits};")).count(), 1, "{src}");
-        assert_eq!(src.matches(&format!("*(const VI{logits}*)(s{logits} + k0)")).count(), 1, "{src}");
+        assert_eq!(src.matches(&format!("*(VI{logits}*)(ks{logits} + k0) = q{logits};")).count(), 1, "{src}");
+        assert_eq!(src.matches(&format!("*(const VI{logits}*)(ks{logits} + k0)")).count(), 1, "{src}");
         assert!(staged_bytes(k, &staged, cols, 8) <= stage_budget(228 * 1024));
         let name = rows_name(k, STAGED_THREADS, vpt, 8, Cover::LoopedTail, &vector, &staged);
         assert_eq!(name.rsplit('_').next().and_then(|l| l.chars().nth(logits)), Some('m'), "{name}");
