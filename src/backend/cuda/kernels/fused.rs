@@ -284,6 +284,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
     let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j] && k.inputs[j].columns.is_none();
+    let stages = (0..k.inputs.len()).any(is_staged);
     let prologue_row = match mode {
         RowMode::Kernel => None,
         RowMode::Prologue { row } => Some(row),
@@ -320,7 +321,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     match prologue_row {
         None => {
             // A kernel that stages rows runs two blocks per SM: registers for both.
-            let blocks = if (0..k.inputs.len()).any(is_staged) { ", 2" } else { "" };
+            let blocks = if stages { ", 2" } else { "" };
             let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}{blocks}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
         }
         Some(r) => {
@@ -352,7 +353,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     }
     // Staged rows lie one after another in the block's dynamic shared memory, each rounded up
     // to whole vectors and 16 bytes (`staged_row_bytes`).
-    if (0..k.inputs.len()).any(is_staged) {
+    if stages {
         c.push_str("  extern __shared__ __align__(16) unsigned char ksm[];\n  unsigned int ksoff = 0;\n");
         for j in (0..k.inputs.len()).filter(|&j| is_staged(j)) {
             let t = storage_type(k.inputs[j].dtype);
@@ -914,11 +915,11 @@ fn staged_inputs(shared_per_sm: usize, k: &FusedKernel, w: &RowWordsFilled) -> V
         return staged;
     }
     let passes = RowPlan::recomputing(k).passes;
+    // Read by a reduction's walk and by the output walk (reductions' passes may share one walk,
+    // the output pass never does).
+    let (output, reductions) = passes.split_last().expect("an output pass");
     let mut left = stage_budget(shared_per_sm);
     for (j, inp) in k.inputs.iter().enumerate() {
-        // Read by a reduction's walk and by the output walk (reductions' passes may share one
-        // walk, the output pass never does).
-        let (output, reductions) = passes.split_last().expect("an output pass");
         let walks_again = output.inputs.contains(&j) && reductions.iter().any(|p| p.inputs.contains(&j));
         let bytes = staged_row_bytes(w.cols, w.vec, inp.dtype);
         if w.vector[j] && walks_again && w.views[j].strides()[0] != 0 && bytes <= left {
