@@ -285,6 +285,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
     let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j] && k.inputs[j].columns.is_none();
     let stages = (0..k.inputs.len()).any(is_staged);
+    let hoist = !crate::switches::row_hoist_off();
     let prologue_row = match mode {
         RowMode::Kernel => None,
         RowMode::Prologue { row } => Some(row),
@@ -434,15 +435,36 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
     let mut pass = |c: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
+        // A looped pass loads its chunk's vectors from memory before it computes any, as far as
+        // `HOISTED_BYTES` allows: a thread's loads are then in flight at once, not one per step
+        // of the walk. (Zeros past the row's end: an array left partly unset is kept in local
+        // memory.)
+        let mut room = if looped && hoist { HOISTED_BYTES } else { 0 };
+        let hoisted: Vec<usize> = p
+            .inputs
+            .iter()
+            .copied()
+            .filter(|&j| vector[j] && !plan.in_array[j] && !(is_staged(j) && in_shared[j]))
+            .filter(|&j| {
+                let bytes = vpt * k.inputs[j].dtype.size_in_bytes();
+                let fits = bytes <= room;
+                room -= if fits { bytes } else { 0 };
+                fits
+            })
+            .collect();
         if looped {
             c.push_str("    for (int kbase = 0; kbase < K; kbase += VPT * (int)blockDim.x) {\n");
+        }
+        for &j in &hoisted {
+            let _ = writeln!(c, "    VI{j} qa{j}[VPT / VEC];\n    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{ const int k0 = KIDX(g * VEC); qa{j}[g] = INROW(k0) ? {} : VI{j}{{}}; }}", vector_load(j, tail));
         }
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if is_staged(j) && in_shared[j] {
                 let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(ks{j} + k0);");
             } else if vector[j] && !plan.in_array[j] {
-                let _ = writeln!(c, "        const VI{j} q{j} = {};", vector_load(j, tail));
+                let load = if hoisted.contains(&j) { format!("qa{j}[g]") } else { vector_load(j, tail) };
+                let _ = writeln!(c, "        const VI{j} q{j} = {load};");
                 if is_staged(j) {
                     let _ = writeln!(c, "        *(VI{j}*)(ks{j} + k0) = q{j};");
                 }
@@ -698,6 +720,9 @@ fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: 
 /// per chunk.
 const LOOPED_THREADS: usize = 1024;
 const LOOPED_MAX_VPT: usize = 32;
+/// Bytes of a chunk's vectors a thread of a looped row kernel loads before computing with
+/// them: four 16-byte vectors, which leave a 1024-thread block its registers without spills.
+const HOISTED_BYTES: usize = 64;
 
 /// Values per thread of a row kernel of `threads` threads over rows of `cols`, and how they
 /// cover a row. A looped kernel's row is walked in as few chunks as `LOOPED_MAX_VPT` allows,
@@ -1964,6 +1989,8 @@ pub(super) mod tests {
         let src = gen_fused_rows(k, "k", default_row_threads(cols, 8), vpt, 8, &vector, &[], cover, RowMode::Kernel);
         assert!(!src.contains(&format!("r{index} + k0")) && !src.contains(&format!("r{index}[")), "{src}");
         assert!(src.contains("(0ll + 1ll * (long long)(k0 + e))"), "{src}");
+        // Each walk loads its chunk's logits before computing with them.
+        assert_eq!(src.matches("qa0[g] = INROW(k0) ?").count(), 2, "{src}");
         // Staged, the logits come from memory in the first walk only: the second reads the
         // copy the first left in shared memory.
         let logits = k.inputs.iter().position(|i| !i.row && i.dtype == DType::BF16).expect("the logits");
