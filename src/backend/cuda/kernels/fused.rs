@@ -465,7 +465,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         // Online sums taken a chunk at a time where the chunk is in registers: its max first,
         // then one exponential per value (`Chunked`).
         let in_registers = |j: usize| hoisted.contains(&j) || k.inputs[j].row || k.inputs[j].columns.is_some() || (is_staged(j) && in_shared[j]);
-        let chunked = chunked.filter(|_| looped && hoist && !crate::switches::row_chunk_max_off() && p.inputs.iter().all(|&j| in_registers(j)) && p.ops.iter().all(|&i| !plan.op_array[i]));
+        let chunked = chunked.filter(|_| looped && !crate::switches::row_chunk_max_off() && p.inputs.iter().all(|&j| in_registers(j)) && p.ops.iter().all(|&i| !plan.op_array[i]));
         if looped {
             c.push_str("    for (int kbase = 0; kbase < K; kbase += VPT * (int)blockDim.x) {\n");
         }
@@ -2026,7 +2026,9 @@ pub(super) mod tests {
         // Each walk loads its chunk's logits before computing with them; the sum of
         // exponentials rescales once per chunk, after a first walk over it for its max.
         assert_eq!(src.matches("qa0[g] = INROW(k0) ?").count(), 2, "{src}");
+        // (These assume KILN_ROW_HOIST and KILN_ROW_CHUNK_MAX unset.)
         assert_eq!(src.matches(" > cm").count(), 1, "{src}");
+        assert!(src.find(" > cm") < src.find("if (cm") && src.find("if (cm") < src.find("acc6 += "), "max, rescale, then the sum:\n{src}");
         assert!(!src.contains("else if"), "{src}");
         // Staged, the logits come from memory in the first walk only: the second reads the
         // copy the first left in shared memory.
@@ -2037,6 +2039,7 @@ pub(super) mod tests {
         assert_eq!(src.matches(&format!("r{logits} + k0")).count(), 2, "one load from memory (a whole vector, or the row's last part):\n{src}");
         assert_eq!(src.matches(&format!("*(VI{logits}*)(ks{logits} + k0) = q{logits};")).count(), 1, "{src}");
         assert_eq!(src.matches(&format!("*(const VI{logits}*)(ks{logits} + k0)")).count(), 1, "{src}");
+        assert_eq!(src.matches(" > cm").count(), 1, "the first walk's sum taken a chunk at a time:\n{src}");
         assert!(staged_bytes(k, &staged, cols, 8) <= stage_budget(228 * 1024));
         let name = rows_name(k, STAGED_THREADS, vpt, 8, Cover::LoopedTail, &vector, &staged);
         assert_eq!(name.rsplit('_').next().and_then(|l| l.chars().nth(logits)), Some('m'), "{name}");
