@@ -125,21 +125,6 @@ pub(crate) fn row_stage_on() -> bool {
     *V.get_or_init(|| is("KILN_ROW_STAGE", "1"))
 }
 
-/// `KILN_ROW_HOIST=0`: a looped row kernel's walk loads each vector just before it computes
-/// with it, instead of loading the chunk's vectors first (`fused::gen_fused_rows`).
-pub(crate) fn row_hoist_off() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_ROW_HOIST", "0"))
-}
-
-/// `KILN_ROW_CHUNK_MAX=0`: a looped row kernel's online sum of exponentials updates its running
-/// max value by value (a branch and up to two exponentials each), not once per chunk held in
-/// registers.
-pub(crate) fn row_chunk_max_off() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_ROW_CHUNK_MAX", "0"))
-}
-
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

@@ -261,16 +261,6 @@ enum Cover {
     LoopedTail,
 }
 
-/// A looped walk's online sums of exponentials taken a chunk at a time (`gen_fused_rows`): code
-/// per value of a first walk over the chunk, code after it, and code per value of the walk
-/// proper.
-#[derive(Default)]
-struct Chunked {
-    first: String,
-    between: String,
-    each: String,
-}
-
 /// What a row kernel's source is: a kernel of its own, or the prologue of a product of one row
 /// (`gemv.cu`, `GEMV_ROW`): a device function that every block of the product runs over the
 /// kernel's one row, after the product's wait for the kernel before. It leaves output `row`
@@ -295,7 +285,6 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
     let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j] && k.inputs[j].columns.is_none();
     let stages = (0..k.inputs.len()).any(is_staged);
-    let hoist = !crate::switches::row_hoist_off();
     let prologue_row = match mode {
         RowMode::Kernel => None,
         RowMode::Prologue { row } => Some(row),
@@ -444,93 +433,56 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
-    let mut pass = |c: &mut String, p: &RowPass, each: &str, chunked: Option<&Chunked>, stores: &str, prologue: &str| {
-        // A looped pass loads its chunk's vectors from memory before it computes any, as far as
-        // `HOISTED_BYTES` allows: a thread's loads are then in flight at once, not one per step
-        // of the walk. (Zeros past the row's end: an array left partly unset is kept in local
-        // memory.)
-        let mut room = if looped && hoist { HOISTED_BYTES } else { 0 };
-        let hoisted: Vec<usize> = p
-            .inputs
-            .iter()
-            .copied()
-            .filter(|&j| vector[j] && !plan.in_array[j] && !(is_staged(j) && in_shared[j]))
-            .filter(|&j| {
-                let bytes = vpt * k.inputs[j].dtype.size_in_bytes();
-                let fits = bytes <= room;
-                room -= if fits { bytes } else { 0 };
-                fits
-            })
-            .collect();
-        // Online sums taken a chunk at a time where the chunk is in registers: its max first,
-        // then one exponential per value (`Chunked`).
-        let in_registers = |j: usize| hoisted.contains(&j) || k.inputs[j].row || k.inputs[j].columns.is_some() || (is_staged(j) && in_shared[j]);
-        let chunked = chunked.filter(|_| looped && !crate::switches::row_chunk_max_off() && p.inputs.iter().all(|&j| in_registers(j)) && p.ops.iter().all(|&i| !plan.op_array[i]));
+    let mut pass = |c: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
         if looped {
             c.push_str("    for (int kbase = 0; kbase < K; kbase += VPT * (int)blockDim.x) {\n");
         }
-        for &j in &hoisted {
-            let _ = writeln!(c, "    VI{j} qa{j}[VPT / VEC];\n    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{ const int k0 = KIDX(g * VEC); qa{j}[g] = INROW(k0) ? {} : VI{j}{{}}; }}", vector_load(j, tail));
+        let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
+        for &j in &p.inputs {
+            if is_staged(j) && in_shared[j] {
+                let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(ks{j} + k0);");
+            } else if vector[j] && !plan.in_array[j] {
+                let _ = writeln!(c, "        const VI{j} q{j} = {};", vector_load(j, tail));
+                if is_staged(j) {
+                    let _ = writeln!(c, "        *(VI{j}*)(ks{j} + k0) = q{j};");
+                }
+            }
         }
-        // The walk over the chunk's values: `main` once, or a first walk computing only what
-        // `body` needs (no stores) before it.
-        let walk = |c: &mut String, body: &str, stores: &str, prologue: &str, main: bool| {
-            let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
-            for &j in &p.inputs {
-                if is_staged(j) && in_shared[j] {
-                    let _ = writeln!(c, "        const VI{j} q{j} = *(const VI{j}*)(ks{j} + k0);");
-                } else if vector[j] && !plan.in_array[j] {
-                    let load = if hoisted.contains(&j) { format!("qa{j}[g]") } else { vector_load(j, tail) };
-                    let _ = writeln!(c, "        const VI{j} q{j} = {load};");
-                    if is_staged(j) && main {
-                        let _ = writeln!(c, "        *(VI{j}*)(ks{j} + k0) = q{j};");
-                    }
-                }
-            }
-            let _ = writeln!(c, "        _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{\n          const int j = g * VEC + e;");
-            for &j in &p.inputs {
-                let (inp, t) = (&k.inputs[j], ins[j].0);
-                let v = if plan.in_array[j] {
-                    format!("ax{j}[j]")
-                } else if let Some(columns) = inp.columns {
-                    column_value(columns, t, "k0 + e")
-                } else if vector[j] {
-                    load(inp.dtype, t, &format!("q{j}.v[e]"))
-                } else if tail {
-                    format!("k0 + e < K ? {} : ({})0", load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]")), t.name())
-                } else {
-                    load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
-                };
-                let _ = writeln!(c, "          const {} x{j} = {v};", t.name());
-            }
-            for &i in &p.ops {
-                let op = &k.ops[i];
-                if let KKind::Same | KKind::Broadcast = op.kind {
-                    continue;
-                }
-                let (t, e) = if filled_op[i] {
-                    (vals[i].0, format!("{}[j]", arr[i]))
-                } else {
-                    let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
-                    lower(op, &args)
-                };
-                let _ = writeln!(c, "          const {} t{i} = {e};", t.name());
-                if plan.op_array[i] && !filled_op[i] && main {
-                    let _ = writeln!(c, "          {}[j] = t{i};", arr[i]);
-                }
-            }
-            // Past a row's end (a tail cover's last vector) a value takes part in no reduction.
-            let body = if tail && !body.is_empty() { format!("          if (k0 + e < K) {{\n{body}          }}\n") } else { body.to_string() };
-            let _ = writeln!(c, "{body}        }}\n{stores}      }}\n    }}");
-        };
-        match chunked {
-            Some(ch) => {
-                walk(c, &ch.first, "", "", false);
-                c.push_str(&ch.between);
-                walk(c, &ch.each, stores, prologue, true);
-            }
-            None => walk(c, each, stores, prologue, true),
+        let _ = writeln!(c, "        _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) {{\n          const int j = g * VEC + e;");
+        for &j in &p.inputs {
+            let (inp, t) = (&k.inputs[j], ins[j].0);
+            let v = if plan.in_array[j] {
+                format!("ax{j}[j]")
+            } else if let Some(columns) = inp.columns {
+                column_value(columns, t, "k0 + e")
+            } else if vector[j] {
+                load(inp.dtype, t, &format!("q{j}.v[e]"))
+            } else if tail {
+                format!("k0 + e < K ? {} : ({})0", load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]")), t.name())
+            } else {
+                load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
+            };
+            let _ = writeln!(c, "          const {} x{j} = {v};", t.name());
         }
+        for &i in &p.ops {
+            let op = &k.ops[i];
+            if let KKind::Same | KKind::Broadcast = op.kind {
+                continue;
+            }
+            let (t, e) = if filled_op[i] {
+                (vals[i].0, format!("{}[j]", arr[i]))
+            } else {
+                let args: Vec<(CType, String)> = op.args.iter().map(|a| arg(a, &ins, &vals)).collect();
+                lower(op, &args)
+            };
+            let _ = writeln!(c, "          const {} t{i} = {e};", t.name());
+            if plan.op_array[i] && !filled_op[i] {
+                let _ = writeln!(c, "          {}[j] = t{i};", arr[i]);
+            }
+        }
+        // Past a row's end (a tail cover's last vector) a value takes part in no reduction.
+        let each = if tail && !each.is_empty() { format!("          if (k0 + e < K) {{\n{each}          }}\n") } else { each.to_string() };
+        let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
         if looped {
             c.push_str("    }\n");
         }
@@ -581,31 +533,23 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 let online: Vec<usize> = if looped { reduces.iter().copied().filter(|&r| r > i && !walked[r] && online_sum_of(k, r, i)).collect() } else { vec![] };
                 let mut walk = RowPass::default();
                 let mut each = String::new();
-                // Where the chunk is in registers (`pass`), a first walk over it finds its max
-                // (`cm`, the thread's running max), the sum is rescaled once per chunk, and
-                // each value then takes one exponential, never a branch.
-                let mut ch = Chunked::default();
                 for &r in &online {
                     let t = CType::of(k.ops[r].dtype);
                     let (v, exp) = (arg(&k.ops[i].args[0], &ins, &vals).1, |e: &str| crate::ops::UnaryOp::Exp.cuda(e, t));
                     let (lowest, one) = (crate::backend::cexpr::literal(f64::NEG_INFINITY, t), crate::backend::cexpr::literal(1.0, t));
-                    let _ = writeln!(c, "    {ty} acc{r} = ({ty})0; {ty} om{r} = {lowest}; {ty} cm{r} = {lowest};", ty = t.name());
+                    let _ = writeln!(c, "    {ty} acc{r} = ({ty})0; {ty} om{r} = {lowest};", ty = t.name());
                     let _ = writeln!(
                         each,
                         "          if ({v} > om{r}) {{ acc{r} = acc{r} * {} + {one}; om{r} = {v}; }} else if ({v} > {lowest}) acc{r} += {};",
                         exp(&format!("om{r} - {v}")),
                         exp(&format!("{v} - om{r}"))
                     );
-                    let _ = writeln!(ch.first, "          if ({v} > cm{r}) cm{r} = {v};");
-                    let _ = writeln!(ch.between, "    if (cm{r} > om{r}) {{ acc{r} = acc{r} * {}; om{r} = cm{r}; }}", exp(&format!("om{r} - cm{r}")));
-                    let _ = writeln!(ch.each, "          if ({v} > {lowest}) acc{r} += {};", exp(&format!("{v} - om{r}")));
                 }
                 for &g in &group {
                     let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
                     let t = CType::of(k.ops[g].dtype);
                     let a = arg(&k.ops[g].args[0], &ins, &vals);
                     let _ = writeln!(each, "          acc{g} = {}(acc{g}, {});", comb_name(r, t), convert(a.0, t, &a.1));
-                    let _ = writeln!(ch.each, "          acc{g} = {}(acc{g}, {});", comb_name(r, t), convert(a.0, t, &a.1));
                     let _ = writeln!(c, "    {} acc{g} = {};", t.name(), r.cuda_identity(t));
                     let p = &plan.passes[pass_of(g)];
                     walk.inputs.extend(&p.inputs);
@@ -615,7 +559,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                     v.sort_unstable();
                     v.dedup();
                 }
-                pass(&mut c, &walk, &each, (!online.is_empty()).then_some(&ch), "", "");
+                pass(&mut c, &walk, &each, "", "");
                 for &g in &group {
                     let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
                     let t = CType::of(k.ops[g].dtype);
@@ -656,7 +600,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
             }
         }
-        pass(&mut c, plan.passes.last().expect("an output pass"), &each, None, &stores, &pro);
+        pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
     }
     for (m, (o, _)) in k.outputs.iter().enumerate() {
         if let Some(p) = k.row_pads[m] {
@@ -754,9 +698,6 @@ fn mid_name(k: &FusedKernel, tx: Option<usize>, vec: usize, wide: bool, vector: 
 /// per chunk.
 const LOOPED_THREADS: usize = 1024;
 const LOOPED_MAX_VPT: usize = 32;
-/// Bytes of a chunk's vectors a thread of a looped row kernel loads before computing with
-/// them: four 16-byte vectors, which leave a 1024-thread block its registers without spills.
-const HOISTED_BYTES: usize = 64;
 
 /// Values per thread of a row kernel of `threads` threads over rows of `cols`, and how they
 /// cover a row. A looped kernel's row is walked in as few chunks as `LOOPED_MAX_VPT` allows,
@@ -2023,13 +1964,6 @@ pub(super) mod tests {
         let src = gen_fused_rows(k, "k", default_row_threads(cols, 8), vpt, 8, &vector, &[], cover, RowMode::Kernel);
         assert!(!src.contains(&format!("r{index} + k0")) && !src.contains(&format!("r{index}[")), "{src}");
         assert!(src.contains("(0ll + 1ll * (long long)(k0 + e))"), "{src}");
-        // Each walk loads its chunk's logits before computing with them; the sum of
-        // exponentials rescales once per chunk, after a first walk over it for its max.
-        assert_eq!(src.matches("qa0[g] = INROW(k0) ?").count(), 2, "{src}");
-        // (These assume KILN_ROW_HOIST and KILN_ROW_CHUNK_MAX unset.)
-        assert_eq!(src.matches(" > cm").count(), 1, "{src}");
-        assert!(src.find(" > cm") < src.find("if (cm") && src.find("if (cm") < src.find("acc6 += "), "max, rescale, then the sum:\n{src}");
-        assert!(!src.contains("else if"), "{src}");
         // Staged, the logits come from memory in the first walk only: the second reads the
         // copy the first left in shared memory.
         let logits = k.inputs.iter().position(|i| !i.row && i.dtype == DType::BF16).expect("the logits");
@@ -2039,7 +1973,6 @@ pub(super) mod tests {
         assert_eq!(src.matches(&format!("r{logits} + k0")).count(), 2, "one load from memory (a whole vector, or the row's last part):\n{src}");
         assert_eq!(src.matches(&format!("*(VI{logits}*)(ks{logits} + k0) = q{logits};")).count(), 1, "{src}");
         assert_eq!(src.matches(&format!("*(const VI{logits}*)(ks{logits} + k0)")).count(), 1, "{src}");
-        assert_eq!(src.matches(" > cm").count(), 1, "the first walk's sum taken a chunk at a time:\n{src}");
         assert!(staged_bytes(k, &staged, cols, 8) <= stage_budget(228 * 1024));
         let name = rows_name(k, STAGED_THREADS, vpt, 8, Cover::LoopedTail, &vector, &staged);
         assert_eq!(name.rsplit('_').next().and_then(|l| l.chars().nth(logits)), Some('m'), "{name}");
