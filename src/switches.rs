@@ -111,11 +111,12 @@ pub(crate) fn row_tail_off() -> bool {
     *V.get_or_init(|| is("KILN_ROW_TAIL", "0"))
 }
 
-/// `KILN_ROW_COLUMNS=0`: GPU row kernels read an `arange` along their rows (cross-entropy's
-/// column indices) from memory instead of computing it (`fuse::columns_of`).
-pub(crate) fn row_columns_off() -> bool {
+/// `KILN_ROW_COLUMNS=1`: GPU row kernels compute an `arange` along their rows (cross-entropy's
+/// column indices) from the column instead of reading it (`fuse::columns_of`); off by default,
+/// as measured slower (see `docs/reference.md`).
+pub(crate) fn row_columns_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_ROW_COLUMNS", "0"))
+    *V.get_or_init(|| is("KILN_ROW_COLUMNS", "1"))
 }
 
 /// `KILN_ROW_STAGE=1`: row kernels over rows longer than `MAX_ROW` keep the rows several walks

@@ -476,7 +476,7 @@ const MAX_PROLOGUE_COLUMNS: usize = 4096;
 /// values along its last dim seen through reshapes and broadcasts that keep that dim: its value
 /// at column c is then `start + c * step` in every row (`KInput::columns`).
 fn columns_of(g: &Graph, v: NodeId, cols: usize) -> Option<(f64, f64)> {
-    if crate::switches::row_columns_off() || cols < 2 {
+    if !crate::switches::row_columns_on() || cols < 2 {
         return None;
     }
     let mut n = v;

@@ -1953,11 +1953,19 @@ pub(super) mod tests {
         assert_eq!(rows.len(), 1, "loss and gradient in one row kernel");
         assert_eq!(rows[0].ops.iter().filter(|o| matches!(o.kind, KKind::Reduce(_))).count(), 3, "max, sum of exponentials, target's logit");
         assert_eq!(walks(rows[0]), 2);
-        // The column indices compared with each row's class are computed, not read: the
-        // BF16 logits and gradient then set the vector width (8), not the indices' I32 (4).
-        let k = rows[0];
-        let index = k.inputs.iter().position(|i| i.columns.is_some()).expect("the column indices");
-        assert_eq!(k.inputs[index].columns, Some((0.0, 1.0)));
+        // The column indices compared with each row's class: read from memory by default, so
+        // that their I32 sets the vector width (4); where `KILN_ROW_COLUMNS=1` has the schedule
+        // mark them (`KInput::columns`) they are computed, and the BF16 logits and gradient set
+        // it (8).
+        let mut k = rows[0].clone();
+        let index = k.inputs.iter().position(|i| !i.row && i.dtype == DType::I32).expect("the column indices");
+        if crate::switches::row_columns_on() {
+            assert_eq!(k.inputs[index].columns, Some((0.0, 1.0)));
+        } else {
+            assert_eq!((k.inputs[index].columns, vector_width(&k)), (None, 4));
+            k.inputs[index].columns = Some((0.0, 1.0));
+        }
+        let k = &k;
         assert_eq!(vector_width(k), 8);
         let vector: Vec<bool> = k.inputs.iter().map(|i| !i.row && i.columns.is_none()).collect();
         let (vpt, cover) = row_cover(cols, default_row_threads(cols, 8), 8);
