@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times), timeline ($TIMELINE_WORKLOAD's kernels on the device's clock, PDL on and off).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -365,17 +365,6 @@ if [[ " $* " == *" ab "* ]]; then
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 120 .gpu/bin/kiln profile $w --compiled 2>&1 | grep -E "${AB_KERNELS:-amax_to_dtype|^total}" | cut -c1-160 | sed "s/^/$s: /"
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) .gpu/bin/kiln bench --only $w --out /tmp/ab.json > /dev/null 2>&1
     python3 -c "import json; d=json.load(open('/tmp/ab.json'))['workloads']; [print('$s', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms')}) for k, v in d.items()]"
-  done
-fi
-if [[ " $* " == *" timeline "* ]]; then
-  # $TIMELINE_WORKLOAD's compiled call (default: the decode step) on the device's clock, with
-  # programmatic dependent launch on and off: each kernel's start, duration and the idle gap
-  # before it (tools/timeline.py), then the kernels grouped by name.
-  w=${TIMELINE_WORKLOAD:-gpt2.decode.bf16.bs1}
-  for pdl in 1 0; do
-    echo "== $w timeline, KILN_PDL=$pdl"
-    KILN_PDL=$pdl timeout 120 .gpu/bin/kiln profile $w --compiled --trace /tmp/tl$pdl.json > /dev/null 2>&1
-    python3 tools/timeline.py /tmp/tl$pdl.json $([ $pdl = 1 ] && echo ${TIMELINE_ROWS:-90} || echo 0)
   done
 fi
 if [[ " $* " == *" pair "* ]]; then
