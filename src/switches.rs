@@ -126,6 +126,13 @@ pub(crate) fn row_stage_on() -> bool {
     *V.get_or_init(|| is("KILN_ROW_STAGE", "1"))
 }
 
+/// `KILN_ROW_MIN_BLOCKS=N`: row kernels over rows longer than `MAX_ROW` are compiled for N
+/// blocks per SM (`__launch_bounds__`' second argument, which caps their registers).
+pub(crate) fn row_min_blocks() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_ROW_MIN_BLOCKS"))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

@@ -321,7 +321,14 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     match prologue_row {
         None => {
             // A kernel that stages rows runs two blocks per SM: registers for both.
-            let blocks = if stages { ", 2" } else { "" };
+            // `KILN_ROW_MIN_BLOCKS` asks as many of the compiler for any looped kernel (a long
+            // row's kernel runs at the speed of the blocks an SM holds: 1024 threads over 32
+            // registers leave room for one).
+            let blocks = match (stages, crate::switches::row_min_blocks().filter(|_| looped)) {
+                (true, _) => ", 2".to_string(),
+                (false, Some(n)) => format!(", {n}"),
+                (false, None) => String::new(),
+            };
             let _ = writeln!(c, "extern \"C\" __global__ void __launch_bounds__({threads}{blocks}) {name}(const LaunchArgs a) {{\n  KILN_AFTER_PREVIOUS();");
         }
         Some(r) => {
