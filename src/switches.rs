@@ -126,11 +126,12 @@ pub(crate) fn row_stage_on() -> bool {
     *V.get_or_init(|| is("KILN_ROW_STAGE", "1"))
 }
 
-/// `KILN_ROW_MIN_BLOCKS=N`: row kernels over rows longer than `MAX_ROW` are compiled for N
-/// blocks per SM (`__launch_bounds__`' second argument, which caps their registers).
+/// `KILN_ROW_MIN_BLOCKS=N` (N >= 1): row kernels over rows longer than `MAX_ROW` are compiled for
+/// N blocks per SM (`__launch_bounds__`' second argument, which caps their registers; a kernel
+/// that stages its rows keeps 2).
 pub(crate) fn row_min_blocks() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();
-    *V.get_or_init(|| parsed("KILN_ROW_MIN_BLOCKS"))
+    *V.get_or_init(|| parsed("KILN_ROW_MIN_BLOCKS").filter(|&n: &usize| n >= 1))
 }
 
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
