@@ -98,8 +98,8 @@ pub(crate) struct KInput {
     pub row: bool,
     /// A full input of a row kernel whose value at column c is `start + c * step` in every
     /// row, as (start, step): an `Arange` along the row spread over the rows (cross-entropy's
-    /// column indices, compared with each row's class). The GPU's row kernels compute it
-    /// rather than read it (`fuse::columns_of`).
+    /// column indices, compared with each row's class), marked by `fuse::columns_of` under
+    /// `KILN_ROW_COLUMNS=1`: the GPU's row kernels then compute it rather than read it.
     pub columns: Option<(f64, f64)>,
 }
 

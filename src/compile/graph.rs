@@ -20,7 +20,8 @@ pub enum NodeOp {
     /// Every element `value` (`Tensor::full` inside the function).
     Full(f64),
     /// `start + i * step` at index i of its one dim (`Tensor::arange` inside the function):
-    /// a constant, which a kernel that knows each element's index computes instead of reading.
+    /// a constant, which a kernel that knows each element's index may compute instead of
+    /// reading (`KILN_ROW_COLUMNS=1`).
     Arange { start: f64, step: f64 },
     /// A fresh draw from the global generator on every call.
     Random(RandomKind),

@@ -426,9 +426,9 @@ fn backends_receive_the_graph() -> Result<()> {
 
 /// `arange` inside a compiled function is a node of its graph (made once per program, as a
 /// constant is), equal to eager's values in integer and float dtypes, counting down and by
-/// fractions, spread over rows; on the GPU a row kernel computes such column values instead
-/// of reading them (cross-entropy's class indices: `cross_entropy_over_a_padded_product_...`
-/// and `long_rows_with_rising_maxima_...` run it there).
+/// fractions, spread over rows. (Under `KILN_ROW_COLUMNS=1` a GPU row kernel computes such
+/// column values instead of reading them: cross-entropy's class indices, which
+/// `cross_entropy_over_a_padded_product_...` and `long_rows_with_rising_maxima_...` run.)
 #[test]
 fn arange_inside_a_compiled_function_equals_eager() -> Result<()> {
     let d = dev();
