@@ -138,8 +138,19 @@ fn backward_vector(q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor, d: usize) -> 
 /// Forward: out[l] = softmax(scale q[l] k^T + mask) v, `rows` query rows per block.
 fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, String) {
     let name = warp_name("fwd", dtype, d, rows, vw);
-    let src = source(common(dtype, d, rows, vw), &format!("#define KNAME {name}\n#define ATTN_FWD\n"), WARP);
+    let qk = if scores_in_shared(dtype, d, rows) { "SC" } else { "float" };
+    let src = source(common(dtype, d, rows, vw), &format!("#define KNAME {name}\n#define ATTN_FWD\n#define QK_T {qk}\n"), WARP);
     (name, src)
+}
+
+/// Whether the warp forward keeps its queries and keys in shared memory in the type scores are
+/// computed in (double for F32): where its tiles then fit the 48 KiB of static shared memory.
+/// Otherwise they stay float and each score converts them as it reads them, which for F32
+/// runs on the GPU's slow conversion pipe: 2 * D conversions per score instead of one per
+/// value loaded.
+fn scores_in_shared(dtype: DType, d: usize, rows: usize) -> bool {
+    let score_bytes = if dtype == DType::F32 { 8 } else { 4 };
+    (32 * (d + 1) + rows * d) * score_bytes + 32 * d * 4 <= 48 * 1024
 }
 
 /// Warps per block of the cache forward (`gen_forward_up_to`): a thread per key of its chunk.
@@ -537,7 +548,16 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
 
 #[cfg(test)]
 mod tests {
-    use super::forward_tc_three_blocks;
+    use super::{forward_tc_three_blocks, scores_in_shared};
+    use crate::DType;
+
+    #[test]
+    fn f32_forward_keeps_queries_and_keys_in_double_where_they_fit() {
+        // The transformer rows' heads (64 features, up to 16 query rows a block): 33 KiB.
+        assert!(scores_in_shared(DType::F32, 64, 16));
+        assert!(!scores_in_shared(DType::F32, 128, 16) && !scores_in_shared(DType::F32, 128, 4));
+        assert!(scores_in_shared(DType::BF16, 128, 16), "16-bit inputs score in float");
+    }
 
     #[test]
     fn the_forward_asks_for_three_blocks_only_where_their_shared_memory_fits() {

@@ -8,7 +8,9 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   KILN_AFTER_PREVIOUS();
   ARGS
   T* out = (T*)a.out;
-  __shared__ float Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ float Qs[ROWS][D_];
+  // Queries and keys as QK_T: the type scores are computed in where it fits (each value
+  // converted once as it is loaded, not once per score).
+  __shared__ QK_T Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ QK_T Qs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
   if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
