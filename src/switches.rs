@@ -134,6 +134,13 @@ pub(crate) fn row_min_blocks() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_ROW_MIN_BLOCKS").filter(|&n: &usize| n >= 1))
 }
 
+/// `KILN_ROW_VEC=N`: row kernels over rows longer than `kir::MAX_ROW` load at most N values at
+/// a time (a power of two), fewer than 16 bytes of their widest input or output.
+pub(crate) fn row_vec_cap() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_ROW_VEC").filter(|&n: &usize| n.is_power_of_two()))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

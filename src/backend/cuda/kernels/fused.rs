@@ -740,6 +740,7 @@ fn vector_width(k: &FusedKernel) -> usize {
 /// element by element (`Cover::LoopedTail`).
 fn row_vec(k: &FusedKernel, cols: usize) -> usize {
     let v = vector_width(k);
+    let v = crate::switches::row_vec_cap().filter(|_| walks_in_chunks(cols)).map_or(v, |cap| v.min(cap));
     // Vector stores need every output row to start aligned, padded ones too.
     let stride = |m: usize| cols + k.row_pads[m].map_or(0, |p| p.cols);
     let aligned = k.full_outputs().into_iter().all(|m| stride(m).is_multiple_of(v));
