@@ -109,6 +109,11 @@ impl Node {
     pub fn is_constant(&self) -> bool {
         matches!(self.op, NodeOp::Full(_) | NodeOp::Arange { .. })
     }
+    /// A node computed from no other node: an input of the graph (an argument or a captured
+    /// tensor) or a constant.
+    pub fn reads_nothing(&self) -> bool {
+        matches!(self.op, NodeOp::Arg(_) | NodeOp::Captured(_)) || self.is_constant()
+    }
     /// A constant node's value, made by the eager ops.
     pub(crate) fn make_constant(&self) -> crate::Result<crate::Tensor> {
         match self.op {

@@ -78,7 +78,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         let bytes = |x: NodeId| g.nodes[x].bytes();
         let alive = |x: NodeId| {
             let x = g.view_root(x);
-            matches!(g.nodes[x].op, NodeOp::Arg(_) | NodeOp::Captured(_)) || g.nodes[x].is_constant() || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late
+            g.nodes[x].reads_nothing() || g.nodes[x].numel() * 16 <= node.numel() || last[x] >= first_late
         };
         let (mut nodes, mut stack, mut kept_longer) = (vec![], vec![v], vec![]);
         while let Some(x) = stack.pop() {
@@ -102,7 +102,7 @@ pub(crate) fn rematerialize(g: &Graph) -> Graph {
         // readers are none of them fused kernels (a product's backward) is stored for them anyway:
         // recomputed, it would be written again and its input read again, to save memory
         // only. It is kept, as PyTorch's autocast keeps its casts of the parameters.
-        let input = |x: NodeId| matches!(g.nodes[g.view_root(x)].op, NodeOp::Arg(_) | NodeOp::Captured(_)) || g.nodes[g.view_root(x)].is_constant();
+        let input = |x: NodeId| g.nodes[g.view_root(x)].reads_nothing();
         let of_inputs = nodes.iter().all(|&x| g.nodes[x].args.iter().all(|&a| nodes.contains(&a) || input(a)));
         let late_fuse = reads[v].iter().any(|&r| r >= first_late && (g.nodes[r].is_pointwise() || super::fuse::reduces_in_a_kernel(g, r)));
         if of_inputs && !late_fuse {

@@ -394,7 +394,7 @@ impl Program {
             let hoisted = h.steps.get(s).copied().unwrap_or(false);
             // Inputs, constants and views of what is at hand cost no kernel.
             let free = matches!(step, Step::Node(i)
-                if (g.nodes[*i].is_constant() || matches!(g.nodes[*i].op, NodeOp::Arg(_) | NodeOp::Captured(_)) || matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()))
+                if (g.nodes[*i].reads_nothing() || matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()))
                     && g.nodes[*i].args.iter().all(|a| env[*a].is_some()));
             if (hoisted && fresh) || (hoisted_only && !hoisted && !free) {
                 continue;
