@@ -135,7 +135,8 @@ pub(crate) fn row_min_blocks() -> Option<usize> {
 }
 
 /// `KILN_ROW_VEC=N`: row kernels over rows longer than `kir::MAX_ROW` load at most N values at
-/// a time (a power of two), fewer than 16 bytes of their widest input or output.
+/// a time (a power of two), whatever 16 bytes of their widest input or output read from memory
+/// would give.
 pub(crate) fn row_vec_cap() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();
     *V.get_or_init(|| parsed("KILN_ROW_VEC").filter(|&n: &usize| n.is_power_of_two()))

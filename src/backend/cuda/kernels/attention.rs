@@ -553,7 +553,7 @@ mod tests {
 
     #[test]
     fn f32_forward_keeps_queries_and_keys_in_double_where_they_fit() {
-        // The transformer rows' heads (64 features, up to 16 query rows a block): 33 KiB.
+        // The transformer rows' heads (64 features, up to 16 query rows a block): 33,024 bytes.
         assert!(scores_in_shared(DType::F32, 64, 16));
         assert!(!scores_in_shared(DType::F32, 128, 16) && !scores_in_shared(DType::F32, 128, 4));
         assert!(scores_in_shared(DType::BF16, 128, 16), "16-bit inputs score in float");
