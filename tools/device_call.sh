@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times), ncukern (ncu metrics of the kernels matching $NCU_KERNELS in $NCU_WORKLOAD), chain (each row's graph steps on the longest chain of waits).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -86,6 +86,30 @@ d = collections.OrderedDict()
 for r in rows[1:]: d.setdefault(r[ki][:60], {})[r[mi].replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '')] = r[vi]
 for k, v in d.items(): print(k, v)
 "
+  done
+fi
+if [[ " $* " == *" ncukern "* ]]; then
+  # Why named kernels take their time: ncu's duration, launch shape, occupancy, pipe use and
+  # warp stalls for the first $NCU_COUNT (default 8) kernels matching $NCU_KERNELS (a regex)
+  # in `kiln profile $NCU_WORKLOAD --compiled`, one line per kernel.
+  m=gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fp64.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,lts__t_sector_hit_rate.pct
+  KILN_CACHE_DIR=$(mktemp -d) timeout ${NCU_S:-200} ncu --clock-control none -k regex:"${NCU_KERNELS:-.}" --metrics $m --csv -c ${NCU_COUNT:-8} .gpu/bin/kiln profile ${NCU_WORKLOAD:-transformer.fwd.tf32.10x32x512} --compiled 2>/dev/null | python3 -c "
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith('\"'))]
+h = rows[0]; ki, mi, vi, ii = h.index('Kernel Name'), h.index('Metric Name'), h.index('Metric Value'), h.index('ID')
+d = collections.OrderedDict()
+short = lambda n: n.replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '').replace('.avg.pct_of_peak_sustained', '')
+for r in rows[1:]: d.setdefault(r[ii] + ' ' + r[ki][:50], {})[short(r[mi])] = r[vi]
+for k, v in d.items(): print(k, v)
+" | tee $OUT/ncukern.txt
+fi
+if [[ " $* " == *" chain "* ]]; then
+  # Each row of $WORKLOADS: its replayed CUDA graphs' steps and the steps on their longest
+  # chain of waits (what side-by-side steps cannot hide), then its bench times.
+  for w in ${WORKLOADS:-gpt2.decode.bf16.bs1 transformer.fwd.tf32.10x32x512}; do
+    echo "== $w"
+    KILN_LOG=recompiles KILN_CACHE_DIR=$(mktemp -d) timeout 150 .gpu/bin/kiln bench --only $w --out /tmp/chain.json 2>&1 >/dev/null | grep -h "longest chain" | sort | uniq -c
+    python3 -c "import json; d=json.load(open('/tmp/chain.json'))['workloads']; [print(k, {a: round(b, 4) for a, b in v.items() if a.endswith('_ms')}) for k, v in d.items()]"
   done
 fi
 if [[ " $* " == *" host "* ]]; then
