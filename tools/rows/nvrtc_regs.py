@@ -1,28 +1,46 @@
-"""Registers and blocks per SM of each kernel in build/*.cu as NVRTC compiles it with kiln's
-options (ptxas under nvcc can budget registers differently). On the GPU machine, after
-make_variants.py:  python3 nvrtc_regs.py build/*.cu"""
-import ctypes, glob, os, re, subprocess, sys, tempfile
+"""Registers, spills and shared memory of each kernel in the given .cu files as NVRTC compiles
+it for sm_90 with kiln's options, and the threads an SM then holds (registers allowing).
+Runs on the GPU machine (the CUDA toolkit's NVRTC) or here without a GPU (the NVRTC that
+tools/nvrtc/local.sh fetches into target/nvrtc; NVRTC_LIB names another):
+  python3 tools/rows/nvrtc_regs.py build/*.cu
+  KILN_SAMPLES_DIR=/tmp/samples cargo test --lib every_kernel_family_has_samples
+  python3 tools/rows/nvrtc_regs.py /tmp/samples/fused_*loop*.cu"""
+import ctypes, glob, os, re, sys
 
-lib = ctypes.CDLL(sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))[-1])
+here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../target/nvrtc/libnvrtc.so.13")
+libs = [os.environ.get("NVRTC_LIB")] + sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))[-1:] + [here]
+lib = ctypes.CDLL(next(p for p in libs if p and os.path.exists(p)))
 P = ctypes.c_void_p
+
+
+def log_of(prog):
+    n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    return buf.value.decode()
+
+
 for path in sys.argv[1:]:
     src = open(path).read()
-    # The harness wrappers are host code; NVRTC takes the kernel part only.
+    # The harness wrappers of make_variants.py are host code; NVRTC takes the kernel part only.
     src = src.split("\nvoid launch_")[0]
     prog = P()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--minimal"]
+    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--minimal", b"-Xptxas=-v"]
     arr = (ctypes.c_char_p * len(opts))(*opts)
-    if lib.nvrtcCompileProgram(prog, len(opts), arr) != 0:
-        n = ctypes.c_size_t(); lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-        buf = ctypes.create_string_buffer(n.value); lib.nvrtcGetProgramLog(prog, buf)
-        print(path, "failed:", buf.value.decode()[:300]); continue
-    size = ctypes.c_size_t(); lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value); lib.nvrtcGetCUBIN(prog, cubin)
-    f = tempfile.NamedTemporaryFile(suffix=".cubin", delete=False); f.write(cubin.raw); f.close()
-    usage = subprocess.run(["cuobjdump", "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    os.unlink(f.name)
-    for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+)", usage):
-        regs = int(m.group(2))
+    ok = lib.nvrtcCompileProgram(prog, len(opts), arr) == 0
+    log = log_of(prog)
+    if not ok:
+        print(path, "failed:", log[:300])
+        continue
+    # ptxas reports each function: its name, then its spills, then its registers and shared memory.
+    for m in re.finditer(r"Compiling entry function '(\S+)'.*?(\d+) bytes spill stores, (\d+) bytes spill loads.*?Used (\d+) registers(.*?)\n", log, re.S):
+        name, stores, loads, regs = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+        smem = re.search(r"(\d+) bytes smem", m.group(5))
+        # Registers are handed out per warp in units of 256.
         per_warp = -(-regs * 32 // 256) * 256
-        print(f"{os.path.basename(path):24s} {m.group(1)[:60]:60s} {regs} registers (NVRTC): {65536 // (per_warp * 16)} blocks of 512 per SM")
+        threads = min(2048, 65536 // per_warp * 32)
+        bounds = re.search(r"__launch_bounds__\((\d+)", src)
+        block = f", blocks of {bounds.group(1)}: {threads // int(bounds.group(1))} per SM" if bounds else ""
+        print(f"{os.path.basename(path):72s} {regs:3d} registers, spills {stores}/{loads} B, smem {smem.group(1) if smem else 0} B: {threads} threads per SM{block}")

@@ -1635,14 +1635,26 @@ pub(super) mod tests {
         let long = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap();
         kernels.extend(optimised_kernels(&[long], |xs| Ok(vec![xs[0].softmax(-1)?, F::layer_norm(&xs[0], &[crate::kir::MAX_ROW + 64], None, None, 1e-5)?])));
         // Cross-entropy over rows past `MAX_ROW`, with its gradient: a looped kernel whose
-        // independent reductions share a walk.
-        let logits = Tensor::randn(&[2, crate::kir::MAX_ROW + 64], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap().requires_grad();
-        let classes = Tensor::from_vec(vec![3i64, 700], &[2], &cpu).unwrap();
-        kernels.extend(optimised_kernels(&[logits, classes], |xs| {
-            let loss = F::cross_entropy(&xs[0].to_dtype(DType::F32)?, &xs[1])?;
-            loss.backward()?;
-            Ok(vec![loss, xs[0].grad().expect("a gradient")])
-        }));
+        // independent reductions share a walk; over GPT-2's vocabulary (50,257 columns, which
+        // no vector width divides) also with its column indices computed, as
+        // `KILN_ROW_COLUMNS=1` has them.
+        for cols in [crate::kir::MAX_ROW + 64, 50257] {
+            let logits = Tensor::randn(&[2, cols], DType::F32, &cpu).unwrap().to_dtype(DType::BF16).unwrap().requires_grad();
+            let classes = Tensor::from_vec(vec![3i64, 700], &[2], &cpu).unwrap();
+            let ce = optimised_kernels(&[logits, classes], |xs| {
+                let loss = F::cross_entropy(&xs[0].to_dtype(DType::F32)?, &xs[1])?;
+                loss.backward()?;
+                Ok(vec![loss, xs[0].grad().expect("a gradient")])
+            });
+            for k in ce.iter().filter(|_| cols == 50257) {
+                if let Some(j) = k.inputs.iter().position(|i| !i.row && i.dtype == DType::I32 && i.columns.is_none()) {
+                    let mut computed = k.clone();
+                    computed.inputs[j].columns = Some((0.0, 1.0));
+                    kernels.push(computed);
+                }
+            }
+            kernels.extend(ce);
+        }
         // A one-element input (a decode position) read by row values and by element values of
         // one row kernel: a row input, so the row values computed from it are computed.
         {

@@ -60,6 +60,15 @@ fn every_kernel_family_has_samples() {
     for s in &all {
         assert!(s.src.contains(&s.name), "{}: the source does not define its kernel", s.name);
     }
+    // `KILN_SAMPLES_DIR=DIR`: every source written there as `NAME.cu`, for
+    // `tools/rows/nvrtc_regs.py` (registers and spills without a GPU).
+    if let Some(dir) = std::env::var_os("KILN_SAMPLES_DIR") {
+        let dir = std::path::PathBuf::from(dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for s in &all {
+            std::fs::write(dir.join(format!("{}.cu", s.name)), &s.src).unwrap();
+        }
+    }
 }
 
 #[test]
