@@ -41,7 +41,8 @@ for path in sys.argv[1:]:
         # Registers are handed out per warp in units of 256.
         per_warp = -(-regs * 32 // 256) * 256
         threads = min(2048, 65536 // per_warp * 32)
-        bounds = re.search(r"__launch_bounds__\((\d+)", src)
+        # A literal block size only (`32 * WARPS` and the like are left out).
+        bounds = re.search(r"__launch_bounds__\((\d+)\s*[,)]", src)
         # (An SM holds at most 32 blocks.)
         block = f", blocks of {bounds.group(1)}: {min(32, threads // int(bounds.group(1)))} per SM" if bounds else ""
         print(f"{os.path.basename(path):72s} {regs:3d} registers, spills {stores}/{loads} B, smem {smem.group(1) if smem else 0} B: {threads} threads per SM{block}")
