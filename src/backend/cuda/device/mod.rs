@@ -494,11 +494,11 @@ impl CudaDevice {
         unsafe { self.launch_params(k, grid, block, shared, &mut params) }
     }
 
-    /// Lets `k` use `bytes` of dynamic shared memory: above 48 KiB a kernel must opt in. The
-    /// limit only rises: one function launched with less after more (a row kernel over shorter
-    /// rows) keeps what a CUDA graph captured with the larger launch needs.
+    /// Lets `k` use `bytes` of dynamic shared memory: above `SHARED_WITHOUT_OPT_IN` a kernel
+    /// must opt in. The limit only rises: one function launched with less after more (a row
+    /// kernel over shorter rows) keeps what a CUDA graph captured with the larger launch needs.
     pub(crate) fn allow_shared(&self, k: Kernel, bytes: u32) -> Result<()> {
-        if bytes <= 48 * 1024 || k.0.is_null() {
+        if bytes as usize <= SHARED_WITHOUT_OPT_IN || k.0.is_null() {
             return Ok(());
         }
         let mut allowed = self.shared_allowed.lock();
@@ -818,6 +818,10 @@ pub(crate) fn note_replayed_word(ordinal: usize, w: &Arc<ErrorWord>) {
 }
 
 /// Ops whose kernels report bad indices, by code.
+/// Shared memory a block may use without opting in: all of a kernel's static shared memory,
+/// and dynamic shared memory below `CudaDevice::allow_shared`.
+pub(crate) const SHARED_WITHOUT_OPT_IN: usize = 48 * 1024;
+
 pub(crate) const INDEX_OPS: [&str; 4] = ["gather", "index_select", "scatter_add", "scatter"];
 
 impl ErrorWord {

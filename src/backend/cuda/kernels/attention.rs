@@ -144,13 +144,14 @@ fn gen_forward(dtype: DType, d: usize, rows: usize, vw: usize) -> (String, Strin
 }
 
 /// Whether the warp forward keeps its queries and keys in shared memory in the type scores are
-/// computed in (double for F32): where its tiles then fit the 48 KiB of static shared memory.
+/// computed in (double for F32): where its tiles then fit the static shared memory a kernel
+/// has (`SHARED_WITHOUT_OPT_IN`).
 /// Otherwise they stay float and each score converts them as it reads them, which for F32
 /// runs on the GPU's slow conversion pipe: 2 * D conversions per score instead of one per
 /// value loaded.
 fn scores_in_shared(dtype: DType, d: usize, rows: usize) -> bool {
     let score_bytes = if dtype == DType::F32 { 8 } else { 4 };
-    (32 * (d + 1) + rows * d) * score_bytes + 32 * d * 4 <= 48 * 1024
+    (32 * (d + 1) + rows * d) * score_bytes + 32 * d * 4 <= crate::backend::cuda::device::SHARED_WITHOUT_OPT_IN
 }
 
 /// Warps per block of the cache forward (`gen_forward_up_to`): a thread per key of its chunk.
