@@ -15,6 +15,19 @@ for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 export PATH=/usr/local/cuda/bin:$PATH
 compile_s() { python3 -c "import json,sys; d=json.load(open('$1'))['workloads']; [print(' ', k, {a.replace('_compile_s',''):round(b,3) for a,b in v.items() if 'compile_s' in a}) for k,v in d.items()]"; }
+# ncu --csv output on stdin: each kernel's metrics on one line, by name (the last launch of
+# each name), or with `each` one line per launch (ncu's ID first); stall names shortened.
+ncu_table() { python3 -c "
+import csv, sys, collections
+rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith('\"'))]
+h = rows[0]; ki, mi, vi, ii = h.index('Kernel Name'), h.index('Metric Name'), h.index('Metric Value'), h.index('ID')
+short = lambda n: n.replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '')
+d = collections.OrderedDict()
+for r in rows[1:]: d.setdefault(r[ii] + ' ' + r[ki][:50] if sys.argv[1] == 'each' else r[ki][:60], {})[short(r[mi])] = r[vi]
+for k, v in d.items(): print(k, v)
+" "${1:-}"; }
+# A bench JSON's rows with their times in ms, each line prefixed by $2.
+bench_ms() { python3 -c "import json, sys; d=json.load(open(sys.argv[1]))['workloads']; [print(*sys.argv[2:], k, {a: round(b, 4) for a, b in v.items() if a.endswith('_ms')}) for k, v in d.items()]" "$@"; }
 if [[ " $* " == *" load "* ]]; then
   # What else the host is doing (a device call's first minute has shown slow NVRTC compiles).
   uptime; top -bn1 | sed -n 7,16p
@@ -78,14 +91,7 @@ if [[ " $* " == *" ncurows "* ]]; then
   # fused layer norm and softmax kernels.
   m=gpu__time_duration.sum,launch__registers_per_thread,launch__occupancy_limit_registers,launch__occupancy_limit_shared_mem,sm__warps_active.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,smsp__warp_issue_stalled_drain_per_warp_active.pct,smsp__warp_issue_stalled_membar_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_mio_throttle_per_warp_active.pct,smsp__warp_issue_stalled_no_instruction_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,l1tex__t_sector_hit_rate.pct,smsp__inst_executed.sum
   for w in reduction.layernorm reduction.softmax reduction.sum_dim0; do
-    timeout 150 ncu --clock-control none -k regex:"fused|layer_norm|softmax_f32|sum_f32" --metrics $m --csv -c 6 .gpu/bin/kiln bench --only $w --out /tmp/n.json 2>/dev/null | python3 -c "
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith('\"'))]
-h = rows[0]; ki, mi, vi = h.index('Kernel Name'), h.index('Metric Name'), h.index('Metric Value')
-d = collections.OrderedDict()
-for r in rows[1:]: d.setdefault(r[ki][:60], {})[r[mi].replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '')] = r[vi]
-for k, v in d.items(): print(k, v)
-"
+    timeout 150 ncu --clock-control none -k regex:"fused|layer_norm|softmax_f32|sum_f32" --metrics $m --csv -c 6 .gpu/bin/kiln bench --only $w --out /tmp/n.json 2>/dev/null | ncu_table
   done
 fi
 if [[ " $* " == *" ncukern "* ]]; then
@@ -93,15 +99,7 @@ if [[ " $* " == *" ncukern "* ]]; then
   # warp stalls for the first $NCU_COUNT (default 8) kernels matching $NCU_KERNELS (a regex)
   # in `kiln profile $NCU_WORKLOAD --compiled`, one line per kernel.
   m=gpu__time_duration.sum,launch__grid_size,launch__block_size,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fp64.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,smsp__warp_issue_stalled_long_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_barrier_per_warp_active.pct,smsp__warp_issue_stalled_short_scoreboard_per_warp_active.pct,smsp__warp_issue_stalled_wait_per_warp_active.pct,smsp__warp_issue_stalled_math_pipe_throttle_per_warp_active.pct,smsp__warp_issue_stalled_lg_throttle_per_warp_active.pct,lts__t_sector_hit_rate.pct
-  KILN_CACHE_DIR=$(mktemp -d) timeout ${NCU_S:-200} ncu --clock-control none -k regex:"${NCU_KERNELS:-.}" --metrics $m --csv -c ${NCU_COUNT:-8} .gpu/bin/kiln profile ${NCU_WORKLOAD:-transformer.fwd.tf32.10x32x512} --compiled 2>/dev/null | python3 -c "
-import csv, sys, collections
-rows = [r for r in csv.reader(l for l in sys.stdin if l.startswith('\"'))]
-h = rows[0]; ki, mi, vi, ii = h.index('Kernel Name'), h.index('Metric Name'), h.index('Metric Value'), h.index('ID')
-d = collections.OrderedDict()
-short = lambda n: n.replace('smsp__warp_issue_stalled_', 'st_').replace('_per_warp_active.pct', '').replace('.avg.pct_of_peak_sustained', '')
-for r in rows[1:]: d.setdefault(r[ii] + ' ' + r[ki][:50], {})[short(r[mi])] = r[vi]
-for k, v in d.items(): print(k, v)
-" | tee $OUT/ncukern.txt
+  KILN_CACHE_DIR=$(mktemp -d) timeout ${NCU_S:-200} ncu --clock-control none -k regex:"${NCU_KERNELS:-.}" --metrics $m --csv -c ${NCU_COUNT:-8} .gpu/bin/kiln profile ${NCU_WORKLOAD:-transformer.fwd.tf32.10x32x512} --compiled 2>/dev/null | ncu_table each | tee $OUT/ncukern.txt
 fi
 if [[ " $* " == *" chain "* ]]; then
   # Each row of $WORKLOADS: its replayed CUDA graphs' steps and the steps on their longest
@@ -109,7 +107,7 @@ if [[ " $* " == *" chain "* ]]; then
   for w in ${WORKLOADS:-gpt2.decode.bf16.bs1 transformer.fwd.tf32.10x32x512}; do
     echo "== $w"
     KILN_LOG=recompiles KILN_CACHE_DIR=$(mktemp -d) timeout 150 .gpu/bin/kiln bench --only $w --out /tmp/chain.json 2>&1 >/dev/null | grep -h "longest chain" | sort | uniq -c
-    python3 -c "import json; d=json.load(open('/tmp/chain.json'))['workloads']; [print(k, {a: round(b, 4) for a, b in v.items() if a.endswith('_ms')}) for k, v in d.items()]"
+    bench_ms /tmp/chain.json
   done
 fi
 if [[ " $* " == *" host "* ]]; then
@@ -389,7 +387,7 @@ if [[ " $* " == *" ab "* ]]; then
     e=; [ $s != default ] && e=${s//+/ }
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 120 .gpu/bin/kiln profile $w --compiled 2>&1 | grep -E "${AB_KERNELS:-amax_to_dtype|^total}" | cut -c1-160 | sed "s/^/$s: /"
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) .gpu/bin/kiln bench --only $w --out /tmp/ab.json > /dev/null 2>&1
-    python3 -c "import json; d=json.load(open('/tmp/ab.json'))['workloads']; [print('$s', k, {a: round(b, 3) for a, b in v.items() if a.endswith('_ms')}) for k, v in d.items()]"
+    bench_ms /tmp/ab.json "$s"
   done
 fi
 if [[ " $* " == *" pair "* ]]; then
