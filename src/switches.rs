@@ -142,6 +142,13 @@ pub(crate) fn row_vec_cap() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_ROW_VEC").filter(|&n: &usize| n.is_power_of_two()))
 }
 
+/// `KILN_ROW_LOOP_THREADS=N`: threads per block of the row kernels over rows longer than
+/// `kir::MAX_ROW` (a power of two from 128 to 1024; 1024 by default).
+pub(crate) fn row_loop_threads() -> Option<usize> {
+    static V: OnceLock<Option<usize>> = OnceLock::new();
+    *V.get_or_init(|| parsed("KILN_ROW_LOOP_THREADS").filter(|&n: &usize| n.is_power_of_two() && (128..=1024).contains(&n)))
+}
+
 /// `KILN_GEMV_SPLIT=N`: the matrix-vector column kernel splits K into at most N pieces (1, the
 /// default: never), where its strips of columns alone would leave SMs idle.
 pub(crate) fn gemv_splits() -> Option<usize> {

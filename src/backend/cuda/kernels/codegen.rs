@@ -717,10 +717,13 @@ __device__ u64 kbits64(u64 seed, u64 ctr) {
 /// of VEC columns, consecutive threads on consecutive vectors, so warps read whole lines), and
 /// INROW(k) says whether column k is in the row. Where the threads' values cover the row
 /// exactly (`full`) it is always true, and the checks compile away: 2-3% faster on the H200
-/// over 8192 x 8192 (layer norm 137.1 -> 133.9 us back to back, `tools/stream`).
-pub(crate) fn row_index(full: bool) -> String {
+/// over 8192 x 8192 (layer norm 137.1 -> 133.9 us back to back, `tools/stream`). KTHREADS, the
+/// block's threads, is a constant of the source (every row kernel and prologue is launched
+/// with the threads it was generated for): a vector's column is then a constant offset from
+/// the thread's first, with no multiplication per vector.
+pub(crate) fn row_index(full: bool, threads: usize) -> String {
     let inrow = if full { "true" } else { "((k) < K)" };
-    format!("#define KIDX(j) ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC))\n#define INROW(k) {inrow}\n")
+    format!("#define KTHREADS {threads}\n#define KIDX(j) ((((j) / VEC) * KTHREADS + (int)threadIdx.x) * VEC + ((j) % VEC))\n#define INROW(k) {inrow}\n")
 }
 
 /// Whether `threads` threads of `vpt` values each cover a row of `k` exactly.
@@ -812,7 +815,7 @@ mod tests {
     #[test]
     fn rows_covered_exactly_have_no_column_checks() {
         use super::{row_full, row_index};
-        let (exact, partial) = (row_index(true), row_index(false));
+        let (exact, partial) = (row_index(true, 256), row_index(false, 256));
         assert!(exact.contains("#define INROW(k) true") && partial.contains("#define INROW(k) ((k) < K)"), "{exact}\n{partial}");
         assert!(row_full(8192, 512, 16) && !row_full(1000, 64, 16));
     }

@@ -293,11 +293,17 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let gate = |m: usize| if prologue_row.is_some_and(|r| r != m) { "if (kwriter) " } else { "" };
     let mut c = if prologue_row.is_some() { String::new() } else { String::from(PRELUDE) };
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
-    c.push_str(&row_index(full));
+    c.push_str(&row_index(full, threads));
     // KWHOLE(k): the vector at column k lies inside the row (always, but for a tail cover).
     let _ = writeln!(c, "#define KWHOLE(k) {}", if tail { "((k) + VEC <= K)" } else { "true" });
     if looped {
-        c.push_str("#undef KIDX\n#define KIDX(j) (kbase + ((((j) / VEC) * (int)blockDim.x + (int)threadIdx.x) * VEC + ((j) % VEC)))\n");
+        // A looped walk's chunks that lie inside the row whole (all but the last, often) run a
+        // copy of the chunk's code with `kfast` true, in which no column is checked.
+        c.push_str("#undef KIDX\n#define KIDX(j) (kbase + ((((j) / VEC) * KTHREADS + (int)threadIdx.x) * VEC + ((j) % VEC)))\n");
+        c.push_str("#undef INROW\n#define INROW(k) (kfast || (k) < K)\n");
+        if tail {
+            c.push_str("#undef KWHOLE\n#define KWHOLE(k) (kfast || (k) + VEC <= K)\n");
+        }
     }
     let mut helpers = vec![];
     for op in &k.ops {
@@ -440,10 +446,8 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
     let pass_of = |i: usize| reduces.iter().position(|&r| r == i).expect("a reduction");
     // A pass: a loop over this thread's columns computing what the pass needs, then `each`.
-    let mut pass = |c: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
-        if looped {
-            c.push_str("    for (int kbase = 0; kbase < K; kbase += VPT * (int)blockDim.x) {\n");
-        }
+    let mut pass = |out: &mut String, p: &RowPass, each: &str, stores: &str, prologue: &str| {
+        let c = &mut String::new();
         let _ = writeln!(c, "    _Pragma(\"unroll\") for (int g = 0; g < VPT / VEC; g++) {{\n      const int k0 = KIDX(g * VEC);\n      if (INROW(k0)) {{{prologue}");
         for &j in &p.inputs {
             if is_staged(j) && in_shared[j] {
@@ -465,7 +469,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             } else if vector[j] {
                 load(inp.dtype, t, &format!("q{j}.v[e]"))
             } else if tail {
-                format!("k0 + e < K ? {} : ({})0", load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]")), t.name())
+                format!("INROW(k0 + e) ? {} : ({})0", load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]")), t.name())
             } else {
                 load(inp.dtype, t, &format!("r{j}[(long long)(k0 + e) * cs{j}]"))
             };
@@ -488,10 +492,12 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             }
         }
         // Past a row's end (a tail cover's last vector) a value takes part in no reduction.
-        let each = if tail && !each.is_empty() { format!("          if (k0 + e < K) {{\n{each}          }}\n") } else { each.to_string() };
+        let each = if tail && !each.is_empty() { format!("          if (INROW(k0 + e)) {{\n{each}          }}\n") } else { each.to_string() };
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
         if looped {
-            c.push_str("    }\n");
+            let _ = write!(out, "    for (int kbase = 0; kbase < K; kbase += VPT * KTHREADS) {{\n    if (kbase + VPT * KTHREADS <= K) {{ const bool kfast = true;\n{c}    }} else {{ const bool kfast = false;\n{c}    }}\n    }}\n");
+        } else {
+            out.push_str(c);
         }
         for &i in &p.ops {
             filled_op[i] |= plan.op_array[i];
@@ -534,22 +540,30 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             KKind::Reduce(_) => {
                 let group: Vec<usize> = std::iter::once(i).chain(reduces.iter().copied().filter(|&r| looped && r > i && !walked[r] && ready_at(r, i))).collect();
                 // Sums of exp(x - max) over this max's own values fold into its walk as online
-                // sums: each thread's sum is kept relative to its running max, rescaled when
-                // that max grows, and the threads' sums are brought to the row's max after the
-                // walk (softmax and cross-entropy then read a long row twice, not three times).
+                // sums: each thread's sum is kept relative to its running max, and the threads'
+                // sums are brought to the row's max after the walk (softmax and cross-entropy
+                // then read a long row twice, not three times). The running max moves a vector
+                // at a time: the vector's values are kept (`ov`), their max taken, the sum
+                // rescaled if that max is above the running one, then each value's exponential
+                // added, with no branch per value (a NaN makes the sum NaN, and the row's max
+                // NaN, which the sum's final value then is; a vector of -inf adds nothing).
                 let online: Vec<usize> = if looped { reduces.iter().copied().filter(|&r| r > i && !walked[r] && online_sum_of(k, r, i)).collect() } else { vec![] };
                 let mut walk = RowPass::default();
-                let mut each = String::new();
+                let (mut each, mut group_start, mut group_end) = (String::new(), String::new(), String::new());
                 for &r in &online {
                     let t = CType::of(k.ops[r].dtype);
                     let (v, exp) = (arg(&k.ops[i].args[0], &ins, &vals).1, |e: &str| crate::ops::UnaryOp::Exp.cuda(e, t));
-                    let (lowest, one) = (crate::backend::cexpr::literal(f64::NEG_INFINITY, t), crate::backend::cexpr::literal(1.0, t));
-                    let _ = writeln!(c, "    {ty} acc{r} = ({ty})0; {ty} om{r} = {lowest};", ty = t.name());
+                    let (lowest, ty) = (crate::backend::cexpr::literal(f64::NEG_INFINITY, t), t.name());
+                    let _ = writeln!(c, "    {ty} acc{r} = ({ty})0; {ty} om{r} = {lowest};");
+                    let _ = write!(group_start, "\n        {ty} ov{r}[VEC]; _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) ov{r}[e] = {lowest};");
+                    let _ = writeln!(each, "          ov{r}[e] = {v};");
                     let _ = writeln!(
-                        each,
-                        "          if ({v} > om{r}) {{ acc{r} = acc{r} * {} + {one}; om{r} = {v}; }} else if ({v} > {lowest}) acc{r} += {};",
-                        exp(&format!("om{r} - {v}")),
-                        exp(&format!("{v} - om{r}"))
+                        group_end,
+                        "        {{ {ty} gm = ov{r}[0]; _Pragma(\"unroll\") for (int e = 1; e < VEC; e++) gm = ov{r}[e] > gm ? ov{r}[e] : gm;\n          \
+                         if (gm > om{r}) {{ acc{r} = acc{r} * {}; om{r} = gm; }}\n          \
+                         if (!(gm == {lowest})) {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) acc{r} += {}; }} }}",
+                        exp(&format!("om{r} - gm")),
+                        exp(&format!("ov{r}[e] - om{r}"))
                     );
                 }
                 for &g in &group {
@@ -566,7 +580,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                     v.sort_unstable();
                     v.dedup();
                 }
-                pass(&mut c, &walk, &each, "", "");
+                pass(&mut c, &walk, &each, &group_end, &group_start);
                 for &g in &group {
                     let KKind::Reduce(r) = k.ops[g].kind else { unreachable!("a reduction") };
                     let t = CType::of(k.ops[g].dtype);
@@ -781,7 +795,7 @@ fn vector_load(j: usize, tail: bool) -> String {
 /// Threads per row of a row kernel unless max-autotune picked others.
 fn default_row_threads(cols: usize, vec: usize) -> usize {
     if walks_in_chunks(cols) {
-        LOOPED_THREADS
+        crate::switches::row_loop_threads().unwrap_or(LOOPED_THREADS)
     } else {
         row_shape(cols, vec).0
     }
@@ -1996,14 +2010,15 @@ pub(super) mod tests {
         assert!(!src.contains(&format!("r{index} + k0")) && !src.contains(&format!("r{index}[")), "{src}");
         assert!(src.contains("(0ll + 1ll * (long long)(k0 + e))"), "{src}");
         // Staged, the logits come from memory in the first walk only: the second reads the
-        // copy the first left in shared memory.
+        // copy the first left in shared memory. (Each walk's chunk code is there twice: for
+        // whole chunks, unchecked, and for the last.)
         let logits = k.inputs.iter().position(|i| !i.row && i.dtype == DType::BF16).expect("the logits");
         let staged: Vec<bool> = (0..k.inputs.len()).map(|j| j == logits).collect();
         let (vpt, _) = row_cover(cols, STAGED_THREADS, 8);
         let src = gen_fused_rows(k, "k", STAGED_THREADS, vpt, 8, &vector, &staged, Cover::LoopedTail, RowMode::Kernel);
-        assert_eq!(src.matches(&format!("r{logits} + k0")).count(), 2, "one load from memory (a whole vector, or the row's last part):\n{src}");
-        assert_eq!(src.matches(&format!("*(VI{logits}*)(ks{logits} + k0) = q{logits};")).count(), 1, "{src}");
-        assert_eq!(src.matches(&format!("*(const VI{logits}*)(ks{logits} + k0)")).count(), 1, "{src}");
+        assert_eq!(src.matches(&format!("r{logits} + k0")).count(), 2 * 2, "one load from memory (a whole vector, or the row's last part):\n{src}");
+        assert_eq!(src.matches(&format!("*(VI{logits}*)(ks{logits} + k0) = q{logits};")).count(), 2, "{src}");
+        assert_eq!(src.matches(&format!("*(const VI{logits}*)(ks{logits} + k0)")).count(), 2, "{src}");
         assert!(staged_bytes(k, &staged, cols, 8) <= stage_budget(228 * 1024));
         let name = rows_name(k, STAGED_THREADS, vpt, 8, Cover::LoopedTail, &vector, &staged);
         assert_eq!(name.rsplit('_').next().and_then(|l| l.chars().nth(logits)), Some('m'), "{name}");
