@@ -1,0 +1,71 @@
+"""SASS of kernels in the given .cu files as NVRTC compiles them for sm_90 with kiln's options,
+without a GPU: each loop's instructions by opcode (a loop is a backward branch), and with
+--dump the whole listing. The disassembler is `nvdisasm` of the `nvidia-cuda-nvdisasm` wheel
+(fetched into target/nvdisasm once); NVRTC as in nvrtc_regs.py (target/nvrtc here, from
+tools/nvrtc/local.sh).
+  KILN_SAMPLES_DIR=/tmp/samples cargo test --lib every_kernel_family_has_samples
+  python3 tools/rows/nvrtc_sass.py /tmp/samples/fused_*looptail*.cu
+A row kernel's walks are its loops: instructions per value of a walk are its loop's size over
+VPT (the straight path runs a little less: a branch's other side is counted too)."""
+import collections, ctypes, glob, os, re, subprocess, sys, tempfile, zipfile
+
+root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../..")
+nvrtc_libs = [os.environ.get("NVRTC_LIB")] + sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))[-1:] + [os.path.join(root, "target/nvrtc/libnvrtc.so.13")]
+lib = ctypes.CDLL(next(p for p in nvrtc_libs if p and os.path.exists(p)))
+
+
+def nvdisasm():
+    for p in ["/usr/local/cuda/bin/nvdisasm", os.path.join(root, "target/nvdisasm/nvdisasm")]:
+        if os.path.exists(p):
+            return p
+    d = os.path.join(root, "target/nvdisasm")
+    os.makedirs(d, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, "nvidia-cuda-nvdisasm>=13,<14"], check=True)
+        z = zipfile.ZipFile(glob.glob(tmp + "/*.whl")[0])
+        name = next(n for n in z.namelist() if n.endswith("/bin/nvdisasm"))
+        open(os.path.join(d, "nvdisasm"), "wb").write(z.read(name))
+    os.chmod(os.path.join(d, "nvdisasm"), 0o755)
+    return os.path.join(d, "nvdisasm")
+
+
+def cubin(src):
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--minimal"]
+    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
+        return None
+    n = ctypes.c_size_t()
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, buf)
+    return buf.raw
+
+
+dis = nvdisasm()
+dump = "--dump" in sys.argv
+for path in [a for a in sys.argv[1:] if a != "--dump"]:
+    # The harness wrappers of make_variants.py are host code; NVRTC takes the kernel part only.
+    code = cubin(open(path).read().split("\nvoid launch_")[0])
+    if code is None:
+        print(path, "failed to compile")
+        continue
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(code)
+        f.flush()
+        sass = subprocess.run([dis, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    labels, instrs = {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(instrs)
+        elif m := re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line):
+            instrs.append(m.group(1))
+    if dump:
+        print("\n".join(instrs))
+    print(f"{os.path.basename(path)}: {len(instrs)} instructions")
+    for i, ins in enumerate(instrs):
+        m = re.search(r"BRA `?\(?(\.L_x_\d+)", ins)
+        if m and labels.get(m.group(1), len(instrs)) < i:
+            start = labels[m.group(1)]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in instrs[start:i + 1])
+            print(f"  loop at {start}..{i}: {i - start + 1} instructions;", ", ".join(f"{k} {v}" for k, v in ops.most_common(12)))
