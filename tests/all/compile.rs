@@ -1206,14 +1206,20 @@ fn a_step_that_leaves_gradients_writes_them_back() -> Result<()> {
 #[test]
 fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result<()> {
     // Widths below, at and past a vector multiple, and past the longest row held in registers
-    // (16384: longer rows are walked again by each pass, an odd one past 2^16 included); half
-    // and double inputs; a row with a NaN; and a transposed argument, read without vector
-    // loads. The reference is the F64 decomposition, rounded to the dtype.
-    for &c in &[7usize, 8, 300, 1031, 4096, 20000, 70001] {
+    // (16384: longer rows are walked again by each pass in chunks, 40000 in two with vector
+    // loads, the first whole, an odd one past 2^16 included); half and double inputs; rows with
+    // a NaN (inside a vector, first in one, and beside nothing but -inf: the row is NaN
+    // throughout each time); and a transposed argument, read without vector loads. The
+    // reference is the F64 decomposition, rounded to the dtype.
+    for &c in &[7usize, 8, 300, 1031, 4096, 20000, 40000, 70001] {
         for dt in [DType::F32, DType::F16, DType::BF16, DType::F64] {
-            let r = 3;
+            let r = 4;
             let mut xv = host_rand(r * c, c as u64 + 40);
             xv[c + 1] = f64::NAN;
+            if c >= 16 {
+                xv[2 * c + 8..2 * c + 12].copy_from_slice(&[f64::NEG_INFINITY, f64::NAN, f64::NEG_INFINITY, f64::NEG_INFINITY]);
+                xv[3 * c + 4] = f64::NAN;
+            }
             let x = t(&xv, &[r, c], DType::F32).to_dtype(dt)?;
             let (w, b) = (randn(&[c], 41).to_dtype(dt)?, randn(&[c], 42).to_dtype(dt)?);
             let (rt, at) = match dt {
@@ -1252,7 +1258,14 @@ fn compiled_row_kernels_match_eager_across_widths_dtypes_and_layouts() -> Result
 /// 1e-5 relative, as a sum of a few thousand terms.
 #[test]
 fn long_rows_with_rising_maxima_and_infinities_match_the_two_pass_reference() -> Result<()> {
-    let c = 20_000;
+    // One chunk per walk, and two (the first whole, walked unchecked).
+    for c in [20_000, 40_000] {
+        long_rows_match_the_two_pass_reference(c)?;
+    }
+    Ok(())
+}
+
+fn long_rows_match_the_two_pass_reference(c: usize) -> Result<()> {
     let rows: Vec<Vec<f64>> = vec![
         (0..c).map(|j| j as f64 * 1e-3).collect(),
         host_rand(c, 7).into_iter().enumerate().map(|(j, v)| if j % 3 == 0 { f64::NEG_INFINITY } else { 8.0 * v }).collect(),

@@ -495,7 +495,7 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
         let each = if tail && !each.is_empty() { format!("          if (INROW(k0 + e)) {{\n{each}          }}\n") } else { each.to_string() };
         let _ = writeln!(c, "{each}        }}\n{stores}      }}\n    }}");
         if looped {
-            let _ = write!(out, "    for (int kbase = 0; kbase < K; kbase += VPT * KTHREADS) {{\n    if (kbase + VPT * KTHREADS <= K) {{ const bool kfast = true;\n{c}    }} else {{ const bool kfast = false;\n{c}    }}\n    }}\n");
+            let _ = write!(out, "    for (int kbase = 0; kbase < K; kbase += VPT * KTHREADS) {{\n    if (K - kbase >= VPT * KTHREADS) {{ const bool kfast = true;\n{c}    }} else {{ const bool kfast = false;\n{c}    }}\n    }}\n");
         } else {
             out.push_str(c);
         }
@@ -545,8 +545,9 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
                 // then read a long row twice, not three times). The running max moves a vector
                 // at a time: the vector's values are kept (`ov`), their max taken, the sum
                 // rescaled if that max is above the running one, then each value's exponential
-                // added, with no branch per value (a NaN makes the sum NaN, and the row's max
-                // NaN, which the sum's final value then is; a vector of -inf adds nothing).
+                // added, with no branch per value. A vector of -inf adds nothing; so does one
+                // of NaN and -inf only: a row with a NaN is NaN through its max (NaN-carrying)
+                // and the `isfinite` check on it below, which is needed for that.
                 let online: Vec<usize> = if looped { reduces.iter().copied().filter(|&r| r > i && !walked[r] && online_sum_of(k, r, i)).collect() } else { vec![] };
                 let mut walk = RowPass::default();
                 let (mut each, mut group_start, mut group_end) = (String::new(), String::new(), String::new());
