@@ -378,12 +378,12 @@ if [[ " $* " == *" layout "* ]]; then
 fi
 if [[ " $* " == *" ab "* ]]; then
   # $AB_WORKLOAD (default gpt2.train) as built and under each switch setting of $AB_SETTINGS
-  # (space-separated settings, each NAME=VALUE or several joined by +; default: the
-  # cross-entropy kernel's column values computed, with and without two blocks per SM asked of
-  # the compiler, two blocks alone, long rows staged in shared memory): each one's compiled kernel table lines
-  # matching $AB_KERNELS, then its bench row's times.
+  # (space-separated settings, each NAME=VALUE or several joined by +; " " for none; default:
+  # the cross-entropy kernel's column values computed with 4-value loads, or in 512-thread
+  # blocks, and 512-thread blocks alone): each one's compiled kernel table lines matching
+  # $AB_KERNELS, then its bench row's times.
   w=${AB_WORKLOAD:-gpt2.train.bf16amp.8x1024}
-  for s in default ${AB_SETTINGS:-KILN_ROW_COLUMNS=1 KILN_ROW_COLUMNS=1+KILN_ROW_MIN_BLOCKS=2 KILN_ROW_MIN_BLOCKS=2 KILN_ROW_STAGE=1}; do
+  for s in default ${AB_SETTINGS:-KILN_ROW_COLUMNS=1+KILN_ROW_VEC=4 KILN_ROW_COLUMNS=1+KILN_ROW_LOOP_THREADS=512 KILN_ROW_LOOP_THREADS=512}; do
     e=; [ $s != default ] && e=${s//+/ }
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 120 .gpu/bin/kiln profile $w --compiled 2>&1 | grep -E "${AB_KERNELS:-amax_to_dtype|^total}" | cut -c1-160 | sed "s/^/$s: /"
     env $e KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) .gpu/bin/kiln bench --only $w --out /tmp/ab.json > /dev/null 2>&1
