@@ -817,11 +817,11 @@ pub(crate) fn note_replayed_word(ordinal: usize, w: &Arc<ErrorWord>) {
     });
 }
 
-/// Ops whose kernels report bad indices, by code.
 /// Shared memory a block may use without opting in: all of a kernel's static shared memory,
 /// and dynamic shared memory below `CudaDevice::allow_shared`.
 pub(crate) const SHARED_WITHOUT_OPT_IN: usize = 48 * 1024;
 
+/// Ops whose kernels report bad indices, by code.
 pub(crate) const INDEX_OPS: [&str; 4] = ["gather", "index_select", "scatter_add", "scatter"];
 
 impl ErrorWord {
