@@ -294,16 +294,14 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let mut c = if prologue_row.is_some() { String::new() } else { String::from(PRELUDE) };
     let _ = writeln!(c, "#define VPT {vpt}\n#define VEC {vec}");
     c.push_str(&row_index(full, threads));
-    // KWHOLE(k): the vector at column k lies inside the row (always, but for a tail cover).
-    let _ = writeln!(c, "#define KWHOLE(k) {}", if tail { "((k) + VEC <= K)" } else { "true" });
+    // A looped walk's chunks that lie inside the row whole (all but the last, often) run a copy
+    // of the chunk's code with `kfast` true, in which no column is checked.
+    // KWHOLE(k): the vector at column k lies inside the row (always, but for a tail cover,
+    // which is a looped one).
+    let _ = writeln!(c, "#define KWHOLE(k) {}", if tail { "(kfast || (k) + VEC <= K)" } else { "true" });
     if looped {
-        // A looped walk's chunks that lie inside the row whole (all but the last, often) run a
-        // copy of the chunk's code with `kfast` true, in which no column is checked.
         c.push_str("#undef KIDX\n#define KIDX(j) (kbase + ((((j) / VEC) * KTHREADS + (int)threadIdx.x) * VEC + ((j) % VEC)))\n");
         c.push_str("#undef INROW\n#define INROW(k) (kfast || (k) < K)\n");
-        if tail {
-            c.push_str("#undef KWHOLE\n#define KWHOLE(k) (kfast || (k) + VEC <= K)\n");
-        }
     }
     let mut helpers = vec![];
     for op in &k.ops {
