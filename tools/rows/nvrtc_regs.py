@@ -5,32 +5,13 @@ tools/nvrtc/local.sh fetches into target/nvrtc; NVRTC_LIB names another):
   python3 tools/rows/nvrtc_regs.py build/*.cu
   KILN_SAMPLES_DIR=/tmp/samples cargo test --lib every_kernel_family_has_samples
   python3 tools/rows/nvrtc_regs.py /tmp/samples/fused_*loop*.cu"""
-import ctypes, glob, os, re, sys
+import os, re, sys
 
-here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../target/nvrtc/libnvrtc.so.13")
-libs = [os.environ.get("NVRTC_LIB")] + sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))[-1:] + [here]
-lib = ctypes.CDLL(next(p for p in libs if p and os.path.exists(p)))
-P = ctypes.c_void_p
-
-
-def log_of(prog):
-    n = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetProgramLog(prog, buf)
-    return buf.value.decode()
-
+import nvrtc
 
 for path in sys.argv[1:]:
-    src = open(path).read()
-    # The harness wrappers of make_variants.py are host code; NVRTC takes the kernel part only.
-    src = src.split("\nvoid launch_")[0]
-    prog = P()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--minimal", b"-Xptxas=-v"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    ok = lib.nvrtcCompileProgram(prog, len(opts), arr) == 0
-    log = log_of(prog)
+    src = nvrtc.kernel_source(path)
+    ok, log, _ = nvrtc.compile_source(src, ["-Xptxas=-v"])
     if not ok:
         print(path, "failed:", log[:300])
         continue

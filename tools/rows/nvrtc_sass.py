@@ -7,11 +7,11 @@ tools/nvrtc/local.sh).
   python3 tools/rows/nvrtc_sass.py /tmp/samples/fused_*looptail*.cu
 A row kernel's walks are its loops: instructions per value of a walk are its loop's size over
 VPT (the straight path runs a little less: a branch's other side is counted too)."""
-import collections, ctypes, glob, os, re, subprocess, sys, tempfile, zipfile
+import collections, glob, os, re, subprocess, sys, tempfile, zipfile
 
-root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../..")
-nvrtc_libs = [os.environ.get("NVRTC_LIB")] + sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))[-1:] + [os.path.join(root, "target/nvrtc/libnvrtc.so.13")]
-lib = ctypes.CDLL(next(p for p in nvrtc_libs if p and os.path.exists(p)))
+import nvrtc
+
+root = nvrtc.root
 
 
 def nvdisasm():
@@ -29,26 +29,12 @@ def nvdisasm():
     return os.path.join(d, "nvdisasm")
 
 
-def cubin(src):
-    prog = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", b"--minimal"]
-    if lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts)) != 0:
-        return None
-    n = ctypes.c_size_t()
-    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
-    buf = ctypes.create_string_buffer(n.value)
-    lib.nvrtcGetCUBIN(prog, buf)
-    return buf.raw
-
-
 dis = nvdisasm()
 dump = "--dump" in sys.argv
 for path in [a for a in sys.argv[1:] if a != "--dump"]:
-    # The harness wrappers of make_variants.py are host code; NVRTC takes the kernel part only.
-    code = cubin(open(path).read().split("\nvoid launch_")[0])
-    if code is None:
-        print(path, "failed to compile")
+    ok, log, code = nvrtc.compile_source(nvrtc.kernel_source(path))
+    if not ok:
+        print(path, "failed:", log[:300])
         continue
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(code)
