@@ -613,11 +613,11 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
             if tail {
                 let _ = writeln!(
                     stores,
-                    "        {}{{ if (KWHOLE(k0)) *(VO{m}*)(out{m} + row * os{m} + k0) = o{m};\n          else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) if (k0 + e < K) out{m}[row * os{m} + k0 + e] = o{m}.v[e]; }} }}",
+                    "        {}{{ if (KWHOLE(k0)) kst{m}(out{m} + row * os{m} + k0, o{m});\n          else {{ _Pragma(\"unroll\") for (int e = 0; e < VEC; e++) if (k0 + e < K) out{m}[row * os{m} + k0 + e] = o{m}.v[e]; }} }}",
                     gate(m)
                 );
             } else {
-                let _ = writeln!(stores, "        {}*(VO{m}*)(out{m} + row * os{m} + k0) = o{m};", gate(m));
+                let _ = writeln!(stores, "        {}kst{m}(out{m} + row * os{m} + k0, o{m});", gate(m));
             }
         }
         pass(&mut c, plan.passes.last().expect("an output pass"), &each, &stores, &pro);
@@ -680,6 +680,21 @@ fn vector_structs(c: &mut String, k: &FusedKernel, vec: usize, vector: &[bool]) 
     for m in k.full_outputs() {
         let d = k.ops[k.outputs[m].0].dtype;
         let _ = writeln!(c, "struct __align__({}) VO{m} {{ {} v[VEC]; }};", vec * d.size_in_bytes(), storage_type(d));
+        // Two-byte values go out packed in 32-bit words: NVVM would store such a struct two
+        // bytes at a time where it is built under a branch (a looped kernel's).
+        let words = match (d.size_in_bytes(), vec) {
+            (2, 2) => Some(("unsigned int", "w[0]")),
+            (2, 4) => Some(("uint2", "make_uint2(w[0], w[1])")),
+            (2, 8) => Some(("uint4", "make_uint4(w[0], w[1], w[2], w[3])")),
+            _ => None,
+        };
+        let _ = match words {
+            Some((ty, value)) => writeln!(
+                c,
+                "__device__ __forceinline__ void kst{m}(void* p, const VO{m}& o) {{\n  unsigned int w[VEC / 2];\n  _Pragma(\"unroll\") for (int e = 0; e < VEC / 2; e++) w[e] = (unsigned int)o.v[2 * e] | ((unsigned int)o.v[2 * e + 1] << 16);\n  *({ty}*)p = {value};\n}}"
+            ),
+            None => writeln!(c, "__device__ __forceinline__ void kst{m}(void* p, const VO{m}& o) {{ *(VO{m}*)p = o; }}"),
+        };
     }
 }
 
@@ -1166,7 +1181,7 @@ fn mid_vector_outputs(c: &mut String, k: &FusedKernel, at: Option<&str>, indent:
     for m in k.full_outputs() {
         let _ = match at {
             None => writeln!(c, "{indent}VO{m} o{m};"),
-            Some(at) => writeln!(c, "{indent}*(VO{m}*)(out{m} + {at}) = o{m};"),
+            Some(at) => writeln!(c, "{indent}kst{m}(out{m} + {at}, o{m});"),
         };
     }
 }
