@@ -339,3 +339,48 @@ fn products_of_one_row_in_both_storage_orders() -> Result<()> {
     }
     Ok(())
 }
+
+/// Compiled F32 linear layers under `allow_tf32` on CUDA: kiln's TF32 tensor-core kernels (by
+/// name) in both storage orders of the weight, at tile edges, with K split and not, with a bias
+/// and ReLU; each element within TF32's rounding of its inputs (10 bits kept of each, about
+/// 2^-9 of sum |a||b| a product) plus F32 accumulation over K. `allow_tf32` is process-wide, so
+/// the products run in a child process of this test binary, where no other test's F32 product
+/// can take TF32 meanwhile.
+#[test]
+fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() -> Result<()> {
+    const CHILD: &str = "KILN_TEST_TF32_CHILD";
+    let d = dev();
+    if !d.is_cuda() {
+        return Ok(());
+    }
+    if std::env::var_os(CHILD).is_none() {
+        let me = "ops_matmul::compiled_f32_products_under_allow_tf32_run_tensor_core_kernels";
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary")).args(["--exact", me, "--test-threads", "1"]).env(CHILD, "1").output().expect("the test binary runs");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "the TF32 child process:\n{text}");
+        return Ok(());
+    }
+    kiln::cuda::set_allow_tf32(true);
+    for (m, k, n) in [(320, 512, 512), (320, 2048, 512), (320, 512, 1536), (77, 100, 36), (5, 36, 20), (130, 64, 200), (64, 4, 64)] {
+        for transposed in [true, false] {
+            let ctx = format!("[{m},{k}] @ [{k},{n}] weight stored {}", if transposed { "[N, K]" } else { "[K, N]" });
+            let (xv, wv, bv) = (host_rand(m * k, 3 + k as u64), host_rand(k * n, 5 + n as u64), host_rand(n, 7));
+            let x = t(&xv, &[m, k], DType::F32);
+            // The weight as [K, N] values either way: stored [N, K] and transposed, or [K, N].
+            let w_kn: Vec<f64> = if transposed { (0..k * n).map(|i| wv[(i % n) * k + i / n]).collect() } else { wv.clone() };
+            let w = if transposed { t(&wv, &[n, k], DType::F32).t()? } else { t(&wv, &[k, n], DType::F32) };
+            let bias = t(&bv, &[n], DType::F32);
+            let f = kiln::compile::compile(move |x: &Tensor| x.matmul(&w)?.add(&bias)?.relu());
+            let (y, p) = kiln::profiler::profile_value(|| f.call(&x))?;
+            let names: Vec<String> = p.kernel_names().iter().map(|s| s.to_string()).collect();
+            assert!(names.iter().any(|s| s.starts_with("tf32_gemm_")), "{ctx}: {names:?}");
+            let (want, mag, _) = reference(&xv, &[m, k], &w_kn, &[k, n]);
+            let tol = 2f64.powi(-9) + k as f64 * 2f64.powi(-22);
+            for (i, ((got, want), mag)) in vals(&y).iter().zip(&want).zip(&mag).enumerate() {
+                let want = (want + bv[i % n]).max(0.0);
+                assert!((got - want).abs() <= tol * (mag + bv[i % n].abs()) + 1e-6, "{ctx}: element {i}: got {got}, expected {want}");
+            }
+        }
+    }
+    Ok(())
+}

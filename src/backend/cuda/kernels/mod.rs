@@ -12,6 +12,7 @@ pub(crate) mod foreach;
 pub(crate) mod fused;
 pub(crate) mod gemv;
 pub(crate) mod maxpool;
+pub(crate) mod tf32;
 #[cfg(test)]
 mod samples;
 
@@ -688,6 +689,9 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     let Some(packed) = packed else { return Ok(None) };
     let bias = epilogue(&packed);
     if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None)? {
+        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+    }
+    if let Some(s) = tf32::product(&dev, a, b, bias, settled)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
     }
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))

@@ -1,0 +1,189 @@
+// F32 products on the tensor cores in TF32 (`mma.sync` m16n8k8, F32 accumulation) under
+// allow_tf32: out[M, N] = A[M, K] · B (+ bias[n], then ReLU or GELU when asked). After the
+// prelude, the argument struct and the #defines of `tf32.rs`: NAME, and B_KN where B is stored
+// [K, N] (N contiguous; else [N, K], K contiguous, a linear layer's weight).
+//
+// A block computes a 64 x 64 tile of the output over its piece of K (blockIdx.z of gridDim.z
+// pieces), four warps of 32 x 32 each. The operands come through shared memory in chunks of
+// 32 along K, STAGES chunks in flight (cp.async); values past M, N or the piece's end are read
+// as zeros. Each value is rounded to TF32 (to nearest) as a fragment is loaded. Where K is split,
+// the blocks leave their sums in `part` ([pieces][M][N] F32) and the last block of a tile to
+// arrive adds them in piece order (the same bits on every run) before the epilogue.
+#define BM 64
+#define BN 64
+#define BK 32
+#define STAGES 3
+// Row strides of the shared tiles, padded so that a warp's fragment loads hit 32 banks.
+#define SA (BK + 4)
+#ifdef B_KN
+#define SB (BN + 8)
+#define B_TILE (BK * SB)
+#else
+#define SB (BK + 4)
+#define B_TILE (BN * SB)
+#endif
+#define A_TILE (BM * SA)
+
+__device__ __forceinline__ void kcp16(float* smem, const float* g, bool pred) {
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(g), "r"(pred ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ unsigned int ktf32(float f) {
+  unsigned int r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+  return r;
+}
+
+// Chunk c of A (rows m0.., columns k0 + c * BK..) into its stage: 512 vectors of 4, four a thread.
+__device__ __forceinline__ void kload_a(const Tf32Args& a, float* As, long long m0, long long kc, long long ke) {
+  const float* A = (const float*)a.a;
+#pragma unroll
+  for (int j = 0; j < BM * BK / 4 / 128; j++) {
+    const int v = threadIdx.x + 128 * j, r = v / (BK / 4), c = (v % (BK / 4)) * 4;
+    const bool ok = m0 + r < a.m && kc + c < ke;
+    kcp16(As + r * SA + c, ok ? A + (m0 + r) * a.lda + kc + c : A, ok);
+  }
+}
+
+// Chunk c of B (columns n0.., rows kc..) into its stage.
+__device__ __forceinline__ void kload_b(const Tf32Args& a, float* Bs, long long n0, long long kc, long long ke) {
+  const float* B = (const float*)a.b;
+#ifdef B_KN
+#pragma unroll
+  for (int j = 0; j < BK * BN / 4 / 128; j++) {
+    const int v = threadIdx.x + 128 * j, r = v / (BN / 4), c = (v % (BN / 4)) * 4;
+    const bool ok = kc + r < ke && n0 + c < a.n;
+    kcp16(Bs + r * SB + c, ok ? B + (kc + r) * a.ldb + n0 + c : B, ok);
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < BN * BK / 4 / 128; j++) {
+    const int v = threadIdx.x + 128 * j, r = v / (BK / 4), c = (v % (BK / 4)) * 4;
+    const bool ok = n0 + r < a.n && kc + c < ke;
+    kcp16(Bs + r * SB + c, ok ? B + (n0 + r) * a.ldb + kc + c : B, ok);
+  }
+#endif
+}
+
+__device__ __forceinline__ float kepilogue(const Tf32Args& a, long long n, float v) {
+  if (a.bias) v += ((const float*)a.bias)[n];
+  if (a.act == 1) v = fmaxf(v, 0.0f);
+  else if (a.act == 2) v = KGELU_TANH(v);
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
+  KILN_WAIT_UNLESS_SETTLED(a.settled);
+  extern __shared__ __align__(16) float ksm[];
+  float* As = ksm;
+  float* Bs = ksm + STAGES * A_TILE;
+  __shared__ bool last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int wm = (warp >> 1) * 32, wn = (warp & 1) * 32;
+  const long long m0 = (long long)blockIdx.y * BM, n0 = (long long)blockIdx.x * BN;
+  // This block's piece of K: whole chunks, the last piece taking what is left.
+  const long long kb = (long long)blockIdx.z * a.per, ke = min(a.k, kb + a.per);
+  const int chunks = (int)((ke - kb + BK - 1) / BK);
+  // The first stages: B (a settled weight: before the wait for the kernel before), then A.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++)
+    if (s < chunks) kload_b(a, Bs + s * B_TILE, n0, kb + s * BK, ke);
+  KILN_WAIT_IF_SETTLED(a.settled);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < chunks) kload_a(a, As + s * A_TILE, m0, kb + s * BK, ke);
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+  float acc[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+  for (int c = 0; c < chunks; c++) {
+    asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
+    __syncthreads();
+    // The chunk STAGES - 1 ahead, into the stage every warp has finished with.
+    const int next = c + STAGES - 1;
+    if (next < chunks) {
+      kload_a(a, As + (next % STAGES) * A_TILE, m0, kb + (long long)next * BK, ke);
+      kload_b(a, Bs + (next % STAGES) * B_TILE, n0, kb + (long long)next * BK, ke);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    const float* as = As + (c % STAGES) * A_TILE;
+    const float* bs = Bs + (c % STAGES) * B_TILE;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) {
+      unsigned int af[2][4], bf[4][2];
+#pragma unroll
+      for (int i = 0; i < 2; i++) {
+        const float* p = as + (wm + i * 16 + g) * SA + kk + t;
+        af[i][0] = ktf32(p[0]);
+        af[i][1] = ktf32(p[8 * SA]);
+        af[i][2] = ktf32(p[4]);
+        af[i][3] = ktf32(p[8 * SA + 4]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+#ifdef B_KN
+        const float* p = bs + (kk + t) * SB + wn + j * 8 + g;
+        bf[j][0] = ktf32(p[0]);
+        bf[j][1] = ktf32(p[4 * SB]);
+#else
+        const float* p = bs + (wn + j * 8 + g) * SB + kk + t;
+        bf[j][0] = ktf32(p[0]);
+        bf[j][1] = ktf32(p[4]);
+#endif
+      }
+#pragma unroll
+      for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+          asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                       : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
+                       : "r"(af[i][0]), "r"(af[i][1]), "r"(af[i][2]), "r"(af[i][3]), "r"(bf[j][0]), "r"(bf[j][1]));
+    }
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  // Thread (g, t) holds rows g and g + 8 of each 16-row tile, columns 2t and 2t + 1 of each
+  // 8-column tile.
+  float* out = (float*)a.out;
+  if (gridDim.z > 1) {
+    float* mine = (float*)a.part + (long long)blockIdx.z * a.m * a.n;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
+          if (r < a.m && n < a.n) mine[r * a.n + n] = acc[i][j][e];
+        }
+    __syncthreads();
+    if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.y * gridDim.x + blockIdx.x, gridDim.z);
+    __syncthreads();
+    if (!last) return;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+      for (int j = 0; j < 4; j++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
+          float s = 0.0f;
+          if (r < a.m && n < a.n)
+            for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg((const float*)a.part + ((long long)z * a.m + r) * a.n + n);
+          acc[i][j][e] = s;
+        }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
+        if (r < a.m && n < a.n) out[r * a.n + n] = kepilogue(a, n, acc[i][j][e]);
+      }
+}
