@@ -361,7 +361,9 @@ fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() -> Result<()
         return Ok(());
     }
     kiln::cuda::set_allow_tf32(true);
-    for (m, k, n) in [(320, 512, 512), (320, 2048, 512), (320, 512, 1536), (77, 100, 36), (5, 36, 20), (130, 64, 200), (64, 4, 64)] {
+    // Split K at whole tiles; ragged tiles with a split K and a short last piece; ragged tiles
+    // without a split.
+    for (m, k, n) in [(320, 512, 512), (320, 2048, 512), (320, 512, 1536), (100, 1000, 100), (77, 100, 36), (5, 36, 20), (130, 64, 200), (64, 4, 64)] {
         for transposed in [true, false] {
             let ctx = format!("[{m},{k}] @ [{k},{n}] weight stored {}", if transposed { "[N, K]" } else { "[K, N]" });
             let (xv, wv, bv) = (host_rand(m * k, 3 + k as u64), host_rand(k * n, 5 + n as u64), host_rand(n, 7));
@@ -370,15 +372,25 @@ fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() -> Result<()
             let w_kn: Vec<f64> = if transposed { (0..k * n).map(|i| wv[(i % n) * k + i / n]).collect() } else { wv.clone() };
             let w = if transposed { t(&wv, &[n, k], DType::F32).t()? } else { t(&wv, &[k, n], DType::F32) };
             let bias = t(&bv, &[n], DType::F32);
-            let f = kiln::compile::compile(move |x: &Tensor| x.matmul(&w)?.add(&bias)?.relu());
-            let (y, p) = kiln::profiler::profile_value(|| f.call(&x))?;
-            let names: Vec<String> = p.kernel_names().iter().map(|s| s.to_string()).collect();
-            assert!(names.iter().any(|s| s.starts_with("tf32_gemm_")), "{ctx}: {names:?}");
             let (want, mag, _) = reference(&xv, &[m, k], &w_kn, &[k, n]);
-            let tol = 2f64.powi(-9) + k as f64 * 2f64.powi(-22);
-            for (i, ((got, want), mag)) in vals(&y).iter().zip(&want).zip(&mag).enumerate() {
-                let want = (want + bv[i % n]).max(0.0);
-                assert!((got - want).abs() <= tol * (mag + bv[i % n].abs()) + 1e-6, "{ctx}: element {i}: got {got}, expected {want}");
+            // Each input rounded to 10 fraction bits (2^-11 each), F32 sums over K.
+            let tol = 2f64.powi(-10) + 2f64.powi(-21) + k as f64 * 2f64.powi(-22);
+            let kernel = if transposed { "tf32_gemm_nk" } else { "tf32_gemm_kn" };
+            // The product first in its program, and after a kernel of the program's own (the
+            // weight then settled: loaded before the wait for that kernel).
+            for scale in [1.0, 2.0] {
+                let (w, bias) = (w.clone(), bias.clone());
+                let f = kiln::compile::compile(move |x: &Tensor| {
+                    let x = if scale == 1.0 { x.clone() } else { x.mul_scalar(scale)? };
+                    x.matmul(&w)?.add(&bias)?.relu()
+                });
+                let (y, p) = kiln::profiler::profile_value(|| f.call(&x))?;
+                let names: Vec<String> = p.kernel_names().iter().map(|s| s.to_string()).collect();
+                assert!(names.iter().any(|s| s == kernel), "{ctx} x{scale}: {names:?}");
+                for (i, ((got, want), mag)) in vals(&y).iter().zip(&want).zip(&mag).enumerate() {
+                    let want = (scale * want + bv[i % n]).max(0.0);
+                    assert!((got - want).abs() <= tol * (scale * mag + bv[i % n].abs()) + 1e-6, "{ctx} x{scale}: element {i}: got {got}, expected {want}");
+                }
             }
         }
     }

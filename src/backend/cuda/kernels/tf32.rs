@@ -54,11 +54,16 @@ enum BLayout {
 
 /// `a` [1, M, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then the activation) in TF32
 /// as a new [1, M, N] buffer, or None where these kernels do not take it (the library then
-/// runs it): only F32 under `allow_tf32`, unless `KILN_TF32_GEMM=0`.
+/// runs it): only F32 under `allow_tf32` of more than one row, unless `KILN_TF32_GEMM=0`.
 pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
-    if !crate::backend::cuda::allow_tf32() || crate::switches::tf32_gemm_off() || bsz != 1 || m == 0 || n == 0 || k == 0 || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+    // (One row is the matrix-vector kernels' or the library's: a tile would use one row of 64.)
+    if !crate::backend::cuda::allow_tf32() || crate::switches::tf32_gemm_off() || bsz != 1 || m < 2 || n == 0 || k == 0 || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    // cp.async and TF32 `mma.sync` need compute capability 8.0.
+    if dev.arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok()).is_none_or(|v| v < 80) {
         return Ok(None);
     }
     if tiles(m, n) > MAX_TILES_PER_SM * dev.sm_count || !k.is_multiple_of(4) {
