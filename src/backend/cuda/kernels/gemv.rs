@@ -120,11 +120,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     // block on in stream order).
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
     let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: match bias.and_then(|(_, act)| act) {
-        None => 0,
-        Some(Activation::Relu) => 1,
-        Some(Activation::GeluTanh) => 2,
-    }, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: activation_code(bias.and_then(|(_, act)| act)), settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,
@@ -132,6 +128,16 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     }
     drop(part);
     Ok(Some(out))
+}
+
+/// The epilogue's activation as the product kernels read it (`act`: 0 none, 1 ReLU, 2 GELU's
+/// tanh form; `gemv.cu`, `tf32.cu`).
+pub(crate) fn activation_code(act: Option<Activation>) -> i64 {
+    match act {
+        None => 0,
+        Some(Activation::Relu) => 1,
+        Some(Activation::GeluTanh) => 2,
+    }
 }
 
 /// Vectors of columns per block of the column kernel: as many (4, 2 or 1) as keep `MIN_BLOCKS`

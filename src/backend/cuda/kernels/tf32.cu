@@ -65,6 +65,16 @@ __device__ __forceinline__ void kload_b(const Tf32Args& a, float* Bs, long long 
 #endif
 }
 
+// Each output this thread holds, as (row r, column n, acc[i][j][e]): thread (g, t) holds rows
+// g and g + 8 of each 16-row tile, columns 2t and 2t + 1 of each 8-column tile.
+#define KEACH_OUTPUT(body) \
+  _Pragma("unroll") for (int i = 0; i < 2; i++) \
+  _Pragma("unroll") for (int j = 0; j < 4; j++) \
+  _Pragma("unroll") for (int e = 0; e < 4; e++) { \
+    const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1); \
+    body \
+  }
+
 __device__ __forceinline__ float kepilogue(const Tf32Args& a, long long n, float v) {
   if (a.bias) v += ((const float*)a.bias)[n];
   if (a.act == 1) v = fmaxf(v, 0.0f);
@@ -146,44 +156,21 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
-  // Thread (g, t) holds rows g and g + 8 of each 16-row tile, columns 2t and 2t + 1 of each
-  // 8-column tile.
-  float* out = (float*)a.out;
   if (gridDim.z > 1) {
+    const float* part = (const float*)a.part;
     float* mine = (float*)a.part + (long long)blockIdx.z * a.m * a.n;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
-          if (r < a.m && n < a.n) mine[r * a.n + n] = acc[i][j][e];
-        }
+    KEACH_OUTPUT(if (r < a.m && n < a.n) mine[r * a.n + n] = acc[i][j][e];)
     __syncthreads();
     if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.y * gridDim.x + blockIdx.x, gridDim.z);
     __syncthreads();
     if (!last) return;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-      for (int j = 0; j < 4; j++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
-          float s = 0.0f;
-          if (r < a.m && n < a.n)
-            for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg((const float*)a.part + ((long long)z * a.m + r) * a.n + n);
-          acc[i][j][e] = s;
-        }
+    KEACH_OUTPUT(
+      float s = 0.0f;
+      if (r < a.m && n < a.n)
+        for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg(part + ((long long)z * a.m + r) * a.n + n);
+      acc[i][j][e] = s;
+    )
   }
-#pragma unroll
-  for (int i = 0; i < 2; i++)
-#pragma unroll
-    for (int j = 0; j < 4; j++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1);
-        if (r < a.m && n < a.n) out[r * a.n + n] = kepilogue(a, n, acc[i][j][e]);
-      }
+  float* out = (float*)a.out;
+  KEACH_OUTPUT(if (r < a.m && n < a.n) out[r * a.n + n] = kepilogue(a, n, acc[i][j][e]);)
 }

@@ -20,7 +20,7 @@ const SOURCE: &str = include_str!("tf32.cu");
 /// Output rows and columns of a block's tile, and values of K per chunk (as in `tf32.cu`).
 const TILE: usize = 64;
 const CHUNK: usize = 32;
-/// Chunks in flight, and the padded row strides of the shared tiles (as in `tf32.cu`).
+/// Chunks in flight (as in `tf32.cu`).
 const STAGES: usize = 3;
 /// Threads per block.
 const THREADS: u32 = 128;
@@ -107,11 +107,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Optio
         k: k as i64,
         lda: ars as i64,
         ldb: ldb as i64,
-        act: match bias.and_then(|(_, act)| act) {
-            None => 0,
-            Some(Activation::Relu) => 1,
-            Some(Activation::GeluTanh) => 2,
-        },
+        act: super::gemv::activation_code(bias.and_then(|(_, act)| act)),
         settled: i64::from(settled),
         per: per as i64,
         part: part.as_ref().map_or(0, |p| p.ptr()),
