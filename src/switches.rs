@@ -96,11 +96,11 @@ pub(crate) fn gemv_off() -> bool {
     *V.get_or_init(|| is("KILN_GEMV", "0"))
 }
 
-/// `KILN_TF32_GEMM=0`: F32 products under `allow_tf32` in compiled programs go to cuBLASLt
-/// instead of kiln's TF32 tensor-core kernels.
-pub(crate) fn tf32_gemm_off() -> bool {
+/// `KILN_TF32_GEMM=1`: F32 products under `allow_tf32` in compiled programs run kiln's TF32
+/// tensor-core kernels instead of cuBLASLt's (opt-in until timed against the library).
+pub(crate) fn tf32_gemm_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_TF32_GEMM", "0"))
+    *V.get_or_init(|| is("KILN_TF32_GEMM", "1"))
 }
 
 /// `KILN_ROW_PROLOGUE=0`: a one-row kernel before a product of one row stays a kernel of its

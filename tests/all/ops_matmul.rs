@@ -355,7 +355,7 @@ fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() -> Result<()
     }
     if std::env::var_os(CHILD).is_none() {
         let me = "ops_matmul::compiled_f32_products_under_allow_tf32_run_tensor_core_kernels";
-        let out = std::process::Command::new(std::env::current_exe().expect("the test binary")).args(["--exact", me, "--test-threads", "1"]).env(CHILD, "1").output().expect("the test binary runs");
+        let out = std::process::Command::new(std::env::current_exe().expect("the test binary")).args(["--exact", me, "--test-threads", "1"]).env(CHILD, "1").env("KILN_TF32_GEMM", "1").output().expect("the test binary runs");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success() && text.contains("1 passed"), "the TF32 child process:\n{text}");
         return Ok(());

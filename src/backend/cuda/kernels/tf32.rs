@@ -5,7 +5,7 @@
 //! before the kernel ahead of it ends. These kernels take 64 x 64 tiles, split K where the tiles
 //! alone would leave SMs idle, start early under programmatic dependent launch and load a
 //! settled weight before waiting. Large products (more tiles than `MAX_TILES_PER_SM` per SM) and
-//! operands they cannot read in 16-byte vectors stay with the library.
+//! operands they cannot read in 16-byte vectors stay with the library. Opt-in (`KILN_TF32_GEMM=1`).
 
 use crate::backend::cuda::kernels::codegen::PRELUDE;
 use crate::backend::cuda::kernels::data_ptr;
@@ -54,12 +54,12 @@ enum BLayout {
 
 /// `a` [1, M, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then the activation) in TF32
 /// as a new [1, M, N] buffer, or None where these kernels do not take it (the library then
-/// runs it): only F32 under `allow_tf32` of more than one row, unless `KILN_TF32_GEMM=0`.
+/// runs it): only F32 under `allow_tf32` of more than one row, and only with `KILN_TF32_GEMM=1`.
 pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Option<(&Tensor, Option<Activation>)>, settled: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     // (One row is the matrix-vector kernels' or the library's: a tile would use one row of 64.)
-    if !crate::backend::cuda::allow_tf32() || crate::switches::tf32_gemm_off() || bsz != 1 || m < 2 || n == 0 || k == 0 || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
+    if !crate::backend::cuda::allow_tf32() || !crate::switches::tf32_gemm_on() || bsz != 1 || m < 2 || n == 0 || k == 0 || a.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return Ok(None);
     }
     // cp.async and TF32 `mma.sync` need compute capability 8.0.
