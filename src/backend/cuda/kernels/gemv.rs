@@ -101,11 +101,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     if !aligned(b)? || (row.is_none() && ((a.strides()[2] != 1 && k > 1) || (walk == Walk::Rows && !aligned(a)?))) {
         return Ok(None);
     }
-    let bias_ptr = match bias {
-        Some((t, _)) if t.dtype() != dtype || t.numel() != n || (t.strides()[0] != 1 && n > 1) => return Ok(None),
-        Some((t, _)) => data_ptr(t)?,
-        None => 0,
-    };
+    let Some((bias_ptr, act)) = epilogue_args(bias, dtype, n)? else { return Ok(None) };
     let out = CudaStorage::new(dev, dtype, n)?;
     let name = kernel_name(walk, dtype);
     let kern = match row {
@@ -120,7 +116,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     // block on in stream order).
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
     let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act: activation_code(bias.and_then(|(_, act)| act)), settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,
@@ -130,14 +126,21 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     Ok(Some(out))
 }
 
-/// The epilogue's activation as the product kernels read it (`act`: 0 none, 1 ReLU, 2 GELU's
-/// tanh form; `gemv.cu`, `tf32.cu`).
-pub(crate) fn activation_code(act: Option<Activation>) -> i64 {
-    match act {
+/// The epilogue as the product kernels read it (`gemv.cu`, `tf32.cu`): the bias's pointer (0
+/// for none) and the activation's code (`act`: 0 none, 1 ReLU, 2 GELU's tanh form); None where
+/// the bias is no packed vector of N in `dtype`.
+pub(crate) fn epilogue_args(bias: Option<(&Tensor, Option<Activation>)>, dtype: DType, n: usize) -> Result<Option<(u64, i64)>> {
+    let ptr = match bias {
+        Some((t, _)) if t.dtype() != dtype || t.numel() != n || (t.strides()[0] != 1 && n > 1) => return Ok(None),
+        Some((t, _)) => data_ptr(t)?,
+        None => 0,
+    };
+    let act = match bias.and_then(|(_, act)| act) {
         None => 0,
         Some(Activation::Relu) => 1,
         Some(Activation::GeluTanh) => 2,
-    }
+    };
+    Ok(Some((ptr, act)))
 }
 
 /// Vectors of columns per block of the column kernel: as many (4, 2 or 1) as keep `MIN_BLOCKS`

@@ -72,7 +72,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Optio
     let aligned = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0) };
     let (ars, acs) = (a.strides()[1], a.strides()[2]);
     let (brs, bcs) = (b.strides()[1], b.strides()[2]);
-    if (acs != 1 && k > 1) || (m > 1 && !ars.is_multiple_of(4)) || !aligned(a)? || !aligned(b)? {
+    if (acs != 1 && k > 1) || !ars.is_multiple_of(4) || !aligned(a)? || !aligned(b)? {
         return Ok(None);
     }
     let (layout, ldb) = if brs == 1 && (n == 1 || bcs.is_multiple_of(4)) {
@@ -82,11 +82,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Optio
     } else {
         return Ok(None);
     };
-    let bias_ptr = match bias {
-        Some((t, _)) if t.dtype() != DType::F32 || t.numel() != n || (t.strides()[0] != 1 && n > 1) => return Ok(None),
-        Some((t, _)) => data_ptr(t)?,
-        None => 0,
-    };
+    let Some((bias_ptr, act)) = super::gemv::epilogue_args(bias, DType::F32, n)? else { return Ok(None) };
     let out = CudaStorage::new(dev, DType::F32, m * n)?;
     let name = kernel_name(layout);
     let kern = dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, layout)))?;
@@ -107,7 +103,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Optio
         k: k as i64,
         lda: ars as i64,
         ldb: ldb as i64,
-        act: super::gemv::activation_code(bias.and_then(|(_, act)| act)),
+        act,
         settled: i64::from(settled),
         per: per as i64,
         part: part.as_ref().map_or(0, |p| p.ptr()),
