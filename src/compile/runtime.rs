@@ -119,6 +119,8 @@ pub(crate) struct Program {
     /// Per fused kernel: whether a library product runs it as its prologue
     /// (`fuse::row_prologues`; its own step only makes its output buffers).
     deferred: Vec<bool>,
+    /// Cache attentions whose cache and positions no earlier step writes (`settled_caches`).
+    settled_caches: std::collections::HashSet<NodeId>,
 }
 
 /// Views of captured tensors (a weight transposed, a bias reshaped and spread over the rows)
@@ -294,7 +296,8 @@ impl Program {
         crate::logging::log(Topic::Memory, || planned_peak(&graph, &schedule, &frees, &in_place, &reuse).to_string());
         let views = CapturedViews::plan(&graph);
         let settled = settled_matrices(&graph, &schedule);
-        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred }
+        let settled_caches = settled_caches(&graph, &schedule, &in_place);
+        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred, settled_caches }
     }
 
     /// Marks the captured tensors the program writes in place as written (their versions move),
@@ -437,6 +440,10 @@ impl Program {
                                     } else {
                                         v
                                     }
+                                }
+                                _ if self.settled_caches.contains(i) && crate::backend::cuda::launch_count() > launches_before && reads_inputs_directly(g, *i, inputs, &env) => {
+                                    let _settled = crate::ops::attention::SettledCache::hold();
+                                    run_node(g, *i, inputs, &env)?
                                 }
                                 _ => run_node(g, *i, inputs, &env)?,
                             },
@@ -753,6 +760,38 @@ fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
             _ => false,
         })
         .collect()
+}
+
+/// The cache attentions (`Op::AttentionUpTo`) whose cache (keys, values) and positions no
+/// kernel still running writes when they run, given that the program has launched a kernel
+/// before them (`ops::attention::SettledCache`): those operands are views of the program's
+/// inputs, and no step before writes anything in place (a tensor written in place may share
+/// memory with them; the write-back of the program's other new values comes after its last
+/// step) or runs user code (a custom op, a collective).
+fn settled_caches(g: &Graph, s: &Schedule, in_place: &std::collections::HashMap<NodeId, usize>) -> std::collections::HashSet<NodeId> {
+    let writes = |step: &Step| match step {
+        Step::Node(i) => in_place.contains_key(i) || matches!(g.nodes[*i].op, NodeOp::Custom(_) | NodeOp::Collective(_)),
+        Step::Kernel(k) => s.kernels[*k].outputs.iter().any(|(_, n)| in_place.contains_key(n)),
+        Step::Gemm(_) => false,
+    };
+    let before_writes = s.steps.iter().position(writes).unwrap_or(s.steps.len());
+    let input = |a: NodeId| matches!(g.nodes[g.view_root(a)].op, NodeOp::Arg(_) | NodeOp::Captured(_));
+    s.steps[..before_writes]
+        .iter()
+        .filter_map(|step| match step {
+            Step::Node(i) if matches!(g.nodes[*i].op, NodeOp::Prim(crate::ops::Op::AttentionUpTo { .. })) && g.nodes[*i].args[1..4].iter().all(|&a| input(a)) => Some(*i),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether the cache attention `i`'s cache and positions, as computed, are views of the
+/// program's inputs (a view that had to copy is the work of a kernel just before).
+fn reads_inputs_directly(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> bool {
+    g.nodes[i].args[1..4].iter().all(|&a| {
+        let root = input_of(g, &g.nodes[g.view_root(a)], inputs);
+        matches!((&env[a], root), (Some(t), Some(r)) if t.shares_storage_with(&r))
+    })
 }
 
 /// What a step that just ran touched on the device: the storage of the values it read and
@@ -1080,6 +1119,46 @@ mod tests {
         assert_eq!(scatters.len(), 1);
         let plan = super::plan_in_place(&g, &s);
         assert!(plan.contains_key(&scatters[0]), "{plan:?}");
+    }
+
+    #[test]
+    fn a_cache_attention_is_settled_only_before_writes_to_its_inputs() {
+        // A decode step's attention over a captured cache at an argument position, the cache
+        // written after it (settled) or before it (the attention then reads the write).
+        let settled = |write_first: bool| {
+            let zeros = |s: &[usize]| Tensor::zeros(s, DType::F32, &Device::Cpu).unwrap();
+            let (kc, vc) = (zeros(&[8, 1, 2, 4]), zeros(&[8, 1, 2, 4]));
+            let seen = Arc::new(Mutex::new(None));
+            let s2 = seen.clone();
+            let backend = Backend::custom(move |g, _| {
+                *s2.lock().unwrap() = Some(g.clone());
+                Ok(g.eager_runner())
+            });
+            compile_with(CompileOptions::new().backend(backend), move |pos: &Tensor, q: &Tensor| {
+                crate::no_grad(|| {
+                    let (kn, vn) = (q.mul_scalar(2.0)?, q.add_scalar(1.0)?);
+                    let at = pos.reshape(&[1, 1, 1, 1])?.broadcast_to(&[1, 1, 2, 4])?;
+                    if write_first {
+                        kc.scatter_(0, &at, &kn)?;
+                    }
+                    let out = crate::ops::apply(crate::ops::Op::AttentionUpTo { scale: 0.5 }, &[q, &kc, &vc, pos, &kn, &vn])?;
+                    if !write_first {
+                        kc.scatter_(0, &at, &kn)?;
+                    }
+                    vc.scatter_(0, &at, &vn)?;
+                    Ok(out)
+                })
+            })
+            .call(&Tensor::full(&[1], 3.0, DType::I64, &Device::Cpu).unwrap(), &Tensor::ones(&[1, 1, 2, 4], DType::F32, &Device::Cpu).unwrap())
+            .unwrap();
+            let g = crate::compile::simplify::simplify(&seen.lock().unwrap().take().unwrap());
+            let s = crate::compile::fuse::schedule(&g);
+            let attn: Vec<usize> = (0..g.nodes.len()).filter(|&i| matches!(g.nodes[i].op, crate::compile::graph::NodeOp::Prim(crate::ops::Op::AttentionUpTo { .. }))).collect();
+            assert_eq!(attn.len(), 1);
+            super::settled_caches(&g, &s, &super::plan_in_place(&g, &s)).contains(&attn[0])
+        };
+        assert!(settled(false));
+        assert!(!settled(true));
     }
 
     #[test]

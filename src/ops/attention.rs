@@ -7,6 +7,36 @@
 use super::AttnDims;
 use crate::{DType, Result, Tensor};
 
+thread_local! {
+    static SETTLED_CACHE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While held, `Op::AttentionUpTo` on this thread takes its cache (keys, values) and `last` as
+/// settled: no kernel still running writes them, so its GPU kernel loads the cache before it
+/// waits for the kernel before (`compile::runtime` holds it for a compiled decode step's
+/// attention where no earlier step writes in place and the program has launched a kernel). An
+/// operand the op first copies (a head dim that is not contiguous) is never settled: the copy
+/// is that kernel before.
+pub(crate) struct SettledCache(());
+
+impl SettledCache {
+    pub(crate) fn hold() -> SettledCache {
+        SETTLED_CACHE.set(true);
+        SettledCache(())
+    }
+
+    /// Whether one is held.
+    pub(crate) fn held() -> bool {
+        SETTLED_CACHE.get()
+    }
+}
+
+impl Drop for SettledCache {
+    fn drop(&mut self) {
+        SETTLED_CACHE.set(false);
+    }
+}
+
 /// For q `[L, B, H, D]`, k and v `[S, B, H_kv, D]`, `last` `[B]` (I64) and the new rows
 /// `[1, B, H_kv, D]` (when given, standing in for row `last[b]`): the keys and values attended,
 /// each key/value head repeated for the H / H_kv query heads of its group (`[S, B, H, D]`, or

@@ -425,7 +425,8 @@ impl Op {
                 };
                 let new = new.as_ref().map(|(kn, vn)| (kn, vn));
                 if on_cuda {
-                    BackendStorage::Cuda(cuda::kernels::attention::attention_up_to(&q, &k, &v, xs[3], new, *scale)?)
+                    let settled = attention::SettledCache::held() && k.shares_storage_with(xs[1]) && v.shares_storage_with(xs[2]);
+                    BackendStorage::Cuda(cuda::kernels::attention::attention_up_to(&q, &k, &v, xs[3], new, *scale, settled)?)
                 } else {
                     let (k, v, mask) = attention::up_to_operands(&q, &k, &v, xs[3], new)?;
                     BackendStorage::Cpu(cpu::attention::attention(&q, &k, &v, Some(&mask), *scale, false))

@@ -178,7 +178,8 @@ fn repeat_heads(x: &Tensor, groups: usize) -> Tensor {
 /// 256): at the first position, inside the first chunk, at its end and past it, far in, at the
 /// last, and past the last (all keys); two sequences at different positions; grouped-query
 /// heads (12 query heads over 4 and over 1 key/value heads); head dims 64, 80 and 128; keys
-/// and values read through the cache's strides.
+/// and values read through the cache's strides; compiled as a decode step, the same values as
+/// eager.
 #[test]
 fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
     let s = 1024;
@@ -188,6 +189,10 @@ fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
             let kv = rand_t(&[2, n, hkv, s, d], 2, dt);
             let (k, v) = (kv.narrow(0, 0, 1).unwrap().squeeze(0).unwrap(), kv.narrow(0, 1, 1).unwrap().squeeze(0).unwrap());
             let q = rand_t(&[n, h, 1, d], 1, dt);
+            // Compiled as a decode step: the cache captured, a kernel before the attention (on
+            // the GPU the attention then loads the cache before that kernel ends).
+            let (kc, vc) = (k.clone(), v.clone());
+            let step = compile(move |xs: &[Tensor]| Ok(vec![F::attention_up_to(&xs[0].mul_scalar(2.0)?, &kc, &vc, &xs[1], Some((&xs[2], &xs[3])), None)?]));
             for pos in [0, 5, 128, 255, 256, 700, s as i64 - 1, s as i64 + 7] {
                 let last: Vec<i64> = (0..n as i64).map(|i| (pos - 3 * i).max(0)).collect();
                 let lt = Tensor::from_vec(last.clone(), &[n], &dev()).unwrap();
@@ -208,6 +213,9 @@ fn one_query_row_over_a_partly_written_cache_matches_the_masked_attention() {
                 };
                 let want = reference(&wide(&q), &repeat_heads(&wide(&written(&k, &kn)), h / hkv), &repeat_heads(&wide(&written(&v, &vn)), h / hkv), Some(&mask), false, 1.0 / (d as f64).sqrt());
                 assert_close_named(&format!("{dt:?} n {n} h {h}/{hkv} d {d} at {pos}, new rows"), &vals(&got), &vals(&want), tol, tol);
+                let eager = F::attention_up_to(&q.mul_scalar(2.0).unwrap(), &k, &v, &lt, Some((&kn, &vn)), None).unwrap();
+                let compiled = step.call(&[q.clone(), lt.clone(), kn.clone(), vn.clone()]).unwrap().remove(0);
+                assert_close_named(&format!("{dt:?} n {n} h {h}/{hkv} d {d} at {pos}, compiled"), &vals(&compiled), &vals(&eager), 0.0, 0.0);
             }
         }
     }

@@ -95,6 +95,9 @@ kernel_args! {
         /// of the cache's (or 0), strided along batch and head.
         last: u64, last_stride: i64, kv_group: i64,
         k_new: u64, v_new: u64, k_new_strides: i64[2], v_new_strides: i64[2],
+        /// The cache forward: 1 where no kernel still running writes the cache or `last`
+        /// (`ops::attention::SettledCache`), so their loads may come before the wait for the kernel before.
+        settled: i64,
     }
 }
 
@@ -409,7 +412,9 @@ pub(crate) fn up_to_takes(l: usize, s: usize, bh: usize, d: usize, dtype: DType)
 /// `Op::AttentionUpTo`'s output `[1, B, H, D]` (q `[1, B, H, D]`, k and v `[S, B, H_kv, D]`,
 /// their head dims contiguous, `last` `[B]` I64, and the new key and value rows
 /// `[1, B, H_kv, D]` where given), where `up_to_takes`.
-pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: Option<(&Tensor, &Tensor)>, scale: f64) -> Result<CudaStorage> {
+/// `settled`: no kernel still running writes k, v or `last` (`ops::attention::SettledCache`):
+/// the kernel loads them before it waits for the kernel before.
+pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor, new: Option<(&Tensor, &Tensor)>, scale: f64, settled: bool) -> Result<CudaStorage> {
     let n = AttnDims::of(q.shape(), k.shape());
     let (bh, hkv, chunks) = (n.b * n.h, k.shape()[2], n.s.div_ceil(UP_TO_CHUNK));
     if !up_to_takes(n.l, n.s, bh, n.d, q.dtype()) {
@@ -431,10 +436,12 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
         let bh_strides = |t: &Tensor| [t.strides()[1] as i64, t.strides()[2] as i64];
         (a.k_new, a.v_new, a.k_new_strides, a.v_new_strides) = (data_ptr(kn)?, data_ptr(vn)?, bh_strides(kn), bh_strides(vn));
     }
+    a.settled = i64::from(settled);
     let kern = dev.kernel(KernelKey::Named(warp_name("fwd_up_to", q.dtype(), n.d, UP_TO_WARPS, vw)), || gen_forward_up_to(q.dtype(), n.d, vw))?;
     dev.launch(kern, (bh as u32, chunks as u32, 1), (UP_TO_CHUNK as u32, 1, 1), &a)?;
     Ok(out)
 }
+
 
 /// The packed gradients `[dq | dk | dv | lse | delta]` of `Op::AttentionBackward` from cuDNN,
 /// laid out as the op's `batch_first` says (`AttnDims::grads`), from q, k, v, `out` and `g`

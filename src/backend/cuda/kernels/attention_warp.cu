@@ -163,8 +163,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 // head) to finish folds them in chunk order (the same bits on every run). F16 / BF16 inputs
 // (scores in F32). Query head h reads key/value head h / kv_group. Given `k_new` and `v_new`,
 // the key and value at position `last` come from them instead of the cache.
+// Where the cache and `last` are settled (no kernel still running writes them), the cache's
+// keys and first values are loaded before the wait for the kernel before, while it still runs;
+// the query, the new row and every store only after it.
 extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
-  KILN_AFTER_PREVIOUS();
+  KILN_WAIT_UNLESS_SETTLED(a.settled);
   ARGS
   (void)mk; (void)msb; (void)msh; (void)msl; (void)mss; (void)sscale; (void)causal; (void)qsl;
   T* out = (T*)a.out;
@@ -177,6 +180,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   const int chunks = (int)((seen + NT - 1) / NT);
   if (seen == 0) {
     // No key: the NaN row of a fully masked softmax.
+    KILN_WAIT_IF_SETTLED(a.settled);
     if (blockIdx.y == 0) for (int d = threadIdx.x; d < D_; d += NT) out[bh * D_ + d] = ST(__int_as_float(0x7fc00000));
     return;
   }
@@ -194,9 +198,11 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   // Row s of the values: the cache's, or the new one at `last`.
 #define VROW(s) ((s) == last && vn ? vn : vb + (s) * vss)
   const long long key = s0 + threadIdx.x;
+  // The cache's rows first; the new key and value (at `last`) after the wait.
+  const bool key_new = key == last && kn;
   VT kv[D_ / VW];
-  if (key < s1) {
-    const T* kr = key == last && kn ? kn : k + key * kss + b * ksb + hk * ksh;
+  if (key < s1 && !key_new) {
+    const T* kr = k + key * kss + b * ksb + hk * ksh;
 #pragma unroll
     for (int j = 0; j < D_ / VW; j++) kv[j] = *(const VT*)(kr + j * VW);
   }
@@ -207,19 +213,29 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
     for (int j = 0; j < PER; j++) {
       const int d = lane + 32 * j;
-      vu[u][j] = s < s1 && d < D_ ? LD(VROW(s)[d]) : 0.f;
+      vu[u][j] = s < s1 && d < D_ && !(s == last && vn) ? LD(vb[s * vss + d]) : 0.f;
     }
   }
+  KILN_WAIT_IF_SETTLED(a.settled);
   for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
   __syncthreads();
   // This thread's key's score, and the chunk's max.
   float sc = -INFINITY;
   if (key < s1) {
     float dot = 0.f;
+    if (key_new) {
+      // (read here, not into kv: two loads into one register array cost 50 registers)
+      for (int j = 0; j < D_ / VW; j++) {
+        const VT x = *(const VT*)(kn + j * VW);
 #pragma unroll
-    for (int j = 0; j < D_ / VW; j++)
+        for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(x.v[e]);
+      }
+    } else {
 #pragma unroll
-      for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
+      for (int j = 0; j < D_ / VW; j++)
+#pragma unroll
+        for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(kv[j].v[e]);
+    }
     sc = dot * scale;
   }
   float m = wmax(sc);
@@ -246,6 +262,15 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
     const float pu = s < s1 ? P[s - s0] : 0.f;
 #pragma unroll
     for (int j = 0; j < PER; j++) acc[j] += pu * vu[u][j];
+  }
+  // The new value row where it fell among the values loaded first (left 0 there).
+  if (vn && last >= s0 && last < s1 && last - s0 < VU * ROWS && (last - s0) % ROWS == warp) {
+    const float pl = P[last - s0];
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+      const int d = lane + 32 * j;
+      if (d < D_) acc[j] += pl * LD(vn[d]);
+    }
   }
   for (long long base = s0 + warp + VU * ROWS; base < s1; base += 4 * ROWS) {
     float pu[4], vw[4][PER];

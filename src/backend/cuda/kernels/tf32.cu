@@ -23,6 +23,8 @@
 #define B_TILE (BN * SB)
 #endif
 #define A_TILE (BM * SA)
+// Row stride of the output tile in shared memory (over the stages once the loop is done).
+#define SC (BN + 4)
 
 __device__ __forceinline__ void kcp16(float* smem, const float* g, bool pred) {
   const unsigned int s = (unsigned int)__cvta_generic_to_shared(smem);
@@ -64,16 +66,6 @@ __device__ __forceinline__ void kload_b(const Tf32Args& a, float* Bs, long long 
   }
 #endif
 }
-
-// Each output this thread holds, as (row r, column n, acc[i][j][e]): thread (g, t) holds rows
-// g and g + 8 of each 16-row tile, columns 2t and 2t + 1 of each 8-column tile.
-#define KEACH_OUTPUT(body) \
-  _Pragma("unroll") for (int i = 0; i < 2; i++) \
-  _Pragma("unroll") for (int j = 0; j < 4; j++) \
-  _Pragma("unroll") for (int e = 0; e < 4; e++) { \
-    const long long r = m0 + wm + i * 16 + g + (e >> 1) * 8, n = n0 + wn + j * 8 + 2 * t + (e & 1); \
-    body \
-  }
 
 __device__ __forceinline__ float kepilogue(const Tf32Args& a, long long n, float v) {
   if (a.bias) v += ((const float*)a.bias)[n];
@@ -156,21 +148,44 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
     }
   }
   asm volatile("cp.async.wait_group 0;" ::: "memory");
+  // The tile through shared memory (the stages are free once every warp is done with them),
+  // then stored by loops over its elements, a row's columns by adjacent threads: unrolled
+  // over each thread's 32 outputs, the split fix-up and the epilogue took 10,000 instructions,
+  // and their fetch stalled every warp.
+  __syncthreads();
+  float* Cs = ksm;
+#pragma unroll
+  for (int i = 0; i < 2; i++)
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) Cs[(wm + i * 16 + g + (e >> 1) * 8) * SC + wn + j * 8 + 2 * t + (e & 1)] = acc[i][j][e];
+  __syncthreads();
+  const int rows = (int)min((long long)BM, a.m - m0), cols = (int)min((long long)BN, a.n - n0);
   if (gridDim.z > 1) {
     const float* part = (const float*)a.part;
     float* mine = (float*)a.part + (long long)blockIdx.z * a.m * a.n;
-    KEACH_OUTPUT(if (r < a.m && n < a.n) mine[r * a.n + n] = acc[i][j][e];)
+#pragma unroll 4
+    for (int v = threadIdx.x; v < BM * BN; v += 128) {
+      const int r = v / BN, c = v % BN;
+      if (r < rows && c < cols) mine[(m0 + r) * a.n + n0 + c] = Cs[r * SC + c];
+    }
     __syncthreads();
     if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.y * gridDim.x + blockIdx.x, gridDim.z);
     __syncthreads();
     if (!last) return;
-    KEACH_OUTPUT(
-      float s = 0.0f;
-      if (r < a.m && n < a.n)
-        for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg(part + ((long long)z * a.m + r) * a.n + n);
-      acc[i][j][e] = s;
-    )
+    for (int v = threadIdx.x; v < BM * BN; v += 128) {
+      const int r = v / BN, c = v % BN;
+      if (r < rows && c < cols) {
+        float s = 0.0f;
+        for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg(part + ((long long)z * a.m + m0 + r) * a.n + n0 + c);
+        Cs[r * SC + c] = s;
+      }
+    }
   }
   float* out = (float*)a.out;
-  KEACH_OUTPUT(if (r < a.m && n < a.n) out[r * a.n + n] = kepilogue(a, n, acc[i][j][e]);)
+  for (int v = threadIdx.x; v < BM * BN; v += 128) {
+    const int r = v / BN, c = v % BN;
+    if (r < rows && c < cols) out[(m0 + r) * a.n + n0 + c] = kepilogue(a, n0 + c, Cs[r * SC + c]);
+  }
 }
