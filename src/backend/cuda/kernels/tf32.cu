@@ -103,18 +103,22 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
     for (int j = 0; j < 4; j++)
 #pragma unroll
       for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+  // The stages of chunk c and of chunk c + STAGES - 1, counted round (no division per chunk).
+  int stage = 0, ahead = STAGES - 1;
   for (int c = 0; c < chunks; c++) {
     asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2) : "memory");
     __syncthreads();
     // The chunk STAGES - 1 ahead, into the stage every warp has finished with.
     const int next = c + STAGES - 1;
     if (next < chunks) {
-      kload_a(a, As + (next % STAGES) * A_TILE, m0, kb + (long long)next * BK, ke);
-      kload_b(a, Bs + (next % STAGES) * B_TILE, n0, kb + (long long)next * BK, ke);
+      kload_a(a, As + ahead * A_TILE, m0, kb + (long long)next * BK, ke);
+      kload_b(a, Bs + ahead * B_TILE, n0, kb + (long long)next * BK, ke);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
-    const float* as = As + (c % STAGES) * A_TILE;
-    const float* bs = Bs + (c % STAGES) * B_TILE;
+    const float* as = As + stage * A_TILE;
+    const float* bs = Bs + stage * B_TILE;
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
+    ahead = ahead == STAGES - 1 ? 0 : ahead + 1;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8) {
       unsigned int af[2][4], bf[4][2];
@@ -174,12 +178,24 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
     if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.y * gridDim.x + blockIdx.x, gridDim.z);
     __syncthreads();
     if (!last) return;
-    for (int v = threadIdx.x; v < BM * BN; v += 128) {
-      const int r = v / BN, c = v % BN;
-      if (r < rows && c < cols) {
-        float s = 0.0f;
-        for (unsigned int z = 0; z < gridDim.z; z++) s += __ldcg(part + ((long long)z * a.m + m0 + r) * a.n + n0 + c);
-        Cs[r * SC + c] = s;
+    // Eight outputs a thread at a time, their pieces loaded together: one output at a time,
+    // each load waited for in turn, this tail outlasted the product.
+    for (int v0 = threadIdx.x; v0 < BM * BN; v0 += 128 * 8) {
+      float sum[8];
+#pragma unroll
+      for (int u = 0; u < 8; u++) sum[u] = 0.0f;
+      for (unsigned int z = 0; z < gridDim.z; z++) {
+        const float* pz = part + ((long long)z * a.m + m0) * a.n + n0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+          const int v = v0 + 128 * u, r = v / BN, c = v % BN;
+          if (r < rows && c < cols) sum[u] += __ldcg(pz + (long long)r * a.n + c);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; u++) {
+        const int v = v0 + 128 * u;
+        Cs[(v / BN) * SC + v % BN] = sum[u];
       }
     }
   }
