@@ -36,36 +36,61 @@ __device__ __forceinline__ unsigned int ktf32(float f) {
   return r;
 }
 
-// Chunk c of A (rows m0.., columns k0 + c * BK..) into its stage: 512 vectors of 4, four a thread.
-__device__ __forceinline__ void kload_a(const Tf32Args& a, float* As, long long m0, long long kc, long long ke) {
-  const float* A = (const float*)a.a;
+// A thread's share of loading one operand's chunks into their stages: four 16-byte vectors,
+// vector j of chunk c from `src + c * chunk + j * jump` into `dst + j * dst_jump` of the stage.
+// Its index along K is `k0 + c * BK + j * k_jump`; bit j of `live`: its row (or columns) of
+// the tile lie inside the matrix. Addresses are computed once, not per chunk.
+struct KLoader {
+  const float* src;
+  long long jump, chunk, k0;
+  int dst, dst_jump, k_jump;
+  unsigned int live;
+};
+
+__device__ __forceinline__ void kload(const KLoader& l, float* stage, int c, long long ke) {
 #pragma unroll
-  for (int j = 0; j < BM * BK / 4 / 128; j++) {
-    const int v = threadIdx.x + 128 * j, r = v / (BK / 4), c = (v % (BK / 4)) * 4;
-    const bool ok = m0 + r < a.m && kc + c < ke;
-    kcp16(As + r * SA + c, ok ? A + (m0 + r) * a.lda + kc + c : A, ok);
+  for (int j = 0; j < 4; j++) {
+    const bool ok = ((l.live >> j) & 1) && l.k0 + (long long)c * BK + j * l.k_jump < ke;
+    kcp16(stage + l.dst + j * l.dst_jump, ok ? l.src + c * l.chunk + j * l.jump : l.src, ok);
   }
 }
 
-// Chunk c of B (columns n0.., rows kc..) into its stage.
-__device__ __forceinline__ void kload_b(const Tf32Args& a, float* Bs, long long n0, long long kc, long long ke) {
-  const float* B = (const float*)a.b;
-#ifdef B_KN
+// The loader of a [rows, K] operand (K contiguous, rows `ld` apart; A, or B stored [N, K]) for
+// the tile's rows r0.. of `rows` (both such tiles have rows SA apart): thread x takes row
+// x / 8 + 16 j, columns (x % 8) * 4...
+__device__ __forceinline__ KLoader krows_loader(const float* m, long long ld, long long r0, long long rows, long long kb) {
+  const int r = threadIdx.x / (BK / 4), c = (threadIdx.x % (BK / 4)) * 4;
+  KLoader l;
+  l.src = m + (r0 + r) * ld + kb + c;
+  l.jump = 16 * ld;
+  l.chunk = BK;
+  l.k0 = kb + c;
+  l.dst = r * SA + c;
+  l.dst_jump = 16 * SA;
+  l.k_jump = 0;
+  l.live = 0;
 #pragma unroll
-  for (int j = 0; j < BK * BN / 4 / 128; j++) {
-    const int v = threadIdx.x + 128 * j, r = v / (BN / 4), c = (v % (BN / 4)) * 4;
-    const bool ok = kc + r < ke && n0 + c < a.n;
-    kcp16(Bs + r * SB + c, ok ? B + (kc + r) * a.ldb + n0 + c : B, ok);
-  }
-#else
-#pragma unroll
-  for (int j = 0; j < BN * BK / 4 / 128; j++) {
-    const int v = threadIdx.x + 128 * j, r = v / (BK / 4), c = (v % (BK / 4)) * 4;
-    const bool ok = n0 + r < a.n && kc + c < ke;
-    kcp16(Bs + r * SB + c, ok ? B + (n0 + r) * a.ldb + kc + c : B, ok);
-  }
-#endif
+  for (int j = 0; j < 4; j++) l.live |= (r0 + r + 16 * j < rows ? 1u : 0u) << j;
+  return l;
 }
+
+#ifdef B_KN
+// The loader of B stored [K, N] (N contiguous, rows `ldb` apart) for the tile's columns n0..:
+// thread x takes row x / 16 + 8 j of the chunk, columns n0 + (x % 16) * 4...
+__device__ __forceinline__ KLoader kcols_loader(const float* b, long long ldb, long long n0, long long n, long long kb) {
+  const int r = threadIdx.x / (BN / 4), c = (threadIdx.x % (BN / 4)) * 4;
+  KLoader l;
+  l.src = b + (kb + r) * ldb + n0 + c;
+  l.jump = 8 * ldb;
+  l.chunk = BK * ldb;
+  l.k0 = kb + r;
+  l.dst = r * SB + c;
+  l.dst_jump = 8 * SB;
+  l.k_jump = 8;
+  l.live = n0 + c < n ? 0xfu : 0u;
+  return l;
+}
+#endif
 
 __device__ __forceinline__ float kepilogue(const Tf32Args& a, long long n, float v) {
   if (a.bias) v += ((const float*)a.bias)[n];
@@ -86,14 +111,20 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
   // This block's piece of K: whole chunks, the last piece taking what is left.
   const long long kb = (long long)blockIdx.z * a.per, ke = min(a.k, kb + a.per);
   const int chunks = (int)((ke - kb + BK - 1) / BK);
+  const KLoader la = krows_loader((const float*)a.a, a.lda, m0, a.m, kb);
+#ifdef B_KN
+  const KLoader lb = kcols_loader((const float*)a.b, a.ldb, n0, a.n, kb);
+#else
+  const KLoader lb = krows_loader((const float*)a.b, a.ldb, n0, a.n, kb);
+#endif
   // The first stages: B (a settled weight: before the wait for the kernel before), then A.
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++)
-    if (s < chunks) kload_b(a, Bs + s * B_TILE, n0, kb + s * BK, ke);
+    if (s < chunks) kload(lb, Bs + s * B_TILE, s, ke);
   KILN_WAIT_IF_SETTLED(a.settled);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
-    if (s < chunks) kload_a(a, As + s * A_TILE, m0, kb + s * BK, ke);
+    if (s < chunks) kload(la, As + s * A_TILE, s, ke);
     asm volatile("cp.async.commit_group;" ::: "memory");
   }
   float acc[2][4][4];
@@ -111,8 +142,8 @@ extern "C" __global__ void __launch_bounds__(128) NAME(const Tf32Args a) {
     // The chunk STAGES - 1 ahead, into the stage every warp has finished with.
     const int next = c + STAGES - 1;
     if (next < chunks) {
-      kload_a(a, As + ahead * A_TILE, m0, kb + (long long)next * BK, ke);
-      kload_b(a, Bs + ahead * B_TILE, n0, kb + (long long)next * BK, ke);
+      kload(la, As + ahead * A_TILE, next, ke);
+      kload(lb, Bs + ahead * B_TILE, next, ke);
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
     const float* as = As + stage * A_TILE;
