@@ -12,7 +12,7 @@
 
 use super::graph::{Graph, NodeId, NodeOp};
 use crate::ops::matmul::Activation;
-use crate::ops::{BinaryOp, Op, UnaryOp};
+use crate::ops::{BinaryOp, Op, ReduceOp, UnaryOp};
 use crate::kir::MAX_LOOPED_ROW;
 use crate::kir::{FusedKernel, ValueRef, KInput, KKind, KOp, KernelMemo, Space};
 use crate::DType;
@@ -51,6 +51,10 @@ pub(crate) struct Gemm {
     /// The one-row kernel whose output is the product's row, run by the product's kernel
     /// (`row_prologues`).
     pub prologue: Option<RowPrologue>,
+    /// The last node is the index of the largest of the product's one row of columns (a
+    /// greedy decode step's next token, `with_argmax`): the kernel computes it, and the
+    /// product's values are never stored.
+    pub argmax: bool,
 }
 
 /// A one-row kernel of the schedule (`Schedule::kernels[kernel]`) whose output `output` a
@@ -81,8 +85,40 @@ impl Gemm {
         if let Some(p) = self.prologue {
             s += &format!(", its row computed first by kernel {} (output {})", p.kernel, p.output);
         }
+        if self.argmax {
+            s += &format!(", then the argmax of its columns -> %{}", self.out());
+        }
         s
     }
+}
+
+/// `gm` with the argmax of its values joined (`Gemm::argmax`) where that is their only use: a
+/// product of one row (a single `[1, 1, N]` product), through reshapes nothing else reads, to
+/// the index of the largest along its last dim, of N columns.
+fn with_argmax(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mut gm: Gemm) -> Gemm {
+    let mm = &g.nodes[gm.matmul];
+    let cols = mm.shape[2];
+    if mm.shape[..2] != [1, 1] || !matches!(mm.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return gm;
+    }
+    let (mut chain, mut cur) = (vec![], gm.out());
+    loop {
+        let Some(r) = (users[cur] == 1 && readers[cur].len() == 1).then(|| readers[cur][0]) else { return gm };
+        match &g.nodes[r].op {
+            NodeOp::Prim(Op::Reshape(_)) => {
+                chain.push(r);
+                cur = r;
+            }
+            NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, dims, _)) if *dims == [g.nodes[cur].shape.len() - 1] && g.nodes[cur].shape.last() == Some(&cols) && g.nodes[cur].numel() == cols => {
+                chain.push(r);
+                break;
+            }
+            _ => return gm,
+        }
+    }
+    gm.nodes.extend(chain);
+    gm.argmax = true;
+    gm
 }
 
 /// Whether the bias add (and a ReLU) after matmul node `mm` join its library call, and if not,
@@ -93,7 +129,7 @@ impl Gemm {
 /// spread over the rows (`[1, .., N]`, expanded). A ReLU that is the add's only reader joins.
 pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm: NodeId) -> (Gemm, Option<String>) {
     let node = &g.nodes[mm];
-    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm], prologue: None };
+    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm], prologue: None, argmax: false };
     // The only reader of `x`, when nothing else (an output, a write-back) needs its value.
     let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
     let mut nodes = vec![mm];
@@ -152,7 +188,7 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         nodes.extend(between);
         nodes.push(r);
     }
-    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes, prologue: None }, None)
+    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes, prologue: None, argmax: false }, None)
 }
 
 /// The value a bias operand spreads over the rows: the vector under its expand.
@@ -304,6 +340,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
         let node = &g.nodes[i];
         if matches!(node.op, NodeOp::Prim(Op::Matmul)) && node.device.is_cuda() && node.dtype.is_float() && node.numel() > 0 {
             let (gm, note) = plan_gemm(g, &node_readers, &users, i);
+            let gm = with_argmax(g, &node_readers, &users, gm);
             for &x in &gm.nodes {
                 gemm_of[x] = Some(sched.gemms.len());
             }
@@ -1159,6 +1196,33 @@ pub(crate) mod tests {
         });
         let s = schedule(&g);
         assert!(s.gemms.iter().all(|gm| gm.prologue.is_none()), "{:?}", s.gemms);
+    }
+
+    #[test]
+    fn the_argmax_of_a_one_row_product_joins_its_step() {
+        // A greedy decode step's next token: the tied output head's product (a transposed
+        // weight), reshaped, then the index of its largest column.
+        let argmax_joins = |rows: usize, also_return_logits: bool, dim: i64| {
+            let w = r(&[40, 16], DType::BF16);
+            let g = graph_of(&[r(&[rows, 16], DType::BF16)], move |xs| {
+                let logits = xs[0].matmul(&w.t()?)?.reshape(&[rows as i64, 1, 40])?;
+                let next = logits.argmax(dim, false)?;
+                Ok(if also_return_logits { vec![next, logits] } else { vec![next] })
+            });
+            let s = schedule(&g);
+            assert_eq!(s.gemms.len(), 1);
+            let gm = &s.gemms[0];
+            if gm.argmax {
+                assert!(matches!(g.nodes[gm.out()].op, NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, ..))), "{}", gm.describe(&g));
+                assert!(gm.describe(&g).contains("then the argmax"), "{}", gm.describe(&g));
+                assert!(s.kernels.is_empty(), "{:?}", s.kernels.iter().map(|k| k.describe()).collect::<Vec<_>>());
+            }
+            gm.argmax
+        };
+        assert!(argmax_joins(1, false, -1));
+        assert!(!argmax_joins(2, false, -1), "two rows");
+        assert!(!argmax_joins(1, true, -1), "the logits are an output too");
+        assert!(!argmax_joins(1, false, 0), "along another dim");
     }
 
     #[test]

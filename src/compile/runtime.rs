@@ -741,7 +741,7 @@ fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, sett
     let mm = &g.nodes[gm.matmul];
     let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
     let bias = gm.bias.map(|b| (arg(b), gm.act));
-    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled, row)? else { return Ok(None) };
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled, row, gm.argmax)? else { return Ok(None) };
     let out = &g.nodes[gm.out()].shape;
     Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
 }

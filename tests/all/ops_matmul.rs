@@ -340,6 +340,64 @@ fn products_of_one_row_in_both_storage_orders() -> Result<()> {
     Ok(())
 }
 
+/// The index of the largest output of a compiled row product (a greedy decode step's next
+/// token from a tied output head, `[N, K]` read through its transpose): the same index as
+/// eager, at sizes that leave a block's warps without an output, with the largest value twice
+/// (the first index, as `Tensor::argmax`), with a NaN (its index), with a bias. On CUDA the
+/// product's kernel computes it (`gemv_rows_argmax_*`, checked by name) and nothing else runs.
+#[test]
+fn the_argmax_of_a_compiled_row_product_is_eager_argmax() -> Result<()> {
+    let d = dev();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        for (k, n) in [(64, 50257), (768, 1001), (16, 5)] {
+            for case in ["plain", "tie", "nan", "bias"] {
+                let mut wv = host_rand(n * k, 11 + n as u64);
+                let xv: Vec<f64> = host_rand(k, 5).iter().map(|v| v.abs() + 0.1).collect();
+                // Rows made largest (all-positive weights against a positive row): twice the
+                // same row, or a NaN in one.
+                let (first, second) = (n / 3, n / 3 + 2);
+                if case == "tie" || case == "nan" {
+                    for j in 0..k {
+                        wv[first * k + j] = 4.0;
+                        wv[second * k + j] = 4.0;
+                    }
+                }
+                if case == "nan" {
+                    wv[(n - 1) * k + k / 2] = f64::NAN;
+                }
+                let w = t(&wv, &[n, k], dt);
+                let x = t(&xv, &[1, k], dt);
+                let bias = (case == "bias").then(|| t(&host_rand(n, 9), &[n], dt));
+                let (w2, b2) = (w.clone(), bias.clone());
+                let head = move |x: &Tensor, w: &Tensor, b: Option<&Tensor>| -> Result<Tensor> {
+                    let logits = match b {
+                        Some(b) => x.matmul(&w.t()?)?.add(b)?,
+                        None => x.matmul(&w.t()?)?,
+                    };
+                    logits.reshape(&[1, 1, n as i64])?.argmax(-1, false)
+                };
+                let f = kiln::compile::compile(move |x: &Tensor| head(x, &w2, b2.as_ref()));
+                let want = head(&x, &w, bias.as_ref())?;
+                let ctx = format!("{dt:?} [1,{k}] @ [{k},{n}] {case}");
+                f.call(&x)?;
+                let (got, p) = kiln::profiler::profile_value(|| f.call(&x))?;
+                assert_eq!(got.shape(), want.shape(), "{ctx}");
+                assert_eq!(got.to_vec::<i64>()?, want.to_vec::<i64>()?, "{ctx}");
+                match case {
+                    "tie" => assert_eq!(got.to_vec::<i64>()?, [first as i64], "{ctx}"),
+                    "nan" => assert_eq!(got.to_vec::<i64>()?, [n as i64 - 1], "{ctx}"),
+                    _ => {}
+                }
+                if d.is_cuda() {
+                    let names: Vec<String> = p.kernel_names().iter().map(|s| s.to_string()).collect();
+                    assert_eq!(names, [format!("gemv_rows_argmax_{}", dt.torch_name())], "{ctx}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Compiled F32 linear layers under `allow_tf32` on CUDA: kiln's TF32 tensor-core kernels (by
 /// name) in both storage orders of the weight, at tile edges, with K split and not, with a bias
 /// and ReLU; each element within TF32's rounding of its inputs (10 bits kept of each, about

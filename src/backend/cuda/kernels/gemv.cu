@@ -46,15 +46,34 @@ struct GemvRowArgs { GemvArgs g; LaunchArgs r; };
 #define KROW(row)
 #endif
 
-__device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
+// Output n's value after the bias and the activation, in F32.
+__device__ __forceinline__ float kepilogue(const GemvArgs& a, long long n, float acc) {
   if (a.bias) acc += LD(((const T*)a.bias)[n]);
   if (a.act == 1) acc = fmaxf(acc, 0.0f);
   else if (a.act == 2) acc = KGELU_TANH(acc);
-  ((T*)a.out)[n] = ST(acc);
+  return acc;
 }
+
+__device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
+  ((T*)a.out)[n] = ST(kepilogue(a, n, acc));
+}
+
+#ifdef GEMV_ARGMAX
+// The order of (value, index) pairs as one u64, largest first: the value's bits made to order as
+// unsigned integers (NaN above everything, -0 as +0), then the index reversed, so that the max
+// is the first index of the largest value, as `Tensor::argmax`.
+__device__ __forceinline__ unsigned long long kargmax_key(float v, long long n) {
+  unsigned int u = __float_as_uint(v == 0.0f ? 0.0f : v);
+  u = v != v ? 0xffffffffu : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return ((unsigned long long)u << 32) | (0xffffffffu - (unsigned int)n);
+}
+#endif
 
 #ifdef GEMV_ROWS
 // One warp per output: its lanes walk the row and x in 16-byte vectors, then sum by shuffles.
+// With GEMV_ARGMAX no output is stored: each block takes the largest of its outputs (rounded
+// to T, as stored) into a running max (`part`, a u64), and the last block to arrive writes its
+// index to `out` (one I64) and clears the max for the next launch.
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KILN_AFTER_PREVIOUS();
   KBIND
@@ -62,10 +81,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KROW(xrow)
   const int lane = threadIdx.x & 31;
   const long long n = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+#ifdef GEMV_ARGMAX
+  // Every warp reaches the block's barriers.
+  const bool live = n < a.n;
+#else
   if (n >= a.n) return;
+  const bool live = true;
+#endif
   const uint4* x = (const uint4*)xrow;
   const uint4* w = (const uint4*)((const T*)a.w + n * a.ldw);
-  const long long vectors = a.k / VW;
+  const long long vectors = live ? a.k / VW : 0;
   float acc = 0.0f;
 #pragma unroll 4
   for (long long v = lane; v < vectors; v += 32) {
@@ -77,7 +102,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+#ifdef GEMV_ARGMAX
+  __shared__ unsigned long long best[WARPS];
+  __shared__ bool last;
+  if (lane == 0) best[threadIdx.x >> 5] = live ? kargmax_key(LD(ST(kepilogue(a, n, acc))), n) : 0ull;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long b = best[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; w++) b = max(b, best[w]);
+    unsigned long long* running = (unsigned long long*)a.part;
+    atomicMax(running, b);
+    // (the arrival's release orders the max before it; the last block's acquire sees them all)
+    if (klast_arrival((unsigned int*)a.count, gridDim.x)) {
+      const unsigned long long all = atomicExch(running, 0ull);
+      *(long long*)a.out = (long long)(0xffffffffu - (unsigned int)(all & 0xffffffffu));
+    }
+  }
+#else
   if (lane == 0) kstore_out(a, n, acc);
+#endif
 }
 #endif
 

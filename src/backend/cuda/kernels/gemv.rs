@@ -74,7 +74,11 @@ unsafe impl KernelArgs for GemvRowArgs {}
 /// `settled`: no kernel still running can be writing `b` (see `KILN_WAIT_UNLESS_SETTLED`).
 /// `row`: the row kernel whose output `a` is, not yet run: every block computes the row itself
 /// first (`fused::RowPrologue`), and `a`'s buffer is left as it was.
-pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>) -> Result<Option<CudaStorage>> {
+/// `argmax`: the result is instead one I64, the index of the largest output (the first of
+/// equals, NaN above all, as `Tensor::argmax`), from the matrix stored `[N, K]` only (else None).
+// The product's operands and its epilogue's parts, one each: a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
@@ -96,17 +100,20 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     } else {
         return Ok(None);
     };
+    if argmax && (walk != Walk::Rows || n > u32::MAX as usize) {
+        return Ok(None);
+    }
     // The row is read in vectors by the row kernel, element by element by the column kernel
     // (a row computed in the kernel lies aligned in shared memory).
     if !aligned(b)? || (row.is_none() && ((a.strides()[2] != 1 && k > 1) || (walk == Walk::Rows && !aligned(a)?))) {
         return Ok(None);
     }
     let Some((bias_ptr, act)) = epilogue_args(bias, dtype, n)? else { return Ok(None) };
-    let out = CudaStorage::new(dev, dtype, n)?;
-    let name = kernel_name(walk, dtype);
+    let out = if argmax { CudaStorage::new(dev, DType::I64, 1)? } else { CudaStorage::new(dev, dtype, n)? };
+    let name = kernel_name(walk, dtype, argmax);
     let kern = match row {
-        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None)))?,
-        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k))))?,
+        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None, argmax)))?,
+        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax))?,
     };
     let (blocks, splits) = match walk {
         Walk::Rows => (n.div_ceil(WARPS), 1),
@@ -116,7 +123,19 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     // block on in stream order).
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
     let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: i64::from(settled), per: per as i64, part: part.as_ref().map_or(0, |p| p.ptr()), count };
+    // The argmax's arrival counter (the first) and its running best (the third and fourth, 8-byte
+    // aligned), left zero by the last block.
+    let (part, part_ptr, count) = match argmax {
+        true => {
+            let c = dev.reduce_counters(4)?;
+            (None, c + 8, c)
+        }
+        false => {
+            let p = part.as_ref().map_or(0, |p| p.ptr());
+            (part, p, count)
+        }
+    };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: i64::from(settled), per: per as i64, part: part_ptr, count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,
@@ -161,8 +180,9 @@ fn split_rows(n: usize, k: usize, vw: usize, tx: usize, sms: usize, most: usize)
 }
 
 /// A kernel's name, which says all its source depends on.
-fn kernel_name(walk: Walk, dtype: DType) -> String {
+fn kernel_name(walk: Walk, dtype: DType, argmax: bool) -> String {
     match walk {
+        Walk::Rows if argmax => format!("gemv_rows_argmax_{}", dtype.torch_name()),
         Walk::Rows => format!("gemv_rows_{}", dtype.torch_name()),
         Walk::Cols { tx, rows: 0 } => format!("gemv_cols{tx}_{}", dtype.torch_name()),
         Walk::Cols { tx, rows } => format!("gemv_cols{tx}_r{rows}_{}", dtype.torch_name()),
@@ -171,7 +191,7 @@ fn kernel_name(walk: Walk, dtype: DType) -> String {
 
 /// A kernel's source; `row`: the name, source and row length of a row kernel's prologue
 /// function (`fused::RowPrologue`) that computes the row first.
-fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>) -> String {
+fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>, argmax: bool) -> String {
     let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
     if let Some((row_name, row_src, cols)) = row {
         // The row kernel's function, then what the kernels call it by.
@@ -186,6 +206,9 @@ fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>
     let _ = writeln!(c, "#define KGELU_TANH(x) ({})", crate::ops::UnaryOp::GeluTanh.cuda("(x)", CType::F32));
     if dtype == DType::BF16 {
         c.push_str("#define GEMV_BF16\n");
+    }
+    if argmax {
+        c.push_str("#define GEMV_ARGMAX\n");
     }
     match walk {
         Walk::Rows => c.push_str("#define GEMV_ROWS\n"),
@@ -206,9 +229,11 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     let mut v = vec![];
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
-            let name = kernel_name(walk, dtype);
-            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None))));
+            let name = kernel_name(walk, dtype, false);
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false))));
         }
+        let name = kernel_name(Walk::Rows, dtype, true);
+        v.push(super::samples::Sample::new((name.clone(), source(&name, Walk::Rows, dtype, None, true))));
     }
     v
 }
@@ -220,8 +245,8 @@ pub(super) fn row_samples(row_name: &str, row_src: &str, cols: usize, dtype: DTy
     [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }]
         .into_iter()
         .map(|walk| {
-            let name = format!("{}_{row_name}", kernel_name(walk, dtype));
-            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)))))
+            let name = format!("{}_{row_name}", kernel_name(walk, dtype, false));
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false)))
         })
         .collect()
 }

@@ -666,10 +666,15 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 /// `tune`; None when the epilogue cannot run here. `settled`: no kernel still running can be
 /// writing `b` (a row's product then loads it early). `row`: the one-row kernel whose output `a`
 /// is, not yet run: the product's kernel computes the row itself where it can, else the row
-/// kernel runs first; either way it has run once this returns.
-pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>) -> Result<Option<Tensor>> {
+/// kernel runs first; either way it has run once this returns. `argmax`: instead of the
+/// product, the index of its largest column as one I64 (a product of one row; `gemv`'s
+/// kernels only, else None).
+// The product's operands and its epilogue's parts, one each: a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>, argmax: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
-    let shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
+    let product_shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
+    let shape: &[usize] = if argmax { &[1] } else { &product_shape };
     // The bias packed once for both paths; None where no epilogue runs it (no broadcast vector).
     let packed = match bias {
         Some((t, act)) => blas::bias_vector(t, shape[2])?.map(|v| Some((v, act))),
@@ -680,36 +685,40 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     }
     if let Some(p) = row {
         if let (Some(packed), Some(r)) = (&packed, fused::row_prologue(p, gemv::THREADS)?) {
-            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r))? {
-                return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax)? {
+                return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
             }
         }
         fused::run_pending_row(p)?;
     }
     let Some(packed) = packed else { return Ok(None) };
     let bias = epilogue(&packed);
-    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None)? {
-        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None, argmax)? {
+        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
+    }
+    if argmax {
+        return Ok(None);
     }
     if let Some(s) = tf32::product(&dev, a, b, bias, settled)? {
-        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), &shape)));
+        return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
     }
-    Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), &shape)))
+    Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
 }
 
 /// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
 /// `KILN_GEMV=0` or they do not take it.
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>) -> Result<Option<CudaStorage>> {
+#[allow(clippy::too_many_arguments)]
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
     if crate::switches::gemv_off() {
         return Ok(None);
     }
-    gemv::product(dev, a, b, dtype, bias, settled, row)
+    gemv::product(dev, a, b, dtype, bias, settled, row, argmax)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
-        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None)? {
+        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None, false)? {
             return Ok(s);
         }
         return blas::bmm(&dev, a, b, dtype);
