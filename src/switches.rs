@@ -103,6 +103,13 @@ pub(crate) fn tf32_gemm_on() -> bool {
     *V.get_or_init(|| is("KILN_TF32_GEMM", "1"))
 }
 
+/// `KILN_GEMV_ARGMAX=1`: the argmax of a compiled one-row product's columns runs in the
+/// product's kernel (`fuse::with_argmax`; opt-in until its tests have passed on a GPU).
+pub(crate) fn gemv_argmax_on() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_GEMV_ARGMAX", "1"))
+}
+
 /// `KILN_ROW_PROLOGUE=0`: a one-row kernel before a product of one row stays a kernel of its
 /// own instead of running in the product's kernel (`fuse::row_prologues`).
 pub(crate) fn row_prologues_off() -> bool {
