@@ -109,7 +109,7 @@ fn with_argmax(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mut gm: Gemm
                 chain.push(r);
                 cur = r;
             }
-            NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, dims, _)) if *dims == [g.nodes[cur].shape.len() - 1] && g.nodes[cur].shape.last() == Some(&cols) && g.nodes[cur].numel() == cols => {
+            NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, dims, _)) if g.nodes[cur].shape.len().checked_sub(1).is_some_and(|last| *dims == [last]) && g.nodes[cur].shape.last() == Some(&cols) && g.nodes[cur].numel() == cols => {
                 chain.push(r);
                 break;
             }

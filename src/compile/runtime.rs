@@ -767,8 +767,16 @@ fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
 /// before them (`ops::attention::SettledCache`): those operands are views of the program's
 /// inputs, and no step before writes anything in place (a tensor written in place may share
 /// memory with them; the write-back of the program's other new values comes after its last
-/// step) or runs user code (a custom op, a collective).
+/// step) or runs user code (a custom op, a collective). Only in a program whose ops all run on
+/// one device: the launch count that says the program has launched a kernel is per thread, and
+/// a kernel on another device says nothing of the one before the attention on its stream.
 fn settled_caches(g: &Graph, s: &Schedule, in_place: &std::collections::HashMap<NodeId, usize>) -> std::collections::HashSet<NodeId> {
+    let mut op_devices = g.nodes.iter().filter(|n| matches!(n.op, NodeOp::Prim(_) | NodeOp::Custom(_) | NodeOp::Collective(_))).map(|n| n.device);
+    if let Some(first) = op_devices.next() {
+        if op_devices.any(|d| d != first) {
+            return Default::default();
+        }
+    }
     let writes = |step: &Step| match step {
         Step::Node(i) => in_place.contains_key(i) || matches!(g.nodes[*i].op, NodeOp::Custom(_) | NodeOp::Collective(_)),
         Step::Kernel(k) => s.kernels[*k].outputs.iter().any(|(_, n)| in_place.contains_key(n)),

@@ -677,7 +677,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     let shape: &[usize] = if argmax { &[1] } else { &product_shape };
     // The bias packed once for both paths; None where no epilogue runs it (no broadcast vector).
     let packed = match bias {
-        Some((t, act)) => blas::bias_vector(t, shape[2])?.map(|v| Some((v, act))),
+        Some((t, act)) => blas::bias_vector(t, product_shape[2])?.map(|v| Some((v, act))),
         None => Some(None),
     };
     fn epilogue(packed: &Option<(Tensor, Option<Activation>)>) -> Option<(&Tensor, Option<Activation>)> {
