@@ -101,22 +101,14 @@ fn with_argmax(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mut gm: Gemm
     if mm.shape[..2] != [1, 1] || !matches!(mm.dtype, DType::F32 | DType::F16 | DType::BF16) {
         return gm;
     }
-    let (mut chain, mut cur) = (vec![], gm.out());
-    loop {
-        let Some(r) = (users[cur] == 1 && readers[cur].len() == 1).then(|| readers[cur][0]) else { return gm };
-        match &g.nodes[r].op {
-            NodeOp::Prim(Op::Reshape(_)) => {
-                chain.push(r);
-                cur = r;
-            }
-            NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, dims, _)) if g.nodes[cur].shape.len().checked_sub(1).is_some_and(|last| *dims == [last]) && g.nodes[cur].shape.last() == Some(&cols) && g.nodes[cur].numel() == cols => {
-                chain.push(r);
-                break;
-            }
-            _ => return gm,
-        }
+    let (chain, next) = sole_reader_chain(g, readers, users, gm.out(), |_| true);
+    let read = &g.nodes[*chain.last().expect("not empty")];
+    let Some(r) = next else { return gm };
+    if !matches!(&g.nodes[r].op, NodeOp::Prim(Op::Reduce(ReduceOp::ArgMax, dims, _)) if read.shape.len().checked_sub(1).is_some_and(|last| *dims == [last]) && read.shape.last() == Some(&cols) && read.numel() == cols) {
+        return gm;
     }
-    gm.nodes.extend(chain);
+    gm.nodes.extend(&chain[1..]);
+    gm.nodes.push(r);
     gm.argmax = true;
     gm
 }

@@ -442,7 +442,6 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
     Ok(out)
 }
 
-
 /// The packed gradients `[dq | dk | dv | lse | delta]` of `Op::AttentionBackward` from cuDNN,
 /// laid out as the op's `batch_first` says (`AttnDims::grads`), from q, k, v, `out` and `g`
 /// as `[L, B, H, D]` views (`out` and `g` of any strides along L, B and H). None: cuDNN does

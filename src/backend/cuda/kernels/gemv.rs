@@ -122,18 +122,13 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     // The partial sums of a split K, alive until the launch is queued (the allocator hands the
     // block on in stream order).
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
-    let count = if splits > 1 { dev.reduce_counters(blocks)? } else { 0 };
-    // The argmax's arrival counter (the first) and its running best (the third and fourth, 8-byte
-    // aligned), left zero by the last block.
-    let (part, part_ptr, count) = match argmax {
-        true => {
-            let c = dev.reduce_counters(4)?;
-            (None, c + 8, c)
-        }
-        false => {
-            let p = part.as_ref().map_or(0, |p| p.ptr());
-            (part, p, count)
-        }
+    // The argmax (one row walk, never split) takes the first counter for its arrivals and the
+    // third and fourth (8-byte aligned) for its running best, left zero by its last block.
+    let (part_ptr, count) = if argmax {
+        let c = dev.reduce_counters(4)?;
+        (c + 8, c)
+    } else {
+        (part.as_ref().map_or(0, |p| p.ptr()), if splits > 1 { dev.reduce_counters(blocks)? } else { 0 })
     };
     let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: i64::from(settled), per: per as i64, part: part_ptr, count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
