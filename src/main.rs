@@ -64,6 +64,10 @@ enum Cmd {
         /// Profile the workload's compiled form (`kiln::compile`) instead of its eager one.
         #[arg(long)]
         compiled: bool,
+        /// With `--compiled`, the bench's compiled variant to profile (`compiled`,
+        /// `reduce_overhead` or `max_autotune` for a training or decode step); the first if absent.
+        #[arg(long, requires = "compiled")]
+        variant: Option<String>,
     },
     /// Continues a prompt with a `transformers` model directory (GPT-2 or Llama family:
     /// config.json, safetensors weights, tokenizer.json), printing tokens as they come.
@@ -149,7 +153,7 @@ fn main() {
             }
         }
         Some(Cmd::Doctor { workload, compiled, json, trace }) => cli::doctor::run(workload.as_deref(), compiled.as_deref(), json, trace.as_deref()),
-        Some(Cmd::Profile { workload, trace, compiled }) => cli::profile::run(&workload, &trace, compiled),
+        Some(Cmd::Profile { workload, trace, compiled, variant }) => cli::profile::run(&workload, &trace, compiled, variant.as_deref()),
         Some(Cmd::Generate { model, prompt, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, compile }) => (|| {
             let device = match device.as_str() {
                 "cpu" => Device::Cpu,

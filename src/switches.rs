@@ -103,11 +103,11 @@ pub(crate) fn tf32_gemm_on() -> bool {
     *V.get_or_init(|| is("KILN_TF32_GEMM", "1"))
 }
 
-/// `KILN_GEMV_ARGMAX=1`: the argmax of a compiled one-row product's columns runs in the
-/// product's kernel (`fuse::with_argmax`; opt-in until its tests have passed on a GPU).
+/// `KILN_GEMV_ARGMAX=0`: the argmax of a compiled one-row product's columns runs as a kernel of
+/// its own instead of in the product's kernel (`fuse::with_argmax`), to compare the two.
 pub(crate) fn gemv_argmax_on() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_GEMV_ARGMAX", "1"))
+    *V.get_or_init(|| !is("KILN_GEMV_ARGMAX", "0"))
 }
 
 /// `KILN_ROW_PROLOGUE=0`: a one-row kernel before a product of one row stays a kernel of its
@@ -181,6 +181,14 @@ pub(crate) fn cudnn_min_keys() -> Option<usize> {
 pub(crate) fn pdl() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
     *V.get_or_init(|| !is("KILN_PDL", "0"))
+}
+
+/// `KILN_PDL_EARLY=0`: a kernel handed settled memory lets the next kernel start only after its
+/// own wait (as every other kernel), not as soon as it starts (`prelude.cu`,
+/// `KILN_WAIT_UNLESS_SETTLED`).
+pub(crate) fn pdl_early() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| !is("KILN_PDL_EARLY", "0"))
 }
 
 /// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.

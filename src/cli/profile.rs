@@ -6,7 +6,7 @@ use kiln::prelude::*;
 use kiln::Error;
 use std::path::Path;
 
-pub fn run(name: &str, trace: impl AsRef<Path>, compiled: bool) -> Result<()> {
+pub fn run(name: &str, trace: impl AsRef<Path>, compiled: bool, variant: Option<&str>) -> Result<()> {
     let trace = trace.as_ref();
     if !WORKLOADS.contains(&name) {
         return Err(Error::Arg { op: "profile", msg: format!("unknown workload '{name}'; one of: {}", WORKLOADS.join(", ")) });
@@ -17,9 +17,17 @@ pub fn run(name: &str, trace: impl AsRef<Path>, compiled: bool) -> Result<()> {
         return Err(Error::Arg { op: "profile", msg: format!("{name} {}", bench::NOT_YET) });
     };
     let call: &mut bench::Call = if compiled {
-        match (&mut w.compiled, &mut w.measure) {
-            (Some(c), _) => c,
-            (None, bench::Measure::Step(v)) if !v.is_empty() => &mut v[0].1,
+        match (&mut w.compiled, &mut w.measure, variant) {
+            (Some(c), _, None) => c,
+            (None, bench::Measure::Step(v), None) if !v.is_empty() => &mut v[0].1,
+            (None, bench::Measure::Step(v), Some(want)) => {
+                let names: Vec<&str> = v.iter().map(|(n, _)| *n).collect();
+                match v.iter_mut().find(|(n, _)| *n == want) {
+                    Some((_, c)) => c,
+                    None => return Err(Error::Arg { op: "profile", msg: format!("{name} has no compiled variant '{want}'; it has {}", names.join(", ")) }),
+                }
+            }
+            (_, _, Some(want)) => return Err(Error::Arg { op: "profile", msg: format!("{name} has one compiled form, not variants ('{want}')") }),
             _ => return Err(Error::Arg { op: "profile", msg: format!("{name} has no compiled form in the bench") }),
         }
     } else {

@@ -498,7 +498,8 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
 
 /// Most columns of a product that computes its row itself: each of its blocks computes the row
 /// again (the tied output head's 50,257 columns would have 6,283 blocks each compute the final
-/// layer norm).
+/// layer norm). A product with an argmax has no such limit: its blocks are a few per SM
+/// (`gemv.rs`), each walking many columns.
 const MAX_PROLOGUE_COLUMNS: usize = 4096;
 
 /// (start, step) where `v`, read by a row kernel over rows of `cols`, is an `Arange` of `cols`
@@ -566,10 +567,10 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
             let product = next.filter(|&r| matches!(g.nodes[r].op, NodeOp::Prim(Op::Matmul)) && g.nodes[r].args[0] == last).and_then(|r| gemm_of.get(&r).copied());
             let Some(j) = product else { continue };
             let mm = &g.nodes[sched.gemms[j].matmul];
-            let few_blocks = mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
+            let gm = &sched.gemms[j];
+            let few_blocks = gm.argmax || mm.shape.last().is_some_and(|&n| n <= MAX_PROLOGUE_COLUMNS);
             // The product's other operands (its matrix, its bias) are not the kernel's: only the
             // first block stores those, while every block reads its operands.
-            let gm = &sched.gemms[j];
             let reads_other = gm.nodes.iter().flat_map(|&x| g.nodes[x].args.iter().copied()).any(|a| !chain.contains(&a) && !gm.nodes.contains(&a) && made_here(a));
             // (the row's numel is `cols`: the product's K must be too)
             if g.nodes[last].shape.last() != Some(&cols) || k.ops[o].dtype != mm.dtype || !few_blocks || reads_other || gm.prologue.is_some() {
@@ -1158,14 +1159,16 @@ pub(crate) mod tests {
 
     /// A one-row layer norm whose output only a product reads (a decode step's) is run by the
     /// product's kernel; not where it covers several rows, where another step reads its output,
-    /// or where the product has too many columns for every block to compute the row again.
+    /// or where the product has too many columns for every block to compute the row again,
+    /// unless the product ends in an argmax (a greedy step's output head: a few blocks per SM).
     #[test]
     fn a_one_row_kernel_becomes_the_prologue_of_the_product_reading_its_row() {
-        let prologues = |rows: usize, n: usize, also_read: bool| {
-            let (x, w) = (r(&[1, rows, 64], DType::BF16), r(&[64, n], DType::BF16));
+        let prologues = |rows: usize, n: usize, also_read: bool, argmax: bool| {
+            let (x, w) = (r(&[1, rows, 64], DType::BF16), r(&[n, 64], DType::BF16));
             let g = graph_of(&[x], move |xs| {
                 let y = F::layer_norm(&xs[0], &[64], None, None, 1e-5)?;
-                let mut outs = vec![y.matmul(&w)?];
+                let p = y.matmul(&w.t()?)?;
+                let mut outs = vec![if argmax { p.argmax(-1, false)? } else { p }];
                 if also_read {
                     outs.push(y);
                 }
@@ -1174,10 +1177,13 @@ pub(crate) mod tests {
             let s = schedule(&g);
             s.gemms.iter().filter_map(|gm| gm.prologue).filter(|p| matches!(s.kernels[p.kernel].space, Space::Rows { rows: 1, .. })).count()
         };
-        assert_eq!(prologues(1, 96, false), 1);
-        assert_eq!(prologues(2, 96, false), 0, "two rows");
-        assert_eq!(prologues(1, 96, true), 0, "the normalised row is an output too");
-        assert_eq!(prologues(1, MAX_PROLOGUE_COLUMNS + 8, false), 0, "too many columns");
+        assert_eq!(prologues(1, 96, false, false), 1);
+        assert_eq!(prologues(2, 96, false, false), 0, "two rows");
+        assert_eq!(prologues(1, 96, true, false), 0, "the normalised row is an output too");
+        assert_eq!(prologues(1, MAX_PROLOGUE_COLUMNS + 8, false, false), 0, "too many columns");
+        if crate::switches::gemv_argmax_on() {
+            assert_eq!(prologues(1, MAX_PROLOGUE_COLUMNS + 8, false, true), 1, "many columns, then their argmax");
+        }
         // A product whose bias is the kernel's other output (the residual sum it stores from its
         // first block only): the layer norm stays a launch of its own.
         let args = [r(&[1, 1, 64], DType::BF16), r(&[1, 1, 64], DType::BF16)];

@@ -436,7 +436,7 @@ pub(crate) fn attention_up_to(q: &Tensor, k: &Tensor, v: &Tensor, last: &Tensor,
         let bh_strides = |t: &Tensor| [t.strides()[1] as i64, t.strides()[2] as i64];
         (a.k_new, a.v_new, a.k_new_strides, a.v_new_strides) = (data_ptr(kn)?, data_ptr(vn)?, bh_strides(kn), bh_strides(vn));
     }
-    a.settled = i64::from(settled);
+    a.settled = super::settled_arg(settled);
     let kern = dev.kernel(KernelKey::Named(warp_name("fwd_up_to", q.dtype(), n.d, UP_TO_WARPS, vw)), || gen_forward_up_to(q.dtype(), n.d, vw))?;
     dev.launch(kern, (bh as u32, chunks as u32, 1), (UP_TO_CHUNK as u32, 1, 1), &a)?;
     Ok(out)

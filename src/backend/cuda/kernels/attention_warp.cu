@@ -195,8 +195,6 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   const T* vb = v + b * vsb + hk * vsh;
   const T* kn = a.k_new ? (const T*)a.k_new + b * a.k_new_strides[0] + hk * a.k_new_strides[1] : nullptr;
   const T* vn = a.v_new ? (const T*)a.v_new + b * a.v_new_strides[0] + hk * a.v_new_strides[1] : nullptr;
-  // Row s of the values: the cache's, or the new one at `last`.
-#define VROW(s) ((s) == last && vn ? vn : vb + (s) * vss)
   const long long key = s0 + threadIdx.x;
   // The cache's rows first; the new key and value (at `last`) after the wait.
   const bool key_new = key == last && kn;
@@ -217,19 +215,34 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
     }
   }
   KILN_WAIT_IF_SETTLED(a.settled);
-  for (int d = threadIdx.x; d < D_; d += NT) Qs[d] = LD(q[b * qsb + h * qsh + d]);
+  // The query and the new key and value rows, all loaded before any is stored (one wait on
+  // memory after the wait for the kernel before); the new rows land in shared memory, read by
+  // the thread of key `last` and by the output's fold (in registers they would cost as many
+  // again as `kv` and `vu`).
+  static_assert(D_ <= NT, "a thread per feature");
+  __shared__ float Kn[D_], Vn[D_];
+  {
+    const int t = threadIdx.x;
+    const bool tq = t < D_, tk = kn && t < D_ / VW, tv = vn && t < D_;
+    float qx = 0.f, vx = 0.f;
+    VT kx;
+    if (tq) qx = LD(q[b * qsb + h * qsh + t]);
+    if (tk) kx = *(const VT*)(kn + t * VW);
+    if (tv) vx = LD(vn[t]);
+    if (tq) Qs[t] = qx;
+    if (tk) {
+#pragma unroll
+      for (int e = 0; e < VW; e++) Kn[t * VW + e] = LD(kx.v[e]);
+    }
+    if (tq) Vn[t] = vx;  // (0 without a new row: the fold adds 0 times it)
+  }
   __syncthreads();
   // This thread's key's score, and the chunk's max.
   float sc = -INFINITY;
   if (key < s1) {
     float dot = 0.f;
     if (key_new) {
-      // (read here, not into kv: two loads into one register array cost 50 registers)
-      for (int j = 0; j < D_ / VW; j++) {
-        const VT x = *(const VT*)(kn + j * VW);
-#pragma unroll
-        for (int e = 0; e < VW; e++) dot += Qs[j * VW + e] * LD(x.v[e]);
-      }
+      for (int d = 0; d < D_; d++) dot += Qs[d] * Kn[d];
     } else {
 #pragma unroll
       for (int j = 0; j < D_ / VW; j++)
@@ -263,15 +276,6 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
     for (int j = 0; j < PER; j++) acc[j] += pu * vu[u][j];
   }
-  // The new value row where it fell among the values loaded first (left 0 there).
-  if (vn && last >= s0 && last < s1 && last - s0 < VU * ROWS && (last - s0) % ROWS == warp) {
-    const float pl = P[last - s0];
-#pragma unroll
-    for (int j = 0; j < PER; j++) {
-      const int d = lane + 32 * j;
-      if (d < D_) acc[j] += pl * LD(vn[d]);
-    }
-  }
   for (long long base = s0 + warp + VU * ROWS; base < s1; base += 4 * ROWS) {
     float pu[4], vw[4][PER];
 #pragma unroll
@@ -281,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
       for (int j = 0; j < PER; j++) {
         const int d = lane + 32 * j;
-        vw[u][j] = s < s1 && d < D_ ? LD(VROW(s)[d]) : 0.f;
+        vw[u][j] = s < s1 && d < D_ && !(s == last && vn) ? LD(vb[s * vss + d]) : 0.f;
       }
     }
 #pragma unroll
@@ -292,11 +296,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
   for (int j = 0; j < PER; j++) if (lane + 32 * j < D_) Os[warp * D_ + lane + 32 * j] = acc[j];
   __syncthreads();
+  // The chunk's output: the warps' sums, and the new value row's share where it falls here
+  // (the warps left it 0).
+  const float pnew = vn && last >= s0 && last < s1 ? P[last - s0] : 0.f;
   if (chunks == 1) {
     for (int d = threadIdx.x; d < D_; d += NT) {
       float o = 0.f;
       for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
-      out[bh * D_ + d] = ST(o / l);
+      out[bh * D_ + d] = ST((o + pnew * Vn[d]) / l);
     }
     return;
   }
@@ -304,7 +311,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   for (int d = threadIdx.x; d < D_; d += NT) {
     float o = 0.f;
     for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
-    mine[d] = o;
+    mine[d] = o + pnew * Vn[d];
   }
   if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
   // The last block of this (batch, head) folds every chunk.

@@ -70,27 +70,11 @@ __device__ __forceinline__ unsigned long long kargmax_key(float v, long long n) 
 #endif
 
 #ifdef GEMV_ROWS
-// One warp per output: its lanes walk the row and x in 16-byte vectors, then sum by shuffles.
-// With GEMV_ARGMAX no output is stored: each block takes the largest of its outputs (rounded
-// to T, as stored) into a running max (`part`, a u64), and the last block to arrive writes its
-// index to `out` (one I64) and clears the max for the next launch.
-extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
-  KILN_AFTER_PREVIOUS();
-  KBIND
-  const T* xrow = (const T*)a.x;
-  KROW(xrow)
-  const int lane = threadIdx.x & 31;
-  const long long n = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
-#ifdef GEMV_ARGMAX
-  // Every warp reaches the block's barriers.
-  const bool live = n < a.n;
-#else
-  if (n >= a.n) return;
-  const bool live = true;
-#endif
-  const uint4* x = (const uint4*)xrow;
+// Output n's sum over the row, by one warp: its lanes walk the row and x in 16-byte vectors,
+// then sum by shuffles (every lane holds the sum).
+__device__ __forceinline__ float kdot_row(const GemvArgs& a, const uint4* x, long long n, int lane) {
   const uint4* w = (const uint4*)((const T*)a.w + n * a.ldw);
-  const long long vectors = live ? a.k / VW : 0;
+  const long long vectors = a.k / VW;
   float acc = 0.0f;
 #pragma unroll 4
   for (long long v = lane; v < vectors; v += 32) {
@@ -102,10 +86,38 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+
+// One warp per output. With GEMV_ARGMAX no output is stored, and the grid is smaller than the
+// outputs: each warp walks outputs a grid apart and keeps the largest (rounded to T, as
+// stored), each block folds its warps' into a running max (`part`, a u64) with one atomic, and
+// the last block to arrive writes its index to `out` (one I64) and clears the max for the next
+// launch (atomics on one address queue up, so fewer blocks is fewer waits).
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
+  KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
+  KBIND
+  const int lane = threadIdx.x & 31;
+  const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
+  // A settled matrix: the warp's first rows are fetched into L2 while the kernel before still
+  // runs (too many to hold in registers: an output head's matrix is larger than the register
+  // files), a line per lane at a time.
+  if (a.settled) {
+    const long long lines = (a.k * (long long)sizeof(T) + 127) / 128;
+    for (long long i = lane; i < PREFETCH_ROWS * lines; i += 32) {
+      const long long n = first + i / lines * gridDim.x * WARPS;
+      if (n < a.n) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)((const T*)a.w + n * a.ldw) + i % lines * 128));
+    }
+  }
+  KILN_WAIT_IF_SETTLED(a.settled);
+  const T* xrow = (const T*)a.x;
+  KROW(xrow)
+  const uint4* x = (const uint4*)xrow;
 #ifdef GEMV_ARGMAX
+  unsigned long long mine = 0ull;
+  for (long long n = first; n < a.n; n += (long long)gridDim.x * WARPS) mine = max(mine, kargmax_key(LD(ST(kepilogue(a, n, kdot_row(a, x, n, lane)))), n));
   __shared__ unsigned long long best[WARPS];
-  __shared__ bool last;
-  if (lane == 0) best[threadIdx.x >> 5] = live ? kargmax_key(LD(ST(kepilogue(a, n, acc))), n) : 0ull;
+  if (lane == 0) best[threadIdx.x >> 5] = mine;
   __syncthreads();
   if (threadIdx.x == 0) {
     unsigned long long b = best[0];
@@ -120,7 +132,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     }
   }
 #else
-  if (lane == 0) kstore_out(a, n, acc);
+  if (first >= a.n) return;
+  const float acc = kdot_row(a, x, first, lane);
+  if (lane == 0) kstore_out(a, first, acc);
 #endif
 }
 #endif

@@ -28,14 +28,20 @@ const MIN_BLOCKS: usize = 132;
 const MAX_ROWS_PER_THREAD: usize = 16;
 /// Blocks per SM the column kernel splits K to reach, where its strips of columns are fewer.
 const SPLIT_BLOCKS_PER_SM: usize = 2;
+/// Rows per warp of a settled matrix the row kernel fetches into L2 before its wait (an output
+/// head's 50,257 rows over a grid of 4 blocks per SM: about a third of them).
+const PREFETCH_ROWS: usize = 4;
+/// Blocks per SM of the row kernel with an argmax (each block adds one atomic on one address).
+const ARGMAX_BLOCKS_PER_SM: usize = 4;
 /// Most pieces K is split into (each leaves N partial sums for the last block to add).
 const MAX_SPLITS: usize = 16;
 
 kernel_args! {
     /// What `gemv.cu` reads: the row `x` (K contiguous), the matrix `w` (rows `ldw` apart), the
     /// bias (or 0) and the activation after it (0 none, 1 ReLU, 2 GELU's tanh form), the
-    /// contiguous output of N, and whether the matrix is settled (1: no grid still running
-    /// writes it, so the column kernel loads it before waiting for the kernel before). The
+    /// contiguous output of N, and whether the matrix is settled (`settled_arg`: no grid still
+    /// running writes it, so the column kernel loads it, and the row kernel fetches its first
+    /// rows into L2, before waiting for the kernel before). The
     /// column kernel's blocks take `per` rows of K each; where K is split, the partial sums go
     /// through `part` ([splits][N] F32) and the strips' arrival counters `count`.
     GemvArgs {
@@ -116,6 +122,8 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax))?,
     };
     let (blocks, splits) = match walk {
+        // The argmax's blocks each walk several outputs: one atomic per block.
+        Walk::Rows if argmax => (n.div_ceil(WARPS).min(dev.sm_count * ARGMAX_BLOCKS_PER_SM), 1),
         Walk::Rows => (n.div_ceil(WARPS), 1),
         Walk::Cols { tx, .. } => (n.div_ceil(tx * vw), k.div_ceil(per)),
     };
@@ -130,7 +138,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     } else {
         (part.as_ref().map_or(0, |p| p.ptr()), if splits > 1 { dev.reduce_counters(blocks)? } else { 0 })
     };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: i64::from(settled), per: per as i64, part: part_ptr, count };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: super::settled_arg(settled), per: per as i64, part: part_ptr, count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,
@@ -206,7 +214,9 @@ fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>
         c.push_str("#define GEMV_ARGMAX\n");
     }
     match walk {
-        Walk::Rows => c.push_str("#define GEMV_ROWS\n"),
+        Walk::Rows => {
+            let _ = writeln!(c, "#define GEMV_ROWS\n#define PREFETCH_ROWS {PREFETCH_ROWS}");
+        }
         Walk::Cols { tx, rows } => {
             let _ = writeln!(c, "#define GEMV_COLS\n#define TX {tx}");
             if rows > 0 {

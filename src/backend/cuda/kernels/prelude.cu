@@ -8,15 +8,21 @@ typedef unsigned long long u64;
 // which lets a kernel start before the one before it ends.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define KILN_AFTER_PREVIOUS() do { asm volatile("griddepcontrol.wait;" ::: "memory"); asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); } while (0)
+#define KILN_LET_NEXT_START() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #else
 #define KILN_AFTER_PREVIOUS() do { } while (0)
+#define KILN_LET_NEXT_START() do { } while (0)
 #endif
 // The same wait, later, for a kernel handed memory that nothing still running can be writing
 // (`settled`: a compiled program's weights, which it never writes, once the program has launched
 // a kernel of its own, whose wait covered every grid before it). Such a kernel starts with
 // KILN_WAIT_UNLESS_SETTLED, loads that memory, then calls KILN_WAIT_IF_SETTLED before any other
-// read, so the loads overlap the kernel before.
-#define KILN_WAIT_UNLESS_SETTLED(settled) do { if (!(settled)) KILN_AFTER_PREVIOUS(); } while (0)
+// read, so the loads overlap the kernel before. With `settled` 2 it lets the next kernel start
+// at once, so that one's settled loads overlap this kernel's too: a chain of such kernels keeps
+// memory busy a few kernels ahead. (Its wait still orders it after this one, and this one after
+// the kernel before, so nothing reads before the writes it waits for; a grid lets the next start
+// only once all its blocks run, so a later grid never holds an earlier one's places.)
+#define KILN_WAIT_UNLESS_SETTLED(settled) do { if (!(settled)) KILN_AFTER_PREVIOUS(); else if ((settled) == 2) KILN_LET_NEXT_START(); } while (0)
 #define KILN_WAIT_IF_SETTLED(settled) do { if (settled) KILN_AFTER_PREVIOUS(); } while (0)
 // A split reduction's hand-over: called by one thread of a block after a __syncthreads that
 // follows the block's partial results, it counts the block in at `count` with acquire-release

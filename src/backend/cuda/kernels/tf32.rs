@@ -104,7 +104,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, bias: Optio
         lda: ars as i64,
         ldb: ldb as i64,
         act,
-        settled: i64::from(settled),
+        settled: super::settled_arg(settled),
         per: per as i64,
         part: part.as_ref().map_or(0, |p| p.ptr()),
         count,
