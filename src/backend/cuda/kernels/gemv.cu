@@ -70,23 +70,39 @@ __device__ __forceinline__ unsigned long long kargmax_key(float v, long long n) 
 #endif
 
 #ifdef GEMV_ROWS
-// Output n's sum over the row, by one warp: its lanes walk the row and x in 16-byte vectors,
-// then sum by shuffles (every lane holds the sum).
-__device__ __forceinline__ float kdot_row(const GemvArgs& a, const uint4* x, long long n, int lane) {
-  const uint4* w = (const uint4*)((const T*)a.w + n * a.ldw);
+// Outputs n[0..R)'s sums over the row, by one warp: its lanes walk x and the R rows together in
+// 16-byte vectors (R rows' loads in flight at once; rows past N are not read), then sum by
+// shuffles (every lane holds the sums).
+template <int R>
+__device__ __forceinline__ void kdot_rows(const GemvArgs& a, const uint4* x, const long long* n, int lane, float* acc) {
+  const uint4* w[R];
+  bool live[R];
+#pragma unroll
+  for (int r = 0; r < R; r++) {
+    live[r] = n[r] < a.n;
+    w[r] = (const uint4*)((const T*)a.w + (live[r] ? n[r] : 0) * a.ldw);
+    acc[r] = 0.0f;
+  }
   const long long vectors = a.k / VW;
-  float acc = 0.0f;
 #pragma unroll 4
   for (long long v = lane; v < vectors; v += 32) {
-    float xf[VW], wf[VW];
-    kunpack(x[v], xf);
-    kunpack(kstream(w + v), wf);
+    float xf[VW];
+    uint4 wv[R];
 #pragma unroll
-    for (int j = 0; j < VW; j++) acc = fmaf(xf[j], wf[j], acc);
+    for (int r = 0; r < R; r++) wv[r] = live[r] ? kstream(w[r] + v) : make_uint4(0, 0, 0, 0);
+    kunpack(x[v], xf);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      float wf[VW];
+      kunpack(wv[r], wf);
+#pragma unroll
+      for (int j = 0; j < VW; j++) acc[r] = fmaf(xf[j], wf[j], acc[r]);
+    }
   }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  return acc;
+  for (int r = 0; r < R; r++)
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
 }
 
 // One warp per output. With GEMV_ARGMAX no output is stored, and the grid is smaller than the
@@ -114,8 +130,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KROW(xrow)
   const uint4* x = (const uint4*)xrow;
 #ifdef GEMV_ARGMAX
+  // Two outputs a grid apart at a time: twice the loads in flight per warp.
   unsigned long long mine = 0ull;
-  for (long long n = first; n < a.n; n += (long long)gridDim.x * WARPS) mine = max(mine, kargmax_key(LD(ST(kepilogue(a, n, kdot_row(a, x, n, lane)))), n));
+  const long long stride = (long long)gridDim.x * WARPS;
+  for (long long n0 = first; n0 < a.n; n0 += 2 * stride) {
+    const long long n[2] = {n0, n0 + stride};
+    float acc[2];
+    kdot_rows<2>(a, x, n, lane, acc);
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+      if (n[r] < a.n) mine = max(mine, kargmax_key(LD(ST(kepilogue(a, n[r], acc[r]))), n[r]));
+  }
   __shared__ unsigned long long best[WARPS];
   if (lane == 0) best[threadIdx.x >> 5] = mine;
   __syncthreads();
@@ -133,7 +158,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   }
 #else
   if (first >= a.n) return;
-  const float acc = kdot_row(a, x, first, lane);
+  float acc;
+  kdot_rows<1>(a, x, &first, lane, &acc);
   if (lane == 0) kstore_out(a, first, acc);
 #endif
 }
