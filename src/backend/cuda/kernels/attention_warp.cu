@@ -234,7 +234,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
 #pragma unroll
       for (int e = 0; e < VW; e++) Kn[t * VW + e] = LD(kx.v[e]);
     }
-    if (tq) Vn[t] = vx;  // (0 without a new row: the fold adds 0 times it)
+    if (tv) Vn[t] = vx;
   }
   __syncthreads();
   // This thread's key's score, and the chunk's max.
@@ -298,12 +298,14 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __syncthreads();
   // The chunk's output: the warps' sums, and the new value row's share where it falls here
   // (the warps left it 0).
-  const float pnew = vn && last >= s0 && last < s1 ? P[last - s0] : 0.f;
+  // (only there: elsewhere an infinite new value times 0 would be a NaN the row never saw)
+  const bool here = vn && last >= s0 && last < s1;
+  const float pnew = here ? P[last - s0] : 0.f;
   if (chunks == 1) {
     for (int d = threadIdx.x; d < D_; d += NT) {
       float o = 0.f;
       for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
-      out[bh * D_ + d] = ST((o + pnew * Vn[d]) / l);
+      out[bh * D_ + d] = ST((here ? o + pnew * Vn[d] : o) / l);
     }
     return;
   }
@@ -311,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   for (int d = threadIdx.x; d < D_; d += NT) {
     float o = 0.f;
     for (int w = 0; w < ROWS; w++) o += Os[w * D_ + d];
-    mine[d] = o + pnew * Vn[d];
+    mine[d] = here ? o + pnew * Vn[d] : o;
   }
   if (threadIdx.x == 0) { mine[D_] = m; mine[D_ + 1] = l; }
   // The last block of this (batch, head) folds every chunk.

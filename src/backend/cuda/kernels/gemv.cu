@@ -120,7 +120,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   // files), a line per lane at a time.
   if (a.settled) {
     const long long lines = (a.k * (long long)sizeof(T) + 127) / 128;
-    for (long long i = lane; i < PREFETCH_ROWS * lines; i += 32) {
+    const int rows = (long long)gridDim.x * WARPS >= a.n ? 1 : PREFETCH_ROWS;
+    for (long long i = lane; i < rows * lines; i += 32) {
       const long long n = first + i / lines * gridDim.x * WARPS;
       if (n < a.n) asm volatile("prefetch.global.L2 [%0];" :: "l"((const char*)((const T*)a.w + n * a.ldw) + i % lines * 128));
     }

@@ -65,8 +65,6 @@ pub(crate) fn storage_range(t: &Tensor) -> Option<(u64, u64)> {
     }
 }
 
-/// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
-/// kernels launch), capped where the grid-stride loops take over.
 /// The `settled` argument of a kernel that reads settled memory before its wait (`prelude.cu`):
 /// 0 if not settled, 2 if it also lets the next kernel start at once, 1 if only after its wait.
 pub(crate) fn settled_arg(settled: bool) -> i64 {
@@ -77,6 +75,8 @@ pub(crate) fn settled_arg(settled: bool) -> i64 {
     }
 }
 
+/// Blocks for `work` items of one thread each: enough to cover it (as PyTorch's elementwise
+/// kernels launch), capped where the grid-stride loops take over.
 fn grid_for(work: usize, threads: u32) -> u32 {
     (work.div_ceil(threads as usize)).clamp(1, 1 << 24) as u32
 }
