@@ -191,6 +191,13 @@ pub(crate) fn pdl_early() -> bool {
     *V.get_or_init(|| !is("KILN_PDL_EARLY", "0"))
 }
 
+/// `KILN_PROLOGUE_LOADS_FIRST=1`: a product's one-row prologue (a decode step's layer norm)
+/// loads all its inputs before computing, not pass by pass as a row kernel of its own.
+pub(crate) fn prologue_loads_first() -> bool {
+    static V: OnceLock<bool> = OnceLock::new();
+    *V.get_or_init(|| is("KILN_PROLOGUE_LOADS_FIRST", "1"))
+}
+
 /// `KILN_ATTENTION_KERNEL=warp`: kiln's attention never uses its tensor-core kernels.
 pub(crate) fn attention_warp_only() -> bool {
     static V: OnceLock<bool> = OnceLock::new();

@@ -265,11 +265,12 @@ enum Cover {
 /// (`gemv.cu`, `GEMV_ROW`): a device function that every block of the product runs over the
 /// kernel's one row, after the product's wait for the kernel before. It leaves output `row`
 /// (the product's row) in the caller's shared memory (`ksrow`) and stores the other outputs
-/// only where `kwriter` is set (in the product's first block).
+/// only where `kwriter` is set (in the product's first block). `loads_first`: every input is
+/// loaded before the first pass, as `KILN_PROLOGUE_LOADS_FIRST=1` asks.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum RowMode {
     Kernel,
-    Prologue { row: usize },
+    Prologue { row: usize, loads_first: bool },
 }
 
 /// Source of a row kernel: `threads` threads per row, `vpt` values per thread, loaded `vec` at a
@@ -282,12 +283,22 @@ fn gen_fused_rows(k: &FusedKernel, name: &str, threads: usize, vpt: usize, vec: 
     let (full, looped, tail) = (cover == Cover::Exact, matches!(cover, Cover::Looped | Cover::LoopedTail), cover == Cover::LoopedTail);
     // Rows longer than the registers hold: each pass walks the row in chunks of
     // `threads * VPT` (`kbase`), loading and computing again what it needs.
-    let plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
+    let mut plan = if looped { RowPlan::recomputing(k) } else { RowPlan::new(k) };
+    // A prologue runs after the product's wait, on the critical path: loading every input
+    // first (a layer norm's weight and bias too, which a kernel of its own loads only for its
+    // output pass) makes the row one trip to memory, not two, but takes registers the product's
+    // blocks and the next kernels' early blocks would use (slower in a decode step: off unless
+    // asked).
+    if matches!(mode, RowMode::Prologue { loads_first: true, .. }) {
+        for (j, inp) in k.inputs.iter().enumerate() {
+            plan.in_array[j] |= !looped && !inp.row && inp.columns.is_none();
+        }
+    }
     let is_staged = |j: usize| looped && staged.get(j).copied().unwrap_or(false) && vector[j] && k.inputs[j].columns.is_none();
     let stages = (0..k.inputs.len()).any(is_staged);
     let prologue_row = match mode {
         RowMode::Kernel => None,
-        RowMode::Prologue { row } => Some(row),
+        RowMode::Prologue { row, .. } => Some(row),
     };
     // A prologue stores its outputs but the product's row only in the product's first block.
     let gate = |m: usize| if prologue_row.is_some_and(|r| r != m) { "if (kwriter) " } else { "" };
@@ -1030,7 +1041,7 @@ impl RowPrologue<'_> {
         if let Some(f) = launches.0.lock().iter().find(|((p, r, b), _)| p == product && *r == self.row && *b == bits).map(|(_, f)| *f) {
             return Ok(f);
         }
-        let (name, key, src) = prologue_code(self.kernel, self.row, self.threads, self.words.vec, &self.words.vector);
+        let (name, key, src) = prologue_code(self.kernel, self.row, self.threads, self.words.vec, &self.words.vector, crate::switches::prologue_loads_first());
         let f = dev.kernel(KernelKey::Named(format!("{product} {key}")), || (format!("{product}_{name}"), source(&name, &src)))?;
         if !f.is_rehearsed() {
             launches.0.lock().push(((product.to_string(), self.row, bits), f));
@@ -1052,14 +1063,16 @@ pub(crate) fn row_prologue<'a>(p: &PendingRow<'a>, threads: usize) -> Result<Opt
 
 /// A one-row kernel's prologue function for a product of `threads` threads per block, loading
 /// `vec` values at once (inputs as `vector` says): its name, its source's key, its source.
-fn prologue_code(k: &FusedKernel, row: usize, threads: usize, vec: usize, vector: &[bool]) -> (String, String, String) {
+fn prologue_code(k: &FusedKernel, row: usize, threads: usize, vec: usize, vector: &[bool], loads_first: bool) -> (String, String, String) {
     let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
     let (vpt, cover) = row_cover(cols, threads, vec);
     // The row's length sizes the product's shared copy of it: in the name (a signature need
     // not hold it).
-    let name = format!("{}_pro{row}_k{cols}", rows_name(k, threads, vpt, vec, cover, vector, &[]));
+    // (`f`: every input loaded first)
+    let first = if loads_first { "f" } else { "" };
+    let name = format!("{}_pro{row}{first}_k{cols}", rows_name(k, threads, vpt, vec, cover, vector, &[]));
     let key = format!("{name} {}", k.signature());
-    let src = gen_fused_rows(k, &name, threads, vpt, vec, vector, &[], cover, RowMode::Prologue { row });
+    let src = gen_fused_rows(k, &name, threads, vpt, vec, vector, &[], cover, RowMode::Prologue { row, loads_first });
     (name, key, src)
 }
 
@@ -1724,7 +1737,7 @@ pub(super) mod tests {
                 let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
                 let vec = row_vec(k, cols);
                 for vector in [k.inputs.iter().map(|i| !i.row && vec > 1).collect::<Vec<bool>>(), vec![false; k.inputs.len()]] {
-                    let (name, _, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector);
+                    let (name, _, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector, crate::switches::prologue_loads_first());
                     v.extend(crate::backend::cuda::kernels::gemv::row_samples(&name, &src, cols, dt));
                 }
             }
@@ -2036,6 +2049,25 @@ pub(super) mod tests {
         assert!(staged_bytes(k, &staged, cols, 8) <= stage_budget(228 * 1024));
         let name = rows_name(k, STAGED_THREADS, vpt, 8, Cover::LoopedTail, &vector, &staged);
         assert_eq!(name.rsplit('_').next().and_then(|l| l.chars().nth(logits)), Some('m'), "{name}");
+    }
+
+    /// A product's prologue (a decode step's layer norm) asked to load every input first loads
+    /// its weight and bias with its row, before the first statistic (one trip to memory after
+    /// the product's wait); otherwise only the row comes first, as in a kernel of its own.
+    #[test]
+    fn a_prologue_loads_every_input_first_when_asked() {
+        let x = Tensor::randn(&[1, 64], DType::F32, &Device::Cpu).unwrap();
+        let (w, b) = (Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap(), Tensor::randn(&[64], DType::F32, &Device::Cpu).unwrap());
+        let ks = row_kernels(&x, move |x| F::layer_norm(x, &[64], Some(&w), Some(&b), 1e-5));
+        let k = &ks[0];
+        assert_eq!(k.inputs.len(), 3);
+        for loads_first in [true, false] {
+            let (name, _, src) = prologue_code(k, 0, 256, 4, &vec![true; k.inputs.len()], loads_first);
+            let first_sum = src.find("= kb_sum").expect("a block reduction");
+            let early = (0..k.inputs.len()).filter(|j| src.find(&format!("ax{j}[g * VEC + e] = ")).is_some_and(|at| at < first_sum)).count();
+            assert_eq!(early, if loads_first { 3 } else { 1 }, "loads first: {loads_first}\n{src}");
+            assert_eq!(name.contains("_pro0f_k64"), loads_first, "{name}");
+        }
     }
 
     #[test]
