@@ -207,6 +207,19 @@ fn the_profile_command_rejects_an_unknown_workload_in_one_line() {
     assert!(err.starts_with("error: profile:") && err.contains("unknown workload 'pointwise.nope'") && err.contains("pointwise.add_relu.f32.1e8"), "{err}");
 }
 
+/// `--variant` picks one of a step workload's compiled forms; an unknown one is an error that
+/// lists them, and it needs `--compiled`.
+#[test]
+fn the_profile_command_names_the_compiled_variants_it_has() {
+    let out = std::process::Command::new(kiln_bin()).args(["profile", "mlp.infer.bs32", "--compiled", "--variant", "fastest"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("no compiled variant 'fastest'") && err.contains("compiled, reduce_overhead, max_autotune"), "{err}");
+    let out = std::process::Command::new(kiln_bin()).args(["profile", "mlp.infer.bs32", "--variant", "max_autotune"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--compiled"), "{err}");
+}
+
 #[test]
 fn each_launch_lists_the_kernels_the_gpu_ran_for_it() {
     use kiln::compile::{compile_with, CompileOptions, Mode};
