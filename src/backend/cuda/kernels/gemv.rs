@@ -202,6 +202,11 @@ fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>
         let _ = writeln!(c, "#define GEMV_ROW {row_name}\n#define GEMV_ROW_K {cols}");
     }
     let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
+    // (read once per process, so one name never means two sources in it; the disk cache keys
+    // on the source)
+    if let Some(b) = crate::switches::gemv_min_blocks() {
+        let _ = writeln!(c, "#define MIN_BLOCKS {b}");
+    }
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
     let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
     let _ = writeln!(c, "#define ST(e) ({})", codegen::store(dtype, CType::F32, "(e)"));
