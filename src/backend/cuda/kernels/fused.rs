@@ -1720,13 +1720,15 @@ pub(super) mod tests {
 
         let mut v = vec![];
         // A decode step's layer norms computed by the products that read them (GPT-2's
-        // `[K, N]` matrices, a linear layer's `[N, K]`), both ways of loading the inputs.
+        // `[K, N]` matrices, a linear layer's `[N, K]`), both ways of loading the inputs (in
+        // vectors or one by one; all first or pass by pass, which differ for the affine one).
         for dt in [DType::BF16, DType::F32] {
             let (x, res, w) = (Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[64, 96], dt, &cpu).unwrap());
             let lw = Tensor::randn(&[96, 64], dt, &cpu).unwrap();
+            let (nw, nb) = (Tensor::randn(&[64], dt, &cpu).unwrap(), Tensor::randn(&[64], dt, &cpu).unwrap());
             let g = crate::compile::fuse::tests::graph_of(&[x, res], move |xs| {
                 let h = xs[0].add(&xs[1])?;
-                let n = F::layer_norm(&h, &[64], None, None, 1e-5)?;
+                let n = F::layer_norm(&h, &[64], Some(&nw), Some(&nb), 1e-5)?;
                 Ok(vec![n.matmul(&w)?, F::layer_norm(&h.mul(&h)?, &[64], None, None, 1e-5)?.matmul(&lw.transpose(0, 1)?)?, h])
             });
             let s = crate::compile::fuse::schedule(&g);
@@ -1737,8 +1739,10 @@ pub(super) mod tests {
                 let Space::Rows { cols, .. } = k.space else { unreachable!("a row kernel") };
                 let vec = row_vec(k, cols);
                 for vector in [k.inputs.iter().map(|i| !i.row && vec > 1).collect::<Vec<bool>>(), vec![false; k.inputs.len()]] {
-                    let (name, _, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector, crate::switches::prologue_loads_first());
-                    v.extend(crate::backend::cuda::kernels::gemv::row_samples(&name, &src, cols, dt));
+                    for loads_first in [false, true] {
+                        let (name, _, src) = prologue_code(k, p.output, crate::backend::cuda::kernels::gemv::THREADS, vec, &vector, loads_first);
+                        v.extend(crate::backend::cuda::kernels::gemv::row_samples(&name, &src, cols, dt));
+                    }
                 }
             }
         }
