@@ -4,10 +4,10 @@
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
 // TX vectors of columns per block, RPT rows per thread where a block's rows are few enough).
 
-// MIN_BLOCKS (`KILN_GEMV_MIN_BLOCKS`): the blocks per SM the compiler must leave registers for,
+// BLOCKS_PER_SM (`KILN_GEMV_MIN_BLOCKS`): the blocks per SM the compiler must leave registers for,
 // so that more of the next kernels' blocks can start early beside these.
-#ifdef MIN_BLOCKS
-#define KBOUNDS __launch_bounds__(32 * WARPS, MIN_BLOCKS)
+#ifdef BLOCKS_PER_SM
+#define KBOUNDS __launch_bounds__(32 * WARPS, BLOCKS_PER_SM)
 #else
 #define KBOUNDS __launch_bounds__(32 * WARPS)
 #endif

@@ -207,7 +207,7 @@ fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>
     }
     let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
     if let Some(b) = min_blocks {
-        let _ = writeln!(c, "#define MIN_BLOCKS {b}");
+        let _ = writeln!(c, "#define BLOCKS_PER_SM {b}");
     }
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
     let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
