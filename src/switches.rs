@@ -178,24 +178,6 @@ pub(crate) fn gemv_min_blocks() -> Option<usize> {
     *V.get_or_init(|| parsed::<usize>("KILN_GEMV_MIN_BLOCKS").filter(|n| (1..=8).contains(n)))
 }
 
-/// `KILN_L2_WARMUP_MB=N`: how much of a compiled program's last one-row product's matrix (a
-/// decode step's output head) the one-row products before it fetch into L2 for it, in MiB
-/// (0: none).
-pub(crate) fn l2_warmup_mib() -> u64 {
-    static V: OnceLock<u64> = OnceLock::new();
-    *V.get_or_init(|| parsed("KILN_L2_WARMUP_MB").unwrap_or(L2_WARMUP_MIB))
-}
-
-/// `KILN_L2_WARMUP_PRODUCTS=N`: how many one-row products before it share that fetching.
-pub(crate) fn l2_warmup_products() -> usize {
-    static V: OnceLock<usize> = OnceLock::new();
-    *V.get_or_init(|| parsed::<usize>("KILN_L2_WARMUP_PRODUCTS").unwrap_or(L2_WARMUP_PRODUCTS).max(1))
-}
-
-/// The defaults of `l2_warmup_mib` and `l2_warmup_products`.
-const L2_WARMUP_MIB: u64 = 0;
-const L2_WARMUP_PRODUCTS: usize = 8;
-
 /// `KILN_CUDNN_MIN_KEYS`: the fewest keys for which attention runs through cuDNN.
 pub(crate) fn cudnn_min_keys() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

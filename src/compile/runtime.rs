@@ -121,24 +121,7 @@ pub(crate) struct Program {
     deferred: Vec<bool>,
     /// Cache attentions whose cache and positions no earlier step writes (`settled_caches`).
     settled_caches: std::collections::HashSet<NodeId>,
-    /// Per library product: its share of fetching a later product's matrix into L2
-    /// (`l2_warmups`).
-    warmups: Vec<Option<Warmup>>,
 }
-
-/// A one-row product's share of fetching a later product's matrix into L2 for it: piece `part`
-/// of `parts` of the library product `target`'s matrix (`kernels::l2_piece`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Warmup {
-    target: usize,
-    part: usize,
-    parts: usize,
-}
-
-/// Matrices smaller than this are not fetched into L2 ahead: one-row products read theirs a
-/// few kernels ahead already (`KILN_WAIT_UNLESS_SETTLED`); only a matrix too large to load in
-/// that time (a decode step's output head) gains.
-const WARMUP_MIN_BYTES: usize = 16 << 20;
 
 /// Views of captured tensors (a weight transposed, a bias reshaped and spread over the rows)
 /// are made once and reused while the captured tensor is the same: made each call, each costs
@@ -314,8 +297,7 @@ impl Program {
         let views = CapturedViews::plan(&graph);
         let settled = settled_matrices(&graph, &schedule);
         let settled_caches = settled_caches(&graph, &schedule, &in_place);
-        let warmups = if crate::switches::l2_warmup_mib() > 0 { l2_warmups(&graph, &schedule, &settled, crate::switches::l2_warmup_products()) } else { vec![None; schedule.gemms.len()] };
-        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred, settled_caches, warmups }
+        Program { graph, schedule, tune, frees, in_place, reuse, settled, hoisted, rehearsed: Default::default(), views, deferred, settled_caches }
     }
 
     /// Marks the captured tensors the program writes in place as written (their versions move),
@@ -473,14 +455,7 @@ impl Program {
                     let settled = self.settled[*j] && crate::backend::cuda::launch_count() > launches_before;
                     let held = gm.prologue.and_then(|p| Some((p, pending.remove(&p.kernel)?)));
                     let row = held.as_ref().map(|(p, (ins, outs))| PendingRow { kernel: &self.schedule.kernels[p.kernel], inputs: ins, outputs: outs, row: p.output });
-                    let warm = match self.warmups[*j] {
-                        Some(w) if settled => match input_of(g, &g.nodes[g.view_root(g.nodes[self.schedule.gemms[w.target].matmul].args[1])], inputs) {
-                            Some(m) => crate::backend::cuda::kernels::l2_piece(&m, crate::switches::l2_warmup_mib() << 20, w.part, w.parts)?,
-                            None => None,
-                        },
-                        _ => None,
-                    };
-                    match run_gemm(g, gm, &env, self.tune, settled, row.as_ref(), warm)? {
+                    match run_gemm(g, gm, &env, self.tune, settled, row.as_ref())? {
                         Some(t) => env[gm.out()] = Some(t),
                         // The epilogue cannot run here (the library has no algorithm for it, or
                         // the bias is not a packed vector): its nodes run one by one.
@@ -761,12 +736,12 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
 /// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
 /// cannot run (the caller then runs the step's nodes one by one).
 /// `row`: the product's row kernel, not yet run (`fuse::RowPrologue`); it has run once this
-/// returns. `warm`: memory its kernel fetches into L2 for a later product.
-fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, settled: bool, row: Option<&PendingRow>, warm: Option<crate::backend::cuda::kernels::gemv::L2Warmup>) -> Result<Option<Tensor>> {
+/// returns.
+fn run_gemm(g: &Graph, gm: &fuse::Gemm, env: &[Option<Tensor>], tune: bool, settled: bool, row: Option<&PendingRow>) -> Result<Option<Tensor>> {
     let mm = &g.nodes[gm.matmul];
     let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
     let bias = gm.bias.map(|b| (arg(b), gm.act));
-    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled, row, gm.argmax, warm)? else { return Ok(None) };
+    let Some(t) = crate::backend::cuda::kernels::gemm(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, tune, settled, row, gm.argmax)? else { return Ok(None) };
     let out = &g.nodes[gm.out()].shape;
     Ok(Some(if t.shape() == out.as_slice() { t } else { t.view_as_layout(Layout::contiguous(out)) }))
 }
@@ -785,31 +760,6 @@ fn settled_matrices(g: &Graph, s: &Schedule) -> Vec<bool> {
             _ => false,
         })
         .collect()
-}
-
-/// Per library product: its share of fetching the matrix of the schedule's last product into L2
-/// ahead of it, where that product is of one row with a settled matrix of `WARMUP_MIN_BYTES` or
-/// more (a decode step's output head, read last and larger than L2). The shares go to the
-/// `products` one-row products with settled matrices before it, whose kernels fetch them
-/// before their waits.
-fn l2_warmups(g: &Graph, s: &Schedule, settled: &[bool], products: usize) -> Vec<Option<Warmup>> {
-    let mut out = vec![None; s.gemms.len()];
-    let order: Vec<usize> = s.steps.iter().filter_map(|step| if let Step::Gemm(j) = step { Some(*j) } else { None }).collect();
-    let one_row = |j: usize| {
-        let a = &g.nodes[g.nodes[s.gemms[j].matmul].args[0]].shape;
-        settled[j] && a.len() >= 2 && a[..a.len() - 1].iter().product::<usize>() == 1
-    };
-    let Some((&target, before)) = order.split_last() else { return out };
-    let m = &g.nodes[g.nodes[s.gemms[target].matmul].args[1]];
-    if !one_row(target) || m.shape.iter().product::<usize>() * m.dtype.size_in_bytes() < WARMUP_MIN_BYTES {
-        return out;
-    }
-    let givers: Vec<usize> = before.iter().rev().copied().filter(|&j| one_row(j)).take(products).collect();
-    let parts = givers.len();
-    for (part, &j) in givers.iter().rev().enumerate() {
-        out[j] = Some(Warmup { target, part, parts });
-    }
-    out
 }
 
 /// The cache attentions (`Op::AttentionUpTo`) whose cache (keys, values) and positions no
@@ -1149,35 +1099,6 @@ mod tests {
         assert_eq!(settled(false), [true, true, true]);
         // Writing one captured tensor unsettles it, and every argument (which may be it).
         assert_eq!(settled(true), [true, false, false]);
-    }
-
-    #[test]
-    fn the_products_before_a_large_last_one_row_product_fetch_its_matrix_into_l2() {
-        use super::Warmup;
-        let randn = |s: &[usize]| Tensor::randn(s, DType::F32, &Device::Cpu).unwrap();
-        // Three one-row products, then an output head whose matrix (16 MiB) L2 cannot hold
-        // beside the weights streamed before it; or the same head over two rows, or smaller.
-        let warmups = |rows: usize, head_rows: usize| {
-            let layers: Vec<Tensor> = (0..3).map(|_| randn(&[64, 64])).collect();
-            let head = Tensor::zeros(&[head_rows, 64], DType::F32, &Device::Cpu).unwrap();
-            let g = crate::compile::fuse::tests::graph_of(&[randn(&[rows, 64])], move |xs| {
-                let mut h = xs[0].clone();
-                for w in &layers {
-                    h = h.matmul(w)?;
-                }
-                Ok(vec![h.matmul(&head.t()?)?])
-            });
-            let s = crate::compile::fuse::schedule(&g);
-            let order: Vec<usize> = s.steps.iter().filter_map(|step| if let super::Step::Gemm(j) = step { Some(*j) } else { None }).collect();
-            let w = super::l2_warmups(&g, &s, &super::settled_matrices(&g, &s), 2);
-            order.iter().map(|&j| w[j]).collect::<Vec<_>>()
-        };
-        let got = warmups(1, 1 << 16);
-        assert_eq!(got.len(), 4);
-        let target = got[1].expect("a share").target;
-        assert_eq!(got, [None, Some(Warmup { target, part: 0, parts: 2 }), Some(Warmup { target, part: 1, parts: 2 }), None]);
-        assert!(warmups(2, 1 << 16).iter().all(Option::is_none));
-        assert!(warmups(1, 1 << 10).iter().all(Option::is_none));
     }
 
     #[test]

@@ -33,18 +33,6 @@ __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
 // Weights are read once per product: streamed past L1.
 __device__ __forceinline__ uint4 kstream(const uint4* p) { return __ldcs(p); }
 
-// A later product's settled matrix, this launch's share of it (`warm`, `warm_bytes`) spread
-// over its blocks, fetched into L2 before the wait and kept there past the weights streamed
-// meanwhile: that product then reads part of its matrix from L2 rather than from memory.
-__device__ __forceinline__ void kwarm_l2(const GemvArgs& a) {
-  if (a.warm_bytes <= 0) return;
-  const long long lines = (a.warm_bytes + 127) / 128, blocks = (long long)gridDim.x * gridDim.y;
-  const long long per = (lines + blocks - 1) / blocks, l0 = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * per;
-  const long long l1 = min(lines, l0 + per);
-  for (long long l = l0 + threadIdx.x; l < l1; l += blockDim.x)
-    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"((const char*)a.warm + l * 128));
-}
-
 #ifdef GEMV_ROW
 // The row computed first by a row kernel (`fused.rs`, `RowMode::Prologue`: a decode step's
 // layer norm), named by GEMV_ROW, of GEMV_ROW_K elements: after the wait for the kernel before,
@@ -133,7 +121,6 @@ __device__ __forceinline__ void kdot_rows(const GemvArgs& a, const uint4* x, con
 extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
   KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
   KBIND
-  kwarm_l2(a);
   const int lane = threadIdx.x & 31;
   const long long first = (long long)blockIdx.x * WARPS + (threadIdx.x >> 5);
   // A settled matrix: the warp's first rows are fetched into L2 while the kernel before still
@@ -198,7 +185,6 @@ extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
 extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
   KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
   KBIND
-  kwarm_l2(a);
   __shared__ float part[WARPS][TX * VW];
   __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

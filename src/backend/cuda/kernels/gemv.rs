@@ -43,25 +43,12 @@ kernel_args! {
     /// running writes it, so the column kernel loads it, and the row kernel fetches its first
     /// rows into L2, before waiting for the kernel before). The
     /// column kernel's blocks take `per` rows of K each; where K is split, the partial sums go
-    /// through `part` ([splits][N] F32) and the strips' arrival counters `count`. `warm`,
-    /// `warm_bytes`: memory the blocks fetch into L2 before their wait (`L2Warmup`; 0 bytes:
-    /// none).
+    /// through `part` ([splits][N] F32) and the strips' arrival counters `count`.
     GemvArgs {
         x: u64, w: u64, bias: u64, out: u64,
         n: i64, k: i64, ldw: i64, act: i64, settled: i64,
-        per: i64, part: u64, count: u64, warm: u64, warm_bytes: i64,
+        per: i64, part: u64, count: u64,
     }
-}
-
-/// A piece of a later product's settled matrix that a product's kernel fetches into L2 before
-/// its wait, kept there past the weights streamed meanwhile (`gemv.cu`, `kwarm_l2`): a decode
-/// step's output head, larger than L2 and read last, then finds part of itself there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct L2Warmup {
-    /// The piece's first byte.
-    pub ptr: u64,
-    /// Its length in bytes.
-    pub bytes: u64,
 }
 
 /// How the matrix is read.
@@ -95,10 +82,9 @@ unsafe impl KernelArgs for GemvRowArgs {}
 /// first (`fused::RowPrologue`), and `a`'s buffer is left as it was.
 /// `argmax`: the result is instead one I64, the index of the largest output (the first of
 /// equals, NaN above all, as `Tensor::argmax`), from the matrix stored `[N, K]` only (else None).
-/// `warm`: memory to fetch into L2 for a later product (before the wait where `settled`).
 // The product's operands and its epilogue's parts, one each: a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool, warm: Option<L2Warmup>) -> Result<Option<CudaStorage>> {
+pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
@@ -155,7 +141,7 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     } else {
         (part.as_ref().map_or(0, |p| p.ptr()), if splits > 1 { dev.reduce_counters(blocks)? } else { 0 })
     };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: super::settled_arg(settled), per: per as i64, part: part_ptr, count, warm: warm.map_or(0, |w| w.ptr), warm_bytes: warm.map_or(0, |w| w.bytes as i64) };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: super::settled_arg(settled), per: per as i64, part: part_ptr, count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
     match row {
         None => dev.launch(kern, grid, block, &args)?,

@@ -678,11 +678,10 @@ pub(crate) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, out_shape: &[
 /// is, not yet run: the product's kernel computes the row itself where it can, else the row
 /// kernel runs first; either way it has run once this returns. `argmax`: instead of the
 /// product, the index of its largest column as one I64 (a product of one row; `gemv`'s
-/// kernels only, else None). `warm`: a later product's memory that a one-row product's kernel
-/// fetches into L2 (`gemv::L2Warmup`; other products ignore it).
+/// kernels only, else None).
 // The product's operands and its epilogue's parts, one each: a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>, argmax: bool, warm: Option<gemv::L2Warmup>) -> Result<Option<Tensor>> {
+pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, tune: bool, settled: bool, row: Option<&fused::PendingRow>, argmax: bool) -> Result<Option<Tensor>> {
     let dev = dev_of(a)?;
     let product_shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
     let shape: &[usize] = if argmax { &[1] } else { &product_shape };
@@ -696,7 +695,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     }
     if let Some(p) = row {
         if let (Some(packed), Some(r)) = (&packed, fused::row_prologue(p, gemv::THREADS)?) {
-            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax, warm)? {
+            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax)? {
                 return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
             }
         }
@@ -704,7 +703,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     }
     let Some(packed) = packed else { return Ok(None) };
     let bias = epilogue(&packed);
-    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None, argmax, warm)? {
+    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None, argmax)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
     }
     if argmax {
@@ -716,42 +715,20 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
 }
 
-/// Piece `part` of `parts` of the last `budget` bytes of `t`'s memory, for a one-row product to
-/// fetch into L2 (`gemv::L2Warmup`); None unless `t` is a contiguous CUDA tensor.
-pub(crate) fn l2_piece(t: &Tensor, budget: u64, part: usize, parts: usize) -> Result<Option<gemv::L2Warmup>> {
-    if !t.device().is_cuda() || !t.is_contiguous() {
-        return Ok(None);
-    }
-    let total = (t.numel() * t.dtype().size_in_bytes()) as u64;
-    let Some((offset, bytes)) = tail_piece(total, budget, part, parts) else { return Ok(None) };
-    Ok(Some(gemv::L2Warmup { ptr: data_ptr(t)? + offset, bytes }))
-}
-
-/// Piece `part` of `parts` of the last `budget` of `total` bytes: its offset and length (None
-/// where it is empty).
-fn tail_piece(total: u64, budget: u64, part: usize, parts: usize) -> Option<(u64, u64)> {
-    if part >= parts {
-        return None;
-    }
-    let bytes = budget.min(total);
-    let (lo, hi) = (bytes * part as u64 / parts as u64, bytes * (part as u64 + 1) / parts as u64);
-    (hi > lo).then_some((total - bytes + lo, hi - lo))
-}
-
 /// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
 /// `KILN_GEMV=0` or they do not take it.
 #[allow(clippy::too_many_arguments)]
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>, argmax: bool, warm: Option<gemv::L2Warmup>) -> Result<Option<CudaStorage>> {
+fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
     if crate::switches::gemv_off() {
         return Ok(None);
     }
-    gemv::product(dev, a, b, dtype, bias, settled, row, argmax, warm)
+    gemv::product(dev, a, b, dtype, bias, settled, row, argmax)
 }
 
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
-        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None, false, None)? {
+        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None, false)? {
             return Ok(s);
         }
         return blas::bmm(&dev, a, b, dtype);
@@ -864,22 +841,3 @@ pub(crate) fn row_thread_candidates(k: usize, vec: usize) -> Vec<usize> {
     std::iter::successors(Some(least), |t| Some(t * 2)).take_while(|&t| t <= most).collect()
 }
 
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_pieces_of_a_matrix_fetched_ahead_cover_its_last_bytes_once() {
-        // 10 MiB of a 77 MB head in three pieces: adjacent, ending at its end.
-        let (total, budget) = (77_194_752u64, 10u64 << 20);
-        let pieces: Vec<(u64, u64)> = (0..3).map(|p| super::tail_piece(total, budget, p, 3).unwrap()).collect();
-        assert_eq!(pieces[0].0, total - budget);
-        for w in pieces.windows(2) {
-            assert_eq!(w[0].0 + w[0].1, w[1].0);
-        }
-        assert_eq!(pieces[2].0 + pieces[2].1, total);
-        // A budget past the matrix takes all of it; a piece past the parts or of nothing is none.
-        assert_eq!(super::tail_piece(1000, 1 << 20, 0, 1), Some((0, 1000)));
-        assert_eq!(super::tail_piece(1000, 1 << 20, 1, 1), None);
-        assert_eq!(super::tail_piece(2, 1 << 20, 0, 4), None);
-    }
-}
