@@ -170,14 +170,6 @@ pub(crate) fn gemv_splits() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_GEMV_SPLIT"))
 }
 
-/// `KILN_GEMV_MIN_BLOCKS=N` (1 to 8): the matrix-vector kernels are compiled to leave registers
-/// for N blocks of theirs per SM (`__launch_bounds__`), so that more of the next kernels' blocks
-/// can start early beside them.
-pub(crate) fn gemv_min_blocks() -> Option<usize> {
-    static V: OnceLock<Option<usize>> = OnceLock::new();
-    *V.get_or_init(|| parsed::<usize>("KILN_GEMV_MIN_BLOCKS").filter(|n| (1..=8).contains(n)))
-}
-
 /// `KILN_CUDNN_MIN_KEYS`: the fewest keys for which attention runs through cuDNN.
 pub(crate) fn cudnn_min_keys() -> Option<usize> {
     static V: OnceLock<Option<usize>> = OnceLock::new();

@@ -4,13 +4,7 @@
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
 // TX vectors of columns per block, RPT rows per thread where a block's rows are few enough).
 
-// BLOCKS_PER_SM (`KILN_GEMV_MIN_BLOCKS`): the blocks per SM the compiler must leave registers for,
-// so that more of the next kernels' blocks can start early beside these.
-#ifdef BLOCKS_PER_SM
-#define KBOUNDS __launch_bounds__(32 * WARPS, BLOCKS_PER_SM)
-#else
 #define KBOUNDS __launch_bounds__(32 * WARPS)
-#endif
 
 // The VW elements of a 16-byte vector as floats.
 __device__ __forceinline__ void kunpack(const uint4 u, float* f) {

@@ -117,12 +117,9 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let Some((bias_ptr, act)) = epilogue_args(bias, dtype, n)? else { return Ok(None) };
     let out = if argmax { CudaStorage::new(dev, DType::I64, 1)? } else { CudaStorage::new(dev, dtype, n)? };
     let name = kernel_name(walk, dtype, argmax);
-    // (read once per process, so one name never means two sources in it; the disk cache keys
-    // on the source)
-    let min_blocks = crate::switches::gemv_min_blocks();
     let kern = match row {
-        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None, argmax, min_blocks)))?,
-        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax, min_blocks))?,
+        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None, argmax)))?,
+        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax))?,
     };
     let (blocks, splits) = match walk {
         // The argmax's blocks each walk several outputs: one atomic per block.
@@ -196,9 +193,8 @@ fn kernel_name(walk: Walk, dtype: DType, argmax: bool) -> String {
 }
 
 /// A kernel's source; `row`: the name, source and row length of a row kernel's prologue
-/// function (`fused::RowPrologue`) that computes the row first; `min_blocks`: the blocks per SM
-/// it must leave registers for (`KILN_GEMV_MIN_BLOCKS`).
-fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>, argmax: bool, min_blocks: Option<usize>) -> String {
+/// function (`fused::RowPrologue`) that computes the row first.
+fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>, argmax: bool) -> String {
     let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
     if let Some((row_name, row_src, cols)) = row {
         // The row kernel's function, then what the kernels call it by.
@@ -206,9 +202,6 @@ fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>
         let _ = writeln!(c, "#define GEMV_ROW {row_name}\n#define GEMV_ROW_K {cols}");
     }
     let _ = writeln!(c, "#define NAME {name}\n#define WARPS {WARPS}\n#define VW {}", 16 / dtype.size_in_bytes());
-    if let Some(b) = min_blocks {
-        let _ = writeln!(c, "#define BLOCKS_PER_SM {b}");
-    }
     let _ = writeln!(c, "#define T {}", codegen::storage_type(dtype));
     let _ = writeln!(c, "#define LD(e) ({})", codegen::load(dtype, CType::F32, "(e)"));
     let _ = writeln!(c, "#define ST(e) ({})", codegen::store(dtype, CType::F32, "(e)"));
@@ -242,14 +235,10 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
             let name = kernel_name(walk, dtype, false);
-            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false, None))));
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false))));
         }
         let name = kernel_name(Walk::Rows, dtype, true);
-        v.push(super::samples::Sample::new((name.clone(), source(&name, Walk::Rows, dtype, None, true, None))));
-        // Registers capped for four blocks per SM (`KILN_GEMV_MIN_BLOCKS=4`).
-        let walk = Walk::Cols { tx: 2, rows: 6 };
-        let name = format!("{}_mb4", kernel_name(walk, dtype, false));
-        v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false, Some(4)))));
+        v.push(super::samples::Sample::new((name.clone(), source(&name, Walk::Rows, dtype, None, true))));
     }
     v
 }
@@ -262,7 +251,7 @@ pub(super) fn row_samples(row_name: &str, row_src: &str, cols: usize, dtype: DTy
         .into_iter()
         .map(|walk| {
             let name = format!("{}_{row_name}", kernel_name(walk, dtype, false));
-            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false, None)))
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false)))
         })
         .collect()
 }
