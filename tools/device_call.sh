@@ -3,7 +3,7 @@
 #   bash tools/device_call.sh $OUT <sections...>
 # Sections: ddp (kiln bench --distributed under kiln launch beside ddp_reference.py, DDP_NPROC ranks), cpus (NVRTC compiles pinned to each CPU), nvrtcclock (NVRTC wall against CPU and steal time around kiln's first processes), coldstart (a fresh machine's memory growth and first NVRTC compiles), wgmma (tools/gemm/run_wgmma.sh), nvrtc (NVRTC timing on logged kernels), compile (cold
 # compile seconds, two passes), ncu (kernel durations and DRAM bytes per bench row), host (each
-# row's host time per call, and copy times over four sizes), launch (tools/launch), emu (cuBLAS FP32
+# row's host time per call, and copy times over four sizes), launch (tools/launch), chainsync (one dependency between small kernels in a graph: plain, PDL's wait, or a counter), emu (cuBLAS FP32
 # emulation), rows (tools/rows cache-hint variants; needs kernels-*.log from nvrtc), lnrows (the compiled layer norm against the eager one), repeat (the pointwise and reduction rows in $REPEAT fresh processes, % of copy per run and the median), maps (tools/maps: the compiled bias + GELU kernel against variants), final
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
@@ -126,6 +126,9 @@ if [[ " $* " == *" host "* ]]; then
 fi
 if [[ " $* " == *" launch "* ]]; then
   d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/launch/params.cu -o $d/params -lcuda && $d/params
+fi
+if [[ " $* " == *" chainsync "* ]]; then
+  d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/launch/chain_sync.cu -o $d/chain_sync && $d/chain_sync
 fi
 if [[ " $* " == *" emu "* ]]; then
   d=$(mktemp -d); nvcc -O2 -arch=sm_90 tools/gemm/emulation.cu -o $d/emu -lcublas && $d/emu
