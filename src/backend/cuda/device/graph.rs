@@ -181,6 +181,87 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
     Ok(Some((kept.len(), longest_chain(&deps))))
 }
 
+/// Library kernels that wait for the grids before them themselves (`griddepcontrol.wait`, as
+/// kiln's do) before they touch memory, by name prefix: cuBLASLt's Hopper products and their
+/// split-K reductions (every kernel of these families in cuBLASLt 13 carries the wait).
+const WAITING_LIBRARY_KERNELS: &[&str] = &["sm90_xmma_gemm_", "_ZN8cublasLt19splitKreduce_kernel"];
+
+/// The function name of kernel node `node`, if it is one and the driver says.
+fn kernel_node_name(node: ds::CUgraphNode) -> Option<String> {
+    // SAFETY: a node of a live graph; plain out-parameters; the name is a C string the driver
+    // owns, copied at once.
+    unsafe {
+        let mut ty = ds::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        if ds::cuGraphNodeGetType(node, &mut ty) != ds::CUresult::CUDA_SUCCESS || ty != ds::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL {
+            return None;
+        }
+        let mut p: ds::CUDA_KERNEL_NODE_PARAMS = std::mem::zeroed();
+        if ds::cuGraphKernelNodeGetParams_v2(node, &mut p) != ds::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        let st = if !p.func.is_null() { ds::cuFuncGetName(&mut name, p.func) } else if !p.kern.is_null() { ds::cuKernelGetName(&mut name, p.kern) } else { return None };
+        (st == ds::CUresult::CUDA_SUCCESS && !name.is_null()).then(|| std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned())
+    }
+}
+
+/// Turns every plain edge from a kernel into a library kernel that waits for the grids before
+/// it itself (`WAITING_LIBRARY_KERNELS`) into a programmatic one, as kiln's own launches are:
+/// the library kernel then starts, and sets itself up, while the kernel before still runs (a
+/// library cannot be asked to launch so). Returns how many library kernels may now start early.
+fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
+    let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
+    let mut n = 0usize;
+    // SAFETY: a live graph; first the count, then that many nodes.
+    let nodes = unsafe {
+        if ds::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) != ds::CUresult::CUDA_SUCCESS {
+            return Ok(0);
+        }
+        let mut v = vec![std::ptr::null_mut(); n];
+        if n > 0 && ds::cuGraphGetNodes(graph, v.as_mut_ptr(), &mut n) != ds::CUresult::CUDA_SUCCESS {
+            return Ok(0);
+        }
+        v.truncate(n);
+        v
+    };
+    let plain = |d: &ds::CUgraphEdgeData| d.from_port == 0 && d.to_port == 0 && d.type_ == 0;
+    let mut early = 0;
+    for node in nodes {
+        let waits_itself = kernel_node_name(node).is_some_and(|name| WAITING_LIBRARY_KERNELS.iter().any(|p| name.starts_with(p)));
+        if !waits_itself {
+            continue;
+        }
+        let Some(waits) = node_deps(node) else { continue };
+        let from: Vec<ds::CUgraphNode> = waits.iter().filter(|(w, d)| plain(d) && kernel_node_name(*w).is_some()).map(|w| w.0).collect();
+        if from.is_empty() {
+            continue;
+        }
+        let to = vec![node; from.len()];
+        // SAFETY: plain data; all zeros is a plain edge.
+        let old = vec![unsafe { std::mem::zeroed::<ds::CUgraphEdgeData>() }; from.len()];
+        let mut programmatic = old.clone();
+        for d in &mut programmatic {
+            d.from_port = ds::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+            d.type_ = ds::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        }
+        // SAFETY: nodes of `graph`; the plain edges removed exist, and the same edges come
+        // back programmatic (or, where the driver refuses, plain again).
+        unsafe {
+            if ds::cuGraphRemoveDependencies_v2(graph, from.as_ptr(), to.as_ptr(), old.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
+                return Err(failed("removing a library kernel's dependency"));
+            }
+            if ds::cuGraphAddDependencies_v2(graph, from.as_ptr(), to.as_ptr(), programmatic.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
+                if ds::cuGraphAddDependencies_v2(graph, from.as_ptr(), to.as_ptr(), old.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
+                    return Err(failed("restoring a library kernel's dependency"));
+                }
+                continue;
+            }
+        }
+        early += 1;
+    }
+    Ok(early)
+}
+
 /// Whether captured graphs keep the captured order (`KILN_GRAPH_BRANCHES=0`, read once): to
 /// measure what side-by-side steps gain, or to rule them out.
 fn keep_captured_order() -> bool {
@@ -333,6 +414,12 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
         match relax(graph, steps.done) {
             Ok(Some((n, chain))) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
             Ok(None) => crate::logging::log(crate::logging::Topic::Recompiles, || "CUDA graph: a node's waits could not be read; the steps keep their captured order".into()),
+            Err(e) => return destroy(e),
+        }
+    }
+    if dev.hopper && crate::switches::pdl() && !crate::switches::pdl_library_off() {
+        match library_kernels_start_early(graph) {
+            Ok(n) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} library kernels may start before the kernels they wait for end")),
             Err(e) => return destroy(e),
         }
     }
