@@ -205,8 +205,9 @@ fn kernel_node_name(node: ds::CUgraphNode) -> Option<String> {
     }
 }
 
-/// Turns every plain edge from a kernel into a library kernel that waits for the grids before
-/// it itself (`WAITING_LIBRARY_KERNELS`) into a programmatic one, as kiln's own launches are:
+/// Turns the plain edge into a library kernel that waits for the grids before it itself
+/// (`WAITING_LIBRARY_KERNELS`) from the one kernel it waits for into a programmatic one, as
+/// kiln's own launches are:
 /// the library kernel then starts, and sets itself up, while the kernel before still runs (a
 /// library cannot be asked to launch so). Returns how many library kernels may now start early.
 fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
@@ -231,9 +232,10 @@ fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
         if !waits_itself {
             continue;
         }
+        // Only a kernel waiting for one kernel: a chain's link, as a stream launch makes it.
         let Some(waits) = node_deps(node) else { continue };
         let from: Vec<ds::CUgraphNode> = waits.iter().filter(|(w, d)| plain(d) && kernel_node_name(*w).is_some()).map(|w| w.0).collect();
-        if from.is_empty() {
+        if from.len() != 1 || waits.len() != 1 {
             continue;
         }
         let to = vec![node; from.len()];
