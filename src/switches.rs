@@ -78,12 +78,11 @@ pub(crate) fn cols_chunks() -> Option<usize> {
     *V.get_or_init(|| parsed("KILN_COLS_CHUNKS"))
 }
 
-/// `KILN_PDL_LIBRARY=1`: in captured CUDA graphs, library kernels that wait for the kernels
-/// before them themselves may start before those end (`graph::library_kernels_start_early`).
-/// Off by default until measured on a GPU.
-pub(crate) fn pdl_library_on() -> bool {
+/// `KILN_PDL_LIBRARY=0`: in captured CUDA graphs, library kernels that wait for the kernels
+/// before them themselves are not let start before those end (`graph::library_kernels_start_early`).
+pub(crate) fn pdl_library_off() -> bool {
     static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| is("KILN_PDL_LIBRARY", "1"))
+    *V.get_or_init(|| is("KILN_PDL_LIBRARY", "0"))
 }
 
 /// `KILN_GRAPH_BRANCHES=0`: captured CUDA graphs keep the captured order (no side-by-side steps).

@@ -419,7 +419,7 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
             Err(e) => return destroy(e),
         }
     }
-    if dev.hopper && crate::switches::pdl() && crate::switches::pdl_library_on() {
+    if dev.hopper && crate::switches::pdl() && !crate::switches::pdl_library_off() {
         match library_kernels_start_early(graph) {
             Ok(n) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} library kernels may start before the kernels they wait for end")),
             Err(e) => return destroy(e),
