@@ -75,8 +75,7 @@ impl Kernel {
     }
 }
 /// Whether every kernel function `src` defines starts with `KILN_AFTER_PREVIOUS();` (the
-/// prelude's wait for the grids before it; `KILN_LET_NEXT_START();` may come first) or
-/// `KILN_WAIT_UNLESS_SETTLED(` (the same wait, after
+/// prelude's wait for the grids before it) or `KILN_WAIT_UNLESS_SETTLED(` (the same wait, after
 /// loads of memory no running grid writes): only such a kernel may be launched before those
 /// grids end (`KILN_PDL`). A source using `__ldg` may not: the compiler takes its loads as
 /// invariant and may move them above the wait, reading what the grid before is still writing.
@@ -86,9 +85,7 @@ pub(crate) fn waits_for_previous(src: &str) -> bool {
         && !src.contains("__ldg(")
         && kernels.all(|(at, _)| {
             src[at..].find('{').is_some_and(|open| {
-                // (letting the next kernel start first is safe: that one waits for this one)
                 let body = src[at + open + 1..].trim_start();
-                let body = body.strip_prefix("KILN_LET_NEXT_START();").map_or(body, str::trim_start);
                 body.starts_with("KILN_AFTER_PREVIOUS();") || body.starts_with("KILN_WAIT_UNLESS_SETTLED(")
             })
         })
@@ -947,8 +944,6 @@ mod tests {
         let k = |body: &str| format!("extern \"C\" __global__ void k(const LaunchArgs a) {{\n  {body}\n}}\n");
         assert!(waits_for_previous(&k("KILN_AFTER_PREVIOUS();\n  out[0] = 1;")));
         assert!(waits_for_previous(&k("KILN_WAIT_UNLESS_SETTLED(a.settled);\n  w = W[0];\n  KILN_WAIT_IF_SETTLED(a.settled);")));
-        assert!(waits_for_previous(&k("KILN_LET_NEXT_START();\n  KILN_AFTER_PREVIOUS();\n  out[0] = 1;")), "the next kernel let start first");
-        assert!(!waits_for_previous(&k("KILN_LET_NEXT_START();\n  out[0] = 1;")), "letting the next start is no wait");
         assert!(!waits_for_previous(&k("out[0] = 1;\n  KILN_AFTER_PREVIOUS();")), "a read before the wait");
         assert!(!waits_for_previous(&format!("{}{}", k("KILN_AFTER_PREVIOUS();"), k("out[0] = 1;"))), "one kernel of two does not wait");
         assert!(!waits_for_previous(&k("KILN_AFTER_PREVIOUS();\n  out[0] = __ldg(x);")), "an __ldg load may move above the wait");

@@ -616,14 +616,12 @@ pub(crate) fn gen_reduce(s: &ReduceSpec) -> String {
 
 /// `out[i] = x[...]` where the position along `dim` comes from an index tensor (gather and
 /// index_select). `ndim` dims, all strided; indices were range-checked by the caller.
-/// The kernel lets the next one start before its own wait: a decode step begins with its
-/// embeddings' gathers, and the first layer's product then loads its weights beside them.
 pub(crate) fn gen_gather(dtype: DType, ndim: usize, dim: usize) -> (String, String) {
     let name = format!("gather_{}_{ndim}d_dim{dim}", short(dtype));
     let t = storage_type(dtype);
     let mut c = String::from(PRELUDE);
     c.push_str(GatherArgs::C_DECL);
-    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const GatherArgs a) {{\n  KILN_LET_NEXT_START();\n  KILN_AFTER_PREVIOUS();");
+    let _ = writeln!(c, "extern \"C\" __global__ void {name}(const GatherArgs a) {{\n  KILN_AFTER_PREVIOUS();");
     let _ = writeln!(c, "  const long long n = a.n; {t}* out = ({t}*)a.out; const {t}* x = (const {t}*)a.x; const long long* idx = (const long long*)a.idx;");
     let _ = writeln!(c, "  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {{");
     let _ = writeln!(c, "    long long rem = i, oi = 0, ox = 0, q;");
