@@ -129,7 +129,6 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
         }
         s
     });
-    let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
     // Each node belongs to the first step that ends on it or on a node waiting for it. Every
     // node's waits are read before the graph is changed, so a refused query changes nothing.
     let mut step_of: std::collections::HashMap<usize, usize> = Default::default();
@@ -170,10 +169,10 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
             // added join a node to nodes of earlier steps (no cycle).
             unsafe {
                 if !before.is_empty() && ds::cuGraphRemoveDependencies_v2(graph, from_old.as_ptr(), to_old.as_ptr(), data_old.as_ptr(), before.len()) != ds::CUresult::CUDA_SUCCESS {
-                    return Err(failed("removing a dependency"));
+                    return Err(graph_error("removing a dependency"));
                 }
                 if !after.is_empty() && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), std::ptr::null(), after.len()) != ds::CUresult::CUDA_SUCCESS {
-                    return Err(failed("adding a dependency"));
+                    return Err(graph_error("adding a dependency"));
                 }
             }
         }
@@ -207,11 +206,10 @@ fn kernel_node_name(node: ds::CUgraphNode) -> Option<String> {
 
 /// Turns the plain edge into a library kernel that waits for the grids before it itself
 /// (`WAITING_LIBRARY_KERNELS`) from the one kernel it waits for into a programmatic one, as
-/// kiln's own launches are:
-/// the library kernel then starts, and sets itself up, while the kernel before still runs (a
-/// library cannot be asked to launch so). Returns how many library kernels may now start early.
+/// kiln's own launches are: the library kernel then starts, and sets itself up, while the
+/// kernel before still runs (a library cannot be asked to launch so). Returns how many library
+/// kernels may now start early.
 fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
-    let failed = |what: &str| Error::Compile(format!("CUDA graph: {what}"));
     let mut n = 0usize;
     // SAFETY: a live graph; first the count, then that many nodes.
     let nodes = unsafe {
@@ -225,36 +223,31 @@ fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
         v.truncate(n);
         v
     };
-    let plain = |d: &ds::CUgraphEdgeData| d.from_port == 0 && d.to_port == 0 && d.type_ == 0;
     let mut early = 0;
     for node in nodes {
         let waits_itself = kernel_node_name(node).is_some_and(|name| WAITING_LIBRARY_KERNELS.iter().any(|p| name.starts_with(p)));
         if !waits_itself {
             continue;
         }
-        // Only a kernel waiting for one kernel: a chain's link, as a stream launch makes it.
+        // Only a kernel waiting for one kernel through a plain edge: a chain's link, as a
+        // stream launch makes it.
         let Some(waits) = node_deps(node) else { continue };
-        let from: Vec<ds::CUgraphNode> = waits.iter().filter(|(w, d)| plain(d) && kernel_node_name(*w).is_some()).map(|w| w.0).collect();
-        if from.len() != 1 || waits.len() != 1 {
+        let [(from, plain)] = waits[..] else { continue };
+        if plain.from_port != 0 || plain.to_port != 0 || plain.type_ != 0 || kernel_node_name(from).is_none() {
             continue;
         }
-        let to = vec![node; from.len()];
-        // SAFETY: plain data; all zeros is a plain edge.
-        let old = vec![unsafe { std::mem::zeroed::<ds::CUgraphEdgeData>() }; from.len()];
-        let mut programmatic = old.clone();
-        for d in &mut programmatic {
-            d.from_port = ds::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
-            d.type_ = ds::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
-        }
-        // SAFETY: nodes of `graph`; the plain edges removed exist, and the same edges come
-        // back programmatic (or, where the driver refuses, plain again).
+        let mut programmatic = plain;
+        programmatic.from_port = ds::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8;
+        programmatic.type_ = ds::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8;
+        // SAFETY: nodes of `graph`; the plain edge removed exists, and the same edge comes back
+        // programmatic (or, where the driver refuses, plain again).
         unsafe {
-            if ds::cuGraphRemoveDependencies_v2(graph, from.as_ptr(), to.as_ptr(), old.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
-                return Err(failed("removing a library kernel's dependency"));
+            if ds::cuGraphRemoveDependencies_v2(graph, &from, &node, &plain, 1) != ds::CUresult::CUDA_SUCCESS {
+                return Err(graph_error("removing a library kernel's dependency"));
             }
-            if ds::cuGraphAddDependencies_v2(graph, from.as_ptr(), to.as_ptr(), programmatic.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
-                if ds::cuGraphAddDependencies_v2(graph, from.as_ptr(), to.as_ptr(), old.as_ptr(), from.len()) != ds::CUresult::CUDA_SUCCESS {
-                    return Err(failed("restoring a library kernel's dependency"));
+            if ds::cuGraphAddDependencies_v2(graph, &from, &node, &programmatic, 1) != ds::CUresult::CUDA_SUCCESS {
+                if ds::cuGraphAddDependencies_v2(graph, &from, &node, &plain, 1) != ds::CUresult::CUDA_SUCCESS {
+                    return Err(graph_error("restoring a library kernel's dependency"));
                 }
                 continue;
             }
@@ -262,6 +255,11 @@ fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
         early += 1;
     }
     Ok(early)
+}
+
+/// The error of a graph edit the driver refused.
+fn graph_error(what: &str) -> Error {
+    Error::Compile(format!("CUDA graph: {what}"))
 }
 
 /// Whether captured graphs keep the captured order (`KILN_GRAPH_BRANCHES=0`, read once): to

@@ -4,8 +4,6 @@
 // GEMV_ROWS (W read as [N, K] rows, K contiguous) or GEMV_COLS (W read as [K, N], N contiguous,
 // TX vectors of columns per block, RPT rows per thread where a block's rows are few enough).
 
-#define KBOUNDS __launch_bounds__(32 * WARPS)
-
 // The VW elements of a 16-byte vector as floats.
 __device__ __forceinline__ void kunpack(const uint4 u, float* f) {
   const unsigned int w[4] = {u.x, u.y, u.z, u.w};
@@ -112,7 +110,7 @@ __device__ __forceinline__ void kdot_rows(const GemvArgs& a, const uint4* x, con
 // stored), each block folds its warps' into a running max (`part`, a u64) with one atomic, and
 // the last block to arrive writes its index to `out` (one I64) and clears the max for the next
 // launch (atomics on one address queue up, so fewer blocks is fewer waits).
-extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
   KBIND
   const int lane = threadIdx.x & 31;
@@ -176,7 +174,7 @@ extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
 // leaves its sums in `part` ([gridDim.y][N] F32) and the last block of a strip of columns adds
 // them in split order (the same bits on every run) before the epilogue.
 #define KY (32 / TX)
-extern "C" __global__ void KBOUNDS NAME(KPARAMS) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
   KBIND
   __shared__ float part[WARPS][TX * VW];
