@@ -41,14 +41,15 @@ __device__ __forceinline__ double kexp(double x) { return exp(x); }
 #define KEY_END long long last = min(L, (long long)(blockIdx.y + 1) * ROWS) - 1; \
   long long send = causal ? min(S, last + 1) : S;
 // The tile of keys from s0 (all 32 but in the last: short sequences load and sum no padding)
-// into Ks, with their values into Vs when WITH_V; the whole block loads, then syncs.
+// into Ks, with their values into Vs when WITH_V; the whole block loads, then syncs. A key's
+// and its value's vectors are both loaded before either is stored: one wait on memory.
 #define LOAD_KEYS(s0, nk, WITH_V) const int nk = (int)min(32ll, send - (s0)); __syncthreads(); \
   for (int i_ = threadIdx.x; i_ < nk * (D_ / VW); i_ += ROWS * 32) { \
     int j_ = i_ / (D_ / VW), d_ = (i_ - j_ * (D_ / VW)) * VW; long long s_ = (s0) + j_; \
     const VT kq_ = *(const VT*)(k + s_ * kss + b * ksb + h * ksh + d_); \
+    VT vq_; if (WITH_V) vq_ = *(const VT*)(v + s_ * vss + b * vsb + h * vsh + d_); \
     for (int e_ = 0; e_ < VW; e_++) Ks[j_][d_ + e_] = LD(kq_.v[e_]); \
-    if (WITH_V) { const VT vq_ = *(const VT*)(v + s_ * vss + b * vsb + h * vsh + d_); \
-      for (int e_ = 0; e_ < VW; e_++) Vs[j_][d_ + e_] = LD(vq_.v[e_]); } } \
+    if (WITH_V) for (int e_ = 0; e_ < VW; e_++) Vs[j_][d_ + e_] = LD(vq_.v[e_]); } \
   __syncthreads();
 // This lane's score against key s0 + lane (-inf where masked out by causality or past S),
 // the row's running max m updated into mn and this lane's exp(score - mn) into p.

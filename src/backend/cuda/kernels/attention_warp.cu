@@ -13,13 +13,20 @@ extern "C" __global__ void __launch_bounds__(ROWS * 32) KNAME(AttentionArgs a) {
   __shared__ QK_T Ks[32][D_ + 1]; __shared__ float Vs[32][D_]; __shared__ QK_T Qs[ROWS][D_];
   long long l = (long long)blockIdx.y * ROWS + warp;
   bool ok = l < L;
-  if (ok) for (int d = lane; d < D_; d += 32) Qs[warp][d] = LD(q[l * qsl + b * qsb + h * qsh + d]);
+  // The warp's query row, loaded with the first keys and values and stored after them (only
+  // this warp reads it): one wait on memory, not two.
+  T qr[PER];
+  for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (ok && d < D_) qr[i] = q[l * qsl + b * qsb + h * qsh + d]; }
   SC m = -INFINITY; float den = 0.f, acc[PER];
   for (int i = 0; i < PER; i++) acc[i] = 0.f;
   KEY_END
   for (long long s0 = 0; s0 < send; s0 += 32) {
     LOAD_KEYS(s0, nk, true)
     if (!ok) continue;
+    if (s0 == 0) {
+      for (int i = 0; i < PER; i++) { int d = lane + 32 * i; if (d < D_) Qs[warp][d] = LD(qr[i]); }
+      __syncwarp();
+    }
     ONLINE_STEP(s0, sc, mn, p)
     float corr = m == -INFINITY ? 0.f : expf((float)(m - mn));
     den = den * corr + wsum(p);
