@@ -257,17 +257,6 @@ fn library_kernels_start_early(graph: ds::CUgraph) -> Result<usize> {
     Ok(early)
 }
 
-/// `library_kernels_start_early` where kiln's own kernels start early (Hopper, PDL on, library
-/// kernels not excluded by `KILN_PDL_LIBRARY=0`): for every graph kiln instantiates, its
-/// programs' and the graphs max-autotune times products in. Returns how many may.
-pub(crate) fn library_edges(dev: &CudaDevice, graph: ds::CUgraph) -> Result<usize> {
-    if dev.hopper && crate::switches::pdl() && !crate::switches::pdl_library_off() {
-        library_kernels_start_early(graph)
-    } else {
-        Ok(0)
-    }
-}
-
 /// The error of a graph edit the driver refused.
 fn graph_error(what: &str) -> Error {
     Error::Compile(format!("CUDA graph: {what}"))
@@ -428,10 +417,11 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
             Err(e) => return destroy(e),
         }
     }
-    match library_edges(dev, graph) {
-        Ok(n) if n > 0 => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} library kernels may start before the kernels they wait for end")),
-        Ok(_) => {}
-        Err(e) => return destroy(e),
+    if dev.hopper && crate::switches::pdl() && !crate::switches::pdl_library_off() {
+        match library_kernels_start_early(graph) {
+            Ok(n) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} library kernels may start before the kernels they wait for end")),
+            Err(e) => return destroy(e),
+        }
     }
     let flags = ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH;
     // SAFETY: a complete graph.

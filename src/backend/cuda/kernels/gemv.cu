@@ -46,18 +46,16 @@ struct GemvRowArgs { GemvArgs g; LaunchArgs r; };
 #define KROW(row)
 #endif
 
-// Output n's bias (0 without one). Loaded with a kernel's first loads after its wait: loaded
-// by the epilogue, after the sums, it would add a trip to memory to the kernel's end.
-__device__ __forceinline__ float kbias(const GemvArgs& a, long long n) {
-  return a.bias && n < a.n ? LD(((const T*)a.bias)[n]) : 0.0f;
-}
-
-// An output's value after its bias (`kbias`) and the activation, in F32.
-__device__ __forceinline__ float kepilogue(const GemvArgs& a, float bias, float acc) {
-  if (a.bias) acc += bias;
+// Output n's value after the bias and the activation, in F32.
+__device__ __forceinline__ float kepilogue(const GemvArgs& a, long long n, float acc) {
+  if (a.bias) acc += LD(((const T*)a.bias)[n]);
   if (a.act == 1) acc = fmaxf(acc, 0.0f);
   else if (a.act == 2) acc = KGELU_TANH(acc);
   return acc;
+}
+
+__device__ __forceinline__ void kstore_out(const GemvArgs& a, long long n, float acc) {
+  ((T*)a.out)[n] = ST(kepilogue(a, n, acc));
 }
 
 #ifdef GEMV_ARGMAX
@@ -129,9 +127,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     }
   }
   KILN_WAIT_IF_SETTLED(a.settled);
-#ifndef GEMV_ARGMAX
-  const float bias = lane == 0 ? kbias(a, first) : 0.0f;
-#endif
   const T* xrow = (const T*)a.x;
   KROW(xrow)
   const uint4* x = (const uint4*)xrow;
@@ -145,7 +140,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     kdot_rows<2>(a, x, n, lane, acc);
 #pragma unroll
     for (int r = 0; r < 2; r++)
-      if (n[r] < a.n) mine = max(mine, kargmax_key(LD(ST(kepilogue(a, kbias(a, n[r]), acc[r]))), n[r]));
+      if (n[r] < a.n) mine = max(mine, kargmax_key(LD(ST(kepilogue(a, n[r], acc[r]))), n[r]));
   }
   __shared__ unsigned long long best[WARPS];
   if (lane == 0) best[threadIdx.x >> 5] = mine;
@@ -166,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   if (first >= a.n) return;
   float acc;
   kdot_rows<1>(a, x, &first, lane, &acc);
-  if (lane == 0) ((T*)a.out)[first] = ST(kepilogue(a, bias, acc));
+  if (lane == 0) kstore_out(a, first, acc);
 #endif
 }
 #endif
@@ -191,8 +186,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   const long long r0 = (long long)blockIdx.y * a.per, r1 = min(a.k, r0 + a.per);
   const T* x = (const T*)a.x;
   const T* w = (const T*)a.w + col;
-  // The output this thread stores, where it is one of the block's first TX * VW.
-  const long long n = threadIdx.x < TX * VW ? (long long)blockIdx.x * TX * VW + threadIdx.x : a.n;
   float acc[VW];
 #pragma unroll
   for (int j = 0; j < VW; j++) acc[j] = 0.0f;
@@ -208,7 +201,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     q[i] = live && r < r1 ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
   }
   KILN_WAIT_IF_SETTLED(a.settled);
-  const float bias = kbias(a, n);
   KROW(x)
 #pragma unroll
   for (int i = 0; i < RPT; i++) {
@@ -224,7 +216,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   }
 #else
   KILN_WAIT_IF_SETTLED(a.settled);
-  const float bias = kbias(a, n);
   KROW(x)
   if (live) {
 #pragma unroll 4
@@ -247,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     for (int j = 0; j < VW; j++) part[warp][tx * VW + j] = acc[j];
   }
   __syncthreads();
+  const long long n = (long long)blockIdx.x * TX * VW + threadIdx.x;
   float s = 0.0f;
   if (threadIdx.x < TX * VW) {
 #pragma unroll
@@ -254,16 +246,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   }
   if (gridDim.y > 1) {
     float* sums = (float*)a.part;
-    if (n < a.n) sums[(long long)blockIdx.y * a.n + n] = s;
+    if (threadIdx.x < TX * VW && n < a.n) sums[(long long)blockIdx.y * a.n + n] = s;
     __syncthreads();
     if (threadIdx.x == 0) last = klast_arrival((unsigned int*)a.count + blockIdx.x, gridDim.y);
     __syncthreads();
     if (!last) return;
-    if (n < a.n) {
+    if (threadIdx.x < TX * VW && n < a.n) {
       s = 0.0f;
       for (unsigned int y = 0; y < gridDim.y; y++) s += __ldcg(sums + (long long)y * a.n + n);
     }
   }
-  if (n < a.n) ((T*)a.out)[n] = ST(kepilogue(a, bias, s));
+  if (threadIdx.x < TX * VW && n < a.n) kstore_out(a, n, s);
 }
 #endif

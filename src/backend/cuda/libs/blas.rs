@@ -546,11 +546,9 @@ const CHAIN: usize = 8;
 /// What `algo` costs in a chain of products, as a compiled program's CUDA graph runs them: the
 /// median replay of a graph of `CHAIN` runs (captured on `side`), per run. Timed alone between two events, a run
 /// counts the events' latency and not the gap each extra kernel (a split reduction's second
-/// kernel) adds between nodes of a graph; max-autotune's programs replay graphs. The chain's
-/// library kernels start early as a program's do (`graph::library_edges`): an algorithm whose
-/// kernels may not is timed with the gap it will have.
+/// kernel) adds between nodes of a graph; max-autotune's programs replay graphs.
 fn chain_ms(dev: &Arc<CudaDevice>, side: &Arc<cudarc::driver::CudaStream>, lt: ls::cublasLtHandle_t, d: &Descs, algo: &Algo, call: &Call) -> Option<f64> {
-    use cudarc::driver::{result::graph, sys as ds};
+    use cudarc::driver::sys as ds;
     // One run outside the capture first: it loads what the algorithm's kernels need, which a
     // capture may not, and a candidate that fails is out.
     // SAFETY: as for a regular call; each run rewrites the whole output.
@@ -560,24 +558,11 @@ fn chain_ms(dev: &Arc<CudaDevice>, side: &Arc<cudarc::driver::CudaStream>, lt: l
     // SAFETY: as for a regular call (captured: nothing runs yet); each run rewrites the whole
     // output.
     let ran = (0..CHAIN).try_for_each(|_| unsafe { lt_run(lt, d, algo, &on) });
-    // SAFETY: the stream is capturing.
-    let g = unsafe { cudarc::driver::result::stream::end_capture(side.cu_stream()) }.ok().filter(|g| !g.is_null())?;
-    let exec = ran.ok().and_then(|_| crate::backend::cuda::device::graph::library_edges(dev, g).ok()).and_then(|_| {
-        // SAFETY: a complete graph.
-        unsafe { graph::instantiate(g, ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) }.ok()
-    });
+    let graph = side.end_capture(ds::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH).ok().flatten()?;
+    ran.ok()?;
     // SAFETY: an instantiated graph of live buffers, replayed in the device's stream order;
-    // the timing waits for the last replay, and the stream is idle before both are destroyed.
-    let t = exec.and_then(|exec| autotune::time_ms(dev, || unsafe { graph::launch(exec, dev.stream.cu_stream()) }.map_err(|e| dev.err("graph launch", e))));
-    // SAFETY: made above, destroyed once, after the stream that replayed it is idle.
-    unsafe {
-        dev.stream.synchronize().ok();
-        if let Some(exec) = exec {
-            graph::exec_destroy(exec).ok();
-        }
-        graph::destroy(g).ok();
-    }
-    t.map(|t| t / CHAIN as f64)
+    // the timing waits for the last replay before the graph is dropped.
+    autotune::time_ms(dev, || unsafe { cudarc::driver::result::graph::launch(graph.cu_graph_exec(), dev.stream.cu_stream()) }.map_err(|e| dev.err("graph launch", e))).map(|t| t / CHAIN as f64)
 }
 
 /// The first heuristic candidates with their reduction dim split into 2 to 8 parts, where the
