@@ -397,12 +397,14 @@ if [[ " $* " == *" bins "* ]]; then
   # Builds side by side on one machine: $BINS_WORKLOAD (default the decode row) with every
   # .gpu/bin/kiln* binary, $BINS_ROUNDS rounds (default 2) in turn. Variant binaries are built
   # here from a patch and copied in beside the bundle's kiln: `git apply P && cargo build
-  # --release --bin kiln && cp target/release/kiln .gpu/bin/kiln-NAME && git checkout -- .`
+  # --release --bin kiln && cp target/release/kiln .gpu/bin/kiln-NAME && git apply -R P`.
+  # A build whose bench fails says so (never an earlier build's row under its name).
   w=${BINS_WORKLOAD:-gpt2.decode.bf16.bs1}
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise --out /tmp/warm.json > /dev/null 2>&1
   for round in $(seq 1 ${BINS_ROUNDS:-2}); do for b in .gpu/bin/kiln*; do
+    rm -f /tmp/bins.json
     KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) $b bench --only $w --out /tmp/bins.json > /dev/null 2>&1
-    bench_ms /tmp/bins.json "round $round $(basename $b)"
+    [ -f /tmp/bins.json ] && bench_ms /tmp/bins.json "round $round $(basename $b)" || echo "round $round $(basename $b): no result"
   done; done
 fi
 if [[ " $* " == *" ab "* ]]; then
