@@ -402,6 +402,11 @@ impl Program {
             if (hoisted && fresh) || (hoisted_only && !hoisted && !free) {
                 continue;
             }
+            if pass == RunScope::Full {
+                // While a CUDA graph is captured: what this step reads, so that the buffers it
+                // is handed make it wait for no step it does not already wait for.
+                crate::backend::cuda::device::graph::begin_step(|| ranges(step_reads(g, &self.schedule, step), &env));
+            }
             match step {
                 Step::Node(i) => {
                     env[*i] = Some(match self.views.roots[*i] {
@@ -821,12 +826,16 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || g.nodes[*i].is_constant())) {
         return Footprint::barrier(what);
     }
-    let ranges = |nodes: Vec<NodeId>| nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect();
     // A row kernel its product runs touches memory in the product's step.
     if matches!(step, Step::Kernel(k) if deferred[*k]) {
         return Footprint { reads: vec![], writes: vec![], shared: false, barrier: false, what };
     }
-    Footprint { reads: ranges(step_reads(g, s, step)), writes: ranges(step_outputs(s, step)), shared: false, barrier: false, what }
+    Footprint { reads: ranges(step_reads(g, s, step), env), writes: ranges(step_outputs(s, step), env), shared: false, barrier: false, what }
+}
+
+/// The device memory of values `nodes` (those computed so far).
+fn ranges(nodes: Vec<NodeId>, env: &[Option<Tensor>]) -> Vec<(u64, u64)> {
+    nodes.into_iter().filter_map(|n| env[n].as_ref().and_then(crate::backend::cuda::kernels::storage_range)).collect()
 }
 
 /// The values step `step` reads.

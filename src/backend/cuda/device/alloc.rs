@@ -124,9 +124,19 @@ pub(crate) struct LargePool {
 impl LargePool {
     /// The smallest free piece of at least `size` bytes, taken (split to `size`).
     pub(crate) fn take(&mut self, size: usize) -> Option<Block> {
-        let &(found, ptr) = self.free.range((size, 0)..).next()?;
-        self.free.remove(&(found, ptr));
-        Some(self.hand_out(ptr, found, size))
+        let (found, ptr) = self.fitting(size).next()?;
+        Some(self.take_free(found, ptr, size))
+    }
+
+    /// The free pieces of at least `size` bytes, (size, address), smallest first.
+    pub(crate) fn fitting(&self, size: usize) -> impl Iterator<Item = (usize, u64)> + '_ {
+        self.free.range((size, 0)..).copied()
+    }
+
+    /// Takes the free piece at `ptr` of `found` bytes (one `fitting` gave), split to `size`.
+    pub(crate) fn take_free(&mut self, found: usize, ptr: u64, size: usize) -> Block {
+        assert!(self.free.remove(&(found, ptr)), "a free piece of the pool");
+        self.hand_out(ptr, found, size)
     }
 
     /// Marks the free piece at `ptr` (of `found` bytes) handed out for a request of `size`;

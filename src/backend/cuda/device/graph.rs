@@ -35,6 +35,79 @@ struct Steps {
     unknown: bool,
     /// Whether the step being captured uses shared scratch memory.
     shared_scratch: bool,
+    /// Every done step's waits, direct or not.
+    ancestry: Ancestry,
+    /// The steps the step being captured waits for through what it reads (`begin_step`): a
+    /// buffer only those touched can be handed to it without a new wait.
+    open: Option<Vec<u64>>,
+}
+
+impl Steps {
+    /// Of the free pieces `fitting` (size, address; best fit first) one to hand the open step
+    /// for `size` bytes: the first whose memory only steps it already waits for touched, else
+    /// the one whose newest such step is oldest (the wait it adds is the one the open step is
+    /// likeliest to have anyway), else, with no open step, the best fit.
+    fn least_waiting(&self, fitting: impl Iterator<Item = (usize, u64)>, size: usize) -> Option<(usize, u64)> {
+        let mut fitting = fitting.take(PIECES_WEIGHED);
+        let Some(waits) = &self.open else { return fitting.next() };
+        // Done steps the open one does not wait for, newest first.
+        let others: Vec<usize> = (0..self.done.len()).rev().filter(|&t| !Ancestry::has(waits, t)).collect();
+        let mut best: Option<((usize, u64), usize)> = None;
+        for (found, ptr) in fitting {
+            let range = (ptr, ptr + size as u64);
+            match others.iter().find(|&&t| self.done[t].1.touches(range)) {
+                None => return Some((found, ptr)),
+                Some(&newest) if best.is_none_or(|(_, b)| newest < b) => best = Some(((found, ptr), newest)),
+                Some(_) => {}
+            }
+        }
+        best.map(|(piece, _)| piece)
+    }
+}
+
+/// How many free pieces (best fit first) a captured step's buffer is chosen among.
+const PIECES_WEIGHED: usize = 32;
+
+/// Per step, every earlier step it waits for, directly or not, as a bit set: steps are added in
+/// capture order, each waiting for the earlier ones it conflicts with.
+#[derive(Default)]
+struct Ancestry {
+    sets: Vec<Vec<u64>>,
+}
+
+impl Ancestry {
+    fn has(set: &[u64], t: usize) -> bool {
+        set[t / 64] >> (t % 64) & 1 == 1
+    }
+
+    /// The waits of a step after every step so far, where `conflicts(t)` says whether it must
+    /// come after step t: (the direct ones, oldest first, none implied by another; all of them
+    /// as a bit set).
+    fn waits(&self, conflicts: impl Fn(usize) -> bool) -> (Vec<usize>, Vec<u64>) {
+        let n = self.sets.len();
+        let mut implied = vec![0u64; n.div_ceil(64)];
+        let mut direct = vec![];
+        // Latest first: a step already implied by a chosen one needs no edge (nor a check), and
+        // the chosen ones never imply each other.
+        for t in (0..n).rev() {
+            if Ancestry::has(&implied, t) || !conflicts(t) {
+                continue;
+            }
+            direct.push(t);
+            implied[t / 64] |= 1 << (t % 64);
+            for (w, a) in implied.iter_mut().zip(&self.sets[t]) {
+                *w |= a;
+            }
+        }
+        direct.reverse();
+        (direct, implied)
+    }
+
+    /// Adds the next step, whose waits `waits` gave; returns its direct ones.
+    fn push(&mut self, (direct, implied): (Vec<usize>, Vec<u64>)) -> Vec<usize> {
+        self.sets.push(implied);
+        direct
+    }
 }
 
 /// Notes, while this thread captures, that the step being captured uses scratch memory shared
@@ -51,6 +124,21 @@ pub(crate) fn note_alloc(ptr: u64, bytes: usize) {
     STEPS.with(|s| s.borrow_mut().allocated.push((ptr, ptr + bytes as u64)));
 }
 
+/// Inside `capture`: a step that reads the memory `reads` (built only while capturing) begins.
+/// The buffers it is handed are then chosen so as to add no wait for a step it does not
+/// already wait for, where the free memory allows (`Steps::least_waiting`).
+pub(crate) fn begin_step(reads: impl FnOnce() -> Vec<(u64, u64)>) {
+    if capturing().is_none() {
+        return;
+    }
+    let reads = Footprint { reads: reads(), ..Footprint::default() };
+    STEPS.with(|s| {
+        let mut s = s.borrow_mut();
+        let (_, waits) = s.ancestry.waits(|t| s.done[t].1.conflicts(&reads));
+        s.open = Some(waits);
+    });
+}
+
 /// Inside `capture`: ends the step whose launches were captured since the last one ended;
 /// `footprint` (built only while capturing) says what it reads and writes.
 pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
@@ -62,8 +150,13 @@ pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
         let mut s = s.borrow_mut();
         fp.writes.append(&mut s.allocated);
         fp.shared |= std::mem::take(&mut s.shared_scratch);
+        s.open = None;
         match ends {
-            Some(ends) => s.done.push((ends, fp)),
+            Some(ends) => {
+                let waits = s.ancestry.waits(|t| s.done[t].1.conflicts(&fp));
+                s.ancestry.push(waits);
+                s.done.push((ends, fp));
+            }
             None => s.unknown = true,
         }
     });
@@ -153,10 +246,15 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
                 // It waits for a node of its own step: not where the step starts.
                 continue;
             }
-            // `n` starts step s: it waits for the ends of the steps s depends on instead
-            // (through plain edges: a whole wait is never weaker than the edge it replaces).
+            // `n` starts step s: it waits for the ends of the steps s depends on instead, a node
+            // it waited for as captured through the same edge (a programmatic launch's edge
+            // lets it start before that node ends), the others through plain edges (a whole
+            // wait is never weaker than the edge it replaces).
             let (from_old, data_old): (Vec<ds::CUgraphNode>, Vec<ds::CUgraphEdgeData>) = before.iter().map(|d| (d.0, d.1)).unzip();
             let after: Vec<ds::CUgraphNode> = deps[s].iter().flat_map(|&t| kept[t].0.iter().map(|&e| e as ds::CUgraphNode)).collect();
+            // SAFETY: zeroed edge data is a plain edge.
+            let plain: ds::CUgraphEdgeData = unsafe { std::mem::zeroed() };
+            let data_new: Vec<ds::CUgraphEdgeData> = after.iter().map(|a| before.iter().find(|d| d.0 == *a).map_or(plain, |d| d.1)).collect();
             // The same waits as captured: the edges stay, with their data (a programmatic
             // launch's edge lets the step start before the one it waits for ends).
             let set = |v: &[ds::CUgraphNode]| v.iter().map(|&n| n as usize).collect::<std::collections::BTreeSet<usize>>();
@@ -171,7 +269,11 @@ fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Opti
                 if !before.is_empty() && ds::cuGraphRemoveDependencies_v2(graph, from_old.as_ptr(), to_old.as_ptr(), data_old.as_ptr(), before.len()) != ds::CUresult::CUDA_SUCCESS {
                     return Err(graph_error("removing a dependency"));
                 }
-                if !after.is_empty() && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), std::ptr::null(), after.len()) != ds::CUresult::CUDA_SUCCESS {
+                // (Plain edges where the driver refuses a kept edge's data.)
+                if !after.is_empty()
+                    && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), data_new.as_ptr(), after.len()) != ds::CUresult::CUDA_SUCCESS
+                    && ds::cuGraphAddDependencies_v2(graph, after.as_ptr(), to_new.as_ptr(), std::ptr::null(), after.len()) != ds::CUresult::CUDA_SUCCESS
+                {
                     return Err(graph_error("adding a dependency"));
                 }
             }
@@ -303,7 +405,9 @@ pub(crate) struct CapturePool {
 impl CapturePool {
     /// A free piece for `bytes` (> 0), cut to size.
     pub(crate) fn take(&mut self, bytes: usize) -> Option<Block> {
-        self.pieces.take(crate::backend::cuda::device::alloc::round_size(bytes)?)
+        let size = crate::backend::cuda::device::alloc::round_size(bytes)?;
+        let (found, ptr) = STEPS.with(|s| s.borrow().least_waiting(self.pieces.fitting(size), size))?;
+        Some(self.pieces.take_free(found, ptr, size))
     }
     /// Keeps `block`, just taken from the caching allocator, and hands out its first `bytes`.
     pub(crate) fn adopt(&mut self, block: Block, bytes: usize) -> Block {
@@ -565,6 +669,11 @@ impl Footprint {
         Footprint { barrier: true, what: what.into(), ..Footprint::default() }
     }
 
+    /// Whether it reads or writes memory in `range`.
+    fn touches(&self, range: (u64, u64)) -> bool {
+        self.reads.iter().chain(&self.writes).any(|x| x.0 < range.1 && range.0 < x.1)
+    }
+
     fn conflicts(&self, later: &Footprint) -> bool {
         let overlap = |a: &[(u64, u64)], b: &[(u64, u64)]| a.iter().any(|x| b.iter().any(|y| x.0 < y.1 && y.0 < x.1));
         self.barrier
@@ -579,30 +688,8 @@ impl Footprint {
 /// Per step, the earlier steps it must wait for: those it conflicts with (one writes memory
 /// the other reads or writes), with every wait another one already implies left out.
 pub(crate) fn step_dependencies(steps: &[Footprint]) -> Vec<Vec<usize>> {
-    let words = steps.len().div_ceil(64);
-    // ancestors[s]: every step s waits for, directly or not.
-    let mut ancestors: Vec<Vec<u64>> = Vec::with_capacity(steps.len());
-    let mut deps = Vec::with_capacity(steps.len());
-    for (s, fp) in steps.iter().enumerate() {
-        let mut implied = vec![0u64; words];
-        let mut direct = vec![];
-        // Latest first: a step already implied by a chosen one needs no edge (nor a check), and
-        // the chosen ones never imply each other.
-        for t in (0..s).rev() {
-            if implied[t / 64] >> (t % 64) & 1 == 1 || !steps[t].conflicts(fp) {
-                continue;
-            }
-            direct.push(t);
-            implied[t / 64] |= 1 << (t % 64);
-            for (w, a) in implied.iter_mut().zip(&ancestors[t]) {
-                *w |= a;
-            }
-        }
-        direct.reverse();
-        ancestors.push(implied);
-        deps.push(direct);
-    }
-    deps
+    let mut ancestry = Ancestry::default();
+    steps.iter().map(|fp| ancestry.push(ancestry.waits(|t| steps[t].conflicts(fp)))).collect()
 }
 
 /// The number of steps on the longest chain of waits.
@@ -616,7 +703,7 @@ pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_chain, step_dependencies, CapturePool, Footprint};
+    use super::{longest_chain, step_dependencies, CapturePool, Footprint, Steps};
     use crate::backend::cuda::device::alloc::Block;
 
     #[test]
@@ -678,6 +765,36 @@ mod tests {
         let deps = step_dependencies(&steps);
         assert_eq!(deps, vec![vec![], vec![0], vec![1], vec![0], vec![2, 3], vec![4]]);
         assert_eq!(longest_chain(&deps), 5);
+    }
+
+    /// Steps done in capture order, and the open one reading `reads`.
+    fn steps_with_open(done: Vec<Footprint>, reads: &[u64]) -> Steps {
+        let mut steps = Steps::default();
+        for fp in done {
+            let waits = steps.ancestry.waits(|t| steps.done[t].1.conflicts(&fp));
+            steps.ancestry.push(waits);
+            steps.done.push((vec![], fp));
+        }
+        let reads = fp(reads, &[]);
+        steps.open = Some(steps.ancestry.waits(|t| steps.done[t].1.conflicts(&reads)).1);
+        steps
+    }
+
+    #[test]
+    fn a_captured_step_is_handed_memory_only_steps_it_waits_for_touched() {
+        // 0 writes x and uses 0x100; 1, which the open step does not wait for, uses 0x200 and
+        // 0x300; 2 uses 0x400 after 1. The open step reads x only.
+        let done = vec![fp(&[], &[0, 0x100]), fp(&[0x900], &[0x200, 0x300]), fp(&[0x200], &[0x400])];
+        let steps = steps_with_open(done, &[0]);
+        // Best fit first: 0x200 (16 bytes) would make it wait for 1; 0x100 (32) adds no wait.
+        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((32, 0x100)));
+        // Every piece adds a wait: the one for the oldest step (1, not 2).
+        assert_eq!(steps.least_waiting([(16, 0x400), (32, 0x300)].into_iter(), 16), Some((32, 0x300)));
+        // Memory no step touched, and no open step: the best fit.
+        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x700)].into_iter(), 16), Some((32, 0x700)));
+        let closed = Steps { open: None, ..steps };
+        assert_eq!(closed.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((16, 0x200)));
+        assert_eq!(closed.least_waiting(std::iter::empty(), 16), None);
     }
 
     #[test]
