@@ -28,6 +28,7 @@ thread_local! {
 /// The steps of the capture in progress.
 #[derive(Default)]
 struct Steps {
+    /// The steps that captured work, with the nodes each ended on and what it touched.
     done: Vec<(Vec<usize>, Footprint)>,
     /// Blocks handed out since the last step ended (its scratch memory among them).
     allocated: Vec<(u64, u64)>,
@@ -43,6 +44,33 @@ struct Steps {
 }
 
 impl Steps {
+    /// A step that reads `reads` begins.
+    fn begin(&mut self, reads: Vec<(u64, u64)>) {
+        let reads = Footprint { reads, ..Footprint::default() };
+        self.open = Some(self.ancestry.waits(|t| self.done[t].1.conflicts(&reads)).1);
+    }
+
+    /// The step begun last ended on the capture's nodes `ends` (None: the driver did not say),
+    /// having touched `fp`.
+    fn end(&mut self, ends: Option<Vec<usize>>, mut fp: Footprint) {
+        self.open = None;
+        let Some(ends) = ends else {
+            self.unknown = true;
+            return;
+        };
+        // A step that captured nothing (a view, host work) has nothing to order, and what it
+        // says it touched would only chain the steps around it (a view "writes" the memory it
+        // aliases). Memory it was handed, and its shared scratch, count for the next step.
+        if ends == self.done.last().map_or(&[][..], |d| d.0.as_slice()) {
+            return;
+        }
+        fp.writes.append(&mut self.allocated);
+        fp.shared |= std::mem::take(&mut self.shared_scratch);
+        let waits = self.ancestry.waits(|t| self.done[t].1.conflicts(&fp));
+        self.ancestry.push(waits);
+        self.done.push((ends, fp));
+    }
+
     /// Of the free pieces `fitting` (size, address; best fit first) one to hand the open step
     /// for `size` bytes: the first whose memory only steps it already waits for touched, else
     /// the one whose newest such step is oldest (the wait it adds is the one the open step is
@@ -131,12 +159,8 @@ pub(crate) fn begin_step(reads: impl FnOnce() -> Vec<(u64, u64)>) {
     if capturing().is_none() {
         return;
     }
-    let reads = Footprint { reads: reads(), ..Footprint::default() };
-    STEPS.with(|s| {
-        let mut s = s.borrow_mut();
-        let (_, waits) = s.ancestry.waits(|t| s.done[t].1.conflicts(&reads));
-        s.open = Some(waits);
-    });
+    let reads = reads();
+    STEPS.with(|s| s.borrow_mut().begin(reads));
 }
 
 /// Inside `capture`: ends the step whose launches were captured since the last one ended;
@@ -144,22 +168,9 @@ pub(crate) fn begin_step(reads: impl FnOnce() -> Vec<(u64, u64)>) {
 pub(crate) fn end_step(footprint: impl FnOnce() -> Footprint) {
     let Some(ord) = capturing() else { return };
     let Ok(dev) = crate::backend::cuda::device(ord) else { return };
-    let mut fp = footprint();
+    let fp = footprint();
     let ends = capture_ends(&dev);
-    STEPS.with(|s| {
-        let mut s = s.borrow_mut();
-        fp.writes.append(&mut s.allocated);
-        fp.shared |= std::mem::take(&mut s.shared_scratch);
-        s.open = None;
-        match ends {
-            Some(ends) => {
-                let waits = s.ancestry.waits(|t| s.done[t].1.conflicts(&fp));
-                s.ancestry.push(waits);
-                s.done.push((ends, fp));
-            }
-            None => s.unknown = true,
-        }
-    });
+    STEPS.with(|s| s.borrow_mut().end(ends, fp));
 }
 
 /// The nodes the next captured launch would wait for (those the capture ended on so far).
@@ -205,15 +216,7 @@ fn node_deps(node: ds::CUgraphNode) -> Option<Vec<Wait>> {
 /// step's first nodes wait for the last nodes of the steps it conflicts with. Returns (steps,
 /// steps on the longest chain), or None when the graph could not be read and was left in its
 /// captured order.
-fn relax(graph: ds::CUgraph, steps: Vec<(Vec<usize>, Footprint)>) -> Result<Option<(usize, usize)>> {
-    // Steps that captured nothing (views, host work) have nothing to order.
-    let mut kept: Vec<(Vec<usize>, Footprint)> = vec![];
-    for (ends, fp) in steps {
-        let before = kept.last().map(|k| k.0.as_slice()).unwrap_or(&[]);
-        if ends != before {
-            kept.push((ends, fp));
-        }
-    }
+fn relax(graph: ds::CUgraph, kept: Vec<(Vec<usize>, Footprint)>) -> Result<Option<(usize, usize)>> {
     let deps = step_dependencies(&kept.iter().map(|k| k.1.clone()).collect::<Vec<_>>());
     crate::logging::log(crate::logging::Topic::Graph, || {
         let mut s = String::from("CUDA graph steps (<- the steps each one waits for):");
@@ -703,7 +706,7 @@ pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_chain, step_dependencies, CapturePool, Footprint, Steps};
+    use super::{longest_chain, note_alloc, step_dependencies, CapturePool, Footprint, Steps, STEPS};
     use crate::backend::cuda::device::alloc::Block;
 
     #[test]
@@ -770,14 +773,59 @@ mod tests {
     /// Steps done in capture order, and the open one reading `reads`.
     fn steps_with_open(done: Vec<Footprint>, reads: &[u64]) -> Steps {
         let mut steps = Steps::default();
-        for fp in done {
-            let waits = steps.ancestry.waits(|t| steps.done[t].1.conflicts(&fp));
-            steps.ancestry.push(waits);
-            steps.done.push((vec![], fp));
+        for (node, fp) in done.into_iter().enumerate() {
+            steps.begin(vec![]);
+            steps.end(Some(vec![node]), fp);
         }
-        let reads = fp(reads, &[]);
-        steps.open = Some(steps.ancestry.waits(|t| steps.done[t].1.conflicts(&reads)).1);
+        steps.begin(fp(reads, &[]).reads);
         steps
+    }
+
+    #[test]
+    fn a_step_after_the_chain_is_not_handed_memory_a_step_beside_it_used() {
+        const MIB: usize = 1 << 20;
+        let mib = |n: u64| n * MIB as u64;
+        let range = |b: Block| (b.ptr, b.ptr + b.size as u64);
+        STEPS.with(|s| *s.borrow_mut() = Steps::default());
+        let mut pool = CapturePool::default();
+        let node = std::cell::Cell::new(0usize);
+        // One step as a program runs it: begun with what it reads, handed its output (`fresh`:
+        // where the pool has nothing), ended.
+        let step = |pool: &mut CapturePool, reads: (u64, u64), fresh: u64| {
+            STEPS.with(|s| s.borrow_mut().begin(vec![reads]));
+            let out = pool.take(MIB).unwrap_or_else(|| pool.adopt(Block { ptr: fresh, size: MIB }, MIB));
+            note_alloc(out.ptr, out.size);
+            node.set(node.get() + 1);
+            STEPS.with(|s| s.borrow_mut().end(Some(vec![node.get()]), Footprint { reads: vec![reads], ..Footprint::default() }));
+            out
+        };
+        let input = (mib(1), mib(2));
+        // A chain of three steps over the input; a view between two captures nothing (and
+        // "writes" the memory it aliases).
+        let a = step(&mut pool, input, mib(16));
+        let b = step(&mut pool, range(a), mib(20));
+        pool.give_back(a);
+        STEPS.with(|s| s.borrow_mut().end(Some(vec![node.get()]), fp(&[], &[b.ptr])));
+        let c = step(&mut pool, range(b), mib(24));
+        // Beside the chain, reading the input only (`c` was handed `a`'s memory, so nothing is
+        // free): its output and its scratch memory are new, the scratch freed within it.
+        STEPS.with(|s| s.borrow_mut().begin(vec![input]));
+        assert_eq!(pool.take(MIB), None);
+        let beside = pool.adopt(Block { ptr: mib(12), size: MIB }, MIB);
+        let scratch = pool.adopt(Block { ptr: mib(8), size: MIB }, MIB);
+        note_alloc(beside.ptr, beside.size);
+        note_alloc(scratch.ptr, scratch.size);
+        pool.give_back(scratch);
+        node.set(node.get() + 1);
+        STEPS.with(|s| s.borrow_mut().end(Some(vec![node.get()]), Footprint { reads: vec![input], ..Footprint::default() }));
+        pool.give_back(b);
+        // After the chain: of the scratch's memory (the best fit: same size, lower address)
+        // and `b`'s, it is handed `b`'s, which only steps it waits for touched.
+        let after = step(&mut pool, range(c), mib(28));
+        assert_eq!((c, after), (a, b));
+        let fps: Vec<Footprint> = STEPS.with(|s| s.borrow().done.iter().map(|d| d.1.clone()).collect());
+        assert_eq!(step_dependencies(&fps), vec![vec![], vec![0], vec![1], vec![], vec![2]], "the view is left out; the step after waits for the chain only");
+        STEPS.with(|s| *s.borrow_mut() = Steps::default());
     }
 
     #[test]
