@@ -8,7 +8,7 @@
 # (kiln and torch bench of $WORKLOADS, merged and compared), bf16log, tfc (transformer compile
 # seconds and rehearsals), prof (kernel tables of $PROF_WORKLOADS, eager and compiled), rowprof
 # (profiler tables and first trace events of one layernorm, softmax and bias_gelu call, eager and compiled), suite (every test binary with KILN_TEST_DEVICE=cuda), profconc (profiling beside other threads' GPU work, repeated), sanall (compute-sanitizer tools over every test, dealt to processes side by side: SANALL_JOBS), sanhelp (the sanitizer's filter options), logs (bench rows of $LOG_WORKLOADS under KILN_LOG=$LOG_TOPICS, the log's lines counted), stress (the compile tests twelve times), concurrency (the concurrency tests alone, repeated),
-# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times), bins ($BINS_WORKLOAD with every .gpu/bin/kiln* build, in turn), tf32 (kiln's TF32 products: their test, the TF32 transformer row with and without them, PyTorch's row), ncukern (ncu metrics of the kernels matching $NCU_KERNELS in $NCU_WORKLOAD), chain (each row's graph steps on the longest chain of waits).
+# load (the host's other activity), sweep (row-kernel threads and column-reduction chunks against % of copy), nvrtc (NVRTC option timings on the logged kernels of three rows), branches (the step rows with graph steps side by side against KILN_GRAPH_BRANCHES=0), sdpa (cuDNN's fused attention against kiln's kernels and PyTorch's backends), sdpashort (the same below MIN_KEYS, cuDNN forced), layout (channels-last tests on CUDA, the ResNet rows with the layout pass on and off), pair (kiln and torch rows of $WORKLOADS without warm-up, compared, with kiln's planned peaks), remat (the training rows with KILN_REMAT=0 and 1: times, peaks, planned peaks), pdl (the suite with KILN_PDL=1, then $PDL_WORKLOADS with it off and on), decode (the decode step's tests, its row as built, with layer norms as kernels of their own and with cuBLASLt products, its kernel table), ab ($AB_WORKLOAD as built and under each of $AB_SETTINGS: kernel lines and bench times), bins ($BINS_WORKLOAD with every .gpu/bin/kiln* build, in turn, with each build's graphs' longest chains and held memory), tf32 (kiln's TF32 products: their test, the TF32 transformer row with and without them, PyTorch's row), ncukern (ncu metrics of the kernels matching $NCU_KERNELS in $NCU_WORKLOAD), chain (each row's graph steps on the longest chain of waits).
 OUT=$1
 libs=/usr/local/cuda/lib64:/usr/local/cuda/extras/CUPTI/lib64
 for d in $(python3 -c 'import nvidia, os; p=os.path.dirname(nvidia.__path__[0]+"/x"); print(" ".join(os.path.join(p,x,"lib") for x in os.listdir(p)))' 2>/dev/null); do libs="$libs:$d"; done
@@ -398,12 +398,15 @@ if [[ " $* " == *" bins "* ]]; then
   # .gpu/bin/kiln* binary, $BINS_ROUNDS rounds (default 2) in turn. Variant binaries are built
   # here from a patch and copied in beside the bundle's kiln: `git apply P && cargo build
   # --release --bin kiln && cp target/release/kiln .gpu/bin/kiln-NAME && git apply -R P`.
-  # A build whose bench fails says so (never an earlier build's row under its name).
+  # A build whose bench fails says so (never an earlier build's row under its name). Each
+  # build's CUDA graphs are described in its first round: steps on the longest chain of waits,
+  # and the memory each holds.
   w=${BINS_WORKLOAD:-gpt2.decode.bf16.bs1}
   KILN_CACHE_DIR=$(mktemp -d) .gpu/bin/kiln bench --only pointwise --out /tmp/warm.json > /dev/null 2>&1
   for round in $(seq 1 ${BINS_ROUNDS:-2}); do for b in .gpu/bin/kiln*; do
     rm -f /tmp/bins.json
-    KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) $b bench --only $w --out /tmp/bins.json > /dev/null 2>&1
+    KILN_LOG=recompiles,memory KILN_CACHE_DIR=$(mktemp -d) timeout 150 taskset -c 1-$(($(nproc) - 1)) $b bench --only $w --out /tmp/bins.json 2> /tmp/bins.log > /dev/null
+    [ $round = 1 ] && grep -hE "longest chain|it holds" /tmp/bins.log | sed "s/^/  $(basename $b): /"
     [ -f /tmp/bins.json ] && bench_ms /tmp/bins.json "round $round $(basename $b)" || echo "round $round $(basename $b): no result"
   done; done
 fi
