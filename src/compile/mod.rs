@@ -719,13 +719,14 @@ pub(crate) fn optimise(g: &Graph, inputs: &[Tensor]) -> Graph {
 }
 
 /// `g` (traced on the CPU) scheduled and planned as the GPU would run it, for its log lines
-/// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`; attention was traced as the GPU's
-/// fused op, `backend::fused_attention_pays`).
+/// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=fusion,memory`, and `graph` for its CUDA graph's steps
+/// and waits; attention was traced as the GPU's fused op, `backend::fused_attention_pays`).
 fn log_plan_for_cuda(g: &Graph, inputs: &[Tensor]) {
     let cuda = g.as_on_cuda();
     log(Topic::Fusion, || "KILN_PLAN_FOR=cuda: the next program is this one as the GPU would run it (not run)".into());
     log(Topic::Memory, || "KILN_PLAN_FOR=cuda: the next plan is this program's as the GPU would run it (not run)".into());
-    drop(runtime::Program::new(optimise(&cuda, inputs), false));
+    let program = runtime::Program::new(optimise(&cuda, inputs), false);
+    log(Topic::Graph, || program.planned_graph());
 }
 
 /// Turns a traced graph into something that runs, with the chosen backend.

@@ -308,6 +308,103 @@ impl Program {
         }
     }
 
+    /// Its steps as a CUDA graph's capture would order them, planned without a device
+    /// (`KILN_PLAN_FOR=cuda` with `KILN_LOG=graph`): each value is handed memory by the capture
+    /// pool's rule as its step begins and given back after its last reader, and each step waits
+    /// for the steps it conflicts with. Arguments, captured tensors and kept values live outside
+    /// the pool; library workspaces and outputs written into dying inputs are left out.
+    pub(crate) fn planned_graph(&self) -> String {
+        use crate::backend::cuda::device::graph::{longest_chain, Footprint, PlannedCapture};
+        let Some(mut cap) = PlannedCapture::new() else { return "no planned graph while this thread captures one".into() };
+        let (g, sch) = (&self.graph, &self.schedule);
+        // Where each value lives, and how many live values share each pool buffer.
+        let mut at: Vec<Option<(u64, u64)>> = vec![None; g.nodes.len()];
+        let mut sharing: std::collections::HashMap<u64, usize> = Default::default();
+        let mut outside = 1u64 << 40;
+        let mut place_outside = |bytes: usize| {
+            let r = (outside, outside + bytes as u64);
+            outside += bytes.next_multiple_of(512) as u64 + 512;
+            r
+        };
+        cap.begin(vec![]);
+        cap.end(true, Footprint::barrier("arguments copied in"));
+        for (i, step) in sch.steps.iter().enumerate() {
+            let hoisted = self.hoisted.steps.get(i).copied().unwrap_or(false);
+            if hoisted {
+                // Kept between calls: a replay does not run it.
+                for o in step_outputs(sch, step) {
+                    at[o] = Some(place_outside(g.nodes[o].bytes()));
+                }
+                continue;
+            }
+            let reads: Vec<(u64, u64)> = step_reads(g, sch, step).into_iter().filter_map(|n| at[n]).collect();
+            cap.begin(reads.clone());
+            let mut writes = vec![];
+            let mut make = |cap: &mut PlannedCapture, n: NodeId| {
+                let r = match self.in_place.get(&n) {
+                    Some(_) => place_outside(g.nodes[n].bytes()),
+                    None => {
+                        let r = cap.alloc(g.nodes[n].bytes());
+                        sharing.insert(r.0, 1);
+                        r
+                    }
+                };
+                at[n] = Some(r);
+                writes.push(r);
+            };
+            let captured = match step {
+                Step::Node(n) if g.nodes[*n].reads_nothing() => {
+                    at[*n] = Some(place_outside(g.nodes[*n].bytes()));
+                    false
+                }
+                Step::Node(n) if matches!(&g.nodes[*n].op, NodeOp::Prim(op) if op.is_view()) => {
+                    at[*n] = g.nodes[*n].args.first().and_then(|&a| at[a]);
+                    if let Some(c) = at[*n].and_then(|r| sharing.get_mut(&r.0)) {
+                        *c += 1;
+                    }
+                    false
+                }
+                Step::Node(n) => {
+                    make(&mut cap, *n);
+                    true
+                }
+                Step::Kernel(k) => {
+                    for &(_, n) in &sch.kernels[*k].outputs {
+                        make(&mut cap, n);
+                    }
+                    !self.deferred[*k]
+                }
+                Step::Gemm(j) => {
+                    make(&mut cap, sch.gemms[*j].out());
+                    true
+                }
+            };
+            let what = match step {
+                Step::Node(n) => format!("{} %{n}", g.nodes[*n].name()),
+                Step::Kernel(k) => sch.kernels[*k].name.clone(),
+                Step::Gemm(j) => format!("gemm %{}", sch.gemms[*j].matmul),
+            };
+            let fp = if is_barrier(g, step, false) { Footprint::barrier(what) } else { Footprint { reads, writes, shared: false, barrier: false, what } };
+            cap.end(captured, fp);
+            for &f in &self.frees[i] {
+                let Some(r) = at[f].take() else { continue };
+                if let Some(c) = sharing.get_mut(&r.0) {
+                    *c -= 1;
+                    if *c == 0 {
+                        sharing.remove(&r.0);
+                        cap.free(r);
+                    }
+                }
+            }
+        }
+        let (whats, deps, held) = cap.finish();
+        let mut text = format!("planned CUDA graph: {} steps, {} on the longest chain of waits; it would hold {:.1} MiB\n", deps.len(), longest_chain(&deps), held as f64 / (1u64 << 20) as f64);
+        for (i, (what, d)) in whats.iter().zip(&deps).enumerate() {
+            text += &format!("  {i:3} {what} <- {d:?}\n");
+        }
+        text
+    }
+
     pub(crate) fn has_hoisted(&self) -> bool {
         !self.hoisted.kept.is_empty()
     }
@@ -819,11 +916,7 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
         Step::Kernel(k) => s.kernels[*k].name.clone(),
         Step::Gemm(j) => format!("gemm %{}", s.gemms[*j].matmul),
     };
-    let known = |op: &crate::ops::Op| {
-        use crate::ops::Op;
-        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Relayout(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::AttentionUpTo { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..) | Op::MaxPool2d(_) | Op::MaxPool2dBackward(_))
-    };
-    if hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || g.nodes[*i].is_constant())) {
+    if is_barrier(g, step, hoisted) {
         return Footprint::barrier(what);
     }
     // A row kernel its product runs touches memory in the product's step.
@@ -831,6 +924,17 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
         return Footprint { reads: vec![], writes: vec![], shared: false, barrier: false, what };
     }
     Footprint { reads: ranges(step_reads(g, s, step), env), writes: ranges(step_outputs(s, step), env), shared: false, barrier: false, what }
+}
+
+/// Whether a captured step orders every step around it: hoisted work (which also writes the
+/// kept buffers), and eager ops not known to touch only their arguments and result (a random
+/// draw, a copy between devices, a custom op).
+fn is_barrier(g: &Graph, step: &Step, hoisted: bool) -> bool {
+    let known = |op: &crate::ops::Op| {
+        use crate::ops::Op;
+        matches!(op, Op::Unary(_) | Op::Binary(..) | Op::Where(_) | Op::Cast(_) | Op::Relayout(_) | Op::Reduce(..) | Op::Reshape(_) | Op::Permute(_) | Op::Expand(_) | Op::Slice { .. } | Op::Cat(_) | Op::Pad(..) | Op::IndexSelect(_) | Op::Gather(_) | Op::ScatterAdd(_) | Op::Scatter(_) | Op::Matmul | Op::Attention { .. } | Op::AttentionBackward { .. } | Op::AttentionUpTo { .. } | Op::Conv2d(_) | Op::Conv2dGradInput(..) | Op::Conv2dGradWeight(..) | Op::Conv2dBiasAct(..) | Op::MaxPool2d(_) | Op::MaxPool2dBackward(_))
+    };
+    hoisted || matches!(step, Step::Node(i) if !(matches!(&g.nodes[*i].op, NodeOp::Prim(op) if known(op)) || g.nodes[*i].is_constant()))
 }
 
 /// The device memory of values `nodes` (those computed so far).
@@ -1087,6 +1191,24 @@ mod tests {
     use crate::compile::{compile_with, Backend, CompileOptions};
     use crate::{DType, Device, Tensor};
     use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn a_planned_graph_runs_a_product_beside_the_chain_in_memory_the_chain_never_touched() {
+        // A chain of two products, the ReLU between them freed after the second; then a product
+        // of another input. Best fit would hand the last one the start of the freed piece (the
+        // ReLU's memory, merged with the untouched rest of its block) and a wait for the chain;
+        // the capture's rule hands it that piece's untouched end.
+        let w = || Tensor::randn(&[8, 8], DType::F32, &Device::Cpu).unwrap();
+        let (w1, w2, w3) = (w(), w(), w());
+        let f = move |xs: &[Tensor]| Ok(vec![xs[0].matmul(&w1)?.relu()?.matmul(&w2)?, xs[1].matmul(&w3)?]);
+        let g = crate::compile::fuse::tests::host_graph_of(&[w(), w()], f).as_on_cuda();
+        let planned = super::Program::new(crate::compile::optimise(&g, &[]), false).planned_graph();
+        let lines: Vec<&str> = planned.lines().collect();
+        // The arguments, the first product, its ReLU, the second product; then the third.
+        assert!(lines[0].starts_with("planned CUDA graph: 5 steps, 4 on the longest chain"), "{planned}");
+        assert!(lines[1].ends_with("arguments copied in <- []") && lines[2].ends_with("<- [0]") && lines[3].ends_with("<- [1]") && lines[4].ends_with("<- [2]"), "{planned}");
+        assert!(lines[5].ends_with("<- [0]"), "the last product waits for the arguments only: {planned}");
+    }
 
     #[test]
     fn only_matrices_the_program_never_writes_are_settled() {

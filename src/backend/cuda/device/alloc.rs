@@ -125,7 +125,7 @@ impl LargePool {
     /// The smallest free piece of at least `size` bytes, taken (split to `size`).
     pub(crate) fn take(&mut self, size: usize) -> Option<Block> {
         let (found, ptr) = self.fitting(size).next()?;
-        Some(self.take_free(found, ptr, size))
+        Some(self.take_free(found, ptr, size, false))
     }
 
     /// The free pieces of at least `size` bytes, (size, address), smallest first.
@@ -133,10 +133,20 @@ impl LargePool {
         self.free.range((size, 0)..).copied()
     }
 
-    /// Takes the free piece at `ptr` of `found` bytes (one `fitting` gave), split to `size`.
-    pub(crate) fn take_free(&mut self, found: usize, ptr: u64, size: usize) -> Block {
+    /// Takes the free piece at `ptr` of `found` bytes (one `fitting` gave), split to `size`:
+    /// its first bytes, or with `tail` its last, the rest staying free.
+    pub(crate) fn take_free(&mut self, found: usize, ptr: u64, size: usize, tail: bool) -> Block {
         assert!(self.free.remove(&(found, ptr)), "a free piece of the pool");
-        self.hand_out(ptr, found, size)
+        if !tail || found == size {
+            return self.hand_out(ptr, found, size);
+        }
+        let piece = self.pieces.get_mut(&ptr).expect("a free piece is a piece");
+        piece.size = found - size;
+        let segment = piece.segment;
+        self.free.insert((found - size, ptr));
+        let at = ptr + (found - size) as u64;
+        self.pieces.insert(at, Piece { size, free: false, segment });
+        Block { ptr: at, size }
     }
 
     /// Marks the free piece at `ptr` (of `found` bytes) handed out for a request of `size`;

@@ -71,25 +71,30 @@ impl Steps {
         self.done.push((ends, fp));
     }
 
-    /// Of the free pieces `fitting` (size, address; best fit first) one to hand the open step
-    /// for `size` bytes: the first whose memory only steps it already waits for touched, else
-    /// the one whose newest such step is oldest (the wait it adds is the one the open step is
-    /// likeliest to have anyway), else, with no open step, the best fit.
-    fn least_waiting(&self, fitting: impl Iterator<Item = (usize, u64)>, size: usize) -> Option<(usize, u64)> {
+    /// Of the free pieces `fitting` (size, address; best fit first), where to hand the open
+    /// step `size` bytes: (piece size, piece address, whether from its end). The first piece
+    /// whose first (else last) bytes only steps the open one already waits for touched; else
+    /// the place whose newest such step is oldest (the wait it adds is the one the open step is
+    /// likeliest to have anyway); with no open step, the best fit's first bytes. (A freed piece
+    /// merges with its free neighbours, so memory no step touched often lies at a piece's end.)
+    fn least_waiting(&self, fitting: impl Iterator<Item = (usize, u64)>, size: usize) -> Option<(usize, u64, bool)> {
         let mut fitting = fitting.take(PIECES_WEIGHED);
-        let Some(waits) = &self.open else { return fitting.next() };
+        let Some(waits) = &self.open else { return fitting.next().map(|(found, ptr)| (found, ptr, false)) };
         // Done steps the open one does not wait for, newest first.
         let others: Vec<usize> = (0..self.done.len()).rev().filter(|&t| !Ancestry::has(waits, t)).collect();
-        let mut best: Option<((usize, u64), usize)> = None;
+        let newest = |start: u64| others.iter().copied().find(|&t| self.done[t].1.touches((start, start + size as u64)));
+        let mut best: Option<((usize, u64, bool), usize)> = None;
         for (found, ptr) in fitting {
-            let range = (ptr, ptr + size as u64);
-            match others.iter().find(|&&t| self.done[t].1.touches(range)) {
-                None => return Some((found, ptr)),
-                Some(&newest) if best.is_none_or(|(_, b)| newest < b) => best = Some(((found, ptr), newest)),
-                Some(_) => {}
+            let places = [(false, ptr), (true, ptr + (found - size) as u64)];
+            for (tail, start) in places.into_iter().take(if found > size { 2 } else { 1 }) {
+                match newest(start) {
+                    None => return Some((found, ptr, tail)),
+                    Some(t) if best.is_none_or(|(_, b)| t < b) => best = Some(((found, ptr, tail), t)),
+                    Some(_) => {}
+                }
             }
         }
-        best.map(|(piece, _)| piece)
+        best.map(|(place, _)| place)
     }
 }
 
@@ -135,6 +140,72 @@ impl Ancestry {
     fn push(&mut self, (direct, implied): (Vec<usize>, Vec<u64>)) -> Vec<usize> {
         self.sets.push(implied);
         direct
+    }
+}
+
+/// A capture planned without a device (`KILN_PLAN_FOR=cuda`): a program's steps begun, handed
+/// buffers by the capture pool's rule (at made-up addresses), and ended as `capture` sees them,
+/// then the waits `relax` would give them. Library workspaces are left out.
+pub(crate) struct PlannedCapture {
+    pool: CapturePool,
+    /// Where the next block the caching allocator would give starts.
+    fresh: u64,
+    /// The captured nodes so far: a step that captured work ends on the next one.
+    nodes: usize,
+}
+
+impl PlannedCapture {
+    /// Uses this thread's capture bookkeeping: not while it captures.
+    pub(crate) fn new() -> Option<PlannedCapture> {
+        if capturing().is_some() {
+            return None;
+        }
+        STEPS.with(|s| *s.borrow_mut() = Steps::default());
+        Some(PlannedCapture { pool: CapturePool::default(), fresh: 1 << 44, nodes: 0 })
+    }
+
+    pub(crate) fn begin(&mut self, reads: Vec<(u64, u64)>) {
+        STEPS.with(|s| s.borrow_mut().begin(reads));
+    }
+
+    /// A buffer of `bytes` for the open step: a free piece, else a new block (whole 2 MiB
+    /// segments, as the caching allocator cuts them).
+    pub(crate) fn alloc(&mut self, bytes: usize) -> (u64, u64) {
+        let size = crate::backend::cuda::device::alloc::round_size(bytes.max(1)).unwrap_or(usize::MAX);
+        let b = self.pool.take(size).unwrap_or_else(|| {
+            let block = Block { ptr: self.fresh, size: size.next_multiple_of(2 << 20) };
+            self.fresh += block.size as u64;
+            self.pool.adopt(block, size)
+        });
+        note_alloc(b.ptr, b.size);
+        (b.ptr, b.ptr + b.size as u64)
+    }
+
+    pub(crate) fn free(&mut self, (start, end): (u64, u64)) {
+        self.pool.give_back(Block { ptr: start, size: (end - start) as usize });
+    }
+
+    /// The open step ends, having captured work or not, having touched `fp`.
+    pub(crate) fn end(&mut self, captured: bool, fp: Footprint) {
+        STEPS.with(|s| {
+            let mut s = s.borrow_mut();
+            let ends = if captured {
+                self.nodes += 1;
+                vec![self.nodes]
+            } else {
+                s.done.last().map_or(vec![], |d| d.0.clone())
+            };
+            s.end(Some(ends), fp);
+        });
+    }
+
+    /// The steps that captured work (what each is) and the steps each waits for; the memory
+    /// the graph would hold.
+    pub(crate) fn finish(self) -> (Vec<String>, Vec<Vec<usize>>, usize) {
+        let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        let fps: Vec<Footprint> = steps.done.into_iter().map(|d| d.1).collect();
+        let deps = step_dependencies(&fps);
+        (fps.into_iter().map(|f| f.what).collect(), deps, self.pool.blocks.iter().map(|b| b.size).sum())
     }
 }
 
@@ -409,8 +480,8 @@ impl CapturePool {
     /// A free piece for `bytes` (> 0), cut to size.
     pub(crate) fn take(&mut self, bytes: usize) -> Option<Block> {
         let size = crate::backend::cuda::device::alloc::round_size(bytes)?;
-        let (found, ptr) = STEPS.with(|s| s.borrow().least_waiting(self.pieces.fitting(size), size))?;
-        Some(self.pieces.take_free(found, ptr, size))
+        let (found, ptr, tail) = STEPS.with(|s| s.borrow().least_waiting(self.pieces.fitting(size), size))?;
+        Some(self.pieces.take_free(found, ptr, size, tail))
     }
     /// Keeps `block`, just taken from the caching allocator, and hands out its first `bytes`.
     pub(crate) fn adopt(&mut self, block: Block, bytes: usize) -> Block {
@@ -835,13 +906,15 @@ mod tests {
         let done = vec![fp(&[], &[0, 0x100]), fp(&[0x900], &[0x200, 0x300]), fp(&[0x200], &[0x400])];
         let steps = steps_with_open(done, &[0]);
         // Best fit first: 0x200 (16 bytes) would make it wait for 1; 0x100 (32) adds no wait.
-        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((32, 0x100)));
+        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((32, 0x100, false)));
         // Every piece adds a wait: the one for the oldest step (1, not 2).
-        assert_eq!(steps.least_waiting([(16, 0x400), (32, 0x300)].into_iter(), 16), Some((32, 0x300)));
+        assert_eq!(steps.least_waiting([(16, 0x400), (16, 0x300)].into_iter(), 16), Some((16, 0x300, false)));
         // Memory no step touched, and no open step: the best fit.
-        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x700)].into_iter(), 16), Some((32, 0x700)));
+        assert_eq!(steps.least_waiting([(16, 0x200), (32, 0x700)].into_iter(), 16), Some((32, 0x700, false)));
+        // A piece whose first bytes step 1 touched, and whose last bytes none did: its end.
+        assert_eq!(steps.least_waiting([(32, 0x200)].into_iter(), 16), Some((32, 0x200, true)));
         let closed = Steps { open: None, ..steps };
-        assert_eq!(closed.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((16, 0x200)));
+        assert_eq!(closed.least_waiting([(16, 0x200), (32, 0x100)].into_iter(), 16), Some((16, 0x200, false)));
         assert_eq!(closed.least_waiting(std::iter::empty(), 16), None);
     }
 
