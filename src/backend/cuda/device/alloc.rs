@@ -538,6 +538,20 @@ mod tests {
     }
 
     #[test]
+    fn a_free_piece_hands_out_its_end_and_merges_back_whole() {
+        let mut pool = LargePool::default();
+        let first = pool.add_segment(0x1000_0000, 4 * MIB, MIB);
+        let (found, ptr) = pool.fitting(MIB).next().unwrap();
+        assert_eq!((found, ptr), (3 * MIB, first.ptr + MIB as u64));
+        let end = pool.take_free(found, ptr, MIB, true);
+        assert_eq!(end, Block { ptr: first.ptr + 3 * MIB as u64, size: MIB });
+        assert_eq!(pool.fitting(MIB).collect::<Vec<_>>(), vec![(2 * MIB, first.ptr + MIB as u64)], "the rest stays free where it was");
+        pool.give_back(end);
+        pool.give_back(first);
+        assert_eq!(pool.fitting(MIB).collect::<Vec<_>>(), vec![(4 * MIB, first.ptr)], "one piece again");
+    }
+
+    #[test]
     fn freed_pieces_merge_with_free_neighbours_and_empty_segments_go_back() {
         let (mut a, mock) = setup(usize::MAX);
         let seg = a.alloc(30 * MIB).unwrap();
