@@ -320,6 +320,10 @@ impl Program {
         // Where each value lives, and how many live values share each pool buffer.
         let mut at: Vec<Option<(u64, u64)>> = vec![None; g.nodes.len()];
         let mut sharing: std::collections::HashMap<u64, usize> = Default::default();
+        let captured_node: std::collections::HashMap<usize, NodeId> = g.nodes.iter().enumerate().filter_map(|(i, n)| match n.op {
+            NodeOp::Captured(k) => Some((k, i)),
+            _ => None,
+        }).collect();
         let mut outside = 1u64 << 40;
         let mut place_outside = |bytes: usize| {
             let r = (outside, outside + bytes as u64);
@@ -342,7 +346,11 @@ impl Program {
             let mut writes = vec![];
             let mut make = |cap: &mut PlannedCapture, n: NodeId| {
                 let r = match self.in_place.get(&n) {
-                    Some(_) => place_outside(g.nodes[n].bytes()),
+                    // Written into the captured tensor it updates.
+                    Some(&k) => match captured_node.get(&k).and_then(|&c| at[c]) {
+                        Some(r) => r,
+                        None => place_outside(g.nodes[n].bytes()),
+                    },
                     None => {
                         let r = cap.alloc(g.nodes[n].bytes());
                         sharing.insert(r.0, 1);
