@@ -387,11 +387,7 @@ impl Program {
                     true
                 }
             };
-            let what = match step {
-                Step::Node(n) => format!("{} %{n}", g.nodes[*n].name()),
-                Step::Kernel(k) => sch.kernels[*k].name.clone(),
-                Step::Gemm(j) => format!("gemm %{}", sch.gemms[*j].matmul),
-            };
+            let what = step_name(g, sch, step);
             let fp = if is_barrier(g, step, false) { Footprint::barrier(what) } else { Footprint { reads, writes, shared: false, barrier: false, what } };
             cap.end(captured, fp);
             for &f in &self.frees[i] {
@@ -919,11 +915,7 @@ fn reads_inputs_directly(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<
 /// barriers; work using scratch memory shared across calls says so itself
 /// (`graph::note_shared_scratch`).
 fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoisted: bool, deferred: &[bool]) -> Footprint {
-    let what = match step {
-        Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
-        Step::Kernel(k) => s.kernels[*k].name.clone(),
-        Step::Gemm(j) => format!("gemm %{}", s.gemms[*j].matmul),
-    };
+    let what = step_name(g, s, step);
     if is_barrier(g, step, hoisted) {
         return Footprint::barrier(what);
     }
@@ -932,6 +924,15 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
         return Footprint { reads: vec![], writes: vec![], shared: false, barrier: false, what };
     }
     Footprint { reads: ranges(step_reads(g, s, step), env), writes: ranges(step_outputs(s, step), env), shared: false, barrier: false, what }
+}
+
+/// What a step is, for `KILN_LOG=graph`.
+fn step_name(g: &Graph, s: &Schedule, step: &Step) -> String {
+    match step {
+        Step::Node(i) => format!("{} %{i}", g.nodes[*i].name()),
+        Step::Kernel(k) => s.kernels[*k].name.clone(),
+        Step::Gemm(j) => format!("gemm %{}", s.gemms[*j].matmul),
+    }
 }
 
 /// Whether a captured step orders every step around it: hoisted work (which also writes the

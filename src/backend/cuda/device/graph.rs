@@ -5,7 +5,7 @@
 //! Capture on one stream orders every launch after the one before. The program marks where
 //! each of its steps ends and what device memory it reads and writes (`end_step`); before the
 //! graph is instantiated, each step waits only for the earlier steps it conflicts with
-//! (`step_dependencies`), so independent steps — a gradient's bias sum beside the next
+//! (`Steps::end`), so independent steps — a gradient's bias sum beside the next
 //! product, the updates of different parameters — run side by side at each replay.
 
 use crate::backend::cuda::device::alloc::Block;
@@ -38,6 +38,9 @@ struct Steps {
     shared_scratch: bool,
     /// Every done step's waits, direct or not.
     ancestry: Ancestry,
+    /// Per done step, the earlier steps it must wait for: those it conflicts with (one writes
+    /// memory the other reads or writes), with every wait another one already implies left out.
+    deps: Vec<Vec<usize>>,
     /// The steps the step being captured waits for through what it reads (`begin_step`): a
     /// buffer only those touched can be handed to it without a new wait.
     open: Option<Vec<u64>>,
@@ -66,8 +69,9 @@ impl Steps {
         }
         fp.writes.append(&mut self.allocated);
         fp.shared |= std::mem::take(&mut self.shared_scratch);
-        let waits = self.ancestry.waits(|t| self.done[t].1.conflicts(&fp));
-        self.ancestry.push(waits);
+        let (direct, implied) = self.ancestry.waits(|t| self.done[t].1.conflicts(&fp));
+        self.ancestry.sets.push(implied);
+        self.deps.push(direct);
         self.done.push((ends, fp));
     }
 
@@ -135,12 +139,6 @@ impl Ancestry {
         direct.reverse();
         (direct, implied)
     }
-
-    /// Adds the next step, whose waits `waits` gave; returns its direct ones.
-    fn push(&mut self, (direct, implied): (Vec<usize>, Vec<u64>)) -> Vec<usize> {
-        self.sets.push(implied);
-        direct
-    }
 }
 
 /// A capture planned without a device (`KILN_PLAN_FOR=cuda`): a program's steps begun, handed
@@ -203,9 +201,7 @@ impl PlannedCapture {
     /// the graph would hold.
     pub(crate) fn finish(self) -> (Vec<String>, Vec<Vec<usize>>, usize) {
         let steps = STEPS.with(|s| std::mem::take(&mut *s.borrow_mut()));
-        let fps: Vec<Footprint> = steps.done.into_iter().map(|d| d.1).collect();
-        let deps = step_dependencies(&fps);
-        (fps.into_iter().map(|f| f.what).collect(), deps, self.pool.blocks.iter().map(|b| b.size).sum())
+        (steps.done.into_iter().map(|d| d.1.what).collect(), steps.deps, self.pool.blocks.iter().map(|b| b.size).sum())
     }
 }
 
@@ -283,12 +279,10 @@ fn node_deps(node: ds::CUgraphNode) -> Option<Vec<Wait>> {
     }
 }
 
-/// Replaces the captured order between steps by the waits `step_dependencies` finds: each
-/// step's first nodes wait for the last nodes of the steps it conflicts with. Returns (steps,
-/// steps on the longest chain), or None when the graph could not be read and was left in its
-/// captured order.
-fn relax(graph: ds::CUgraph, kept: Vec<(Vec<usize>, Footprint)>) -> Result<Option<(usize, usize)>> {
-    let deps = step_dependencies(&kept.iter().map(|k| k.1.clone()).collect::<Vec<_>>());
+/// Replaces the captured order between steps by their waits (`Steps::deps`): each step's first
+/// nodes wait for the last nodes of the steps it conflicts with. Returns (steps, steps on the
+/// longest chain), or None when the graph could not be read and was left in its captured order.
+fn relax(graph: ds::CUgraph, kept: Vec<(Vec<usize>, Footprint)>, deps: Vec<Vec<usize>>) -> Result<Option<(usize, usize)>> {
     crate::logging::log(crate::logging::Topic::Graph, || {
         let mut s = String::from("CUDA graph steps (<- the steps each one waits for):");
         for (i, ((_, fp), d)) in kept.iter().zip(&deps).enumerate() {
@@ -589,7 +583,7 @@ fn end_capture(dev: &CudaDevice, steps: Steps, succeeded: bool) -> Result<(ds::C
         return destroy(Error::Compile("the captured work failed".into()));
     }
     if !steps.unknown && !keep_captured_order() {
-        match relax(graph, steps.done) {
+        match relax(graph, steps.done, steps.deps) {
             Ok(Some((n, chain))) => crate::logging::log(crate::logging::Topic::Recompiles, || format!("CUDA graph: {n} steps, {chain} on the longest chain of waits")),
             Ok(None) => crate::logging::log(crate::logging::Topic::Recompiles, || "CUDA graph: a node's waits could not be read; the steps keep their captured order".into()),
             Err(e) => return destroy(e),
@@ -759,13 +753,6 @@ impl Footprint {
     }
 }
 
-/// Per step, the earlier steps it must wait for: those it conflicts with (one writes memory
-/// the other reads or writes), with every wait another one already implies left out.
-pub(crate) fn step_dependencies(steps: &[Footprint]) -> Vec<Vec<usize>> {
-    let mut ancestry = Ancestry::default();
-    steps.iter().map(|fp| ancestry.push(ancestry.waits(|t| steps[t].conflicts(fp)))).collect()
-}
-
 /// The number of steps on the longest chain of waits.
 pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
     let mut depth = vec![0usize; deps.len()];
@@ -777,8 +764,17 @@ pub(crate) fn longest_chain(deps: &[Vec<usize>]) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{longest_chain, note_alloc, step_dependencies, CapturePool, Footprint, Steps, STEPS};
+    use super::{longest_chain, note_alloc, CapturePool, Footprint, Steps, STEPS};
     use crate::backend::cuda::device::alloc::Block;
+
+    /// The waits of steps that each captured work, as `Steps::end` finds them.
+    fn step_dependencies(fps: &[Footprint]) -> Vec<Vec<usize>> {
+        let mut steps = Steps::default();
+        for (node, fp) in fps.iter().enumerate() {
+            steps.end(Some(vec![node + 1]), fp.clone());
+        }
+        steps.deps
+    }
 
     #[test]
     fn a_capture_cuts_its_blocks_to_size_and_reuses_freed_pieces() {
@@ -894,8 +890,8 @@ mod tests {
         // and `b`'s, it is handed `b`'s, which only steps it waits for touched.
         let after = step(&mut pool, range(c), mib(28));
         assert_eq!((c, after), (a, b));
-        let fps: Vec<Footprint> = STEPS.with(|s| s.borrow().done.iter().map(|d| d.1.clone()).collect());
-        assert_eq!(step_dependencies(&fps), vec![vec![], vec![0], vec![1], vec![], vec![2]], "the view is left out; the step after waits for the chain only");
+        let deps = STEPS.with(|s| s.borrow().deps.clone());
+        assert_eq!(deps, vec![vec![], vec![0], vec![1], vec![], vec![2]], "the view is left out; the step after waits for the chain only");
         STEPS.with(|s| *s.borrow_mut() = Steps::default());
     }
 
