@@ -211,6 +211,23 @@ fn streams(k: &FusedKernel) -> bool {
     row_bytes >= 1024 && rows * row_bytes >= stream_bytes()
 }
 
+/// Statements fetching this row's columns `[{from}, {from} + {n})` of every full output for
+/// writing (unless the outputs stream past the caches), in the first reduction pass that
+/// computes an expensive op (softmax's `exp`), whose arithmetic hides the fetches: the output
+/// pass's stores then find their lines owned instead of each waiting for one. A layer norm's
+/// passes are too light to hide them (it ran no faster).
+fn prefetch_outputs(k: &FusedKernel, from: &str, n: &str) -> String {
+    let mut s = String::new();
+    if streams(k) {
+        return s;
+    }
+    for &m in &k.full_outputs() {
+        let step = 64 / k.ops[k.outputs[m].0].dtype.size_in_bytes();
+        let _ = writeln!(s, "      for (long long e = 0; e < {n}; e += {step}) __builtin_prefetch(o{m} + row * K + {from} + e, 1);");
+    }
+    s
+}
+
 /// Statements prefetching the next row's columns `[{from}, {from} + {n})` of every full input
 /// that more than one pass reads: the first pass of the next row then finds them in the cache
 /// instead of waiting on memory with little work to hide it (a max or a mean alone).
@@ -281,6 +298,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
         s
     };
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
+    let fetch_outputs_in = plan.passes[..reduces.len()].iter().position(|p| p.ops.iter().any(|&o| crate::kir::expensive(&k.ops[o])));
     for (i, op) in k.ops.iter().enumerate() {
         match op.kind {
             KKind::Reduce(r) => {
@@ -309,6 +327,9 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                 let _ = writeln!(c, "    while (c{i} + {w} <= K) {{\n      long long n{i} = (K - c{i}) & ~{}LL;\n      if (n{i} > {BLOCK}) n{i} = {BLOCK};", w - 1);
                 if direct.is_none() {
                     let _ = writeln!(c, "      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", tn = t.name());
+                }
+                if Some(pass) == fetch_outputs_in {
+                    c.push_str(&prefetch_outputs(k, &format!("c{i}"), &format!("n{i}")));
                 }
                 if pass == 1 {
                     c.push_str(&prefetch_next_row(k, walks, &plan, &format!("c{i}"), &format!("n{i}")));
