@@ -211,17 +211,12 @@ fn streams(k: &FusedKernel) -> bool {
     row_bytes >= 1024 && rows * row_bytes >= stream_bytes()
 }
 
-/// Statements fetching this row's columns `[{from}, {from} + {n})` of every full output for
-/// writing (unless the outputs stream past the caches), in the first reduction pass that
-/// computes an expensive op (softmax's `exp`), whose arithmetic hides the fetches: the output
-/// pass's stores then find their lines owned instead of each waiting for one. A layer norm's
-/// passes are too light to hide them (it ran no faster).
-fn prefetch_outputs(k: &FusedKernel, from: &str, n: &str) -> String {
+/// Statements fetching this row's columns `[{from}, {from} + {n})` of the full outputs `full`
+/// for writing: the output pass's stores then find their lines owned instead of each waiting
+/// for one.
+fn prefetch_outputs(k: &FusedKernel, full: &[usize], from: &str, n: &str) -> String {
     let mut s = String::new();
-    if streams(k) {
-        return s;
-    }
-    for &m in &k.full_outputs() {
+    for &m in full {
         let step = 64 / k.ops[k.outputs[m].0].dtype.size_in_bytes();
         let _ = writeln!(s, "      for (long long e = 0; e < {n}; e += {step}) __builtin_prefetch(o{m} + row * K + {from} + e, 1);");
     }
@@ -298,7 +293,10 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
         s
     };
     let reduces: Vec<usize> = (0..k.ops.len()).filter(|&i| matches!(k.ops[i].kind, KKind::Reduce(_))).collect();
-    let fetch_outputs_in = plan.passes[..reduces.len()].iter().position(|p| p.ops.iter().any(|&o| crate::kir::expensive(&k.ops[o])));
+    // Outputs kept in the caches are fetched for writing in the first reduction pass that
+    // computes an expensive op (softmax's `exp`), whose arithmetic hides the fetches; a layer
+    // norm's passes are too light for that (fetching in its variance pass made it slower).
+    let fetch_outputs_in = if stream { None } else { plan.passes[..reduces.len()].iter().position(|p| p.ops.iter().any(|&o| crate::kir::expensive(&k.ops[o]))) };
     for (i, op) in k.ops.iter().enumerate() {
         match op.kind {
             KKind::Reduce(r) => {
@@ -329,7 +327,7 @@ fn rows_body(k: &FusedKernel, walks: &[Walk]) -> String {
                     let _ = writeln!(c, "      {tn} b{i}[{BLOCK}] __attribute__((aligned(64)));", tn = t.name());
                 }
                 if Some(pass) == fetch_outputs_in {
-                    c.push_str(&prefetch_outputs(k, &format!("c{i}"), &format!("n{i}")));
+                    c.push_str(&prefetch_outputs(k, &full, &format!("c{i}"), &format!("n{i}")));
                 }
                 if pass == 1 {
                     c.push_str(&prefetch_next_row(k, walks, &plan, &format!("c{i}"), &format!("n{i}")));
