@@ -137,40 +137,31 @@ impl LargePool {
     /// its first bytes, or with `tail` its last, the rest staying free.
     pub(crate) fn take_free(&mut self, found: usize, ptr: u64, size: usize, tail: bool) -> Block {
         assert!(self.free.remove(&(found, ptr)), "a free piece of the pool");
-        if !tail || found == size {
-            return self.hand_out(ptr, found, size);
-        }
-        let piece = self.pieces.get_mut(&ptr).expect("a free piece is a piece");
-        piece.size = found - size;
-        let segment = piece.segment;
-        self.free.insert((found - size, ptr));
-        let at = ptr + (found - size) as u64;
-        self.pieces.insert(at, Piece { size, free: false, segment });
-        Block { ptr: at, size }
+        self.hand_out(ptr, found, size, tail)
     }
 
-    /// Marks the free piece at `ptr` (of `found` bytes) handed out for a request of `size`;
-    /// the rest, if any, becomes a free piece of its own. (A rest of 1 MiB or less fits no
-    /// large request alone, but merges back when a neighbour is freed.)
-    fn hand_out(&mut self, ptr: u64, found: usize, size: usize) -> Block {
+    /// Marks `size` bytes of the free piece at `ptr` (of `found` bytes) handed out, its first
+    /// bytes or with `tail` its last; the rest, if any, becomes a free piece of its own. (A rest
+    /// of 1 MiB or less fits no large request alone, but merges back when a neighbour is freed.)
+    fn hand_out(&mut self, ptr: u64, found: usize, size: usize, tail: bool) -> Block {
         let piece = self.pieces.get_mut(&ptr).expect("a free piece is a piece");
-        piece.free = false;
-        if found == size {
+        let (segment, rest) = (piece.segment, found - size);
+        if rest == 0 {
+            piece.free = false;
             return Block { ptr, size };
         }
-        piece.size = size;
-        let segment = piece.segment;
-        let rest = ptr + size as u64;
-        self.pieces.insert(rest, Piece { size: found - size, free: true, segment });
-        self.free.insert((found - size, rest));
-        Block { ptr, size }
+        let (used, spare) = if tail { (ptr + rest as u64, ptr) } else { (ptr, ptr + size as u64) };
+        self.pieces.insert(used, Piece { size, free: false, segment });
+        self.pieces.insert(spare, Piece { size: rest, free: true, segment });
+        self.free.insert((rest, spare));
+        Block { ptr: used, size }
     }
 
     /// A new segment of `seg_size` bytes at `base`, its first `size` bytes handed out.
     pub(crate) fn add_segment(&mut self, base: u64, seg_size: usize, size: usize) -> Block {
         self.segments.insert(base, seg_size);
         self.pieces.insert(base, Piece { size: seg_size, free: true, segment: base });
-        self.hand_out(base, seg_size, size)
+        self.hand_out(base, seg_size, size, false)
     }
 
     /// Whether `ptr` starts a piece handed out from this pool.
