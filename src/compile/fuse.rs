@@ -54,7 +54,10 @@ pub(crate) struct Gemm {
     /// The last node is the index of the largest of the product's one row of columns (a
     /// greedy decode step's next token, `with_argmax`): the kernel computes it, and the
     /// product's values are never stored.
-    pub argmax: bool,
+    pub argmax: bool,    /// A cache attention (`Op::AttentionUpTo`) whose query and new key and value rows are views
+    /// of the product's value: the product's kernel runs it, at the attention's step
+    /// (`cache_attentions`).
+    pub attention: Option<NodeId>,
 }
 
 /// A one-row kernel of the schedule (`Schedule::kernels[kernel]`) whose output `output` a
@@ -87,6 +90,9 @@ impl Gemm {
         }
         if self.argmax {
             s += &format!(", then the argmax of its columns -> %{}", self.out());
+        }
+        if let Some(a) = self.attention {
+            s += &format!(", then the cache attention %{a} over its rows");
         }
         s
     }
@@ -121,7 +127,7 @@ fn with_argmax(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mut gm: Gemm
 /// spread over the rows (`[1, .., N]`, expanded). A ReLU that is the add's only reader joins.
 pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm: NodeId) -> (Gemm, Option<String>) {
     let node = &g.nodes[mm];
-    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm], prologue: None, argmax: false };
+    let plain = Gemm { matmul: mm, bias: None, act: None, nodes: vec![mm], prologue: None, argmax: false, attention: None };
     // The only reader of `x`, when nothing else (an output, a write-back) needs its value.
     let sole = |x: NodeId| (users[x] == 1 && readers[x].len() == 1).then(|| readers[x][0]);
     let mut nodes = vec![mm];
@@ -180,7 +186,7 @@ pub(crate) fn plan_gemm(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], mm:
         nodes.extend(between);
         nodes.push(r);
     }
-    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes, prologue: None, argmax: false }, None)
+    (Gemm { matmul: mm, bias: Some(other), act: act.map(|(_, a)| a), nodes, prologue: None, argmax: false, attention: None }, None)
 }
 
 /// The value a bias operand spreads over the rows: the vector under its expand.
@@ -493,6 +499,7 @@ pub(crate) fn schedule(g: &Graph) -> Schedule {
     debug_assert_eq!(emitted, units.len(), "the step graph has no cycle");
     pad_row_outputs(g, &node_readers, &users, &mut sched);
     row_prologues(g, &node_readers, &users, &mut sched);
+    cache_attentions(g, &mut sched);
     sched
 }
 
@@ -597,6 +604,49 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
     }
     for (j, p) in found {
         sched.gemms[j].prologue = Some(p);
+    }
+}
+
+/// Joins each cache attention (`Op::AttentionUpTo`) given its new key and value rows whose
+/// query, new key and new value are all views of one product of one row (a decode step's
+/// query, key and value projection) to that product (`Gemm::attention`): the product's kernel
+/// attends each head as soon as its rows are stored, one launch and one wait fewer. Only where
+/// nothing but views and inputs come between the two steps, and on the GPU.
+fn cache_attentions(g: &Graph, sched: &mut Schedule) {
+    if crate::switches::attend_in_product_off() {
+        return;
+    }
+    let mut found = vec![];
+    for (j, gm) in sched.gemms.iter().enumerate() {
+        let mm = &g.nodes[gm.matmul];
+        if gm.argmax || !mm.device.is_cuda() || mm.shape.iter().rev().skip(1).product::<usize>() != 1 {
+            continue;
+        }
+        let Some(at) = sched.steps.iter().position(|s| *s == Step::Gemm(j)) else { continue };
+        let out = gm.out();
+        // The steps after the product, up to the attention: views and inputs only.
+        for s in &sched.steps[at + 1..] {
+            let Step::Node(i) = *s else { break };
+            let n = &g.nodes[i];
+            match &n.op {
+                NodeOp::Prim(Op::AttentionUpTo { .. }) => {
+                    let of_product = |a: NodeId| g.view_root(a) == out;
+                    if n.args.len() == 6 && [0, 4, 5].iter().all(|&a| of_product(n.args[a])) && n.args[1..4].iter().all(|&a| !of_product(a)) {
+                        found.push((j, i));
+                    }
+                    break;
+                }
+                NodeOp::Arg(_) | NodeOp::Captured(_) => {}
+                NodeOp::Prim(op) if op.is_view() => {}
+                _ => break,
+            }
+        }
+    }
+    if !found.is_empty() {
+        sched.notes.push(format!("{} cache attentions run by the product that computes their rows", found.len()));
+    }
+    for (j, a) in found {
+        sched.gemms[j].attention = Some(a);
     }
 }
 

@@ -277,6 +277,7 @@ impl Program {
         let in_place = plan_in_place(&graph, &schedule);
         let hoisted = Hoisted::plan(&graph, &schedule);
         let deferred = plan_prologues(&mut schedule, &in_place, &hoisted);
+        plan_attentions(&mut schedule, &graph, &in_place, &hoisted);
         crate::logging::log(Topic::Fusion, || {
             let mut s = format!("the optimised graph:\n{graph}");
             s += &format!("{} kernels, {} library products, {} steps", schedule.kernels.len(), schedule.gemms.len(), schedule.steps.len());
@@ -374,6 +375,10 @@ impl Program {
                 }
                 Step::Node(n) => {
                     make(&mut cap, *n);
+                    // (and the product that runs it)
+                    if let Some(r) = attending_gemm(g, sch, *n).and_then(|j| at[sch.gemms[j].out()]) {
+                        writes.push(r);
+                    }
                     true
                 }
                 Step::Kernel(k) => {
@@ -384,7 +389,7 @@ impl Program {
                 }
                 Step::Gemm(j) => {
                     make(&mut cap, sch.gemms[*j].out());
-                    true
+                    sch.gemms[*j].attention.is_none()
                 }
             };
             let what = step_name(g, sch, step);
@@ -442,7 +447,7 @@ impl Program {
     pub(crate) fn kernel_count(&self) -> usize {
         self.schedule.steps.iter().enumerate().filter(|(i, _)| !self.hoisted.steps.get(*i).copied().unwrap_or(false)).map(|(_, s)| s).filter(|s| match s {
             Step::Kernel(k) => !self.deferred[*k],
-            Step::Gemm(_) => true,
+            Step::Gemm(j) => self.schedule.gemms[*j].attention.is_none(),
             Step::Node(i) => matches!(&self.graph.nodes[*i].op, NodeOp::Prim(op) if !op.is_view())
                 || self.graph.nodes[*i].is_constant()
                 || matches!(self.graph.nodes[*i].op, NodeOp::Random(_) | NodeOp::Custom(_) | NodeOp::Collective(_)),
@@ -487,7 +492,10 @@ impl Program {
         let launches_before = crate::backend::cuda::launch_count();
         // Row kernels waiting for the product that runs them (`deferred`): their inputs and
         // output buffers.
-        let mut pending: std::collections::HashMap<usize, (Vec<Tensor>, Vec<Tensor>)> = Default::default();
+        let mut pending: std::collections::HashMap<usize, HeldRow> = Default::default();
+        // Products waiting for the cache attention they run (`fuse::Gemm::attention`), by the
+        // attention: the product, and its row kernel's inputs and outputs.
+        let mut attending: std::collections::HashMap<NodeId, (usize, Option<HeldRow>)> = Default::default();
         for (s, step) in self.schedule.steps.iter().enumerate() {
             let view = matches!(step, Step::Node(i) if matches!(&g.nodes[*i].op, NodeOp::Prim(op) if op.is_view()));
             if !view {
@@ -547,6 +555,12 @@ impl Program {
                                         v
                                     }
                                 }
+                                _ if attending.contains_key(i) => {
+                                    let (j, held) = attending.remove(i).expect("pending");
+                                    let settled_cache = self.settled_caches.contains(i) && crate::backend::cuda::launch_count() > launches_before && reads_inputs_directly(g, *i, inputs, &env);
+                                    let settled = self.settled[j] && crate::backend::cuda::launch_count() > launches_before;
+                                    self.run_attending(j, *i, &env, settled, settled_cache, held)?
+                                }
                                 _ if self.settled_caches.contains(i) && crate::backend::cuda::launch_count() > launches_before && reads_inputs_directly(g, *i, inputs, &env) => {
                                     let _settled = crate::ops::attention::SettledCache::hold();
                                     run_node(g, *i, inputs, &env)?
@@ -555,6 +569,14 @@ impl Program {
                             },
                         },
                     })
+                }
+                Step::Gemm(j) if self.schedule.gemms[*j].attention.is_some() => {
+                    // Run later with the attention: its output buffer now, for the views between.
+                    let gm = &self.schedule.gemms[*j];
+                    let (out, a) = (&g.nodes[gm.out()], g.nodes[gm.matmul].args[0]);
+                    env[gm.out()] = Some(crate::backend::uninit_like(env[a].as_ref().expect("computed before use"), &out.shape, out.dtype)?);
+                    let held = gm.prologue.and_then(|p| pending.remove(&p.kernel));
+                    attending.insert(gm.attention.expect("checked"), (*j, held));
                 }
                 Step::Gemm(j) => {
                     let gm = &self.schedule.gemms[*j];
@@ -839,6 +861,45 @@ fn run_node(g: &Graph, i: NodeId, inputs: &[Tensor], env: &[Option<Tensor>]) -> 
     })
 }
 
+/// A row kernel a product runs (`Program::deferred`), held until then: its inputs and its output
+/// buffers.
+type HeldRow = (Vec<Tensor>, Vec<Tensor>);
+
+impl Program {
+    /// Product `j` into its output buffer (made at its step) and the cache attention `i` that
+    /// reads its rows, in one launch where the product's kernel takes both, else one after the
+    /// other (the product's value written into the buffer): the attention's value. `held`: the
+    /// product's row kernel, not yet run.
+    fn run_attending(&self, j: usize, i: NodeId, env: &[Option<Tensor>], settled: bool, settled_cache: bool, held: Option<HeldRow>) -> Result<Tensor> {
+        let (g, gm) = (&self.graph, &self.schedule.gemms[j]);
+        let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
+        let (mm, n) = (&g.nodes[gm.matmul], &g.nodes[i]);
+        let NodeOp::Prim(crate::ops::Op::AttentionUpTo { scale }) = n.op else { unreachable!("a cache attention") };
+        let row = gm.prologue.zip(held.as_ref()).map(|(p, (ins, outs))| PendingRow { kernel: &self.schedule.kernels[p.kernel], inputs: ins, outputs: outs, row: p.output });
+        let out = arg(gm.out());
+        let attend = crate::backend::cuda::kernels::gemv::Attend { out, q: arg(n.args[0]), k: arg(n.args[1]), v: arg(n.args[2]), last: arg(n.args[3]), k_new: arg(n.args[4]), v_new: arg(n.args[5]), scale, settled: settled_cache };
+        let bias = gm.bias.map(|b| (arg(b), gm.act));
+        if let Some(t) = crate::backend::cuda::kernels::gemm_attending(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, settled, row.as_ref(), &attend, &n.shape)? {
+            return Ok(t);
+        }
+        // Apart: the product (its epilogue's nodes one by one where it cannot run it), written
+        // into the buffer the views read, then the attention.
+        let value = match run_gemm(g, gm, env, self.tune, settled, row.as_ref())? {
+            Some(t) => t,
+            None => {
+                let mut local = env.to_vec();
+                for &x in &gm.nodes {
+                    local[x] = Some(run_node(g, x, &[], &local)?);
+                }
+                local[gm.out()].take().expect("computed")
+            }
+        };
+        crate::backend::write_into(out, &value)?;
+        let _settled = settled_cache.then(crate::ops::attention::SettledCache::hold);
+        run_node(g, i, &[], env)
+    }
+}
+
 /// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
 /// cannot run (the caller then runs the step's nodes one by one).
 /// `row`: the product's row kernel, not yet run (`fuse::RowPrologue`); it has run once this
@@ -919,11 +980,19 @@ fn footprint(g: &Graph, s: &Schedule, step: &Step, env: &[Option<Tensor>], hoist
     if is_barrier(g, step, hoisted) {
         return Footprint::barrier(what);
     }
-    // A row kernel its product runs touches memory in the product's step.
-    if matches!(step, Step::Kernel(k) if deferred[*k]) {
+    // A row kernel its product runs touches memory in the product's step, and a product that
+    // runs a cache attention in the attention's.
+    if matches!(step, Step::Kernel(k) if deferred[*k]) || matches!(step, Step::Gemm(j) if s.gemms[*j].attention.is_some()) {
         return Footprint { reads: vec![], writes: vec![], shared: false, barrier: false, what };
     }
-    Footprint { reads: ranges(step_reads(g, s, step), env), writes: ranges(step_outputs(s, step), env), shared: false, barrier: false, what }
+    let mut writes = step_outputs(s, step);
+    if let Some(j) = match step {
+        Step::Node(i) => attending_gemm(g, s, *i),
+        _ => None,
+    } {
+        writes.extend(step_outputs(s, &Step::Gemm(j)));
+    }
+    Footprint { reads: ranges(step_reads(g, s, step), env), writes: ranges(writes, env), shared: false, barrier: false, what }
 }
 
 /// What a step is, for `KILN_LOG=graph`.
@@ -954,7 +1023,8 @@ fn ranges(nodes: Vec<NodeId>, env: &[Option<Tensor>]) -> Vec<(u64, u64)> {
 /// The values step `step` reads.
 fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
     match step {
-        Step::Node(i) => g.nodes[*i].args.clone(),
+        // (a cache attention its product runs reads what the product reads)
+        Step::Node(i) => g.nodes[*i].args.iter().copied().chain(attending_gemm(g, s, *i).map_or(vec![], |j| step_reads(g, s, &Step::Gemm(j)))).collect(),
         Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
         Step::Gemm(j) => {
             let gm = &s.gemms[*j];
@@ -992,6 +1062,26 @@ fn plan_prologues(s: &mut Schedule, in_place: &std::collections::HashMap<NodeId,
         }
     }
     deferred
+}
+
+/// Cache attentions their product runs (`fuse::cache_attentions`), but not where either step is
+/// kept between runs or the product's value is written into a captured tensor.
+fn plan_attentions(s: &mut Schedule, g: &Graph, in_place: &std::collections::HashMap<NodeId, usize>, hoisted: &Hoisted) {
+    for j in 0..s.gemms.len() {
+        let Some(a) = s.gemms[j].attention else { continue };
+        let kept = |want: Step| s.steps.iter().position(|st| *st == want).is_none_or(|at| hoisted.steps.get(at).copied().unwrap_or(false));
+        if kept(Step::Gemm(j)) || kept(Step::Node(a)) || in_place.contains_key(&s.gemms[j].out()) || g.nodes[s.gemms[j].out()].dtype != g.nodes[s.gemms[j].matmul].dtype {
+            s.gemms[j].attention = None;
+        }
+    }
+}
+
+/// The product whose kernel runs the cache attention `i` (`fuse::Gemm::attention`).
+fn attending_gemm(g: &Graph, s: &Schedule, i: NodeId) -> Option<usize> {
+    if !matches!(g.nodes[i].op, NodeOp::Prim(crate::ops::Op::AttentionUpTo { .. })) {
+        return None;
+    }
+    s.gemms.iter().position(|gm| gm.attention == Some(i))
 }
 
 /// The memory plan: after which step each value is dead (outputs and written-back values live

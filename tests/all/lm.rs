@@ -356,6 +356,46 @@ fn a_compiled_decode_step_takes_the_position_as_data_and_equals_eager() {
     decode_steps_match(load(LLAMA).model.as_ref());
 }
 
+/// In BF16 at batch 1, GPT-2's compiled decode step runs each layer's cache attention in the
+/// kernel of the query, key and value product (`KILN_ATTEND_IN_PRODUCT`): replayed in a CUDA
+/// graph at every position against eager (the attention's own kernel), and on a GPU no
+/// attention kernel of its own among the compiled step's launches. The Llama fixture (rotary
+/// embeddings between the product and the attention) keeps them apart, also against eager.
+#[test]
+fn a_bf16_decode_step_of_one_sequence_attends_in_its_product_as_eager_does() {
+    use kiln::compile::{compile_with, CompileOptions, Mode};
+    let e = embedded_safetensors(GPT2_EXPECTED);
+    let ids = e["input_ids"].to_device(&dev()).unwrap().narrow(0, 0, 1).unwrap();
+    let t = ids.shape()[1];
+    for files in [GPT2, LLAMA] {
+        let lm = models::load(dir_with("model", files), DType::BF16, &dev()).unwrap();
+        let model = lm.model.as_ref();
+        let (eager, replayed, launched) = (model.new_cache(1, 16).unwrap(), model.new_cache(1, 16).unwrap(), model.new_cache(1, 16).unwrap());
+        let (rc, lc) = (&replayed, &launched);
+        let f = compile_with(CompileOptions::new().mode(Mode::ReduceOverhead), move |tok: &Tensor, pos: &Tensor| model.decode_step(tok, pos, rc));
+        let plain = compile_with(CompileOptions::new(), move |tok: &Tensor, pos: &Tensor| model.decode_step(tok, pos, lc));
+        let mut names = vec![];
+        kiln::no_grad(|| {
+            for p in 0..t {
+                let (tok, pos) = (ids.narrow(1, p, 1)?, Tensor::full(&[1], p as f64, DType::I64, &dev())?);
+                let want = vals(&model.decode_step(&tok, &pos, &eager)?);
+                // Within eight BF16 roundings (2^-5) of the largest logit, as replayed steps
+                // elsewhere.
+                let atol = want.iter().fold(0f64, |m, x| m.max(x.abs())) / 32.0;
+                assert_close_named(&format!("replayed at {p}"), &vals(&f.call(&tok, &pos)?), &want, 0.0, atol);
+                let (got, prof) = kiln::profiler::profile_value(|| plain.call(&tok, &pos))?;
+                assert_close_named(&format!("launched at {p}"), &vals(&got), &want, 0.0, atol);
+                names = prof.key_averages().rows().iter().map(|r| r.name.clone()).collect::<Vec<String>>();
+            }
+            kiln::Result::Ok(())
+        })
+        .unwrap();
+        if dev().is_cuda() && files == GPT2 {
+            assert!(names.iter().any(|n| n.contains("_attend")) && !names.iter().any(|n| n.starts_with("attention_fwd_up_to")), "{names:?}");
+        }
+    }
+}
+
 /// In BF16 a decode step's attention is `attention_up_to`'s own kernel on the GPU (the Llama
 /// fixture's heads share key/value heads): eager against decoding with a host-counted cache
 /// (the masked attention over the positions so far: BF16 tolerance as for compiled BF16

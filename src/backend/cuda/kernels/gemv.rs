@@ -51,6 +51,22 @@ kernel_args! {
     }
 }
 
+kernel_args! {
+    /// A cache attention the column kernel runs after its product (`gemv.cu`, GEMV_ATTEND;
+    /// `Attend`): where head 0's query, new key and new value rows start in the product's output
+    /// and the elements between heads, the query heads and how many share a key head, the
+    /// cache's keys and values (position 0 of key head 0) with their position and head strides,
+    /// the I64 last position seen, the cache's length, the scale, the attention's output
+    /// `[H, D]`, the per-query-head arrival counters, and whether no kernel still running writes
+    /// the cache or `last`.
+    AttendArgs {
+        q_off: i64, k_off: i64, v_off: i64, q_hs: i64, k_hs: i64, v_hs: i64,
+        heads: i64, kv_group: i64,
+        kc: u64, vc: u64, kc_s: i64, kc_h: i64, vc_s: i64, vc_h: i64,
+        last: u64, seq: i64, scale: f64, att: u64, count: u64, settled: i64,
+    }
+}
+
 /// How the matrix is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Walk {
@@ -75,6 +91,98 @@ struct GemvRowArgs {
 // SAFETY: `#[repr(C)]` of two such blocks of eight-byte words, declared alike in `gemv.cu`.
 unsafe impl KernelArgs for GemvRowArgs {}
 
+/// The column kernel's argument block with a cache attention's after it (`gemv.cu`,
+/// `GemvParams` under GEMV_ATTEND).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvAttendArgs {
+    g: GemvArgs,
+    t: AttendArgs,
+}
+// SAFETY: `#[repr(C)]` of blocks of eight-byte words, declared alike in `gemv.cu`.
+unsafe impl KernelArgs for GemvAttendArgs {}
+
+/// The same with a row kernel's words between.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvRowAttendArgs {
+    g: GemvArgs,
+    r: LaunchArgs,
+    t: AttendArgs,
+}
+// SAFETY: `#[repr(C)]` of blocks of eight-byte words, declared alike in `gemv.cu`.
+unsafe impl KernelArgs for GemvRowAttendArgs {}
+
+/// A decode step's cache attention (`Op::AttentionUpTo` of one query row per head) whose query
+/// and new key and value rows are views of a product's output: the column kernel computes the
+/// product into `out` (made before, contiguous), then attends each head as soon as its rows are
+/// complete, one launch for both.
+pub(crate) struct Attend<'a> {
+    /// The product's output.
+    pub out: &'a Tensor,
+    /// `[1, 1, H, D]`, `[1, 1, H_kv, D]` twice: views of `out`.
+    pub q: &'a Tensor,
+    pub k_new: &'a Tensor,
+    pub v_new: &'a Tensor,
+    /// The cache `[S, 1, H_kv, D]` and the last position `[1]` (I64).
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub last: &'a Tensor,
+    pub scale: f64,
+    /// No kernel still running writes the cache or `last` (`ops::attention::SettledCache`).
+    pub settled: bool,
+}
+
+impl Attend<'_> {
+    /// The kernel's arguments (but the output and counters) and the head dim, or None where the
+    /// column kernel of `tx` vectors per block does not take it: F16 or BF16 rows of one batch
+    /// whose features are contiguous and 16-byte aligned, heads apart by at least their
+    /// features, every block's share of the heads within its kernel's bounds.
+    fn args(&self, dtype: DType, tx: usize, n: usize) -> Result<Option<(AttendArgs, usize)>> {
+        if !matches!(dtype, DType::F16 | DType::BF16) || [self.q, self.k_new, self.v_new, self.k, self.v].iter().any(|t| t.dtype() != dtype || t.ndim() != 4) || self.last.dtype() != DType::I64 || self.last.numel() != 1 {
+            return Ok(None);
+        }
+        let (h, d) = (self.q.shape()[2], self.q.shape()[3]);
+        let (s, hkv) = (self.k.shape()[0], self.k.shape()[2]);
+        let vw = 16 / dtype.size_in_bytes();
+        let one_row = |t: &Tensor, heads: usize| t.shape() == [1, 1, heads, d];
+        if !one_row(self.q, h) || !one_row(self.k_new, hkv) || !one_row(self.v_new, hkv) || self.k.shape() != [s, 1, hkv, d] || self.v.shape() != self.k.shape() {
+            return Ok(None);
+        }
+        if s == 0 || hkv == 0 || !h.is_multiple_of(hkv) || d == 0 || !d.is_multiple_of(vw) || d > THREADS {
+            return Ok(None);
+        }
+        // The heads a block's columns may hold: (query, key, value) pieces, at most ATT_MAX_PIECES.
+        let group = h / hkv;
+        if ((tx * vw).div_ceil(d) + 1) * (1 + 2 * group) > 64 {
+            return Ok(None);
+        }
+        let base = data_ptr(self.out)?;
+        let size = dtype.size_in_bytes() as u64;
+        // (element offset in the product, head stride) of a view of it, heads apart by D or more.
+        let within = |t: &Tensor, heads: usize| -> Result<Option<(i64, i64)>> {
+            let (p, hs) = (data_ptr(t)?, t.strides()[2]);
+            if p < base || (p - base) % size != 0 || (t.strides()[3] != 1 && d > 1) || (heads > 1 && hs < d) {
+                return Ok(None);
+            }
+            let off = ((p - base) / size) as usize;
+            Ok((off + (heads - 1) * hs + d <= n).then_some((off as i64, hs as i64)))
+        };
+        let (Some(q), Some(kn), Some(vn)) = (within(self.q, h)?, within(self.k_new, hkv)?, within(self.v_new, hkv)?) else { return Ok(None) };
+        let rows = |t: &Tensor| -> Result<bool> { Ok(data_ptr(t)? % 16 == 0 && (t.strides()[3] == 1 || d == 1) && t.strides()[0].is_multiple_of(vw) && t.strides()[2].is_multiple_of(vw)) };
+        if !rows(self.k)? || !rows(self.v)? {
+            return Ok(None);
+        }
+        let args = AttendArgs {
+            q_off: q.0, k_off: kn.0, v_off: vn.0, q_hs: q.1, k_hs: kn.1, v_hs: vn.1,
+            heads: h as i64, kv_group: group as i64,
+            kc: data_ptr(self.k)?, vc: data_ptr(self.v)?, kc_s: self.k.strides()[0] as i64, kc_h: self.k.strides()[2] as i64, vc_s: self.v.strides()[0] as i64, vc_h: self.v.strides()[2] as i64,
+            last: data_ptr(self.last)?, seq: s as i64, scale: self.scale, att: 0, count: 0, settled: super::settled_arg(self.settled),
+        };
+        Ok(Some((args, d)))
+    }
+}
+
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
 /// buffer, or None where these kernels do not take the product (the library then runs it).
 /// `settled`: no kernel still running can be writing `b` (see `KILN_WAIT_UNLESS_SETTLED`).
@@ -85,6 +193,20 @@ unsafe impl KernelArgs for GemvRowArgs {}
 // The product's operands and its epilogue's parts, one each: a struct would only rename them.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
+    run(dev, a, b, dtype, bias, settled, row, argmax, None)
+}
+
+/// `product` into `attend.out`, running the cache attention `attend` in the same launch: the
+/// attention's output `[H * D]`, or None where the column kernel does not take both (nothing
+/// was queued).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn product_attending(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, attend: &Attend) -> Result<Option<CudaStorage>> {
+    run(dev, a, b, dtype, bias, settled, row, false, Some(attend))
+}
+
+/// `product`, or with `attend` `product_attending`.
+#[allow(clippy::too_many_arguments)]
+fn run(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool, attend: Option<&Attend>) -> Result<Option<CudaStorage>> {
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {
@@ -115,11 +237,29 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
         return Ok(None);
     }
     let Some((bias_ptr, act)) = epilogue_args(bias, dtype, n)? else { return Ok(None) };
-    let out = if argmax { CudaStorage::new(dev, DType::I64, 1)? } else { CudaStorage::new(dev, dtype, n)? };
-    let name = kernel_name(walk, dtype, argmax);
+    // The attention's arguments; its value rows in shared memory beside the row's.
+    let attending = match (attend, walk) {
+        (None, _) => None,
+        (Some(t), Walk::Cols { tx, .. }) if (row.is_none() || k * dtype.size_in_bytes() <= 12 << 10) && t.out.numel() == n && t.out.is_contiguous() && t.out.dtype() == dtype => match t.args(dtype, tx, n)? {
+            Some(x) => Some(x),
+            None => return Ok(None),
+        },
+        (Some(_), _) => return Ok(None),
+    };
+    // The product's output: made here, or `attend.out`, with the attention's beside it.
+    let (out, out_ptr, att) = match (attending, attend) {
+        (Some((_, d)), Some(t)) => (None, data_ptr(t.out)?, Some(CudaStorage::new(dev, dtype, t.q.shape()[2] * d)?)),
+        _ => {
+            let out = if argmax { CudaStorage::new(dev, DType::I64, 1)? } else { CudaStorage::new(dev, dtype, n)? };
+            let p = out.ptr();
+            (Some(out), p, None)
+        }
+    };
+    let head_dim = attending.map(|(_, d)| d);
+    let name = kernel_name(walk, dtype, argmax) + &head_dim.map_or(String::new(), |d| format!("_attend{d}"));
     let kern = match row {
-        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None, argmax)))?,
-        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax))?,
+        None => dev.kernel(KernelKey::Named(name.clone()), || (name.clone(), source(&name, walk, dtype, None, argmax, head_dim)))?,
+        Some(r) => r.product_kernel(dev, &name, |row_name, row_src| source(&format!("{name}_{row_name}"), walk, dtype, Some((row_name, row_src, k)), argmax, head_dim))?,
     };
     let (blocks, splits) = match walk {
         // The argmax's blocks each walk several outputs: one atomic per block.
@@ -132,20 +272,25 @@ pub(crate) fn product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DTyp
     let part = if splits > 1 { Some(CudaStorage::new(dev, DType::F32, splits * n)?) } else { None };
     // The argmax (one row walk, never split) takes the first counter for its arrivals and the
     // third and fourth (8-byte aligned) for its running best, left zero by its last block.
+    // The attention's per-head counters follow the strips' (a strip's blocks arrive at its own).
     let (part_ptr, count) = if argmax {
         let c = dev.reduce_counters(4)?;
         (c + 8, c)
     } else {
-        (part.as_ref().map_or(0, |p| p.ptr()), if splits > 1 { dev.reduce_counters(blocks)? } else { 0 })
+        let heads = attending.map_or(0, |(t, _)| t.heads as usize);
+        (part.as_ref().map_or(0, |p| p.ptr()), if splits > 1 || heads > 0 { dev.reduce_counters(blocks + heads)? } else { 0 })
     };
-    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out.ptr(), n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: super::settled_arg(settled), per: per as i64, part: part_ptr, count };
+    let args = GemvArgs { x: if row.is_some() { 0 } else { data_ptr(a)? }, w: data_ptr(b)?, bias: bias_ptr, out: out_ptr, n: n as i64, k: k as i64, ldw: ldw as i64, act, settled: super::settled_arg(settled), per: per as i64, part: part_ptr, count };
     let (grid, block) = ((blocks as u32, splits as u32, 1), (THREADS as u32, 1, 1));
-    match row {
-        None => dev.launch(kern, grid, block, &args)?,
-        Some(r) => dev.launch(kern, grid, block, &GemvRowArgs { g: args, r: r.args() })?,
+    let t = attending.map(|(t, _)| AttendArgs { att: att.as_ref().map_or(0, |a| a.ptr()), count: count + 4 * blocks as u64, ..t });
+    match (row, t) {
+        (None, None) => dev.launch(kern, grid, block, &args)?,
+        (Some(r), None) => dev.launch(kern, grid, block, &GemvRowArgs { g: args, r: r.args() })?,
+        (None, Some(t)) => dev.launch(kern, grid, block, &GemvAttendArgs { g: args, t })?,
+        (Some(r), Some(t)) => dev.launch(kern, grid, block, &GemvRowAttendArgs { g: args, r: r.args(), t })?,
     }
     drop(part);
-    Ok(Some(out))
+    Ok(att.or(out))
 }
 
 /// The epilogue as the product kernels read it (`gemv.cu`, `tf32.cu`): the bias's pointer (0
@@ -194,8 +339,12 @@ fn kernel_name(walk: Walk, dtype: DType, argmax: bool) -> String {
 
 /// A kernel's source; `row`: the name, source and row length of a row kernel's prologue
 /// function (`fused::RowPrologue`) that computes the row first.
-fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>, argmax: bool) -> String {
+/// `attend`: the head dim of a cache attention run after the product (`gemv.cu`, GEMV_ATTEND).
+fn source(name: &str, walk: Walk, dtype: DType, row: Option<(&str, &str, usize)>, argmax: bool, attend: Option<usize>) -> String {
     let mut c = format!("{PRELUDE}{}", GemvArgs::C_DECL);
+    if let Some(d) = attend {
+        let _ = writeln!(c, "{}#define GEMV_ATTEND\n#define ATT_D {d}", AttendArgs::C_DECL);
+    }
     if let Some((row_name, row_src, cols)) = row {
         // The row kernel's function, then what the kernels call it by.
         c.push_str(row_src);
@@ -235,10 +384,15 @@ pub(super) fn samples() -> Vec<super::samples::Sample> {
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         for walk in [Walk::Rows, Walk::Cols { tx: 2, rows: 6 }, Walk::Cols { tx: 1, rows: 0 }] {
             let name = kernel_name(walk, dtype, false);
-            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false))));
+            v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false, None))));
         }
         let name = kernel_name(Walk::Rows, dtype, true);
-        v.push(super::samples::Sample::new((name.clone(), source(&name, Walk::Rows, dtype, None, true))));
+        v.push(super::samples::Sample::new((name.clone(), source(&name, Walk::Rows, dtype, None, true, None))));
+    }
+    // With a cache attention after the product (F16 and BF16 only), head dims 64 and 128.
+    for (dtype, walk, d) in [(DType::BF16, Walk::Cols { tx: 2, rows: 6 }, 64), (DType::F16, Walk::Cols { tx: 1, rows: 0 }, 128)] {
+        let name = format!("{}_attend{d}", kernel_name(walk, dtype, false));
+        v.push(super::samples::Sample::new((name.clone(), source(&name, walk, dtype, None, false, Some(d)))));
     }
     v
 }
@@ -251,8 +405,13 @@ pub(super) fn row_samples(row_name: &str, row_src: &str, cols: usize, dtype: DTy
         .into_iter()
         .map(|walk| {
             let name = format!("{}_{row_name}", kernel_name(walk, dtype, false));
-            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false)))
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false, None)))
         })
+        .chain(matches!(dtype, DType::F16 | DType::BF16).then(|| {
+            let walk = Walk::Cols { tx: 2, rows: 6 };
+            let name = format!("{}_attend64_{row_name}", kernel_name(walk, dtype, false));
+            super::samples::Sample::new((name.clone(), source(&name, walk, dtype, Some((row_name, row_src, cols)), false, Some(64))))
+        }))
         .collect()
 }
 

@@ -715,6 +715,33 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     Ok(blas::gemm(&dev, a, b, dtype, bias, tune)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
 }
 
+/// `gemm` of one row into `attend.out` with the cache attention `attend` in the same launch
+/// (`gemv::product_attending`): the attention's output as `shape`, or None where that kernel does
+/// not take them (nothing was queued, `row` has not run: the caller runs both as usual).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_attending(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::PendingRow>, attend: &gemv::Attend, shape: &[usize]) -> Result<Option<Tensor>> {
+    if crate::switches::gemv_off() {
+        return Ok(None);
+    }
+    let dev = dev_of(a)?;
+    let packed = match bias {
+        Some((t, act)) => match blas::bias_vector(t, b.shape()[2])? {
+            Some(v) => Some((v, act)),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let prologue = match row {
+        Some(p) => match fused::row_prologue(p, gemv::THREADS)? {
+            Some(r) => Some(r),
+            None => return Ok(None),
+        },
+        None => None,
+    };
+    let bias = packed.as_ref().map(|(v, act)| (v, *act));
+    Ok(gemv::product_attending(&dev, a, b, dtype, bias, settled, prologue.as_ref(), attend)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
+}
+
 /// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
 /// `KILN_GEMV=0` or they do not take it.
 #[allow(clippy::too_many_arguments)]

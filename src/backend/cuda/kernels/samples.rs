@@ -46,7 +46,7 @@ fn all_samples() -> Vec<Sample> {
 fn every_kernel_family_has_samples() {
     // Without NVRTC the sources are still generated (a generator that panics fails here).
     let all = all_samples();
-    for family in ["map_", "sum_", "argmax_", "gather_", "scatter_", "bmm_", "gemv_rows", "gemv_cols", "gemv_rows_bfloat16_fused", "gemv_cols2_r6_float32_fused", "attention_fwd_up_to", "attention_fwd_tc", "attention_bwd_kv", "tf32_gemm_nk", "tf32_gemm_kn", "foreach_", "max_pool2d", "_r"] {
+    for family in ["map_", "sum_", "argmax_", "gather_", "scatter_", "bmm_", "gemv_rows", "gemv_cols", "gemv_rows_bfloat16_fused", "gemv_cols2_r6_float32_fused", "_attend64", "attention_fwd_up_to", "attention_fwd_tc", "attention_bwd_kv", "tf32_gemm_nk", "tf32_gemm_kn", "foreach_", "max_pool2d", "_r"] {
         assert!(all.iter().any(|s| s.name.contains(family)), "no sample of {family}: {:?}", all.iter().map(|s| &s.name).collect::<Vec<_>>());
     }
     // The compiler's mid kernels, both renderings (the eager reductions' names have these
