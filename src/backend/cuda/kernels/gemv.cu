@@ -313,7 +313,7 @@ __device__ void kattend_head(const GemvArgs& a, const AttendArgs& t, long long h
 }
 
 // The cache rows head attentions of this launch will read, fetched into L2 by the whole grid
-// at its start (a line per thread at a time); `last` is read here only where no kernel still
+// once its matrix loads are issued (a line per thread at a time); `last` is read here only where no kernel still
 // running writes it (`t.settled`) or the kernel before has ended (`waited`).
 __device__ __forceinline__ void kattend_prefetch(const AttendArgs& t, bool waited) {
   if (!t.settled && !waited) return;
@@ -386,9 +386,6 @@ __device__ void kattend_arrivals(const GemvArgs& a, const AttendArgs& t) {
 extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
   KILN_WAIT_UNLESS_SETTLED(KARGS.settled);
   KBIND
-#ifdef GEMV_ATTEND
-  kattend_prefetch(ka.t, !a.settled);
-#endif
   __shared__ float part[WARPS][TX * VW];
   __shared__ bool last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -412,6 +409,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     const long long r = r0 + (long long)warp * KY + ky + (long long)i * WARPS * KY;
     q[i] = live && r < r1 ? kstream((const uint4*)(w + r * a.ldw)) : make_uint4(0, 0, 0, 0);
   }
+#ifdef GEMV_ATTEND
+  // (after the matrix's loads are issued)
+  kattend_prefetch(ka.t, !a.settled);
+#endif
   KILN_WAIT_IF_SETTLED(a.settled);
   KROW(x)
 #pragma unroll
@@ -427,6 +428,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) NAME(KPARAMS) {
     for (int j = 0; j < VW; j++) acc[j] = fmaf(xr[i], wf[j], acc[j]);
   }
 #else
+#ifdef GEMV_ATTEND
+  // (after the matrix's loads are issued)
+  kattend_prefetch(ka.t, !a.settled);
+#endif
   KILN_WAIT_IF_SETTLED(a.settled);
   KROW(x)
   if (live) {
