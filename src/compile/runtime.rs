@@ -1292,6 +1292,36 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     #[test]
+    fn a_cache_attention_over_a_products_rows_runs_in_the_products_step() {
+        // A decode layer's query, key and value projection of one row, then the cache attention
+        // over its rows: on a GPU one step runs both, at the attention's place; with a kernel
+        // between (the query scaled), they stay apart.
+        let (h, d, s) = (2, 8, 6);
+        let t = |shape: &[usize]| Tensor::randn(shape, DType::F32, &Device::Cpu).unwrap();
+        let (w, k, v) = (t(&[16, 3 * h * d]), t(&[s, 1, h, d]), t(&[s, 1, h, d]));
+        let plan = |scaled: bool| {
+            let (w, k, v) = (w.clone(), k.clone(), v.clone());
+            let f = move |xs: &[Tensor]| {
+                let qkv = xs[0].matmul(&w)?;
+                // (`Op::AttentionUpTo`'s layout: [L, B, H, D])
+                let rows = |i: usize| qkv.narrow(1, i * h * d, h * d)?.reshape(&[1, 1, h as i64, d as i64]);
+                let q = if scaled { rows(0)?.mul_scalar(2.0)? } else { rows(0)? };
+                let (kn, vn) = (rows(1)?, rows(2)?);
+                Ok(vec![crate::ops::apply(crate::ops::Op::AttentionUpTo { scale: 0.5 }, &[&q, &k, &v, &xs[1], &kn, &vn])?])
+            };
+            let g = crate::compile::fuse::tests::host_graph_of(&[t(&[1, 16]), Tensor::zeros(&[1], DType::I64, &Device::Cpu).unwrap()], f).as_on_cuda();
+            let p = super::Program::new(crate::compile::optimise(&g, &[]), false);
+            (p.planned_graph(), p.kernel_count())
+        };
+        let (planned, kernels) = plan(false);
+        let steps: Vec<&str> = planned.lines().skip(1).collect();
+        assert!(steps.iter().any(|l| l.contains("attention_up_to")) && !steps.iter().any(|l| l.contains("gemm")), "{planned}");
+        assert_eq!(kernels, 1, "{planned}");
+        let (apart, kernels) = plan(true);
+        assert!(apart.lines().any(|l| l.contains("gemm")) && kernels == 3, "{apart}");
+    }
+
+    #[test]
     fn a_planned_graph_runs_a_product_beside_the_chain_in_memory_the_chain_never_touched() {
         // A chain of two products, the ReLU between them freed after the second; then a product
         // of another input. Best fit would hand the last one the start of the freed piece (the
