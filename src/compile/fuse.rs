@@ -54,7 +54,8 @@ pub(crate) struct Gemm {
     /// The last node is the index of the largest of the product's one row of columns (a
     /// greedy decode step's next token, `with_argmax`): the kernel computes it, and the
     /// product's values are never stored.
-    pub argmax: bool,    /// A cache attention (`Op::AttentionUpTo`) whose query and new key and value rows are views
+    pub argmax: bool,
+    /// A cache attention (`Op::AttentionUpTo`) whose query and new key and value rows are views
     /// of the product's value: the product's kernel runs it, at the attention's step
     /// (`cache_attentions`).
     pub attention: Option<NodeId>,

@@ -559,7 +559,7 @@ impl Program {
                                     let (j, held) = attending.remove(i).expect("pending");
                                     let settled_cache = self.settled_caches.contains(i) && crate::backend::cuda::launch_count() > launches_before && reads_inputs_directly(g, *i, inputs, &env);
                                     let settled = self.settled[j] && crate::backend::cuda::launch_count() > launches_before;
-                                    self.run_attending(j, *i, &env, settled, settled_cache, held)?
+                                    self.run_attending(j, *i, inputs, &mut env, settled, settled_cache, held)?
                                 }
                                 _ if self.settled_caches.contains(i) && crate::backend::cuda::launch_count() > launches_before && reads_inputs_directly(g, *i, inputs, &env) => {
                                     let _settled = crate::ops::attention::SettledCache::hold();
@@ -583,19 +583,7 @@ impl Program {
                     let settled = self.settled[*j] && crate::backend::cuda::launch_count() > launches_before;
                     let held = gm.prologue.and_then(|p| Some((p, pending.remove(&p.kernel)?)));
                     let row = held.as_ref().map(|(p, (ins, outs))| PendingRow { kernel: &self.schedule.kernels[p.kernel], inputs: ins, outputs: outs, row: p.output });
-                    match run_gemm(g, gm, &env, self.tune, settled, row.as_ref())? {
-                        Some(t) => env[gm.out()] = Some(t),
-                        // The epilogue cannot run here (the library has no algorithm for it, or
-                        // the bias is not a packed vector): its nodes run one by one.
-                        None => {
-                            for &i in &gm.nodes {
-                                env[i] = Some(run_node(g, i, inputs, &env)?);
-                            }
-                            for &i in &gm.nodes[..gm.nodes.len() - 1] {
-                                env[i] = None;
-                            }
-                        }
-                    }
+                    run_gemm_step(g, gm, inputs, &mut env, self.tune, settled, row.as_ref())?;
                 }
                 Step::Kernel(k) if self.deferred[*k] => {
                     // Run later by the product that reads its row: its buffers now, for the views
@@ -870,34 +858,46 @@ impl Program {
     /// reads its rows, in one launch where the product's kernel takes both, else one after the
     /// other (the product's value written into the buffer): the attention's value. `held`: the
     /// product's row kernel, not yet run.
-    fn run_attending(&self, j: usize, i: NodeId, env: &[Option<Tensor>], settled: bool, settled_cache: bool, held: Option<HeldRow>) -> Result<Tensor> {
+    #[allow(clippy::too_many_arguments)]
+    fn run_attending(&self, j: usize, i: NodeId, inputs: &[Tensor], env: &mut [Option<Tensor>], settled: bool, settled_cache: bool, held: Option<HeldRow>) -> Result<Tensor> {
         let (g, gm) = (&self.graph, &self.schedule.gemms[j]);
-        let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
         let (mm, n) = (&g.nodes[gm.matmul], &g.nodes[i]);
         let NodeOp::Prim(crate::ops::Op::AttentionUpTo { scale }) = n.op else { unreachable!("a cache attention") };
         let row = gm.prologue.zip(held.as_ref()).map(|(p, (ins, outs))| PendingRow { kernel: &self.schedule.kernels[p.kernel], inputs: ins, outputs: outs, row: p.output });
-        let out = arg(gm.out());
-        let attend = crate::backend::cuda::kernels::gemv::Attend { out, q: arg(n.args[0]), k: arg(n.args[1]), v: arg(n.args[2]), last: arg(n.args[3]), k_new: arg(n.args[4]), v_new: arg(n.args[5]), scale, settled: settled_cache };
-        let bias = gm.bias.map(|b| (arg(b), gm.act));
-        if let Some(t) = crate::backend::cuda::kernels::gemm_attending(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, settled, row.as_ref(), &attend, &n.shape)? {
-            return Ok(t);
-        }
-        // Apart: the product (its epilogue's nodes one by one where it cannot run it), written
-        // into the buffer the views read, then the attention.
-        let value = match run_gemm(g, gm, env, self.tune, settled, row.as_ref())? {
-            Some(t) => t,
-            None => {
-                let mut local = env.to_vec();
-                for &x in &gm.nodes {
-                    local[x] = Some(run_node(g, x, &[], &local)?);
-                }
-                local[gm.out()].take().expect("computed")
+        let buffer = env[gm.out()].clone().expect("made at the product's step");
+        {
+            let arg = |a: NodeId| env[a].as_ref().expect("computed before use");
+            let attend = crate::backend::cuda::kernels::gemv::Attend { out: &buffer, q: arg(n.args[0]), k: arg(n.args[1]), v: arg(n.args[2]), last: arg(n.args[3]), k_new: arg(n.args[4]), v_new: arg(n.args[5]), scale, settled: settled_cache };
+            let bias = gm.bias.map(|b| (arg(b), gm.act));
+            if let Some(t) = crate::backend::cuda::kernels::gemm_attending(arg(mm.args[0]), arg(mm.args[1]), mm.dtype, bias, settled, row.as_ref(), &attend, &n.shape)? {
+                return Ok(t);
             }
-        };
-        crate::backend::write_into(out, &value)?;
+        }
+        // Apart: the product, written into the buffer the views read, then the attention.
+        run_gemm_step(g, gm, inputs, env, self.tune, settled, row.as_ref())?;
+        let value = env[gm.out()].replace(buffer.clone()).expect("computed");
+        crate::backend::write_into(&buffer, &value)?;
         let _settled = settled_cache.then(crate::ops::attention::SettledCache::hold);
-        run_node(g, i, &[], env)
+        run_node(g, i, inputs, env)
     }
+}
+
+/// Library product `gm` with its epilogue into `env[gm.out()]`: `run_gemm`, or where the
+/// epilogue cannot run there (the library has no algorithm for it, or the bias is not a packed
+/// vector) its nodes one by one.
+fn run_gemm_step(g: &Graph, gm: &fuse::Gemm, inputs: &[Tensor], env: &mut [Option<Tensor>], tune: bool, settled: bool, row: Option<&PendingRow>) -> Result<()> {
+    match run_gemm(g, gm, env, tune, settled, row)? {
+        Some(t) => env[gm.out()] = Some(t),
+        None => {
+            for &i in &gm.nodes {
+                env[i] = Some(run_node(g, i, inputs, env)?);
+            }
+            for &i in &gm.nodes[..gm.nodes.len() - 1] {
+                env[i] = None;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A library product with its epilogue: the value of `gm.out()`, or None when the epilogue
@@ -1053,9 +1053,7 @@ fn plan_prologues(s: &mut Schedule, in_place: &std::collections::HashMap<NodeId,
     let mut deferred = vec![false; s.kernels.len()];
     for j in 0..s.gemms.len() {
         let Some(p) = s.gemms[j].prologue else { continue };
-        let step = s.steps.iter().position(|st| *st == Step::Kernel(p.kernel));
-        let kept = step.is_none_or(|at| hoisted.steps.get(at).copied().unwrap_or(false));
-        if kept || s.kernels[p.kernel].outputs.iter().any(|(_, n)| in_place.contains_key(n)) {
+        if kept_between_runs(s, hoisted, Step::Kernel(p.kernel)) || s.kernels[p.kernel].outputs.iter().any(|(_, n)| in_place.contains_key(n)) {
             s.gemms[j].prologue = None;
         } else {
             deferred[p.kernel] = true;
@@ -1069,11 +1067,15 @@ fn plan_prologues(s: &mut Schedule, in_place: &std::collections::HashMap<NodeId,
 fn plan_attentions(s: &mut Schedule, g: &Graph, in_place: &std::collections::HashMap<NodeId, usize>, hoisted: &Hoisted) {
     for j in 0..s.gemms.len() {
         let Some(a) = s.gemms[j].attention else { continue };
-        let kept = |want: Step| s.steps.iter().position(|st| *st == want).is_none_or(|at| hoisted.steps.get(at).copied().unwrap_or(false));
-        if kept(Step::Gemm(j)) || kept(Step::Node(a)) || in_place.contains_key(&s.gemms[j].out()) || g.nodes[s.gemms[j].out()].dtype != g.nodes[s.gemms[j].matmul].dtype {
+        if kept_between_runs(s, hoisted, Step::Gemm(j)) || kept_between_runs(s, hoisted, Step::Node(a)) || in_place.contains_key(&s.gemms[j].out()) || g.nodes[s.gemms[j].out()].dtype != g.nodes[s.gemms[j].matmul].dtype {
             s.gemms[j].attention = None;
         }
     }
+}
+
+/// Whether `step` is kept between runs (computed from parameters alone), or not a step of `s`.
+fn kept_between_runs(s: &Schedule, hoisted: &Hoisted, step: Step) -> bool {
+    s.steps.iter().position(|st| *st == step).is_none_or(|at| hoisted.steps.get(at).copied().unwrap_or(false))
 }
 
 /// The product whose kernel runs the cache attention `i` (`fuse::Gemm::attention`).

@@ -685,14 +685,8 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     let dev = dev_of(a)?;
     let product_shape = [a.shape()[0], a.shape()[1], b.shape()[2]];
     let shape: &[usize] = if argmax { &[1] } else { &product_shape };
-    // The bias packed once for both paths; None where no epilogue runs it (no broadcast vector).
-    let packed = match bias {
-        Some((t, act)) => blas::bias_vector(t, product_shape[2])?.map(|v| Some((v, act))),
-        None => Some(None),
-    };
-    fn epilogue(packed: &Option<(Tensor, Option<Activation>)>) -> Option<(&Tensor, Option<Activation>)> {
-        packed.as_ref().map(|(v, act)| (v, *act))
-    }
+    // The bias packed once for both paths.
+    let packed = packed_bias(bias, product_shape[2])?;
     if let Some(p) = row {
         if let (Some(packed), Some(r)) = (&packed, fused::row_prologue(p, gemv::THREADS)?) {
             if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax)? {
@@ -724,13 +718,7 @@ pub(crate) fn gemm_attending(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<
         return Ok(None);
     }
     let dev = dev_of(a)?;
-    let packed = match bias {
-        Some((t, act)) => match blas::bias_vector(t, b.shape()[2])? {
-            Some(v) => Some((v, act)),
-            None => return Ok(None),
-        },
-        None => None,
-    };
+    let Some(packed) = packed_bias(bias, b.shape()[2])? else { return Ok(None) };
     let prologue = match row {
         Some(p) => match fused::row_prologue(p, gemv::THREADS)? {
             Some(r) => Some(r),
@@ -738,8 +726,24 @@ pub(crate) fn gemm_attending(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<
         },
         None => None,
     };
-    let bias = packed.as_ref().map(|(v, act)| (v, *act));
-    Ok(gemv::product_attending(&dev, a, b, dtype, bias, settled, prologue.as_ref(), attend)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
+    Ok(gemv::product_attending(&dev, a, b, dtype, epilogue(&packed), settled, prologue.as_ref(), attend)?.map(|s| Tensor::from_backend(BackendStorage::Cuda(s), shape)))
+}
+
+/// A product's bias packed as the product kernels read it (`blas::bias_vector`), with its
+/// activation: Some(None) without a bias, None where no epilogue runs it (no broadcast vector).
+fn packed_bias(bias: Option<(&Tensor, Option<Activation>)>, n: usize) -> Result<Option<Option<PackedBias>>> {
+    Ok(match bias {
+        Some((t, act)) => blas::bias_vector(t, n)?.map(|v| Some((v, act))),
+        None => Some(None),
+    })
+}
+
+/// A bias vector as the product kernels read it, and the activation after it.
+type PackedBias = (Tensor, Option<Activation>);
+
+/// The epilogue a packed bias (`packed_bias`) gives the product kernels.
+fn epilogue(packed: &Option<PackedBias>) -> Option<(&Tensor, Option<Activation>)> {
+    packed.as_ref().map(|(v, act)| (v, *act))
 }
 
 /// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
