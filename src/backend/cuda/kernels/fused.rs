@@ -1721,15 +1721,17 @@ pub(super) mod tests {
         let mut v = vec![];
         // A decode step's layer norms computed by the products that read them (GPT-2's
         // `[K, N]` matrices, a linear layer's `[N, K]`), both ways of loading the inputs (in
-        // vectors or one by one; all first or pass by pass, which differ for the affine one).
-        for dt in [DType::BF16, DType::F32] {
-            let (x, res, w) = (Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[1, 1, 64], dt, &cpu).unwrap(), Tensor::randn(&[64, 96], dt, &cpu).unwrap());
-            let lw = Tensor::randn(&[96, 64], dt, &cpu).unwrap();
-            let (nw, nb) = (Tensor::randn(&[64], dt, &cpu).unwrap(), Tensor::randn(&[64], dt, &cpu).unwrap());
+        // vectors or one by one; all first or pass by pass, which differ for the affine one);
+        // the longest row the kernel attending after its product takes for head dim 64.
+        let longest = crate::backend::cuda::kernels::gemv::attend_row_limit(64, DType::BF16, 2);
+        for (dt, c) in [(DType::BF16, 64), (DType::F32, 64), (DType::BF16, longest)] {
+            let (x, res, w) = (Tensor::randn(&[1, 1, c], dt, &cpu).unwrap(), Tensor::randn(&[1, 1, c], dt, &cpu).unwrap(), Tensor::randn(&[c, 96], dt, &cpu).unwrap());
+            let lw = Tensor::randn(&[96, c], dt, &cpu).unwrap();
+            let (nw, nb) = (Tensor::randn(&[c], dt, &cpu).unwrap(), Tensor::randn(&[c], dt, &cpu).unwrap());
             let g = crate::compile::fuse::tests::graph_of(&[x, res], move |xs| {
                 let h = xs[0].add(&xs[1])?;
-                let n = F::layer_norm(&h, &[64], Some(&nw), Some(&nb), 1e-5)?;
-                Ok(vec![n.matmul(&w)?, F::layer_norm(&h.mul(&h)?, &[64], None, None, 1e-5)?.matmul(&lw.transpose(0, 1)?)?, h])
+                let n = F::layer_norm(&h, &[c], Some(&nw), Some(&nb), 1e-5)?;
+                Ok(vec![n.matmul(&w)?, F::layer_norm(&h.mul(&h)?, &[c], None, None, 1e-5)?.matmul(&lw.transpose(0, 1)?)?, h])
             });
             let s = crate::compile::fuse::schedule(&g);
             let found: Vec<_> = s.gemms.iter().filter_map(|gm| gm.prologue).collect();

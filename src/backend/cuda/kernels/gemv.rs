@@ -137,8 +137,9 @@ impl Attend<'_> {
     /// The kernel's arguments (but the output and counters) and the head dim, or None where the
     /// column kernel of `tx` vectors per block does not take it: F16 or BF16 rows of one batch
     /// whose features are contiguous and 16-byte aligned, heads apart by at least their
-    /// features, every block's share of the heads within its kernel's bounds.
-    fn args(&self, dtype: DType, tx: usize, n: usize) -> Result<Option<(AttendArgs, usize)>> {
+    /// features, every block's share of the heads within its kernel's bounds, and the static
+    /// shared memory within CUDA's 48 KiB beside a row of `row_len` the kernel computes first.
+    fn args(&self, dtype: DType, tx: usize, n: usize, row_len: usize) -> Result<Option<(AttendArgs, usize)>> {
         if !matches!(dtype, DType::F16 | DType::BF16) || [self.q, self.k_new, self.v_new, self.k, self.v].iter().any(|t| t.dtype() != dtype || t.ndim() != 4) || self.last.dtype() != DType::I64 || self.last.numel() != 1 {
             return Ok(None);
         }
@@ -154,7 +155,7 @@ impl Attend<'_> {
         }
         // The heads a block's columns may hold: (query, key, value) pieces, at most ATT_MAX_PIECES.
         let group = h / hkv;
-        if ((tx * vw).div_ceil(d) + 1) * (1 + 2 * group) > 64 {
+        if ((tx * vw).div_ceil(d) + 1) * (1 + 2 * group) > ATT_MAX_PIECES || attend_shared(d, dtype, tx) > STATIC_SHARED || row_len > attend_row_limit(d, dtype, tx) {
             return Ok(None);
         }
         let base = data_ptr(self.out)?;
@@ -182,6 +183,33 @@ impl Attend<'_> {
         Ok(Some((args, d)))
     }
 }
+
+/// A block's static shared memory without opting in to more.
+const STATIC_SHARED: usize = 48 << 10;
+
+/// What a row kernel computed first (`GEMV_ROW`) may keep in shared memory for its own reductions.
+const ROW_SCRATCH: usize = 1 << 10;
+
+/// The static shared memory of the column kernel of `tx` vectors per block with a cache
+/// attention of head dim `d` (`gemv.cu`, GEMV_ATTEND), but a row it computes first: its arrays,
+/// counted as they are declared there.
+fn attend_shared(d: usize, dtype: DType, tx: usize) -> usize {
+    let size = dtype.size_in_bytes();
+    // ATT_CH: keys per pass, their value rows in 32 KiB.
+    let keys = THREADS.min((32 << 10) / (d * size));
+    let f32s = 3 * d + keys + WARPS + WARPS * d + WARPS * tx * (16 / size);
+    // Vs, then pieces, done (i64) and the two counts, the column kernel's `last`, alignment.
+    f32s * 4 + keys * d * size + ATT_MAX_PIECES * 24 + 8 + 16
+}
+
+/// The longest row that kernel computes first (`GEMV_ROW`) within `STATIC_SHARED`.
+pub(crate) fn attend_row_limit(d: usize, dtype: DType, tx: usize) -> usize {
+    let vw = 16 / dtype.size_in_bytes();
+    (STATIC_SHARED.saturating_sub(attend_shared(d, dtype, tx) + ROW_SCRATCH) / dtype.size_in_bytes()) / vw * vw
+}
+
+/// Most (section, head) pieces one block's columns hold (`gemv.cu`, ATT_MAX_PIECES).
+const ATT_MAX_PIECES: usize = 64;
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
 /// buffer, or None where these kernels do not take the product (the library then runs it).
@@ -240,7 +268,7 @@ fn run(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option
     // The attention's arguments; its value rows in shared memory beside the row's.
     let attending = match (attend, walk) {
         (None, _) => None,
-        (Some(t), Walk::Cols { tx, .. }) if (row.is_none() || k * dtype.size_in_bytes() <= 12 << 10) && t.out.numel() == n && t.out.is_contiguous() && t.out.dtype() == dtype => match t.args(dtype, tx, n)? {
+        (Some(t), Walk::Cols { tx, .. }) if t.out.numel() == n && t.out.is_contiguous() && t.out.dtype() == dtype => match t.args(dtype, tx, n, row.map_or(0, |_| k))? {
             Some(x) => Some(x),
             None => return Ok(None),
         },
