@@ -1023,8 +1023,12 @@ fn ranges(nodes: Vec<NodeId>, env: &[Option<Tensor>]) -> Vec<(u64, u64)> {
 /// The values step `step` reads.
 fn step_reads(g: &Graph, s: &Schedule, step: &Step) -> Vec<NodeId> {
     match step {
-        // (a cache attention its product runs reads what the product reads)
-        Step::Node(i) => g.nodes[*i].args.iter().copied().chain(attending_gemm(g, s, *i).map_or(vec![], |j| step_reads(g, s, &Step::Gemm(j)))).collect(),
+        // (a cache attention its product runs reads what the product reads, and the product's
+        // output, which it writes, lives until then though the views of it are dead before)
+        Step::Node(i) => {
+            let product = attending_gemm(g, s, *i).map_or(vec![], |j| [step_reads(g, s, &Step::Gemm(j)), vec![s.gemms[j].out()]].concat());
+            g.nodes[*i].args.iter().copied().chain(product).collect()
+        }
         Step::Kernel(j) => s.kernels[*j].inputs.iter().map(|i| i.node).collect(),
         Step::Gemm(j) => {
             let gm = &s.gemms[*j];
@@ -1313,6 +1317,12 @@ mod tests {
             };
             let g = crate::compile::fuse::tests::host_graph_of(&[t(&[1, 16]), Tensor::zeros(&[1], DType::I64, &Device::Cpu).unwrap()], f).as_on_cuda();
             let p = super::Program::new(crate::compile::optimise(&g, &[]), false);
+            // The product's output, which the attention's step writes, is not freed before it.
+            if let Some(gm) = p.schedule.gemms.iter().find(|gm| gm.attention.is_some()) {
+                let at = p.schedule.steps.iter().position(|st| matches!(st, super::Step::Node(i) if gm.attention == Some(*i))).expect("the attention's step");
+                let freed = p.frees.iter().position(|f| f.contains(&gm.out()));
+                assert!(freed.is_none_or(|f| f >= at), "the product's output is freed after step {freed:?}, before the attention's {at}");
+            }
             (p.planned_graph(), p.kernel_count())
         };
         let (planned, kernels) = plan(false);
