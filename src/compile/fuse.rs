@@ -612,9 +612,10 @@ fn row_prologues(g: &Graph, readers: &[Vec<NodeId>], users: &[usize], sched: &mu
 /// query, new key and new value are all views of one product of one row (a decode step's
 /// query, key and value projection) to that product (`Gemm::attention`): the product's kernel
 /// attends each head as soon as its rows are stored, one launch and one wait fewer. Only where
-/// nothing but views and inputs come between the two steps, and on the GPU.
+/// nothing but views and inputs come between the two steps, on the GPU, and under
+/// `KILN_ATTEND_IN_PRODUCT=1`.
 fn cache_attentions(g: &Graph, sched: &mut Schedule) {
-    if crate::switches::attend_in_product_off() {
+    if !crate::switches::attend_in_product_on() {
         return;
     }
     let mut found = vec![];

@@ -1299,6 +1299,16 @@ mod tests {
 
     #[test]
     fn a_cache_attention_over_a_products_rows_runs_in_the_products_step() {
+        // Under KILN_ATTEND_IN_PRODUCT=1, read once per process: in a child process.
+        let me = "compile::runtime::tests::cache_attention_in_product_child";
+        let out = std::process::Command::new(std::env::current_exe().unwrap()).args([me, "--exact", "--ignored", "--test-threads=1"]).env("KILN_ATTEND_IN_PRODUCT", "1").output().unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    }
+
+    #[test]
+    #[ignore = "run as a child process by a_cache_attention_over_a_products_rows_runs_in_the_products_step"]
+    fn cache_attention_in_product_child() {
         // A decode layer's query, key and value projection of one row, then the cache attention
         // over its rows: on a GPU one step runs both, at the attention's place; with a kernel
         // between (the query scaled), they stay apart.

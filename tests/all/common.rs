@@ -65,6 +65,19 @@ pub fn child_counts(name: &str, cache_dir: &std::path::Path, marker: &str, keys:
     keys.iter().map(|k| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u64>().unwrap()).collect()
 }
 
+/// Runs the ignored test `name` of this binary as a child process with the variables `env` set
+/// (switches read once per process), and asserts that it passed.
+#[track_caller]
+pub fn run_child_with(name: &str, env: &[(&str, &str)]) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--ignored", "--test-threads=1"])
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("1 passed"), "{name} with {env:?}:\n{text}");
+}
+
 /// A fresh directory holding `files` (tests run side by side, so each gets its own).
 pub fn dir_with(tag: &str, files: &[(&str, &[u8])]) -> std::path::PathBuf {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);

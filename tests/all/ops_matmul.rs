@@ -428,17 +428,16 @@ fn the_argmax_of_a_compiled_row_product_is_eager_argmax() -> Result<()> {
 /// the products run in a child process of this test binary, where no other test's F32 product
 /// can take TF32 meanwhile.
 #[test]
-fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() -> Result<()> {
-    const CHILD: &str = "KILN_TEST_TF32_CHILD";
-    let d = dev();
-    if !d.is_cuda() {
-        return Ok(());
+fn compiled_f32_products_under_allow_tf32_run_tensor_core_kernels() {
+    if dev().is_cuda() {
+        run_child_with("ops_matmul::tf32_products_child", &[("KILN_TF32_GEMM", "1")]);
     }
-    if std::env::var_os(CHILD).is_none() {
-        let me = "ops_matmul::compiled_f32_products_under_allow_tf32_run_tensor_core_kernels";
-        let out = std::process::Command::new(std::env::current_exe().expect("the test binary")).args(["--exact", me, "--test-threads", "1"]).env(CHILD, "1").env("KILN_TF32_GEMM", "1").output().expect("the test binary runs");
-        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        assert!(out.status.success() && text.contains("1 passed"), "the TF32 child process:\n{text}");
+}
+
+#[test]
+#[ignore = "run as a child process by compiled_f32_products_under_allow_tf32_run_tensor_core_kernels"]
+fn tf32_products_child() -> Result<()> {
+    if !dev().is_cuda() {
         return Ok(());
     }
     kiln::cuda::set_allow_tf32(true);
