@@ -212,7 +212,8 @@ pub(crate) fn attend_row_limit(d: usize, dtype: DType, tx: usize) -> usize {
 const ATT_MAX_PIECES: usize = 64;
 
 /// `a` [1, 1, K] @ `b` [1, K, N] (+ `bias`, a packed vector of N, then ReLU) as a new [1, 1, N]
-/// buffer, or None where these kernels do not take the product (the library then runs it).
+/// buffer, or None where these kernels do not take the product or under `KILN_GEMV=0` (the
+/// library then runs it).
 /// `settled`: no kernel still running can be writing `b` (see `KILN_WAIT_UNLESS_SETTLED`).
 /// `row`: the row kernel whose output `a` is, not yet run: every block computes the row itself
 /// first (`fused::RowPrologue`), and `a`'s buffer is left as it was.
@@ -232,9 +233,12 @@ pub(crate) fn product_attending(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, d
     run(dev, a, b, dtype, bias, settled, row, false, Some(attend))
 }
 
-/// `product`, or with `attend` `product_attending`.
+/// `product`, or with `attend` `product_attending`; None under `KILN_GEMV=0`.
 #[allow(clippy::too_many_arguments)]
 fn run(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&RowPrologue>, argmax: bool, attend: Option<&Attend>) -> Result<Option<CudaStorage>> {
+    if crate::switches::gemv_off() {
+        return Ok(None);
+    }
     let (bsz, m, k) = (a.shape()[0], a.shape()[1], a.shape()[2]);
     let n = b.shape()[2];
     if bsz != 1 || m != 1 || k == 0 || n == 0 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || a.dtype() != dtype || b.dtype() != dtype {

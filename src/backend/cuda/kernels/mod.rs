@@ -689,7 +689,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     let packed = packed_bias(bias, product_shape[2])?;
     if let Some(p) = row {
         if let (Some(packed), Some(r)) = (&packed, fused::row_prologue(p, gemv::THREADS)?) {
-            if let Some(s) = row_product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax)? {
+            if let Some(s) = gemv::product(&dev, a, b, dtype, epilogue(packed), settled, Some(&r), argmax)? {
                 return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
             }
         }
@@ -697,7 +697,7 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
     }
     let Some(packed) = packed else { return Ok(None) };
     let bias = epilogue(&packed);
-    if let Some(s) = row_product(&dev, a, b, dtype, bias, settled, None, argmax)? {
+    if let Some(s) = gemv::product(&dev, a, b, dtype, bias, settled, None, argmax)? {
         return Ok(Some(Tensor::from_backend(BackendStorage::Cuda(s), shape)));
     }
     if argmax {
@@ -714,9 +714,6 @@ pub(crate) fn gemm(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, 
 /// not take them (nothing was queued, `row` has not run: the caller runs both as usual).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemm_attending(a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::PendingRow>, attend: &gemv::Attend, shape: &[usize]) -> Result<Option<Tensor>> {
-    if crate::switches::gemv_off() {
-        return Ok(None);
-    }
     let dev = dev_of(a)?;
     let Some(packed) = packed_bias(bias, b.shape()[2])? else { return Ok(None) };
     let prologue = match row {
@@ -746,20 +743,10 @@ fn epilogue(packed: &Option<PackedBias>) -> Option<(&Tensor, Option<Activation>)
     packed.as_ref().map(|(v, act)| (v, *act))
 }
 
-/// A product of one row by `gemv`'s kernels (computing the row first with `row`), unless
-/// `KILN_GEMV=0` or they do not take it.
-#[allow(clippy::too_many_arguments)]
-fn row_product(dev: &Arc<CudaDevice>, a: &Tensor, b: &Tensor, dtype: DType, bias: Option<(&Tensor, Option<Activation>)>, settled: bool, row: Option<&fused::RowPrologue>, argmax: bool) -> Result<Option<CudaStorage>> {
-    if crate::switches::gemv_off() {
-        return Ok(None);
-    }
-    gemv::product(dev, a, b, dtype, bias, settled, row, argmax)
-}
-
 pub(crate) fn bmm(a: &Tensor, b: &Tensor, dtype: DType) -> Result<CudaStorage> {
     let dev = dev_of(a)?;
     if dtype.is_float() {
-        if let Some(s) = row_product(&dev, a, b, dtype, None, false, None, false)? {
+        if let Some(s) = gemv::product(&dev, a, b, dtype, None, false, None, false)? {
             return Ok(s);
         }
         return blas::bmm(&dev, a, b, dtype);
